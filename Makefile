@@ -1,0 +1,49 @@
+# Every target bootstraps .venv when it is missing: on a fresh clone `make demo` and `make test`
+# are the whole set-up. torch is pinned to the CPU wheel this machine has on disk; never let pip
+# resolve an unpinned torch (it downloads a multi-GB CUDA build).
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+TORCH := torch==2.13.0
+STAMP := $(VENV)/.installed
+
+.PHONY: install demo test test-unit test-integration test-fault bench lint format clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --disable-pip-version-check -q --upgrade pip
+	$(BIN)/pip install --disable-pip-version-check -q "$(TORCH)"
+	$(BIN)/pip install --disable-pip-version-check -q -e ".[fast,demo,dev]" "$(TORCH)"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/tensorwire demo
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q tests
+
+test-unit: $(STAMP)
+	$(BIN)/python -m pytest -q tests/unit
+
+test-integration: $(STAMP)
+	$(BIN)/python -m pytest -q tests/integration
+
+test-fault: $(STAMP)
+	$(BIN)/python -m pytest -q tests/fault
+
+bench: $(STAMP)
+	$(BIN)/tensorwire bench transfer --json
+
+lint: $(STAMP)
+	$(BIN)/ruff check src tests
+	$(BIN)/ruff format --check src tests
+	$(BIN)/mypy
+
+format: $(STAMP)
+	$(BIN)/ruff check --fix src tests
+	$(BIN)/ruff format src tests
+
+clean:
+	rm -rf $(VENV) build dist .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,31 @@
+"""tensorwire: move and keep PyTorch tensors across the processes and machines of a training job.
+
+>>> import tensorwire
+>>> with tensorwire.connect("tcp://127.0.0.1:7070") as client:   # doctest: +SKIP
+...     client.put("model/w", torch.ones(3))
+...     client.get("model/w", out=param.data)
+"""
+
+from tensorwire import errors
+from tensorwire.client import AsyncClient, Client, ClientOptions, aconnect, connect
+from tensorwire.server import Server, ServerThread
+from tensorwire.store import TensorStore
+from tensorwire.types import Address, Limits, TensorMeta
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Address",
+    "AsyncClient",
+    "Client",
+    "ClientOptions",
+    "Limits",
+    "Server",
+    "ServerThread",
+    "TensorMeta",
+    "TensorStore",
+    "__version__",
+    "aconnect",
+    "connect",
+    "errors",
+]

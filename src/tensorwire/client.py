@@ -1,0 +1,368 @@
+"""The user-facing clients: ``AsyncClient`` (``await tensorwire.aconnect(url)``) and ``Client``
+(``tensorwire.connect(url)``), with the same operations.
+
+Every operation runs under a finite timeout; on a retryable failure (a broken connection, a timeout,
+a corrupt chunk) it is retried with exponential backoff on a fresh connection, as long as the
+operation is idempotent. ``put`` counts as idempotent (putting the same bytes twice leaves the
+same value, at a later version); ``delete`` is retried only when the request never left.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import threading
+import time
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import torch
+
+from tensorwire import transport as transports
+from tensorwire._loop import new_event_loop
+from tensorwire._timeouts import asyncio_timeout
+from tensorwire.errors import ConnectError, InvalidTensor, ProtocolError, TensorwireError
+from tensorwire.store.names import validate_name, validate_prefix
+from tensorwire.transport.base import Transport
+from tensorwire.types import Address, TensorMeta
+from tensorwire.wire.checksum import ChecksumKind
+from tensorwire.wire.tensors import byte_view, check_out, empty_for, sendable
+
+T = TypeVar("T")
+Progress = Callable[[int], None]
+TensorItems = Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
+
+CHECKSUMS = {"xxh3": ChecksumKind.XXH3_64, "crc32c": ChecksumKind.CRC32C}
+
+
+@dataclass(frozen=True, slots=True)
+class ClientOptions:
+    """How a client waits and retries. Every wait is finite."""
+
+    timeout: float = 60.0  # one attempt of one operation
+    connect_timeout: float = 10.0
+    retries: int = 3
+    backoff: float = 0.05  # first retry delay; doubles each time, with jitter
+    max_backoff: float = 2.0
+    checksum: str = "xxh3"
+    chunk_size: int | None = None
+
+    def delay(self, attempt: int) -> float:
+        base = min(self.max_backoff, self.backoff * (2 ** (attempt - 1)))
+        return base * (0.5 + random.random() / 2)
+
+    @property
+    def worst_case(self) -> float:
+        """An upper bound on one call, retries and backoff included."""
+        attempts = self.retries + 1
+        return attempts * (self.timeout + self.connect_timeout) + attempts * self.max_backoff + 5.0
+
+
+class AsyncClient:
+    """An asyncio client of one tensorwire server. Safe for concurrent use from one event loop."""
+
+    def __init__(self, url: str, options: ClientOptions | None = None) -> None:
+        self.address = Address.parse(url)
+        transports.stream_kind(self.address)  # refuse an unknown scheme now, not at first use
+        self.options = options or ClientOptions()
+        if self.options.checksum not in CHECKSUMS:
+            raise ValueError(f"checksum must be one of {sorted(CHECKSUMS)}, not {self.options.checksum!r}")
+        self._transport: Transport | None = None
+        self._open_lock = asyncio.Lock()
+        self._closed = False
+
+    @property
+    def transport(self) -> str:
+        """The transport every call of this client takes (the address scheme; never a fallback)."""
+        return self.address.scheme
+
+    @property
+    def url(self) -> str:
+        return str(self.address)
+
+    # -- tensors -------------------------------------------------------------------------------
+    async def put(self, name: str, tensor: torch.Tensor, progress: Progress | None = None) -> int:
+        """Store ``tensor`` under ``name``; return its new version."""
+        return await self.put_many([(name, tensor)], progress=progress)
+
+    async def put_many(self, items: TensorItems, progress: Progress | None = None) -> int:
+        """Store several tensors in one frame, atomically (all visible or none); return the version."""
+        pairs = list(items.items()) if isinstance(items, Mapping) else list(items)
+        if not pairs:
+            raise InvalidTensor("put_many needs at least one tensor")
+        metas, views = _encode_items(pairs)  # each view keeps its tensor's memory alive
+        return await self._run(f"put of {_describe(metas)}", lambda t: t.put(metas, views, progress))
+
+    async def get(self, name: str, out: torch.Tensor | None = None, progress: Progress | None = None) -> torch.Tensor:
+        """Fetch ``name``. With ``out``, the bytes land in ``out`` in place and ``out`` is returned.
+
+        If the call raises, ``out`` may hold part of the transfer (its contents are unspecified).
+        """
+        got = await self.get_many([name], {name: out} if out is not None else None, progress)
+        return got[name]
+
+    async def get_many(
+        self,
+        names: Sequence[str],
+        out: Mapping[str, torch.Tensor] | None = None,
+        progress: Progress | None = None,
+    ) -> dict[str, torch.Tensor]:
+        """Fetch several tensors in one round trip, as one consistent snapshot."""
+        names = list(dict.fromkeys(names))
+        for name in names:
+            validate_name(name)
+        outs = dict(out or {})
+
+        async def op(t: Transport) -> dict[str, torch.Tensor]:
+            landing = _Landing(names, outs)
+            await t.get(names, landing.sink, progress)
+            return landing.finish()
+
+        return await self._run(f"get of {names[0]!r}" + (f" and {len(names) - 1} more" if len(names) > 1 else ""), op)
+
+    async def delete(self, name: str) -> None:
+        """Remove ``name``; KeyNotFound if there is no such tensor."""
+        await self.delete_many([name])
+
+    async def delete_many(self, names: Sequence[str]) -> int:
+        """Remove all of ``names`` or none of them (KeyNotFound)."""
+        for name in names:
+            validate_name(name)
+        return await self._run(f"delete of {list(names)[:3]}", lambda t: t.delete(names), idempotent=False)
+
+    async def stat(self, name: str) -> TensorMeta:
+        """Metadata (dtype, shape, bytes, version) of ``name`` without its data."""
+        validate_name(name)
+        metas = await self._run(f"stat of {name!r}", lambda t: t.stat([name]))
+        return metas[0]
+
+    async def list(self, prefix: str = "", limit: int = 0) -> list[TensorMeta]:
+        """Metadata of the stored tensors whose names start with ``prefix``, sorted by name."""
+        validate_prefix(prefix)
+        return await self._run(f"list of {prefix!r}", lambda t: t.list(prefix, limit))
+
+    async def ping(self) -> float:
+        """One empty round trip; returns its duration in seconds."""
+        start = time.perf_counter()
+        await self._run("ping", lambda t: t.ping())
+        return time.perf_counter() - start
+
+    async def close(self) -> None:
+        self._closed = True
+        if self._transport is not None:
+            await self._transport.close()
+            self._transport = None
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    # -- machinery -----------------------------------------------------------------------------
+    async def connect(self) -> AsyncClient:
+        """Open the connection now (operations otherwise open it on first use)."""
+        await self._open()
+        return self
+
+    async def _open(self) -> Transport:
+        if self._closed:
+            raise ConnectError(f"client of {self.address} is closed")
+        async with self._open_lock:
+            if self._transport is None or self._transport.closed:
+                self._transport = await transports.open_transport(
+                    self.address,
+                    self.options.connect_timeout,
+                    CHECKSUMS[self.options.checksum],
+                    self.options.chunk_size,
+                )
+            return self._transport
+
+    async def _run(self, what: str, op: Callable[[Transport], Awaitable[T]], idempotent: bool = True) -> T:
+        attempt = 0
+        while True:
+            sent = False
+            try:
+                t = await self._open()
+                sent = True
+                async with asyncio_timeout(self.options.timeout, f"the answer to the {what} from {self.address}"):
+                    return await op(t)
+            except TensorwireError as exc:
+                if not exc.retryable or attempt >= self.options.retries or (sent and not idempotent):
+                    raise
+            attempt += 1
+            await asyncio.sleep(self.options.delay(attempt))
+
+
+class _Landing:
+    """Where a GET's bytes land: the caller's ``out`` tensors, or new tensors."""
+
+    def __init__(self, names: list[str], outs: Mapping[str, torch.Tensor]) -> None:
+        self.names = names
+        self.outs = outs
+        self.results: dict[str, torch.Tensor] = {}
+        self.staged: list[tuple[torch.Tensor, torch.Tensor]] = []  # (received, non-contiguous out)
+
+    def sink(self, metas: list[TensorMeta]) -> list[memoryview]:
+        if [m.name for m in metas] != self.names:
+            raise ProtocolError("the server answered for other tensors than the ones asked for")
+        views = []
+        for meta in metas:
+            out = self.outs.get(meta.name)
+            if out is None:
+                target = empty_for(meta)
+                self.results[meta.name] = target
+            else:
+                check_out(meta, out)
+                self.results[meta.name] = out
+                target = out if out.is_contiguous() else empty_for(meta)
+                if target is not out:
+                    self.staged.append((target, out))
+            views.append(byte_view(target))
+        return views
+
+    def finish(self) -> dict[str, torch.Tensor]:
+        for received, out in self.staged:
+            out.copy_(received)
+        return self.results
+
+
+def _encode_items(pairs: list[tuple[str, torch.Tensor]]) -> tuple[list[TensorMeta], list[memoryview]]:
+    metas: list[TensorMeta] = []
+    views: list[memoryview] = []
+    for name, tensor in pairs:
+        validate_name(name)
+        t = sendable(tensor, name)
+        metas.append(TensorMeta.of(name, t))
+        views.append(byte_view(t))
+    return metas, views
+
+
+def _describe(metas: Sequence[TensorMeta]) -> str:
+    first = repr(metas[0].name)
+    return first if len(metas) == 1 else f"{first} and {len(metas) - 1} more"
+
+
+class Client:
+    """The blocking client: each method runs the ``AsyncClient`` method of the same name on a
+    private event loop thread and waits for it (never longer than the options' worst case)."""
+
+    def __init__(self, url: str, options: ClientOptions | None = None) -> None:
+        self._loop = new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="tensorwire-client", daemon=True)
+        self._thread.start()
+        try:
+            self._async = self._call(_make_async(url, options))
+        except BaseException:
+            self._stop()
+            raise
+
+    @property
+    def transport(self) -> str:
+        return self._async.transport
+
+    @property
+    def url(self) -> str:
+        return self._async.url
+
+    @property
+    def options(self) -> ClientOptions:
+        return self._async.options
+
+    def _call(self, coro: Awaitable[T]) -> T:
+        future: Future[T] = asyncio.run_coroutine_threadsafe(coro, self._loop)  # type: ignore[arg-type]
+        worst = self._async.options.worst_case if hasattr(self, "_async") else 60.0
+        try:
+            return future.result(timeout=worst)
+        except TimeoutError:
+            future.cancel()
+            raise
+
+    def connect(self) -> Client:
+        self._call(self._async.connect())
+        return self
+
+    def put(self, name: str, tensor: torch.Tensor, progress: Progress | None = None) -> int:
+        return self._call(self._async.put(name, tensor, progress))
+
+    def put_many(self, items: TensorItems, progress: Progress | None = None) -> int:
+        return self._call(self._async.put_many(items, progress))
+
+    def get(self, name: str, out: torch.Tensor | None = None, progress: Progress | None = None) -> torch.Tensor:
+        return self._call(self._async.get(name, out, progress))
+
+    def get_many(
+        self, names: Sequence[str], out: Mapping[str, torch.Tensor] | None = None, progress: Progress | None = None
+    ) -> dict[str, torch.Tensor]:
+        return self._call(self._async.get_many(names, out, progress))
+
+    def delete(self, name: str) -> None:
+        self._call(self._async.delete(name))
+
+    def delete_many(self, names: Sequence[str]) -> int:
+        return self._call(self._async.delete_many(names))
+
+    def stat(self, name: str) -> TensorMeta:
+        return self._call(self._async.stat(name))
+
+    def list(self, prefix: str = "", limit: int = 0) -> list[TensorMeta]:
+        return self._call(self._async.list(prefix, limit))
+
+    def ping(self) -> float:
+        return self._call(self._async.ping())
+
+    def close(self) -> None:
+        if self._loop.is_closed():
+            return
+        try:
+            self._call(self._async.close())
+        finally:
+            self._stop()
+
+    def _stop(self) -> None:
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(10)
+        if not self._thread.is_alive():
+            self._loop.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        loop = getattr(self, "_loop", None)
+        if loop is not None and not loop.is_closed() and loop.is_running():
+            loop.call_soon_threadsafe(loop.stop)
+
+
+async def _make_async(url: str, options: ClientOptions | None) -> AsyncClient:
+    return AsyncClient(url, options)  # built on the client's loop: its locks belong to that loop
+
+
+def _options(kwargs: dict[str, Any]) -> ClientOptions | None:
+    return ClientOptions(**kwargs) if kwargs else None
+
+
+def connect(url: str, **options: Any) -> Client:
+    """A blocking client of the server at ``url`` (``tcp://host:port`` or ``memory://name``),
+    connected now so that a wrong address fails here. ``options`` are ``ClientOptions`` fields."""
+    client = Client(url, _options(options))
+    try:
+        return client.connect()
+    except BaseException:
+        client.close()
+        raise
+
+
+async def aconnect(url: str, **options: Any) -> AsyncClient:
+    """An asyncio client of the server at ``url``, connected now."""
+    client = AsyncClient(url, _options(options))
+    try:
+        return await client.connect()
+    except BaseException:
+        await client.close()
+        raise

@@ -1,0 +1,153 @@
+"""The whole tensorwire exception tree.
+
+Code above a transport never sees ``OSError``, ``asyncio.TimeoutError`` or a library's own
+exception: every foreign exception is translated at the boundary (``raise ... from exc``) into one
+of these. Each class says whether retrying the same call can help.
+
+::
+
+    TensorwireError
+    ├── TransportError                 the network failed; retry can help
+    │   ├── ConnectError               could not reach the server
+    │   ├── ConnectionLost             the connection broke mid-request
+    │   └── TransferTimeout            (also TimeoutError) a wait ran out
+    ├── ProtocolError                  a peer broke the wire protocol
+    │   ├── CorruptFrame               a checksum failed / bytes damaged; retry can help
+    │   ├── UnsupportedVersion         no common protocol version
+    │   └── LimitExceeded              a size or count over the peer's limit
+    ├── StoreError                     the server refused the operation
+    │   ├── KeyNotFound                (also KeyError) no tensor of that name
+    │   ├── CapacityExceeded           the store's byte capacity is full
+    │   ├── InvalidName                (also ValueError) a name the store does not accept
+    │   └── PersistenceError           the data directory could not be written or read
+    ├── InvalidTensor                  (also ValueError) dtype/shape/size unusable or inconsistent
+    └── ServerError                    an unexpected failure inside the server
+
+Every error a server reports travels as a numeric code (``ErrorCode``) and is raised on the
+client as the same class.
+"""
+
+from __future__ import annotations
+
+import enum
+
+
+class TensorwireError(Exception):
+    """Base of every error tensorwire raises."""
+
+    retryable: bool = False
+
+
+class TransportError(TensorwireError):
+    """The network between client and server failed. Retrying (on a new connection) can help."""
+
+    retryable = True
+
+
+class ConnectError(TransportError):
+    """The server could not be reached. Retrying can help once it is up."""
+
+
+class ConnectionLost(TransportError):
+    """The connection broke while a request was in flight; the request may or may not have run."""
+
+
+class TransferTimeout(TransportError, TimeoutError):
+    """A finite wait ran out; the message names what was waited for."""
+
+
+class ProtocolError(TensorwireError):
+    """A peer sent bytes that break the wire protocol. Retrying the same bytes will not help."""
+
+
+class CorruptFrame(ProtocolError):
+    """A checksum did not match or a frame was malformed in transit. A retry re-sends the data."""
+
+    retryable = True
+
+
+class UnsupportedVersion(ProtocolError):
+    """Client and server share no protocol version."""
+
+
+class LimitExceeded(ProtocolError):
+    """A size or count is over a limit the receiver enforces (frame, metadata, name, dims...)."""
+
+
+class StoreError(TensorwireError):
+    """The store refused the operation; the store itself is unchanged."""
+
+
+class KeyNotFound(StoreError, KeyError):
+    """No tensor is stored under that name."""
+
+    def __str__(self) -> str:  # KeyError quotes its argument; keep the plain message
+        return str(self.args[0]) if self.args else "key not found"
+
+
+class CapacityExceeded(StoreError):
+    """The store's byte capacity cannot hold the tensor(s); nothing was stored."""
+
+
+class InvalidName(StoreError, ValueError):
+    """The tensor name is empty, too long, has control characters or escapes its namespace."""
+
+
+class PersistenceError(StoreError):
+    """The data directory could not be written or read back."""
+
+
+class InvalidTensor(TensorwireError, ValueError):
+    """A tensor cannot be sent or received as described: unknown dtype, inconsistent shape/size,
+    or an ``out`` tensor that does not match the stored one."""
+
+
+class ServerError(TensorwireError):
+    """Something unexpected failed inside the server; the server keeps serving."""
+
+
+class ErrorCode(enum.IntEnum):
+    """Error codes carried in ERROR frames (docs/protocol.md, "Error codes")."""
+
+    SERVER_ERROR = 1
+    PROTOCOL_ERROR = 2
+    CORRUPT_FRAME = 3
+    UNSUPPORTED_VERSION = 4
+    LIMIT_EXCEEDED = 5
+    KEY_NOT_FOUND = 6
+    CAPACITY_EXCEEDED = 7
+    INVALID_NAME = 8
+    INVALID_TENSOR = 9
+    PERSISTENCE_ERROR = 10
+
+
+_CODE_TO_ERROR: dict[ErrorCode, type[TensorwireError]] = {
+    ErrorCode.SERVER_ERROR: ServerError,
+    ErrorCode.PROTOCOL_ERROR: ProtocolError,
+    ErrorCode.CORRUPT_FRAME: CorruptFrame,
+    ErrorCode.UNSUPPORTED_VERSION: UnsupportedVersion,
+    ErrorCode.LIMIT_EXCEEDED: LimitExceeded,
+    ErrorCode.KEY_NOT_FOUND: KeyNotFound,
+    ErrorCode.CAPACITY_EXCEEDED: CapacityExceeded,
+    ErrorCode.INVALID_NAME: InvalidName,
+    ErrorCode.INVALID_TENSOR: InvalidTensor,
+    ErrorCode.PERSISTENCE_ERROR: PersistenceError,
+}
+
+
+def error_for_code(code: int, message: str) -> TensorwireError:
+    """The exception a client raises for an ERROR frame with ``code``."""
+    try:
+        cls = _CODE_TO_ERROR[ErrorCode(code)]
+    except ValueError:
+        return ServerError(f"unknown error code {code}: {message}")
+    return cls(message)
+
+
+def code_for_error(exc: BaseException) -> ErrorCode:
+    """The code a server sends for ``exc``; the most specific class wins."""
+    for klass in type(exc).__mro__:
+        for code, cls in _CODE_TO_ERROR.items():
+            if cls is klass:
+                return code
+    return ErrorCode.SERVER_ERROR

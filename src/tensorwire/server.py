@@ -1,0 +1,280 @@
+"""The tensorwire server: a TensorStore served over every listening address.
+
+Each connection is one session that reads a frame, runs it and answers, in order. A request the
+server refuses (bad name, unknown dtype, capacity full, corrupt chunk, a size over a limit) gets an
+ERROR frame and the session goes on; only a frame whose header cannot be trusted (bad magic,
+unsupported version, header checksum mismatch) ends the session, since the stream can no longer be
+cut into frames. A put becomes visible only after every chunk was verified (``TensorStore``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import struct
+import threading
+from collections.abc import Sequence
+
+from tensorwire import transport
+from tensorwire.errors import (
+    ConnectionLost,
+    InvalidTensor,
+    ProtocolError,
+    TensorwireError,
+    UnsupportedVersion,
+    code_for_error,
+)
+from tensorwire.store import TensorStore
+from tensorwire.transport.base import ByteStream, Listener
+from tensorwire.transport.framing import FrameReader, read_head, recv_data, send_frame, skip_data
+from tensorwire.types import Address, Limits
+from tensorwire.wire import meta as wm
+from tensorwire.wire.checksum import ChecksumKind
+from tensorwire.wire.frame import (
+    DEFAULT_CHUNK_BYTES,
+    PROTOCOL_VERSIONS,
+    Flags,
+    Header,
+    Opcode,
+    check_meta_crc,
+    decode_header,
+)
+
+log = logging.getLogger("tensorwire.server")
+_RID = struct.Struct("<Q")
+
+
+class Server:
+    """Serves one store on any number of addresses (``tcp://host:0`` binds a free port)."""
+
+    def __init__(self, store: TensorStore | None = None, limits: Limits | None = None) -> None:
+        self.store = store if store is not None else TensorStore()
+        self.limits = limits or Limits()
+        self._listeners: list[Listener] = []
+
+    @property
+    def addresses(self) -> list[Address]:
+        return [listener.address for listener in self._listeners]
+
+    async def start(self, *urls: str) -> list[Address]:
+        for url in urls:
+            self._listeners.append(await transport.listen(Address.parse(url), self.handle))
+        return self.addresses
+
+    async def close(self) -> None:
+        listeners, self._listeners = self._listeners, []
+        for listener in listeners:
+            await listener.close()
+
+    async def handle(self, stream: ByteStream) -> None:
+        """Serve one connection until the peer leaves or its bytes stop making frames."""
+        try:
+            await _Session(self, stream).run()
+        except ConnectionLost as exc:
+            log.debug("session with %s ended: %s", stream.peer, exc)
+        except Exception:
+            log.exception("session with %s failed", stream.peer)
+
+
+class _Session:
+    def __init__(self, server: Server, stream: ByteStream) -> None:
+        self.store = server.store
+        self.limits = server.limits
+        self.stream = stream
+        self.reader = FrameReader(stream)
+        self.version = PROTOCOL_VERSIONS[-1]
+        self.data_read = False  # whether the current request's data section has been consumed
+
+    async def run(self) -> None:
+        while await self.reader.at_frame_start():
+            raw = await read_head(self.reader)
+            try:
+                header = decode_header(raw, self.limits)
+                meta = await self.reader.read(header.meta_len)
+                check_meta_crc(raw, header, meta)
+                if header.is_response:
+                    raise ProtocolError("a client sent a response frame")
+            except ProtocolError as exc:
+                # The header cannot be trusted, so neither can the frame boundaries: answer, then hang up.
+                await self._send_error(_request_id(raw), exc)
+                return
+            await self._run_one(header, meta)
+
+    async def _run_one(self, header: Header, meta: bytes) -> None:
+        self.data_read = False
+        try:
+            await self._dispatch(header, wm.MetaReader(meta, self.limits))
+        except ConnectionLost:
+            raise
+        except TensorwireError as exc:
+            if not self.data_read:
+                await skip_data(self.reader, header)
+            await self._send_error(header.request_id, exc)
+        except Exception as exc:
+            log.exception("request %d (%s) failed", header.request_id, _opname(header.opcode))
+            if not self.data_read:
+                await skip_data(self.reader, header)
+            await self._send_error(header.request_id, exc)
+
+    async def _dispatch(self, header: Header, reader: wm.MetaReader) -> None:
+        op = header.opcode
+        if op in (Opcode.PUT, Opcode.PUT_MANY):
+            await self._put(header, reader)
+            return
+        if header.data_len:
+            raise ProtocolError(f"{_opname(op)} carries no data, but the frame has {header.data_len} bytes")
+        if op in (Opcode.GET, Opcode.GET_MANY):
+            await self._get(header, reader)
+        elif op == Opcode.HELLO:
+            await self._hello(header, reader)
+        elif op == Opcode.PING:
+            reader.done()
+            await self._reply(header, b"")
+        elif op == Opcode.DELETE:
+            names = _names(reader)
+            await self._reply(header, struct.pack("<I", self.store.delete(names)))
+        elif op == Opcode.STAT:
+            await self._reply(header, wm.encode_records(self.store.stat(_names(reader))))
+        elif op == Opcode.LIST:
+            prefix, limit = wm.decode_list_request(reader)
+            reader.done()
+            limit = min(limit or self.limits.max_batch, self.limits.max_batch)
+            await self._reply(header, wm.encode_records(self.store.list(prefix, limit)))
+        else:
+            raise ProtocolError(f"unknown opcode {op}")
+
+    async def _hello(self, header: Header, reader: wm.MetaReader) -> None:
+        lo, hi = wm.decode_hello_request(reader)
+        reader.done()
+        common = [v for v in PROTOCOL_VERSIONS if lo <= v <= hi]
+        if not common:
+            raise UnsupportedVersion(f"client speaks versions {lo}..{hi}; server speaks {PROTOCOL_VERSIONS}")
+        self.version = common[-1]
+        info = wm.ServerInfo(self.version, self.limits, self.store.capacity, self.store.used)
+        await self._reply(header, wm.encode_hello_response(info))
+
+    async def _put(self, header: Header, reader: wm.MetaReader) -> None:
+        metas = wm.decode_records(reader)
+        reader.done()
+        if header.opcode == Opcode.PUT and len(metas) != 1:
+            raise ProtocolError(f"PUT carries exactly one tensor, not {len(metas)}")
+        if sum(m.nbytes for m in metas) != header.data_len:
+            raise InvalidTensor("the tensor records' sizes do not add up to the frame's data length")
+        res = self.store.reserve(metas)
+        try:
+            await recv_data(self.reader, header, res.buffers)
+            self.data_read = True
+            if self.store.persistent:  # the disk write blocks; keep the loop serving others
+                version = await asyncio.get_running_loop().run_in_executor(None, self.store.commit, res)
+            else:
+                version = self.store.commit(res)
+        except BaseException:
+            self.data_read = True  # recv_data consumed the section or the stream is gone
+            self.store.abort(res)
+            raise
+        await self._reply(header, _RID.pack(version))
+
+    async def _get(self, header: Header, reader: wm.MetaReader) -> None:
+        names = _names(reader)
+        entries = self.store.acquire(names)
+        try:
+            metas = [e.meta for e in entries]
+            data = [e.data for e in entries]
+            await self._reply(header, wm.encode_records(metas), data)
+        finally:
+            self.store.release(entries)
+
+    async def _reply(self, req: Header, meta: bytes, data: Sequence[memoryview] = ()) -> None:
+        data_len = sum(d.nbytes for d in data)
+        kind = req.checksum if req.checksum in ChecksumKind.__members__.values() else ChecksumKind.XXH3_64
+        chunk = req.chunk_size if self.limits.min_chunk_bytes <= req.chunk_size <= self.limits.max_chunk_bytes else DEFAULT_CHUNK_BYTES
+        header = Header(
+            self.version, req.opcode, Flags.RESPONSE, kind, req.request_id, len(meta),
+            chunk if data_len else 0, data_len,
+        )  # fmt: skip
+        await send_frame(self.stream, header, meta, data)
+
+    async def _send_error(self, request_id: int, exc: BaseException) -> None:
+        message = str(exc) if isinstance(exc, TensorwireError) else f"internal error: {type(exc).__name__}"
+        meta = wm.encode_error(code_for_error(exc), message)
+        header = Header(self.version, 0, Flags.RESPONSE | Flags.ERROR, 0, request_id, len(meta), 0, 0)
+        with contextlib.suppress(ConnectionLost):
+            await send_frame(self.stream, header, meta)
+
+
+def _names(reader: wm.MetaReader) -> list[str]:
+    names = wm.decode_names(reader)
+    reader.done()
+    return names
+
+
+def _request_id(raw: bytes) -> int:
+    """The request id of a frame whose header failed its checks, if it is there at all."""
+    return _RID.unpack_from(raw, 8)[0] if len(raw) >= 16 else 0
+
+
+def _opname(op: int) -> str:
+    try:
+        return Opcode(op).name
+    except ValueError:
+        return f"opcode {op}"
+
+
+class ServerThread:
+    """A server running on its own event loop in a background thread (tests, embedding, demo).
+
+    ``with ServerThread(["tcp://127.0.0.1:0"]) as srv: connect(srv.url)``.
+    """
+
+    def __init__(
+        self,
+        urls: Sequence[str] = ("tcp://127.0.0.1:0",),
+        store: TensorStore | None = None,
+        limits: Limits | None = None,
+        start_timeout: float = 10.0,
+    ) -> None:
+        from tensorwire._loop import new_event_loop
+
+        self.server = Server(store, limits)
+        self._loop = new_event_loop()
+        self._started = threading.Event()
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, args=(list(urls),), name="tensorwire-server", daemon=True)
+        self._thread.start()
+        if not self._started.wait(start_timeout):
+            raise TimeoutError(f"server did not start within {start_timeout}s")
+        if self._error is not None:
+            raise self._error
+
+    def _run(self, urls: list[str]) -> None:
+        asyncio.set_event_loop(self._loop)
+        try:
+            self._loop.run_until_complete(self.server.start(*urls))
+        except BaseException as exc:
+            self._error = exc
+            self._started.set()
+            return
+        self._started.set()
+        self._loop.run_forever()
+        self._loop.run_until_complete(self.server.close())
+        self._loop.close()
+
+    @property
+    def addresses(self) -> list[Address]:
+        return self.server.addresses
+
+    @property
+    def url(self) -> str:
+        return str(self.addresses[0])
+
+    def close(self, timeout: float = 10.0) -> None:
+        if self._loop.is_running():
+            self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout)
+
+    def __enter__(self) -> ServerThread:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,231 @@
+"""The in-memory tensor store a server keeps: bytes, metadata, versions, capacity.
+
+Lifecycle of a put (what the server does, in order):
+
+1. ``reserve(metas)`` checks names and capacity and hands out one writable buffer per tensor
+   (reused from a pool when a buffer of that size was freed: fresh pages cost far more than the
+   network). Nothing is visible yet.
+2. The server receives the payload straight into those buffers and verifies every chunk.
+3. ``commit(reservation)`` makes all tensors of the reservation visible at once under one new
+   version (after writing them to the data directory, when there is one); ``abort(reservation)``
+   returns the buffers instead. A failed or partial transfer is therefore never visible.
+
+Reads pin what they send: ``acquire(names)`` / ``release(entries)``. A buffer replaced or deleted
+while pinned goes back to the pool only when its last reader releases it.
+
+The store is thread-safe: the server's event loop calls it directly, and calls ``commit`` from a
+worker thread when a data directory makes it block on the disk.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from tensorwire.errors import CapacityExceeded, InvalidName, KeyNotFound
+from tensorwire.store.names import validate_name, validate_prefix
+from tensorwire.store.pool import BufferPool
+from tensorwire.types import GiB, MiB, TensorMeta
+
+
+@dataclass(eq=False, slots=True)
+class Entry:
+    """One stored tensor: its metadata (with version) and its bytes."""
+
+    meta: TensorMeta
+    data: memoryview
+    pins: int = 0
+    retired: bool = False
+
+
+@dataclass(eq=False, slots=True)
+class Reservation:
+    """Buffers handed out by ``reserve`` and not yet committed or aborted."""
+
+    metas: list[TensorMeta]
+    buffers: list[memoryview]
+    nbytes: int
+    done: bool = field(default=False)
+
+
+class TensorStore:
+    """Named tensors in memory with an enforced byte capacity and per-put versions."""
+
+    def __init__(self, capacity: int = 8 * GiB, data_dir: Path | str | None = None) -> None:
+        self.capacity = capacity
+        self._entries: dict[str, Entry] = {}
+        self._stored = 0  # bytes of committed entries
+        self._reserved = 0  # bytes of open reservations
+        self.revision = 0  # the last version handed out; versions come from this one counter
+        self._lock = threading.Lock()
+        self._disk_lock = threading.Lock()  # orders disk writes the same way as versions
+        self._pool = BufferPool(limit=min(capacity // 4, 2 * GiB), min_size=MiB)
+        self._disk = None
+        if data_dir is not None:
+            from tensorwire.store.persist import DataDir
+
+            self._disk = DataDir(Path(data_dir))
+            self._load()
+
+    # -- introspection -------------------------------------------------------------------------
+    @property
+    def persistent(self) -> bool:
+        return self._disk is not None
+
+    @property
+    def used(self) -> int:
+        """Bytes of stored tensors plus bytes reserved by puts in flight."""
+        return self._stored + self._reserved
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    # -- puts ----------------------------------------------------------------------------------
+    def reserve(self, metas: Sequence[TensorMeta]) -> Reservation:
+        """Buffers for ``metas``; InvalidName / InvalidTensor / CapacityExceeded leave no trace."""
+        seen: set[str] = set()
+        for meta in metas:
+            validate_name(meta.name)
+            meta.check_size()
+            seen.add(meta.name)
+        if len(seen) != len(metas):
+            raise InvalidName("a batch names the same tensor twice")
+        total = sum(m.nbytes for m in metas)
+        with self._lock:
+            free = self.capacity - self.used
+            if total > free:
+                raise CapacityExceeded(
+                    f"{total} bytes do not fit: capacity {self.capacity}, in use {self.used}"
+                )
+            self._reserved += total
+            self._pool.trim(self.capacity - self.used)
+            pooled = [self._pool.take(m.nbytes) for m in metas]
+        buffers = [buf if buf is not None else _allocate(m.nbytes) for buf, m in zip(pooled, metas)]
+        return Reservation(list(metas), buffers, total)
+
+    def commit(self, res: Reservation) -> int:
+        """Make every tensor of ``res`` visible at once under a new version; return the version."""
+        if res.done:
+            raise RuntimeError("reservation already committed or aborted")
+        if self._disk is None:
+            with self._lock:
+                return self._install(res)
+        with self._disk_lock:
+            with self._lock:
+                version = self.revision + 1
+                self.revision = version
+            try:
+                self._disk.write([(m.with_version(version), b) for m, b in zip(res.metas, res.buffers)])
+            except BaseException:
+                self.abort(res)
+                raise
+            with self._lock:
+                return self._install(res, version)
+
+    def abort(self, res: Reservation) -> None:
+        """Give a reservation's buffers back; nothing of it was ever visible."""
+        if res.done:
+            return
+        with self._lock:
+            res.done = True
+            self._reserved -= res.nbytes
+            for buf in res.buffers:
+                self._pool.give(buf)
+
+    def put(self, name: str, data: bytes | bytearray | memoryview, meta: TensorMeta) -> int:
+        """Store a copy of ``data`` under ``meta`` (a convenience for in-process callers)."""
+        res = self.reserve([TensorMeta(name, meta.dtype, meta.shape, meta.nbytes)])
+        res.buffers[0][:] = memoryview(data).cast("B")
+        return self.commit(res)
+
+    def _install(self, res: Reservation, version: int | None = None) -> int:
+        """Publish a reservation (caller holds the lock)."""
+        if version is None:
+            self.revision += 1
+            version = self.revision
+        res.done = True
+        self._reserved -= res.nbytes
+        for meta, buf in zip(res.metas, res.buffers):
+            old = self._entries.get(meta.name)
+            if old is not None:
+                self._drop(old)
+            self._entries[meta.name] = Entry(meta.with_version(version), buf)
+            self._stored += meta.nbytes
+        return version
+
+    def _drop(self, entry: Entry) -> None:
+        """Forget an entry (caller holds the lock); its buffer is reused once no reader pins it."""
+        self._stored -= entry.meta.nbytes
+        entry.retired = True
+        if entry.pins == 0:
+            self._pool.give(entry.data)
+
+    # -- reads ---------------------------------------------------------------------------------
+    def acquire(self, names: Sequence[str]) -> list[Entry]:
+        """Pin and return the entries for ``names``; KeyNotFound (nothing pinned) if one is missing."""
+        with self._lock:
+            entries = [self._lookup(name) for name in names]
+            for entry in entries:
+                entry.pins += 1
+            return entries
+
+    def release(self, entries: Sequence[Entry]) -> None:
+        with self._lock:
+            for entry in entries:
+                entry.pins -= 1
+                if entry.pins == 0 and entry.retired:
+                    self._pool.give(entry.data)
+
+    def stat(self, names: Sequence[str]) -> list[TensorMeta]:
+        with self._lock:
+            return [self._lookup(name).meta for name in names]
+
+    def list(self, prefix: str = "", limit: int = 0) -> list[TensorMeta]:
+        """Metadata of the tensors whose names start with ``prefix``, sorted by name."""
+        validate_prefix(prefix)
+        with self._lock:
+            names = sorted(n for n in self._entries if n.startswith(prefix))
+            if limit:
+                names = names[:limit]
+            return [self._entries[n].meta for n in names]
+
+    def _lookup(self, name: str) -> Entry:
+        entry = self._entries.get(name)
+        if entry is None:
+            raise KeyNotFound(f"no tensor named {name!r}")
+        return entry
+
+    # -- deletes -------------------------------------------------------------------------------
+    def delete(self, names: Sequence[str]) -> int:
+        """Remove all of ``names`` or none (KeyNotFound); return how many were removed."""
+        with self._disk_lock:
+            with self._lock:
+                for name in names:
+                    self._lookup(name)
+            if self._disk is not None:
+                self._disk.remove(list(names))
+            with self._lock:
+                for name in dict.fromkeys(names):
+                    self._drop(self._entries.pop(name))
+        return len(set(names))
+
+    def _load(self) -> None:
+        """Fill the store from the data directory (at start, before any client connects)."""
+        assert self._disk is not None
+        for meta, data in self._disk.load():
+            self._entries[meta.name] = Entry(meta, memoryview(data.numpy()).cast("B"))
+            self._stored += meta.nbytes
+            self.revision = max(self.revision, meta.version)
+        if self._stored > self.capacity:
+            raise CapacityExceeded(
+                f"data directory holds {self._stored} bytes, more than the capacity {self.capacity}"
+            )
+
+
+def _allocate(nbytes: int) -> memoryview:
+    # numpy.empty maps large buffers lazily (no zero fill, unlike bytearray) and is 64-byte aligned.
+    return memoryview(np.empty(nbytes, dtype=np.uint8)).cast("B")

@@ -1,0 +1,239 @@
+"""The client side of the tensorwire frame protocol over any ByteStream (TCP, in-process).
+
+Requests carry ids and may overlap: a writer lock keeps frames whole, and one reader task
+matches each response to its request. The reader lands GET data straight in the buffers the
+caller's sink hands out, checking each chunk as it arrives.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from tensorwire.errors import (
+    ConnectionLost,
+    ProtocolError,
+    TensorwireError,
+    UnsupportedVersion,
+    error_for_code,
+)
+from tensorwire.transport.base import Buffer, ByteStream, Sink, Transport
+from tensorwire.transport.framing import FrameReader, read_head, recv_data, send_frame, skip_data
+from tensorwire.types import Address, Limits, TensorMeta
+from tensorwire.wire import meta as wm
+from tensorwire.wire.checksum import ChecksumKind
+from tensorwire.wire.frame import (
+    DEFAULT_CHUNK_BYTES,
+    PROTOCOL_VERSIONS,
+    Flags,
+    Header,
+    Opcode,
+    check_meta_crc,
+    decode_header,
+)
+
+# What a client accepts from a server: generous, but every length is still bounded.
+CLIENT_LIMITS = Limits(max_meta_bytes=256 << 20, max_batch=10_000_000, max_request_bytes=1 << 50)
+
+
+@dataclass(slots=True)
+class _Pending:
+    future: asyncio.Future[tuple[Header, wm.MetaReader]]
+    sink: Sink | None = None
+    progress: Callable[[int], None] | None = None
+
+
+class FramedTransport(Transport):
+    def __init__(
+        self,
+        address: Address,
+        stream: ByteStream,
+        checksum: ChecksumKind = ChecksumKind.XXH3_64,
+        chunk_size: int = DEFAULT_CHUNK_BYTES,
+    ) -> None:
+        self.address = address
+        self._stream = stream
+        self._reader = FrameReader(stream)
+        self._checksum = checksum
+        self._chunk_size = chunk_size
+        self._ids = itertools.count(1)
+        self._pending: dict[int, _Pending] = {}
+        self._write_lock = asyncio.Lock()
+        self._closed = False
+        self._failure: TensorwireError | None = None
+        self._version = PROTOCOL_VERSIONS[-1]
+        self._reader_task = asyncio.get_running_loop().create_task(self._read_loop())
+        self.info = wm.ServerInfo(self._version, Limits(), 0, 0)
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    @property
+    def bytes_received(self) -> int:
+        return self._reader.received
+
+    async def hello(self) -> wm.ServerInfo:
+        """Agree on a protocol version and learn the server's limits."""
+        _, reader = await self._call(
+            Opcode.HELLO, wm.encode_hello_request(PROTOCOL_VERSIONS[0], PROTOCOL_VERSIONS[-1])
+        )
+        info = wm.decode_hello_response(reader)
+        if info.version not in PROTOCOL_VERSIONS:
+            raise UnsupportedVersion(f"server chose version {info.version}; we speak {PROTOCOL_VERSIONS}")
+        self._version = info.version
+        self._chunk_size = min(max(self._chunk_size, info.limits.min_chunk_bytes), info.limits.max_chunk_bytes)
+        self.info = info
+        return info
+
+    # -- operations ----------------------------------------------------------------------------
+    async def put(
+        self,
+        metas: Sequence[TensorMeta],
+        data: Sequence[Buffer],
+        progress: Callable[[int], None] | None = None,
+    ) -> int:
+        op = Opcode.PUT if len(metas) == 1 else Opcode.PUT_MANY
+        _, reader = await self._call(op, wm.encode_records(metas), data, progress=progress)
+        return reader.u64()
+
+    async def get(
+        self, names: Sequence[str], sink: Sink, progress: Callable[[int], None] | None = None
+    ) -> list[TensorMeta]:
+        op = Opcode.GET if len(names) == 1 else Opcode.GET_MANY
+        _, reader = await self._call(op, wm.encode_names(names), sink=sink, progress=progress)
+        return wm.decode_records(reader)
+
+    async def delete(self, names: Sequence[str]) -> int:
+        _, reader = await self._call(Opcode.DELETE, wm.encode_names(names))
+        return reader.u32()
+
+    async def stat(self, names: Sequence[str]) -> list[TensorMeta]:
+        _, reader = await self._call(Opcode.STAT, wm.encode_names(names))
+        return wm.decode_records(reader)
+
+    async def list(self, prefix: str, limit: int) -> list[TensorMeta]:
+        _, reader = await self._call(Opcode.LIST, wm.encode_list_request(prefix, limit))
+        return wm.decode_records(reader)
+
+    async def ping(self) -> None:
+        await self._call(Opcode.PING, b"")
+
+    async def close(self) -> None:
+        await self._fail(ConnectionLost(f"connection to {self.address} was closed by the client"))
+
+    # -- machinery -----------------------------------------------------------------------------
+    async def _call(
+        self,
+        opcode: Opcode,
+        meta: bytes,
+        data: Sequence[Buffer] = (),
+        sink: Sink | None = None,
+        progress: Callable[[int], None] | None = None,
+    ) -> tuple[Header, wm.MetaReader]:
+        if self._closed:
+            raise self._failure or ConnectionLost(f"connection to {self.address} is closed")
+        rid = next(self._ids)
+        future: asyncio.Future[tuple[Header, wm.MetaReader]] = asyncio.get_running_loop().create_future()
+        self._pending[rid] = _Pending(future, sink, None if data else progress)
+        data_len = sum(memoryview(d).nbytes for d in data)
+        header = Header(
+            self._version, opcode, Flags.NONE, self._checksum, rid, len(meta),
+            self._chunk_size if data_len else 0, data_len,
+        )  # fmt: skip
+        try:
+            async with self._write_lock:
+                await send_frame(self._stream, header, meta, data, progress)
+            return await future
+        except asyncio.CancelledError:
+            # A request abandoned mid-flight leaves the stream in an unknown state: drop it.
+            self._pending.pop(rid, None)
+            await self._fail(ConnectionLost(f"request to {self.address} was abandoned mid-flight"))
+            raise
+        except ConnectionLost as exc:
+            await self._fail(exc)
+            raise self._failure or exc from None
+        finally:
+            self._pending.pop(rid, None)
+
+    async def _read_loop(self) -> None:
+        try:
+            while await self._reader.at_frame_start():
+                await self._read_response()
+            raise ConnectionLost(f"{self.address} closed the connection")
+        except TensorwireError as exc:
+            await self._fail(exc)
+
+    async def _read_response(self) -> None:
+        raw = await read_head(self._reader)
+        header = decode_header(raw, CLIENT_LIMITS)
+        meta = await self._reader.read(header.meta_len)
+        check_meta_crc(raw, header, meta)
+        reader = wm.MetaReader(meta, CLIENT_LIMITS)
+        pending = self._pending.get(header.request_id)
+        if header.is_error:
+            code, message = wm.decode_error(reader)
+            await skip_data(self._reader, header)
+            if pending is None and header.request_id == 0:
+                raise error_for_code(code, message)  # a connection-level error: fail everything
+            _settle(pending, error=error_for_code(code, message))
+            return
+        if pending is not None and pending.sink is not None:
+            await self._read_tensors(header, meta, pending)
+            return
+        await skip_data(self._reader, header)  # a late answer to an abandoned request, or no data
+        _settle(pending, result=(header, reader))
+
+    async def _read_tensors(self, header: Header, meta: bytes, pending: _Pending) -> None:
+        """Land a GET response's data in the sink's buffers; a refused sink or bad chunk fails only
+        this request."""
+        probe = wm.MetaReader(meta, CLIENT_LIMITS)
+        try:
+            assert pending.sink is not None
+            buffers = pending.sink(wm.decode_records(probe))
+            if sum(b.nbytes for b in buffers) != header.data_len:
+                raise ProtocolError("response data length does not match its tensor records")
+        except TensorwireError as exc:
+            await skip_data(self._reader, header)
+            _settle(pending, error=exc)
+            return
+        try:
+            await recv_data(self._reader, header, buffers, pending.progress)
+        except TensorwireError as exc:
+            if isinstance(exc, ConnectionLost):
+                raise
+            _settle(pending, error=exc)
+            return
+        _settle(pending, result=(header, wm.MetaReader(meta, CLIENT_LIMITS)))
+
+    async def _fail(self, exc: TensorwireError) -> None:
+        """Close the connection once and fail every request still waiting with ``exc``."""
+        if self._closed:
+            return
+        self._closed = True
+        self._failure = exc
+        for pending in list(self._pending.values()):
+            _settle(pending, error=exc)
+        self._pending.clear()
+        if asyncio.current_task() is not self._reader_task:
+            self._reader_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._reader_task
+        await self._stream.close()
+
+
+def _settle(
+    pending: _Pending | None,
+    result: tuple[Header, wm.MetaReader] | None = None,
+    error: BaseException | None = None,
+) -> None:
+    if pending is None or pending.future.done():
+        return
+    if error is not None:
+        pending.future.set_exception(error)
+    else:
+        assert result is not None
+        pending.future.set_result(result)

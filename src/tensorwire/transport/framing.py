@@ -1,0 +1,194 @@
+"""Frames over a ByteStream: buffered reads that land in their destination, chunked checksummed
+writes from memoryviews. Shared by the client transport and the server.
+
+The data section of a frame is the concatenation of its tensors' bytes, cut into chunks of
+``chunk_size`` bytes, each followed by an 8-byte checksum. A chunk may span several tensors (many
+small ones) and a tensor may span many chunks (a large one); both sides walk the same cut, so a
+chunk is checked as it arrives, wherever its bytes land.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Callable, Iterator, Sequence
+
+import xxhash
+
+from tensorwire.errors import ConnectionLost, CorruptFrame
+from tensorwire.transport.base import Buffer, ByteStream
+from tensorwire.wire.checksum import ChecksumKind, checksum, new_hasher
+from tensorwire.wire.frame import HEADER_BYTES, TRAILER_BYTES, Header, encode_frame_head
+
+_TRAILER = struct.Struct("<Q")
+READ_BUFFER = 256 << 10  # reads smaller than this go through the buffer; larger ones land directly
+_COALESCE = 16 << 10  # pieces smaller than this are copied together: a copy is cheaper than a syscall
+_MAX_IOV = 512  # stay well under IOV_MAX per sendmsg
+
+
+class FrameReader:
+    """Exact-size reads from a stream; large reads go straight into the caller's buffer."""
+
+    __slots__ = ("_buf", "_end", "_pos", "_stream", "_view", "received")
+
+    def __init__(self, stream: ByteStream) -> None:
+        self._stream = stream
+        self._buf = bytearray(READ_BUFFER)
+        self._view = memoryview(self._buf)
+        self._pos = 0
+        self._end = 0
+        self.received = 0
+
+    async def readinto(self, dest: memoryview) -> None:
+        """Fill ``dest`` completely; ConnectionLost if the stream ends first."""
+        want = dest.nbytes
+        have = self._end - self._pos
+        if have >= want:
+            dest[:] = self._view[self._pos : self._pos + want]
+            self._pos += want
+            return
+        dest[:have] = self._view[self._pos : self._end]
+        self._pos = self._end = 0
+        filled = have
+        while filled < want:
+            if want - filled >= READ_BUFFER:
+                filled += await self._recv(dest[filled:])
+                continue
+            got = await self._recv(self._view)
+            take = min(got, want - filled)
+            dest[filled : filled + take] = self._view[:take]
+            filled += take
+            self._pos, self._end = take, got
+
+    async def read(self, n: int) -> bytes:
+        buf = bytearray(n)
+        await self.readinto(memoryview(buf))
+        return bytes(buf)
+
+    async def at_frame_start(self) -> bool:
+        """Wait for the next frame; False if the peer closed the stream cleanly between frames."""
+        if self._end > self._pos:
+            return True
+        got = await self._stream.recv_into(self._view)
+        self.received += got
+        self._pos, self._end = 0, got
+        return got > 0
+
+    async def _recv(self, dest: memoryview) -> int:
+        got = await self._stream.recv_into(dest)
+        if got == 0:
+            raise ConnectionLost(f"{self._stream.peer} closed the connection in the middle of a frame")
+        self.received += got
+        return got
+
+
+async def read_head(reader: FrameReader) -> bytes:
+    return await reader.read(HEADER_BYTES)
+
+
+def _pieces(segments: Sequence[memoryview], chunk_size: int) -> Iterator[list[memoryview]]:
+    """The data section cut into chunks: for each chunk, the segment slices it is made of."""
+    chunk: list[memoryview] = []
+    room = chunk_size
+    for seg in segments:
+        pos, size = 0, seg.nbytes
+        while pos < size:
+            take = min(room, size - pos)
+            chunk.append(seg[pos : pos + take] if take != size else seg)
+            pos += take
+            room -= take
+            if room == 0:
+                yield chunk
+                chunk, room = [], chunk_size
+    if chunk:
+        yield chunk
+
+
+def _digest(kind: int, pieces: list[memoryview]) -> int:
+    if len(pieces) == 1:
+        return checksum(kind, pieces[0])
+    if kind == ChecksumKind.XXH3_64:
+        h = xxhash.xxh3_64()
+        for piece in pieces:
+            h.update(piece)
+        return int(h.intdigest())
+    hasher = new_hasher(kind)
+    for piece in pieces:
+        hasher.update(piece)
+    return hasher.digest()
+
+
+async def send_frame(
+    stream: ByteStream,
+    header: Header,
+    meta: bytes,
+    segments: Sequence[Buffer] = (),
+    progress: Callable[[int], None] | None = None,
+) -> None:
+    """Write one whole frame: header, metadata, then the data chunks with their checksums."""
+    head = encode_frame_head(header, meta)
+    if not header.data_len:
+        await stream.send([head])
+        return
+    views = [memoryview(s).cast("B") if not isinstance(s, memoryview) else s for s in segments]
+    out: list[Buffer] = []
+    small = bytearray(head)
+    pending = 0
+    for pieces in _pieces(views, header.chunk_size):
+        for piece in pieces:
+            if piece.nbytes < _COALESCE:
+                small += piece
+            else:
+                if small:
+                    out.append(small)
+                    small = bytearray()
+                out.append(piece)
+        small += _TRAILER.pack(_digest(header.checksum, pieces))
+        pending += sum(p.nbytes for p in pieces)
+        if len(out) >= _MAX_IOV or pending >= header.chunk_size:
+            out.append(small)
+            small = bytearray()
+            await stream.send(out)
+            if progress is not None:
+                progress(pending)
+            out, pending = [], 0
+    if small:
+        out.append(small)
+    await stream.send(out)
+    if progress is not None and pending:
+        progress(pending)
+
+
+async def recv_data(
+    reader: FrameReader,
+    header: Header,
+    segments: Sequence[memoryview],
+    progress: Callable[[int], None] | None = None,
+) -> None:
+    """Read the data section into ``segments``, checking every chunk as it lands.
+
+    The whole section is always consumed, so the stream stays in step; a bad chunk raises
+    CorruptFrame only after that. The caller must not expose ``segments`` if this raises.
+    """
+    trailer = bytearray(TRAILER_BYTES)
+    tview = memoryview(trailer)
+    bad = 0
+    for pieces in _pieces(segments, header.chunk_size):
+        for piece in pieces:
+            await reader.readinto(piece)
+        await reader.readinto(tview)
+        if _TRAILER.unpack(trailer)[0] != _digest(header.checksum, pieces):
+            bad += 1
+        if progress is not None:
+            progress(sum(p.nbytes for p in pieces))
+    if bad:
+        raise CorruptFrame(f"{bad} corrupt chunk(s) in request {header.request_id}; nothing was kept")
+
+
+async def skip_data(reader: FrameReader, header: Header) -> None:
+    """Read and drop a frame's data section (to stay in step after refusing a request)."""
+    scratch = memoryview(bytearray(min(header.wire_data_len, READ_BUFFER)))
+    left = header.wire_data_len
+    while left:
+        take = min(left, scratch.nbytes)
+        await reader.readinto(scratch[:take])
+        left -= take

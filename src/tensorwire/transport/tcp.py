@@ -1,0 +1,174 @@
+"""TCP streams on asyncio (uvloop when installed): ``recv_into`` straight into the destination,
+``sendmsg`` of memoryviews, so tensor bytes are never copied in user space."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+from collections.abc import Sequence
+
+from tensorwire.errors import ConnectError, ConnectionLost, TransferTimeout
+from tensorwire.transport.base import Buffer, ByteStream, Listener, StreamHandler
+from tensorwire.types import Address
+
+SOCKET_BUFFER = 4 << 20  # larger kernel buffers let one syscall move a whole 4 MiB chunk
+
+
+def _tune(sock: socket.socket) -> None:
+    sock.setblocking(False)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
+        with contextlib.suppress(OSError):
+            sock.setsockopt(socket.SOL_SOCKET, opt, SOCKET_BUFFER)
+
+
+class TcpStream(ByteStream):
+    def __init__(self, sock: socket.socket) -> None:
+        _tune(sock)
+        self._sock = sock
+        self._loop = asyncio.get_running_loop()
+        self._closed = False
+        try:
+            host, port = sock.getpeername()[:2]
+            self.peer = f"tcp://{host}:{port}"
+        except OSError:
+            self.peer = "tcp://?"
+
+    async def recv_into(self, buf: memoryview) -> int:
+        if self._closed:
+            raise ConnectionLost(f"connection to {self.peer} is closed")
+        try:
+            return await self._loop.sock_recv_into(self._sock, buf)
+        except OSError as exc:
+            raise ConnectionLost(f"receiving from {self.peer}: {exc}") from exc
+
+    async def send(self, buffers: Sequence[Buffer]) -> None:
+        views = [memoryview(b) for b in buffers if len(b)]
+        i = 0
+        while i < len(views):
+            if self._closed:
+                raise ConnectionLost(f"connection to {self.peer} is closed")
+            try:
+                sent = self._sock.sendmsg(views[i : i + 512])
+            except (BlockingIOError, InterruptedError):
+                await self._writable()
+                continue
+            except OSError as exc:
+                raise ConnectionLost(f"sending to {self.peer}: {exc}") from exc
+            while sent:  # advance past what the kernel took
+                size = views[i].nbytes
+                if sent >= size:
+                    sent -= size
+                    i += 1
+                else:
+                    views[i] = views[i][sent:]
+                    sent = 0
+
+    async def _writable(self) -> None:
+        fut: asyncio.Future[None] = self._loop.create_future()
+
+        def ready() -> None:
+            if not fut.done():
+                fut.set_result(None)
+
+        fd = self._sock.fileno()
+        if fd < 0:
+            raise ConnectionLost(f"connection to {self.peer} is closed")
+        self._loop.add_writer(fd, ready)
+        try:
+            await fut
+        finally:
+            self._loop.remove_writer(fd)
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        with contextlib.suppress(OSError):
+            self._sock.shutdown(socket.SHUT_RDWR)
+        self._sock.close()
+
+
+async def connect(address: Address, timeout: float) -> TcpStream:
+    """Open a TCP stream to ``address`` within ``timeout`` seconds."""
+    loop = asyncio.get_running_loop()
+    try:
+        infos = await asyncio.wait_for(
+            loop.getaddrinfo(address.host, address.port, type=socket.SOCK_STREAM), timeout
+        )
+    except (OSError, TimeoutError) as exc:
+        raise ConnectError(f"cannot resolve {address}: {exc or 'timed out'}") from exc
+    family, kind, proto, _, sockaddr = infos[0]
+    sock = socket.socket(family, kind, proto)
+    sock.setblocking(False)
+    try:
+        await asyncio.wait_for(loop.sock_connect(sock, sockaddr), timeout)
+    except TimeoutError as exc:
+        sock.close()
+        raise TransferTimeout(f"connecting to {address}: no answer within {timeout:.3g}s") from exc
+    except OSError as exc:
+        sock.close()
+        raise ConnectError(f"cannot connect to {address}: {exc.strerror or exc}") from exc
+    except BaseException:
+        sock.close()
+        raise
+    return TcpStream(sock)
+
+
+class TcpListener(Listener):
+    def __init__(self, sock: socket.socket, handler: StreamHandler) -> None:
+        self._sock = sock
+        self._handler = handler
+        host, port = sock.getsockname()[:2]
+        self.address = Address("tcp", host, port)
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._accepting = asyncio.get_running_loop().create_task(self._accept_loop())
+
+    async def _accept_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            try:
+                conn, _ = await loop.sock_accept(self._sock)
+            except OSError:
+                # EMFILE and friends: back off instead of spinning, keep serving the others.
+                await asyncio.sleep(0.05)
+                continue
+            stream = TcpStream(conn)
+            task = loop.create_task(self._serve(stream))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    async def _serve(self, stream: TcpStream) -> None:
+        try:
+            await self._handler(stream)
+        finally:
+            await stream.close()
+
+    async def close(self) -> None:
+        self._accepting.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._accepting
+        self._sock.close()
+        for task in list(self._tasks):  # each task closes its stream on the way out
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+
+async def listen(address: Address, handler: StreamHandler) -> TcpListener:
+    """Bind ``address`` (port 0 picks a free port) and serve each connection with ``handler``."""
+    loop = asyncio.get_running_loop()
+    infos = await loop.getaddrinfo(
+        address.host, address.port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+    )
+    family, kind, proto, _, sockaddr = infos[0]
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(sockaddr)
+    except OSError as exc:
+        sock.close()
+        raise ConnectError(f"cannot listen on {address}: {exc.strerror or exc}") from exc
+    sock.listen(128)
+    sock.setblocking(False)
+    return TcpListener(sock, handler)

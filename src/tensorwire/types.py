@@ -1,0 +1,105 @@
+"""Plain data shared by every layer: tensor metadata, addresses, limits."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from urllib.parse import urlsplit
+
+import torch
+
+from tensorwire.errors import InvalidTensor
+
+GiB = 1 << 30
+MiB = 1 << 20
+KiB = 1 << 10
+
+
+@dataclass(frozen=True, slots=True)
+class TensorMeta:
+    """What a store knows about one tensor: its name, dtype, shape, byte size and version.
+
+    ``version`` is 0 for a tensor that has not been stored yet; a store gives every put a new,
+    strictly larger version (one counter per store, so versions never repeat after a delete).
+    """
+
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    nbytes: int
+    version: int = 0
+
+    @staticmethod
+    def of(name: str, tensor: torch.Tensor) -> TensorMeta:
+        return TensorMeta(name, tensor.dtype, tuple(tensor.shape), tensor.numel() * tensor.element_size())
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    def with_version(self, version: int) -> TensorMeta:
+        return dataclasses.replace(self, version=version)
+
+    def check_size(self) -> None:
+        """Raise InvalidTensor unless ``nbytes`` equals numel x itemsize and no dim is negative."""
+        if any(d < 0 for d in self.shape):
+            raise InvalidTensor(f"{self.name!r}: negative dimension in shape {self.shape}")
+        expected = self.numel * self.dtype.itemsize
+        if expected != self.nbytes:
+            raise InvalidTensor(
+                f"{self.name!r}: shape {self.shape} of {self.dtype} needs {expected} bytes, "
+                f"frame says {self.nbytes}"
+            )
+
+
+@dataclass(frozen=True, slots=True)
+class Address:
+    """A parsed ``scheme://location`` address: ``tcp://host:port`` or ``memory://name``."""
+
+    scheme: str
+    host: str
+    port: int = 0
+
+    @staticmethod
+    def parse(url: str) -> Address:
+        if "://" not in url:
+            raise ValueError(f"address {url!r} has no scheme; expected e.g. tcp://127.0.0.1:7070")
+        parts = urlsplit(url)
+        scheme = parts.scheme.lower()
+        if scheme == "memory":
+            name = parts.netloc + parts.path
+            if not name:
+                raise ValueError(f"address {url!r} names no in-process server")
+            return Address(scheme, name)
+        if parts.hostname is None:
+            raise ValueError(f"address {url!r} has no host")
+        try:
+            port = parts.port or 0
+        except ValueError as exc:
+            raise ValueError(f"address {url!r} has an invalid port") from exc
+        return Address(scheme, parts.hostname, port)
+
+    def __str__(self) -> str:
+        if self.scheme == "memory":
+            return f"memory://{self.host}"
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"{self.scheme}://{host}:{self.port}"
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """What a server accepts from a peer; each field bounds something a peer controls.
+
+    A frame over any limit is refused with ``LimitExceeded`` before its payload is read into
+    memory, so a hostile or buggy peer cannot make the server allocate without bound.
+    """
+
+    max_meta_bytes: int = 8 * MiB
+    max_name_bytes: int = 1024
+    max_ndim: int = 32
+    max_batch: int = 100_000
+    max_request_bytes: int = 64 * GiB
+    min_chunk_bytes: int = 4 * KiB
+    max_chunk_bytes: int = 64 * MiB
+    max_inflight: int = 256

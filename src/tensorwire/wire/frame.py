@@ -1,0 +1,125 @@
+"""The fixed 40-byte frame header (docs/protocol.md, "Frame").
+
+Every message, request or response, is ``header | metadata block | data section``. The header is
+the only part read before the receiver knows how much more to read, so every length in it is
+checked against the receiver's ``Limits`` before a byte of the rest is allocated, and a CRC32C over
+the header and the metadata block catches a damaged length before it is trusted.
+"""
+
+from __future__ import annotations
+
+import enum
+import struct
+from dataclasses import dataclass
+
+from tensorwire.errors import CorruptFrame, LimitExceeded, ProtocolError, UnsupportedVersion
+from tensorwire.types import Limits
+from tensorwire.wire.checksum import ChecksumKind, header_crc
+
+MAGIC = b"TWIR"
+PROTOCOL_VERSIONS = (1,)  # versions this build speaks, oldest first
+TRAILER_BYTES = 8  # one little-endian u64 checksum after every data chunk
+DEFAULT_CHUNK_BYTES = 4 << 20
+
+_HEADER = struct.Struct("<4sBBBBQIIQI4x")
+HEADER_BYTES = _HEADER.size  # 40
+_CRC_COVERS = 32  # the header's bytes before header_crc
+
+
+class Opcode(enum.IntEnum):
+    HELLO = 1
+    PING = 2
+    PUT = 3
+    GET = 4
+    DELETE = 5
+    LIST = 6
+    STAT = 7
+    PUT_MANY = 8
+    GET_MANY = 9
+
+
+class Flags(enum.IntFlag):
+    NONE = 0
+    RESPONSE = 0x01
+    ERROR = 0x02
+
+
+@dataclass(slots=True)
+class Header:
+    version: int
+    opcode: int
+    flags: int
+    checksum: int
+    request_id: int
+    meta_len: int
+    chunk_size: int
+    data_len: int
+    crc: int = 0
+
+    @property
+    def is_response(self) -> bool:
+        return bool(self.flags & Flags.RESPONSE)
+
+    @property
+    def is_error(self) -> bool:
+        return bool(self.flags & Flags.ERROR)
+
+    @property
+    def wire_data_len(self) -> int:
+        """Bytes of the data section on the wire: the data plus one trailer per chunk."""
+        return wire_data_len(self.data_len, self.chunk_size)
+
+
+def chunk_count(data_len: int, chunk_size: int) -> int:
+    return -(-data_len // chunk_size) if data_len else 0
+
+
+def wire_data_len(data_len: int, chunk_size: int) -> int:
+    return data_len + TRAILER_BYTES * chunk_count(data_len, chunk_size)
+
+
+def encode_frame_head(header: Header, meta: bytes) -> bytes:
+    """Header bytes followed by the metadata block, with the header CRC filled in."""
+    packed = _HEADER.pack(
+        MAGIC,
+        header.version,
+        header.opcode,
+        header.flags,
+        header.checksum,
+        header.request_id,
+        len(meta),
+        header.chunk_size,
+        header.data_len,
+        0,
+    )
+    crc = header_crc(memoryview(packed)[:_CRC_COVERS], meta)
+    return packed[: _CRC_COVERS] + struct.pack("<I4x", crc) + meta
+
+
+def decode_header(raw: bytes | bytearray | memoryview, limits: Limits) -> Header:
+    """Parse and bound-check a header; the metadata CRC is checked later by ``check_meta_crc``."""
+    magic, version, opcode, flags, kind, request_id, meta_len, chunk_size, data_len, crc = _HEADER.unpack(
+        raw
+    )
+    if magic != MAGIC:
+        raise ProtocolError(f"bad magic {bytes(magic)!r}: not a tensorwire peer")
+    if version not in PROTOCOL_VERSIONS:
+        raise UnsupportedVersion(f"frame version {version}; this side speaks {PROTOCOL_VERSIONS}")
+    if meta_len > limits.max_meta_bytes:
+        raise LimitExceeded(f"metadata block of {meta_len} bytes exceeds {limits.max_meta_bytes}")
+    if data_len > limits.max_request_bytes:
+        raise LimitExceeded(f"data section of {data_len} bytes exceeds {limits.max_request_bytes}")
+    if data_len:
+        if kind not in ChecksumKind.__members__.values():
+            raise ProtocolError(f"unknown checksum kind {kind}")
+        if not limits.min_chunk_bytes <= chunk_size <= limits.max_chunk_bytes:
+            raise LimitExceeded(
+                f"chunk size {chunk_size} outside [{limits.min_chunk_bytes}, {limits.max_chunk_bytes}]"
+            )
+    return Header(version, opcode, flags, kind, request_id, meta_len, chunk_size, data_len, crc)
+
+
+def check_meta_crc(raw_header: bytes | bytearray | memoryview, header: Header, meta: bytes) -> None:
+    """Raise CorruptFrame unless the header CRC matches the header and metadata bytes received."""
+    if header_crc(memoryview(raw_header)[:_CRC_COVERS], meta) != header.crc:
+        raise CorruptFrame(f"header/metadata checksum mismatch on request {header.request_id}")

@@ -1,0 +1,191 @@
+"""Metadata blocks: the per-opcode fields between the header and the data section.
+
+All integers are little-endian. A string is ``u16 length | UTF-8 bytes``; a tensor record is
+``name | u8 dtype | u8 ndim | i64 x ndim shape | u64 nbytes | u64 version``. Decoding checks every
+count and length against the receiver's ``Limits`` and against the bytes actually present, so a
+truncated or lying block raises ``ProtocolError``/``LimitExceeded``, never an ``IndexError``.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from tensorwire.errors import InvalidName, LimitExceeded, ProtocolError
+from tensorwire.types import Limits, TensorMeta
+from tensorwire.wire.dtypes import DTYPE_TO_CODE, dtype_code, dtype_from_code
+
+_U8 = struct.Struct("<B")
+_U16 = struct.Struct("<H")
+_U32 = struct.Struct("<I")
+_U64 = struct.Struct("<Q")
+_REC_HEAD = struct.Struct("<BB")
+_REC_TAIL = struct.Struct("<QQ")
+_ERROR = struct.Struct("<H")
+_HELLO_REQ = struct.Struct("<BB")
+_HELLO_RESP = struct.Struct("<BIHBIQIIIQQ")
+MAX_MESSAGE_BYTES = 4096
+
+
+class MetaReader:
+    """Bounds-checked cursor over a metadata block."""
+
+    __slots__ = ("_buf", "_limits", "_pos")
+
+    def __init__(self, buf: bytes, limits: Limits) -> None:
+        self._buf = buf
+        self._pos = 0
+        self._limits = limits
+
+    def take(self, st: struct.Struct) -> tuple[int, ...]:
+        end = self._pos + st.size
+        if end > len(self._buf):
+            raise ProtocolError(f"metadata block truncated at byte {self._pos} of {len(self._buf)}")
+        values = st.unpack_from(self._buf, self._pos)
+        self._pos = end
+        return values
+
+    def u8(self) -> int:
+        return self.take(_U8)[0]
+
+    def u32(self) -> int:
+        return self.take(_U32)[0]
+
+    def u64(self) -> int:
+        return self.take(_U64)[0]
+
+    def count(self) -> int:
+        n = self.u32()
+        if n > self._limits.max_batch:
+            raise LimitExceeded(f"batch of {n} items exceeds {self._limits.max_batch}")
+        return n
+
+    def text(self, max_bytes: int) -> str:
+        (n,) = self.take(_U16)
+        if n > max_bytes:
+            raise LimitExceeded(f"string of {n} bytes exceeds {max_bytes}")
+        end = self._pos + n
+        if end > len(self._buf):
+            raise ProtocolError("metadata block truncated inside a string")
+        raw = self._buf[self._pos : end]
+        self._pos = end
+        try:
+            return raw.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise InvalidName(f"name is not valid UTF-8: {raw[:64]!r}") from exc
+
+    def name(self) -> str:
+        return self.text(self._limits.max_name_bytes)
+
+    def record(self) -> TensorMeta:
+        name = self.name()
+        code, ndim = self.take(_REC_HEAD)
+        if ndim > self._limits.max_ndim:
+            raise LimitExceeded(f"{name!r}: {ndim} dims exceeds {self._limits.max_ndim}")
+        shape = self.take(struct.Struct(f"<{ndim}q")) if ndim else ()
+        nbytes, version = self.take(_REC_TAIL)
+        meta = TensorMeta(name, dtype_from_code(code), tuple(shape), nbytes, version)
+        meta.check_size()
+        return meta
+
+    def done(self) -> None:
+        if self._pos != len(self._buf):
+            raise ProtocolError(f"{len(self._buf) - self._pos} unexpected bytes after the metadata block")
+
+
+def _text(value: str) -> bytes:
+    raw = value.encode("utf-8")
+    if len(raw) > 0xFFFF:
+        raise InvalidName(f"string of {len(raw)} bytes cannot be encoded (max 65535)")
+    return _U16.pack(len(raw)) + raw
+
+
+def encode_record(meta: TensorMeta) -> bytes:
+    ndim = len(meta.shape)
+    code = DTYPE_TO_CODE.get(meta.dtype) or dtype_code(meta.dtype)
+    shape = struct.pack(f"<{ndim}q", *meta.shape) if ndim else b""
+    return b"".join(
+        (_text(meta.name), _REC_HEAD.pack(code, ndim), shape, _REC_TAIL.pack(meta.nbytes, meta.version))
+    )
+
+
+def encode_records(metas: Sequence[TensorMeta]) -> bytes:
+    return _U32.pack(len(metas)) + b"".join(map(encode_record, metas))
+
+
+def decode_records(reader: MetaReader) -> list[TensorMeta]:
+    return [reader.record() for _ in range(reader.count())]
+
+
+def encode_names(names: Iterable[str]) -> bytes:
+    names = list(names)
+    return _U32.pack(len(names)) + b"".join(map(_text, names))
+
+
+def decode_names(reader: MetaReader) -> list[str]:
+    return [reader.name() for _ in range(reader.count())]
+
+
+def encode_u64(value: int) -> bytes:
+    return _U64.pack(value)
+
+
+def encode_list_request(prefix: str, limit: int) -> bytes:
+    return _text(prefix) + _U32.pack(limit)
+
+
+def decode_list_request(reader: MetaReader) -> tuple[str, int]:
+    return reader.name(), reader.u32()
+
+
+def encode_error(code: int, message: str) -> bytes:
+    raw = message.encode("utf-8", "replace")[:MAX_MESSAGE_BYTES].decode("utf-8", "ignore")
+    return _ERROR.pack(code) + _text(raw)
+
+
+def decode_error(reader: MetaReader) -> tuple[int, str]:
+    (code,) = reader.take(_ERROR)
+    return code, reader.text(MAX_MESSAGE_BYTES)
+
+
+@dataclass(frozen=True, slots=True)
+class ServerInfo:
+    """What a server tells a client in its HELLO response."""
+
+    version: int
+    limits: Limits
+    capacity: int
+    used: int
+
+
+def encode_hello_request(min_version: int, max_version: int) -> bytes:
+    return _HELLO_REQ.pack(min_version, max_version)
+
+
+def decode_hello_request(reader: MetaReader) -> tuple[int, int]:
+    lo, hi = reader.take(_HELLO_REQ)
+    return lo, hi
+
+
+def encode_hello_response(info: ServerInfo) -> bytes:
+    lim = info.limits
+    return _HELLO_RESP.pack(
+        info.version,
+        lim.max_meta_bytes,
+        lim.max_name_bytes,
+        lim.max_ndim,
+        lim.max_batch,
+        lim.max_request_bytes,
+        lim.min_chunk_bytes,
+        lim.max_chunk_bytes,
+        lim.max_inflight,
+        info.capacity,
+        info.used,
+    )
+
+
+def decode_hello_response(reader: MetaReader) -> ServerInfo:
+    version, meta, name, ndim, batch, req, cmin, cmax, inflight, capacity, used = reader.take(_HELLO_RESP)
+    limits = Limits(meta, name, ndim, batch, req, cmin, cmax, inflight)
+    return ServerInfo(version, limits, capacity, used)

@@ -1,0 +1,50 @@
+"""Byte views of tensors, with no copy of the tensor's data."""
+
+from __future__ import annotations
+
+import torch
+
+from tensorwire.errors import InvalidTensor
+from tensorwire.types import TensorMeta
+from tensorwire.wire.dtypes import DTYPE_TO_CODE
+
+
+def sendable(tensor: torch.Tensor, name: str = "tensor") -> torch.Tensor:
+    """The tensor as a contiguous CPU tensor: itself when it already is (no copy), else one copy.
+
+    Non-contiguous tensors are sent contiguous; the receiver sees the same values and shape.
+    """
+    if not isinstance(tensor, torch.Tensor):
+        raise InvalidTensor(f"{name!r}: expected a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.dtype not in DTYPE_TO_CODE:
+        raise InvalidTensor(f"{name!r}: dtype {tensor.dtype} cannot be sent (quantized or unknown)")
+    if tensor.layout is not torch.strided:
+        raise InvalidTensor(f"{name!r}: only dense (strided) tensors can be sent, not {tensor.layout}")
+    tensor = tensor.detach()
+    if tensor.device.type != "cpu":
+        tensor = tensor.cpu()
+    return tensor if tensor.is_contiguous() else tensor.contiguous()
+
+
+def byte_view(tensor: torch.Tensor) -> memoryview:
+    """A writable flat ``memoryview`` of a contiguous CPU tensor's bytes (format ``B``)."""
+    if tensor.numel() == 0:
+        return memoryview(b"")
+    flat = tensor.reshape(-1).view(torch.uint8)
+    return memoryview(flat.numpy()).cast("B")
+
+
+def empty_for(meta: TensorMeta) -> torch.Tensor:
+    """A new uninitialised tensor with ``meta``'s dtype and shape."""
+    return torch.empty(meta.shape, dtype=meta.dtype)
+
+
+def check_out(meta: TensorMeta, out: torch.Tensor) -> None:
+    """Raise InvalidTensor unless ``out`` can receive the tensor described by ``meta`` in place."""
+    if out.dtype != meta.dtype or tuple(out.shape) != meta.shape:
+        raise InvalidTensor(
+            f"{meta.name!r}: out is {out.dtype}{list(out.shape)}, stored tensor is "
+            f"{meta.dtype}{list(meta.shape)}"
+        )
+    if out.device.type != "cpu":
+        raise InvalidTensor(f"{meta.name!r}: out must be a CPU tensor, not {out.device}")
