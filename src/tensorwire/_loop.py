@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import os
+from collections.abc import Coroutine
+from typing import Any, TypeVar
+
+T = TypeVar("T")
 
 NO_UVLOOP_ENV = "TENSORWIRE_NO_UVLOOP"
 
@@ -15,10 +19,12 @@ def new_event_loop() -> asyncio.AbstractEventLoop:
         except ImportError:
             pass
         else:
-            return uvloop.new_event_loop()  # type: ignore[no-any-return]
+            loop: asyncio.AbstractEventLoop = uvloop.new_event_loop()
+            return loop
     return asyncio.new_event_loop()
 
 
-def run(coro: object) -> object:
+def run(coro: Coroutine[Any, Any, T]) -> T:
     """``asyncio.run`` on the preferred loop."""
-    return asyncio.run(coro, loop_factory=new_event_loop)  # type: ignore[arg-type]
+    with asyncio.Runner(loop_factory=new_event_loop) as runner:
+        return runner.run(coro)

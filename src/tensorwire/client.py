@@ -51,7 +51,7 @@ class ClientOptions:
 
     def delay(self, attempt: int) -> float:
         base = min(self.max_backoff, self.backoff * (2 ** (attempt - 1)))
-        return base * (0.5 + random.random() / 2)
+        return float(base * (0.5 + random.random() / 2))
 
     @property
     def worst_case(self) -> float:
@@ -95,7 +95,9 @@ class AsyncClient:
         metas, views = _encode_items(pairs)  # each view keeps its tensor's memory alive
         return await self._run(f"put of {_describe(metas)}", lambda t: t.put(metas, views, progress))
 
-    async def get(self, name: str, out: torch.Tensor | None = None, progress: Progress | None = None) -> torch.Tensor:
+    async def get(
+        self, name: str, out: torch.Tensor | None = None, progress: Progress | None = None
+    ) -> torch.Tensor:
         """Fetch ``name``. With ``out``, the bytes land in ``out`` in place and ``out`` is returned.
 
         If the call raises, ``out`` may hold part of the transfer (its contents are unspecified).
@@ -120,7 +122,9 @@ class AsyncClient:
             await t.get(names, landing.sink, progress)
             return landing.finish()
 
-        return await self._run(f"get of {names[0]!r}" + (f" and {len(names) - 1} more" if len(names) > 1 else ""), op)
+        return await self._run(
+            f"get of {names[0]!r}" + (f" and {len(names) - 1} more" if len(names) > 1 else ""), op
+        )
 
     async def delete(self, name: str) -> None:
         """Remove ``name``; KeyNotFound if there is no such tensor."""
@@ -187,7 +191,9 @@ class AsyncClient:
             try:
                 t = await self._open()
                 sent = True
-                async with asyncio_timeout(self.options.timeout, f"the answer to the {what} from {self.address}"):
+                async with asyncio_timeout(
+                    self.options.timeout, f"the answer to the {what} from {self.address}"
+                ):
                     return await op(t)
             except TensorwireError as exc:
                 if not exc.retryable or attempt >= self.options.retries or (sent and not idempotent):
@@ -290,11 +296,16 @@ class Client:
     def put_many(self, items: TensorItems, progress: Progress | None = None) -> int:
         return self._call(self._async.put_many(items, progress))
 
-    def get(self, name: str, out: torch.Tensor | None = None, progress: Progress | None = None) -> torch.Tensor:
+    def get(
+        self, name: str, out: torch.Tensor | None = None, progress: Progress | None = None
+    ) -> torch.Tensor:
         return self._call(self._async.get(name, out, progress))
 
     def get_many(
-        self, names: Sequence[str], out: Mapping[str, torch.Tensor] | None = None, progress: Progress | None = None
+        self,
+        names: Sequence[str],
+        out: Mapping[str, torch.Tensor] | None = None,
+        progress: Progress | None = None,
     ) -> dict[str, torch.Tensor]:
         return self._call(self._async.get_many(names, out, progress))
 

@@ -188,7 +188,11 @@ class _Session:
     async def _reply(self, req: Header, meta: bytes, data: Sequence[memoryview] = ()) -> None:
         data_len = sum(d.nbytes for d in data)
         kind = req.checksum if req.checksum in ChecksumKind.__members__.values() else ChecksumKind.XXH3_64
-        chunk = req.chunk_size if self.limits.min_chunk_bytes <= req.chunk_size <= self.limits.max_chunk_bytes else DEFAULT_CHUNK_BYTES
+        chunk = (
+            req.chunk_size
+            if self.limits.min_chunk_bytes <= req.chunk_size <= self.limits.max_chunk_bytes
+            else DEFAULT_CHUNK_BYTES
+        )
         header = Header(
             self.version, req.opcode, Flags.RESPONSE, kind, req.request_id, len(meta),
             chunk if data_len else 0, data_len,
@@ -240,7 +244,9 @@ class ServerThread:
         self._loop = new_event_loop()
         self._started = threading.Event()
         self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, args=(list(urls),), name="tensorwire-server", daemon=True)
+        self._thread = threading.Thread(
+            target=self._run, args=(list(urls),), name="tensorwire-server", daemon=True
+        )
         self._thread.start()
         if not self._started.wait(start_timeout):
             raise TimeoutError(f"server did not start within {start_timeout}s")

@@ -104,7 +104,8 @@ class TensorStore:
             self._reserved += total
             self._pool.trim(self.capacity - self.used)
             pooled = [self._pool.take(m.nbytes) for m in metas]
-        buffers = [buf if buf is not None else _allocate(m.nbytes) for buf, m in zip(pooled, metas)]
+        pairs = zip(pooled, metas, strict=True)
+        buffers = [buf if buf is not None else _allocate(m.nbytes) for buf, m in pairs]
         return Reservation(list(metas), buffers, total)
 
     def commit(self, res: Reservation) -> int:
@@ -119,7 +120,8 @@ class TensorStore:
                 version = self.revision + 1
                 self.revision = version
             try:
-                self._disk.write([(m.with_version(version), b) for m, b in zip(res.metas, res.buffers)])
+                pairs = zip(res.metas, res.buffers, strict=True)
+                self._disk.write([(m.with_version(version), b) for m, b in pairs])
             except BaseException:
                 self.abort(res)
                 raise
@@ -149,7 +151,7 @@ class TensorStore:
             version = self.revision
         res.done = True
         self._reserved -= res.nbytes
-        for meta, buf in zip(res.metas, res.buffers):
+        for meta, buf in zip(res.metas, res.buffers, strict=True):
             old = self._entries.get(meta.name)
             if old is not None:
                 self._drop(old)
@@ -217,7 +219,7 @@ class TensorStore:
         """Fill the store from the data directory (at start, before any client connects)."""
         assert self._disk is not None
         for meta, data in self._disk.load():
-            self._entries[meta.name] = Entry(meta, memoryview(data.numpy()).cast("B"))
+            self._entries[meta.name] = Entry(meta, data.numpy().data.cast("B"))
             self._stored += meta.nbytes
             self.revision = max(self.revision, meta.version)
         if self._stored > self.capacity:
@@ -228,4 +230,4 @@ class TensorStore:
 
 def _allocate(nbytes: int) -> memoryview:
     # numpy.empty maps large buffers lazily (no zero fill, unlike bytearray) and is 64-byte aligned.
-    return memoryview(np.empty(nbytes, dtype=np.uint8)).cast("B")
+    return np.empty(nbytes, dtype=np.uint8).data.cast("B")

@@ -66,6 +66,4 @@ async def open_transport(
     return transport
 
 
-
-
 __all__ = ["STREAMS", "ByteStream", "Listener", "Transport", "connect_stream", "listen", "open_transport"]

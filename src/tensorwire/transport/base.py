@@ -76,7 +76,9 @@ class Transport(ABC):
         """Store all tensors atomically; return their common new version."""
 
     @abstractmethod
-    async def get(self, names: Sequence[str], sink: Sink, progress: Progress | None = None) -> list[TensorMeta]:
+    async def get(
+        self, names: Sequence[str], sink: Sink, progress: Progress | None = None
+    ) -> list[TensorMeta]:
         """Fetch tensors into the buffers ``sink`` hands out; return their metadata."""
 
     @abstractmethod

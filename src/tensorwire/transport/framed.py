@@ -85,7 +85,9 @@ class FramedTransport(Transport):
         if info.version not in PROTOCOL_VERSIONS:
             raise UnsupportedVersion(f"server chose version {info.version}; we speak {PROTOCOL_VERSIONS}")
         self._version = info.version
-        self._chunk_size = min(max(self._chunk_size, info.limits.min_chunk_bytes), info.limits.max_chunk_bytes)
+        self._chunk_size = min(
+            max(self._chunk_size, info.limits.min_chunk_bytes), info.limits.max_chunk_bytes
+        )
         self.info = info
         return info
 

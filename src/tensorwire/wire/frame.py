@@ -93,14 +93,12 @@ def encode_frame_head(header: Header, meta: bytes) -> bytes:
         0,
     )
     crc = header_crc(memoryview(packed)[:_CRC_COVERS], meta)
-    return packed[: _CRC_COVERS] + struct.pack("<I4x", crc) + meta
+    return packed[:_CRC_COVERS] + struct.pack("<I4x", crc) + meta
 
 
 def decode_header(raw: bytes | bytearray | memoryview, limits: Limits) -> Header:
     """Parse and bound-check a header; the metadata CRC is checked later by ``check_meta_crc``."""
-    magic, version, opcode, flags, kind, request_id, meta_len, chunk_size, data_len, crc = _HEADER.unpack(
-        raw
-    )
+    magic, version, opcode, flags, kind, request_id, meta_len, chunk_size, data_len, crc = _HEADER.unpack(raw)
     if magic != MAGIC:
         raise ProtocolError(f"bad magic {bytes(magic)!r}: not a tensorwire peer")
     if version not in PROTOCOL_VERSIONS:

@@ -1,0 +1,1 @@
+"""Public test kit: the transport conformance suite (``tensorwire.testing.conformance``)."""

@@ -1,0 +1,457 @@
+"""The transport conformance suite: every case runs against every transport.
+
+Each case is an ``async def case(h: Harness) -> None`` that starts what it needs (a real server on
+the harness's transport, or a hand-written peer) on the running event loop and asserts with plain
+``assert``. ``run_case(case, scheme)`` runs one on a fresh loop; ``CASES`` lists them all, so a
+test module parametrizes ``CASES x schemes`` (see tests/integration/test_conformance.py).
+
+Cases cover round trips of every dtype and shape, in-place gets, batches, concurrency, timeouts,
+close, and frames that are corrupt, truncated, over a limit or otherwise hostile.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import struct
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from tensorwire import errors, transport
+from tensorwire._loop import run
+from tensorwire.client import AsyncClient, ClientOptions
+from tensorwire.server import Server
+from tensorwire.store import TensorStore
+from tensorwire.transport.base import ByteStream
+from tensorwire.transport.framing import FrameReader, read_head, send_frame
+from tensorwire.types import Address, Limits, TensorMeta
+from tensorwire.wire import meta as wm
+from tensorwire.wire.checksum import ChecksumKind, checksum
+from tensorwire.wire.dtypes import SUPPORTED_DTYPES
+from tensorwire.wire.frame import Flags, Header, Opcode, decode_header, encode_frame_head
+from tensorwire.wire.tensors import byte_view
+
+SCHEMES = ("memory", "tcp")
+_names = itertools.count()
+Case = Callable[["Harness"], Coroutine[Any, Any, None]]
+
+
+@dataclass
+class Harness:
+    """Starts servers and peers on one transport kind, on the running loop."""
+
+    scheme: str
+
+    def fresh_url(self) -> str:
+        if self.scheme == "memory":
+            return f"memory://conformance-{next(_names)}"
+        return "tcp://127.0.0.1:0"
+
+    @contextlib.asynccontextmanager
+    async def server(self, capacity: int = 1 << 30, limits: Limits | None = None) -> AsyncIterator[Server]:
+        server = Server(TensorStore(capacity), limits)
+        await server.start(self.fresh_url())
+        try:
+            yield server
+        finally:
+            await server.close()
+
+    @contextlib.asynccontextmanager
+    async def client(self, server: Server, **options: object) -> AsyncIterator[AsyncClient]:
+        opts = {"timeout": 10.0, "connect_timeout": 5.0, **options}
+        client = AsyncClient(str(server.addresses[0]), ClientOptions(**opts))  # type: ignore[arg-type]
+        try:
+            yield await client.connect()
+        finally:
+            await client.close()
+
+    @contextlib.asynccontextmanager
+    async def peer(self, handler: Callable[[ByteStream], Awaitable[None]]) -> AsyncIterator[str]:
+        """A hand-written server: ``handler`` gets each raw stream. Yields its URL."""
+        listener = await transport.listen(Address.parse(self.fresh_url()), handler)
+        try:
+            yield str(listener.address)
+        finally:
+            await listener.close()
+
+
+def run_case(case: Case, scheme: str) -> None:
+    """Run one case against one transport on a fresh event loop."""
+    run(case(Harness(scheme)))
+
+
+def random_tensor(dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    """Random bytes of any dtype (bit patterns, not values: NaNs and all)."""
+    numel = 1
+    for d in shape:
+        numel *= d
+    raw = torch.randint(0, 256, (numel * dtype.itemsize,), dtype=torch.uint8)
+    return raw.view(dtype).reshape(shape)
+
+
+def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return (
+        a.dtype == b.dtype
+        and a.shape == b.shape
+        and bytes(byte_view(a.contiguous())) == bytes(byte_view(b.contiguous()))
+    )
+
+
+# -- round trips -------------------------------------------------------------------------------
+async def every_dtype_and_shape(h: Harness) -> None:
+    async with h.server() as srv, h.client(srv) as c:
+        for dtype in SUPPORTED_DTYPES:
+            for shape in [(), (0, 3), (7,), (2, 3, 4)]:
+                x = random_tensor(dtype, shape)
+                await c.put(f"t/{dtype}/{len(shape)}", x)
+                y = await c.get(f"t/{dtype}/{len(shape)}")
+                assert same_bytes(x, y), f"{dtype} {shape} did not round-trip"
+
+
+async def non_contiguous_is_sent_contiguous(h: Harness) -> None:
+    async with h.server() as srv, h.client(srv) as c:
+        x = torch.arange(24, dtype=torch.float32).reshape(4, 6).t()
+        assert not x.is_contiguous()
+        await c.put("nc", x)
+        y = await c.get("nc")
+        assert y.is_contiguous() and torch.equal(x, y)
+
+
+async def get_into_out_in_place(h: Harness) -> None:
+    async with h.server() as srv, h.client(srv) as c:
+        x = torch.randn(1000, 33)
+        await c.put("w", x)
+        out = torch.zeros(1000, 33)
+        ptr = out.data_ptr()
+        got = await c.get("w", out=out)
+        assert got is out and out.data_ptr() == ptr and torch.equal(out, x)
+        strided = torch.zeros(33, 1000).t()  # a non-contiguous out is filled too
+        await c.get("w", out=strided)
+        assert torch.equal(strided, x)
+
+
+async def out_mismatch_is_refused(h: Harness) -> None:
+    async with h.server() as srv, h.client(srv) as c:
+        await c.put("w", torch.ones(4))
+        for bad in (torch.zeros(5), torch.zeros(4, dtype=torch.float64)):
+            try:
+                await c.get("w", out=bad)
+            except errors.InvalidTensor:
+                pass
+            else:
+                raise AssertionError("a mismatched out was accepted")
+        assert torch.equal(await c.get("w"), torch.ones(4))  # the connection still works
+
+
+async def large_tensor_many_chunks(h: Harness) -> None:
+    async with h.server() as srv, h.client(srv, chunk_size=1 << 20) as c:
+        x = random_tensor(torch.float32, (9 * (1 << 18) + 5,))  # 9 MiB + 20 bytes: 10 chunks
+        await c.put("big", x)
+        assert same_bytes(await c.get("big"), x)
+
+
+async def batches_are_atomic_and_versioned(h: Harness) -> None:
+    async with h.server() as srv, h.client(srv) as c:
+        items = {f"b/{i}": torch.full((i + 1,), float(i)) for i in range(50)}
+        version = await c.put_many(items)
+        metas = await c.list("b/")
+        assert len(metas) == 50 and {m.version for m in metas} == {version}
+        got = await c.get_many(list(items))
+        assert all(torch.equal(got[k], v) for k, v in items.items())
+        newer = await c.put("b/0", torch.zeros(1))
+        assert newer > version and (await c.stat("b/0")).version == newer
+        try:  # one bad name refuses the whole batch
+            await c.put_many({"b/ok": torch.ones(1), "b/../x": torch.ones(1)})
+        except errors.InvalidName:
+            pass
+        else:
+            raise AssertionError("a batch with an invalid name was accepted")
+        assert [m.name for m in await c.list("b/ok")] == []
+
+
+async def list_stat_delete(h: Harness) -> None:
+    async with h.server() as srv, h.client(srv) as c:
+        await c.put_many({"m/a": torch.ones(2, 3), "m/b": torch.ones(1), "n/c": torch.ones(1)})
+        assert [m.name for m in await c.list("m/")] == ["m/a", "m/b"]
+        meta = await c.stat("m/a")
+        assert (meta.dtype, meta.shape, meta.nbytes) == (torch.float32, (2, 3), 24)
+        await c.delete("m/a")
+        for op in (c.get("m/a"), c.stat("m/a"), c.delete("m/a"), c.delete_many(["m/b", "zz"])):
+            try:
+                await op
+            except errors.KeyNotFound:
+                pass
+            else:
+                raise AssertionError("an operation on a missing key succeeded")
+        assert [m.name for m in await c.list()] == ["m/b", "n/c"]  # delete_many removed nothing
+
+
+async def capacity_is_enforced(h: Harness) -> None:
+    async with h.server(capacity=1 << 20) as srv, h.client(srv) as c:
+        await c.put("fits", torch.zeros(1 << 17))  # 512 KiB
+        try:
+            await c.put("too-big", torch.zeros(1 << 18))  # 1 MiB more
+        except errors.CapacityExceeded:
+            pass
+        else:
+            raise AssertionError("capacity was not enforced")
+        assert [m.name for m in await c.list()] == ["fits"]
+        await c.delete("fits")
+        await c.put("too-big", torch.zeros(1 << 18))  # the space came back
+
+
+async def many_requests_in_flight(h: Harness) -> None:
+    async with h.server() as srv, h.client(srv) as c:
+        tensors = {f"c/{i}": torch.randn(1000 + i) for i in range(40)}
+        await asyncio.gather(*(c.put(k, v) for k, v in tensors.items()))
+        got = await asyncio.gather(*(c.get(k) for k in tensors))
+        assert all(torch.equal(g, v) for g, v in zip(got, tensors.values(), strict=True))
+
+
+# -- timeouts and close -----------------------------------------------------------------------
+async def silent_server_times_out(h: Harness) -> None:
+    async def black_hole(stream: ByteStream) -> None:
+        buf = memoryview(bytearray(65536))
+        while await stream.recv_into(buf):
+            pass
+
+    async with h.peer(black_hole) as url:
+        client = AsyncClient(url, ClientOptions(timeout=0.3, connect_timeout=0.3, retries=1, backoff=0.01))
+        start = time.monotonic()
+        try:
+            await client.ping()
+        except errors.TransferTimeout as exc:
+            assert "HELLO" in str(exc) or "ping" in str(exc), exc
+        else:
+            raise AssertionError("a silent server did not time out")
+        finally:
+            await client.close()
+        assert time.monotonic() - start < 5
+
+
+async def closed_client_and_server(h: Harness) -> None:
+    async with h.server() as srv:
+        async with h.client(srv, retries=1, backoff=0.01, connect_timeout=1.0) as c:
+            await c.put("x", torch.ones(1))
+            await srv.close()  # the server goes away under a connected client
+            try:
+                await c.get("x")
+            except errors.TransportError:
+                pass
+            else:
+                raise AssertionError("a call to a closed server succeeded")
+        try:
+            await c.ping()
+        except errors.ConnectError:
+            pass
+        else:
+            raise AssertionError("a closed client still worked")
+
+
+# -- hostile and broken frames ----------------------------------------------------------------
+@contextlib.asynccontextmanager
+async def raw(srv: Server) -> AsyncIterator[tuple[ByteStream, FrameReader]]:
+    stream = await transport.connect_stream(srv.addresses[0], 5.0)
+    try:
+        yield stream, FrameReader(stream)
+    finally:
+        await stream.close()
+
+
+async def read_reply(reader: FrameReader) -> tuple[Header, wm.MetaReader]:
+    raw_head = await asyncio.wait_for(read_head(reader), 5)
+    header = decode_header(raw_head, Limits(max_meta_bytes=1 << 30))
+    meta = await reader.read(header.meta_len)
+    return header, wm.MetaReader(meta, Limits())
+
+
+async def expect_error(reader: FrameReader, code: errors.ErrorCode) -> None:
+    header, meta = await read_reply(reader)
+    assert header.is_error, "expected an ERROR frame"
+    got, message = wm.decode_error(meta)
+    assert got == code, f"expected {code.name}, got {errors.ErrorCode(got).name}: {message}"
+
+
+def put_frame(meta_list: list[TensorMeta], data: bytes, rid: int = 7, chunk: int = 4096) -> bytearray:
+    """A PUT frame built by hand: header, records, data chunks and their xxh3 trailers."""
+    meta = wm.encode_records(meta_list)
+    header = Header(1, Opcode.PUT_MANY, 0, ChecksumKind.XXH3_64, rid, len(meta), chunk, len(data))
+    out = bytearray(encode_frame_head(header, meta))
+    for i in range(0, len(data), chunk):
+        piece = data[i : i + chunk]
+        out += piece + struct.pack("<Q", checksum(ChecksumKind.XXH3_64, piece))
+    return out
+
+
+async def assert_alive_and_empty(srv: Server, h: Harness) -> None:
+    """The server still answers a new client, and nothing was stored."""
+    async with h.client(srv) as c:
+        await c.ping()
+        assert await c.list() == []
+
+
+async def corrupt_chunk_is_never_stored(h: Harness) -> None:
+    async with h.server() as srv, raw(srv) as (stream, reader):
+        data = bytes(range(256)) * 40
+        frame = put_frame([TensorMeta("victim", torch.uint8, (len(data),), len(data))], data)
+        frame[-100] ^= 0x40  # a flipped bit in the last chunk
+        await stream.send([frame])
+        await expect_error(reader, errors.ErrorCode.CORRUPT_FRAME)
+        await stream.send([put_frame([TensorMeta("ok", torch.uint8, (3,), 3)], b"abc", rid=8)])
+        header, _ = await read_reply(reader)  # the same connection keeps working
+        assert not header.is_error and header.request_id == 8
+        async with h.client(srv) as c:
+            assert [m.name for m in await c.list()] == ["ok"]
+
+
+async def bad_magic_and_version_end_the_session(h: Harness) -> None:
+    async with h.server() as srv:
+        for offset, value, code in (
+            (0, ord("X"), errors.ErrorCode.PROTOCOL_ERROR),
+            (4, 99, errors.ErrorCode.UNSUPPORTED_VERSION),
+        ):
+            async with raw(srv) as (stream, reader):
+                frame = put_frame([TensorMeta("x", torch.uint8, (1,), 1)], b"z")
+                frame[offset] = value
+                await stream.send([frame])
+                await expect_error(reader, code)
+                assert not await asyncio.wait_for(reader.at_frame_start(), 5), "session stayed open"
+        await assert_alive_and_empty(srv, h)
+
+
+async def damaged_header_is_caught(h: Harness) -> None:
+    async with h.server() as srv, raw(srv) as (stream, reader):
+        frame = put_frame([TensorMeta("x", torch.uint8, (4,), 4)], b"abcd")
+        frame[24] ^= 0x01  # data_len off by one: the header CRC must catch it before it is trusted
+        await stream.send([frame])
+        await expect_error(reader, errors.ErrorCode.CORRUPT_FRAME)
+        await assert_alive_and_empty(srv, h)
+
+
+async def truncated_frame_stores_nothing(h: Harness) -> None:
+    async with h.server() as srv:
+        async with raw(srv) as (stream, _):
+            data = bytes(100_000)
+            frame = put_frame([TensorMeta("half", torch.uint8, (len(data),), len(data))], data)
+            await stream.send([frame[: len(frame) // 2]])
+        await assert_alive_and_empty(srv, h)
+
+
+async def limits_are_enforced(h: Harness) -> None:
+    limits = Limits(max_meta_bytes=4096, max_ndim=4, max_request_bytes=1 << 20)
+    async with h.server(limits=limits) as srv:
+        async with raw(srv) as (stream, reader):  # too many dims: refused, session goes on
+            meta = TensorMeta("d", torch.uint8, (1, 1, 1, 1, 1), 1)
+            await stream.send([put_frame([meta], b"x")])
+            await expect_error(reader, errors.ErrorCode.LIMIT_EXCEEDED)
+            await stream.send([put_frame([TensorMeta("e", torch.uint8, (1,), 1)], b"y", rid=9)])
+            header, _ = await read_reply(reader)
+            assert not header.is_error
+        for field, value in ((16, 1 << 20), (24, 1 << 40)):  # meta_len / data_len over the limit
+            async with raw(srv) as (stream, reader):
+                frame = bytearray(put_frame([TensorMeta("x", torch.uint8, (1,), 1)], b"z"))
+                width = 4 if field == 16 else 8
+                frame[field : field + width] = value.to_bytes(width, "little")
+                await stream.send([frame[:40]])
+                await expect_error(reader, errors.ErrorCode.LIMIT_EXCEEDED)
+
+
+async def lying_records_are_refused(h: Harness) -> None:
+    async with h.server() as srv, raw(srv) as (stream, reader):
+        # shape says 8 bytes, nbytes says 4: refused, and nothing is stored
+        lie = wm.encode_records([TensorMeta("l", torch.uint8, (4,), 4)])
+        lie = lie[:-16] + struct.pack("<QQ", 8, 0)
+        header = Header(1, Opcode.PUT, 0, ChecksumKind.XXH3_64, 3, len(lie), 4096, 8)
+        body = bytes(8) + struct.pack("<Q", checksum(ChecksumKind.XXH3_64, bytes(8)))
+        await stream.send([encode_frame_head(header, lie) + body])
+        await expect_error(reader, errors.ErrorCode.INVALID_TENSOR)
+        # an unknown dtype code
+        rec = bytearray(wm.encode_records([TensorMeta("u", torch.uint8, (1,), 1)]))
+        rec[4 + 2 + 1] = 250
+        header = Header(1, Opcode.PUT, 0, ChecksumKind.XXH3_64, 4, len(rec), 4096, 1)
+        body = b"q" + struct.pack("<Q", checksum(ChecksumKind.XXH3_64, b"q"))
+        await stream.send([encode_frame_head(header, bytes(rec)) + body])
+        await expect_error(reader, errors.ErrorCode.INVALID_TENSOR)
+        # a name that escapes
+        await stream.send([put_frame([TensorMeta("../../etc/passwd", torch.uint8, (1,), 1)], b"x", rid=5)])
+        await expect_error(reader, errors.ErrorCode.INVALID_NAME)
+        await assert_alive_and_empty(srv, h)
+
+
+async def corrupt_get_response_is_retried(h: Harness) -> None:
+    """A peer that damages its first GET answer: the client must not return it, and must retry."""
+    payload = torch.arange(1000, dtype=torch.int32)
+    answers = 0
+
+    async def flaky(stream: ByteStream) -> None:
+        nonlocal answers
+        reader = FrameReader(stream)
+        while await reader.at_frame_start():
+            raw_head = await read_head(reader)
+            req = decode_header(raw_head, Limits())
+            await reader.read(req.meta_len)
+            if req.opcode == Opcode.HELLO:
+                info = wm.ServerInfo(1, Limits(), 1 << 30, 0)
+                meta = wm.encode_hello_response(info)
+                data: list[memoryview] = []
+            else:
+                answers += 1
+                meta = wm.encode_records([TensorMeta.of("p", payload).with_version(1)])
+                data = [byte_view(payload.clone())]
+                if answers == 1:
+                    data[0][10] ^= 0xFF  # the checksum is computed after: damage "in transit"
+            header = Header(1, req.opcode, Flags.RESPONSE, req.checksum, req.request_id, len(meta), 4096,
+                            sum(d.nbytes for d in data))  # fmt: skip
+            if data and answers == 1:
+                await _send_damaged(stream, header, meta, data[0], payload)
+            else:
+                await send_frame(stream, header, meta, data)
+
+    async with h.peer(flaky) as url:
+        client = AsyncClient(url, ClientOptions(timeout=5, retries=2, backoff=0.01))
+        try:
+            got = await client.get("p")
+        finally:
+            await client.close()
+    assert answers == 2 and torch.equal(got, payload)
+
+
+async def _send_damaged(
+    stream: ByteStream, header: Header, meta: bytes, damaged: memoryview, good: torch.Tensor
+) -> None:
+    """Send ``damaged`` bytes with the trailers of ``good``: a corruption the checksums must catch."""
+    good_view = byte_view(good)
+    out = bytearray(encode_frame_head(header, meta))
+    for i in range(0, header.data_len, header.chunk_size):
+        out += damaged[i : i + header.chunk_size]
+        out += struct.pack("<Q", checksum(header.checksum, good_view[i : i + header.chunk_size]))
+    await stream.send([out])
+
+
+CASES: list[Case] = [
+    every_dtype_and_shape,
+    non_contiguous_is_sent_contiguous,
+    get_into_out_in_place,
+    out_mismatch_is_refused,
+    large_tensor_many_chunks,
+    batches_are_atomic_and_versioned,
+    list_stat_delete,
+    capacity_is_enforced,
+    many_requests_in_flight,
+    silent_server_times_out,
+    closed_client_and_server,
+    corrupt_chunk_is_never_stored,
+    bad_magic_and_version_end_the_session,
+    damaged_header_is_caught,
+    truncated_frame_stores_nothing,
+    limits_are_enforced,
+    lying_records_are_refused,
+    corrupt_get_response_is_retried,
+]
+
+__all__ = ["CASES", "SCHEMES", "Harness", "random_tensor", "run_case", "same_bytes"]
