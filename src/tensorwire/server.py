@@ -1,10 +1,12 @@
 """The tensorwire server: a TensorStore served over every listening address.
 
 Each connection is one session that reads a frame, runs it and answers, in order. A request the
-server refuses (bad name, unknown dtype, capacity full, corrupt chunk, a size over a limit) gets an
-ERROR frame and the session goes on; only a frame whose header cannot be trusted (bad magic,
-unsupported version, header checksum mismatch) ends the session, since the stream can no longer be
-cut into frames. A put becomes visible only after every chunk was verified (``TensorStore``).
+server refuses for what its metadata or data says (bad name, unknown dtype, too many dims or items,
+capacity full, a missing key, a corrupt data chunk) gets an ERROR frame and the session goes on. A
+frame whose header cannot be trusted (bad magic, unsupported version, header checksum mismatch, a
+metadata or data length over the limit, an unknown checksum kind) gets an ERROR frame and ends the
+session, since the stream can no longer be cut into frames safely. A put becomes visible only
+after every chunk was verified (``TensorStore``).
 """
 
 from __future__ import annotations
@@ -110,15 +112,17 @@ class _Session:
         except TensorwireError as exc:
             if not self.data_read:
                 await skip_data(self.reader, header)
-            await self._send_error(header.request_id, exc)
+            await self._send_error(header.request_id, exc, header.opcode)
         except Exception as exc:
             log.exception("request %d (%s) failed", header.request_id, _opname(header.opcode))
             if not self.data_read:
                 await skip_data(self.reader, header)
-            await self._send_error(header.request_id, exc)
+            await self._send_error(header.request_id, exc, header.opcode)
 
     async def _dispatch(self, header: Header, reader: wm.MetaReader) -> None:
         op = header.opcode
+        if op not in Opcode.__members__.values():
+            raise ProtocolError(f"unknown opcode {op}")
         if op in (Opcode.PUT, Opcode.PUT_MANY):
             await self._put(header, reader)
             return
@@ -141,8 +145,6 @@ class _Session:
             reader.done()
             limit = min(limit or self.limits.max_batch, self.limits.max_batch)
             await self._reply(header, wm.encode_records(self.store.list(prefix, limit)))
-        else:
-            raise ProtocolError(f"unknown opcode {op}")
 
     async def _hello(self, header: Header, reader: wm.MetaReader) -> None:
         lo, hi = wm.decode_hello_request(reader)
@@ -157,8 +159,8 @@ class _Session:
     async def _put(self, header: Header, reader: wm.MetaReader) -> None:
         metas = wm.decode_records(reader)
         reader.done()
-        if header.opcode == Opcode.PUT and len(metas) != 1:
-            raise ProtocolError(f"PUT carries exactly one tensor, not {len(metas)}")
+        if not metas or (header.opcode == Opcode.PUT and len(metas) != 1):
+            raise ProtocolError(f"{_opname(header.opcode)} cannot carry {len(metas)} tensors")
         if sum(m.nbytes for m in metas) != header.data_len:
             raise InvalidTensor("the tensor records' sizes do not add up to the frame's data length")
         res = self.store.reserve(metas)
@@ -177,6 +179,8 @@ class _Session:
 
     async def _get(self, header: Header, reader: wm.MetaReader) -> None:
         names = _names(reader)
+        if not names or (header.opcode == Opcode.GET and len(names) != 1):
+            raise ProtocolError(f"{_opname(header.opcode)} cannot ask for {len(names)} tensors")
         entries = self.store.acquire(names)
         try:
             metas = [e.meta for e in entries]
@@ -187,22 +191,20 @@ class _Session:
 
     async def _reply(self, req: Header, meta: bytes, data: Sequence[memoryview] = ()) -> None:
         data_len = sum(d.nbytes for d in data)
+        # Answer in the client's checksum kind and chunk size when the server accepts them.
         kind = req.checksum if req.checksum in ChecksumKind.__members__.values() else ChecksumKind.XXH3_64
-        chunk = (
-            req.chunk_size
-            if self.limits.min_chunk_bytes <= req.chunk_size <= self.limits.max_chunk_bytes
-            else DEFAULT_CHUNK_BYTES
-        )
+        lo, hi = self.limits.min_chunk_bytes, self.limits.max_chunk_bytes
+        chunk = req.chunk_size if lo <= req.chunk_size <= hi else min(max(DEFAULT_CHUNK_BYTES, lo), hi)
         header = Header(
             self.version, req.opcode, Flags.RESPONSE, kind, req.request_id, len(meta),
             chunk if data_len else 0, data_len,
         )  # fmt: skip
         await send_frame(self.stream, header, meta, data)
 
-    async def _send_error(self, request_id: int, exc: BaseException) -> None:
+    async def _send_error(self, request_id: int, exc: BaseException, opcode: int = 0) -> None:
         message = str(exc) if isinstance(exc, TensorwireError) else f"internal error: {type(exc).__name__}"
         meta = wm.encode_error(code_for_error(exc), message)
-        header = Header(self.version, 0, Flags.RESPONSE | Flags.ERROR, 0, request_id, len(meta), 0, 0)
+        header = Header(self.version, opcode, Flags.RESPONSE | Flags.ERROR, 0, request_id, len(meta), 0, 0)
         with contextlib.suppress(ConnectionLost):
             await send_frame(self.stream, header, meta)
 
@@ -214,8 +216,9 @@ def _names(reader: wm.MetaReader) -> list[str]:
 
 
 def _request_id(raw: bytes) -> int:
-    """The request id of a frame whose header failed its checks, if it is there at all."""
-    return _RID.unpack_from(raw, 8)[0] if len(raw) >= 16 else 0
+    """The request id of a frame whose header failed its checks, so the client can match the error
+    to its request (the server then closes the connection, which fails the client's others)."""
+    return int(_RID.unpack_from(raw, 8)[0])
 
 
 def _opname(op: int) -> str:

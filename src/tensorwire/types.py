@@ -103,3 +103,24 @@ class Limits:
     min_chunk_bytes: int = 4 * KiB
     max_chunk_bytes: int = 64 * MiB
     max_inflight: int = 256
+
+    def __post_init__(self) -> None:
+        # Each field travels in a HELLO response field of fixed width (docs/protocol.md).
+        widths = {
+            "max_name_bytes": 16,
+            "max_ndim": 8,
+            "max_meta_bytes": 32,
+            "max_batch": 32,
+            "min_chunk_bytes": 32,
+            "max_chunk_bytes": 32,
+            "max_inflight": 32,
+            "max_request_bytes": 64,
+        }
+        for name, bits in widths.items():
+            value = getattr(self, name)
+            if not 1 <= value < (1 << bits):
+                raise ValueError(f"Limits.{name}={value} must be in [1, 2**{bits})")
+        if self.max_name_bytes > 1024:
+            raise ValueError("Limits.max_name_bytes cannot exceed 1024, the store's own bound on names")
+        if self.min_chunk_bytes > self.max_chunk_bytes:
+            raise ValueError("Limits.min_chunk_bytes exceeds max_chunk_bytes")

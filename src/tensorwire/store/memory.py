@@ -209,6 +209,7 @@ class TensorStore:
                 for name in names:
                     self._lookup(name)
             if self._disk is not None:
+                self._disk.save_revision(self.revision)  # so a restart never reuses a deleted version
                 self._disk.remove(list(names))
             with self._lock:
                 for name in dict.fromkeys(names):
@@ -218,6 +219,7 @@ class TensorStore:
     def _load(self) -> None:
         """Fill the store from the data directory (at start, before any client connects)."""
         assert self._disk is not None
+        self.revision = self._disk.load_revision()
         for meta, data in self._disk.load():
             self._entries[meta.name] = Entry(meta, data.numpy().data.cast("B"))
             self._stored += meta.nbytes

@@ -60,6 +60,7 @@ from tensorwire.wire.dtypes import dtype_from_name, dtype_name
 SUFFIX = ".safetensors"
 TEMP_PREFIX = ".tmp-"
 JOURNAL_PREFIX = "journal-"
+REVISION_FILE = "revision"
 JOURNAL_SUFFIX = ".json"
 META_VERSION = "tensorwire.version"
 META_DTYPE = "tensorwire.dtype"
@@ -189,6 +190,24 @@ class DataDir:
             except OSError as exc:
                 raise PersistenceError(f"cannot remove {path}: {exc}") from exc
         self._sync_dir()
+
+    def save_revision(self, revision: int) -> None:
+        """Durably record the last version handed out. Stored files alone would let a restart after
+        deletes hand out versions a client has already seen; this file bounds them from below."""
+        temp = self._new_temp()
+        self._write_durably(temp, [str(revision).encode()])
+        self._rename(temp.name, REVISION_FILE)
+        self._sync_dir()
+
+    def load_revision(self) -> int:
+        """The revision last saved by ``save_revision`` (0 if none)."""
+        path = self._path / REVISION_FILE
+        try:
+            return int(path.read_text(encoding="ascii"))
+        except FileNotFoundError:
+            return 0
+        except (OSError, ValueError) as exc:
+            raise PersistenceError(f"cannot read {path}: {exc}") from exc
 
     def load(self) -> Iterator[tuple[TensorMeta, torch.Tensor]]:
         """Every stored tensor: its meta (with version) and its bytes as a 1-D uint8 tensor."""

@@ -12,6 +12,7 @@ import contextlib
 import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 from tensorwire.errors import (
     ConnectionLost,
@@ -35,12 +36,15 @@ from tensorwire.wire.frame import (
     decode_header,
 )
 
+T = TypeVar("T")
+
 # What a client accepts from a server: generous, but every length is still bounded.
 CLIENT_LIMITS = Limits(max_meta_bytes=256 << 20, max_batch=10_000_000, max_request_bytes=1 << 50)
 
 
 @dataclass(slots=True)
 class _Pending:
+    opcode: int
     future: asyncio.Future[tuple[Header, wm.MetaReader]]
     sink: Sink | None = None
     progress: Callable[[int], None] | None = None
@@ -62,6 +66,7 @@ class FramedTransport(Transport):
         self._ids = itertools.count(1)
         self._pending: dict[int, _Pending] = {}
         self._write_lock = asyncio.Lock()
+        self._inflight = asyncio.Semaphore(Limits().max_inflight)  # the server's own, after HELLO
         self._closed = False
         self._failure: TensorwireError | None = None
         self._version = PROTOCOL_VERSIONS[-1]
@@ -81,7 +86,7 @@ class FramedTransport(Transport):
         _, reader = await self._call(
             Opcode.HELLO, wm.encode_hello_request(PROTOCOL_VERSIONS[0], PROTOCOL_VERSIONS[-1])
         )
-        info = wm.decode_hello_response(reader)
+        info = _finish(reader, wm.decode_hello_response(reader))
         if info.version not in PROTOCOL_VERSIONS:
             raise UnsupportedVersion(f"server chose version {info.version}; we speak {PROTOCOL_VERSIONS}")
         self._version = info.version
@@ -89,6 +94,7 @@ class FramedTransport(Transport):
             max(self._chunk_size, info.limits.min_chunk_bytes), info.limits.max_chunk_bytes
         )
         self.info = info
+        self._inflight = asyncio.Semaphore(info.limits.max_inflight)
         return info
 
     # -- operations ----------------------------------------------------------------------------
@@ -100,29 +106,36 @@ class FramedTransport(Transport):
     ) -> int:
         op = Opcode.PUT if len(metas) == 1 else Opcode.PUT_MANY
         _, reader = await self._call(op, wm.encode_records(metas), data, progress=progress)
-        return reader.u64()
+        return _finish(reader, reader.u64())
 
     async def get(
         self, names: Sequence[str], sink: Sink, progress: Callable[[int], None] | None = None
     ) -> list[TensorMeta]:
         op = Opcode.GET if len(names) == 1 else Opcode.GET_MANY
-        _, reader = await self._call(op, wm.encode_names(names), sink=sink, progress=progress)
-        return wm.decode_records(reader)
+        landed: list[list[TensorMeta]] = []
+
+        def land(metas: list[TensorMeta]) -> list[memoryview]:
+            landed.append(metas)  # the records are decoded once, by the reader task
+            return sink(metas)
+
+        _, reader = await self._call(op, wm.encode_names(names), sink=land, progress=progress)
+        return _finish(reader, landed[-1])
 
     async def delete(self, names: Sequence[str]) -> int:
         _, reader = await self._call(Opcode.DELETE, wm.encode_names(names))
-        return reader.u32()
+        return _finish(reader, reader.u32())
 
     async def stat(self, names: Sequence[str]) -> list[TensorMeta]:
         _, reader = await self._call(Opcode.STAT, wm.encode_names(names))
-        return wm.decode_records(reader)
+        return _finish(reader, wm.decode_records(reader))
 
     async def list(self, prefix: str, limit: int) -> list[TensorMeta]:
         _, reader = await self._call(Opcode.LIST, wm.encode_list_request(prefix, limit))
-        return wm.decode_records(reader)
+        return _finish(reader, wm.decode_records(reader))
 
     async def ping(self) -> None:
-        await self._call(Opcode.PING, b"")
+        _, reader = await self._call(Opcode.PING, b"")
+        reader.done()
 
     async def close(self) -> None:
         await self._fail(ConnectionLost(f"connection to {self.address} was closed by the client"))
@@ -140,16 +153,17 @@ class FramedTransport(Transport):
             raise self._failure or ConnectionLost(f"connection to {self.address} is closed")
         rid = next(self._ids)
         future: asyncio.Future[tuple[Header, wm.MetaReader]] = asyncio.get_running_loop().create_future()
-        self._pending[rid] = _Pending(future, sink, None if data else progress)
+        self._pending[rid] = _Pending(opcode, future, sink, None if data else progress)
         data_len = sum(memoryview(d).nbytes for d in data)
+        # chunk_size is sent even without data: the server answers a GET in the same chunk size.
         header = Header(
-            self._version, opcode, Flags.NONE, self._checksum, rid, len(meta),
-            self._chunk_size if data_len else 0, data_len,
-        )  # fmt: skip
+            self._version, opcode, Flags.NONE, self._checksum, rid, len(meta), self._chunk_size, data_len
+        )
         try:
-            async with self._write_lock:
-                await send_frame(self._stream, header, meta, data, progress)
-            return await future
+            async with self._inflight:
+                async with self._write_lock:
+                    await send_frame(self._stream, header, meta, data, progress)
+                return await future
         except asyncio.CancelledError:
             # A request abandoned mid-flight leaves the stream in an unknown state: drop it.
             self._pending.pop(rid, None)
@@ -174,8 +188,12 @@ class FramedTransport(Transport):
         header = decode_header(raw, CLIENT_LIMITS)
         meta = await self._reader.read(header.meta_len)
         check_meta_crc(raw, header, meta)
+        if not header.is_response:
+            raise ProtocolError(f"{self.address} sent a request frame to a client")
         reader = wm.MetaReader(meta, CLIENT_LIMITS)
         pending = self._pending.get(header.request_id)
+        if pending is not None and header.opcode not in (pending.opcode, 0):
+            raise ProtocolError(f"{self.address} answered request {header.request_id} with another opcode")
         if header.is_error:
             code, message = wm.decode_error(reader)
             await skip_data(self._reader, header)
@@ -209,7 +227,7 @@ class FramedTransport(Transport):
                 raise
             _settle(pending, error=exc)
             return
-        _settle(pending, result=(header, wm.MetaReader(meta, CLIENT_LIMITS)))
+        _settle(pending, result=(header, probe))
 
     async def _fail(self, exc: TensorwireError) -> None:
         """Close the connection once and fail every request still waiting with ``exc``."""
@@ -225,6 +243,12 @@ class FramedTransport(Transport):
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await self._reader_task
         await self._stream.close()
+
+
+def _finish(reader: wm.MetaReader, value: T) -> T:
+    """``value``, once nothing is left unread in the response's metadata block."""
+    reader.done()
+    return value
 
 
 def _settle(

@@ -3,7 +3,9 @@
 All integers are little-endian. A string is ``u16 length | UTF-8 bytes``; a tensor record is
 ``name | u8 dtype | u8 ndim | i64 x ndim shape | u64 nbytes | u64 version``. Decoding checks every
 count and length against the receiver's ``Limits`` and against the bytes actually present, so a
-truncated or lying block raises ``ProtocolError``/``LimitExceeded``, never an ``IndexError``.
+truncated or lying block raises a ``TensorwireError`` (``ProtocolError``, ``LimitExceeded``,
+``InvalidName`` for bad UTF-8, ``InvalidTensor`` for an unknown dtype or inconsistent size), never
+an ``IndexError`` or ``struct.error``.
 """
 
 from __future__ import annotations

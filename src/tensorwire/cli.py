@@ -1,0 +1,460 @@
+"""The ``tensorwire`` command: run a server, move tensors between files and a server, run the demo.
+
+::
+
+    tensorwire serve --listen 0.0.0.0:7070 --capacity 16GiB --data-dir /var/lib/tensorwire
+    tensorwire put model/w weights.safetensors --key layer0.weight
+    tensorwire get model/w -o w.npy
+    tensorwire ls model/ --json
+
+Every command that talks to a server takes ``--server`` (or ``TENSORWIRE_SERVER``). A tensorwire
+error or an OS error ends the command with ``error: <message>`` on stderr and exit status 1.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import importlib
+import json
+import logging
+import os
+import re
+import signal
+import time
+from collections.abc import Callable, Iterator, Mapping
+from decimal import Decimal, InvalidOperation
+from pathlib import Path
+from typing import Any
+
+import click
+import torch
+from rich.console import Console
+from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
+from rich.table import Table
+
+from tensorwire import __version__
+from tensorwire import transport as transports
+from tensorwire._loop import run
+from tensorwire.client import connect
+from tensorwire.errors import TensorwireError
+from tensorwire.server import Server
+from tensorwire.store import TensorStore
+from tensorwire.types import Address, GiB, KiB, MiB, TensorMeta
+from tensorwire.wire.dtypes import dtype_name
+
+DEFAULT_URL = "tcp://127.0.0.1:7070"
+SERVER_ENV = "TENSORWIRE_SERVER"
+PROGRESS_MIN_BYTES = 64 * MiB  # below this a transfer is over before a bar would be worth drawing
+FORMATS = (".safetensors", ".npy", ".pt", ".pth")
+
+_SIZE_UNITS = {
+    "": 1, "b": 1,
+    "k": KiB, "kib": KiB, "kb": 10**3,
+    "m": MiB, "mib": MiB, "mb": 10**6,
+    "g": GiB, "gib": GiB, "gb": 10**9,
+    "t": 1 << 40, "tib": 1 << 40, "tb": 10**12,
+}  # fmt: skip
+_SIZE_RE = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-zA-Z]*)\s*")
+
+# torch dtypes numpy has an exact counterpart for; others (bfloat16, float8, ...) cannot go to .npy.
+_NUMPY_DTYPES = frozenset({
+    torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
+    torch.uint16, torch.uint32, torch.uint64,
+    torch.float16, torch.float32, torch.float64, torch.complex64, torch.complex128,
+})  # fmt: skip
+
+
+class CliError(click.ClickException):
+    """A failure the user can act on: printed as ``error: <message>`` in red, exit status 1."""
+
+    def show(self, file: Any = None) -> None:
+        click.secho(f"error: {self.format_message()}", fg="red", err=True)
+
+
+# -- parameter types -------------------------------------------------------------------------------
+def parse_size(text: str) -> int:
+    """``"8GiB"`` -> 8589934592; also ``"512MiB"``, ``"1.5GB"``, ``"4k"``, plain bytes."""
+    match = _SIZE_RE.fullmatch(text)
+    unit = match.group(2).lower() if match else ""
+    if match is None or unit not in _SIZE_UNITS:
+        raise ValueError(f"invalid size {text!r}: expected e.g. 8GiB, 512MiB, 1.5GB or a number of bytes")
+    try:  # Decimal, not float: a large plain byte count must come back exact
+        return int(Decimal(match.group(1)) * _SIZE_UNITS[unit])
+    except InvalidOperation as exc:
+        raise ValueError(f"invalid size {text!r}") from exc
+
+
+def parse_url(text: str) -> str:
+    """``"HOST:PORT"`` means ``tcp://HOST:PORT``; returns the normalised URL or raises ValueError."""
+    address = Address.parse(text if "://" in text else f"tcp://{text}")
+    transports.stream_kind(address)  # refuse an unknown scheme here rather than at connect time
+    return str(address)
+
+
+def _size_param(ctx: click.Context, param: click.Parameter, value: str) -> int:
+    try:
+        size = parse_size(value)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), ctx, param) from exc
+    if size <= 0:
+        raise click.BadParameter(f"size must be positive, not {value!r}", ctx, param)
+    return size
+
+
+def _url_param(ctx: click.Context, param: click.Parameter, value: str | tuple[str, ...]) -> Any:
+    try:
+        return parse_url(value) if isinstance(value, str) else tuple(parse_url(v) for v in value)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), ctx, param) from exc
+
+
+server_option = click.option(
+    "--server",
+    metavar="URL",
+    callback=_url_param,
+    envvar=SERVER_ENV,
+    default=DEFAULT_URL,
+    show_default=True,
+    help=f"Server address (env {SERVER_ENV}).",
+)
+
+
+# -- the group -------------------------------------------------------------------------------------
+class _Group(click.Group):
+    """Turns the errors a user can meet (server refusals, network, files) into one red line."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except (TensorwireError, OSError) as exc:
+            raise CliError(str(exc) or type(exc).__name__) from exc
+
+
+@click.group("tensorwire", cls=_Group)
+@click.version_option(__version__, prog_name="tensorwire")
+def main() -> None:
+    """Move and keep PyTorch tensors across processes and machines."""
+
+
+# -- serve -----------------------------------------------------------------------------------------
+@main.command()
+@click.option(
+    "--listen", "listen", metavar="URL", callback=_url_param, multiple=True,
+    default=[DEFAULT_URL], show_default=True,
+    help="Address to serve on (repeatable); HOST:PORT means tcp://HOST:PORT, port 0 picks a free one.",
+)  # fmt: skip
+@click.option(
+    "--capacity", metavar="SIZE", callback=_size_param, default="8GiB", show_default=True,
+    help="Most bytes the store holds: 8GiB, 512MiB, 1.5GB, or bytes.",
+)  # fmt: skip
+@click.option(
+    "--data-dir", type=click.Path(file_okay=False, path_type=Path), help="Keep tensors on disk here."
+)
+@click.option(
+    "--ready-file", type=click.Path(dir_okay=False, path_type=Path),
+    help="Once listening, write the actual addresses here, one per line.",
+)  # fmt: skip
+@click.option(
+    "--log-level", type=click.Choice(["debug", "info", "warning", "error"], case_sensitive=False),
+    default="warning", show_default=True,
+)  # fmt: skip
+def serve(
+    listen: tuple[str, ...], capacity: int, data_dir: Path | None, ready_file: Path | None, log_level: str
+) -> None:
+    """Serve a tensor store until SIGINT or SIGTERM."""
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    store = TensorStore(capacity, data_dir)
+    run(_serve(Server(store), listen, ready_file))
+
+
+async def _serve(server: Server, urls: tuple[str, ...], ready_file: Path | None) -> None:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        addresses = await server.start(*urls)
+        for address in addresses:
+            click.echo(f"tensorwire serving on {address}")  # click.echo flushes: a pipe reader sees it now
+        if ready_file is not None:
+            _write_atomic(ready_file, "".join(f"{a}\n" for a in addresses).encode())
+        await stop.wait()
+    finally:
+        await server.close()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    """Write via a temporary file and a rename, so a reader never sees a half-written file."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        tmp.write_bytes(data)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+# -- put / get -------------------------------------------------------------------------------------
+@main.command()
+@click.argument("name")
+@click.argument("file", type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@server_option
+@click.option("--key", help="Which tensor of FILE to send, when it holds several.")
+def put(name: str, file: Path, server: str, key: str | None) -> None:
+    """Store the tensor in FILE (.safetensors, .npy, .pt/.pth) under NAME."""
+    tensor = load_tensor(file, key)
+    nbytes = tensor.numel() * tensor.element_size()
+    with connect(server) as client, _progress(nbytes, f"put {name}") as advance:
+        start = time.perf_counter()
+        version = client.put(name, tensor, progress=advance)
+        elapsed = time.perf_counter() - start
+    click.echo(f"{name}  version {version}  {nbytes} bytes  {_rate(nbytes, elapsed)}")
+
+
+@main.command()
+@click.argument("name")
+@click.option(
+    "-o", "--output", "output", required=True, type=click.Path(dir_okay=False, path_type=Path),
+    help="File to write: .safetensors, .npy, .pt or .pth.",
+)  # fmt: skip
+@server_option
+@click.option("--key", help="Tensor key inside a .safetensors output (default: NAME).")
+def get(name: str, output: Path, server: str, key: str | None) -> None:
+    """Fetch NAME into a file."""
+    fmt = _format_of(output)
+    if not output.parent.is_dir():  # fail before the transfer, not after it
+        raise CliError(f"cannot write {output}: directory {output.parent} does not exist")
+    with connect(server) as client:
+        meta = client.stat(name)  # the size for the bar, and a dtype check before any bytes move
+        _check_writable(meta, fmt)
+        with _progress(meta.nbytes, f"get {name}") as advance:
+            start = time.perf_counter()
+            tensor = client.get(name, progress=advance)
+            elapsed = time.perf_counter() - start
+    save_tensor(tensor, output, key or name)
+    nbytes = tensor.numel() * tensor.element_size()
+    click.echo(f"{name}  -> {output}  {nbytes} bytes  {_rate(nbytes, elapsed)}")
+
+
+def _rate(nbytes: int, seconds: float) -> str:
+    return f"{nbytes / max(seconds, 1e-9) / 1e9:.2f} GB/s"
+
+
+@contextlib.contextmanager
+def _progress(total: int, what: str) -> Iterator[Callable[[int], None] | None]:
+    """A rich bar on stderr for big transfers; yields the client's progress callback (or None)."""
+    if total <= PROGRESS_MIN_BYTES:
+        yield None
+        return
+    console = Console(stderr=True)
+    columns = (TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn())
+    # Drawn only on a terminal: in a log or a pipe a bar is just noise.
+    with Progress(*columns, console=console, transient=True, disable=not console.is_terminal) as bar:
+        task = bar.add_task(what, total=total)
+        # Called on the client's event loop thread; Progress.advance takes its own lock.
+        yield lambda n: bar.advance(task, n)
+
+
+def _format_of(path: Path) -> str:
+    suffix = path.suffix.lower()
+    if suffix not in FORMATS:
+        raise CliError(f"{path}: unsupported file type {suffix or '(none)'!r}; use {', '.join(FORMATS)}")
+    return ".pt" if suffix == ".pth" else suffix
+
+
+def load_tensor(path: Path, key: str | None) -> torch.Tensor:
+    """The tensor in ``path``: the file's only tensor, or the one under ``key``."""
+    fmt = _format_of(path)
+    if fmt == ".safetensors":
+        return _load_safetensors(path, key)
+    try:  # a boundary with arbitrary user files: any failure to parse is the file's fault
+        loaded: object = (
+            _load_npy(path) if fmt == ".npy" else torch.load(path, map_location="cpu", weights_only=True)
+        )
+    except (CliError, OSError):
+        raise
+    except Exception as exc:
+        raise CliError(f"cannot read {path}: {exc}") from exc
+    return _pick(loaded, key, path)
+
+
+def _load_npy(path: Path) -> torch.Tensor:
+    import numpy as np
+
+    array = np.load(path, allow_pickle=False)
+    if not isinstance(array, np.ndarray):
+        raise CliError(f"{path} is not a single .npy array")
+    if not array.dtype.isnative:  # torch only wraps native byte order
+        array = array.astype(array.dtype.newbyteorder("="))
+    return torch.from_numpy(array)
+
+
+def _load_safetensors(path: Path, key: str | None) -> torch.Tensor:
+    from safetensors import safe_open
+
+    try:  # safe_open reads only the header and the one tensor asked for, not the whole file
+        with safe_open(str(path), framework="pt") as f:
+            keys = list(f.keys())
+            chosen = _choose_key(keys, key, path)
+            tensor: torch.Tensor = f.get_tensor(chosen)
+            return tensor
+    except CliError:
+        raise
+    except Exception as exc:
+        raise CliError(f"cannot read {path}: {exc}") from exc
+
+
+def _pick(loaded: object, key: str | None, path: Path) -> torch.Tensor:
+    if isinstance(loaded, torch.Tensor):
+        if key is not None:
+            raise CliError(f"--key {key!r} given, but {path} holds a single tensor")
+        return loaded
+    if isinstance(loaded, Mapping):
+        chosen = _choose_key([str(k) for k in loaded], key, path)
+        value = loaded[chosen]
+        if isinstance(value, torch.Tensor):
+            return value
+        raise CliError(f"{path}: {chosen!r} is not a tensor but a {type(value).__name__}")
+    raise CliError(f"{path} holds a {type(loaded).__name__}: expected a tensor or a dict of tensors")
+
+
+def _choose_key(keys: list[str], key: str | None, path: Path) -> str:
+    shown = ", ".join(keys[:20]) + (f", ... ({len(keys)} in all)" if len(keys) > 20 else "")
+    if key is None:
+        if len(keys) == 1:
+            return keys[0]
+        raise CliError(f"{path} holds {len(keys)} tensors; pick one with --key ({shown or 'none'})")
+    if key not in keys:
+        raise CliError(f"no key {key!r} in {path}; it holds: {shown or 'nothing'}")
+    return key
+
+
+def _check_writable(meta: TensorMeta, fmt: str) -> None:
+    if fmt == ".npy" and meta.dtype not in _NUMPY_DTYPES:
+        raise CliError(
+            f"{meta.name!r} is {dtype_name(meta.dtype)}, which numpy has no dtype for; "
+            "write .safetensors or .pt instead"
+        )
+
+
+def save_tensor(tensor: torch.Tensor, path: Path, key: str) -> None:
+    """Write ``tensor`` to ``path`` in the format its suffix names, atomically (temp + rename)."""
+    fmt = _format_of(path)
+    # The temporary keeps the suffix: np.save would otherwise append ".npy" to its name.
+    tmp = path.with_name(f".{path.stem}.{os.getpid()}.tmp{path.suffix}")
+    try:
+        if fmt == ".npy":
+            import numpy as np
+
+            np.save(tmp, tensor.numpy(), allow_pickle=False)
+        elif fmt == ".pt":
+            torch.save(tensor, tmp)
+        else:
+            _save_safetensors(tensor, tmp, key)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def _save_safetensors(tensor: torch.Tensor, path: Path, key: str) -> None:
+    import safetensors.torch
+
+    try:
+        safetensors.torch.save_file({key: tensor.contiguous()}, str(path))
+    except Exception as exc:  # e.g. a dtype the safetensors format has no code for
+        raise CliError(f"cannot write {path.suffix}: {exc}") from exc
+
+
+# -- ls / stat / rm --------------------------------------------------------------------------------
+def meta_dict(meta: TensorMeta) -> dict[str, Any]:
+    """The JSON form of a tensor's metadata (``ls --json``, ``stat --json``)."""
+    return {
+        "name": meta.name,
+        "dtype": dtype_name(meta.dtype),
+        "shape": list(meta.shape),
+        "nbytes": meta.nbytes,
+        "version": meta.version,
+    }
+
+
+@main.command("ls")
+@click.argument("prefix", default="")
+@server_option
+@click.option("--json", "as_json", is_flag=True, help="Print a JSON list.")
+def ls(prefix: str, server: str, as_json: bool) -> None:
+    """List stored tensors (whose names start with PREFIX)."""
+    with connect(server) as client:
+        metas = client.list(prefix)
+    if as_json:
+        click.echo(json.dumps([meta_dict(m) for m in metas], indent=2))
+        return
+    table = Table("name", "dtype", "shape", "bytes", "version")
+    for meta in metas:
+        table.add_row(meta.name, dtype_name(meta.dtype), _shape(meta), f"{meta.nbytes:,}", str(meta.version))
+    Console().print(table)
+
+
+def _shape(meta: TensorMeta) -> str:
+    return "[" + ", ".join(str(d) for d in meta.shape) + "]"
+
+
+@main.command()
+@click.argument("name")
+@server_option
+@click.option("--json", "as_json", is_flag=True, help="Print a JSON object.")
+def stat(name: str, server: str, as_json: bool) -> None:
+    """Show the metadata of NAME."""
+    with connect(server) as client:
+        meta = client.stat(name)
+    if as_json:
+        click.echo(json.dumps(meta_dict(meta), indent=2))
+        return
+    for field, value in meta_dict(meta).items():
+        click.echo(f"{field:8} {value}")
+
+
+@main.command()
+@click.argument("name")
+@server_option
+def rm(name: str, server: str) -> None:
+    """Remove NAME."""
+    with connect(server) as client:
+        client.delete(name)
+    click.echo(f"removed {name}")
+
+
+# -- demo / bench ----------------------------------------------------------------------------------
+@main.command()
+@click.option("--size-mb", type=click.IntRange(min=1), default=64, show_default=True)
+def demo(size_mb: int) -> None:
+    """Round-trip a state dict and a big tensor via a loopback server."""
+    from tensorwire import demo as demo_module
+
+    demo_module.main(size_mb=size_mb)
+
+
+@main.group()
+def bench() -> None:
+    """Benchmarks."""
+
+
+@bench.command(
+    context_settings={"ignore_unknown_options": True, "allow_extra_args": True},
+    add_help_option=False,  # --help goes to the benchmark, which knows its own options
+)
+@click.pass_context
+def transfer(ctx: click.Context) -> None:
+    """Transfer throughput (options --size, --json, --iters, --small-iters, --many: see --help)."""
+    try:  # imported by name: the benchmark is optional and heavy, and loads only when asked for
+        module = importlib.import_module("tensorwire.bench.transfer")
+    except ModuleNotFoundError as exc:
+        if not (exc.name or "").startswith("tensorwire.bench"):
+            raise
+        raise CliError("the transfer benchmark (tensorwire.bench.transfer) is not installed") from exc
+    module.main(list(ctx.args))
+
+
+if __name__ == "__main__":
+    main(prog_name="tensorwire")
