@@ -21,6 +21,7 @@ from typing import Any, TypeVar
 import torch
 
 from tensorwire import transport as transports
+from tensorwire._gc import gc_paused
 from tensorwire._loop import new_event_loop
 from tensorwire._timeouts import asyncio_timeout
 from tensorwire.errors import ConnectError, InvalidTensor, ProtocolError, TensorwireError
@@ -92,7 +93,8 @@ class AsyncClient:
         pairs = list(items.items()) if isinstance(items, Mapping) else list(items)
         if not pairs:
             raise InvalidTensor("put_many needs at least one tensor")
-        metas, views = _encode_items(pairs)  # each view keeps its tensor's memory alive
+        with gc_paused():
+            metas, views = _encode_items(pairs)  # each view keeps its tensor's memory alive
         return await self._run(f"put of {_describe(metas)}", lambda t: t.put(metas, views, progress))
 
     async def get(
@@ -214,20 +216,22 @@ class _Landing:
     def sink(self, metas: list[TensorMeta]) -> list[memoryview]:
         if [m.name for m in metas] != self.names:
             raise ProtocolError("the server answered for other tensors than the ones asked for")
-        views = []
-        for meta in metas:
-            out = self.outs.get(meta.name)
-            if out is None:
-                target = empty_for(meta)
-                self.results[meta.name] = target
-            else:
-                check_out(meta, out)
-                self.results[meta.name] = out
-                target = out if out.is_contiguous() else empty_for(meta)
-                if target is not out:
-                    self.staged.append((target, out))
-            views.append(byte_view(target))
-        return views
+        with gc_paused():
+            return [self._land(meta) for meta in metas]
+
+    def _land(self, meta: TensorMeta) -> memoryview:
+        out = self.outs.get(meta.name)
+        if out is None:
+            target = empty_for(meta)
+            self.results[meta.name] = target
+            return byte_view(target)
+        check_out(meta, out)
+        self.results[meta.name] = out
+        if out.is_contiguous():
+            return byte_view(out)
+        staged = empty_for(meta)  # a strided out is filled from a contiguous copy after the transfer
+        self.staged.append((staged, out))
+        return byte_view(staged)
 
     def finish(self) -> dict[str, torch.Tensor]:
         for received, out in self.staged:

@@ -19,6 +19,7 @@ import threading
 from collections.abc import Sequence
 
 from tensorwire import transport
+from tensorwire._gc import gc_paused
 from tensorwire.errors import (
     ConnectionLost,
     InvalidTensor,
@@ -34,7 +35,9 @@ from tensorwire.types import Address, Limits
 from tensorwire.wire import meta as wm
 from tensorwire.wire.checksum import ChecksumKind
 from tensorwire.wire.frame import (
+    CHECKSUM_KINDS,
     DEFAULT_CHUNK_BYTES,
+    OPCODES,
     PROTOCOL_VERSIONS,
     Flags,
     Header,
@@ -121,7 +124,7 @@ class _Session:
 
     async def _dispatch(self, header: Header, reader: wm.MetaReader) -> None:
         op = header.opcode
-        if op not in Opcode.__members__.values():
+        if op not in OPCODES:
             raise ProtocolError(f"unknown opcode {op}")
         if op in (Opcode.PUT, Opcode.PUT_MANY):
             await self._put(header, reader)
@@ -157,20 +160,23 @@ class _Session:
         await self._reply(header, wm.encode_hello_response(info))
 
     async def _put(self, header: Header, reader: wm.MetaReader) -> None:
-        metas = wm.decode_records(reader)
+        with gc_paused():
+            metas = wm.decode_records(reader)
         reader.done()
         if not metas or (header.opcode == Opcode.PUT and len(metas) != 1):
             raise ProtocolError(f"{_opname(header.opcode)} cannot carry {len(metas)} tensors")
         if sum(m.nbytes for m in metas) != header.data_len:
             raise InvalidTensor("the tensor records' sizes do not add up to the frame's data length")
-        res = self.store.reserve(metas)
+        with gc_paused():
+            res = self.store.reserve(metas)
         try:
             await recv_data(self.reader, header, res.buffers)
             self.data_read = True
             if self.store.persistent:  # the disk write blocks; keep the loop serving others
                 version = await asyncio.get_running_loop().run_in_executor(None, self.store.commit, res)
             else:
-                version = self.store.commit(res)
+                with gc_paused():
+                    version = self.store.commit(res)
         except BaseException:
             self.data_read = True  # recv_data consumed the section or the stream is gone
             self.store.abort(res)
@@ -192,7 +198,7 @@ class _Session:
     async def _reply(self, req: Header, meta: bytes, data: Sequence[memoryview] = ()) -> None:
         data_len = sum(d.nbytes for d in data)
         # Answer in the client's checksum kind and chunk size when the server accepts them.
-        kind = req.checksum if req.checksum in ChecksumKind.__members__.values() else ChecksumKind.XXH3_64
+        kind = req.checksum if req.checksum in CHECKSUM_KINDS else ChecksumKind.XXH3_64
         lo, hi = self.limits.min_chunk_bytes, self.limits.max_chunk_bytes
         chunk = req.chunk_size if lo <= req.chunk_size <= hi else min(max(DEFAULT_CHUNK_BYTES, lo), hi)
         header = Header(

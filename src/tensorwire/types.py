@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass
 from urllib.parse import urlsplit
@@ -39,13 +38,16 @@ class TensorMeta:
         return math.prod(self.shape)
 
     def with_version(self, version: int) -> TensorMeta:
-        return dataclasses.replace(self, version=version)
+        return TensorMeta(self.name, self.dtype, self.shape, self.nbytes, version)
 
     def check_size(self) -> None:
         """Raise InvalidTensor unless ``nbytes`` equals numel x itemsize and no dim is negative."""
-        if any(d < 0 for d in self.shape):
-            raise InvalidTensor(f"{self.name!r}: negative dimension in shape {self.shape}")
-        expected = self.numel * self.dtype.itemsize
+        numel = 1
+        for d in self.shape:
+            if d < 0:
+                raise InvalidTensor(f"{self.name!r}: negative dimension in shape {self.shape}")
+            numel *= d
+        expected = numel * self.dtype.itemsize
         if expected != self.nbytes:
             raise InvalidTensor(
                 f"{self.name!r}: shape {self.shape} of {self.dtype} needs {expected} bytes, "

@@ -44,6 +44,12 @@ class Flags(enum.IntFlag):
     ERROR = 0x02
 
 
+_RESPONSE = int(Flags.RESPONSE)
+_ERROR = int(Flags.ERROR)
+OPCODES = frozenset(int(op) for op in Opcode)
+CHECKSUM_KINDS = frozenset(int(kind) for kind in ChecksumKind)
+
+
 @dataclass(slots=True)
 class Header:
     version: int
@@ -58,11 +64,11 @@ class Header:
 
     @property
     def is_response(self) -> bool:
-        return bool(self.flags & Flags.RESPONSE)
+        return bool(self.flags & _RESPONSE)  # plain ints: IntFlag's operators are slow Python
 
     @property
     def is_error(self) -> bool:
-        return bool(self.flags & Flags.ERROR)
+        return bool(self.flags & _ERROR)
 
     @property
     def wire_data_len(self) -> int:
@@ -92,7 +98,7 @@ def encode_frame_head(header: Header, meta: bytes) -> bytes:
         header.data_len,
         0,
     )
-    crc = header_crc(memoryview(packed)[:_CRC_COVERS], meta)
+    crc = header_crc(packed[:_CRC_COVERS], meta)
     return packed[:_CRC_COVERS] + struct.pack("<I4x", crc) + meta
 
 
@@ -108,7 +114,7 @@ def decode_header(raw: bytes | bytearray | memoryview, limits: Limits) -> Header
     if data_len > limits.max_request_bytes:
         raise LimitExceeded(f"data section of {data_len} bytes exceeds {limits.max_request_bytes}")
     if data_len:
-        if kind not in ChecksumKind.__members__.values():
+        if kind not in CHECKSUM_KINDS:
             raise ProtocolError(f"unknown checksum kind {kind}")
         if not limits.min_chunk_bytes <= chunk_size <= limits.max_chunk_bytes:
             raise LimitExceeded(
@@ -119,5 +125,5 @@ def decode_header(raw: bytes | bytearray | memoryview, limits: Limits) -> Header
 
 def check_meta_crc(raw_header: bytes | bytearray | memoryview, header: Header, meta: bytes) -> None:
     """Raise CorruptFrame unless the header CRC matches the header and metadata bytes received."""
-    if header_crc(memoryview(raw_header)[:_CRC_COVERS], meta) != header.crc:
+    if header_crc(bytes(raw_header[:_CRC_COVERS]), meta) != header.crc:
         raise CorruptFrame(f"header/metadata checksum mismatch on request {header.request_id}")

@@ -14,9 +14,9 @@ import struct
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from tensorwire.errors import InvalidName, LimitExceeded, ProtocolError
+from tensorwire.errors import InvalidName, InvalidTensor, LimitExceeded, ProtocolError
 from tensorwire.types import Limits, TensorMeta
-from tensorwire.wire.dtypes import DTYPE_TO_CODE, dtype_code, dtype_from_code
+from tensorwire.wire.dtypes import CODE_TO_DTYPE, DTYPE_TO_CODE, dtype_code, dtype_from_code
 
 _U8 = struct.Struct("<B")
 _U16 = struct.Struct("<H")
@@ -28,6 +28,8 @@ _ERROR = struct.Struct("<H")
 _HELLO_REQ = struct.Struct("<BB")
 _HELLO_RESP = struct.Struct("<BIHBIQIIIQQ")
 MAX_MESSAGE_BYTES = 4096
+_SHAPES = [struct.Struct(f"<{n}q") for n in range(256)]  # one compiled format per ndim
+_RECORD_TAILS = [struct.Struct(f"<{n}qQQ") for n in range(256)]  # shape, nbytes, version
 
 
 class MetaReader:
@@ -81,13 +83,19 @@ class MetaReader:
         return self.text(self._limits.max_name_bytes)
 
     def record(self) -> TensorMeta:
+        # The hot loop of every batch: three unpacks per record, one bounds check via struct.error.
         name = self.name()
-        code, ndim = self.take(_REC_HEAD)
-        if ndim > self._limits.max_ndim:
-            raise LimitExceeded(f"{name!r}: {ndim} dims exceeds {self._limits.max_ndim}")
-        shape = self.take(struct.Struct(f"<{ndim}q")) if ndim else ()
-        nbytes, version = self.take(_REC_TAIL)
-        meta = TensorMeta(name, dtype_from_code(code), tuple(shape), nbytes, version)
+        buf, pos = self._buf, self._pos
+        try:
+            code, ndim = _REC_HEAD.unpack_from(buf, pos)
+            if ndim > self._limits.max_ndim:
+                raise LimitExceeded(f"{name!r}: {ndim} dims exceeds {self._limits.max_ndim}")
+            *shape, nbytes, version = _RECORD_TAILS[ndim].unpack_from(buf, pos + 2)
+        except struct.error:
+            raise ProtocolError(f"metadata block truncated inside the record of {name!r}") from None
+        self._pos = pos + 2 + _RECORD_TAILS[ndim].size
+        dtype = CODE_TO_DTYPE.get(code) or dtype_from_code(code)
+        meta = TensorMeta(name, dtype, tuple(shape), nbytes, version)
         meta.check_size()
         return meta
 
@@ -105,8 +113,10 @@ def _text(value: str) -> bytes:
 
 def encode_record(meta: TensorMeta) -> bytes:
     ndim = len(meta.shape)
+    if ndim >= len(_SHAPES):
+        raise InvalidTensor(f"{meta.name!r}: {ndim} dims cannot be encoded (max {len(_SHAPES) - 1})")
     code = DTYPE_TO_CODE.get(meta.dtype) or dtype_code(meta.dtype)
-    shape = struct.pack(f"<{ndim}q", *meta.shape) if ndim else b""
+    shape = _SHAPES[ndim].pack(*meta.shape) if ndim else b""
     return b"".join(
         (_text(meta.name), _REC_HEAD.pack(code, ndim), shape, _REC_TAIL.pack(meta.nbytes, meta.version))
     )

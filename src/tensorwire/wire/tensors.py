@@ -14,24 +14,35 @@ def sendable(tensor: torch.Tensor, name: str = "tensor") -> torch.Tensor:
 
     Non-contiguous tensors are sent contiguous; the receiver sees the same values and shape.
     """
+    # Called once per tensor of every put: each check below is the cheapest torch offers.
     if not isinstance(tensor, torch.Tensor):
         raise InvalidTensor(f"{name!r}: expected a torch.Tensor, got {type(tensor).__name__}")
     if tensor.dtype not in DTYPE_TO_CODE:
         raise InvalidTensor(f"{name!r}: dtype {tensor.dtype} cannot be sent (quantized or unknown)")
     if tensor.layout is not torch.strided:
         raise InvalidTensor(f"{name!r}: only dense (strided) tensors can be sent, not {tensor.layout}")
-    tensor = tensor.detach()
-    if tensor.device.type != "cpu":
+    if tensor.requires_grad:
+        tensor = tensor.detach()
+    if not tensor.is_cpu:
         tensor = tensor.cpu()
     return tensor if tensor.is_contiguous() else tensor.contiguous()
+
+
+_NUMPY_DTYPES = frozenset(
+    {torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.uint16, torch.uint32,
+     torch.uint64, torch.float16, torch.float32, torch.float64, torch.complex64, torch.complex128}
+)  # fmt: skip
 
 
 def byte_view(tensor: torch.Tensor) -> memoryview:
     """A writable flat ``memoryview`` of a contiguous CPU tensor's bytes (format ``B``)."""
     if tensor.numel() == 0:
-        return memoryview(b"")
-    flat = tensor.reshape(-1).view(torch.uint8)
-    return flat.numpy().data.cast("B")
+        return memoryview(bytearray())
+    if tensor.requires_grad:
+        tensor = tensor.detach()
+    if tensor.dtype in _NUMPY_DTYPES:  # the direct route costs half of the reinterpreting one
+        return tensor.numpy().data.cast("B")
+    return tensor.reshape(-1).view(torch.uint8).numpy().data.cast("B")
 
 
 def empty_for(meta: TensorMeta) -> torch.Tensor:

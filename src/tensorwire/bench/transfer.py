@@ -1,0 +1,509 @@
+"""Transfer benchmark: tensorwire next to the baselines it should be judged against.
+
+Every number comes with its baseline from the same run, because the machine is shared and noisy:
+the ratios (``put_ratio``, ``get_ratio``, ``small_ratio``) are what to compare between runs, not
+the absolute numbers.
+
+* bulk: ``put`` / ``get(out=...)`` of one large float32 tensor against a plain loopback TCP
+  socket (``sendall`` of a memoryview, ``recv_into`` a preallocated tensor, one-byte ack).
+* small: p50 latency of a 1 KiB ``get`` (asyncio and blocking clients) against a 1 KiB asyncio
+  echo round trip on the same kind of event loop.
+* many: tensors per second of one ``put_many`` / ``get_many`` of thousands of 1 KiB tensors.
+
+Servers always run in child processes (``spawn``), so client and server never share an
+interpreter; children report readiness through a pipe and stop when that pipe tells them to (or
+closes), and are killed if they do not exit in time.
+
+Placement: with two or more CPUs the client side is pinned to one CPU and every server to
+another (``--no-pin`` leaves placement to the scheduler). On this class of VM a wake-up across CPUs
+costs ~50 us while one on the same CPU costs almost nothing, so unpinned runs flip between the two
+placements and a latency ratio moves by 2x from run to run; pinned, each side has a core of its
+own, as it would on separate machines.
+
+Socket options: the baseline uses the kernel defaults on both ends (no TCP_NODELAY, default and
+auto-tuned buffer sizes): it stands for what any program gets from a plain socket. tensorwire
+tunes its own sockets (TCP_NODELAY, 4 MiB SO_SNDBUF/SO_RCVBUF; see ``transport/tcp.py``).
+
+Run: ``python -m tensorwire.bench.transfer [--size 256MiB] [--iters 5] [--json]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import multiprocessing
+import multiprocessing.connection
+import os
+import re
+import socket
+import statistics
+import sys
+import time
+import traceback
+from collections.abc import Callable, Coroutine, Iterator, Sequence
+from multiprocessing.connection import Connection
+from typing import Any, TypeVar
+
+import torch
+
+import tensorwire
+from tensorwire import _loop
+from tensorwire.server import Server
+from tensorwire.store import TensorStore
+from tensorwire.types import KiB, MiB
+from tensorwire.wire.tensors import byte_view
+
+T = TypeVar("T")
+Result = dict[str, float | int | str | None]
+Cpus = frozenset[int] | None  # a CPU set to pin a process to, or None to leave it to the scheduler
+
+SMALL_BYTES = KiB  # the "small" tensor and the echo message
+START_TIMEOUT = 120.0  # a child imports torch first; generous for a loaded 2-core machine
+STOP_TIMEOUT = 10.0
+MANY_REPEATS = 3
+_UNITS = {"": 1, "B": 1, "KIB": KiB, "MIB": MiB, "GIB": 1 << 30}
+_SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([KMG]IB|B)?\s*", re.IGNORECASE)
+
+
+# -- options ---------------------------------------------------------------------------------------
+def parse_size(text: str) -> int:
+    """``"256MiB"`` -> 268435456; accepts bytes or KiB/MiB/GiB, rounded down to whole float32s."""
+    match = _SIZE.fullmatch(text)
+    if match is None:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (try 256MiB, 64KiB, 1GiB)")
+    nbytes = int(float(match[1]) * _UNITS[(match[2] or "").upper()]) // 4 * 4
+    if nbytes < 4:
+        raise argparse.ArgumentTypeError(f"size {text!r} is smaller than one float32")
+    return nbytes
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, not {value}")
+    return value
+
+
+def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="tensorwire.bench.transfer", description=__doc__.split("\n")[0])
+    parser.add_argument("--size", type=parse_size, default=parse_size("256MiB"), help="bulk tensor size")
+    parser.add_argument("--iters", type=_positive, default=5, help="timed bulk iterations (after 1 warm-up)")
+    parser.add_argument("--small-iters", type=_positive, default=2000, help="timed 1 KiB round trips")
+    parser.add_argument("--many", type=_positive, default=10_000, help="1 KiB tensors per put_many/get_many")
+    parser.add_argument("--json", action="store_true", help="print one JSON object on the last line")
+    parser.add_argument(
+        "--no-pin", dest="pin", action="store_false", help="do not pin client and servers to separate CPUs"
+    )
+    return parser.parse_args(argv)
+
+
+# -- child processes -------------------------------------------------------------------------------
+class _Child:
+    """A spawned helper process and the pipe it reports on.
+
+    Protocol: the child sends ``("ready", value)`` once it serves (or ``("error", traceback)``),
+    then runs until the parent sends anything or closes the pipe.
+    """
+
+    def __init__(self, target: Callable[..., None], *args: object, cpus: Cpus = None) -> None:
+        ctx = multiprocessing.get_context("spawn")  # fork would copy the parent's threads and torch state
+        self._conn, child_conn = ctx.Pipe()
+        self._proc = ctx.Process(
+            target=_child_entry, args=(target, child_conn, cpus, *args), name=target.__name__, daemon=True
+        )
+        try:
+            self._proc.start()
+        finally:
+            child_conn.close()  # only the child's copy may stay open, or the child never sees EOF
+
+    def ready(self, timeout: float = START_TIMEOUT) -> object:
+        """What the child sent with "ready"; raises if it failed, died or took too long."""
+        # Waiting on the sentinel too means a crashed child is noticed at once, not at the timeout.
+        if not multiprocessing.connection.wait([self._conn, self._proc.sentinel], timeout):
+            raise TimeoutError(f"{self._proc.name} did not start within {timeout:.0f}s")
+        try:
+            kind, value = self._conn.recv()
+        except EOFError:
+            self._proc.join(STOP_TIMEOUT)
+            raise RuntimeError(f"{self._proc.name} exited with code {self._proc.exitcode}") from None
+        if kind != "ready":
+            raise RuntimeError(f"{self._proc.name} failed:\n{value}")
+        return value
+
+    def stop(self) -> None:
+        """Ask the child to stop; ``reap`` waits for it."""
+        if not self._conn.closed:
+            with contextlib.suppress(OSError):
+                self._conn.send("stop")
+            self._conn.close()
+
+    def reap(self) -> None:
+        """Make sure the child is gone: wait, then terminate, then kill."""
+        self.stop()
+        self._proc.join(STOP_TIMEOUT)
+        if self._proc.is_alive():
+            self._proc.terminate()
+            self._proc.join(STOP_TIMEOUT)
+        if self._proc.is_alive():
+            self._proc.kill()
+            self._proc.join(STOP_TIMEOUT)
+        self._proc.close()
+
+
+def _child_entry(target: Callable[..., None], conn: Connection, cpus: Cpus, *args: object) -> None:
+    if cpus is not None:
+        os.sched_setaffinity(0, cpus)  # after the imports, so that the children import in parallel
+    target(conn, *args)
+    # A child that ended cleanly holds nothing worth tearing down, and the interpreter's teardown
+    # with torch loaded takes ~0.4 s per process: skip it (a failure still exits the normal way).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def _close_all(children: list[_Child]) -> None:
+    # Signal every child before waiting for any, so that they wind down in parallel.
+    for child in children:
+        child.stop()
+    for child in children:
+        child.reap()
+
+
+def _send_failure(conn: Connection) -> None:
+    """Tell the parent why a child could not start (it is waiting on the pipe, not on stderr)."""
+    with contextlib.suppress(OSError):
+        conn.send(("error", traceback.format_exc()))
+
+
+async def _until_stopped(conn: Connection) -> None:
+    """Return once the parent sends anything or closes the pipe, without blocking the loop."""
+    loop = asyncio.get_running_loop()
+    stopped: asyncio.Future[None] = loop.create_future()
+
+    def readable() -> None:
+        if not stopped.done():
+            stopped.set_result(None)
+
+    loop.add_reader(conn.fileno(), readable)
+    try:
+        await stopped
+    finally:
+        loop.remove_reader(conn.fileno())
+
+
+def _serve_tensorwire(conn: Connection, capacity: int) -> None:
+    """Child: a tensorwire server on a free loopback port, on the preferred event loop."""
+    _loop.run(_serve_tensorwire_async(conn, capacity))
+
+
+async def _serve_tensorwire_async(conn: Connection, capacity: int) -> None:
+    server = Server(TensorStore(capacity=capacity))
+    try:
+        addresses = await server.start("tcp://127.0.0.1:0")
+        conn.send(("ready", str(addresses[0])))
+    except BaseException:
+        _send_failure(conn)
+        raise
+    try:
+        await _until_stopped(conn)
+    finally:
+        await server.close()
+
+
+def _socket_sink(conn: Connection, nbytes: int) -> None:
+    """Child: receive ``nbytes``-sized transfers on a default-option socket, ack each with a byte."""
+    try:
+        listener = socket.create_server(("127.0.0.1", 0))
+        target = torch.empty(nbytes, dtype=torch.uint8)
+        target.zero_()  # fault the pages in now: the timed receives should not pay for them
+        view = byte_view(target)
+        conn.send(("ready", listener.getsockname()[1]))
+    except BaseException:
+        _send_failure(conn)
+        raise
+    with listener:
+        # Accept, unless the parent gives up first (then the pipe becomes readable instead).
+        if listener not in multiprocessing.connection.wait([listener, conn]):
+            return
+        sock, _ = listener.accept()
+    with sock:
+        while _recv_exactly(sock, view):
+            sock.sendall(b"\x01")
+
+
+def _recv_exactly(sock: socket.socket, view: memoryview) -> bool:
+    """Fill ``view``; False when the sender closed the connection (between or during transfers)."""
+    filled = 0
+    while filled < view.nbytes:
+        got = sock.recv_into(view[filled:])
+        if got == 0:
+            return False
+        filled += got
+    return True
+
+
+def _echo_server(conn: Connection) -> None:
+    """Child: an asyncio-streams echo server, on the same kind of loop as the tensorwire server."""
+    _loop.run(_echo_server_async(conn))
+
+
+async def _echo_server_async(conn: Connection) -> None:
+    try:
+        server = await asyncio.start_server(_echo, "127.0.0.1", 0)
+        conn.send(("ready", server.sockets[0].getsockname()[1]))
+    except BaseException:
+        _send_failure(conn)
+        raise
+    async with server:
+        await _until_stopped(conn)
+
+
+async def _echo(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    try:
+        while data := await reader.read(64 * KiB):
+            writer.write(data)
+            await writer.drain()
+    finally:
+        writer.close()
+
+
+# -- measurements ----------------------------------------------------------------------------------
+def _timed(fn: Callable[[], object]) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def _median_seconds(fn: Callable[[], object], iters: int, warmup: int = 1) -> float:
+    for _ in range(warmup):
+        fn()
+    return statistics.median(_timed(fn) for _ in range(iters))
+
+
+def _gbps(nbytes: int, seconds: float) -> float:
+    return nbytes / seconds / 1e9
+
+
+def _bulk(client: tensorwire.Client, data: torch.Tensor, iters: int) -> tuple[float, float]:
+    """(put_gbps, get_gbps) of one large tensor; get lands in a preallocated tensor."""
+    out = torch.empty_like(data)
+    out.zero_()  # touched once, so the timed gets measure transfer, not page faults
+    put = _median_seconds(lambda: client.put("bench/x", data), iters)
+    get = _median_seconds(lambda: client.get("bench/x", out=out), iters)
+    if not torch.equal(out, data):
+        raise RuntimeError("bench/x came back different from what was put")
+    nbytes = data.numel() * data.element_size()
+    return _gbps(nbytes, put), _gbps(nbytes, get)
+
+
+def _socket_baseline(port: int, data: torch.Tensor, iters: int) -> float:
+    """GB/s of ``sendall`` of the tensor's bytes until the receiver has acked the whole of them."""
+    view = byte_view(data)
+    ack = memoryview(bytearray(1))
+
+    def transfer() -> None:
+        sock.sendall(view)
+        if not _recv_exactly(sock, ack):
+            raise ConnectionError("the socket sink closed the connection")
+
+    with socket.create_connection(("127.0.0.1", port)) as sock:
+        return _gbps(view.nbytes, _median_seconds(transfer, iters))
+
+
+def _p50_us(samples_ns: list[int]) -> float:
+    return statistics.median(samples_ns) / 1e3
+
+
+def _warmup_count(iters: int) -> int:
+    return max(10, iters // 10)
+
+
+def _sync_small_us(client: tensorwire.Client, iters: int) -> float:
+    out = torch.zeros(SMALL_BYTES // 4)
+    samples = []
+    for i in range(_warmup_count(iters) + iters):
+        start = time.perf_counter_ns()
+        client.get("bench/small", out=out)
+        if i >= _warmup_count(iters):
+            samples.append(time.perf_counter_ns() - start)
+    return _p50_us(samples)
+
+
+async def _async_small_us(url: str, iters: int) -> float:
+    client = await tensorwire.aconnect(url)
+    try:
+        out = torch.zeros(SMALL_BYTES // 4)
+        samples = []
+        for i in range(_warmup_count(iters) + iters):
+            start = time.perf_counter_ns()
+            await client.get("bench/small", out=out)
+            if i >= _warmup_count(iters):
+                samples.append(time.perf_counter_ns() - start)
+        return _p50_us(samples)
+    finally:
+        await client.close()
+
+
+async def _echo_us(port: int, iters: int) -> float:
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        message = bytes(SMALL_BYTES)
+        samples = []
+        for i in range(_warmup_count(iters) + iters):
+            start = time.perf_counter_ns()
+            writer.write(message)
+            await reader.readexactly(SMALL_BYTES)
+            if i >= _warmup_count(iters):
+                samples.append(time.perf_counter_ns() - start)
+        return _p50_us(samples)
+    finally:
+        writer.close()
+        with contextlib.suppress(OSError):
+            await writer.wait_closed()
+
+
+def _on_loop(coro: Coroutine[Any, Any, T]) -> T:
+    """Run ``coro`` on a fresh loop of the kind tensorwire prefers (uvloop when installed)."""
+    with asyncio.Runner(loop_factory=_loop.new_event_loop) as runner:
+        return runner.run(coro)
+
+
+def _loop_name() -> str:
+    loop = _loop.new_event_loop()
+    try:
+        return "uvloop" if type(loop).__module__.startswith("uvloop") else "asyncio"
+    finally:
+        loop.close()
+
+
+def _many(client: tensorwire.Client, count: int) -> tuple[float, float]:
+    """(put_many, get_many) in tensors per second for ``count`` distinct 1 KiB tensors."""
+    names = [f"many/{i:05d}" for i in range(1, count + 1)]
+    tensors = {name: torch.rand(SMALL_BYTES // 4) for name in names}
+    outs = {name: torch.zeros(SMALL_BYTES // 4) for name in names}
+    put = _median_seconds(lambda: client.put_many(tensors), MANY_REPEATS)
+    get = _median_seconds(lambda: client.get_many(names, out=outs), MANY_REPEATS)
+    return count / put, count / get
+
+
+def _ratio(value: float, baseline: float) -> float | None:
+    return value / baseline if baseline > 0 else None
+
+
+# -- the run ---------------------------------------------------------------------------------------
+def _placement(pin: bool) -> tuple[Cpus, Cpus]:
+    """(client CPUs, server CPUs): one CPU each when pinning is asked for and possible."""
+    if not pin or not hasattr(os, "sched_getaffinity"):
+        return None, None
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        return None, None
+    return frozenset(cpus[:1]), frozenset(cpus[1:2])
+
+
+@contextlib.contextmanager
+def _pinned(cpus: Cpus) -> Iterator[None]:
+    """Pin the calling thread (and the threads it starts, like a Client's loop) while inside."""
+    if cpus is None:
+        yield
+        return
+    before = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, cpus)
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, before)  # main() may run inside a test process or the CLI
+
+
+def run(size: int, iters: int, small_iters: int, many: int, pin: bool = True) -> Result:
+    """Measure everything; every child process is gone when this returns or raises."""
+    client_cpus, server_cpus = _placement(pin)
+    data = torch.rand(size // 4)
+    # Room for the stored tensor, the one being put over it and the store's reuse pool (a quarter
+    # of capacity must hold one bulk buffer, or every timed put would fault in fresh pages).
+    capacity = 4 * size + 4 * many * SMALL_BYTES + 64 * MiB
+    with contextlib.ExitStack() as stack:
+        children: list[_Child] = []
+        stack.callback(_close_all, children)  # registered first: also ends the ones started before an error
+        # Start all children before waiting for any: each spends over a second importing torch.
+        children.append(_Child(_serve_tensorwire, capacity, cpus=server_cpus))
+        children.append(_Child(_socket_sink, size, cpus=server_cpus))
+        children.append(_Child(_echo_server, cpus=server_cpus))
+        url, sink_port, echo_port = (child.ready() for child in children)
+        assert isinstance(url, str) and isinstance(sink_port, int) and isinstance(echo_port, int)
+        stack.enter_context(_pinned(client_cpus))
+
+        socket_gbps = _socket_baseline(sink_port, data, iters)
+        with tensorwire.connect(url) as client:
+            put_gbps, get_gbps = _bulk(client, data, iters)
+            client.put("bench/small", torch.rand(SMALL_BYTES // 4))
+            sync_small_us = _sync_small_us(client, small_iters)
+            many_put, many_get = _many(client, many)
+        small_us = _on_loop(_async_small_us(url, small_iters))
+        echo_us = _on_loop(_echo_us(echo_port, small_iters))
+    return {
+        "put_gbps": put_gbps,
+        "get_gbps": get_gbps,
+        "socket_gbps": socket_gbps,
+        "put_ratio": _ratio(put_gbps, socket_gbps),
+        "get_ratio": _ratio(get_gbps, socket_gbps),
+        "small_get_us": small_us,
+        "sync_small_get_us": sync_small_us,
+        "echo_us": echo_us,
+        "small_ratio": _ratio(small_us, echo_us),
+        "many_small_per_s": many_put,
+        "many_get_per_s": many_get,
+        "size_bytes": size,
+        "iters": iters,
+        "small_iters": small_iters,
+        "many": many,
+        "loop": _loop_name(),
+        "pinned": client_cpus is not None,
+    }
+
+
+def _fmt(value: float | int | str | None, spec: str) -> str:
+    return "n/a" if not isinstance(value, float | int) else format(value, spec)
+
+
+def format_table(r: Result) -> str:
+    """The results as a readable table (GB/s are 1e9 bytes per second)."""
+    size = r["size_bytes"]
+    mib = size / MiB if isinstance(size, int) else 0.0
+    rows = [
+        ("put", f"{_fmt(r['put_gbps'], '.3f')} GB/s", f"{_fmt(r['put_ratio'], '.2f')} x socket"),
+        ("get(out=)", f"{_fmt(r['get_gbps'], '.3f')} GB/s", f"{_fmt(r['get_ratio'], '.2f')} x socket"),
+        ("plain socket", f"{_fmt(r['socket_gbps'], '.3f')} GB/s", "baseline"),
+        (
+            "1 KiB get p50 (async)",
+            f"{_fmt(r['small_get_us'], '.1f')} us",
+            f"{_fmt(r['small_ratio'], '.2f')} x echo",
+        ),
+        ("1 KiB get p50 (sync)", f"{_fmt(r['sync_small_get_us'], '.1f')} us", ""),
+        ("1 KiB asyncio echo p50", f"{_fmt(r['echo_us'], '.1f')} us", "baseline"),
+        (f"put_many {r['many']} x 1 KiB", f"{_fmt(r['many_small_per_s'], ',.0f')} tensors/s", ""),
+        (f"get_many {r['many']} x 1 KiB", f"{_fmt(r['many_get_per_s'], ',.0f')} tensors/s", ""),
+    ]
+    head = (
+        f"tensorwire transfer benchmark: {mib:g} MiB float32, median of {r['iters']} "
+        f"(after 1 warm-up), loop {r['loop']}, {'pinned' if r['pinned'] else 'unpinned'}; GB/s = 1e9 bytes/s"
+    )
+    width = max(len(name) for name, _, _ in rows)
+    lines = [head] + [f"  {name:<{width}}  {value:>22}  {note}".rstrip() for name, value, note in rows]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> Result:
+    args = _parse_args(argv)
+    result = run(args.size, args.iters, args.small_iters, args.many, args.pin)
+    if args.json:
+        print(json.dumps(result), flush=True)
+    else:
+        print(format_table(result), flush=True)
+    return result
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

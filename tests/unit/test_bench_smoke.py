@@ -1,0 +1,40 @@
+"""The transfer benchmark runs end to end on tiny sizes and reports every number (never timings)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tensorwire.bench.transfer import main
+
+KEYS = [
+    "put_gbps",
+    "get_gbps",
+    "socket_gbps",
+    "put_ratio",
+    "get_ratio",
+    "small_get_us",
+    "sync_small_get_us",
+    "echo_us",
+    "small_ratio",
+    "many_small_per_s",
+    "many_get_per_s",
+    "size_bytes",
+    "iters",
+]
+
+
+def test_transfer_bench_smoke(capsys: pytest.CaptureFixture[str]) -> None:
+    result = main(["--size", "1MiB", "--iters", "1", "--small-iters", "20", "--many", "100", "--json"])
+
+    printed = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert printed == result
+    for key in KEYS:
+        value = result[key]
+        assert isinstance(value, int | float) and not isinstance(value, bool), key
+        assert value > 0, key
+    assert result["size_bytes"] == 1 << 20
+    assert result["iters"] == 1
+    assert result["loop"] in ("uvloop", "asyncio")
+    assert isinstance(result["pinned"], bool)
