@@ -23,7 +23,6 @@ import torch
 from tensorwire import transport as transports
 from tensorwire._gc import gc_paused
 from tensorwire._loop import new_event_loop
-from tensorwire._timeouts import asyncio_timeout
 from tensorwire.errors import ConnectError, InvalidTensor, ProtocolError, TensorwireError
 from tensorwire.store.names import validate_name, validate_prefix
 from tensorwire.transport.base import Transport
@@ -93,9 +92,8 @@ class AsyncClient:
         pairs = list(items.items()) if isinstance(items, Mapping) else list(items)
         if not pairs:
             raise InvalidTensor("put_many needs at least one tensor")
-        with gc_paused():
-            metas, views = _encode_items(pairs)  # each view keeps its tensor's memory alive
-        return await self._run(f"put of {_describe(metas)}", lambda t: t.put(metas, views, progress))
+        batch = _Batch(pairs)
+        return await self._run(lambda t: t.put(batch, progress))
 
     async def get(
         self, name: str, out: torch.Tensor | None = None, progress: Progress | None = None
@@ -104,8 +102,15 @@ class AsyncClient:
 
         If the call raises, ``out`` may hold part of the transfer (its contents are unspecified).
         """
-        got = await self.get_many([name], {name: out} if out is not None else None, progress)
-        return got[name]
+        outs = {name: out} if out is not None else {}
+        landing = _Landing([name], outs)
+
+        async def op(t: Transport) -> torch.Tensor:
+            landing.reset()
+            await t.get([name], landing.sink, progress)
+            return landing.finish()[name]
+
+        return await self._run(op)
 
     async def get_many(
         self,
@@ -114,19 +119,16 @@ class AsyncClient:
         progress: Progress | None = None,
     ) -> dict[str, torch.Tensor]:
         """Fetch several tensors in one round trip, as one consistent snapshot."""
+        # Names are not validated here: a name that could not be stored is simply not found.
         names = list(dict.fromkeys(names))
-        for name in names:
-            validate_name(name)
-        outs = dict(out or {})
+        landing = _Landing(names, dict(out or {}))
 
         async def op(t: Transport) -> dict[str, torch.Tensor]:
-            landing = _Landing(names, outs)
+            landing.reset()
             await t.get(names, landing.sink, progress)
             return landing.finish()
 
-        return await self._run(
-            f"get of {names[0]!r}" + (f" and {len(names) - 1} more" if len(names) > 1 else ""), op
-        )
+        return await self._run(op)
 
     async def delete(self, name: str) -> None:
         """Remove ``name``; KeyNotFound if there is no such tensor."""
@@ -136,23 +138,22 @@ class AsyncClient:
         """Remove all of ``names`` or none of them (KeyNotFound)."""
         for name in names:
             validate_name(name)
-        return await self._run(f"delete of {list(names)[:3]}", lambda t: t.delete(names), idempotent=False)
+        return await self._run(lambda t: t.delete(names), idempotent=False)
 
     async def stat(self, name: str) -> TensorMeta:
         """Metadata (dtype, shape, bytes, version) of ``name`` without its data."""
-        validate_name(name)
-        metas = await self._run(f"stat of {name!r}", lambda t: t.stat([name]))
+        metas = await self._run(lambda t: t.stat([name]))
         return metas[0]
 
     async def list(self, prefix: str = "", limit: int = 0) -> list[TensorMeta]:
         """Metadata of the stored tensors whose names start with ``prefix``, sorted by name."""
         validate_prefix(prefix)
-        return await self._run(f"list of {prefix!r}", lambda t: t.list(prefix, limit))
+        return await self._run(lambda t: t.list(prefix, limit))
 
     async def ping(self) -> float:
         """One empty round trip; returns its duration in seconds."""
         start = time.perf_counter()
-        await self._run("ping", lambda t: t.ping())
+        await self._run(lambda t: t.ping())
         return time.perf_counter() - start
 
     async def close(self) -> None:
@@ -176,6 +177,9 @@ class AsyncClient:
     async def _open(self) -> Transport:
         if self._closed:
             raise ConnectError(f"client of {self.address} is closed")
+        t = self._transport
+        if t is not None and not t.closed:
+            return t  # the common case, without taking the lock
         async with self._open_lock:
             if self._transport is None or self._transport.closed:
                 self._transport = await transports.open_transport(
@@ -183,20 +187,18 @@ class AsyncClient:
                     self.options.connect_timeout,
                     CHECKSUMS[self.options.checksum],
                     self.options.chunk_size,
+                    self.options.timeout,
                 )
             return self._transport
 
-    async def _run(self, what: str, op: Callable[[Transport], Awaitable[T]], idempotent: bool = True) -> T:
+    async def _run(self, op: Callable[[Transport], Awaitable[T]], idempotent: bool = True) -> T:
         attempt = 0
         while True:
             sent = False
             try:
                 t = await self._open()
                 sent = True
-                async with asyncio_timeout(
-                    self.options.timeout, f"the answer to the {what} from {self.address}"
-                ):
-                    return await op(t)
+                return await op(t)  # the transport bounds every request by options.timeout
             except TensorwireError as exc:
                 if not exc.retryable or attempt >= self.options.retries or (sent and not idempotent):
                     raise
@@ -213,7 +215,16 @@ class _Landing:
         self.results: dict[str, torch.Tensor] = {}
         self.staged: list[tuple[torch.Tensor, torch.Tensor]] = []  # (received, non-contiguous out)
 
+    def reset(self) -> None:
+        """Forget a failed attempt's landing places before a retry."""
+        self.results.clear()
+        self.staged.clear()
+
     def sink(self, metas: list[TensorMeta]) -> list[memoryview]:
+        if len(metas) == 1:  # skip the list building and GC pause of the batch path
+            if metas[0].name != self.names[0] or len(self.names) != 1:
+                raise ProtocolError("the server answered for another tensor than the one asked for")
+            return [self._land(metas[0])]
         if [m.name for m in metas] != self.names:
             raise ProtocolError("the server answered for other tensors than the ones asked for")
         with gc_paused():
@@ -239,20 +250,37 @@ class _Landing:
         return self.results
 
 
-def _encode_items(pairs: list[tuple[str, torch.Tensor]]) -> tuple[list[TensorMeta], list[memoryview]]:
-    metas: list[TensorMeta] = []
-    views: list[memoryview] = []
-    for name, tensor in pairs:
-        validate_name(name)
-        t = sendable(tensor, name)
-        metas.append(TensorMeta.of(name, t))
-        views.append(byte_view(t))
-    return metas, views
+class _Batch:
+    """The tensors of one put, checked now and encoded part by part as the transport sends them
+    (see ``PutBatch``). Parts of ``PART_TENSORS`` let the server decode one part while this side
+    encodes the next: on a 10,000-tensor batch that hides most of the client's share."""
 
+    PART_TENSORS = 1024
 
-def _describe(metas: Sequence[TensorMeta]) -> str:
-    first = repr(metas[0].name)
-    return first if len(metas) == 1 else f"{first} and {len(metas) - 1} more"
+    def __init__(self, pairs: list[tuple[str, torch.Tensor]]) -> None:
+        with gc_paused():
+            for name, tensor in pairs:  # every refusal happens before a byte is sent
+                validate_name(name)
+                if tensor.dim() > 255:
+                    raise InvalidTensor(f"{name!r}: {tensor.dim()} dims cannot be sent (max 255)")
+            self.tensors = [sendable(tensor, name) for name, tensor in pairs]
+        self.names: Sequence[str] = [name for name, _ in pairs]
+        self.parts = -(-len(pairs) // self.PART_TENSORS)
+        self._encoded: dict[int, tuple[list[TensorMeta], list[memoryview]]] = {}
+
+    def part(self, index: int) -> tuple[list[TensorMeta], list[memoryview]]:
+        encoded = self._encoded.get(index)
+        if encoded is None:
+            lo = index * self.PART_TENSORS
+            hi = lo + self.PART_TENSORS
+            with gc_paused():
+                views = [byte_view(t) for t in self.tensors[lo:hi]]  # each keeps its tensor alive
+                metas = [
+                    TensorMeta(name, t.dtype, tuple(t.shape), v.nbytes)
+                    for name, t, v in zip(self.names[lo:hi], self.tensors[lo:hi], views, strict=True)
+                ]
+            encoded = self._encoded[index] = (metas, views)
+        return encoded
 
 
 class Client:

@@ -17,6 +17,7 @@ import logging
 import struct
 import threading
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 from tensorwire import transport
 from tensorwire._gc import gc_paused
@@ -28,7 +29,7 @@ from tensorwire.errors import (
     UnsupportedVersion,
     code_for_error,
 )
-from tensorwire.store import TensorStore
+from tensorwire.store import Reservation, TensorStore
 from tensorwire.transport.base import ByteStream, Listener
 from tensorwire.transport.framing import FrameReader, read_head, recv_data, send_frame, skip_data
 from tensorwire.types import Address, Limits
@@ -74,12 +75,22 @@ class Server:
 
     async def handle(self, stream: ByteStream) -> None:
         """Serve one connection until the peer leaves or its bytes stop making frames."""
+        session = _Session(self, stream)
         try:
-            await _Session(self, stream).run()
+            await session.run()
         except ConnectionLost as exc:
             log.debug("session with %s ended: %s", stream.peer, exc)
         except Exception:
             log.exception("session with %s failed", stream.peer)
+        finally:
+            session.abort_batch()
+
+
+@dataclass(eq=False, slots=True)
+class _Batch:
+    request_id: int
+    reservation: Reservation = field(default_factory=Reservation)
+    error: TensorwireError | None = None
 
 
 class _Session:
@@ -90,6 +101,7 @@ class _Session:
         self.reader = FrameReader(stream)
         self.version = PROTOCOL_VERSIONS[-1]
         self.data_read = False  # whether the current request's data section has been consumed
+        self.batch: _Batch | None = None  # a PUT_MANY arriving in several frames
 
     async def run(self) -> None:
         while await self.reader.at_frame_start():
@@ -160,28 +172,71 @@ class _Session:
         await self._reply(header, wm.encode_hello_response(info))
 
     async def _put(self, header: Header, reader: wm.MetaReader) -> None:
+        """A PUT, or one part of a PUT_MANY that arrives in several frames (flag MORE on all parts
+        but the last, one request id): the parts are received as they come, while the client
+        encodes the next, and committed together when the last one is in."""
+        more = bool(header.flags & Flags.MORE)
+        if more and header.opcode != Opcode.PUT_MANY:
+            raise ProtocolError("only PUT_MANY can span several frames")
+        batch = self.batch
+        if batch is None:
+            batch = self.batch = _Batch(header.request_id)
+        elif batch.request_id != header.request_id:
+            # The client broke its own batch: nothing of it can be trusted, so answer and hang up.
+            self.abort_batch()
+            await skip_data(self.reader, header)
+            await self._send_error(header.request_id, ProtocolError("a request interrupted a PUT_MANY"))
+            raise ConnectionLost("a client interrupted its own multi-frame PUT_MANY")
+        try:
+            if batch.error is None:
+                await self._put_part(header, reader, batch)
+        except TensorwireError as exc:
+            if isinstance(exc, ConnectionLost):
+                raise
+            if not self.data_read:
+                await skip_data(self.reader, header)
+                self.data_read = True
+            batch.error = exc  # keep taking the parts, so the stream stays in step; answer at the end
+        if not more:
+            self.batch = None
+            await self._finish_batch(header, batch)
+
+    async def _put_part(self, header: Header, reader: wm.MetaReader, batch: _Batch) -> None:
         with gc_paused():
             metas = wm.decode_records(reader)
         reader.done()
-        if not metas or (header.opcode == Opcode.PUT and len(metas) != 1):
-            raise ProtocolError(f"{_opname(header.opcode)} cannot carry {len(metas)} tensors")
+        if header.opcode == Opcode.PUT and len(metas) != 1:
+            raise ProtocolError(f"PUT cannot carry {len(metas)} tensors")
         if sum(m.nbytes for m in metas) != header.data_len:
             raise InvalidTensor("the tensor records' sizes do not add up to the frame's data length")
         with gc_paused():
-            res = self.store.reserve(metas)
+            part = self.store.reserve(metas, batch.reservation)
+        self.data_read = True  # recv_data consumes the section whatever happens, or the stream is gone
+        await recv_data(self.reader, header, part.buffers)
+
+    async def _finish_batch(self, header: Header, batch: _Batch) -> None:
+        res = batch.reservation
+        if batch.error is None and not res.metas:
+            batch.error = ProtocolError("PUT_MANY carried no tensors")
+        if batch.error is not None:
+            self.store.abort(res)
+            raise batch.error
         try:
-            await recv_data(self.reader, header, res.buffers)
-            self.data_read = True
             if self.store.persistent:  # the disk write blocks; keep the loop serving others
                 version = await asyncio.get_running_loop().run_in_executor(None, self.store.commit, res)
             else:
                 with gc_paused():
                     version = self.store.commit(res)
         except BaseException:
-            self.data_read = True  # recv_data consumed the section or the stream is gone
             self.store.abort(res)
             raise
         await self._reply(header, _RID.pack(version))
+
+    def abort_batch(self) -> None:
+        """Drop a multi-frame batch the connection died in the middle of."""
+        if self.batch is not None:
+            self.store.abort(self.batch.reservation)
+            self.batch = None
 
     async def _get(self, header: Header, reader: wm.MetaReader) -> None:
         names = _names(reader)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import NamedTuple
 from urllib.parse import urlsplit
 
 import torch
@@ -15,12 +16,13 @@ MiB = 1 << 20
 KiB = 1 << 10
 
 
-@dataclass(frozen=True, slots=True)
-class TensorMeta:
+class TensorMeta(NamedTuple):
     """What a store knows about one tensor: its name, dtype, shape, byte size and version.
 
     ``version`` is 0 for a tensor that has not been stored yet; a store gives every put a new,
     strictly larger version (one counter per store, so versions never repeat after a delete).
+    A named tuple rather than a dataclass: batches build one per tensor, and a tuple is built in a
+    third of the time of a frozen dataclass.
     """
 
     name: str
@@ -31,7 +33,7 @@ class TensorMeta:
 
     @staticmethod
     def of(name: str, tensor: torch.Tensor) -> TensorMeta:
-        return TensorMeta(name, tensor.dtype, tuple(tensor.shape), tensor.numel() * tensor.element_size())
+        return TensorMeta(name, tensor.dtype, tuple(tensor.shape), tensor.nbytes)
 
     @property
     def numel(self) -> int:

@@ -46,10 +46,11 @@ class Entry:
 class Reservation:
     """Buffers handed out by ``reserve`` and not yet committed or aborted."""
 
-    metas: list[TensorMeta]
-    buffers: list[memoryview]
-    nbytes: int
-    done: bool = field(default=False)
+    metas: list[TensorMeta] = field(default_factory=list)
+    buffers: list[memoryview] = field(default_factory=list)
+    nbytes: int = 0
+    names: set[str] = field(default_factory=set)
+    done: bool = False
 
 
 class TensorStore:
@@ -85,14 +86,20 @@ class TensorStore:
         return len(self._entries)
 
     # -- puts ----------------------------------------------------------------------------------
-    def reserve(self, metas: Sequence[TensorMeta]) -> Reservation:
-        """Buffers for ``metas``; InvalidName / InvalidTensor / CapacityExceeded leave no trace."""
-        seen: set[str] = set()
+    def reserve(self, metas: Sequence[TensorMeta], extend: Reservation | None = None) -> Reservation:
+        """Buffers for ``metas``; InvalidName / InvalidTensor / CapacityExceeded leave no trace.
+
+        With ``extend``, the buffers are added to that open reservation (a batch that arrives in
+        parts) and its new buffers are returned in a reservation of their own; committing
+        ``extend`` publishes every part at once.
+        """
+        seen = extend.names if extend is not None else set()
+        before = len(seen)
         for meta in metas:
             validate_name(meta.name)
             meta.check_size()
             seen.add(meta.name)
-        if len(seen) != len(metas):
+        if len(seen) - before != len(metas):
             raise InvalidName("a batch names the same tensor twice")
         total = sum(m.nbytes for m in metas)
         with self._lock:
@@ -103,10 +110,16 @@ class TensorStore:
                 )
             self._reserved += total
             self._pool.trim(self.capacity - self.used)
-            pooled = [self._pool.take(m.nbytes) for m in metas]
+            floor = self._pool.min_size
+            pooled = [self._pool.take(m.nbytes) if m.nbytes >= floor else None for m in metas]
         pairs = zip(pooled, metas, strict=True)
         buffers = [buf if buf is not None else _allocate(m.nbytes) for buf, m in pairs]
-        return Reservation(list(metas), buffers, total)
+        if extend is None:
+            return Reservation(list(metas), buffers, total, seen)
+        extend.metas += metas
+        extend.buffers += buffers
+        extend.nbytes += total
+        return Reservation(list(metas), buffers, total, seen, done=True)  # owned by ``extend``
 
     def commit(self, res: Reservation) -> int:
         """Make every tensor of ``res`` visible at once under a new version; return the version."""
@@ -231,5 +244,7 @@ class TensorStore:
 
 
 def _allocate(nbytes: int) -> memoryview:
+    if nbytes < 1 << 16:
+        return memoryview(bytearray(nbytes))  # cheapest for small tensors; the zero fill is tiny
     # numpy.empty maps large buffers lazily (no zero fill, unlike bytearray) and is 64-byte aligned.
     return np.empty(nbytes, dtype=np.uint8).data.cast("B")

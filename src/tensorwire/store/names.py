@@ -3,9 +3,13 @@ may never escape its namespace or smuggle control characters into logs and termi
 
 from __future__ import annotations
 
+import re
+
 from tensorwire.errors import InvalidName
 
 MAX_NAME_BYTES = 1024
+# A "/"-separated segment that is empty, "." or "..": one regex search instead of a split and a loop.
+_BAD_SEGMENT = re.compile(r"(?:^|/)\.{0,2}(?:/|$)")
 
 
 def validate_name(name: str, max_bytes: int = MAX_NAME_BYTES) -> str:
@@ -16,16 +20,16 @@ def validate_name(name: str, max_bytes: int = MAX_NAME_BYTES) -> str:
     """
     if not isinstance(name, str) or not name:
         raise InvalidName("tensor name must be a non-empty string")
-    size = len(name.encode("utf-8", "surrogatepass"))
-    if size > max_bytes:
-        raise InvalidName(f"tensor name of {size} bytes exceeds {max_bytes}")
+    if len(name) * 4 > max_bytes:  # only a name this long can exceed the bound (4 bytes a char at most)
+        size = len(name.encode("utf-8", "surrogatepass"))
+        if size > max_bytes:
+            raise InvalidName(f"tensor name of {size} bytes exceeds {max_bytes}")
     # isprintable() is False for control, format, surrogate, unassigned and non-space separators.
     if not name.isprintable() or "\\" in name:
         bad = next(ch for ch in name if not ch.isprintable() or ch == "\\")
         raise InvalidName(f"tensor name {name[:80]!r} contains the forbidden character {bad!r}")
-    for segment in name.split("/"):
-        if segment in ("", ".", ".."):
-            raise InvalidName(f"tensor name {name[:80]!r} has an empty, '.' or '..' path segment")
+    if _BAD_SEGMENT.search(name):
+        raise InvalidName(f"tensor name {name[:80]!r} has an empty, '.' or '..' path segment")
     return name
 
 

@@ -155,6 +155,61 @@ async def large_tensor_many_chunks(h: Harness) -> None:
         assert same_bytes(await c.get("big"), x)
 
 
+async def a_batch_in_many_frames_is_one_put(h: Harness) -> None:
+    async with h.server() as srv, h.client(srv) as c:
+        items = {f"big/{i:05d}": torch.full((3,), float(i)) for i in range(2500)}  # three frames
+        version = await c.put_many(items)
+        metas = await c.list("big/")
+        assert len(metas) == 2500 and {m.version for m in metas} == {version}
+        got = await c.get_many(list(items))
+        assert all(torch.equal(got[k], v) for k, v in items.items())
+
+
+async def a_bad_part_refuses_the_whole_batch(h: Harness) -> None:
+    async with h.server() as srv, raw(srv) as (stream, reader):
+        ok = TensorMeta("p/ok", torch.uint8, (2,), 2)
+        bad = TensorMeta("p/../escape", torch.uint8, (2,), 2)
+        await stream.send([put_frame([ok], b"ab", rid=3, flags=Flags.MORE)])
+        await stream.send([put_frame([bad], b"cd", rid=3, flags=Flags.MORE)])
+        await stream.send([put_frame([TensorMeta("p/last", torch.uint8, (1,), 1)], b"e", rid=3)])
+        await expect_error(reader, errors.ErrorCode.INVALID_NAME)  # one answer, for the whole batch
+        await stream.send([put_frame([ok], b"ab", rid=4)])  # the session goes on
+        header, _ = await read_reply(reader)
+        assert not header.is_error and header.request_id == 4
+        async with h.client(srv) as c:
+            assert [m.name for m in await c.list()] == ["p/ok"]
+
+
+async def an_unfinished_batch_stores_nothing(h: Harness) -> None:
+    async with h.server(capacity=1 << 20) as srv:
+        async with raw(srv) as (stream, reader):
+            part = TensorMeta("u/a", torch.uint8, (600_000,), 600_000)
+            await stream.send([put_frame([part], bytes(600_000), rid=5, flags=Flags.MORE)])
+            # another request in the middle of the batch: refused, and the connection is dropped
+            await stream.send([put_frame([TensorMeta("u/b", torch.uint8, (1,), 1)], b"x", rid=6)])
+            await expect_error(reader, errors.ErrorCode.PROTOCOL_ERROR)
+            assert not await asyncio.wait_for(reader.at_frame_start(), 5), "session stayed open"
+        async with raw(srv) as (stream, _):  # a batch cut off by a closed connection
+            await stream.send([put_frame([part], bytes(600_000), rid=5, flags=Flags.MORE)])
+        async with h.client(srv) as c:
+            await _until_stored(c, "u/full", torch.zeros(1 << 20, dtype=torch.uint8))
+            assert [m.name for m in await c.list()] == ["u/full"]  # both reservations were freed
+
+
+async def _until_stored(c: AsyncClient, name: str, tensor: torch.Tensor, timeout: float = 5.0) -> None:
+    """Put until the server has room: a dead connection's reservation is freed when the server
+    notices the connection is gone, which may take a moment after the client closed it."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            await c.put(name, tensor)
+            return
+        except errors.CapacityExceeded:
+            if time.monotonic() > deadline:
+                raise
+            await asyncio.sleep(0.01)
+
+
 async def batches_are_atomic_and_versioned(h: Harness) -> None:
     async with h.server() as srv, h.client(srv) as c:
         items = {f"b/{i}": torch.full((i + 1,), float(i)) for i in range(50)}
@@ -277,10 +332,12 @@ async def expect_error(reader: FrameReader, code: errors.ErrorCode) -> None:
     assert got == code, f"expected {code.name}, got {errors.ErrorCode(got).name}: {message}"
 
 
-def put_frame(meta_list: list[TensorMeta], data: bytes, rid: int = 7, chunk: int = 4096) -> bytearray:
-    """A PUT frame built by hand: header, records, data chunks and their xxh3 trailers."""
+def put_frame(
+    meta_list: list[TensorMeta], data: bytes, rid: int = 7, chunk: int = 4096, flags: int = 0
+) -> bytearray:
+    """A PUT_MANY frame built by hand: header, records, data chunks and their xxh3 trailers."""
     meta = wm.encode_records(meta_list)
-    header = Header(1, Opcode.PUT_MANY, 0, ChecksumKind.XXH3_64, rid, len(meta), chunk, len(data))
+    header = Header(1, Opcode.PUT_MANY, flags, ChecksumKind.XXH3_64, rid, len(meta), chunk, len(data))
     out = bytearray(encode_frame_head(header, meta))
     for i in range(0, len(data), chunk):
         piece = data[i : i + chunk]
@@ -440,6 +497,9 @@ CASES: list[Case] = [
     out_mismatch_is_refused,
     large_tensor_many_chunks,
     batches_are_atomic_and_versioned,
+    a_batch_in_many_frames_is_one_put,
+    a_bad_part_refuses_the_whole_batch,
+    an_unfinished_batch_stores_nothing,
     list_stat_delete,
     capacity_is_enforced,
     many_requests_in_flight,

@@ -17,6 +17,7 @@ from tensorwire.transport.base import ByteStream, Listener, StreamHandler, Trans
 from tensorwire.transport.framed import FramedTransport
 from tensorwire.types import Address
 from tensorwire.wire.checksum import ChecksumKind
+from tensorwire.wire.frame import DEFAULT_CHUNK_BYTES
 
 
 class StreamKind(NamedTuple):
@@ -52,11 +53,12 @@ async def open_transport(
     timeout: float,
     checksum: ChecksumKind = ChecksumKind.XXH3_64,
     chunk_size: int | None = None,
+    request_timeout: float = 60.0,
 ) -> Transport:
     """Connect to ``address``, agree on a protocol version, and return the open transport."""
     stream = await connect_stream(address, timeout)
-    kwargs = {} if chunk_size is None else {"chunk_size": chunk_size}
-    transport = FramedTransport(address, stream, checksum, **kwargs)
+    chunk = chunk_size if chunk_size is not None else DEFAULT_CHUNK_BYTES
+    transport = FramedTransport(address, stream, checksum, chunk, timeout=request_timeout)
     try:
         async with asyncio_timeout(timeout, f"the HELLO answer from {address}"):
             await transport.hello()

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Callable, Sequence
+from typing import Protocol
 
 from tensorwire.types import Address, TensorMeta
 from tensorwire.wire.meta import ServerInfo
@@ -26,6 +27,19 @@ Buffer = bytes | bytearray | memoryview
 # byte buffer per tensor (exactly meta.nbytes long) for the data to land in.
 Sink = Callable[[list[TensorMeta]], list[memoryview]]
 Progress = Callable[[int], None]  # called with the number of data bytes just moved
+
+
+class PutBatch(Protocol):
+    """The tensors of one put, cut into ``parts`` that a transport asks for in order.
+
+    A part is encoded when it is first asked for (and kept, for a retry), so a transport can send
+    part k while the caller's side encodes part k+1.
+    """
+
+    names: Sequence[str]
+    parts: int
+
+    def part(self, index: int) -> tuple[Sequence[TensorMeta], Sequence[memoryview]]: ...
 
 
 class ByteStream(ABC):
@@ -70,10 +84,8 @@ class Transport(ABC):
     def closed(self) -> bool: ...
 
     @abstractmethod
-    async def put(
-        self, metas: Sequence[TensorMeta], data: Sequence[Buffer], progress: Progress | None = None
-    ) -> int:
-        """Store all tensors atomically; return their common new version."""
+    async def put(self, batch: PutBatch, progress: Progress | None = None) -> int:
+        """Store every tensor of ``batch`` atomically; return their common new version."""
 
     @abstractmethod
     async def get(

@@ -18,10 +18,11 @@ from tensorwire.errors import (
     ConnectionLost,
     ProtocolError,
     TensorwireError,
+    TransferTimeout,
     UnsupportedVersion,
     error_for_code,
 )
-from tensorwire.transport.base import Buffer, ByteStream, Sink, Transport
+from tensorwire.transport.base import ByteStream, Progress, PutBatch, Sink, Transport
 from tensorwire.transport.framing import FrameReader, read_head, recv_data, send_frame, skip_data
 from tensorwire.types import Address, Limits, TensorMeta
 from tensorwire.wire import meta as wm
@@ -57,6 +58,7 @@ class FramedTransport(Transport):
         stream: ByteStream,
         checksum: ChecksumKind = ChecksumKind.XXH3_64,
         chunk_size: int = DEFAULT_CHUNK_BYTES,
+        timeout: float = 60.0,
     ) -> None:
         self.address = address
         self._stream = stream
@@ -66,6 +68,9 @@ class FramedTransport(Transport):
         self._ids = itertools.count(1)
         self._pending: dict[int, _Pending] = {}
         self._write_lock = asyncio.Lock()
+        self._loop = asyncio.get_running_loop()
+        self._closing: asyncio.Task[None] | None = None
+        self.timeout = timeout  # seconds one request may take, its send included
         self._inflight = asyncio.Semaphore(Limits().max_inflight)  # the server's own, after HELLO
         self._closed = False
         self._failure: TensorwireError | None = None
@@ -83,9 +88,8 @@ class FramedTransport(Transport):
 
     async def hello(self) -> wm.ServerInfo:
         """Agree on a protocol version and learn the server's limits."""
-        _, reader = await self._call(
-            Opcode.HELLO, wm.encode_hello_request(PROTOCOL_VERSIONS[0], PROTOCOL_VERSIONS[-1])
-        )
+        hello = wm.encode_hello_request(PROTOCOL_VERSIONS[0], PROTOCOL_VERSIONS[-1])
+        _, reader = await self._call(Opcode.HELLO, hello, what="HELLO")
         info = _finish(reader, wm.decode_hello_response(reader))
         if info.version not in PROTOCOL_VERSIONS:
             raise UnsupportedVersion(f"server chose version {info.version}; we speak {PROTOCOL_VERSIONS}")
@@ -98,14 +102,10 @@ class FramedTransport(Transport):
         return info
 
     # -- operations ----------------------------------------------------------------------------
-    async def put(
-        self,
-        metas: Sequence[TensorMeta],
-        data: Sequence[Buffer],
-        progress: Callable[[int], None] | None = None,
-    ) -> int:
-        op = Opcode.PUT if len(metas) == 1 else Opcode.PUT_MANY
-        _, reader = await self._call(op, wm.encode_records(metas), data, progress=progress)
+    async def put(self, batch: PutBatch, progress: Progress | None = None) -> int:
+        what = f"put of {_describe(batch.names)}"
+        op = Opcode.PUT if len(batch.names) == 1 else Opcode.PUT_MANY
+        _, reader = await self._call(op, b"", batch=batch, progress=progress, what=what)
         return _finish(reader, reader.u64())
 
     async def get(
@@ -118,62 +118,94 @@ class FramedTransport(Transport):
             landed.append(metas)  # the records are decoded once, by the reader task
             return sink(metas)
 
-        _, reader = await self._call(op, wm.encode_names(names), sink=land, progress=progress)
+        what = f"get of {_describe(names)}"
+        _, reader = await self._call(op, wm.encode_names(names), sink=land, progress=progress, what=what)
         return _finish(reader, landed[-1])
 
     async def delete(self, names: Sequence[str]) -> int:
-        _, reader = await self._call(Opcode.DELETE, wm.encode_names(names))
+        what = f"delete of {_describe(names)}"
+        _, reader = await self._call(Opcode.DELETE, wm.encode_names(names), what=what)
         return _finish(reader, reader.u32())
 
     async def stat(self, names: Sequence[str]) -> list[TensorMeta]:
-        _, reader = await self._call(Opcode.STAT, wm.encode_names(names))
+        _, reader = await self._call(Opcode.STAT, wm.encode_names(names), what=f"stat of {_describe(names)}")
         return _finish(reader, wm.decode_records(reader))
 
     async def list(self, prefix: str, limit: int) -> list[TensorMeta]:
-        _, reader = await self._call(Opcode.LIST, wm.encode_list_request(prefix, limit))
+        request = wm.encode_list_request(prefix, limit)
+        _, reader = await self._call(Opcode.LIST, request, what=f"list of {prefix!r}")
         return _finish(reader, wm.decode_records(reader))
 
     async def ping(self) -> None:
-        _, reader = await self._call(Opcode.PING, b"")
+        _, reader = await self._call(Opcode.PING, b"", what="ping")
         reader.done()
 
     async def close(self) -> None:
         await self._fail(ConnectionLost(f"connection to {self.address} was closed by the client"))
 
     # -- machinery -----------------------------------------------------------------------------
+    def _header(self, opcode: int, rid: int, meta: bytes, data_len: int, flags: int = 0) -> Header:
+        # chunk_size is sent even without data: the server answers a GET in the same chunk size.
+        chunk = self._chunk_size
+        return Header(self._version, opcode, flags, self._checksum, rid, len(meta), chunk, data_len)
+
+    async def _send_batch(self, opcode: int, rid: int, batch: PutBatch, progress: Progress | None) -> None:
+        """Send a put as one frame, or as several (flag MORE on all but the last) when the batch has
+        several parts: the server takes part k while this side encodes part k+1."""
+        for i in range(batch.parts):
+            metas, data = batch.part(i)
+            meta = wm.encode_records(metas)
+            flags = 0 if i == batch.parts - 1 else Flags.MORE
+            header = self._header(opcode, rid, meta, sum(d.nbytes for d in data), flags)
+            await send_frame(self._stream, header, meta, data, progress)
+
     async def _call(
         self,
         opcode: Opcode,
         meta: bytes,
-        data: Sequence[Buffer] = (),
+        *,
+        batch: PutBatch | None = None,
         sink: Sink | None = None,
         progress: Callable[[int], None] | None = None,
+        what: str = "request",
     ) -> tuple[Header, wm.MetaReader]:
         if self._closed:
             raise self._failure or ConnectionLost(f"connection to {self.address} is closed")
         rid = next(self._ids)
         future: asyncio.Future[tuple[Header, wm.MetaReader]] = asyncio.get_running_loop().create_future()
-        self._pending[rid] = _Pending(opcode, future, sink, None if data else progress)
-        data_len = sum(memoryview(d).nbytes for d in data)
-        # chunk_size is sent even without data: the server answers a GET in the same chunk size.
-        header = Header(
-            self._version, opcode, Flags.NONE, self._checksum, rid, len(meta), self._chunk_size, data_len
-        )
+        self._pending[rid] = _Pending(opcode, future, sink, None if batch else progress)
+        # One timer per request, not an asyncio.timeout scope: it is the cheapest finite wait, and
+        # it covers the send as well as the answer.
+        timer = self._loop.call_later(self.timeout, self._expire, rid, what)
         try:
             async with self._inflight:
-                async with self._write_lock:
-                    await send_frame(self._stream, header, meta, data, progress)
-                return await future
+                try:
+                    async with self._write_lock:
+                        if batch is None:
+                            await send_frame(self._stream, self._header(opcode, rid, meta, 0), meta)
+                        else:
+                            await self._send_batch(opcode, rid, batch, progress)
+                except ConnectionLost as exc:
+                    await self._fail(exc)
+                return await future  # settled by the reader, a timer, or _fail
         except asyncio.CancelledError:
             # A request abandoned mid-flight leaves the stream in an unknown state: drop it.
             self._pending.pop(rid, None)
             await self._fail(ConnectionLost(f"request to {self.address} was abandoned mid-flight"))
             raise
-        except ConnectionLost as exc:
-            await self._fail(exc)
-            raise self._failure or exc from None
         finally:
+            timer.cancel()
             self._pending.pop(rid, None)
+
+    def _expire(self, rid: int, what: str) -> None:
+        """A request's timer ran out: fail it, and drop the connection it is stuck on."""
+        pending = self._pending.get(rid)
+        if pending is None or pending.future.done():
+            return
+        waited = f"waited {self.timeout:.3g}s for the answer to the {what} from {self.address}"
+        _settle(pending, error=TransferTimeout(waited))
+        lost = ConnectionLost(f"connection to {self.address} dropped: a request on it timed out")
+        self._closing = self._loop.create_task(self._fail(lost))
 
     async def _read_loop(self) -> None:
         try:
@@ -243,6 +275,11 @@ class FramedTransport(Transport):
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await self._reader_task
         await self._stream.close()
+
+
+def _describe(names: Sequence[str]) -> str:
+    first = repr(names[0]) if names else "nothing"
+    return first if len(names) <= 1 else f"{first} and {len(names) - 1} more"
 
 
 def _finish(reader: wm.MetaReader, value: T) -> T:

@@ -60,6 +60,10 @@ class FrameReader:
             self._pos, self._end = take, got
 
     async def read(self, n: int) -> bytes:
+        if self._end - self._pos >= n:  # the usual case: the bytes are already buffered
+            start = self._pos
+            self._pos = start + n
+            return bytes(self._view[start : self._pos])
         buf = bytearray(n)
         await self.readinto(memoryview(buf))
         return bytes(buf)
@@ -157,6 +161,13 @@ async def send_frame(
     if not header.data_len:
         await stream.send([head])
         return
+    if header.data_len < _COALESCE and header.data_len <= header.chunk_size:
+        # One small chunk (a 1 KiB get answer, say): one buffer, one checksum, one syscall.
+        data = b"".join(segments)
+        await stream.send([head + data + _TRAILER.pack(checksum(header.checksum, data))])
+        if progress is not None:
+            progress(len(data))
+        return
     views, staged = _runs([s if isinstance(s, memoryview) else memoryview(s).cast("B") for s in segments])
     for buf, run in staged:
         buf[:] = b"".join(run)
@@ -189,9 +200,19 @@ async def recv_data(
     CorruptFrame only after that. The caller must not expose ``segments`` if this raises. Runs of
     small segments are received into one staging buffer and copied out once verified.
     """
-    views, staged = _runs(segments)
+    if not header.data_len:
+        return  # no chunks, no trailers
     trailer = bytearray(TRAILER_BYTES)
     tview = memoryview(trailer)
+    if len(segments) == 1 and header.data_len <= header.chunk_size:  # one tensor, one chunk
+        await reader.readinto(segments[0])
+        await reader.readinto(tview)
+        if progress is not None:
+            progress(header.data_len)
+        if _TRAILER.unpack(trailer)[0] != checksum(header.checksum, segments[0]):
+            raise CorruptFrame(f"corrupt chunk in request {header.request_id}; nothing was kept")
+        return
+    views, staged = _runs(segments)
     bad = 0
     for pieces in _pieces(views, header.chunk_size):
         for piece in pieces:

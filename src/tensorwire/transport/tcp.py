@@ -32,6 +32,7 @@ class TcpStream(ByteStream):
         self._closed = False
         self._watching = False  # whether the loop watches the socket for readability
         self._read_waiter: asyncio.Future[None] | None = None
+        self._write_waiter: asyncio.Future[None] | None = None
         try:
             host, port = sock.getpeername()[:2]
             self.peer = f"tcp://{host}:{port}"
@@ -99,31 +100,30 @@ class TcpStream(ByteStream):
                     sent = 0
 
     async def _writable(self) -> None:
-        fut: asyncio.Future[None] = self._loop.create_future()
-
-        def ready() -> None:
-            if not fut.done():
-                fut.set_result(None)
-
-        fd = self._sock.fileno()
-        if fd < 0:
-            raise ConnectionLost(f"connection to {self.peer} is closed")
-        self._loop.add_writer(fd, ready)
+        fut = self._write_waiter = self._loop.create_future()
+        self._loop.add_writer(self._fd, _resolve, fut)
         try:
             await fut
         finally:
-            self._loop.remove_writer(fd)
+            self._write_waiter = None
+            self._loop.remove_writer(self._fd)
 
     async def close(self) -> None:
         if self._closed:
             return
         self._closed = True
         self._unwatch()
-        if self._read_waiter is not None and not self._read_waiter.done():
-            self._read_waiter.set_result(None)  # the reader wakes and sees the stream closed
+        for waiter in (self._read_waiter, self._write_waiter):
+            if waiter is not None:
+                _resolve(waiter)  # a blocked reader or writer wakes and sees the stream closed
         with contextlib.suppress(OSError):
             self._sock.shutdown(socket.SHUT_RDWR)
         self._sock.close()
+
+
+def _resolve(fut: asyncio.Future[None]) -> None:
+    if not fut.done():
+        fut.set_result(None)
 
 
 async def connect(address: Address, timeout: float) -> TcpStream:

@@ -42,6 +42,7 @@ class Flags(enum.IntFlag):
     NONE = 0
     RESPONSE = 0x01
     ERROR = 0x02
+    MORE = 0x04  # request: a part of a PUT_MANY; more parts with the same request id follow
 
 
 _RESPONSE = int(Flags.RESPONSE)

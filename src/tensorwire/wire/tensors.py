@@ -57,5 +57,5 @@ def check_out(meta: TensorMeta, out: torch.Tensor) -> None:
             f"{meta.name!r}: out is {out.dtype}{list(out.shape)}, stored tensor is "
             f"{meta.dtype}{list(meta.shape)}"
         )
-    if out.device.type != "cpu":
+    if not out.is_cpu:
         raise InvalidTensor(f"{meta.name!r}: out must be a CPU tensor, not {out.device}")
