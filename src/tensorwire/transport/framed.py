@@ -71,7 +71,8 @@ class FramedTransport(Transport):
         self._loop = asyncio.get_running_loop()
         self._closing: asyncio.Task[None] | None = None
         self.timeout = timeout  # seconds one request may take, its send included
-        self._inflight = asyncio.Semaphore(Limits().max_inflight)  # the server's own, after HELLO
+        self._max_inflight = Limits().max_inflight  # the server's own, after HELLO
+        self._room: asyncio.Event | None = None  # set when a request finishes while others wait
         self._closed = False
         self._failure: TensorwireError | None = None
         self._version = PROTOCOL_VERSIONS[-1]
@@ -98,7 +99,7 @@ class FramedTransport(Transport):
             max(self._chunk_size, info.limits.min_chunk_bytes), info.limits.max_chunk_bytes
         )
         self.info = info
-        self._inflight = asyncio.Semaphore(info.limits.max_inflight)
+        self._max_inflight = info.limits.max_inflight
         return info
 
     # -- operations ----------------------------------------------------------------------------
@@ -178,16 +179,18 @@ class FramedTransport(Transport):
         # it covers the send as well as the answer.
         timer = self._loop.call_later(self.timeout, self._expire, rid, what)
         try:
-            async with self._inflight:
-                try:
-                    async with self._write_lock:
-                        if batch is None:
-                            await send_frame(self._stream, self._header(opcode, rid, meta, 0), meta)
-                        else:
-                            await self._send_batch(opcode, rid, batch, progress)
-                except ConnectionLost as exc:
-                    await self._fail(exc)
-                return await future  # settled by the reader, a timer, or _fail
+            while len(self._pending) > self._max_inflight:  # rare: wait for an answer to free a slot
+                self._room = self._room or asyncio.Event()
+                await self._room.wait()
+            try:
+                async with self._write_lock:
+                    if batch is None:
+                        await send_frame(self._stream, self._header(opcode, rid, meta, 0), meta)
+                    else:
+                        await self._send_batch(opcode, rid, batch, progress)
+            except ConnectionLost as exc:
+                await self._fail(exc)
+            return await future  # settled by the reader, a timer, or _fail
         except asyncio.CancelledError:
             # A request abandoned mid-flight leaves the stream in an unknown state: drop it.
             self._pending.pop(rid, None)
@@ -196,6 +199,9 @@ class FramedTransport(Transport):
         finally:
             timer.cancel()
             self._pending.pop(rid, None)
+            if self._room is not None:
+                self._room.set()
+                self._room = None
 
     def _expire(self, rid: int, what: str) -> None:
         """A request's timer ran out: fail it, and drop the connection it is stuck on."""

@@ -234,6 +234,8 @@ async def recv_data(
 
 async def skip_data(reader: FrameReader, header: Header) -> None:
     """Read and drop a frame's data section (to stay in step after refusing a request)."""
+    if not header.data_len:
+        return
     scratch = memoryview(bytearray(min(header.wire_data_len, READ_BUFFER)))
     left = header.wire_data_len
     while left:

@@ -78,6 +78,16 @@ class TcpStream(ByteStream):
             self._loop.remove_reader(self._fd)
 
     async def send(self, buffers: Sequence[Buffer]) -> None:
+        if len(buffers) == 1 and not self._closed:  # a small frame: usually one syscall, done
+            try:
+                sent = self._sock.send(buffers[0])
+            except (BlockingIOError, InterruptedError):
+                sent = 0
+            except OSError as exc:
+                raise ConnectionLost(f"sending to {self.peer}: {exc}") from exc
+            if sent == len(buffers[0]):
+                return
+            buffers = [memoryview(buffers[0])[sent:]]
         views = [memoryview(b) for b in buffers if len(b)]
         i = 0
         while i < len(views):
