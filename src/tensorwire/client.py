@@ -23,7 +23,7 @@ import torch
 from tensorwire import transport as transports
 from tensorwire._gc import gc_paused
 from tensorwire._loop import new_event_loop
-from tensorwire.errors import ConnectError, InvalidTensor, ProtocolError, TensorwireError
+from tensorwire.errors import ConnectError, InvalidTensor, ProtocolError, TensorwireError, TransferTimeout
 from tensorwire.store.names import validate_name, validate_prefix
 from tensorwire.transport.base import Transport
 from tensorwire.types import Address, TensorMeta
@@ -41,7 +41,7 @@ CHECKSUMS = {"xxh3": ChecksumKind.XXH3_64, "crc32c": ChecksumKind.CRC32C}
 class ClientOptions:
     """How a client waits and retries. Every wait is finite."""
 
-    timeout: float = 60.0  # one attempt of one operation
+    timeout: float = 60.0  # one request: its send and its answer
     connect_timeout: float = 10.0
     retries: int = 3
     backoff: float = 0.05  # first retry delay; doubles each time, with jitter
@@ -88,7 +88,8 @@ class AsyncClient:
         return await self.put_many([(name, tensor)], progress=progress)
 
     async def put_many(self, items: TensorItems, progress: Progress | None = None) -> int:
-        """Store several tensors in one frame, atomically (all visible or none); return the version."""
+        """Store several tensors in one request, atomically (all visible or none, under one new
+        version, which is returned). Large batches travel in several frames, pipelined."""
         pairs = list(items.items()) if isinstance(items, Mapping) else list(items)
         if not pairs:
             raise InvalidTensor("put_many needs at least one tensor")
@@ -288,6 +289,8 @@ class Client:
     private event loop thread and waits for it (never longer than the options' worst case)."""
 
     def __init__(self, url: str, options: ClientOptions | None = None) -> None:
+        self._worst_case = (options or ClientOptions()).worst_case
+        self._url = url
         self._loop = new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="tensorwire-client", daemon=True)
         self._thread.start()
@@ -311,12 +314,13 @@ class Client:
 
     def _call(self, coro: Awaitable[T]) -> T:
         future: Future[T] = asyncio.run_coroutine_threadsafe(coro, self._loop)  # type: ignore[arg-type]
-        worst = self._async.options.worst_case if hasattr(self, "_async") else 60.0
         try:
-            return future.result(timeout=worst)
-        except TimeoutError:
-            future.cancel()
-            raise
+            return future.result(timeout=self._worst_case)
+        except TimeoutError as exc:
+            if isinstance(exc, TensorwireError):
+                raise
+            future.cancel()  # a backstop: the client's own timers should have fired long before
+            raise TransferTimeout(f"waited {self._worst_case:.3g}s for a call to {self._url}") from exc
 
     def connect(self) -> Client:
         self._call(self._async.connect())

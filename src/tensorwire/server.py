@@ -138,6 +138,8 @@ class _Session:
         op = header.opcode
         if op not in OPCODES:
             raise ProtocolError(f"unknown opcode {op}")
+        if self.batch is not None and (op != Opcode.PUT_MANY or header.request_id != self.batch.request_id):
+            await self._interrupted(header)
         if op in (Opcode.PUT, Opcode.PUT_MANY):
             await self._put(header, reader)
             return
@@ -181,12 +183,6 @@ class _Session:
         batch = self.batch
         if batch is None:
             batch = self.batch = _Batch(header.request_id)
-        elif batch.request_id != header.request_id:
-            # The client broke its own batch: nothing of it can be trusted, so answer and hang up.
-            self.abort_batch()
-            await skip_data(self.reader, header)
-            await self._send_error(header.request_id, ProtocolError("a request interrupted a PUT_MANY"))
-            raise ConnectionLost("a client interrupted its own multi-frame PUT_MANY")
         try:
             if batch.error is None:
                 await self._put_part(header, reader, batch)
@@ -231,6 +227,15 @@ class _Session:
             self.store.abort(res)
             raise
         await self._reply(header, _RID.pack(version))
+
+    async def _interrupted(self, header: Header) -> None:
+        """Another frame arrived in the middle of a multi-frame PUT_MANY: the client broke its own
+        batch, so nothing of it can be trusted. Answer, then hang up."""
+        self.abort_batch()
+        await skip_data(self.reader, header)
+        error = ProtocolError("a request interrupted a multi-frame PUT_MANY")
+        await self._send_error(header.request_id, error, header.opcode)
+        raise ConnectionLost("a client interrupted its own multi-frame PUT_MANY")
 
     def abort_batch(self) -> None:
         """Drop a multi-frame batch the connection died in the middle of."""

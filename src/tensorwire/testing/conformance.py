@@ -189,6 +189,12 @@ async def an_unfinished_batch_stores_nothing(h: Harness) -> None:
             await stream.send([put_frame([TensorMeta("u/b", torch.uint8, (1,), 1)], b"x", rid=6)])
             await expect_error(reader, errors.ErrorCode.PROTOCOL_ERROR)
             assert not await asyncio.wait_for(reader.at_frame_start(), 5), "session stayed open"
+        async with raw(srv) as (stream, reader):  # any other request in the middle: the same
+            await stream.send([put_frame([part], bytes(600_000), rid=5, flags=Flags.MORE)])
+            ping = Header(1, Opcode.PING, 0, ChecksumKind.XXH3_64, 9, 0, 4096, 0)
+            await stream.send([encode_frame_head(ping, b"")])
+            await expect_error(reader, errors.ErrorCode.PROTOCOL_ERROR)
+            assert not await asyncio.wait_for(reader.at_frame_start(), 5), "session stayed open"
         async with raw(srv) as (stream, _):  # a batch cut off by a closed connection
             await stream.send([put_frame([part], bytes(600_000), rid=5, flags=Flags.MORE)])
         async with h.client(srv) as c:
