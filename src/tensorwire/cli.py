@@ -156,16 +156,26 @@ def main() -> None:
     help="Once listening, write the actual addresses here, one per line.",
 )  # fmt: skip
 @click.option(
+    "--stall-timeout", type=click.FloatRange(min=0.01), default=60.0, show_default=True,
+    help="Seconds a client may make no progress in the middle of a request before it is cut off.",
+)  # fmt: skip
+@click.option(
     "--log-level", type=click.Choice(["debug", "info", "warning", "error"], case_sensitive=False),
     default="warning", show_default=True,
 )  # fmt: skip
 def serve(
-    listen: tuple[str, ...], capacity: int, data_dir: Path | None, ready_file: Path | None, log_level: str
+    *,
+    listen: tuple[str, ...],
+    capacity: int,
+    data_dir: Path | None,
+    ready_file: Path | None,
+    stall_timeout: float,
+    log_level: str,
 ) -> None:
     """Serve a tensor store until SIGINT or SIGTERM."""
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     store = TensorStore(capacity, data_dir)
-    run(_serve(Server(store), listen, ready_file))
+    run(_serve(Server(store, stall_timeout=stall_timeout), listen, ready_file))
 
 
 async def _serve(server: Server, urls: tuple[str, ...], ready_file: Path | None) -> None:

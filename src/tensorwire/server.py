@@ -16,6 +16,7 @@ import contextlib
 import logging
 import struct
 import threading
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -54,10 +55,18 @@ _RID = struct.Struct("<Q")
 class Server:
     """Serves one store on any number of addresses (``tcp://host:0`` binds a free port)."""
 
-    def __init__(self, store: TensorStore | None = None, limits: Limits | None = None) -> None:
+    def __init__(
+        self, store: TensorStore | None = None, limits: Limits | None = None, stall_timeout: float = 60.0
+    ) -> None:
         self.store = store if store is not None else TensorStore()
         self.limits = limits or Limits()
+        # A peer that stops sending or reading in the middle of a request is cut off after this
+        # many seconds without progress, and what it reserved is freed: an idle connection may
+        # wait forever, a half-done request may not.
+        self.stall_timeout = stall_timeout
         self._listeners: list[Listener] = []
+        self._sessions: set[_Session] = set()
+        self._watchdog: asyncio.Task[None] | None = None
 
     @property
     def addresses(self) -> list[Address]:
@@ -66,16 +75,36 @@ class Server:
     async def start(self, *urls: str) -> list[Address]:
         for url in urls:
             self._listeners.append(await transport.listen(Address.parse(url), self.handle))
+        if self._watchdog is None:
+            self._watchdog = asyncio.get_running_loop().create_task(self._watch())
         return self.addresses
 
     async def close(self) -> None:
         listeners, self._listeners = self._listeners, []
         for listener in listeners:
             await listener.close()
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._watchdog
+            self._watchdog = None
+
+    async def _watch(self) -> None:
+        """Cut off sessions stalled in the middle of a request (see ``stall_timeout``)."""
+        period = max(min(self.stall_timeout / 4, 5.0), 0.01)
+        while True:
+            await asyncio.sleep(period)
+            deadline = time.monotonic() - self.stall_timeout
+            for session in list(self._sessions):
+                if session.busy and session.stream.last_active < deadline:
+                    log.warning("closing %s: no progress for %.3gs mid-request", session.stream.peer,
+                                self.stall_timeout)  # fmt: skip
+                    await session.stream.close()
 
     async def handle(self, stream: ByteStream) -> None:
         """Serve one connection until the peer leaves or its bytes stop making frames."""
         session = _Session(self, stream)
+        self._sessions.add(session)
         try:
             await session.run()
         except ConnectionLost as exc:
@@ -83,6 +112,7 @@ class Server:
         except Exception:
             log.exception("session with %s failed", stream.peer)
         finally:
+            self._sessions.discard(session)
             session.abort_batch()
 
 
@@ -102,9 +132,17 @@ class _Session:
         self.version = PROTOCOL_VERSIONS[-1]
         self.data_read = False  # whether the current request's data section has been consumed
         self.batch: _Batch | None = None  # a PUT_MANY arriving in several frames
+        self.in_request = False
+        self.working = False  # the server, not the peer, is what a request waits on (a disk write)
+
+    @property
+    def busy(self) -> bool:
+        """In the middle of a request (or of a multi-frame batch): a stall here is not idleness."""
+        return (self.in_request or self.batch is not None) and not self.working
 
     async def run(self) -> None:
         while await self.reader.at_frame_start():
+            self.in_request = True
             raw = await read_head(self.reader)
             try:
                 header = decode_header(raw, self.limits)
@@ -117,6 +155,7 @@ class _Session:
                 await self._send_error(_request_id(raw), exc)
                 return
             await self._run_one(header, meta)
+            self.in_request = False
 
     async def _run_one(self, header: Header, meta: bytes) -> None:
         self.data_read = False
@@ -219,7 +258,12 @@ class _Session:
             raise batch.error
         try:
             if self.store.persistent:  # the disk write blocks; keep the loop serving others
-                version = await asyncio.get_running_loop().run_in_executor(None, self.store.commit, res)
+                self.working = True
+                try:
+                    version = await asyncio.get_running_loop().run_in_executor(None, self.store.commit, res)
+                finally:
+                    self.working = False
+                    self.stream.last_active = time.monotonic()
             else:
                 with gc_paused():
                     version = self.store.commit(res)

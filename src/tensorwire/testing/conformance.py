@@ -53,8 +53,10 @@ class Harness:
         return "tcp://127.0.0.1:0"
 
     @contextlib.asynccontextmanager
-    async def server(self, capacity: int = 1 << 30, limits: Limits | None = None) -> AsyncIterator[Server]:
-        server = Server(TensorStore(capacity), limits)
+    async def server(
+        self, capacity: int = 1 << 30, limits: Limits | None = None, stall_timeout: float = 60.0
+    ) -> AsyncIterator[Server]:
+        server = Server(TensorStore(capacity), limits, stall_timeout)
         await server.start(self.fresh_url())
         try:
             yield server
@@ -200,6 +202,22 @@ async def an_unfinished_batch_stores_nothing(h: Harness) -> None:
         async with h.client(srv) as c:
             await _until_stored(c, "u/full", torch.zeros(1 << 20, dtype=torch.uint8))
             assert [m.name for m in await c.list()] == ["u/full"]  # both reservations were freed
+
+
+async def a_stalled_request_is_cut_off(h: Harness) -> None:
+    async with h.server(capacity=1 << 20, stall_timeout=0.2) as srv:
+        async with raw(srv) as (stream, reader):
+            idle_since = time.monotonic()
+            await stream.send([put_frame([TensorMeta("s/x", torch.uint8, (1,), 1)], b"x", rid=1)])
+            await read_reply(reader)  # a finished request, then idleness: never cut off
+            frame = put_frame([TensorMeta("s/big", torch.uint8, (900_000,), 900_000)], bytes(900_000), rid=2)
+            await asyncio.sleep(0.5)  # idle for longer than the stall timeout, on purpose
+            await stream.send([frame[: len(frame) // 3]])  # then a third of a request, and silence
+            assert not await asyncio.wait_for(reader.at_frame_start(), 5), "a stalled request was kept"
+            assert time.monotonic() - idle_since > 0.5
+        async with h.client(srv) as c:
+            await c.delete("s/x")
+            await c.put("s/full", torch.zeros(1 << 20, dtype=torch.uint8))  # the reservation is free
 
 
 async def _until_stored(c: AsyncClient, name: str, tensor: torch.Tensor, timeout: float = 5.0) -> None:
@@ -506,6 +524,7 @@ CASES: list[Case] = [
     a_batch_in_many_frames_is_one_put,
     a_bad_part_refuses_the_whole_batch,
     an_unfinished_batch_stores_nothing,
+    a_stalled_request_is_cut_off,
     list_stat_delete,
     capacity_is_enforced,
     many_requests_in_flight,

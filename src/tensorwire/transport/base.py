@@ -46,6 +46,7 @@ class ByteStream(ABC):
     """One connection's bytes."""
 
     peer: str = "?"
+    last_active: float = 0.0  # time.monotonic() of the last byte moved either way
 
     @abstractmethod
     async def recv_into(self, buf: memoryview) -> int:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from collections.abc import Sequence
 
 from tensorwire.errors import ConnectError, ConnectionLost
@@ -90,13 +91,17 @@ class MemoryStream(ByteStream):
         self._in = inbound
         self._out = outbound
         self.peer = peer
+        self.last_active = time.monotonic()
 
     async def recv_into(self, buf: memoryview) -> int:
-        return await self._in.read_into(buf)
+        got = await self._in.read_into(buf)
+        self.last_active = time.monotonic()
+        return got
 
     async def send(self, buffers: Sequence[Buffer]) -> None:
         for b in buffers:
             await self._out.write(memoryview(b).cast("B"))
+            self.last_active = time.monotonic()
 
     async def close(self) -> None:
         self._in.close()

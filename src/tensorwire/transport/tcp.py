@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
+import time
 from collections.abc import Sequence
 
 from tensorwire.errors import ConnectError, ConnectionLost, TransferTimeout
@@ -28,6 +29,7 @@ class TcpStream(ByteStream):
         _tune(sock)
         self._sock = sock
         self._fd = sock.fileno()
+        self.last_active = time.monotonic()
         self._loop = asyncio.get_running_loop()
         self._closed = False
         self._watching = False  # whether the loop watches the socket for readability
@@ -47,7 +49,9 @@ class TcpStream(ByteStream):
             if self._closed:
                 raise ConnectionLost(f"connection to {self.peer} is closed")
             try:
-                return self._sock.recv_into(buf)
+                got = self._sock.recv_into(buf)
+                self.last_active = time.monotonic()
+                return got
             except (BlockingIOError, InterruptedError):
                 await self._readable()
             except OSError as exc:
@@ -85,6 +89,7 @@ class TcpStream(ByteStream):
                 sent = 0
             except OSError as exc:
                 raise ConnectionLost(f"sending to {self.peer}: {exc}") from exc
+            self.last_active = time.monotonic()
             if sent == len(buffers[0]):
                 return
             buffers = [memoryview(buffers[0])[sent:]]
@@ -100,6 +105,7 @@ class TcpStream(ByteStream):
                 continue
             except OSError as exc:
                 raise ConnectionLost(f"sending to {self.peer}: {exc}") from exc
+            self.last_active = time.monotonic()
             while sent:  # advance past what the kernel took
                 size = views[i].nbytes
                 if sent >= size:
