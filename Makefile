@@ -7,13 +7,13 @@ BIN := $(VENV)/bin
 TORCH := torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test test-unit test-integration test-fault bench lint format clean
+.PHONY: install demo test test-unit test-integration test-fault bench lint format proto fuzz clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --disable-pip-version-check -q --upgrade pip
 	$(BIN)/pip install --disable-pip-version-check -q "$(TORCH)"
-	$(BIN)/pip install --disable-pip-version-check -q -e ".[fast,demo,dev]" "$(TORCH)"
+	$(BIN)/pip install --disable-pip-version-check -q -e ".[fast,demo,dev,bench]" "$(TORCH)"
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -44,6 +44,11 @@ lint: $(STAMP)
 format: $(STAMP)
 	$(BIN)/ruff check --fix src tests
 	$(BIN)/ruff format src tests
+
+# Regenerate the gRPC modules from the schema (tests/unit/test_proto.py fails when they are stale).
+proto: $(STAMP)
+	$(BIN)/python -m grpc_tools.protoc -I proto --python_out=src --pyi_out=src --grpc_python_out=src \
+		proto/tensorwire/v1/tensor_service.proto
 
 clean:
 	rm -rf $(VENV) build dist .pytest_cache .mypy_cache .ruff_cache

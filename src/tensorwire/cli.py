@@ -88,8 +88,16 @@ def parse_size(text: str) -> int:
 def parse_url(text: str) -> str:
     """``"HOST:PORT"`` means ``tcp://HOST:PORT``; returns the normalised URL or raises ValueError."""
     address = Address.parse(text if "://" in text else f"tcp://{text}")
-    transports.stream_kind(address)  # refuse an unknown scheme here rather than at connect time
+    transports.check_scheme(address)  # refuse an unknown scheme here rather than at connect time
     return str(address)
+
+
+def _grpc_param(ctx: click.Context, param: click.Parameter, value: tuple[str, ...]) -> tuple[str, ...]:
+    """``HOST:PORT`` (or ``grpc://HOST:PORT``) for --grpc-listen."""
+    try:
+        return tuple(parse_url(v if "://" in v else f"grpc://{v}") for v in value)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), ctx, param) from exc
 
 
 def _size_param(ctx: click.Context, param: click.Parameter, value: str) -> int:
@@ -145,6 +153,10 @@ def main() -> None:
     help="Address to serve on (repeatable); HOST:PORT means tcp://HOST:PORT, port 0 picks a free one.",
 )  # fmt: skip
 @click.option(
+    "--grpc-listen", "grpc_listen", metavar="HOST:PORT", callback=_grpc_param, multiple=True,
+    help="Also serve the gRPC TensorService here (repeatable), on the same store.",
+)  # fmt: skip
+@click.option(
     "--capacity", metavar="SIZE", callback=_size_param, default="8GiB", show_default=True,
     help="Most bytes the store holds: 8GiB, 512MiB, 1.5GB, or bytes.",
 )  # fmt: skip
@@ -166,6 +178,7 @@ def main() -> None:
 def serve(
     *,
     listen: tuple[str, ...],
+    grpc_listen: tuple[str, ...],
     capacity: int,
     data_dir: Path | None,
     ready_file: Path | None,
@@ -175,7 +188,7 @@ def serve(
     """Serve a tensor store until SIGINT or SIGTERM."""
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     store = TensorStore(capacity, data_dir)
-    run(_serve(Server(store, stall_timeout=stall_timeout), listen, ready_file))
+    run(_serve(Server(store, stall_timeout=stall_timeout), listen + grpc_listen, ready_file))
 
 
 async def _serve(server: Server, urls: tuple[str, ...], ready_file: Path | None) -> None:

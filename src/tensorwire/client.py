@@ -65,7 +65,7 @@ class AsyncClient:
 
     def __init__(self, url: str, options: ClientOptions | None = None) -> None:
         self.address = Address.parse(url)
-        transports.stream_kind(self.address)  # refuse an unknown scheme now, not at first use
+        transports.check_scheme(self.address)  # refuse an unknown scheme now, not at first use
         self.options = options or ClientOptions()
         if self.options.checksum not in CHECKSUMS:
             raise ValueError(f"checksum must be one of {sorted(CHECKSUMS)}, not {self.options.checksum!r}")
@@ -183,13 +183,13 @@ class AsyncClient:
             return t  # the common case, without taking the lock
         async with self._open_lock:
             if self._transport is None or self._transport.closed:
-                self._transport = await transports.open_transport(
-                    self.address,
+                options = transports.TransportOptions(
                     self.options.connect_timeout,
+                    self.options.timeout,
                     CHECKSUMS[self.options.checksum],
                     self.options.chunk_size,
-                    self.options.timeout,
                 )
+                self._transport = await transports.open_transport(self.address, options)
             return self._transport
 
     async def _run(self, op: Callable[[Transport], Awaitable[T]], idempotent: bool = True) -> T:

@@ -73,8 +73,16 @@ class Server:
         return [listener.address for listener in self._listeners]
 
     async def start(self, *urls: str) -> list[Address]:
+        """Listen on every URL: ``tcp://`` and ``memory://`` speak the frame protocol, ``grpc://``
+        serves ``TensorService`` (server_rpc.py); all share this server's store."""
         for url in urls:
-            self._listeners.append(await transport.listen(Address.parse(url), self.handle))
+            address = Address.parse(url)
+            if address.scheme == "grpc":
+                from tensorwire import server_rpc  # grpcio loads only when gRPC is served
+
+                self._listeners.append(await server_rpc.listen(address, self.store, self.limits))
+            else:
+                self._listeners.append(await transport.listen(address, self.handle))
         if self._watchdog is None:
             self._watchdog = asyncio.get_running_loop().create_task(self._watch())
         return self.addresses

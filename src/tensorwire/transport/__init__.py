@@ -1,9 +1,10 @@
 """Transports, chosen by address scheme from one table.
 
-Only this module names the concrete transports. Each stream transport module provides
-``connect(address, timeout) -> ByteStream`` and ``listen(address, handler) -> Listener``; the frame
-protocol on top (``FramedTransport`` for clients, ``tensorwire.server`` for servers) is the same
-for all of them. The scheme a client asked for is the one it gets: there is no silent fallback.
+Only this module names the concrete client transports. ``TRANSPORTS`` maps a scheme to the
+function that opens a client ``Transport``: the frame protocol (``FramedTransport``) over a
+``ByteStream`` for ``tcp://`` and ``memory://``, and gRPC for ``grpc://``. ``STREAMS`` holds the
+byte-stream kinds (``connect`` and ``listen``); the server's own table of listeners is in
+``tensorwire.server``. The scheme a client asked for is the one it gets: no silent fallback.
 """
 
 from __future__ import annotations
@@ -31,12 +32,55 @@ STREAMS: dict[str, StreamKind] = {
 }
 
 
+class TransportOptions(NamedTuple):
+    connect_timeout: float
+    request_timeout: float
+    checksum: ChecksumKind = ChecksumKind.XXH3_64
+    chunk_size: int | None = None
+
+
+async def _open_framed(address: Address, options: TransportOptions) -> Transport:
+    """The frame protocol over a byte stream: connect, then agree on a version (HELLO)."""
+    stream = await connect_stream(address, options.connect_timeout)
+    chunk = options.chunk_size if options.chunk_size is not None else DEFAULT_CHUNK_BYTES
+    transport = FramedTransport(address, stream, options.checksum, chunk, timeout=options.request_timeout)
+    try:
+        async with asyncio_timeout(options.connect_timeout, f"the HELLO answer from {address}"):
+            await transport.hello()
+    except BaseException:
+        await transport.close()
+        raise
+    return transport
+
+
+async def _open_rpc(address: Address, options: TransportOptions) -> Transport:
+    from tensorwire.transport import rpc  # grpcio loads only for grpc:// addresses
+
+    return await rpc.open_transport(
+        address, options.connect_timeout, options.checksum, options.chunk_size, options.request_timeout
+    )
+
+
+TRANSPORTS: dict[str, Callable[[Address, TransportOptions], Awaitable[Transport]]] = {
+    "tcp": _open_framed,
+    "memory": _open_framed,
+    "grpc": _open_rpc,
+}
+
+
+def check_scheme(address: Address) -> None:
+    """ValueError naming the known schemes, for an address no transport serves."""
+    if address.scheme not in TRANSPORTS:
+        known = ", ".join(f"{s}://" for s in TRANSPORTS)
+        raise ValueError(f"unsupported address scheme in {address}; known: {known}")
+
+
 def stream_kind(address: Address) -> StreamKind:
     try:
         return STREAMS[address.scheme]
     except KeyError:
         known = ", ".join(f"{s}://" for s in STREAMS)
-        raise ValueError(f"unsupported address scheme in {address}; known: {known}") from None
+        raise ValueError(f"{address} is not a byte-stream address; those are: {known}") from None
 
 
 async def connect_stream(address: Address, timeout: float) -> ByteStream:
@@ -48,24 +92,21 @@ async def listen(address: Address, handler: StreamHandler) -> Listener:
     return await stream_kind(address).listen(address, handler)
 
 
-async def open_transport(
-    address: Address,
-    timeout: float,
-    checksum: ChecksumKind = ChecksumKind.XXH3_64,
-    chunk_size: int | None = None,
-    request_timeout: float = 60.0,
-) -> Transport:
-    """Connect to ``address``, agree on a protocol version, and return the open transport."""
-    stream = await connect_stream(address, timeout)
-    chunk = chunk_size if chunk_size is not None else DEFAULT_CHUNK_BYTES
-    transport = FramedTransport(address, stream, checksum, chunk, timeout=request_timeout)
-    try:
-        async with asyncio_timeout(timeout, f"the HELLO answer from {address}"):
-            await transport.hello()
-    except BaseException:
-        await transport.close()
-        raise
-    return transport
+async def open_transport(address: Address, options: TransportOptions) -> Transport:
+    """Connect to ``address`` with the transport its scheme names, and return it open."""
+    check_scheme(address)
+    return await TRANSPORTS[address.scheme](address, options)
 
 
-__all__ = ["STREAMS", "ByteStream", "Listener", "Transport", "connect_stream", "listen", "open_transport"]
+__all__ = [
+    "STREAMS",
+    "TRANSPORTS",
+    "ByteStream",
+    "Listener",
+    "Transport",
+    "TransportOptions",
+    "check_scheme",
+    "connect_stream",
+    "listen",
+    "open_transport",
+]

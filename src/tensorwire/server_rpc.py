@@ -1,0 +1,266 @@
+"""The gRPC face of a tensorwire server: ``TensorService`` over the same ``TensorStore``.
+
+``UploadTensor`` / ``DownloadTensor`` keep the interface that existing clients of this kind of
+service speak: one message per tensor, failures answered with ``success=false`` and a readable
+message. ``Put`` / ``Get`` stream tensors of any size in checksummed chunks (what
+``tensorwire.connect("grpc://...")`` uses); a put becomes visible only when every chunk of every
+tensor was verified, all tensors at once. Failures of the streaming calls are gRPC errors that
+carry the tensorwire error code in the trailing metadata key ``tensorwire-error``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, TypeVar
+
+import grpc
+
+from tensorwire.errors import (
+    ConnectError,
+    CorruptFrame,
+    ErrorCode,
+    InvalidTensor,
+    LimitExceeded,
+    ProtocolError,
+    TensorwireError,
+    code_for_error,
+)
+from tensorwire.store import Reservation, TensorStore
+from tensorwire.store.names import validate_prefix
+from tensorwire.transport.base import Listener
+from tensorwire.types import Address, Limits, TensorMeta
+from tensorwire.v1 import tensor_service_pb2 as pb
+from tensorwire.v1 import tensor_service_pb2_grpc as pb_grpc
+from tensorwire.wire.checksum import ChecksumKind, checksum
+from tensorwire.wire.dtypes import dtype_from_name, dtype_name
+from tensorwire.wire.frame import CHECKSUM_KINDS
+from tensorwire.wire.rpc import (
+    ERROR_KEY,
+    RPC_CHUNK_BYTES,
+    UNARY_MAX_BYTES,
+    info_of,
+    message_options,
+    meta_of,
+    pb_kind,
+)
+
+log = logging.getLogger("tensorwire.server")
+T = TypeVar("T")
+
+_GRPC_CODES: dict[ErrorCode, grpc.StatusCode] = {
+    ErrorCode.KEY_NOT_FOUND: grpc.StatusCode.NOT_FOUND,
+    ErrorCode.CAPACITY_EXCEEDED: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    ErrorCode.LIMIT_EXCEEDED: grpc.StatusCode.OUT_OF_RANGE,
+    ErrorCode.INVALID_NAME: grpc.StatusCode.INVALID_ARGUMENT,
+    ErrorCode.INVALID_TENSOR: grpc.StatusCode.INVALID_ARGUMENT,
+    ErrorCode.PROTOCOL_ERROR: grpc.StatusCode.INVALID_ARGUMENT,
+    ErrorCode.CORRUPT_FRAME: grpc.StatusCode.DATA_LOSS,
+    ErrorCode.UNSUPPORTED_VERSION: grpc.StatusCode.UNIMPLEMENTED,
+    ErrorCode.PERSISTENCE_ERROR: grpc.StatusCode.INTERNAL,
+    ErrorCode.SERVER_ERROR: grpc.StatusCode.INTERNAL,
+}
+
+
+class TensorServicer(pb_grpc.TensorServiceServicer):
+    """``TensorService`` on one store."""
+
+    def __init__(self, store: TensorStore, limits: Limits) -> None:
+        self.store = store
+        self.limits = limits
+
+    # -- the interface existing clients speak -------------------------------------------------
+    async def UploadTensor(self, request: pb.TensorRequest, context: Any) -> pb.TensorResponse:
+        try:
+            meta = TensorMeta(
+                request.tensor_name, dtype_from_name(request.dtype), tuple(request.shape), len(request.data)
+            )
+            try:
+                meta.check_size()
+            except InvalidTensor as exc:
+                raise InvalidTensor(f"shape/data size mismatch: {exc}") from None
+            res = self.store.reserve([meta])
+            res.buffers[0][:] = request.data
+            version = await self._commit(res)
+        except TensorwireError as exc:
+            return pb.TensorResponse(success=False, message=str(exc))
+        return pb.TensorResponse(success=True, message=f"stored {meta.name!r} at version {version}")
+
+    async def DownloadTensor(self, request: pb.TensorRequest, context: Any) -> pb.TensorResponse:
+        try:
+            (entry,) = self.store.acquire([request.tensor_name])
+        except TensorwireError as exc:
+            return pb.TensorResponse(success=False, message=str(exc))
+        try:
+            meta = entry.meta
+            if meta.nbytes > UNARY_MAX_BYTES:
+                message = f"{meta.name!r} has {meta.nbytes} bytes: too large for DownloadTensor, use Get"
+                return pb.TensorResponse(success=False, message=message)
+            return pb.TensorResponse(
+                success=True, data=bytes(entry.data), shape=meta.shape, dtype=dtype_name(meta.dtype)
+            )
+        finally:
+            self.store.release([entry])
+
+    # -- streaming and the other operations ---------------------------------------------------
+    async def Put(self, request_iterator: AsyncIterator[pb.Chunk], context: Any) -> pb.PutReply:
+        return await _answer(context, lambda: self._put(request_iterator))
+
+    async def _put(self, chunks: AsyncIterator[pb.Chunk]) -> pb.PutReply:
+        batch = Reservation()
+        try:
+            await _StreamedPut(self.store, self.limits, batch).receive(chunks)
+            return pb.PutReply(version=await self._commit(batch))
+        finally:
+            self.store.abort(batch)  # a no-op once committed
+
+    async def Get(self, request: pb.GetRequest, context: Any) -> AsyncIterator[pb.Chunk]:
+        names = list(request.names)
+        if not names or len(names) > self.limits.max_batch:
+            await _abort(context, ProtocolError(f"Get asks for {len(names)} tensors"))
+        chunk = request.chunk_bytes or RPC_CHUNK_BYTES
+        if not self.limits.min_chunk_bytes <= chunk <= self.limits.max_chunk_bytes:
+            await _abort(context, LimitExceeded(f"chunk size {chunk} outside the server's limits"))
+        kind = int(request.checksum_kind) or ChecksumKind.XXH3_64
+        try:
+            entries = self.store.acquire(names)
+        except TensorwireError as exc:
+            await _abort(context, exc)
+        try:
+            yield pb.Chunk(manifest=[info_of(e.meta) for e in entries])
+            for entry in entries:
+                for start in range(0, entry.meta.nbytes, chunk):
+                    data = bytes(entry.data[start : start + chunk])  # the one copy grpcio needs
+                    yield pb.Chunk(data=data, checksum_kind=pb_kind(kind), checksum=checksum(kind, data))
+        finally:
+            self.store.release(entries)
+
+    async def Delete(self, request: pb.NamesRequest, context: Any) -> pb.DeleteReply:
+        names = list(request.names)
+        return await _answer(context, lambda: _ready(pb.DeleteReply(deleted=self.store.delete(names))))
+
+    async def Stat(self, request: pb.NamesRequest, context: Any) -> pb.TensorList:
+        names = list(request.names)
+        return await _answer(
+            context, lambda: _ready(pb.TensorList(tensors=map(info_of, self.store.stat(names))))
+        )
+
+    async def List(self, request: pb.ListRequest, context: Any) -> pb.TensorList:
+        limit = min(request.limit or self.limits.max_batch, self.limits.max_batch)
+
+        async def run() -> pb.TensorList:
+            validate_prefix(request.prefix)
+            return pb.TensorList(tensors=map(info_of, self.store.list(request.prefix, limit)))
+
+        return await _answer(context, run)
+
+    async def Ping(self, request: pb.Empty, context: Any) -> pb.Empty:
+        return pb.Empty()
+
+    async def _commit(self, res: Reservation) -> int:
+        if self.store.persistent:  # the disk write blocks; keep the loop serving others
+            return await asyncio.get_running_loop().run_in_executor(None, self.store.commit, res)
+        return self.store.commit(res)
+
+
+class _StreamedPut:
+    """Receives the chunks of one Put into a reservation, checking each as it arrives."""
+
+    def __init__(self, store: TensorStore, limits: Limits, batch: Reservation) -> None:
+        self.store = store
+        self.limits = limits
+        self.batch = batch
+        self.current: memoryview | None = None
+        self.filled = 0
+        self.total = 0
+
+    async def receive(self, chunks: AsyncIterator[pb.Chunk]) -> None:
+        async for chunk in chunks:
+            if chunk.HasField("tensor"):
+                self._start(chunk.tensor)
+            if chunk.data or chunk.checksum:
+                self._take(chunk)
+        self._end_of_tensor()
+        if not self.batch.metas:
+            raise ProtocolError("Put carried no tensors")
+
+    def _start(self, info: pb.TensorInfo) -> None:
+        self._end_of_tensor()
+        if len(self.batch.metas) >= self.limits.max_batch:
+            raise LimitExceeded(f"a Put of more than {self.limits.max_batch} tensors")
+        meta = meta_of(info)
+        self.total += meta.nbytes
+        if self.total > self.limits.max_request_bytes:
+            raise LimitExceeded(f"a Put of more than {self.limits.max_request_bytes} bytes")
+        part = self.store.reserve([meta.with_version(0)], self.batch)
+        self.current, self.filled = part.buffers[0], 0
+
+    def _take(self, chunk: pb.Chunk) -> None:
+        data = chunk.data
+        if self.current is None:
+            raise ProtocolError("tensor bytes before any tensor header")
+        if self.filled + len(data) > self.current.nbytes:
+            raise InvalidTensor("more bytes than the tensor's shape and dtype hold")
+        if int(chunk.checksum_kind) not in CHECKSUM_KINDS:
+            raise ProtocolError(f"unknown checksum kind {chunk.checksum_kind}")
+        if checksum(chunk.checksum_kind, data) != chunk.checksum:
+            raise CorruptFrame("a chunk's checksum does not match its data; nothing was kept")
+        self.current[self.filled : self.filled + len(data)] = data
+        self.filled += len(data)
+
+    def _end_of_tensor(self) -> None:
+        if self.current is not None and self.filled != self.current.nbytes:
+            raise InvalidTensor(f"a tensor ended after {self.filled} of its {self.current.nbytes} bytes")
+        self.current = None
+
+
+async def _ready(value: T) -> T:
+    return value
+
+
+async def _answer(context: Any, run: Callable[[], Awaitable[T]]) -> T:
+    """Run an operation; a tensorwire error becomes a gRPC error with its code in the trailers."""
+    try:
+        return await run()
+    except TensorwireError as exc:
+        await _abort(context, exc)
+        raise AssertionError("unreachable") from exc  # context.abort raises
+
+
+async def _abort(context: Any, exc: BaseException) -> None:
+    code = code_for_error(exc)
+    context.set_trailing_metadata(((ERROR_KEY, str(int(code))),))
+    await context.abort(_GRPC_CODES.get(code, grpc.StatusCode.INTERNAL), str(exc))
+
+
+class RpcListener(Listener):
+    """A running ``grpc.aio`` server; ``address`` is the real one (port 0 resolved)."""
+
+    def __init__(self, server: Any, address: Address) -> None:
+        self._server = server
+        self.address = address
+
+    async def close(self) -> None:
+        with contextlib.suppress(Exception):
+            await self._server.stop(grace=0.5)
+
+
+async def listen(address: Address, store: TensorStore, limits: Limits) -> RpcListener:
+    """Serve ``TensorService`` for ``store`` on ``address`` (``grpc://host:0`` picks a free port)."""
+    # so_reuseport off: a port in use is an error, not silently shared with another server.
+    server = grpc.aio.server(options=[*message_options(limits.max_chunk_bytes), ("grpc.so_reuseport", 0)])
+    pb_grpc.add_TensorServiceServicer_to_server(TensorServicer(store, limits), server)  # type: ignore[no-untyped-call]
+    host = f"[{address.host}]" if ":" in address.host else address.host
+    try:
+        port = server.add_insecure_port(f"{host}:{address.port}")
+    except RuntimeError as exc:  # grpcio raises where older versions returned 0
+        raise ConnectError(f"cannot listen on {address}: {exc}") from exc
+    if port == 0:
+        raise ConnectError(f"cannot listen on {address}")
+    await server.start()
+    return RpcListener(server, Address("grpc", address.host, port))
+
+
+__all__ = ["TensorServicer", "listen"]

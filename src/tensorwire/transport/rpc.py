@@ -1,0 +1,199 @@
+"""The gRPC transport: ``grpc://host:port``, the client side of ``TensorService`` (server_rpc.py).
+
+Tensors travel in chunks of ~1 MiB (the message size grpcio moves fastest), each with its xxh3
+checksum, and land in the caller's buffers as they arrive. grpcio needs one ``bytes`` object per
+message: that is built once per chunk from a memoryview of the tensor on the way out, and copied
+once into the destination on the way in. Errors are translated here, at the boundary: a gRPC
+status becomes the tensorwire error its trailing metadata names (or the closest one).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+import grpc
+
+from tensorwire.errors import (
+    ConnectError,
+    ConnectionLost,
+    CorruptFrame,
+    LimitExceeded,
+    ProtocolError,
+    ServerError,
+    TensorwireError,
+    TransferTimeout,
+    error_for_code,
+)
+from tensorwire.transport.base import Progress, PutBatch, Sink, Transport
+from tensorwire.types import Address, Limits, TensorMeta
+from tensorwire.v1 import tensor_service_pb2 as pb
+from tensorwire.v1 import tensor_service_pb2_grpc as pb_grpc
+from tensorwire.wire.checksum import ChecksumKind, checksum
+from tensorwire.wire.meta import ServerInfo
+from tensorwire.wire.rpc import ERROR_KEY, RPC_CHUNK_BYTES, info_of, message_options, meta_of, pb_kind
+
+_TRANSIENT = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.ABORTED}
+
+
+class RpcTransport(Transport):
+    """One gRPC channel to one server."""
+
+    def __init__(
+        self, address: Address, checksum_kind: ChecksumKind, chunk_size: int | None, timeout: float
+    ) -> None:
+        self.address = address
+        self.info = ServerInfo(1, Limits(), 0, 0)
+        self.timeout = timeout
+        self._kind = checksum_kind
+        self._chunk = chunk_size or RPC_CHUNK_BYTES
+        target = (
+            f"{address.host}:{address.port}"
+            if ":" not in address.host
+            else f"[{address.host}]:{address.port}"
+        )
+        self._channel = grpc.aio.insecure_channel(target, options=message_options(Limits().max_chunk_bytes))
+        self._stub = pb_grpc.TensorServiceStub(self._channel)  # type: ignore[no-untyped-call]
+        self._closed = False
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    async def open(self, timeout: float) -> None:
+        """Wait until the channel is connected; ConnectError/TransferTimeout otherwise."""
+        try:
+            await asyncio.wait_for(self._stub.Ping(pb.Empty(), timeout=timeout), timeout)
+        except TimeoutError as exc:
+            await self.close()
+            raise TransferTimeout(f"connecting to {self.address}: no answer within {timeout:.3g}s") from exc
+        except grpc.aio.AioRpcError as exc:
+            await self.close()
+            if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                raise ConnectError(f"cannot connect to {self.address}: {exc.details()}") from exc
+            raise self._translate(exc, "ping") from exc
+
+    # -- operations ----------------------------------------------------------------------------
+    async def put(self, batch: PutBatch, progress: Progress | None = None) -> int:
+        reply = await self._unary("put", self._stub.Put(self._chunks(batch, progress), timeout=self.timeout))
+        return int(reply.version)
+
+    async def _chunks(self, batch: PutBatch, progress: Progress | None) -> AsyncIterator[pb.Chunk]:
+        for index in range(batch.parts):
+            metas, views = batch.part(index)
+            for meta, view in zip(metas, views, strict=True):
+                first = True
+                for start in range(0, view.nbytes, self._chunk):
+                    data = bytes(view[start : start + self._chunk])  # the one copy grpcio needs
+                    chunk = pb.Chunk(
+                        data=data, checksum_kind=pb_kind(self._kind), checksum=checksum(self._kind, data)
+                    )
+                    if first:
+                        chunk.tensor.CopyFrom(info_of(meta))
+                        first = False
+                    yield chunk
+                    if progress is not None:
+                        progress(len(data))
+                if first:  # an empty tensor: a header with no data
+                    yield pb.Chunk(tensor=info_of(meta))
+
+    async def get(
+        self, names: Sequence[str], sink: Sink, progress: Progress | None = None
+    ) -> list[TensorMeta]:
+        request = pb.GetRequest(names=names, chunk_bytes=self._chunk, checksum_kind=pb_kind(self._kind))
+        call = self._stub.Get(request, timeout=self.timeout)
+        try:
+            return await self._land(call, sink, progress)
+        except grpc.aio.AioRpcError as exc:
+            raise self._translate(exc, "get") from exc
+        finally:
+            call.cancel()  # a no-op when the stream is done; stops it if landing failed
+
+    async def _land(self, call: Any, sink: Sink, progress: Progress | None) -> list[TensorMeta]:
+        chunks = call.__aiter__()
+        try:
+            head = await chunks.__anext__()
+        except StopAsyncIteration:
+            raise ProtocolError(f"{self.address} answered a Get with no manifest") from None
+        metas = [meta_of(info) for info in head.manifest]
+        targets = [b for b in sink(metas) if b.nbytes]
+        index, filled = 0, 0
+        async for chunk in chunks:
+            data = chunk.data
+            if checksum(chunk.checksum_kind or ChecksumKind.XXH3_64, data) != chunk.checksum:
+                raise CorruptFrame(f"a chunk from {self.address} failed its checksum")
+            pos = 0
+            while pos < len(data):  # a chunk may end one tensor and start the next
+                if index >= len(targets):
+                    raise ProtocolError(f"{self.address} sent more bytes than its manifest holds")
+                take = min(len(data) - pos, targets[index].nbytes - filled)
+                targets[index][filled : filled + take] = data[pos : pos + take]
+                pos, filled = pos + take, filled + take
+                if filled == targets[index].nbytes:
+                    index, filled = index + 1, 0
+            if progress is not None:
+                progress(len(data))
+        if index != len(targets):
+            raise ProtocolError(f"{self.address} ended a Get before all its bytes arrived")
+        return metas
+
+    async def delete(self, names: Sequence[str]) -> int:
+        reply = await self._unary(
+            "delete", self._stub.Delete(pb.NamesRequest(names=names), timeout=self.timeout)
+        )
+        return int(reply.deleted)
+
+    async def stat(self, names: Sequence[str]) -> list[TensorMeta]:
+        reply = await self._unary("stat", self._stub.Stat(pb.NamesRequest(names=names), timeout=self.timeout))
+        return [meta_of(info) for info in reply.tensors]
+
+    async def list(self, prefix: str, limit: int) -> list[TensorMeta]:
+        request = pb.ListRequest(prefix=prefix, limit=limit)
+        reply = await self._unary("list", self._stub.List(request, timeout=self.timeout))
+        return [meta_of(info) for info in reply.tensors]
+
+    async def ping(self) -> None:
+        await self._unary("ping", self._stub.Ping(pb.Empty(), timeout=self.timeout))
+
+    async def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            await self._channel.close()
+
+    # -- errors --------------------------------------------------------------------------------
+    async def _unary(self, what: str, call: Any) -> Any:
+        try:
+            return await call
+        except grpc.aio.AioRpcError as exc:
+            raise self._translate(exc, what) from exc
+
+    def _translate(self, exc: grpc.aio.AioRpcError, what: str) -> TensorwireError:
+        """The tensorwire error for a failed call (foreign exceptions stop at this boundary)."""
+        for key, value in exc.trailing_metadata() or ():
+            if key == ERROR_KEY:
+                return error_for_code(int(value), exc.details() or "")
+        code = exc.code()
+        if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+            self._closed = True
+            return TransferTimeout(
+                f"waited {self.timeout:.3g}s for the answer to the {what} from {self.address}"
+            )
+        if code in _TRANSIENT:
+            self._closed = True
+            return ConnectionLost(f"{what} to {self.address} failed: {exc.details()}")
+        if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+            return LimitExceeded(f"{what} to {self.address}: {exc.details()}")
+        return ServerError(f"{what} to {self.address} failed with {code.name}: {exc.details()}")
+
+
+async def open_transport(
+    address: Address,
+    connect_timeout: float,
+    checksum_kind: ChecksumKind,
+    chunk_size: int | None,
+    timeout: float,
+) -> RpcTransport:
+    transport = RpcTransport(address, checksum_kind, chunk_size, timeout)
+    await transport.open(connect_timeout)
+    return transport
