@@ -479,5 +479,22 @@ def transfer(ctx: click.Context) -> None:
     module.main(list(ctx.args))
 
 
+@bench.command(
+    "grpc",
+    context_settings={"ignore_unknown_options": True, "allow_extra_args": True},
+    add_help_option=False,  # --help goes to the benchmark, which knows its own options
+)
+@click.pass_context
+def grpc_bench(ctx: click.Context) -> None:
+    """gRPC throughput against naive gRPC and Arrow Flight (options --size, --json, --iters: see --help)."""
+    try:  # imported by name: the benchmark is optional and heavy, and loads only when asked for
+        module = importlib.import_module("tensorwire.bench.grpc")
+    except ModuleNotFoundError as exc:
+        if not (exc.name or "").startswith("tensorwire.bench"):
+            raise
+        raise CliError("the gRPC benchmark (tensorwire.bench.grpc) is not installed") from exc
+    module.main(list(ctx.args))
+
+
 if __name__ == "__main__":
     main(prog_name="tensorwire")

@@ -40,11 +40,14 @@ from tensorwire.wire.frame import CHECKSUM_KINDS
 from tensorwire.wire.rpc import (
     ERROR_KEY,
     RPC_CHUNK_BYTES,
+    SERVICE,
     UNARY_MAX_BYTES,
+    RawChunk,
+    decode_chunk,
+    encode_chunk,
     info_of,
     message_options,
     meta_of,
-    pb_kind,
 )
 
 log = logging.getLogger("tensorwire.server")
@@ -105,10 +108,11 @@ class TensorServicer(pb_grpc.TensorServiceServicer):
             self.store.release([entry])
 
     # -- streaming and the other operations ---------------------------------------------------
-    async def Put(self, request_iterator: AsyncIterator[pb.Chunk], context: Any) -> pb.PutReply:
+    async def Put(self, request_iterator: AsyncIterator[bytes], context: Any) -> pb.PutReply:
+        """Chunks arrive as raw wire bytes (see ``handlers``) and are parsed in place."""
         return await _answer(context, lambda: self._put(request_iterator))
 
-    async def _put(self, chunks: AsyncIterator[pb.Chunk]) -> pb.PutReply:
+    async def _put(self, chunks: AsyncIterator[bytes]) -> pb.PutReply:
         batch = Reservation()
         try:
             await _StreamedPut(self.store, self.limits, batch).receive(chunks)
@@ -116,7 +120,8 @@ class TensorServicer(pb_grpc.TensorServiceServicer):
         finally:
             self.store.abort(batch)  # a no-op once committed
 
-    async def Get(self, request: pb.GetRequest, context: Any) -> AsyncIterator[pb.Chunk]:
+    async def Get(self, request: pb.GetRequest, context: Any) -> AsyncIterator[bytes]:
+        """Answers with raw wire bytes of ``Chunk`` messages (see ``handlers``)."""
         names = list(request.names)
         if not names or len(names) > self.limits.max_batch:
             await _abort(context, ProtocolError(f"Get asks for {len(names)} tensors"))
@@ -129,11 +134,11 @@ class TensorServicer(pb_grpc.TensorServiceServicer):
         except TensorwireError as exc:
             await _abort(context, exc)
         try:
-            yield pb.Chunk(manifest=[info_of(e.meta) for e in entries])
+            yield pb.Chunk(manifest=[info_of(e.meta) for e in entries]).SerializeToString()
             for entry in entries:
                 for start in range(0, entry.meta.nbytes, chunk):
-                    data = bytes(entry.data[start : start + chunk])  # the one copy grpcio needs
-                    yield pb.Chunk(data=data, checksum_kind=pb_kind(kind), checksum=checksum(kind, data))
+                    data = entry.data[start : start + chunk]
+                    yield encode_chunk(data, kind, checksum(kind, data))  # the one copy grpcio needs
         finally:
             self.store.release(entries)
 
@@ -176,9 +181,10 @@ class _StreamedPut:
         self.filled = 0
         self.total = 0
 
-    async def receive(self, chunks: AsyncIterator[pb.Chunk]) -> None:
-        async for chunk in chunks:
-            if chunk.HasField("tensor"):
+    async def receive(self, chunks: AsyncIterator[bytes]) -> None:
+        async for raw in chunks:
+            chunk = decode_chunk(raw)
+            if chunk.tensor is not None:
                 self._start(chunk.tensor)
             if chunk.data or chunk.checksum:
                 self._take(chunk)
@@ -197,15 +203,15 @@ class _StreamedPut:
         part = self.store.reserve([meta.with_version(0)], self.batch)
         self.current, self.filled = part.buffers[0], 0
 
-    def _take(self, chunk: pb.Chunk) -> None:
+    def _take(self, chunk: RawChunk) -> None:
         data = chunk.data
         if self.current is None:
             raise ProtocolError("tensor bytes before any tensor header")
         if self.filled + len(data) > self.current.nbytes:
             raise InvalidTensor("more bytes than the tensor's shape and dtype hold")
-        if int(chunk.checksum_kind) not in CHECKSUM_KINDS:
-            raise ProtocolError(f"unknown checksum kind {chunk.checksum_kind}")
-        if checksum(chunk.checksum_kind, data) != chunk.checksum:
+        if chunk.kind not in CHECKSUM_KINDS:
+            raise ProtocolError(f"unknown checksum kind {chunk.kind}")
+        if checksum(chunk.kind, data) != chunk.checksum:
             raise CorruptFrame("a chunk's checksum does not match its data; nothing was kept")
         self.current[self.filled : self.filled + len(data)] = data
         self.filled += len(data)
@@ -247,11 +253,33 @@ class RpcListener(Listener):
             await self._server.stop(grace=0.5)
 
 
+def handlers(servicer: TensorServicer) -> Any:
+    """The method table of ``TensorService`` (what the generated ``add_..._to_server`` builds),
+    except that Put's requests and Get's answers pass as raw bytes: ``wire.rpc`` encodes and
+    parses their chunks without the copies the generated message class would make."""
+    unary = grpc.unary_unary_rpc_method_handler
+    methods = {
+        "UploadTensor": unary(servicer.UploadTensor, pb.TensorRequest.FromString, _serialize),
+        "DownloadTensor": unary(servicer.DownloadTensor, pb.TensorRequest.FromString, _serialize),
+        "Put": grpc.stream_unary_rpc_method_handler(servicer.Put, None, _serialize),
+        "Get": grpc.unary_stream_rpc_method_handler(servicer.Get, pb.GetRequest.FromString, None),
+        "Delete": unary(servicer.Delete, pb.NamesRequest.FromString, _serialize),
+        "Stat": unary(servicer.Stat, pb.NamesRequest.FromString, _serialize),
+        "List": unary(servicer.List, pb.ListRequest.FromString, _serialize),
+        "Ping": unary(servicer.Ping, pb.Empty.FromString, _serialize),
+    }
+    return grpc.method_handlers_generic_handler(SERVICE, methods)
+
+
+def _serialize(message: Any) -> bytes:
+    return bytes(message.SerializeToString())
+
+
 async def listen(address: Address, store: TensorStore, limits: Limits) -> RpcListener:
     """Serve ``TensorService`` for ``store`` on ``address`` (``grpc://host:0`` picks a free port)."""
     # so_reuseport off: a port in use is an error, not silently shared with another server.
     server = grpc.aio.server(options=[*message_options(limits.max_chunk_bytes), ("grpc.so_reuseport", 0)])
-    pb_grpc.add_TensorServiceServicer_to_server(TensorServicer(store, limits), server)  # type: ignore[no-untyped-call]
+    server.add_generic_rpc_handlers((handlers(TensorServicer(store, limits)),))
     host = f"[{address.host}]" if ":" in address.host else address.host
     try:
         port = server.add_insecure_port(f"{host}:{address.port}")

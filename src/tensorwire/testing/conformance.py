@@ -36,7 +36,7 @@ from tensorwire.wire.dtypes import SUPPORTED_DTYPES
 from tensorwire.wire.frame import Flags, Header, Opcode, decode_header, encode_frame_head
 from tensorwire.wire.tensors import byte_view
 
-SCHEMES = ("memory", "tcp")
+SCHEMES = ("memory", "tcp", "grpc")
 _names = itertools.count()
 Case = Callable[["Harness"], Coroutine[Any, Any, None]]
 
@@ -50,7 +50,23 @@ class Harness:
     def fresh_url(self) -> str:
         if self.scheme == "memory":
             return f"memory://conformance-{next(_names)}"
-        return "tcp://127.0.0.1:0"
+        return f"{self.scheme}://127.0.0.1:0"
+
+    @contextlib.asynccontextmanager
+    async def black_hole(self) -> AsyncIterator[str]:
+        """A URL of this harness's scheme where a peer accepts connections and never answers."""
+
+        async def swallow(stream: ByteStream) -> None:
+            buf = memoryview(bytearray(65536))
+            while await stream.recv_into(buf):
+                pass
+
+        stream_scheme = "tcp" if self.scheme == "grpc" else self.scheme  # gRPC runs over TCP
+        listener = await transport.listen(Address.parse(Harness(stream_scheme).fresh_url()), swallow)
+        try:
+            yield str(listener.address).replace(f"{stream_scheme}://", f"{self.scheme}://", 1)
+        finally:
+            await listener.close()
 
     @contextlib.asynccontextmanager
     async def server(
@@ -294,18 +310,13 @@ async def many_requests_in_flight(h: Harness) -> None:
 
 # -- timeouts and close -----------------------------------------------------------------------
 async def silent_server_times_out(h: Harness) -> None:
-    async def black_hole(stream: ByteStream) -> None:
-        buf = memoryview(bytearray(65536))
-        while await stream.recv_into(buf):
-            pass
-
-    async with h.peer(black_hole) as url:
+    async with h.black_hole() as url:
         client = AsyncClient(url, ClientOptions(timeout=0.3, connect_timeout=0.3, retries=1, backoff=0.01))
         start = time.monotonic()
         try:
             await client.ping()
-        except errors.TransferTimeout as exc:
-            assert "HELLO" in str(exc) or "ping" in str(exc), exc
+        except (errors.TransferTimeout, errors.ConnectError) as exc:
+            assert any(w in str(exc) for w in ("HELLO", "ping", "connect")), exc
         else:
             raise AssertionError("a silent server did not time out")
         finally:
@@ -514,6 +525,67 @@ async def _send_damaged(
     await stream.send([out])
 
 
+# -- hostile input on gRPC ------------------------------------------------------------------------
+@contextlib.asynccontextmanager
+async def raw_rpc(srv: Server) -> AsyncIterator[Callable[[list[bytes]], Awaitable[tuple[str, int]]]]:
+    """``put(chunks)`` sends hand-made Put chunks; returns (status name, tensorwire error code)."""
+    import grpc
+
+    from tensorwire.wire.rpc import ERROR_KEY, SERVICE
+
+    address = srv.addresses[0]
+    async with grpc.aio.insecure_channel(f"{address.host}:{address.port}") as channel:
+        call = channel.stream_unary(f"/{SERVICE}/Put", None, None)
+
+        async def put(chunks: list[bytes]) -> tuple[str, int]:
+            try:
+                await call(iter(chunks), timeout=5)
+            except grpc.aio.AioRpcError as exc:
+                codes = [int(v) for k, v in exc.trailing_metadata() or () if k == ERROR_KEY]
+                return exc.code().name, codes[0] if codes else 0
+            return "OK", 0
+
+        yield put
+
+
+async def rpc_hostile_puts_store_nothing(h: Harness) -> None:
+    from tensorwire.v1 import tensor_service_pb2 as pb
+    from tensorwire.wire.rpc import encode_chunk
+
+    info = pb.TensorInfo(name="r/x", dtype="uint8", shape=[8], nbytes=8)
+    data = memoryview(bytes(range(8)))
+    good = checksum(ChecksumKind.XXH3_64, data)
+    cases = {
+        "corrupt chunk": ([encode_chunk(data, 1, good ^ 1, info)], errors.ErrorCode.CORRUPT_FRAME),
+        "bytes before a header": ([encode_chunk(data, 1, good)], errors.ErrorCode.PROTOCOL_ERROR),
+        "a tensor cut short": (
+            [encode_chunk(data[:4], 1, checksum(1, data[:4]), info)],
+            errors.ErrorCode.INVALID_TENSOR,
+        ),
+        "size and shape disagree": (
+            [encode_chunk(data, 1, good, pb.TensorInfo(name="r/x", dtype="float32", shape=[8], nbytes=8))],
+            errors.ErrorCode.INVALID_TENSOR,
+        ),
+        "an escaping name": (
+            [encode_chunk(data, 1, good, pb.TensorInfo(name="../x", dtype="uint8", shape=[8], nbytes=8))],
+            errors.ErrorCode.INVALID_NAME,
+        ),
+        "not protobuf at all": ([b"\xff\xff\xff"], errors.ErrorCode.PROTOCOL_ERROR),
+        "unknown checksum kind": ([encode_chunk(data, 9, good, info)], errors.ErrorCode.PROTOCOL_ERROR),
+    }
+    async with h.server() as srv, raw_rpc(srv) as put:
+        for what, (chunks, code) in cases.items():
+            status, got = await put(chunks)
+            assert got == code, f"{what}: expected {code.name}, got {status} / {got}"
+        assert await put([encode_chunk(data, 1, good, info)]) == ("OK", 0)  # still serving
+        async with h.client(srv) as c:
+            assert [m.name for m in await c.list()] == ["r/x"]
+
+
+RPC_CASES: list[Case] = [rpc_hostile_puts_store_nothing]
+
+
+# Cases every transport must pass, through the public client API.
 CASES: list[Case] = [
     every_dtype_and_shape,
     non_contiguous_is_sent_contiguous,
@@ -522,14 +594,18 @@ CASES: list[Case] = [
     large_tensor_many_chunks,
     batches_are_atomic_and_versioned,
     a_batch_in_many_frames_is_one_put,
-    a_bad_part_refuses_the_whole_batch,
-    an_unfinished_batch_stores_nothing,
-    a_stalled_request_is_cut_off,
     list_stat_delete,
     capacity_is_enforced,
     many_requests_in_flight,
     silent_server_times_out,
     closed_client_and_server,
+]
+
+# Hostile and broken input in the frame protocol's own bytes (tcp://, memory://).
+STREAM_CASES: list[Case] = [
+    a_bad_part_refuses_the_whole_batch,
+    an_unfinished_batch_stores_nothing,
+    a_stalled_request_is_cut_off,
     corrupt_chunk_is_never_stored,
     bad_magic_and_version_end_the_session,
     damaged_header_is_caught,
@@ -538,5 +614,16 @@ CASES: list[Case] = [
     lying_records_are_refused,
     corrupt_get_response_is_retried,
 ]
+STREAM_SCHEMES = ("memory", "tcp")
 
-__all__ = ["CASES", "SCHEMES", "Harness", "random_tensor", "run_case", "same_bytes"]
+__all__ = [
+    "CASES",
+    "RPC_CASES",
+    "SCHEMES",
+    "STREAM_CASES",
+    "STREAM_SCHEMES",
+    "Harness",
+    "random_tensor",
+    "run_case",
+    "same_bytes",
+]

@@ -13,6 +13,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from types import TracebackType
 
@@ -35,6 +36,7 @@ class ServerProcess:
         capacity: str = "4GiB",
         data_dir: Path | None = None,
         start_timeout: float = 30.0,
+        extra: Sequence[str] = (),
     ) -> None:
         self._dir = tempfile.TemporaryDirectory(prefix="tensorwire-srv-")
         ready = Path(self._dir.name) / "ready"
@@ -42,6 +44,7 @@ class ServerProcess:
         cmd += ["--ready-file", str(ready)]
         if data_dir is not None:
             cmd += ["--data-dir", str(data_dir)]
+        cmd += extra
         self._log = open(Path(self._dir.name) / "log", "w+b")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT)
         try:
@@ -53,7 +56,8 @@ class ServerProcess:
         except BaseException:
             self.stop()
             raise
-        self.url = ready.read_text().split()[0]
+        self.urls = ready.read_text().split()
+        self.url = self.urls[0]
 
     @property
     def pid(self) -> int:

@@ -32,7 +32,17 @@ from tensorwire.v1 import tensor_service_pb2 as pb
 from tensorwire.v1 import tensor_service_pb2_grpc as pb_grpc
 from tensorwire.wire.checksum import ChecksumKind, checksum
 from tensorwire.wire.meta import ServerInfo
-from tensorwire.wire.rpc import ERROR_KEY, RPC_CHUNK_BYTES, info_of, message_options, meta_of, pb_kind
+from tensorwire.wire.rpc import (
+    ERROR_KEY,
+    RPC_CHUNK_BYTES,
+    SERVICE,
+    decode_chunk,
+    encode_chunk,
+    info_of,
+    message_options,
+    meta_of,
+    pb_kind,
+)
 
 _TRANSIENT = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.ABORTED}
 
@@ -55,6 +65,9 @@ class RpcTransport(Transport):
         )
         self._channel = grpc.aio.insecure_channel(target, options=message_options(Limits().max_chunk_bytes))
         self._stub = pb_grpc.TensorServiceStub(self._channel)  # type: ignore[no-untyped-call]
+        # Put and Get pass raw bytes: wire.rpc encodes and parses their chunks without copies.
+        self._put_call = self._channel.stream_unary(f"/{SERVICE}/Put", None, pb.PutReply.FromString)
+        self._get_call = self._channel.unary_stream(f"/{SERVICE}/Get", _serialize, None)
         self._closed = False
 
     @property
@@ -76,33 +89,27 @@ class RpcTransport(Transport):
 
     # -- operations ----------------------------------------------------------------------------
     async def put(self, batch: PutBatch, progress: Progress | None = None) -> int:
-        reply = await self._unary("put", self._stub.Put(self._chunks(batch, progress), timeout=self.timeout))
+        reply = await self._unary("put", self._put_call(self._chunks(batch, progress), timeout=self.timeout))
         return int(reply.version)
 
-    async def _chunks(self, batch: PutBatch, progress: Progress | None) -> AsyncIterator[pb.Chunk]:
+    async def _chunks(self, batch: PutBatch, progress: Progress | None) -> AsyncIterator[bytes]:
+        kind = self._kind
         for index in range(batch.parts):
             metas, views = batch.part(index)
             for meta, view in zip(metas, views, strict=True):
-                first = True
-                for start in range(0, view.nbytes, self._chunk):
-                    data = bytes(view[start : start + self._chunk])  # the one copy grpcio needs
-                    chunk = pb.Chunk(
-                        data=data, checksum_kind=pb_kind(self._kind), checksum=checksum(self._kind, data)
-                    )
-                    if first:
-                        chunk.tensor.CopyFrom(info_of(meta))
-                        first = False
-                    yield chunk
+                header: pb.TensorInfo | None = info_of(meta)  # rides on the tensor's first chunk
+                for start in range(0, max(view.nbytes, 1), self._chunk):
+                    data = view[start : start + self._chunk]
+                    yield encode_chunk(data, kind, checksum(kind, data), header)  # the one copy
+                    header = None
                     if progress is not None:
                         progress(len(data))
-                if first:  # an empty tensor: a header with no data
-                    yield pb.Chunk(tensor=info_of(meta))
 
     async def get(
         self, names: Sequence[str], sink: Sink, progress: Progress | None = None
     ) -> list[TensorMeta]:
         request = pb.GetRequest(names=names, chunk_bytes=self._chunk, checksum_kind=pb_kind(self._kind))
-        call = self._stub.Get(request, timeout=self.timeout)
+        call = self._get_call(request, timeout=self.timeout)
         try:
             return await self._land(call, sink, progress)
         except grpc.aio.AioRpcError as exc:
@@ -113,15 +120,16 @@ class RpcTransport(Transport):
     async def _land(self, call: Any, sink: Sink, progress: Progress | None) -> list[TensorMeta]:
         chunks = call.__aiter__()
         try:
-            head = await chunks.__anext__()
+            head = decode_chunk(await chunks.__anext__())
         except StopAsyncIteration:
             raise ProtocolError(f"{self.address} answered a Get with no manifest") from None
         metas = [meta_of(info) for info in head.manifest]
         targets = [b for b in sink(metas) if b.nbytes]
         index, filled = 0, 0
-        async for chunk in chunks:
+        async for raw in chunks:
+            chunk = decode_chunk(raw)
             data = chunk.data
-            if checksum(chunk.checksum_kind or ChecksumKind.XXH3_64, data) != chunk.checksum:
+            if checksum(chunk.kind or ChecksumKind.XXH3_64, data) != chunk.checksum:
                 raise CorruptFrame(f"a chunk from {self.address} failed its checksum")
             pos = 0
             while pos < len(data):  # a chunk may end one tensor and start the next
@@ -185,6 +193,10 @@ class RpcTransport(Transport):
         if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
             return LimitExceeded(f"{what} to {self.address}: {exc.details()}")
         return ServerError(f"{what} to {self.address} failed with {code.name}: {exc.details()}")
+
+
+def _serialize(message: Any) -> bytes:
+    return bytes(message.SerializeToString())
 
 
 async def open_transport(

@@ -199,5 +199,8 @@ def encode_hello_response(info: ServerInfo) -> bytes:
 
 def decode_hello_response(reader: MetaReader) -> ServerInfo:
     version, meta, name, ndim, batch, req, cmin, cmax, inflight, capacity, used = reader.take(_HELLO_RESP)
-    limits = Limits(meta, name, ndim, batch, req, cmin, cmax, inflight)
+    try:
+        limits = Limits(meta, name, ndim, batch, req, cmin, cmax, inflight)
+    except ValueError as exc:  # a broken or hostile server's numbers
+        raise ProtocolError(f"the server announced impossible limits: {exc}") from exc
     return ServerInfo(version, limits, capacity, used)

@@ -1,0 +1,425 @@
+"""gRPC benchmark: tensorwire's gRPC transport next to the two designs it should be judged against.
+
+All three move one float32 tensor between this process and a server in a child process, over gRPC
+on loopback, in the same run (the machine is shared and noisy: compare the ratios between runs,
+not the absolute numbers):
+
+* tensorwire: ``Server(...).start("grpc://127.0.0.1:0")`` and ``tensorwire.connect(url)``,
+  ``put`` and ``get(out=...)`` into a preallocated tensor.
+* naive: the design most gRPC tensor services start as, and the baseline tensorwire must beat by
+  a wide margin: sync grpcio, the whole tensor as ONE unary message (``bytes(tensor.numpy())`` in a
+  ``TensorRequest``), kept by the server as bytes in a dict and returned the same way; the client
+  turns the answer back into a tensor (``np.frombuffer(...).copy()``).
+* Arrow Flight: the established fast path for bulk data over gRPC (``pyarrow.flight``): the tensor
+  as a zero-copy uint8 column in 4 MiB record batches, ``do_put`` / ``do_get`` + ``read_all()``,
+  copied into a preallocated tensor. Reported as null when pyarrow is not installed.
+
+Ratios are tensorwire / baseline (``put_vs_flight``, ``get_vs_flight``, ``put_vs_naive``,
+``get_vs_naive``); the targets (>= 1x Flight, >= 5x naive) are shown in the table, never asserted.
+Processes, placement and shutdown work as in ``transfer.py``, whose helpers this reuses.
+
+Run: ``python -m tensorwire.bench.grpc [--size 64MiB] [--iters 5] [--json] [--no-pin]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib
+import json
+import multiprocessing.connection
+import sys
+from collections.abc import Callable, Sequence
+from concurrent import futures
+from multiprocessing.connection import Connection
+from typing import Any
+
+import grpc
+import numpy as np
+import torch
+
+import tensorwire
+from tensorwire import _loop
+from tensorwire.bench.transfer import (
+    STOP_TIMEOUT,
+    Result,
+    _bulk,
+    _Child,
+    _close_all,
+    _gbps,
+    _median_seconds,
+    _pinned,
+    _placement,
+    _positive,
+    _ratio,
+    _send_failure,
+    _until_stopped,
+    parse_size,
+)
+from tensorwire.server import Server
+from tensorwire.store import TensorStore
+from tensorwire.types import MiB
+from tensorwire.v1 import tensor_service_pb2 as pb
+from tensorwire.wire.tensors import byte_view
+
+NAME = "bench/x"
+FLIGHT_BATCH_BYTES = 4 * MiB
+CALL_TIMEOUT = 600.0  # a deadline on every baseline call, so a wedged server fails the run, not hangs it
+MESSAGE_SLACK = MiB  # room for the fields around the tensor bytes in the naive service's one message
+MAX_MESSAGE = (1 << 31) - 1  # protobuf and grpcio refuse messages of 2 GiB or more
+NAIVE_SERVICE = "naive.Naive"
+TARGET_VS_FLIGHT = 1.0
+TARGET_VS_NAIVE = 5.0
+Arrow = tuple[Any, Any]  # (pyarrow, pyarrow.flight); both untyped
+
+
+# -- options ---------------------------------------------------------------------------------------
+def _size(text: str) -> int:
+    nbytes = parse_size(text)
+    if nbytes + MESSAGE_SLACK > MAX_MESSAGE:
+        # The naive baseline is one protobuf message; it cannot be measured above 2 GiB.
+        raise argparse.ArgumentTypeError(f"size {text!r} does not fit one gRPC message (under 2 GiB)")
+    return nbytes
+
+
+def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="tensorwire.bench.grpc", description=__doc__.split("\n")[0])
+    parser.add_argument("--size", type=_size, default=parse_size("64MiB"), help="tensor size")
+    parser.add_argument("--iters", type=_positive, default=5, help="timed iterations (after warm-up)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object on the last line")
+    parser.add_argument(
+        "--no-pin", dest="pin", action="store_false", help="do not pin client and servers to separate CPUs"
+    )
+    return parser.parse_args(argv)
+
+
+def _arrow() -> Arrow | None:
+    """(pyarrow, pyarrow.flight), or None when pyarrow (the ``bench`` extra) is not installed."""
+    try:
+        return importlib.import_module("pyarrow"), importlib.import_module("pyarrow.flight")
+    except ImportError:
+        return None
+
+
+def _message_options(size: int) -> list[tuple[str, int]]:
+    """grpcio options that let one message carry the whole tensor (the default limit is 4 MiB)."""
+    limit = min(size + MESSAGE_SLACK, MAX_MESSAGE)
+    return [("grpc.max_send_message_length", limit), ("grpc.max_receive_message_length", limit)]
+
+
+def _wait_for_stop(conn: Connection) -> None:
+    """Block until the parent sends anything or closes the pipe (see transfer._Child)."""
+    multiprocessing.connection.wait([conn])
+
+
+# -- servers (child processes) ---------------------------------------------------------------------
+def _serve_tensorwire(conn: Connection, capacity: int) -> None:
+    """Child: a tensorwire server on gRPC only (transfer.py's serves tcp://)."""
+    _loop.run(_serve_tensorwire_async(conn, capacity))
+
+
+async def _serve_tensorwire_async(conn: Connection, capacity: int) -> None:
+    server = Server(TensorStore(capacity=capacity))
+    try:
+        addresses = await server.start("grpc://127.0.0.1:0")
+        conn.send(("ready", str(addresses[0])))
+    except BaseException:
+        _send_failure(conn)
+        raise
+    try:
+        await _until_stopped(conn)
+    finally:
+        await server.close()
+
+
+def _serve_naive(conn: Connection, size: int) -> None:
+    """Child: the naive unary service, sync grpcio on a thread pool."""
+    try:
+        server = grpc.server(futures.ThreadPoolExecutor(max_workers=4), options=_message_options(size))
+        server.add_generic_rpc_handlers((_naive_handler(),))
+        port = server.add_insecure_port("127.0.0.1:0")
+        server.start()
+        conn.send(("ready", port))
+    except BaseException:
+        _send_failure(conn)
+        raise
+    try:
+        _wait_for_stop(conn)
+    finally:
+        server.stop(grace=None).wait(STOP_TIMEOUT)
+
+
+def _naive_handler() -> Any:
+    """``Upload`` keeps the request's bytes in a dict; ``Download`` answers them in one message."""
+    stored: dict[str, tuple[bytes, list[int], str]] = {}  # name -> (data, shape, dtype)
+
+    def upload(request: pb.TensorRequest, context: Any) -> pb.TensorResponse:
+        stored[request.tensor_name] = (request.data, list(request.shape), request.dtype)
+        return pb.TensorResponse(success=True)
+
+    def download(request: pb.TensorRequest, context: Any) -> pb.TensorResponse:
+        if request.tensor_name not in stored:
+            return pb.TensorResponse(success=False, message=f"no tensor {request.tensor_name!r}")
+        data, shape, dtype = stored[request.tensor_name]
+        return pb.TensorResponse(success=True, data=data, shape=shape, dtype=dtype)
+
+    def unary(handler: Callable[[pb.TensorRequest, Any], pb.TensorResponse]) -> Any:
+        return grpc.unary_unary_rpc_method_handler(
+            handler,
+            request_deserializer=pb.TensorRequest.FromString,
+            response_serializer=pb.TensorResponse.SerializeToString,
+        )
+
+    return grpc.method_handlers_generic_handler(
+        NAIVE_SERVICE, {"Upload": unary(upload), "Download": unary(download)}
+    )
+
+
+def _serve_flight(conn: Connection) -> None:
+    """Child: an Arrow Flight server that keeps each uploaded table as it arrived."""
+    try:
+        arrow = _arrow()
+        if arrow is None:
+            raise RuntimeError("pyarrow is not installed")
+        server = _flight_server_class(arrow[1])("grpc://127.0.0.1:0")  # serving once constructed
+        conn.send(("ready", server.port))
+    except BaseException:
+        _send_failure(conn)
+        raise
+    try:
+        _wait_for_stop(conn)
+    finally:
+        server.shutdown()
+
+
+def _flight_server_class(flight: Any) -> type[Any]:
+    # Defined here, not at module level: pyarrow is optional, and the base class comes from it.
+    class TableServer(flight.FlightServerBase):  # type: ignore[misc]  # pyarrow is untyped (Any)
+        def __init__(self, location: str) -> None:
+            super().__init__(location)
+            self.tables: dict[bytes, Any] = {}
+
+        def do_put(self, context: Any, descriptor: Any, reader: Any, writer: Any) -> None:
+            # read_all keeps the received batches' buffers: no copy into a new layout.
+            self.tables[descriptor.path[0]] = reader.read_all()
+
+        def do_get(self, context: Any, ticket: Any) -> Any:
+            return flight.RecordBatchStream(self.tables[ticket.ticket])
+
+    return TableServer
+
+
+# -- clients (this process) ------------------------------------------------------------------------
+def _tensorwire_bulk(url: str, data: torch.Tensor, iters: int) -> tuple[float, float]:
+    """(put_gbps, get_gbps) through ``tensorwire.connect("grpc://...")``, as transfer.py measures tcp."""
+    with tensorwire.connect(url) as client:
+        if client.transport != "grpc":
+            raise RuntimeError(f"expected the grpc transport, got {client.transport!r}")
+        return _bulk(client, data, iters)
+
+
+def _naive_bulk(port: int, data: torch.Tensor, iters: int) -> tuple[float, float]:
+    """(put_gbps, get_gbps) of the naive service, client side written the naive way too."""
+    nbytes = data.numel() * data.element_size()
+    with grpc.insecure_channel(f"127.0.0.1:{port}", options=_message_options(nbytes)) as channel:
+        upload = channel.unary_unary(
+            f"/{NAIVE_SERVICE}/Upload",
+            request_serializer=pb.TensorRequest.SerializeToString,
+            response_deserializer=pb.TensorResponse.FromString,
+        )
+        download = channel.unary_unary(
+            f"/{NAIVE_SERVICE}/Download",
+            request_serializer=pb.TensorRequest.SerializeToString,
+            response_deserializer=pb.TensorResponse.FromString,
+        )
+        received = torch.empty(0)
+
+        def put() -> None:
+            request = pb.TensorRequest(
+                tensor_name=NAME, data=bytes(data.numpy()), shape=data.shape, dtype="float32"
+            )
+            _naive_check(upload(request, timeout=CALL_TIMEOUT))
+
+        def get() -> None:
+            nonlocal received
+            reply = _naive_check(download(pb.TensorRequest(tensor_name=NAME), timeout=CALL_TIMEOUT))
+            array = np.frombuffer(reply.data, dtype=reply.dtype).reshape(tuple(reply.shape))
+            received = torch.from_numpy(array.copy())  # a copy: frombuffer of bytes is read-only
+
+        put_s = _median_seconds(put, iters, warmup=2)  # the same warm-ups as tensorwire's put
+        get_s = _median_seconds(get, iters)
+    _check_same("naive", received, data)
+    return _gbps(nbytes, put_s), _gbps(nbytes, get_s)
+
+
+def _naive_check(reply: pb.TensorResponse) -> pb.TensorResponse:
+    if not reply.success:
+        raise RuntimeError(f"naive service failed: {reply.message}")
+    return reply
+
+
+def _flight_bulk(arrow: Arrow, port: int, data: torch.Tensor, iters: int) -> tuple[float, float]:
+    """(put_gbps, get_gbps) through Arrow Flight, zero-copy on the way out where pyarrow allows."""
+    pa, flight = arrow
+    nbytes = data.numel() * data.element_size()
+    descriptor = flight.FlightDescriptor.for_path(NAME)
+    ticket = flight.Ticket(NAME.encode())
+    options = flight.FlightCallOptions(timeout=CALL_TIMEOUT)
+    out = torch.empty_like(data)
+    out.zero_()  # touched once, as for tensorwire's get(out=)
+    target = out.view(torch.uint8).numpy()  # shares out's memory
+    client = flight.connect(f"grpc://127.0.0.1:{port}")
+    try:
+
+        def put() -> None:
+            batches = _record_batches(pa, data)
+            writer, _ = client.do_put(descriptor, batches[0].schema, options=options)
+            for batch in batches:
+                writer.write_batch(batch)
+            writer.close()
+
+        def get() -> None:
+            table = client.do_get(ticket, options=options).read_all()
+            _copy_column(table.column(0), target)
+
+        put_s = _median_seconds(put, iters, warmup=2)
+        get_s = _median_seconds(get, iters)
+    finally:
+        client.close()
+    _check_same("flight", out, data)
+    return _gbps(nbytes, put_s), _gbps(nbytes, get_s)
+
+
+def _record_batches(pa: Any, data: torch.Tensor) -> list[Any]:
+    """The tensor's bytes as one uint8 column in 4 MiB batches, all views of the tensor's memory."""
+    view = byte_view(data)
+    column = pa.Array.from_buffers(pa.uint8(), view.nbytes, [None, pa.py_buffer(view)])
+    schema = pa.schema([("bytes", pa.uint8())])
+    return [
+        pa.record_batch([column.slice(start, FLIGHT_BATCH_BYTES)], schema=schema)
+        for start in range(0, view.nbytes, FLIGHT_BATCH_BYTES)
+    ]
+
+
+def _copy_column(column: Any, target: np.ndarray[Any, np.dtype[np.uint8]]) -> None:
+    """Copy a chunked uint8 column into ``target``: one copy, from views of the received buffers."""
+    filled = 0
+    for chunk in column.chunks:
+        part = chunk.to_numpy(zero_copy_only=True)
+        target[filled : filled + len(part)] = part
+        filled += len(part)
+    if filled != len(target):
+        raise RuntimeError(f"flight returned {filled} bytes, expected {len(target)}")
+
+
+def _check_same(what: str, got: torch.Tensor, expected: torch.Tensor) -> None:
+    if not torch.equal(got, expected):
+        raise RuntimeError(f"{what}: {NAME} came back different from what was put")
+
+
+# -- the run ---------------------------------------------------------------------------------------
+def run(size: int, iters: int, pin: bool = True) -> Result:
+    """Measure all three; every child process is gone when this returns or raises."""
+    client_cpus, server_cpus = _placement(pin)
+    data = torch.rand(size // 4)
+    arrow = _arrow()
+    # Room for the stored tensor, the one being put over it and the store's reuse pool (as transfer.py).
+    capacity = 4 * size + 64 * MiB
+    flight_put: float | None = None
+    flight_get: float | None = None
+    with contextlib.ExitStack() as stack:
+        children: list[_Child] = []
+        stack.callback(_close_all, children)  # registered first: also ends the ones started before an error
+        # Start all children before waiting for any: each spends over a second importing torch.
+        children.append(_Child(_serve_tensorwire, capacity, cpus=server_cpus))
+        children.append(_Child(_serve_naive, size, cpus=server_cpus))
+        if arrow is not None:
+            children.append(_Child(_serve_flight, cpus=server_cpus))
+        ready = [child.ready() for child in children]
+        url, naive_port = ready[0], ready[1]
+        assert isinstance(url, str) and isinstance(naive_port, int)
+        stack.enter_context(_pinned(client_cpus))
+
+        grpc_put, grpc_get = _tensorwire_bulk(url, data, iters)
+        naive_put, naive_get = _naive_bulk(naive_port, data, iters)
+        if arrow is not None:
+            assert isinstance(ready[2], int)
+            flight_put, flight_get = _flight_bulk(arrow, ready[2], data, iters)
+    return {
+        "grpc_put_gbps": grpc_put,
+        "grpc_get_gbps": grpc_get,
+        "naive_put_gbps": naive_put,
+        "naive_get_gbps": naive_get,
+        "flight_put_gbps": flight_put,
+        "flight_get_gbps": flight_get,
+        "put_vs_flight": _vs(grpc_put, flight_put),
+        "get_vs_flight": _vs(grpc_get, flight_get),
+        "put_vs_naive": _vs(grpc_put, naive_put),
+        "get_vs_naive": _vs(grpc_get, naive_get),
+        "size_bytes": size,
+        "iters": iters,
+        "pinned": client_cpus is not None,
+        "pyarrow": None if arrow is None else str(arrow[0].__version__),
+    }
+
+
+def _vs(value: float, baseline: float | None) -> float | None:
+    return None if baseline is None else _ratio(value, baseline)
+
+
+def _target(ratio: float | int | str | None, target: float, baseline: str) -> str:
+    if not isinstance(ratio, float | int):
+        return f"n/a (no {baseline} number)"
+    verdict = "met" if ratio >= target else "MISSED"
+    return f"{ratio:.2f} x {baseline} (target {target:g}x: {verdict})"
+
+
+def format_table(r: Result) -> str:
+    """The results as a readable table (GB/s are 1e9 bytes per second)."""
+    size = r["size_bytes"]
+    mib = size / MiB if isinstance(size, int) else 0.0
+    flight_note = "baseline" if r["pyarrow"] is not None else "pyarrow not installed"
+
+    def gbps(key: str) -> str:
+        value = r[key]
+        return f"{value:.3f} GB/s" if isinstance(value, float | int) else "n/a"
+
+    rows = [
+        (
+            "tensorwire put",
+            gbps("grpc_put_gbps"),
+            f"{_target(r['put_vs_flight'], TARGET_VS_FLIGHT, 'Flight')}, "
+            f"{_target(r['put_vs_naive'], TARGET_VS_NAIVE, 'naive')}",
+        ),
+        (
+            "tensorwire get(out=)",
+            gbps("grpc_get_gbps"),
+            f"{_target(r['get_vs_flight'], TARGET_VS_FLIGHT, 'Flight')}, "
+            f"{_target(r['get_vs_naive'], TARGET_VS_NAIVE, 'naive')}",
+        ),
+        ("Arrow Flight do_put", gbps("flight_put_gbps"), flight_note),
+        ("Arrow Flight do_get", gbps("flight_get_gbps"), flight_note),
+        ("naive unary put", gbps("naive_put_gbps"), "baseline"),
+        ("naive unary get", gbps("naive_get_gbps"), "baseline"),
+    ]
+    head = (
+        f"tensorwire gRPC benchmark: {mib:g} MiB float32, median of {r['iters']} (after warm-up), "
+        f"{'pinned' if r['pinned'] else 'unpinned'}; GB/s = 1e9 bytes/s"
+    )
+    width = max(len(name) for name, _, _ in rows)
+    lines = [head] + [f"  {name:<{width}}  {value:>12}  {note}".rstrip() for name, value, note in rows]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> Result:
+    args = _parse_args(argv)
+    result = run(args.size, args.iters, args.pin)
+    if args.json:
+        print(json.dumps(result), flush=True)
+    else:
+        print(format_table(result), flush=True)
+    return result
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
