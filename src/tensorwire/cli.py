@@ -36,8 +36,9 @@ from rich.table import Table
 from tensorwire import __version__
 from tensorwire import transport as transports
 from tensorwire._loop import run
-from tensorwire.client import connect
+from tensorwire.client import Client, connect
 from tensorwire.errors import TensorwireError
+from tensorwire.security import TOKEN_ENV, Security, TlsFiles, load_token, write_dev_certs
 from tensorwire.server import Server
 from tensorwire.store import TensorStore
 from tensorwire.types import Address, GiB, KiB, MiB, TensorMeta
@@ -117,15 +118,41 @@ def _url_param(ctx: click.Context, param: click.Parameter, value: str | tuple[st
         raise click.BadParameter(str(exc), ctx, param) from exc
 
 
-server_option = click.option(
-    "--server",
-    metavar="URL",
-    callback=_url_param,
-    envvar=SERVER_ENV,
-    default=DEFAULT_URL,
-    show_default=True,
-    help=f"Server address (env {SERVER_ENV}).",
-)
+_CLIENT_META = "tensorwire.client_options"
+_FILE = click.Path(exists=True, dir_okay=False, path_type=Path)
+
+
+def _client_param(ctx: click.Context, param: click.Parameter, value: str | None) -> None:
+    """Collect --tls-ca/--tls-cert/--tls-key/--token for ``_connect`` (they are not arguments)."""
+    if value is not None and param.name is not None:
+        ctx.meta.setdefault(_CLIENT_META, {})[param.name] = value
+
+
+def server_option(command: Callable[..., Any]) -> Callable[..., Any]:
+    """--server and the options that say how to reach it securely."""
+    file = click.Path(exists=True, dir_okay=False)
+    options = [
+        click.option(
+            "--server", metavar="URL", callback=_url_param, envvar=SERVER_ENV, default=DEFAULT_URL,
+            show_default=True, help=f"Server address (env {SERVER_ENV}): tcp://, tls://, grpc://, grpcs://.",
+        ),
+        click.option("--tls-ca", type=file, callback=_client_param, expose_value=False,
+                     help="CA that signs the server's certificate (tls://, grpcs://)."),
+        click.option("--tls-cert", type=file, callback=_client_param, expose_value=False,
+                     help="This client's certificate, for servers that require one (mTLS)."),
+        click.option("--tls-key", type=file, callback=_client_param, expose_value=False,
+                     help="The private key of --tls-cert."),
+        click.option("--token", metavar="TOKEN", callback=_client_param, expose_value=False,
+                     help=f"The server's shared token (default: ${TOKEN_ENV})."),
+    ]  # fmt: skip
+    for option in reversed(options):
+        command = option(command)
+    return command
+
+
+def _connect(server: str) -> Client:
+    """A client of ``server`` with this command's security options."""
+    return connect(server, **click.get_current_context().meta.get(_CLIENT_META, {}))
 
 
 # -- the group -------------------------------------------------------------------------------------
@@ -171,6 +198,10 @@ def main() -> None:
     "--stall-timeout", type=click.FloatRange(min=0.01), default=60.0, show_default=True,
     help="Seconds a client may make no progress in the middle of a request before it is cut off.",
 )  # fmt: skip
+@click.option("--tls-cert", type=_FILE, help="Server certificate (PEM) for tls:// and grpcs:// addresses.")
+@click.option("--tls-key", type=_FILE, help="Its private key (PEM).")
+@click.option("--tls-client-ca", type=_FILE, help="Require client certificates signed by this CA (mTLS).")
+@click.option("--token-file", type=_FILE, help="Require this shared token from every client.")
 @click.option(
     "--log-level", type=click.Choice(["debug", "info", "warning", "error"], case_sensitive=False),
     default="warning", show_default=True,
@@ -183,12 +214,37 @@ def serve(
     data_dir: Path | None,
     ready_file: Path | None,
     stall_timeout: float,
+    tls_cert: Path | None,
+    tls_key: Path | None,
+    tls_client_ca: Path | None,
+    token_file: Path | None,
     log_level: str,
 ) -> None:
     """Serve a tensor store until SIGINT or SIGTERM."""
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    tls = TlsFiles(tls_cert, tls_key, tls_client_ca) if tls_cert or tls_key or tls_client_ca else None
+    security = Security(tls, load_token(token_file) if token_file else None)
     store = TensorStore(capacity, data_dir)
-    run(_serve(Server(store, stall_timeout=stall_timeout), listen + grpc_listen, ready_file))
+    server = Server(store, stall_timeout=stall_timeout, security=security)
+    run(_serve(server, listen + grpc_listen, ready_file))
+
+
+@main.command()
+@click.argument("directory", type=click.Path(file_okay=False, path_type=Path))
+@click.option(
+    "--host", "hosts", multiple=True, help="A name or IP the server certificate is for (repeatable)."
+)
+@click.option("--days", type=click.IntRange(min=1), default=365, show_default=True)
+@click.option("--overwrite", is_flag=True, help="Replace certificates already in DIRECTORY.")
+def certs(directory: Path, hosts: tuple[str, ...], days: int, overwrite: bool) -> None:
+    """Write a development CA and server/client certificates into DIRECTORY (not for production)."""
+    names = hosts or ("localhost", "127.0.0.1", "::1")
+    written = write_dev_certs(directory, names, days, overwrite=overwrite)
+    for role, path in written.items():
+        click.echo(f"{role:10} {path}")
+    click.echo(f"serve:  tensorwire serve --listen tls://127.0.0.1:7443 --tls-cert {written['server']} "
+               f"--tls-key {written['server_key']}")  # fmt: skip
+    click.echo(f"client: tensorwire ls --server tls://127.0.0.1:7443 --tls-ca {written['ca']}")
 
 
 async def _serve(server: Server, urls: tuple[str, ...], ready_file: Path | None) -> None:
@@ -229,7 +285,7 @@ def put(name: str, file: Path, server: str, key: str | None) -> None:
     """Store the tensor in FILE (.safetensors, .npy, .pt/.pth) under NAME."""
     tensor = load_tensor(file, key)
     nbytes = tensor.numel() * tensor.element_size()
-    with connect(server) as client, _progress(nbytes, f"put {name}") as advance:
+    with _connect(server) as client, _progress(nbytes, f"put {name}") as advance:
         start = time.perf_counter()
         version = client.put(name, tensor, progress=advance)
         elapsed = time.perf_counter() - start
@@ -249,7 +305,7 @@ def get(name: str, output: Path, server: str, key: str | None) -> None:
     fmt = _format_of(output)
     if not output.parent.is_dir():  # fail before the transfer, not after it
         raise CliError(f"cannot write {output}: directory {output.parent} does not exist")
-    with connect(server) as client:
+    with _connect(server) as client:
         meta = client.stat(name)  # the size for the bar, and a dtype check before any bytes move
         _check_writable(meta, fmt)
         with _progress(meta.nbytes, f"get {name}") as advance:
@@ -408,7 +464,7 @@ def meta_dict(meta: TensorMeta) -> dict[str, Any]:
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON list.")
 def ls(prefix: str, server: str, as_json: bool) -> None:
     """List stored tensors (whose names start with PREFIX)."""
-    with connect(server) as client:
+    with _connect(server) as client:
         metas = client.list(prefix)
     if as_json:
         click.echo(json.dumps([meta_dict(m) for m in metas], indent=2))
@@ -429,7 +485,7 @@ def _shape(meta: TensorMeta) -> str:
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON object.")
 def stat(name: str, server: str, as_json: bool) -> None:
     """Show the metadata of NAME."""
-    with connect(server) as client:
+    with _connect(server) as client:
         meta = client.stat(name)
     if as_json:
         click.echo(json.dumps(meta_dict(meta), indent=2))
@@ -443,7 +499,7 @@ def stat(name: str, server: str, as_json: bool) -> None:
 @server_option
 def rm(name: str, server: str) -> None:
     """Remove NAME."""
-    with connect(server) as client:
+    with _connect(server) as client:
         client.delete(name)
     click.echo(f"removed {name}")
 

@@ -16,6 +16,7 @@ import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
@@ -24,6 +25,7 @@ from tensorwire import transport as transports
 from tensorwire._gc import gc_paused
 from tensorwire._loop import new_event_loop
 from tensorwire.errors import ConnectError, InvalidTensor, ProtocolError, TensorwireError, TransferTimeout
+from tensorwire.security import Security, TlsFiles, client_token
 from tensorwire.store.names import validate_name, validate_prefix
 from tensorwire.transport.base import Transport
 from tensorwire.types import Address, TensorMeta
@@ -48,6 +50,15 @@ class ClientOptions:
     max_backoff: float = 2.0
     checksum: str = "xxh3"
     chunk_size: int | None = None
+    tls_ca: str | None = None  # the server's CA for tls:// and grpcs:// (None: the system store)
+    tls_cert: str | None = None  # this client's certificate and key, for servers that ask (mTLS)
+    tls_key: str | None = None
+    token: str | None = None  # the server's shared token; None: $TENSORWIRE_TOKEN if set
+
+    def security(self) -> Security:
+        files = [self.tls_cert, self.tls_key, self.tls_ca]
+        tls = TlsFiles(*(Path(f) if f else None for f in files)) if any(files) else None
+        return Security(tls, client_token(self.token))
 
     def delay(self, attempt: int) -> float:
         base = min(self.max_backoff, self.backoff * (2 ** (attempt - 1)))
@@ -188,6 +199,7 @@ class AsyncClient:
                     self.options.timeout,
                     CHECKSUMS[self.options.checksum],
                     self.options.chunk_size,
+                    self.options.security(),
                 )
                 self._transport = await transports.open_transport(self.address, options)
             return self._transport

@@ -21,6 +21,7 @@ of these. Each class says whether retrying the same call can help.
     │   ├── InvalidName                (also ValueError) a name the store does not accept
     │   └── PersistenceError           the data directory could not be written or read
     ├── InvalidTensor                  (also ValueError) dtype/shape/size unusable or inconsistent
+    ├── AuthenticationError            the server refused the token or client certificate
     └── ServerError                    an unexpected failure inside the server
 
 Every error a server reports travels as a numeric code (``ErrorCode``) and is raised on the
@@ -102,6 +103,11 @@ class InvalidTensor(TensorwireError, ValueError):
     or an ``out`` tensor that does not match the stored one."""
 
 
+class AuthenticationError(TensorwireError):
+    """The server refused this client: no token, a wrong token, or no acceptable certificate.
+    Retrying with the same credentials will not help; the connection was closed."""
+
+
 class ServerError(TensorwireError):
     """Something unexpected failed inside the server; the server keeps serving."""
 
@@ -119,6 +125,7 @@ class ErrorCode(enum.IntEnum):
     INVALID_NAME = 8
     INVALID_TENSOR = 9
     PERSISTENCE_ERROR = 10
+    UNAUTHENTICATED = 11
 
 
 _CODE_TO_ERROR: dict[ErrorCode, type[TensorwireError]] = {
@@ -132,6 +139,7 @@ _CODE_TO_ERROR: dict[ErrorCode, type[TensorwireError]] = {
     ErrorCode.INVALID_NAME: InvalidName,
     ErrorCode.INVALID_TENSOR: InvalidTensor,
     ErrorCode.PERSISTENCE_ERROR: PersistenceError,
+    ErrorCode.UNAUTHENTICATED: AuthenticationError,
 }
 
 

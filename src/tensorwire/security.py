@@ -45,6 +45,7 @@ if TYPE_CHECKING:
 __all__ = [
     "TOKEN_ENV",
     "MAX_TOKEN_BYTES",
+    "Security",
     "TlsFiles",
     "server_ssl_context",
     "client_ssl_context",
@@ -61,6 +62,18 @@ __all__ = [
 log = logging.getLogger("tensorwire.security")
 
 TOKEN_ENV = "TENSORWIRE_TOKEN"
+
+
+@dataclass(frozen=True)
+class Security:
+    """What one side of a connection brings: TLS files (used by ``tls://`` and ``grpcs://``) and
+    a shared token (sent by a client in its HELLO or gRPC metadata; required by a server that has
+    one). The default is neither."""
+
+    tls: TlsFiles | None = None
+    token: str | None = None
+
+
 MAX_TOKEN_BYTES = 4096
 # A token file is read with this bound so that pointing --token-file at a large file (a log, a
 # device) fails fast instead of reading it all; the token itself must still fit MAX_TOKEN_BYTES.

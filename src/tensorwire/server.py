@@ -17,12 +17,13 @@ import logging
 import struct
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
 from tensorwire import transport
 from tensorwire._gc import gc_paused
 from tensorwire.errors import (
+    AuthenticationError,
     ConnectionLost,
     InvalidTensor,
     ProtocolError,
@@ -30,7 +31,9 @@ from tensorwire.errors import (
     UnsupportedVersion,
     code_for_error,
 )
+from tensorwire.security import Security, TlsFiles, exposure_warning, server_ssl_context, tokens_match
 from tensorwire.store import Reservation, TensorStore
+from tensorwire.transport import tls
 from tensorwire.transport.base import ByteStream, Listener
 from tensorwire.transport.framing import FrameReader, read_head, recv_data, send_frame, skip_data
 from tensorwire.types import Address, Limits
@@ -56,10 +59,16 @@ class Server:
     """Serves one store on any number of addresses (``tcp://host:0`` binds a free port)."""
 
     def __init__(
-        self, store: TensorStore | None = None, limits: Limits | None = None, stall_timeout: float = 60.0
+        self,
+        store: TensorStore | None = None,
+        limits: Limits | None = None,
+        stall_timeout: float = 60.0,
+        security: Security | None = None,
     ) -> None:
         self.store = store if store is not None else TensorStore()
         self.limits = limits or Limits()
+        # TLS files serve tls:// and grpcs:// addresses; a token is required on every connection.
+        self.security = security or Security()
         # A peer that stops sending or reading in the middle of a request is cut off after this
         # many seconds without progress, and what it reserved is freed: an idle connection may
         # wait forever, a half-done request may not.
@@ -77,12 +86,15 @@ class Server:
         serves ``TensorService`` (server_rpc.py); all share this server's store."""
         for url in urls:
             address = Address.parse(url)
-            if address.scheme == "grpc":
-                from tensorwire import server_rpc  # grpcio loads only when gRPC is served
-
-                self._listeners.append(await server_rpc.listen(address, self.store, self.limits))
-            else:
-                self._listeners.append(await transport.listen(address, self.handle))
+            listen = LISTENERS.get(address.scheme)
+            if listen is None:
+                raise ValueError(f"cannot serve {address}: known schemes are {', '.join(LISTENERS)}")
+            self._listeners.append(await listen(self, address))
+            warning = exposure_warning(
+                address.host, address.scheme in ("tls", "grpcs"), bool(self.security.token)
+            )
+            if warning and address.scheme != "memory":
+                log.warning("%s: %s", address, warning)
         if self._watchdog is None:
             self._watchdog = asyncio.get_running_loop().create_task(self._watch())
         return self.addresses
@@ -131,6 +143,37 @@ class _Batch:
     error: TensorwireError | None = None
 
 
+async def _listen_frames(server: Server, address: Address) -> Listener:
+    if address.scheme == "tls":
+        context = server_ssl_context(_tls_files(server, address))
+        return await tls.listen(address, server.handle, context)
+    return await transport.listen(address, server.handle)
+
+
+async def _listen_rpc(server: Server, address: Address) -> Listener:
+    from tensorwire import server_rpc  # grpcio loads only when gRPC is served
+
+    files = _tls_files(server, address) if address.scheme == "grpcs" else None
+    return await server_rpc.listen(address, server.store, server.limits, files, server.security.token)
+
+
+def _tls_files(server: Server, address: Address) -> TlsFiles:
+    files = server.security.tls
+    if files is None or files.cert is None or files.key is None:
+        raise ValueError(f"serving {address} needs a TLS certificate and key (--tls-cert, --tls-key)")
+    return files
+
+
+# The server's table of listeners, by scheme (the clients' table is tensorwire.transport.TRANSPORTS).
+LISTENERS: dict[str, Callable[[Server, Address], Awaitable[Listener]]] = {
+    "tcp": _listen_frames,
+    "memory": _listen_frames,
+    "tls": _listen_frames,
+    "grpc": _listen_rpc,
+    "grpcs": _listen_rpc,
+}
+
+
 class _Session:
     def __init__(self, server: Server, stream: ByteStream) -> None:
         self.store = server.store
@@ -141,6 +184,8 @@ class _Session:
         self.data_read = False  # whether the current request's data section has been consumed
         self.batch: _Batch | None = None  # a PUT_MANY arriving in several frames
         self.in_request = False
+        self.token = server.security.token
+        self.authenticated = self.token is None
         self.working = False  # the server, not the peer, is what a request waits on (a disk write)
 
     @property
@@ -161,6 +206,8 @@ class _Session:
             except ProtocolError as exc:
                 # The header cannot be trusted, so neither can the frame boundaries: answer, then hang up.
                 await self._send_error(_request_id(raw), exc)
+                return
+            if not self.authenticated and not await self._authenticate(header, meta):
                 return
             await self._run_one(header, meta)
             self.in_request = False
@@ -210,8 +257,25 @@ class _Session:
             limit = min(limit or self.limits.max_batch, self.limits.max_batch)
             await self._reply(header, wm.encode_records(self.store.list(prefix, limit)))
 
+    async def _authenticate(self, header: Header, meta: bytes) -> bool:
+        """The first frame of a connection to a server with a token must be a HELLO that carries
+        it. Anything else gets one UNAUTHENTICATED error and the connection is closed, before any
+        store operation runs."""
+        offered = None
+        if header.opcode == Opcode.HELLO:
+            with contextlib.suppress(TensorwireError):
+                offered = wm.decode_hello_request(wm.MetaReader(meta, self.limits))[2]
+        if self.token is not None and tokens_match(self.token, offered):
+            self.authenticated = True
+            return True
+        why = "no token was offered" if offered is None else "the token is wrong"
+        log.warning("refused %s: %s", self.stream.peer, why)
+        error = AuthenticationError(f"authentication failed: {why}")
+        await self._send_error(header.request_id, error, header.opcode)
+        return False
+
     async def _hello(self, header: Header, reader: wm.MetaReader) -> None:
-        lo, hi = wm.decode_hello_request(reader)
+        lo, hi, _ = wm.decode_hello_request(reader)
         reader.done()
         common = [v for v in PROTOCOL_VERSIONS if lo <= v <= hi]
         if not common:
@@ -358,10 +422,11 @@ class ServerThread:
         store: TensorStore | None = None,
         limits: Limits | None = None,
         start_timeout: float = 10.0,
+        security: Security | None = None,
     ) -> None:
         from tensorwire._loop import new_event_loop
 
-        self.server = Server(store, limits)
+        self.server = Server(store, limits, security=security)
         self._loop = new_event_loop()
         self._started = threading.Event()
         self._error: BaseException | None = None

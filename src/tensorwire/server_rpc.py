@@ -28,6 +28,7 @@ from tensorwire.errors import (
     TensorwireError,
     code_for_error,
 )
+from tensorwire.security import TlsFiles, grpc_server_credentials, tokens_match
 from tensorwire.store import Reservation, TensorStore
 from tensorwire.store.names import validate_prefix
 from tensorwire.transport.base import Listener
@@ -275,20 +276,60 @@ def _serialize(message: Any) -> bytes:
     return bytes(message.SerializeToString())
 
 
-async def listen(address: Address, store: TensorStore, limits: Limits) -> RpcListener:
-    """Serve ``TensorService`` for ``store`` on ``address`` (``grpc://host:0`` picks a free port)."""
+class TokenGate(grpc.aio.ServerInterceptor):  # type: ignore[misc]
+    """Refuses every call that does not carry ``authorization: Bearer <token>`` (compared in
+    constant time), with UNAUTHENTICATED and the tensorwire code in the trailers, before any
+    handler (and so any store operation) runs."""
+
+    def __init__(self, token: str) -> None:
+        self._token = token
+
+    async def intercept_service(self, continuation: Any, details: Any) -> Any:
+        offered = None
+        for key, value in details.invocation_metadata or ():
+            if key == "authorization" and isinstance(value, str) and value.startswith("Bearer "):
+                offered = value.removeprefix("Bearer ")
+        if tokens_match(self._token, offered):
+            return await continuation(details)
+        why = "no token was offered" if offered is None else "the token is wrong"
+        return _refusal(f"authentication failed: {why}")
+
+
+def _refusal(message: str) -> Any:
+    async def refuse(request: Any, context: Any) -> None:
+        context.set_trailing_metadata(((ERROR_KEY, str(int(ErrorCode.UNAUTHENTICATED))),))
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+
+    # The request is not parsed: whatever its shape, the answer is the same refusal.
+    return grpc.unary_unary_rpc_method_handler(refuse, None, None)
+
+
+async def listen(
+    address: Address,
+    store: TensorStore,
+    limits: Limits,
+    tls: TlsFiles | None = None,
+    token: str | None = None,
+) -> RpcListener:
+    """Serve ``TensorService`` for ``store`` on ``address`` (``grpc://host:0`` picks a free port;
+    ``grpcs://`` serves TLS with ``tls``' files; a ``token`` is then required on every call)."""
+    interceptors = [TokenGate(token)] if token else []
     # so_reuseport off: a port in use is an error, not silently shared with another server.
-    server = grpc.aio.server(options=[*message_options(limits.max_chunk_bytes), ("grpc.so_reuseport", 0)])
+    options = [*message_options(limits.max_chunk_bytes), ("grpc.so_reuseport", 0)]
+    server = grpc.aio.server(options=options, interceptors=interceptors)
     server.add_generic_rpc_handlers((handlers(TensorServicer(store, limits)),))
     host = f"[{address.host}]" if ":" in address.host else address.host
     try:
-        port = server.add_insecure_port(f"{host}:{address.port}")
+        if tls is not None:
+            port = server.add_secure_port(f"{host}:{address.port}", grpc_server_credentials(tls))
+        else:
+            port = server.add_insecure_port(f"{host}:{address.port}")
     except RuntimeError as exc:  # grpcio raises where older versions returned 0
         raise ConnectError(f"cannot listen on {address}: {exc}") from exc
     if port == 0:
         raise ConnectError(f"cannot listen on {address}")
     await server.start()
-    return RpcListener(server, Address("grpc", address.host, port))
+    return RpcListener(server, Address(address.scheme, address.host, port))
 
 
 __all__ = ["TensorServicer", "listen"]

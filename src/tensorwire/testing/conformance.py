@@ -13,11 +13,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import itertools
 import struct
+import tempfile
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -25,6 +28,7 @@ import torch
 from tensorwire import errors, transport
 from tensorwire._loop import run
 from tensorwire.client import AsyncClient, ClientOptions
+from tensorwire.security import Security, TlsFiles, write_dev_certs
 from tensorwire.server import Server
 from tensorwire.store import TensorStore
 from tensorwire.transport.base import ByteStream
@@ -36,7 +40,7 @@ from tensorwire.wire.dtypes import SUPPORTED_DTYPES
 from tensorwire.wire.frame import Flags, Header, Opcode, decode_header, encode_frame_head
 from tensorwire.wire.tensors import byte_view
 
-SCHEMES = ("memory", "tcp", "grpc")
+SCHEMES = ("memory", "tcp", "tls", "grpc", "grpcs")
 _names = itertools.count()
 Case = Callable[["Harness"], Coroutine[Any, Any, None]]
 
@@ -61,18 +65,23 @@ class Harness:
             while await stream.recv_into(buf):
                 pass
 
-        stream_scheme = "tcp" if self.scheme == "grpc" else self.scheme  # gRPC runs over TCP
+        stream_scheme = "memory" if self.scheme == "memory" else "tcp"  # gRPC and TLS run over TCP
         listener = await transport.listen(Address.parse(Harness(stream_scheme).fresh_url()), swallow)
         try:
             yield str(listener.address).replace(f"{stream_scheme}://", f"{self.scheme}://", 1)
         finally:
             await listener.close()
 
+    @property
+    def secure(self) -> bool:
+        return self.scheme in ("tls", "grpcs")
+
     @contextlib.asynccontextmanager
     async def server(
         self, capacity: int = 1 << 30, limits: Limits | None = None, stall_timeout: float = 60.0
     ) -> AsyncIterator[Server]:
-        server = Server(TensorStore(capacity), limits, stall_timeout)
+        security = Security(TlsFiles(_certs()["server"], _certs()["server_key"])) if self.secure else None
+        server = Server(TensorStore(capacity), limits, stall_timeout, security)
         await server.start(self.fresh_url())
         try:
             yield server
@@ -82,6 +91,8 @@ class Harness:
     @contextlib.asynccontextmanager
     async def client(self, server: Server, **options: object) -> AsyncIterator[AsyncClient]:
         opts = {"timeout": 10.0, "connect_timeout": 5.0, **options}
+        if self.secure:
+            opts["tls_ca"] = str(_certs()["ca"])
         client = AsyncClient(str(server.addresses[0]), ClientOptions(**opts))  # type: ignore[arg-type]
         try:
             yield await client.connect()
@@ -96,6 +107,13 @@ class Harness:
             yield str(listener.address)
         finally:
             await listener.close()
+
+
+@functools.cache
+def _certs() -> dict[str, Path]:
+    """Development certificates for the tls:// and grpcs:// runs, made once per process."""
+    directory = Path(tempfile.mkdtemp(prefix="tensorwire-conformance-certs-"))
+    return write_dev_certs(directory)
 
 
 def run_case(case: Case, scheme: str) -> None:
@@ -316,7 +334,7 @@ async def silent_server_times_out(h: Harness) -> None:
         try:
             await client.ping()
         except (errors.TransferTimeout, errors.ConnectError) as exc:
-            assert any(w in str(exc) for w in ("HELLO", "ping", "connect")), exc
+            assert any(w in str(exc) for w in ("HELLO", "ping", "connect", "handshake")), exc
         else:
             raise AssertionError("a silent server did not time out")
         finally:

@@ -2,7 +2,8 @@
 
 Only this module names the concrete client transports. ``TRANSPORTS`` maps a scheme to the
 function that opens a client ``Transport``: the frame protocol (``FramedTransport``) over a
-``ByteStream`` for ``tcp://`` and ``memory://``, and gRPC for ``grpc://``. ``STREAMS`` holds the
+``ByteStream`` for ``tcp://``, ``tls://`` (the same inside TLS) and ``memory://``, and gRPC for
+``grpc://`` and ``grpcs://`` (gRPC over TLS). ``STREAMS`` holds the
 byte-stream kinds (``connect`` and ``listen``); the server's own table of listeners is in
 ``tensorwire.server``. The scheme a client asked for is the one it gets: no silent fallback.
 """
@@ -13,7 +14,9 @@ from collections.abc import Awaitable, Callable
 from typing import NamedTuple
 
 from tensorwire._timeouts import asyncio_timeout
-from tensorwire.transport import memory, tcp
+from tensorwire.errors import ConnectionLost
+from tensorwire.security import Security, TlsFiles, client_ssl_context
+from tensorwire.transport import memory, tcp, tls
 from tensorwire.transport.base import ByteStream, Listener, StreamHandler, Transport
 from tensorwire.transport.framed import FramedTransport
 from tensorwire.types import Address
@@ -37,16 +40,26 @@ class TransportOptions(NamedTuple):
     request_timeout: float
     checksum: ChecksumKind = ChecksumKind.XXH3_64
     chunk_size: int | None = None
+    security: Security = Security()
 
 
 async def _open_framed(address: Address, options: TransportOptions) -> Transport:
-    """The frame protocol over a byte stream: connect, then agree on a version (HELLO)."""
-    stream = await connect_stream(address, options.connect_timeout)
+    """The frame protocol over a byte stream: connect (TLS handshake for tls://), then agree on a
+    version and authenticate (HELLO)."""
+    if address.scheme == "tls":
+        context = client_ssl_context(options.security.tls or TlsFiles())
+        stream: ByteStream = await tls.connect(address, options.connect_timeout, context)
+    else:
+        stream = await connect_stream(address, options.connect_timeout)
     chunk = options.chunk_size if options.chunk_size is not None else DEFAULT_CHUNK_BYTES
     transport = FramedTransport(address, stream, options.checksum, chunk, timeout=options.request_timeout)
     try:
         async with asyncio_timeout(options.connect_timeout, f"the HELLO answer from {address}"):
-            await transport.hello()
+            await transport.hello(options.security.token)
+    except ConnectionLost as exc:
+        await transport.close()
+        hint = "" if address.scheme == "tls" else " (is it a tls:// server?)"
+        raise ConnectionLost(f"{address} closed the connection before answering HELLO{hint}") from exc
     except BaseException:
         await transport.close()
         raise
@@ -56,15 +69,15 @@ async def _open_framed(address: Address, options: TransportOptions) -> Transport
 async def _open_rpc(address: Address, options: TransportOptions) -> Transport:
     from tensorwire.transport import rpc  # grpcio loads only for grpc:// addresses
 
-    return await rpc.open_transport(
-        address, options.connect_timeout, options.checksum, options.chunk_size, options.request_timeout
-    )
+    return await rpc.open_transport(address, options)
 
 
 TRANSPORTS: dict[str, Callable[[Address, TransportOptions], Awaitable[Transport]]] = {
     "tcp": _open_framed,
+    "tls": _open_framed,
     "memory": _open_framed,
     "grpc": _open_rpc,
+    "grpcs": _open_rpc,
 }
 
 

@@ -87,9 +87,9 @@ class FramedTransport(Transport):
     def bytes_received(self) -> int:
         return self._reader.received
 
-    async def hello(self) -> wm.ServerInfo:
-        """Agree on a protocol version and learn the server's limits."""
-        hello = wm.encode_hello_request(PROTOCOL_VERSIONS[0], PROTOCOL_VERSIONS[-1])
+    async def hello(self, token: str | None = None) -> wm.ServerInfo:
+        """Agree on a protocol version, authenticate with ``token``, learn the server's limits."""
+        hello = wm.encode_hello_request(PROTOCOL_VERSIONS[0], PROTOCOL_VERSIONS[-1], token)
         _, reader = await self._call(Opcode.HELLO, hello, what="HELLO")
         info = _finish(reader, wm.decode_hello_response(reader))
         if info.version not in PROTOCOL_VERSIONS:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 
@@ -26,6 +26,7 @@ from tensorwire.errors import (
     TransferTimeout,
     error_for_code,
 )
+from tensorwire.security import Security, TlsFiles, grpc_channel_credentials
 from tensorwire.transport.base import Progress, PutBatch, Sink, Transport
 from tensorwire.types import Address, Limits, TensorMeta
 from tensorwire.v1 import tensor_service_pb2 as pb
@@ -44,6 +45,9 @@ from tensorwire.wire.rpc import (
     pb_kind,
 )
 
+if TYPE_CHECKING:
+    from tensorwire.transport import TransportOptions
+
 _TRANSIENT = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.ABORTED}
 
 
@@ -51,19 +55,30 @@ class RpcTransport(Transport):
     """One gRPC channel to one server."""
 
     def __init__(
-        self, address: Address, checksum_kind: ChecksumKind, chunk_size: int | None, timeout: float
+        self,
+        address: Address,
+        checksum_kind: ChecksumKind,
+        chunk_size: int | None,
+        timeout: float,
+        security: Security,
     ) -> None:
         self.address = address
         self.info = ServerInfo(1, Limits(), 0, 0)
         self.timeout = timeout
         self._kind = checksum_kind
         self._chunk = chunk_size or RPC_CHUNK_BYTES
+        self._metadata = (("authorization", f"Bearer {security.token}"),) if security.token else ()
         target = (
             f"{address.host}:{address.port}"
             if ":" not in address.host
             else f"[{address.host}]:{address.port}"
         )
-        self._channel = grpc.aio.insecure_channel(target, options=message_options(Limits().max_chunk_bytes))
+        options = message_options(Limits().max_chunk_bytes)
+        if address.scheme == "grpcs":
+            credentials = grpc_channel_credentials(security.tls or TlsFiles())
+            self._channel = grpc.aio.secure_channel(target, credentials, options=options)
+        else:
+            self._channel = grpc.aio.insecure_channel(target, options=options)
         self._stub = pb_grpc.TensorServiceStub(self._channel)  # type: ignore[no-untyped-call]
         # Put and Get pass raw bytes: wire.rpc encodes and parses their chunks without copies.
         self._put_call = self._channel.stream_unary(f"/{SERVICE}/Put", None, pb.PutReply.FromString)
@@ -77,7 +92,9 @@ class RpcTransport(Transport):
     async def open(self, timeout: float) -> None:
         """Wait until the channel is connected; ConnectError/TransferTimeout otherwise."""
         try:
-            await asyncio.wait_for(self._stub.Ping(pb.Empty(), timeout=timeout), timeout)
+            await asyncio.wait_for(
+                self._stub.Ping(pb.Empty(), timeout=timeout, metadata=self._metadata), timeout
+            )
         except TimeoutError as exc:
             await self.close()
             raise TransferTimeout(f"connecting to {self.address}: no answer within {timeout:.3g}s") from exc
@@ -89,7 +106,10 @@ class RpcTransport(Transport):
 
     # -- operations ----------------------------------------------------------------------------
     async def put(self, batch: PutBatch, progress: Progress | None = None) -> int:
-        reply = await self._unary("put", self._put_call(self._chunks(batch, progress), timeout=self.timeout))
+        reply = await self._unary(
+            "put",
+            self._put_call(self._chunks(batch, progress), timeout=self.timeout, metadata=self._metadata),
+        )
         return int(reply.version)
 
     async def _chunks(self, batch: PutBatch, progress: Progress | None) -> AsyncIterator[bytes]:
@@ -109,7 +129,7 @@ class RpcTransport(Transport):
         self, names: Sequence[str], sink: Sink, progress: Progress | None = None
     ) -> list[TensorMeta]:
         request = pb.GetRequest(names=names, chunk_bytes=self._chunk, checksum_kind=pb_kind(self._kind))
-        call = self._get_call(request, timeout=self.timeout)
+        call = self._get_call(request, timeout=self.timeout, metadata=self._metadata)
         try:
             return await self._land(call, sink, progress)
         except grpc.aio.AioRpcError as exc:
@@ -148,21 +168,27 @@ class RpcTransport(Transport):
 
     async def delete(self, names: Sequence[str]) -> int:
         reply = await self._unary(
-            "delete", self._stub.Delete(pb.NamesRequest(names=names), timeout=self.timeout)
+            "delete",
+            self._stub.Delete(pb.NamesRequest(names=names), timeout=self.timeout, metadata=self._metadata),
         )
         return int(reply.deleted)
 
     async def stat(self, names: Sequence[str]) -> list[TensorMeta]:
-        reply = await self._unary("stat", self._stub.Stat(pb.NamesRequest(names=names), timeout=self.timeout))
+        reply = await self._unary(
+            "stat",
+            self._stub.Stat(pb.NamesRequest(names=names), timeout=self.timeout, metadata=self._metadata),
+        )
         return [meta_of(info) for info in reply.tensors]
 
     async def list(self, prefix: str, limit: int) -> list[TensorMeta]:
         request = pb.ListRequest(prefix=prefix, limit=limit)
-        reply = await self._unary("list", self._stub.List(request, timeout=self.timeout))
+        reply = await self._unary(
+            "list", self._stub.List(request, timeout=self.timeout, metadata=self._metadata)
+        )
         return [meta_of(info) for info in reply.tensors]
 
     async def ping(self) -> None:
-        await self._unary("ping", self._stub.Ping(pb.Empty(), timeout=self.timeout))
+        await self._unary("ping", self._stub.Ping(pb.Empty(), timeout=self.timeout, metadata=self._metadata))
 
     async def close(self) -> None:
         if not self._closed:
@@ -199,13 +225,9 @@ def _serialize(message: Any) -> bytes:
     return bytes(message.SerializeToString())
 
 
-async def open_transport(
-    address: Address,
-    connect_timeout: float,
-    checksum_kind: ChecksumKind,
-    chunk_size: int | None,
-    timeout: float,
-) -> RpcTransport:
-    transport = RpcTransport(address, checksum_kind, chunk_size, timeout)
-    await transport.open(connect_timeout)
+async def open_transport(address: Address, options: TransportOptions) -> RpcTransport:
+    transport = RpcTransport(
+        address, options.checksum, options.chunk_size, options.request_timeout, options.security
+    )
+    await transport.open(options.connect_timeout)
     return transport

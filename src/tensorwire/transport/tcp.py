@@ -7,7 +7,7 @@ import asyncio
 import contextlib
 import socket
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 
 from tensorwire.errors import ConnectError, ConnectionLost, TransferTimeout
 from tensorwire.transport.base import Buffer, ByteStream, Listener, StreamHandler
@@ -144,6 +144,11 @@ def _resolve(fut: asyncio.Future[None]) -> None:
 
 async def connect(address: Address, timeout: float) -> TcpStream:
     """Open a TCP stream to ``address`` within ``timeout`` seconds."""
+    return TcpStream(await connect_socket(address, timeout))
+
+
+async def connect_socket(address: Address, timeout: float) -> socket.socket:
+    """A connected non-blocking socket to ``address`` within ``timeout`` seconds."""
     loop = asyncio.get_running_loop()
     try:
         infos = await asyncio.wait_for(
@@ -165,15 +170,26 @@ async def connect(address: Address, timeout: float) -> TcpStream:
     except BaseException:
         sock.close()
         raise
+    return sock
+
+
+Accept = Callable[[socket.socket], Awaitable["TcpStream | None"]]
+
+
+async def _plain(sock: socket.socket) -> TcpStream:
     return TcpStream(sock)
 
 
 class TcpListener(Listener):
-    def __init__(self, sock: socket.socket, handler: StreamHandler) -> None:
+    """Accepts connections; ``accept`` turns each socket into a stream (TLS does its handshake
+    there) or refuses it (None)."""
+
+    def __init__(self, sock: socket.socket, handler: StreamHandler, accept: Accept, scheme: str) -> None:
         self._sock = sock
         self._handler = handler
+        self._accept = accept
         host, port = sock.getsockname()[:2]
-        self.address = Address("tcp", host, port)
+        self.address = Address(scheme, host, port)
         self._tasks: set[asyncio.Task[None]] = set()
         self._accepting = asyncio.get_running_loop().create_task(self._accept_loop())
 
@@ -186,12 +202,14 @@ class TcpListener(Listener):
                 # EMFILE and friends: back off instead of spinning, keep serving the others.
                 await asyncio.sleep(0.05)
                 continue
-            stream = TcpStream(conn)
-            task = loop.create_task(self._serve(stream))
+            task = loop.create_task(self._serve(conn))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
 
-    async def _serve(self, stream: TcpStream) -> None:
+    async def _serve(self, conn: socket.socket) -> None:
+        stream = await self._accept(conn)
+        if stream is None:
+            return
         try:
             await self._handler(stream)
         finally:
@@ -207,7 +225,9 @@ class TcpListener(Listener):
         await asyncio.gather(*self._tasks, return_exceptions=True)
 
 
-async def listen(address: Address, handler: StreamHandler) -> TcpListener:
+async def listen(
+    address: Address, handler: StreamHandler, accept: Accept = _plain, scheme: str = "tcp"
+) -> TcpListener:
     """Bind ``address`` (port 0 picks a free port) and serve each connection with ``handler``."""
     loop = asyncio.get_running_loop()
     infos = await loop.getaddrinfo(
@@ -223,4 +243,4 @@ async def listen(address: Address, handler: StreamHandler) -> TcpListener:
         raise ConnectError(f"cannot listen on {address}: {exc.strerror or exc}") from exc
     sock.listen(128)
     sock.setblocking(False)
-    return TcpListener(sock, handler)
+    return TcpListener(sock, handler, accept, scheme)

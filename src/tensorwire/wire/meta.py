@@ -99,6 +99,10 @@ class MetaReader:
         meta.check_size()
         return meta
 
+    @property
+    def remaining(self) -> int:
+        return len(self._buf) - self._pos
+
     def done(self) -> None:
         if self._pos != len(self._buf):
             raise ProtocolError(f"{len(self._buf) - self._pos} unexpected bytes after the metadata block")
@@ -171,13 +175,19 @@ class ServerInfo:
     used: int
 
 
-def encode_hello_request(min_version: int, max_version: int) -> bytes:
-    return _HELLO_REQ.pack(min_version, max_version)
+MAX_TOKEN_BYTES = 4096
 
 
-def decode_hello_request(reader: MetaReader) -> tuple[int, int]:
+def encode_hello_request(min_version: int, max_version: int, token: str | None = None) -> bytes:
+    """The version range a client speaks, then (optional) the shared token it authenticates with."""
+    head = _HELLO_REQ.pack(min_version, max_version)
+    return head + _text(token) if token else head
+
+
+def decode_hello_request(reader: MetaReader) -> tuple[int, int, str | None]:
     lo, hi = reader.take(_HELLO_REQ)
-    return lo, hi
+    token = reader.text(MAX_TOKEN_BYTES) if reader.remaining else None
+    return lo, hi, token
 
 
 def encode_hello_response(info: ServerInfo) -> bytes:

@@ -1,0 +1,116 @@
+"""TLS over TCP: ``tls://host:port``, the frame protocol inside TLS 1.2+ (security.py builds the
+contexts). The stream is a ``TcpStream`` whose socket is an ``ssl.SSLSocket``: the same readiness
+machinery, plus the two waits TLS adds (a read that needs the peer to speak first, a write that
+must wait for room) and no ``sendmsg`` (TLS writes record by record)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import ssl
+import time
+from collections.abc import Sequence
+
+from tensorwire.errors import ConnectError, ConnectionLost, TransferTimeout
+from tensorwire.transport import tcp
+from tensorwire.transport.base import Buffer, StreamHandler
+from tensorwire.types import Address
+
+log = logging.getLogger("tensorwire.server")
+HANDSHAKE_TIMEOUT = 10.0  # a peer that does not finish its TLS handshake in this time is dropped
+
+
+class TlsStream(tcp.TcpStream):
+    _sock: ssl.SSLSocket
+
+    async def handshake(self, timeout: float) -> None:
+        """Run the TLS handshake; TransferTimeout or ConnectError (naming the reason) on failure."""
+        try:
+            await asyncio.wait_for(self._handshake(), timeout)
+        except TimeoutError as exc:
+            raise TransferTimeout(f"waited {timeout:.3g}s for the TLS handshake with {self.peer}") from exc
+
+    async def _handshake(self) -> None:
+        while True:
+            try:
+                self._sock.do_handshake()
+                return
+            except ssl.SSLWantReadError:
+                await self._readable()
+            except ssl.SSLWantWriteError:
+                await self._writable()
+            except (ssl.SSLError, OSError) as exc:
+                raise ConnectError(f"TLS handshake with {self.peer} failed: {exc}") from exc
+
+    async def recv_into(self, buf: memoryview) -> int:
+        while True:
+            if self._closed:
+                raise ConnectionLost(f"connection to {self.peer} is closed")
+            try:
+                got = self._sock.recv_into(buf)
+            except (ssl.SSLWantReadError, BlockingIOError, InterruptedError):
+                await self._readable()
+                continue
+            except ssl.SSLWantWriteError:
+                await self._writable()
+                continue
+            except ssl.SSLZeroReturnError:
+                return 0  # the peer closed the TLS session cleanly
+            except (ssl.SSLError, OSError) as exc:
+                raise ConnectionLost(f"receiving from {self.peer}: {exc}") from exc
+            self.last_active = time.monotonic()
+            return got
+
+    async def send(self, buffers: Sequence[Buffer]) -> None:
+        for buffer in buffers:
+            view = memoryview(buffer).cast("B")
+            while view.nbytes:
+                if self._closed:
+                    raise ConnectionLost(f"connection to {self.peer} is closed")
+                try:
+                    sent = self._sock.send(view)
+                except (ssl.SSLWantWriteError, BlockingIOError, InterruptedError):
+                    await self._writable()
+                    continue
+                except ssl.SSLWantReadError:
+                    await self._readable()
+                    continue
+                except (ssl.SSLError, OSError) as exc:
+                    raise ConnectionLost(f"sending to {self.peer}: {exc}") from exc
+                view = view[sent:]
+                self.last_active = time.monotonic()
+
+
+async def connect(address: Address, timeout: float, context: ssl.SSLContext) -> TlsStream:
+    """A TLS stream to ``address``: TCP connect, then a handshake that verifies the server."""
+    sock = await tcp.connect_socket(address, timeout)
+    try:
+        wrapped = context.wrap_socket(sock, do_handshake_on_connect=False, server_hostname=address.host)
+    except BaseException:
+        sock.close()
+        raise
+    stream = TlsStream(wrapped)
+    try:
+        await stream.handshake(timeout)
+    except BaseException:
+        await stream.close()
+        raise
+    return stream
+
+
+async def listen(address: Address, handler: StreamHandler, context: ssl.SSLContext) -> tcp.TcpListener:
+    """Serve TLS on ``address``: each connection's handshake runs before ``handler`` sees it."""
+
+    async def accept(sock: socket.socket) -> tcp.TcpStream | None:
+        sock.setblocking(False)
+        stream = TlsStream(context.wrap_socket(sock, server_side=True, do_handshake_on_connect=False))
+        try:
+            await stream.handshake(HANDSHAKE_TIMEOUT)
+        except (ConnectError, TransferTimeout) as exc:
+            log.info("refused %s: %s", stream.peer, exc)
+            await stream.close()
+            return None
+        return stream
+
+    return await tcp.listen(address, handler, accept, scheme="tls")
