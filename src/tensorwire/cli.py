@@ -198,6 +198,14 @@ def main() -> None:
     "--stall-timeout", type=click.FloatRange(min=0.01), default=60.0, show_default=True,
     help="Seconds a client may make no progress in the middle of a request before it is cut off.",
 )  # fmt: skip
+@click.option(
+    "--max-connections", type=click.IntRange(min=1), default=1024, show_default=True,
+    help="Refuse connections beyond this many.",
+)  # fmt: skip
+@click.option(
+    "--idle-timeout", type=click.FloatRange(min=0.01), default=900.0, show_default=True,
+    help="Close connections idle this many seconds (clients reconnect on their next call).",
+)  # fmt: skip
 @click.option("--tls-cert", type=_FILE, help="Server certificate (PEM) for tls:// and grpcs:// addresses.")
 @click.option("--tls-key", type=_FILE, help="Its private key (PEM).")
 @click.option("--tls-client-ca", type=_FILE, help="Require client certificates signed by this CA (mTLS).")
@@ -214,6 +222,8 @@ def serve(
     data_dir: Path | None,
     ready_file: Path | None,
     stall_timeout: float,
+    max_connections: int,
+    idle_timeout: float,
     tls_cert: Path | None,
     tls_key: Path | None,
     tls_client_ca: Path | None,
@@ -225,7 +235,13 @@ def serve(
     tls = TlsFiles(tls_cert, tls_key, tls_client_ca) if tls_cert or tls_key or tls_client_ca else None
     security = Security(tls, load_token(token_file) if token_file else None)
     store = TensorStore(capacity, data_dir)
-    server = Server(store, stall_timeout=stall_timeout, security=security)
+    server = Server(
+        store,
+        stall_timeout=stall_timeout,
+        security=security,
+        max_connections=max_connections,
+        idle_timeout=idle_timeout,
+    )
     run(_serve(server, listen + grpc_listen, ready_file))
 
 

@@ -26,6 +26,7 @@ from tensorwire.errors import (
     AuthenticationError,
     ConnectionLost,
     InvalidTensor,
+    LimitExceeded,
     ProtocolError,
     TensorwireError,
     UnsupportedVersion,
@@ -58,12 +59,14 @@ _RID = struct.Struct("<Q")
 class Server:
     """Serves one store on any number of addresses (``tcp://host:0`` binds a free port)."""
 
-    def __init__(
+    def __init__(  # noqa: PLR0917 - the store and limits stay positional, as they always were
         self,
         store: TensorStore | None = None,
         limits: Limits | None = None,
         stall_timeout: float = 60.0,
         security: Security | None = None,
+        max_connections: int = 1024,
+        idle_timeout: float = 900.0,
     ) -> None:
         self.store = store if store is not None else TensorStore()
         self.limits = limits or Limits()
@@ -73,6 +76,10 @@ class Server:
         # many seconds without progress, and what it reserved is freed: an idle connection may
         # wait forever, a half-done request may not.
         self.stall_timeout = stall_timeout
+        # Each connection holds a session and its read buffer: bound how many, and drop those idle
+        # for idle_timeout seconds (a client reconnects on its next call without noticing).
+        self.max_connections = max_connections
+        self.idle_timeout = idle_timeout
         self._listeners: list[Listener] = []
         self._sessions: set[_Session] = set()
         self._watchdog: asyncio.Task[None] | None = None
@@ -110,20 +117,28 @@ class Server:
             self._watchdog = None
 
     async def _watch(self) -> None:
-        """Cut off sessions stalled in the middle of a request (see ``stall_timeout``)."""
-        period = max(min(self.stall_timeout / 4, 5.0), 0.01)
+        """Cut off sessions stalled mid-request (``stall_timeout``) or idle (``idle_timeout``)."""
+        period = max(min(self.stall_timeout / 4, self.idle_timeout / 4, 5.0), 0.01)
         while True:
             await asyncio.sleep(period)
-            deadline = time.monotonic() - self.stall_timeout
+            now = time.monotonic()
             for session in list(self._sessions):
-                if session.busy and session.stream.last_active < deadline:
-                    log.warning("closing %s: no progress for %.3gs mid-request", session.stream.peer,
-                                self.stall_timeout)  # fmt: skip
+                quiet = now - session.stream.last_active
+                if session.busy and quiet > self.stall_timeout:
+                    log.warning("closing %s: no progress for %.3gs mid-request", session.stream.peer, quiet)
+                    await session.stream.close()
+                elif not session.busy and quiet > self.idle_timeout:
+                    log.info("closing %s: idle for %.3gs", session.stream.peer, quiet)
                     await session.stream.close()
 
     async def handle(self, stream: ByteStream) -> None:
         """Serve one connection until the peer leaves or its bytes stop making frames."""
         session = _Session(self, stream)
+        if len(self._sessions) >= self.max_connections:
+            log.warning("refusing %s: %d connections already", stream.peer, len(self._sessions))
+            refusal = LimitExceeded(f"the server has {self.max_connections} connections already")
+            await session.send_error(0, refusal)
+            return
         self._sessions.add(session)
         try:
             await session.run()
@@ -205,7 +220,7 @@ class _Session:
                     raise ProtocolError("a client sent a response frame")
             except ProtocolError as exc:
                 # The header cannot be trusted, so neither can the frame boundaries: answer, then hang up.
-                await self._send_error(_request_id(raw), exc)
+                await self.send_error(_request_id(raw), exc)
                 return
             if not self.authenticated and not await self._authenticate(header, meta):
                 return
@@ -221,12 +236,12 @@ class _Session:
         except TensorwireError as exc:
             if not self.data_read:
                 await skip_data(self.reader, header)
-            await self._send_error(header.request_id, exc, header.opcode)
+            await self.send_error(header.request_id, exc, header.opcode)
         except Exception as exc:
             log.exception("request %d (%s) failed", header.request_id, _opname(header.opcode))
             if not self.data_read:
                 await skip_data(self.reader, header)
-            await self._send_error(header.request_id, exc, header.opcode)
+            await self.send_error(header.request_id, exc, header.opcode)
 
     async def _dispatch(self, header: Header, reader: wm.MetaReader) -> None:
         op = header.opcode
@@ -271,7 +286,7 @@ class _Session:
         why = "no token was offered" if offered is None else "the token is wrong"
         log.warning("refused %s: %s", self.stream.peer, why)
         error = AuthenticationError(f"authentication failed: {why}")
-        await self._send_error(header.request_id, error, header.opcode)
+        await self.send_error(header.request_id, error, header.opcode)
         return False
 
     async def _hello(self, header: Header, reader: wm.MetaReader) -> None:
@@ -350,7 +365,7 @@ class _Session:
         self.abort_batch()
         await skip_data(self.reader, header)
         error = ProtocolError("a request interrupted a multi-frame PUT_MANY")
-        await self._send_error(header.request_id, error, header.opcode)
+        await self.send_error(header.request_id, error, header.opcode)
         raise ConnectionLost("a client interrupted its own multi-frame PUT_MANY")
 
     def abort_batch(self) -> None:
@@ -383,7 +398,7 @@ class _Session:
         )  # fmt: skip
         await send_frame(self.stream, header, meta, data)
 
-    async def _send_error(self, request_id: int, exc: BaseException, opcode: int = 0) -> None:
+    async def send_error(self, request_id: int, exc: BaseException, opcode: int = 0) -> None:
         message = str(exc) if isinstance(exc, TensorwireError) else f"internal error: {type(exc).__name__}"
         meta = wm.encode_error(code_for_error(exc), message)
         header = Header(self.version, opcode, Flags.RESPONSE | Flags.ERROR, 0, request_id, len(meta), 0, 0)

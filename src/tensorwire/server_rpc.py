@@ -315,7 +315,12 @@ async def listen(
     ``grpcs://`` serves TLS with ``tls``' files; a ``token`` is then required on every call)."""
     interceptors = [TokenGate(token)] if token else []
     # so_reuseport off: a port in use is an error, not silently shared with another server.
-    options = [*message_options(limits.max_chunk_bytes), ("grpc.so_reuseport", 0)]
+    options = [
+        *message_options(limits.max_chunk_bytes),
+        ("grpc.so_reuseport", 0),
+        ("grpc.max_concurrent_streams", limits.max_inflight),  # per connection
+        ("grpc.max_connection_idle_ms", 900_000),
+    ]
     server = grpc.aio.server(options=options, interceptors=interceptors)
     server.add_generic_rpc_handlers((handlers(TensorServicer(store, limits)),))
     host = f"[{address.host}]" if ":" in address.host else address.host

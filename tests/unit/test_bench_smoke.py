@@ -20,6 +20,10 @@ KEYS = [
     "small_ratio",
     "many_small_per_s",
     "many_get_per_s",
+    "tls_put_gbps",
+    "tls_get_gbps",
+    "tls_put_ratio",
+    "tls_get_ratio",
     "size_bytes",
     "iters",
 ]

@@ -40,16 +40,19 @@ import re
 import socket
 import statistics
 import sys
+import tempfile
 import time
 import traceback
 from collections.abc import Callable, Coroutine, Iterator, Sequence
 from multiprocessing.connection import Connection
+from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
 
 import tensorwire
 from tensorwire import _loop
+from tensorwire.security import Security, TlsFiles, write_dev_certs
 from tensorwire.server import Server
 from tensorwire.store import TensorStore
 from tensorwire.types import KiB, MiB
@@ -193,16 +196,17 @@ async def _until_stopped(conn: Connection) -> None:
         loop.remove_reader(conn.fileno())
 
 
-def _serve_tensorwire(conn: Connection, capacity: int) -> None:
-    """Child: a tensorwire server on a free loopback port, on the preferred event loop."""
-    _loop.run(_serve_tensorwire_async(conn, capacity))
+def _serve_tensorwire(conn: Connection, capacity: int, certs: dict[str, Path]) -> None:
+    """Child: a tensorwire server on free loopback ports (tcp:// and tls://), on the preferred loop."""
+    _loop.run(_serve_tensorwire_async(conn, capacity, certs))
 
 
-async def _serve_tensorwire_async(conn: Connection, capacity: int) -> None:
-    server = Server(TensorStore(capacity=capacity))
+async def _serve_tensorwire_async(conn: Connection, capacity: int, certs: dict[str, Path]) -> None:
+    security = Security(TlsFiles(certs["server"], certs["server_key"]))
+    server = Server(TensorStore(capacity=capacity), security=security)
     try:
-        addresses = await server.start("tcp://127.0.0.1:0")
-        conn.send(("ready", str(addresses[0])))
+        addresses = await server.start("tcp://127.0.0.1:0", "tls://127.0.0.1:0")
+        conn.send(("ready", [str(a) for a in addresses]))
     except BaseException:
         _send_failure(conn)
         raise
@@ -286,16 +290,18 @@ def _gbps(nbytes: int, seconds: float) -> float:
     return nbytes / seconds / 1e9
 
 
-def _bulk(client: tensorwire.Client, data: torch.Tensor, iters: int) -> tuple[float, float]:
+def _bulk(
+    client: tensorwire.Client, data: torch.Tensor, iters: int, name: str = "bench/x"
+) -> tuple[float, float]:
     """(put_gbps, get_gbps) of one large tensor; get lands in a preallocated tensor."""
     out = torch.empty_like(data)
     out.zero_()  # touched once, so the timed gets measure transfer, not page faults
     # Two warm-ups for put: an overwritten tensor stays readable until its replacement is
     # committed, so the server alternates between two buffers, and the first two land in fresh pages.
-    put = _median_seconds(lambda: client.put("bench/x", data), iters, warmup=2)
-    get = _median_seconds(lambda: client.get("bench/x", out=out), iters)
+    put = _median_seconds(lambda: client.put(name, data), iters, warmup=2)
+    get = _median_seconds(lambda: client.get(name, out=out), iters)
     if not torch.equal(out, data):
-        raise RuntimeError("bench/x came back different from what was put")
+        raise RuntimeError(f"{name} came back different from what was put")
     nbytes = data.numel() * data.element_size()
     return _gbps(nbytes, put), _gbps(nbytes, get)
 
@@ -425,16 +431,18 @@ def run(size: int, iters: int, small_iters: int, many: int, pin: bool = True) ->
     data = torch.rand(size // 4)
     # Room for the stored tensor, the one being put over it and the store's reuse pool (a quarter
     # of capacity must hold one bulk buffer, or every timed put would fault in fresh pages).
-    capacity = 4 * size + 4 * many * SMALL_BYTES + 64 * MiB
+    capacity = 6 * size + 4 * many * SMALL_BYTES + 64 * MiB  # tcp and tls runs each keep a copy
     with contextlib.ExitStack() as stack:
+        certs = write_dev_certs(Path(stack.enter_context(tempfile.TemporaryDirectory())))
         children: list[_Child] = []
         stack.callback(_close_all, children)  # registered first: also ends the ones started before an error
         # Start all children before waiting for any: each spends over a second importing torch.
-        children.append(_Child(_serve_tensorwire, capacity, cpus=server_cpus))
+        children.append(_Child(_serve_tensorwire, capacity, certs, cpus=server_cpus))
         children.append(_Child(_socket_sink, size, cpus=server_cpus))
         children.append(_Child(_echo_server, cpus=server_cpus))
-        url, sink_port, echo_port = (child.ready() for child in children)
-        assert isinstance(url, str) and isinstance(sink_port, int) and isinstance(echo_port, int)
+        urls, sink_port, echo_port = (child.ready() for child in children)
+        assert isinstance(urls, list) and isinstance(sink_port, int) and isinstance(echo_port, int)
+        url, tls_url = urls
         stack.enter_context(_pinned(client_cpus))
 
         socket_gbps = _socket_baseline(sink_port, data, iters)
@@ -443,6 +451,8 @@ def run(size: int, iters: int, small_iters: int, many: int, pin: bool = True) ->
             client.put("bench/small", torch.rand(SMALL_BYTES // 4))
             sync_small_us = _sync_small_us(client, small_iters)
             many_put, many_get = _many(client, many)
+        with tensorwire.connect(tls_url, tls_ca=str(certs["ca"])) as client:
+            tls_put_gbps, tls_get_gbps = _bulk(client, data, iters, name="bench/tls")
         small_us = _on_loop(_async_small_us(url, small_iters))
         echo_us = _on_loop(_echo_us(echo_port, small_iters))
     return {
@@ -457,6 +467,10 @@ def run(size: int, iters: int, small_iters: int, many: int, pin: bool = True) ->
         "small_ratio": _ratio(small_us, echo_us),
         "many_small_per_s": many_put,
         "many_get_per_s": many_get,
+        "tls_put_gbps": tls_put_gbps,
+        "tls_get_gbps": tls_get_gbps,
+        "tls_put_ratio": _ratio(tls_put_gbps, put_gbps),  # what TLS costs: tls:// over tcp://
+        "tls_get_ratio": _ratio(tls_get_gbps, get_gbps),
         "size_bytes": size,
         "iters": iters,
         "small_iters": small_iters,
@@ -487,6 +501,16 @@ def format_table(r: Result) -> str:
         ("1 KiB asyncio echo p50", f"{_fmt(r['echo_us'], '.1f')} us", "baseline"),
         (f"put_many {r['many']} x 1 KiB", f"{_fmt(r['many_small_per_s'], ',.0f')} tensors/s", ""),
         (f"get_many {r['many']} x 1 KiB", f"{_fmt(r['many_get_per_s'], ',.0f')} tensors/s", ""),
+        (
+            "put over tls://",
+            f"{_fmt(r['tls_put_gbps'], '.3f')} GB/s",
+            f"{_fmt(r['tls_put_ratio'], '.2f')} x tcp://",
+        ),
+        (
+            "get over tls://",
+            f"{_fmt(r['tls_get_gbps'], '.3f')} GB/s",
+            f"{_fmt(r['tls_get_ratio'], '.2f')} x tcp://",
+        ),
     ]
     head = (
         f"tensorwire transfer benchmark: {mib:g} MiB float32, median of {r['iters']} "

@@ -78,10 +78,10 @@ class Harness:
 
     @contextlib.asynccontextmanager
     async def server(
-        self, capacity: int = 1 << 30, limits: Limits | None = None, stall_timeout: float = 60.0
+        self, capacity: int = 1 << 30, limits: Limits | None = None, **options: Any
     ) -> AsyncIterator[Server]:
         security = Security(TlsFiles(_certs()["server"], _certs()["server_key"])) if self.secure else None
-        server = Server(TensorStore(capacity), limits, stall_timeout, security)
+        server = Server(TensorStore(capacity), limits, security=security, **options)
         await server.start(self.fresh_url())
         try:
             yield server
@@ -252,6 +252,24 @@ async def a_stalled_request_is_cut_off(h: Harness) -> None:
         async with h.client(srv) as c:
             await c.delete("s/x")
             await c.put("s/full", torch.zeros(1 << 20, dtype=torch.uint8))  # the reservation is free
+
+
+async def connections_are_bounded_and_idle_ones_dropped(h: Harness) -> None:
+    async with h.server(max_connections=2, idle_timeout=0.3) as srv:
+        async with raw(srv) as (one, one_reader), raw(srv) as (two, _):
+            ping = Header(1, Opcode.PING, 0, ChecksumKind.XXH3_64, 1, 0, 4096, 0)
+            await one.send([encode_frame_head(ping, b"")])
+            await read_reply(one_reader)  # both sessions exist now
+            await two.send([encode_frame_head(ping, b"")])
+            async with raw(srv) as (_, third_reader):
+                await expect_error(third_reader, errors.ErrorCode.LIMIT_EXCEEDED)
+                assert not await asyncio.wait_for(third_reader.at_frame_start(), 5)
+            # then both sit idle: each is closed after idle_timeout, well within this wait
+            assert not await asyncio.wait_for(one_reader.at_frame_start(), 5), "an idle session was kept"
+        async with h.client(srv) as c:  # room again; a client reconnects without noticing
+            await c.ping()
+            await asyncio.sleep(0.6)  # idle past the timeout, on purpose
+            await c.ping()
 
 
 async def _until_stored(c: AsyncClient, name: str, tensor: torch.Tensor, timeout: float = 5.0) -> None:
@@ -624,6 +642,7 @@ STREAM_CASES: list[Case] = [
     a_bad_part_refuses_the_whole_batch,
     an_unfinished_batch_stores_nothing,
     a_stalled_request_is_cut_off,
+    connections_are_bounded_and_idle_ones_dropped,
     corrupt_chunk_is_never_stored,
     bad_magic_and_version_end_the_session,
     damaged_header_is_caught,
