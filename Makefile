@@ -37,18 +37,24 @@ bench: $(STAMP)
 	$(BIN)/tensorwire bench transfer --json
 
 lint: $(STAMP)
-	$(BIN)/ruff check src tests
-	$(BIN)/ruff format --check src tests
+	$(BIN)/ruff check src tests fuzz
+	$(BIN)/ruff format --check src tests fuzz
 	$(BIN)/mypy
 
 format: $(STAMP)
-	$(BIN)/ruff check --fix src tests
-	$(BIN)/ruff format src tests
+	$(BIN)/ruff check --fix src tests fuzz
+	$(BIN)/ruff format src tests fuzz
 
 # Regenerate the gRPC modules from the schema (tests/unit/test_proto.py fails when they are stale).
 proto: $(STAMP)
 	$(BIN)/python -m grpc_tools.protoc -I proto --python_out=src --pyi_out=src --grpc_python_out=src \
 		proto/tensorwire/v1/tensor_service.proto
+
+# Coverage-guided fuzzing of the frame decoders and a live server session (fuzz/README.md).
+FUZZ_SECONDS ?= 120
+fuzz: $(STAMP)
+	$(BIN)/pip install --disable-pip-version-check -q -e ".[fuzz]" "$(TORCH)"
+	$(BIN)/python fuzz/fuzz_frames.py -atheris_runs=2000000 -max_total_time=$(FUZZ_SECONDS)
 
 clean:
 	rm -rf $(VENV) build dist .pytest_cache .mypy_cache .ruff_cache

@@ -59,10 +59,11 @@ _RID = struct.Struct("<Q")
 class Server:
     """Serves one store on any number of addresses (``tcp://host:0`` binds a free port)."""
 
-    def __init__(  # noqa: PLR0917 - the store and limits stay positional, as they always were
+    def __init__(
         self,
         store: TensorStore | None = None,
         limits: Limits | None = None,
+        *,
         stall_timeout: float = 60.0,
         security: Security | None = None,
         max_connections: int = 1024,
@@ -73,8 +74,7 @@ class Server:
         # TLS files serve tls:// and grpcs:// addresses; a token is required on every connection.
         self.security = security or Security()
         # A peer that stops sending or reading in the middle of a request is cut off after this
-        # many seconds without progress, and what it reserved is freed: an idle connection may
-        # wait forever, a half-done request may not.
+        # many seconds without progress, and what it reserved is freed.
         self.stall_timeout = stall_timeout
         # Each connection holds a session and its read buffer: bound how many, and drop those idle
         # for idle_timeout seconds (a client reconnects on its next call without noticing).
