@@ -245,10 +245,12 @@ class _Session:
 
     async def _dispatch(self, header: Header, reader: wm.MetaReader) -> None:
         op = header.opcode
+        if self.batch is not None and (op != Opcode.PUT_MANY or header.request_id != self.batch.request_id):
+            await self._interrupted(header)  # whatever the frame is, it broke the open batch
         if op not in OPCODES:
             raise ProtocolError(f"unknown opcode {op}")
-        if self.batch is not None and (op != Opcode.PUT_MANY or header.request_id != self.batch.request_id):
-            await self._interrupted(header)
+        if header.flags & Flags.MORE and op != Opcode.PUT_MANY:
+            raise ProtocolError(f"only PUT_MANY can span several frames, not {_opname(op)}")
         if op in (Opcode.PUT, Opcode.PUT_MANY):
             await self._put(header, reader)
             return
@@ -303,9 +305,7 @@ class _Session:
         """A PUT, or one part of a PUT_MANY that arrives in several frames (flag MORE on all parts
         but the last, one request id): the parts are received as they come, while the client
         encodes the next, and committed together when the last one is in."""
-        more = bool(header.flags & Flags.MORE)
-        if more and header.opcode != Opcode.PUT_MANY:
-            raise ProtocolError("only PUT_MANY can span several frames")
+        more = bool(header.flags & Flags.MORE)  # _dispatch allows it on PUT_MANY only
         batch = self.batch
         if batch is None:
             batch = self.batch = _Batch(header.request_id)

@@ -43,6 +43,7 @@ from tensorwire import errors, transport
 from tensorwire._loop import run
 from tensorwire.client import AsyncClient, ClientOptions
 from tensorwire.errors import ErrorCode, TensorwireError
+from tensorwire.security import Security
 from tensorwire.server import Server
 from tensorwire.store import TensorStore
 from tensorwire.store.names import validate_name
@@ -484,10 +485,10 @@ def stored_bytes(store: TensorStore) -> int:
     return sum(m.nbytes for m in store.list())
 
 
-async def fuzz_live_server(scheme: str, seed: int, count: int) -> Counter[str]:
+async def fuzz_live_server(scheme: str, seed: int, count: int, token: str | None = None) -> Counter[str]:
     """Run ``count`` seeded fuzz cases against one fresh server, then check its health."""
     store = TensorStore(capacity=CAPACITY)
-    server = Server(store, stall_timeout=STALL_TIMEOUT)
+    server = Server(store, stall_timeout=STALL_TIMEOUT, security=Security(token=token))
     url = "tcp://127.0.0.1:0" if scheme == "tcp" else f"memory://fuzz-{next(_memory_names)}"
     [address] = await server.start(url)
     rng_choices = RandomChoices(random.Random(seed))
@@ -500,7 +501,8 @@ async def fuzz_live_server(scheme: str, seed: int, count: int) -> Counter[str]:
             f"{len(problems)} of {count} cases misbehaved (seed {seed}, {scheme}); first ones:\n"
             + "\n".join(problems[:5])
         )
-        client = AsyncClient(str(address), ClientOptions(timeout=10.0, connect_timeout=5.0, retries=0))
+        options = ClientOptions(timeout=10.0, connect_timeout=5.0, retries=0, token=token)
+        client = AsyncClient(str(address), options)
         try:  # a normal client is still served, reads and writes
             x = torch.arange(1000, dtype=torch.float32)
             await client.put("fuzz/after", x)
@@ -529,6 +531,14 @@ def test_live_server_survives_mutated_frames(scheme: str) -> None:
     if CASES >= 100:
         for wanted in ("ok", "closed", "error CORRUPT_FRAME", "error PROTOCOL_ERROR", "error INVALID_NAME"):
             assert outcomes[wanted], f"no case ended with {wanted!r}: {dict(outcomes)}"
+
+
+def test_a_server_with_a_token_lets_no_mutated_frame_in() -> None:
+    """Before authentication only a HELLO with the token gets anywhere: every case is refused."""
+    outcomes = run(fuzz_live_server("memory", SEED + 2, CASES // 2, token="fuzz-token"))
+    assert set(outcomes) <= {"closed", "error UNAUTHENTICATED", "error PROTOCOL_ERROR", "error CORRUPT_FRAME",
+                             "error LIMIT_EXCEEDED", "error UNSUPPORTED_VERSION"}, dict(outcomes)  # fmt: skip
+    assert outcomes["error UNAUTHENTICATED"], dict(outcomes)
 
 
 def test_mutated_frames_never_make_the_server_log_an_unexpected_exception(

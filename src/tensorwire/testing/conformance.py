@@ -231,6 +231,16 @@ async def an_unfinished_batch_stores_nothing(h: Harness) -> None:
             await stream.send([encode_frame_head(ping, b"")])
             await expect_error(reader, errors.ErrorCode.PROTOCOL_ERROR)
             assert not await asyncio.wait_for(reader.at_frame_start(), 5), "session stayed open"
+        async with raw(srv) as (stream, reader):  # an unknown opcode in the middle: the same
+            await stream.send([put_frame([part], bytes(600_000), rid=5, flags=Flags.MORE)])
+            odd = Header(1, 77, 0, ChecksumKind.XXH3_64, 6, 0, 4096, 0)
+            await stream.send([encode_frame_head(odd, b"")])
+            await expect_error(reader, errors.ErrorCode.PROTOCOL_ERROR)
+            assert not await asyncio.wait_for(reader.at_frame_start(), 5), "session stayed open"
+        async with raw(srv) as (stream, reader):  # MORE on anything but PUT_MANY is refused
+            more_ping = Header(1, Opcode.PING, Flags.MORE, ChecksumKind.XXH3_64, 11, 0, 4096, 0)
+            await stream.send([encode_frame_head(more_ping, b"")])
+            await expect_error(reader, errors.ErrorCode.PROTOCOL_ERROR)
         async with raw(srv) as (stream, _):  # a batch cut off by a closed connection
             await stream.send([put_frame([part], bytes(600_000), rid=5, flags=Flags.MORE)])
         async with h.client(srv) as c:
