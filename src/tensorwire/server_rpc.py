@@ -40,7 +40,7 @@ from tensorwire.wire.dtypes import dtype_from_name, dtype_name
 from tensorwire.wire.frame import CHECKSUM_KINDS
 from tensorwire.wire.rpc import (
     ERROR_KEY,
-    RPC_CHUNK_BYTES,
+    RPC_GET_CHUNK_BYTES,
     SERVICE,
     UNARY_MAX_BYTES,
     RawChunk,
@@ -126,7 +126,7 @@ class TensorServicer(pb_grpc.TensorServiceServicer):
         names = list(request.names)
         if not names or len(names) > self.limits.max_batch:
             await _abort(context, ProtocolError(f"Get asks for {len(names)} tensors"))
-        chunk = request.chunk_bytes or RPC_CHUNK_BYTES
+        chunk = request.chunk_bytes or RPC_GET_CHUNK_BYTES
         if not self.limits.min_chunk_bytes <= chunk <= self.limits.max_chunk_bytes:
             await _abort(context, LimitExceeded(f"chunk size {chunk} outside the server's limits"))
         kind = int(request.checksum_kind) or ChecksumKind.XXH3_64

@@ -36,6 +36,7 @@ from tensorwire.wire.meta import ServerInfo
 from tensorwire.wire.rpc import (
     ERROR_KEY,
     RPC_CHUNK_BYTES,
+    RPC_GET_CHUNK_BYTES,
     SERVICE,
     decode_chunk,
     encode_chunk,
@@ -67,6 +68,7 @@ class RpcTransport(Transport):
         self.timeout = timeout
         self._kind = checksum_kind
         self._chunk = chunk_size or RPC_CHUNK_BYTES
+        self._get_chunk = chunk_size or RPC_GET_CHUNK_BYTES
         self._metadata = (("authorization", f"Bearer {security.token}"),) if security.token else ()
         target = (
             f"{address.host}:{address.port}"
@@ -128,7 +130,7 @@ class RpcTransport(Transport):
     async def get(
         self, names: Sequence[str], sink: Sink, progress: Progress | None = None
     ) -> list[TensorMeta]:
-        request = pb.GetRequest(names=names, chunk_bytes=self._chunk, checksum_kind=pb_kind(self._kind))
+        request = pb.GetRequest(names=names, chunk_bytes=self._get_chunk, checksum_kind=pb_kind(self._kind))
         call = self._get_call(request, timeout=self.timeout, metadata=self._metadata)
         try:
             return await self._land(call, sink, progress)
