@@ -8,6 +8,7 @@
 
 from tensorwire import errors
 from tensorwire.client import AsyncClient, Client, ClientOptions, aconnect, connect
+from tensorwire.security import Security, TlsFiles
 from tensorwire.server import Server, ServerThread
 from tensorwire.store import TensorStore
 from tensorwire.types import Address, Limits, TensorMeta
@@ -20,10 +21,12 @@ __all__ = [
     "Client",
     "ClientOptions",
     "Limits",
+    "Security",
     "Server",
     "ServerThread",
     "TensorMeta",
     "TensorStore",
+    "TlsFiles",
     "__version__",
     "aconnect",
     "connect",
