@@ -39,7 +39,6 @@ import numpy as np
 import torch
 
 import tensorwire
-from tensorwire import _loop
 from tensorwire.bench.transfer import (
     STOP_TIMEOUT,
     Result,
@@ -53,11 +52,9 @@ from tensorwire.bench.transfer import (
     _positive,
     _ratio,
     _send_failure,
-    _until_stopped,
+    _serve_tensorwire,
     parse_size,
 )
-from tensorwire.server import Server
-from tensorwire.store import TensorStore
 from tensorwire.types import MiB
 from tensorwire.v1 import tensor_service_pb2 as pb
 from tensorwire.wire.tensors import byte_view
@@ -113,25 +110,6 @@ def _wait_for_stop(conn: Connection) -> None:
 
 
 # -- servers (child processes) ---------------------------------------------------------------------
-def _serve_tensorwire(conn: Connection, capacity: int) -> None:
-    """Child: a tensorwire server on gRPC only (transfer.py's serves tcp://)."""
-    _loop.run(_serve_tensorwire_async(conn, capacity))
-
-
-async def _serve_tensorwire_async(conn: Connection, capacity: int) -> None:
-    server = Server(TensorStore(capacity=capacity))
-    try:
-        addresses = await server.start("grpc://127.0.0.1:0")
-        conn.send(("ready", str(addresses[0])))
-    except BaseException:
-        _send_failure(conn)
-        raise
-    try:
-        await _until_stopped(conn)
-    finally:
-        await server.close()
-
-
 def _serve_naive(conn: Connection, size: int) -> None:
     """Child: the naive unary service, sync grpcio on a thread pool."""
     try:
@@ -331,13 +309,14 @@ def run(size: int, iters: int, pin: bool = True) -> Result:
         children: list[_Child] = []
         stack.callback(_close_all, children)  # registered first: also ends the ones started before an error
         # Start all children before waiting for any: each spends over a second importing torch.
-        children.append(_Child(_serve_tensorwire, capacity, cpus=server_cpus))
+        children.append(_Child(_serve_tensorwire, capacity, ["grpc://127.0.0.1:0"], cpus=server_cpus))
         children.append(_Child(_serve_naive, size, cpus=server_cpus))
         if arrow is not None:
             children.append(_Child(_serve_flight, cpus=server_cpus))
         ready = [child.ready() for child in children]
-        url, naive_port = ready[0], ready[1]
-        assert isinstance(url, str) and isinstance(naive_port, int)
+        bound, naive_port = ready[0], ready[1]
+        assert isinstance(bound, list) and isinstance(naive_port, int)
+        url = bound[0]
         stack.enter_context(_pinned(client_cpus))
 
         grpc_put, grpc_get = _tensorwire_bulk(url, data, iters)

@@ -196,16 +196,21 @@ async def _until_stopped(conn: Connection) -> None:
         loop.remove_reader(conn.fileno())
 
 
-def _serve_tensorwire(conn: Connection, capacity: int, certs: dict[str, Path]) -> None:
-    """Child: a tensorwire server on free loopback ports (tcp:// and tls://), on the preferred loop."""
-    _loop.run(_serve_tensorwire_async(conn, capacity, certs))
+def _serve_tensorwire(
+    conn: Connection, capacity: int, urls: list[str], certs: dict[str, Path] | None = None
+) -> None:
+    """Child: a tensorwire server on ``urls`` (free loopback ports), on the preferred event loop;
+    ``certs`` serve the tls:// ones. Answers with the bound addresses."""
+    _loop.run(_serve_tensorwire_async(conn, capacity, urls, certs))
 
 
-async def _serve_tensorwire_async(conn: Connection, capacity: int, certs: dict[str, Path]) -> None:
-    security = Security(TlsFiles(certs["server"], certs["server_key"]))
+async def _serve_tensorwire_async(
+    conn: Connection, capacity: int, urls: list[str], certs: dict[str, Path] | None
+) -> None:
+    security = Security(TlsFiles(certs["server"], certs["server_key"])) if certs else None
     server = Server(TensorStore(capacity=capacity), security=security)
     try:
-        addresses = await server.start("tcp://127.0.0.1:0", "tls://127.0.0.1:0")
+        addresses = await server.start(*urls)
         conn.send(("ready", [str(a) for a in addresses]))
     except BaseException:
         _send_failure(conn)
@@ -437,12 +442,13 @@ def run(size: int, iters: int, small_iters: int, many: int, pin: bool = True) ->
         children: list[_Child] = []
         stack.callback(_close_all, children)  # registered first: also ends the ones started before an error
         # Start all children before waiting for any: each spends over a second importing torch.
-        children.append(_Child(_serve_tensorwire, capacity, certs, cpus=server_cpus))
+        urls = ["tcp://127.0.0.1:0", "tls://127.0.0.1:0"]
+        children.append(_Child(_serve_tensorwire, capacity, urls, certs, cpus=server_cpus))
         children.append(_Child(_socket_sink, size, cpus=server_cpus))
         children.append(_Child(_echo_server, cpus=server_cpus))
-        urls, sink_port, echo_port = (child.ready() for child in children)
-        assert isinstance(urls, list) and isinstance(sink_port, int) and isinstance(echo_port, int)
-        url, tls_url = urls
+        bound, sink_port, echo_port = (child.ready() for child in children)
+        assert isinstance(bound, list) and isinstance(sink_port, int) and isinstance(echo_port, int)
+        url, tls_url = bound
         stack.enter_context(_pinned(client_cpus))
 
         socket_gbps = _socket_baseline(sink_port, data, iters)

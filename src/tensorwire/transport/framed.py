@@ -83,10 +83,6 @@ class FramedTransport(Transport):
     def closed(self) -> bool:
         return self._closed
 
-    @property
-    def bytes_received(self) -> int:
-        return self._reader.received
-
     async def hello(self, token: str | None = None) -> wm.ServerInfo:
         """Agree on a protocol version, authenticate with ``token``, learn the server's limits."""
         hello = wm.encode_hello_request(PROTOCOL_VERSIONS[0], PROTOCOL_VERSIONS[-1], token)

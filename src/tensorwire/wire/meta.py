@@ -15,6 +15,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from tensorwire.errors import InvalidName, InvalidTensor, LimitExceeded, ProtocolError
+from tensorwire.security import MAX_TOKEN_BYTES
 from tensorwire.types import Limits, TensorMeta
 from tensorwire.wire.dtypes import CODE_TO_DTYPE, DTYPE_TO_CODE, dtype_code, dtype_from_code
 
@@ -173,9 +174,6 @@ class ServerInfo:
     limits: Limits
     capacity: int
     used: int
-
-
-MAX_TOKEN_BYTES = 4096
 
 
 def encode_hello_request(min_version: int, max_version: int, token: str | None = None) -> bytes:
