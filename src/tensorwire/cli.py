@@ -530,6 +530,52 @@ def demo(size_mb: int) -> None:
     demo_module.main(size_mb=size_mb)
 
 
+# -- ps --------------------------------------------------------------------------------------------
+@main.group()
+def ps() -> None:
+    """The parameter server."""
+
+
+@ps.command("plan")
+@click.argument("model", type=_FILE)
+@click.option("--servers", type=click.IntRange(min=1), required=True, help="How many servers.")
+@click.option("--split-bytes", metavar="SIZE", default=None, help="Split tensors above this size.")
+@click.option("--json", "as_json", is_flag=True, help="Print the placement as JSON.")
+def ps_plan(model: Path, servers: int, split_bytes: str | None, as_json: bool) -> None:
+    """Show which bytes of MODEL (.safetensors, or .pt/.pth state dict) live on which server."""
+    from tensorwire.ps import plan
+
+    bound = parse_size(split_bytes) if split_bytes is not None else None
+    placement = plan(_param_specs(model), servers, bound)
+    click.echo(placement.to_json() if as_json else placement.describe())
+
+
+def _param_specs(path: Path) -> list[Any]:
+    """Names, shapes and dtypes of a saved state dict; a safetensors file is read header only."""
+    from tensorwire.ps import ParamSpec
+
+    if path.suffix == ".safetensors":
+        from safetensors import safe_open
+
+        with safe_open(str(path), framework="pt") as f:
+            slices = {name: f.get_slice(name) for name in f.keys()}  # noqa: SIM118 - not a dict
+            return [
+                ParamSpec(name, tuple(s.get_shape()), _SAFETENSORS_DTYPES[s.get_dtype()])
+                for name, s in slices.items()
+            ]
+    state = torch.load(path, weights_only=True, map_location="cpu")
+    if not isinstance(state, Mapping) or not all(isinstance(t, torch.Tensor) for t in state.values()):
+        raise CliError(f"{path} does not hold a state dict (a mapping of names to tensors)")
+    return ParamSpec.from_tensors(state)
+
+
+_SAFETENSORS_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+}  # fmt: skip
+
+
 @main.group()
 def bench() -> None:
     """Benchmarks."""

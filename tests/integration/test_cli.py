@@ -316,3 +316,22 @@ def test_bench_transfer_forwards_its_arguments(monkeypatch: pytest.MonkeyPatch) 
     args = ["--size", "1MiB", "--json", "--iters", "3", "--small-iters", "5", "--many", "10"]
     run_cli("bench", "transfer", *args)
     assert seen == [args]
+
+
+@pytest.mark.parametrize("suffix", [".safetensors", ".pt"])
+def test_ps_plan_shows_where_each_byte_lives(tmp_path: Path, suffix: str) -> None:
+    mlp = torch.nn.Sequential(torch.nn.Linear(64, 300), torch.nn.ReLU(), torch.nn.Linear(300, 10))
+    state = {k: v.contiguous() for k, v in mlp.state_dict().items()}
+    path = tmp_path / f"mlp{suffix}"
+    if suffix == ".pt":
+        torch.save(state, path)
+    else:
+        safetensors.torch.save_file(state, path)
+    result = CliRunner().invoke(cli.main, ["ps", "plan", str(path), "--servers", "3"])
+    assert result.exit_code == 0, result.output
+    for name in state:
+        assert name in result.output
+    assert "server 2:" in result.output and "imbalance 1.0" in result.output
+    as_json = CliRunner().invoke(cli.main, ["ps", "plan", str(path), "--servers", "2", "--json"])
+    placement = json.loads(as_json.output)
+    assert placement["servers"] == 2
