@@ -73,6 +73,10 @@ class Security:
     tls: TlsFiles | None = None
     token: str | None = None
 
+    def __post_init__(self) -> None:
+        if self.token is not None and not self.token:
+            raise ValueError("an empty token would let nobody in (or, read carelessly, everyone): use None")
+
 
 MAX_TOKEN_BYTES = 4096
 # A token file is read with this bound so that pointing --token-file at a large file (a log, a

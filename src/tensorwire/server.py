@@ -32,7 +32,14 @@ from tensorwire.errors import (
     UnsupportedVersion,
     code_for_error,
 )
-from tensorwire.security import Security, TlsFiles, exposure_warning, server_ssl_context, tokens_match
+from tensorwire.security import (
+    MAX_TOKEN_BYTES,
+    Security,
+    TlsFiles,
+    exposure_warning,
+    server_ssl_context,
+    tokens_match,
+)
 from tensorwire.store import Reservation, TensorStore
 from tensorwire.transport import tls
 from tensorwire.transport.base import ByteStream, Listener
@@ -54,6 +61,7 @@ from tensorwire.wire.frame import (
 
 log = logging.getLogger("tensorwire.server")
 _RID = struct.Struct("<Q")
+_HELLO_MAX_META = 4 + MAX_TOKEN_BYTES  # two version bytes, a u16 length, the token
 
 
 class Server:
@@ -169,7 +177,14 @@ async def _listen_rpc(server: Server, address: Address) -> Listener:
     from tensorwire import server_rpc  # grpcio loads only when gRPC is served
 
     files = _tls_files(server, address) if address.scheme == "grpcs" else None
-    return await server_rpc.listen(address, server.store, server.limits, files, server.security.token)
+    return await server_rpc.listen(
+        address,
+        server.store,
+        server.limits,
+        tls=files,
+        token=server.security.token,
+        stall_timeout=server.stall_timeout,
+    )
 
 
 def _tls_files(server: Server, address: Address) -> TlsFiles:
@@ -214,6 +229,10 @@ class _Session:
             raw = await read_head(self.reader)
             try:
                 header = decode_header(raw, self.limits)
+                if not self.authenticated and (header.meta_len > _HELLO_MAX_META or header.data_len):
+                    # Before the token is checked, nothing larger than a HELLO is read at all.
+                    await self._authenticate(header, b"")
+                    return
                 meta = await self.reader.read(header.meta_len)
                 check_meta_crc(raw, header, meta)
                 if header.is_response:
@@ -315,10 +334,10 @@ class _Session:
         except TensorwireError as exc:
             if isinstance(exc, ConnectionLost):
                 raise
-            if not self.data_read:
-                await skip_data(self.reader, header)
-                self.data_read = True
             batch.error = exc  # keep taking the parts, so the stream stays in step; answer at the end
+        if not self.data_read:  # a refused part, or any part after one: drop its data
+            await skip_data(self.reader, header)
+            self.data_read = True
         if not more:
             self.batch = None
             await self._finish_batch(header, batch)
@@ -378,8 +397,13 @@ class _Session:
         names = _names(reader)
         if not names or (header.opcode == Opcode.GET and len(names) != 1):
             raise ProtocolError(f"{_opname(header.opcode)} cannot ask for {len(names)} tensors")
+        if len(set(names)) != len(names):  # one small tensor asked for 100,000 times is not a GET
+            raise ProtocolError(f"{_opname(header.opcode)} names the same tensor twice")
         entries = self.store.acquire(names)
         try:
+            total = sum(e.meta.nbytes for e in entries)
+            if total > self.limits.max_request_bytes:
+                raise LimitExceeded(f"an answer of {total} bytes exceeds {self.limits.max_request_bytes}")
             metas = [e.meta for e in entries]
             data = [e.data for e in entries]
             await self._reply(header, wm.encode_records(metas), data)

@@ -26,6 +26,7 @@ from tensorwire.errors import (
     LimitExceeded,
     ProtocolError,
     TensorwireError,
+    TransferTimeout,
     code_for_error,
 )
 from tensorwire.security import TlsFiles, grpc_server_credentials, tokens_match
@@ -71,9 +72,11 @@ _GRPC_CODES: dict[ErrorCode, grpc.StatusCode] = {
 class TensorServicer(pb_grpc.TensorServiceServicer):
     """``TensorService`` on one store."""
 
-    def __init__(self, store: TensorStore, limits: Limits) -> None:
+    def __init__(self, store: TensorStore, limits: Limits, stall_timeout: float = 60.0) -> None:
         self.store = store
         self.limits = limits
+        # A call that makes no progress for this long mid-stream is ended and what it holds freed.
+        self.stall_timeout = stall_timeout
 
     # -- the interface existing clients speak -------------------------------------------------
     async def UploadTensor(self, request: pb.TensorRequest, context: Any) -> pb.TensorResponse:
@@ -116,32 +119,48 @@ class TensorServicer(pb_grpc.TensorServiceServicer):
     async def _put(self, chunks: AsyncIterator[bytes]) -> pb.PutReply:
         batch = Reservation()
         try:
-            await _StreamedPut(self.store, self.limits, batch).receive(chunks)
+            await _StreamedPut(self.store, self.limits, batch, self.stall_timeout).receive(chunks)
             return pb.PutReply(version=await self._commit(batch))
         finally:
             self.store.abort(batch)  # a no-op once committed
 
-    async def Get(self, request: pb.GetRequest, context: Any) -> AsyncIterator[bytes]:
-        """Answers with raw wire bytes of ``Chunk`` messages (see ``handlers``)."""
+    async def Get(self, request: pb.GetRequest, context: Any) -> None:
+        """Answers with raw wire bytes of ``Chunk`` messages (see ``handlers``), written one by one
+        so that a client that stops reading is cut off after the stall timeout (its pins freed)."""
         names = list(request.names)
-        if not names or len(names) > self.limits.max_batch:
-            await _abort(context, ProtocolError(f"Get asks for {len(names)} tensors"))
+        if not names or len(names) > self.limits.max_batch or len(set(names)) != len(names):
+            await _abort(context, ProtocolError(f"Get asks for {len(names)} tensors, or one twice"))
         chunk = request.chunk_bytes or RPC_GET_CHUNK_BYTES
         if not self.limits.min_chunk_bytes <= chunk <= self.limits.max_chunk_bytes:
             await _abort(context, LimitExceeded(f"chunk size {chunk} outside the server's limits"))
         kind = int(request.checksum_kind) or ChecksumKind.XXH3_64
+        if kind not in CHECKSUM_KINDS:
+            await _abort(context, ProtocolError(f"unknown checksum kind {kind}"))
         try:
             entries = self.store.acquire(names)
         except TensorwireError as exc:
             await _abort(context, exc)
         try:
-            yield pb.Chunk(manifest=[info_of(e.meta) for e in entries]).SerializeToString()
+            await self._write(
+                context, pb.Chunk(manifest=[info_of(e.meta) for e in entries]).SerializeToString()
+            )
             for entry in entries:
                 for start in range(0, entry.meta.nbytes, chunk):
                     data = entry.data[start : start + chunk]
-                    yield encode_chunk(data, kind, checksum(kind, data))  # the one copy grpcio needs
+                    await self._write(context, encode_chunk(data, kind, checksum(kind, data)))  # one copy
+        except TransferTimeout as exc:
+            self.store.release(entries)
+            entries = []
+            await _abort(context, exc)
         finally:
             self.store.release(entries)
+
+    async def _write(self, context: Any, message: bytes) -> None:
+        try:
+            async with asyncio.timeout(self.stall_timeout):
+                await context.write(message)
+        except TimeoutError as exc:
+            raise TransferTimeout(f"the client read nothing for {self.stall_timeout:.3g}s") from exc
 
     async def Delete(self, request: pb.NamesRequest, context: Any) -> pb.DeleteReply:
         names = list(request.names)
@@ -174,16 +193,25 @@ class TensorServicer(pb_grpc.TensorServiceServicer):
 class _StreamedPut:
     """Receives the chunks of one Put into a reservation, checking each as it arrives."""
 
-    def __init__(self, store: TensorStore, limits: Limits, batch: Reservation) -> None:
+    def __init__(self, store: TensorStore, limits: Limits, batch: Reservation, stall_timeout: float) -> None:
         self.store = store
         self.limits = limits
         self.batch = batch
+        self.stall_timeout = stall_timeout
         self.current: memoryview | None = None
         self.filled = 0
         self.total = 0
 
     async def receive(self, chunks: AsyncIterator[bytes]) -> None:
-        async for raw in chunks:
+        stream = chunks.__aiter__()
+        while True:
+            try:
+                async with asyncio.timeout(self.stall_timeout):
+                    raw = await stream.__anext__()
+            except StopAsyncIteration:
+                break
+            except TimeoutError as exc:
+                raise TransferTimeout(f"the client sent nothing for {self.stall_timeout:.3g}s") from exc
             chunk = decode_chunk(raw)
             if chunk.tensor is not None:
                 self._start(chunk.tensor)
@@ -308,12 +336,14 @@ async def listen(
     address: Address,
     store: TensorStore,
     limits: Limits,
+    *,
     tls: TlsFiles | None = None,
     token: str | None = None,
+    stall_timeout: float = 60.0,
 ) -> RpcListener:
     """Serve ``TensorService`` for ``store`` on ``address`` (``grpc://host:0`` picks a free port;
     ``grpcs://`` serves TLS with ``tls``' files; a ``token`` is then required on every call)."""
-    interceptors = [TokenGate(token)] if token else []
+    interceptors = [TokenGate(token)] if token is not None else []
     # so_reuseport off: a port in use is an error, not silently shared with another server.
     options = [
         *message_options(limits.max_chunk_bytes),
@@ -322,7 +352,7 @@ async def listen(
         ("grpc.max_connection_idle_ms", 900_000),
     ]
     server = grpc.aio.server(options=options, interceptors=interceptors)
-    server.add_generic_rpc_handlers((handlers(TensorServicer(store, limits)),))
+    server.add_generic_rpc_handlers((handlers(TensorServicer(store, limits, stall_timeout)),))
     host = f"[{address.host}]" if ":" in address.host else address.host
     try:
         if tls is not None:

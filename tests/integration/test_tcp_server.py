@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -65,3 +67,16 @@ def test_unknown_scheme_and_unreachable_server() -> None:
         tensorwire.connect("ftp://x:1")
     with pytest.raises(tensorwire.errors.ConnectError):
         tensorwire.connect("tcp://127.0.0.1:1", retries=1, backoff=0.01)
+
+
+def test_a_failing_progress_callback_does_not_poison_the_connection(server: ServerProcess) -> None:
+    def explode(_: int) -> None:
+        raise ValueError("the caller's own bug")
+
+    with tensorwire.connect(server.url, timeout=5) as c:
+        with pytest.raises(ValueError, match="own bug"):
+            c.put("cb/x", torch.zeros(1 << 22), progress=explode)
+        start = time.monotonic()
+        c.put("cb/y", torch.ones(3))  # a new connection, at once, not a timeout
+        assert time.monotonic() - start < 3
+        assert torch.equal(c.get("cb/y"), torch.ones(3))

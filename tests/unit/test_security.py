@@ -433,3 +433,10 @@ def test_exposure_warning() -> None:
     assert "all interfaces" in (exposure_warning("", tls=False, token=False) or "")
     for host in ("127.0.0.1", "localhost", "::1"):
         assert exposure_warning(host, tls=False, token=False) is None
+
+
+def test_an_empty_token_is_refused() -> None:
+    from tensorwire.security import Security
+
+    with pytest.raises(ValueError, match="empty token"):
+        Security(token="")

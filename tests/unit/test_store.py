@@ -116,3 +116,38 @@ def test_versions_of_deleted_tensors_are_not_reused_after_a_restart(tmp_path: Pa
     store.delete(["b"])  # the newest version now lives in no file
     again = TensorStore(capacity=1 * MiB, data_dir=tmp_path)
     assert put(again, {"c": b"3"}) > newest
+
+
+def test_abort_during_a_slow_persisted_commit_changes_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A server cancelled while a worker thread writes the data directory calls abort: it must
+    not hand the buffers to the pool under the commit that is about to publish them."""
+    import threading
+
+    from tensorwire.store.persist import DataDir
+
+    store = TensorStore(capacity=64 * MiB, data_dir=tmp_path)
+    writing, release = threading.Event(), threading.Event()
+    real_write = DataDir.write
+
+    def slow_write(self: DataDir, items: object) -> None:
+        writing.set()
+        assert release.wait(10)
+        real_write(self, items)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(DataDir, "write", slow_write)
+    res = store.reserve([meta("w", 2 * MiB)])
+    res.buffers[0][:] = b"\x07" * (2 * MiB)
+    versions: list[int] = []
+    worker = threading.Thread(target=lambda: versions.append(store.commit(res)))
+    worker.start()
+    assert writing.wait(10)
+    store.abort(res)  # what a cancelled request does
+    release.set()
+    worker.join(10)
+    assert versions and store.used == 2 * MiB
+    other = store.reserve([meta("other", 2 * MiB)])  # must not get the live tensor's buffer
+    other.buffers[0][:4] = b"\x63" * 4
+    (entry,) = store.acquire(["w"])
+    assert bytes(entry.data[:4]) == b"\x07" * 4

@@ -51,6 +51,7 @@ class Reservation:
     nbytes: int = 0
     names: set[str] = field(default_factory=set)
     done: bool = False
+    committing: bool = False
 
 
 class TensorStore:
@@ -122,11 +123,17 @@ class TensorStore:
         return Reservation(list(metas), buffers, total, seen, done=True)  # owned by ``extend``
 
     def commit(self, res: Reservation) -> int:
-        """Make every tensor of ``res`` visible at once under a new version; return the version."""
-        if res.done:
-            raise RuntimeError("reservation already committed or aborted")
-        if self._disk is None:
-            with self._lock:
+        """Make every tensor of ``res`` visible at once under a new version; return the version.
+
+        Once a commit has begun, ``abort`` of the same reservation does nothing: a server whose
+        request is cancelled while a worker thread writes the data directory must not hand the
+        buffers back to the pool under a commit that is about to publish them.
+        """
+        with self._lock:
+            if res.done or res.committing:
+                raise RuntimeError("reservation already committed, being committed or aborted")
+            res.committing = True
+            if self._disk is None:
                 return self._install(res)
         with self._disk_lock:
             with self._lock:
@@ -136,16 +143,18 @@ class TensorStore:
                 pairs = zip(res.metas, res.buffers, strict=True)
                 self._disk.write([(m.with_version(version), b) for m, b in pairs])
             except BaseException:
+                res.committing = False
                 self.abort(res)
                 raise
             with self._lock:
                 return self._install(res, version)
 
     def abort(self, res: Reservation) -> None:
-        """Give a reservation's buffers back; nothing of it was ever visible."""
-        if res.done:
-            return
+        """Give a reservation's buffers back; nothing of it was ever visible. A no-op once the
+        reservation is committed or its commit has begun."""
         with self._lock:
+            if res.done or res.committing:
+                return
             res.done = True
             self._reserved -= res.nbytes
             for buf in res.buffers:

@@ -80,8 +80,9 @@ class Harness:
     async def server(
         self, capacity: int = 1 << 30, limits: Limits | None = None, **options: Any
     ) -> AsyncIterator[Server]:
-        security = Security(TlsFiles(_certs()["server"], _certs()["server_key"])) if self.secure else None
-        server = Server(TensorStore(capacity), limits, security=security, **options)
+        if self.secure:
+            options.setdefault("security", Security(TlsFiles(_certs()["server"], _certs()["server_key"])))
+        server = Server(TensorStore(capacity), limits, **options)
         await server.start(self.fresh_url())
         try:
             yield server
@@ -207,6 +208,8 @@ async def a_bad_part_refuses_the_whole_batch(h: Harness) -> None:
         bad = TensorMeta("p/../escape", torch.uint8, (2,), 2)
         await stream.send([put_frame([ok], b"ab", rid=3, flags=Flags.MORE)])
         await stream.send([put_frame([bad], b"cd", rid=3, flags=Flags.MORE)])
+        after = TensorMeta("p/after", torch.uint8, (5000,), 5000)  # a part after the refused one
+        await stream.send([put_frame([after], bytes(5000), rid=3, flags=Flags.MORE)])
         await stream.send([put_frame([TensorMeta("p/last", torch.uint8, (1,), 1)], b"e", rid=3)])
         await expect_error(reader, errors.ErrorCode.INVALID_NAME)  # one answer, for the whole batch
         await stream.send([put_frame([ok], b"ab", rid=4)])  # the session goes on
@@ -280,6 +283,26 @@ async def connections_are_bounded_and_idle_ones_dropped(h: Harness) -> None:
             await c.ping()
             await asyncio.sleep(0.6)  # idle past the timeout, on purpose
             await c.ping()
+
+
+async def a_get_naming_a_tensor_twice_is_refused(h: Harness) -> None:
+    async with h.server() as srv, raw(srv) as (stream, reader):
+        await stream.send([put_frame([TensorMeta("g/x", torch.uint8, (3,), 3)], b"abc", rid=1)])
+        await read_reply(reader)
+        names = wm.encode_names(["g/x"] * 1000)  # one small tensor, asked for 1000 times
+        get = Header(1, Opcode.GET_MANY, 0, ChecksumKind.XXH3_64, 2, len(names), 4096, 0)
+        await stream.send([encode_frame_head(get, names)])
+        await expect_error(reader, errors.ErrorCode.PROTOCOL_ERROR)
+
+
+async def an_unauthenticated_peer_cannot_make_the_server_allocate(h: Harness) -> None:
+    async with h.server(security=Security(token="t0ken")) as srv, raw(srv) as (stream, reader):
+        # A header that announces an 8 MiB metadata block, then one byte: refused at once.
+        hello = bytearray(encode_frame_head(Header(1, Opcode.HELLO, 0, 1, 1, 0, 4096, 0), b""))
+        hello[16:20] = (8 << 20).to_bytes(4, "little")  # meta_len: 8 MiB promised, 1 byte sent
+        await stream.send([hello, b"x"])
+        await expect_error(reader, errors.ErrorCode.UNAUTHENTICATED)
+        assert not await asyncio.wait_for(reader.at_frame_start(), 5), "session stayed open"
 
 
 async def _until_stored(c: AsyncClient, name: str, tensor: torch.Tensor, timeout: float = 5.0) -> None:
@@ -594,6 +617,26 @@ async def raw_rpc(srv: Server) -> AsyncIterator[Callable[[list[bytes]], Awaitabl
         yield put
 
 
+async def rpc_a_stalled_put_is_cut_off(h: Harness) -> None:
+    from tensorwire.v1 import tensor_service_pb2 as pb
+    from tensorwire.wire.rpc import encode_chunk
+
+    async with h.server(capacity=1 << 20, stall_timeout=0.3) as srv:
+        address = srv.addresses[0]
+        import grpc
+
+        from tensorwire.wire.rpc import SERVICE
+
+        async with grpc.aio.insecure_channel(f"{address.host}:{address.port}") as channel:
+            call = channel.stream_unary(f"/{SERVICE}/Put", None, None)(timeout=30)
+            info = pb.TensorInfo(name="st/x", dtype="uint8", shape=[900_000], nbytes=900_000)
+            first = memoryview(bytes(1000))
+            await call.write(encode_chunk(first, 1, checksum(1, first), info))  # then silence
+            async with h.client(srv) as c:
+                await _until_stored(c, "st/full", torch.zeros(1 << 20, dtype=torch.uint8))
+            call.cancel()
+
+
 async def rpc_hostile_puts_store_nothing(h: Harness) -> None:
     from tensorwire.v1 import tensor_service_pb2 as pb
     from tensorwire.wire.rpc import encode_chunk
@@ -628,7 +671,7 @@ async def rpc_hostile_puts_store_nothing(h: Harness) -> None:
             assert [m.name for m in await c.list()] == ["r/x"]
 
 
-RPC_CASES: list[Case] = [rpc_hostile_puts_store_nothing]
+RPC_CASES: list[Case] = [rpc_hostile_puts_store_nothing, rpc_a_stalled_put_is_cut_off]
 
 
 # Cases every transport must pass, through the public client API.
@@ -653,6 +696,8 @@ STREAM_CASES: list[Case] = [
     an_unfinished_batch_stores_nothing,
     a_stalled_request_is_cut_off,
     connections_are_bounded_and_idle_ones_dropped,
+    a_get_naming_a_tensor_twice_is_refused,
+    an_unauthenticated_peer_cannot_make_the_server_allocate,
     corrupt_chunk_is_never_stored,
     bad_magic_and_version_end_the_session,
     damaged_header_is_caught,

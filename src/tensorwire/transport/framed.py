@@ -16,6 +16,7 @@ from typing import TypeVar
 
 from tensorwire.errors import (
     ConnectionLost,
+    InvalidTensor,
     ProtocolError,
     TensorwireError,
     TransferTimeout,
@@ -170,10 +171,10 @@ class FramedTransport(Transport):
             raise self._failure or ConnectionLost(f"connection to {self.address} is closed")
         rid = next(self._ids)
         future: asyncio.Future[tuple[Header, wm.MetaReader]] = asyncio.get_running_loop().create_future()
-        self._pending[rid] = _Pending(opcode, future, sink, None if batch else progress)
+        pending = self._pending[rid] = _Pending(opcode, future, sink, None if batch else progress)
         # One timer per request, not an asyncio.timeout scope: it is the cheapest finite wait, and
         # it covers the send as well as the answer.
-        timer = self._loop.call_later(self.timeout, self._expire, rid, what)
+        timer = self._loop.call_later(self.timeout, self._expire, pending, what)
         try:
             while len(self._pending) > self._max_inflight:  # rare: wait for an answer to free a slot
                 self._room = self._room or asyncio.Event()
@@ -186,6 +187,9 @@ class FramedTransport(Transport):
                         await self._send_batch(opcode, rid, batch, progress)
             except ConnectionLost as exc:
                 await self._fail(exc)
+            except Exception as exc:  # e.g. the caller's progress callback: the frame is half sent
+                await self._fail(ConnectionLost(f"a request to {self.address} stopped mid-frame: {exc!r}"))
+                raise
             return await future  # settled by the reader, a timer, or _fail
         except asyncio.CancelledError:
             # A request abandoned mid-flight leaves the stream in an unknown state: drop it.
@@ -199,10 +203,10 @@ class FramedTransport(Transport):
                 self._room.set()
                 self._room = None
 
-    def _expire(self, rid: int, what: str) -> None:
-        """A request's timer ran out: fail it, and drop the connection it is stuck on."""
-        pending = self._pending.get(rid)
-        if pending is None or pending.future.done():
+    def _expire(self, pending: _Pending, what: str) -> None:
+        """A request's timer ran out: fail it, and drop the connection it is stuck on (also when
+        its answer is half received: the reader is cancelled with the connection)."""
+        if pending.future.done():
             return
         waited = f"waited {self.timeout:.3g}s for the answer to the {what} from {self.address}"
         _settle(pending, error=TransferTimeout(waited))
@@ -216,6 +220,8 @@ class FramedTransport(Transport):
             raise ConnectionLost(f"{self.address} closed the connection")
         except TensorwireError as exc:
             await self._fail(exc)
+        except Exception as exc:  # a bug, or a user's callback: never a silently dead reader
+            await self._fail(ConnectionLost(f"reading from {self.address} failed: {exc!r}"))
 
     async def _read_response(self) -> None:
         raw = await read_head(self._reader)
@@ -225,7 +231,10 @@ class FramedTransport(Transport):
         if not header.is_response:
             raise ProtocolError(f"{self.address} sent a request frame to a client")
         reader = wm.MetaReader(meta, CLIENT_LIMITS)
-        pending = self._pending.get(header.request_id)
+        # Taken out as it is answered: a later frame with the same id can never reach its sink.
+        pending = self._pending.pop(header.request_id, None)
+        if pending is not None and pending.future.done():  # timed out, already failed
+            pending = None
         if pending is not None and header.opcode not in (pending.opcode, 0):
             raise ProtocolError(f"{self.address} answered request {header.request_id} with another opcode")
         if header.is_error:
@@ -247,19 +256,23 @@ class FramedTransport(Transport):
         probe = wm.MetaReader(meta, CLIENT_LIMITS)
         try:
             assert pending.sink is not None
-            buffers = pending.sink(wm.decode_records(probe))
-            if sum(b.nbytes for b in buffers) != header.data_len:
+            metas = wm.decode_records(probe)
+            # Sizes are checked before the sink allocates anything for them.
+            if sum(m.nbytes for m in metas) != header.data_len:
                 raise ProtocolError("response data length does not match its tensor records")
-        except TensorwireError as exc:
+            buffers = pending.sink(metas)
+        except Exception as exc:
             await skip_data(self._reader, header)
-            _settle(pending, error=exc)
+            _settle(pending, error=_as_tensorwire(exc, "landing the answer"))
             return
         try:
             await recv_data(self._reader, header, buffers, pending.progress)
-        except TensorwireError as exc:
-            if isinstance(exc, ConnectionLost):
-                raise
-            _settle(pending, error=exc)
+        except ConnectionLost:
+            raise
+        except Exception as exc:  # a corrupt chunk, or the caller's progress callback
+            _settle(pending, error=_as_tensorwire(exc, "receiving the answer"))
+            if not isinstance(exc, TensorwireError):
+                raise ConnectionLost(f"a callback failed mid-frame: {exc!r}") from exc  # stream out of step
             return
         _settle(pending, result=(header, probe))
 
@@ -277,6 +290,14 @@ class FramedTransport(Transport):
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await self._reader_task
         await self._stream.close()
+
+
+def _as_tensorwire(exc: Exception, what: str) -> TensorwireError:
+    if isinstance(exc, TensorwireError):
+        return exc
+    error = InvalidTensor(f"{what} failed: {exc!r}")
+    error.__cause__ = exc
+    return error
 
 
 def _describe(names: Sequence[str]) -> str:

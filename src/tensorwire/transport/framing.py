@@ -10,7 +10,7 @@ chunk is checked as it arrives, wherever its bytes land.
 from __future__ import annotations
 
 import struct
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import xxhash
 
@@ -64,8 +64,13 @@ class FrameReader:
             start = self._pos
             self._pos = start + n
             return bytes(self._view[start : self._pos])
-        buf = bytearray(n)
-        await self.readinto(memoryview(buf))
+        # Grow with what arrives, not with what a header promised: a peer that announces a large
+        # block and sends a byte must not make us hold the whole block.
+        buf = bytearray()
+        while len(buf) < n:
+            piece = bytearray(min(n - len(buf), 1 << 20))
+            await self.readinto(memoryview(piece))
+            buf += piece
         return bytes(buf)
 
     async def at_frame_start(self) -> bool:
@@ -89,7 +94,7 @@ async def read_head(reader: FrameReader) -> bytes:
     return await reader.read(HEADER_BYTES)
 
 
-def _pieces(segments: Sequence[memoryview], chunk_size: int) -> Iterator[list[memoryview]]:
+def _pieces(segments: Iterable[memoryview], chunk_size: int) -> Iterator[list[memoryview]]:
     """The data section cut into chunks: for each chunk, the segment slices it is made of."""
     chunk: list[memoryview] = []
     room = chunk_size
@@ -149,6 +154,28 @@ def _runs(
     return out, staged
 
 
+def _coalesced(segments: Iterable[memoryview], cap: int) -> Iterator[memoryview]:
+    """The segments to send, runs of small ones joined (a copy is cheaper than a call per tensor)
+    into pieces of at most ``cap`` bytes, built as the sender reaches them: the memory a frame
+    needs stays one chunk, however many small tensors it carries."""
+    run: list[memoryview] = []
+    size = 0
+    for seg in segments:
+        if seg.nbytes >= _COALESCE:
+            if run:
+                yield memoryview(b"".join(run))
+                run, size = [], 0
+            yield seg
+            continue
+        run.append(seg)
+        size += seg.nbytes
+        if size >= cap:
+            yield memoryview(b"".join(run))
+            run, size = [], 0
+    if run:
+        yield memoryview(b"".join(run)) if len(run) > 1 else run[0]
+
+
 async def send_frame(
     stream: ByteStream,
     header: Header,
@@ -168,9 +195,9 @@ async def send_frame(
         if progress is not None:
             progress(len(data))
         return
-    views, staged = _runs([s if isinstance(s, memoryview) else memoryview(s).cast("B") for s in segments])
-    for buf, run in staged:
-        buf[:] = b"".join(run)
+    views = _coalesced(
+        (s if isinstance(s, memoryview) else memoryview(s).cast("B") for s in segments), header.chunk_size
+    )
     out: list[Buffer] = [head]
     pending = 0
     for pieces in _pieces(views, header.chunk_size):
