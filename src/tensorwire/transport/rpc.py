@@ -207,7 +207,7 @@ class RpcTransport(Transport):
     def _translate(self, exc: grpc.aio.AioRpcError, what: str) -> TensorwireError:
         """The tensorwire error for a failed call (foreign exceptions stop at this boundary)."""
         for key, value in exc.trailing_metadata() or ():
-            if key == ERROR_KEY:
+            if key == ERROR_KEY and str(value).isdigit():
                 return error_for_code(int(value), exc.details() or "")
         code = exc.code()
         if code == grpc.StatusCode.DEADLINE_EXCEEDED:

@@ -207,7 +207,11 @@ class TcpListener(Listener):
             task.add_done_callback(self._tasks.discard)
 
     async def _serve(self, conn: socket.socket) -> None:
-        stream = await self._accept(conn)
+        try:
+            stream = await self._accept(conn)
+        except BaseException:
+            conn.close()  # a failed or cancelled TLS handshake must not leak the socket
+            raise
         if stream is None:
             return
         try:
