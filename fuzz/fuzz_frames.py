@@ -66,15 +66,7 @@ with atheris.instrument_imports(include=["tensorwire"]):
     )
 
 # The widest limits a Limits accepts: the decoders' own bounds checks must stop a lying length.
-PERMISSIVE = Limits(
-    max_meta_bytes=(1 << 32) - 1,
-    max_name_bytes=1024,
-    max_ndim=255,
-    max_batch=(1 << 32) - 1,
-    max_request_bytes=(1 << 64) - 1,
-    min_chunk_bytes=1,
-    max_chunk_bytes=(1 << 32) - 1,
-)
+PERMISSIVE = Limits.widest()
 # The server's limits keep every input cheap: a completed frame is at most ~100 KiB, an answer at
 # most max_batch x the largest tensor. Small chunks let a short input hold several of them.
 SERVER_LIMITS = Limits(

@@ -108,6 +108,20 @@ class Limits:
     max_chunk_bytes: int = 64 * MiB
     max_inflight: int = 256
 
+    @staticmethod
+    def widest() -> Limits:
+        """The widest limits a HELLO can carry: with these, only a decoder's own bounds checks stop
+        a lying length or count (what fuzzers feed the decoders with)."""
+        return Limits(
+            max_meta_bytes=(1 << 32) - 1,
+            max_name_bytes=1024,
+            max_ndim=255,
+            max_batch=(1 << 32) - 1,
+            max_request_bytes=(1 << 64) - 1,
+            min_chunk_bytes=1,
+            max_chunk_bytes=(1 << 32) - 1,
+        )
+
     def __post_init__(self) -> None:
         # Each field travels in a HELLO response field of fixed width (docs/protocol.md).
         widths = {

@@ -75,15 +75,7 @@ RSS_GROWTH_LIMIT = 200 * MiB
 
 # The widest limits a Limits accepts: the decoders' own bounds checks, not the configured limits,
 # must then stop a lying length or count.
-PERMISSIVE = Limits(
-    max_meta_bytes=(1 << 32) - 1,
-    max_name_bytes=1024,
-    max_ndim=255,
-    max_batch=(1 << 32) - 1,
-    max_request_bytes=(1 << 64) - 1,
-    min_chunk_bytes=1,
-    max_chunk_bytes=(1 << 32) - 1,
-)
+PERMISSIVE = Limits.widest()
 LIMITS = pytest.mark.parametrize("limits", [Limits(), PERMISSIVE], ids=["default-limits", "permissive"])
 
 KNOWN_CODES = frozenset(int(code) for code in ErrorCode)

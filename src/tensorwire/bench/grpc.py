@@ -54,6 +54,7 @@ from tensorwire.bench.transfer import (
     _send_failure,
     _serve_tensorwire,
     parse_size,
+    table,
 )
 from tensorwire.types import MiB
 from tensorwire.v1 import tensor_service_pb2 as pb
@@ -385,9 +386,7 @@ def format_table(r: Result) -> str:
         f"tensorwire gRPC benchmark: {mib:g} MiB float32, median of {r['iters']} (after warm-up), "
         f"{'pinned' if r['pinned'] else 'unpinned'}; GB/s = 1e9 bytes/s"
     )
-    width = max(len(name) for name, _, _ in rows)
-    lines = [head] + [f"  {name:<{width}}  {value:>12}  {note}".rstrip() for name, value, note in rows]
-    return "\n".join(lines)
+    return table(head, rows, value_width=12)
 
 
 def main(argv: list[str] | None = None) -> Result:

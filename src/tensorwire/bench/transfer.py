@@ -522,9 +522,14 @@ def format_table(r: Result) -> str:
         f"tensorwire transfer benchmark: {mib:g} MiB float32, median of {r['iters']} "
         f"(after warm-up), loop {r['loop']}, {'pinned' if r['pinned'] else 'unpinned'}; GB/s = 1e9 bytes/s"
     )
+    return table(head, rows, value_width=22)
+
+
+def table(head: str, rows: Sequence[tuple[str, str, str]], value_width: int) -> str:
+    """A benchmark's readable report: a heading, then name, value and note in aligned columns."""
     width = max(len(name) for name, _, _ in rows)
-    lines = [head] + [f"  {name:<{width}}  {value:>22}  {note}".rstrip() for name, value, note in rows]
-    return "\n".join(lines)
+    lines = [f"  {name:<{width}}  {value:>{value_width}}  {note}".rstrip() for name, value, note in rows]
+    return "\n".join([head, *lines])
 
 
 def main(argv: list[str] | None = None) -> Result:
