@@ -252,16 +252,16 @@ async def an_unfinished_batch_stores_nothing(h: Harness) -> None:
 
 
 async def a_stalled_request_is_cut_off(h: Harness) -> None:
-    async with h.server(capacity=1 << 20, stall_timeout=0.2) as srv:
+    async with h.server(capacity=1 << 20, stall_timeout=0.5) as srv:
         async with raw(srv) as (stream, reader):
             idle_since = time.monotonic()
             await stream.send([put_frame([TensorMeta("s/x", torch.uint8, (1,), 1)], b"x", rid=1)])
             await read_reply(reader)  # a finished request, then idleness: never cut off
             frame = put_frame([TensorMeta("s/big", torch.uint8, (900_000,), 900_000)], bytes(900_000), rid=2)
-            await asyncio.sleep(0.5)  # idle for longer than the stall timeout, on purpose
+            await asyncio.sleep(0.8)  # idle for longer than the stall timeout, on purpose
             await stream.send([frame[: len(frame) // 3]])  # then a third of a request, and silence
             assert not await asyncio.wait_for(reader.at_frame_start(), 5), "a stalled request was kept"
-            assert time.monotonic() - idle_since > 0.5
+            assert time.monotonic() - idle_since > 0.8
         async with h.client(srv) as c:
             await c.delete("s/x")
             await c.put("s/full", torch.zeros(1 << 20, dtype=torch.uint8))  # the reservation is free
@@ -617,11 +617,22 @@ async def raw_rpc(srv: Server) -> AsyncIterator[Callable[[list[bytes]], Awaitabl
         yield put
 
 
+async def _until(condition: Callable[[], bool], what: str, timeout: float = 10.0) -> None:
+    """Poll ``condition`` until it holds; AssertionError naming ``what`` after ``timeout`` s."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"waited {timeout}s for {what}")
+        await asyncio.sleep(0.02)
+
+
 async def rpc_a_stalled_put_is_cut_off(h: Harness) -> None:
     from tensorwire.v1 import tensor_service_pb2 as pb
     from tensorwire.wire.rpc import encode_chunk
 
-    async with h.server(capacity=1 << 20, stall_timeout=0.3) as srv:
+    # 1 s, not less: every call on this server has the same stall timeout, the healthy ones too,
+    # and a loaded test machine can pause a healthy call for a few hundred milliseconds.
+    async with h.server(capacity=1 << 20, stall_timeout=1.0) as srv:
         address = srv.addresses[0]
         import grpc
 
@@ -632,8 +643,10 @@ async def rpc_a_stalled_put_is_cut_off(h: Harness) -> None:
             info = pb.TensorInfo(name="st/x", dtype="uint8", shape=[900_000], nbytes=900_000)
             first = memoryview(bytes(1000))
             await call.write(encode_chunk(first, 1, checksum(1, first), info))  # then silence
+            await _until(lambda: srv.store.used == 900_000, "the stalled Put's reservation")
+            await _until(lambda: srv.store.used == 0, "the stalled Put to be cut off and freed")
             async with h.client(srv) as c:
-                await _until_stored(c, "st/full", torch.zeros(1 << 20, dtype=torch.uint8))
+                await c.put("st/full", torch.zeros(1 << 20, dtype=torch.uint8))  # the room is back
             call.cancel()
 
 
