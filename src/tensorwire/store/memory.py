@@ -160,12 +160,6 @@ class TensorStore:
             for buf in res.buffers:
                 self._pool.give(buf)
 
-    def put(self, name: str, data: bytes | bytearray | memoryview, meta: TensorMeta) -> int:
-        """Store a copy of ``data`` under ``meta`` (a convenience for in-process callers)."""
-        res = self.reserve([TensorMeta(name, meta.dtype, meta.shape, meta.nbytes)])
-        res.buffers[0][:] = memoryview(data).cast("B")
-        return self.commit(res)
-
     def _install(self, res: Reservation, version: int | None = None) -> int:
         """Publish a reservation (caller holds the lock)."""
         if version is None:

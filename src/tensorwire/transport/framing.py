@@ -129,11 +129,13 @@ def _digest(kind: int, pieces: list[memoryview]) -> int:
 def _runs(
     segments: Sequence[memoryview],
 ) -> tuple[list[memoryview], list[tuple[memoryview, list[memoryview]]]]:
-    """Group runs of small segments into one staging buffer each; large segments stand alone.
+    """For receiving: group runs of small destination segments into one staging buffer each;
+    large segments stand alone.
 
-    Many small tensors cost a Python call per piece on every pass (hash, read, write); one memcpy
-    into a contiguous run is far cheaper. Large tensors are never staged: their bytes move zero-copy.
-    Returns the segments to transfer and, per staging buffer, the small segments it stands for.
+    Many small tensors cost a Python call per piece (read, hash); one memcpy out of a contiguous
+    run, once the run is verified, is far cheaper. Large tensors are never staged: their bytes land
+    zero-copy. Returns the segments to read into and, per staging buffer, the segments it stands
+    for. (Sending coalesces lazily instead, in ``_coalesced``.)
     """
     out: list[memoryview] = []
     staged: list[tuple[memoryview, list[memoryview]]] = []
