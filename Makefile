@@ -48,7 +48,7 @@ format: $(STAMP)
 # Regenerate the gRPC modules from the schema (tests/unit/test_proto.py fails when they are stale).
 proto: $(STAMP)
 	$(BIN)/python -m grpc_tools.protoc -I proto --python_out=src --pyi_out=src --grpc_python_out=src \
-		proto/tensorwire/v1/tensor_service.proto
+		proto/tensorwire/v1/tensor_service.proto proto/tensorwire/v1/gradient_service.proto
 
 # Coverage-guided fuzzing of the frame decoders and a live server session (fuzz/README.md).
 FUZZ_SECONDS ?= 120

@@ -211,6 +211,14 @@ def main() -> None:
 @click.option("--tls-client-ca", type=_FILE, help="Require client certificates signed by this CA (mTLS).")
 @click.option("--token-file", type=_FILE, help="Require this shared token from every client.")
 @click.option(
+    "--workers", type=click.IntRange(min=0), default=0, show_default=True,
+    help="Parameter server: the world size gRPC GradientService callers get when they send none.",
+)  # fmt: skip
+@click.option(
+    "--wait-timeout", type=click.FloatRange(min=0.01), default=120.0, show_default=True,
+    help="Parameter server: most seconds a pull or an allreduce waits for the other workers.",
+)  # fmt: skip
+@click.option(
     "--log-level", type=click.Choice(["debug", "info", "warning", "error"], case_sensitive=False),
     default="warning", show_default=True,
 )  # fmt: skip
@@ -228,9 +236,13 @@ def serve(
     tls_key: Path | None,
     tls_client_ca: Path | None,
     token_file: Path | None,
+    workers: int,
+    wait_timeout: float,
     log_level: str,
 ) -> None:
-    """Serve a tensor store until SIGINT or SIGTERM."""
+    """Serve a tensor store, which is also a parameter server, until SIGINT or SIGTERM."""
+    from tensorwire.ps import ParamServer
+
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     tls = TlsFiles(tls_cert, tls_key, tls_client_ca) if tls_cert or tls_key or tls_client_ca else None
     security = Security(tls, load_token(token_file) if token_file else None)
@@ -241,6 +253,7 @@ def serve(
         security=security,
         max_connections=max_connections,
         idle_timeout=idle_timeout,
+        extensions=[ParamServer(wait_timeout, workers)],
     )
     run(_serve(server, listen + grpc_listen, ready_file))
 
@@ -522,18 +535,57 @@ def rm(name: str, server: str) -> None:
 
 # -- demo / bench ----------------------------------------------------------------------------------
 @main.command()
-@click.option("--size-mb", type=click.IntRange(min=1), default=64, show_default=True)
-def demo(size_mb: int) -> None:
-    """Round-trip a state dict and a big tensor via a loopback server."""
+@click.option("--mode", default="async", show_default=True, help="sync, async or ssp:<s>.")
+@click.option("--epochs", type=click.IntRange(min=1), default=12, show_default=True)
+@click.option(
+    "--transfer", is_flag=True, help="Instead: round-trip a state dict and a big tensor, report GB/s."
+)
+@click.option("--size-mb", type=click.IntRange(min=1), default=64, show_default=True, help="With --transfer.")
+def demo(mode: str, epochs: int, transfer: bool, size_mb: int) -> None:
+    """Train an MLP on the digits data set with 2 parameter servers and 2 workers (processes)."""
     from tensorwire import demo as demo_module
 
-    demo_module.main(size_mb=size_mb)
+    if transfer:
+        demo_module.main(size_mb=size_mb)
+        return
+    result = demo_module.train(mode=mode, epochs=epochs)
+    if float(result["accuracy"]) < demo_module.TARGET_ACCURACY:
+        raise SystemExit(1)
 
 
 # -- ps --------------------------------------------------------------------------------------------
 @main.group()
 def ps() -> None:
     """The parameter server."""
+
+
+ps.add_command(serve, "serve")  # one process of a cluster: the same server, which runs the PS ops
+
+
+@ps.command("launch", context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
+@click.option("--servers", type=click.IntRange(min=1), default=2, show_default=True)
+@click.option("--workers", type=click.IntRange(min=1), default=2, show_default=True)
+@click.option(
+    "--timeout", type=click.FloatRange(min=1), default=None, help="Stop everything after this many s."
+)
+@click.argument("script", nargs=-1, required=True, type=click.UNPROCESSED)
+def ps_launch(servers: int, workers: int, timeout: float | None, script: tuple[str, ...]) -> None:
+    """Start SERVERS parameter servers and WORKERS copies of `python SCRIPT ARGS...` on this machine.
+
+    Each worker gets RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE and TENSORWIRE_SERVERS, which
+    `tensorwire.ps.Worker` reads. Exits with the first failing worker's code."""
+    from tensorwire.ps import launch
+
+    raise SystemExit(launch.run(script, servers, workers, timeout))
+
+
+@ps.command("stats")
+@click.argument("servers", nargs=-1, required=True, callback=_url_param)
+def ps_stats(servers: tuple[str, ...]) -> None:
+    """Print each parameter server's view of its job (JSON): mode, step, workers, staleness."""
+    from tensorwire.ps.worker import server_stats
+
+    click.echo(json.dumps(server_stats(list(servers)), indent=2))
 
 
 @ps.command("plan")
@@ -581,37 +633,35 @@ def bench() -> None:
     """Benchmarks."""
 
 
-@bench.command(
-    context_settings={"ignore_unknown_options": True, "allow_extra_args": True},
-    add_help_option=False,  # --help goes to the benchmark, which knows its own options
-)
-@click.pass_context
-def transfer(ctx: click.Context) -> None:
-    """Transfer throughput (options --size, --json, --iters, --small-iters, --many: see --help)."""
-    try:  # imported by name: the benchmark is optional and heavy, and loads only when asked for
-        module = importlib.import_module("tensorwire.bench.transfer")
+def _bench_module(name: str) -> Any:
+    """A benchmark, imported by name: they are optional and heavy, and load only when asked for."""
+    try:
+        return importlib.import_module(f"tensorwire.bench.{name}")
     except ModuleNotFoundError as exc:
         if not (exc.name or "").startswith("tensorwire.bench"):
             raise
-        raise CliError("the transfer benchmark (tensorwire.bench.transfer) is not installed") from exc
-    module.main(list(ctx.args))
+        raise CliError(f"the {name} benchmark (tensorwire.bench.{name}) is not installed") from exc
 
 
-@bench.command(
-    "grpc",
-    context_settings={"ignore_unknown_options": True, "allow_extra_args": True},
-    add_help_option=False,  # --help goes to the benchmark, which knows its own options
-)
-@click.pass_context
-def grpc_bench(ctx: click.Context) -> None:
-    """gRPC throughput against naive gRPC and Arrow Flight (options --size, --json, --iters: see --help)."""
-    try:  # imported by name: the benchmark is optional and heavy, and loads only when asked for
-        module = importlib.import_module("tensorwire.bench.grpc")
-    except ModuleNotFoundError as exc:
-        if not (exc.name or "").startswith("tensorwire.bench"):
-            raise
-        raise CliError("the gRPC benchmark (tensorwire.bench.grpc) is not installed") from exc
-    module.main(list(ctx.args))
+# Each benchmark parses its own options (--help goes to it): name -> one-line help.
+BENCHMARKS = {
+    "transfer": "Transfer throughput against plain sockets (--size, --json, --iters, --many...).",
+    "grpc": "gRPC throughput against naive gRPC and Arrow Flight (--size, --json, --iters...).",
+    "ps": "Parameter-server training against a torch.distributed.rpc PS and DDP (--json, --steps...).",
+}
+
+
+def _add_benchmark(name: str, summary: str) -> None:
+    def command(ctx: click.Context) -> None:
+        _bench_module(name).main(list(ctx.args))
+
+    command.__doc__ = summary
+    settings = {"ignore_unknown_options": True, "allow_extra_args": True}
+    bench.command(name, context_settings=settings, add_help_option=False)(click.pass_context(command))
+
+
+for _name, _summary in BENCHMARKS.items():
+    _add_benchmark(_name, _summary)
 
 
 if __name__ == "__main__":

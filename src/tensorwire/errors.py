@@ -126,6 +126,7 @@ class ErrorCode(enum.IntEnum):
     INVALID_TENSOR = 9
     PERSISTENCE_ERROR = 10
     UNAUTHENTICATED = 11
+    TIMEOUT = 12
 
 
 _CODE_TO_ERROR: dict[ErrorCode, type[TensorwireError]] = {
@@ -140,6 +141,7 @@ _CODE_TO_ERROR: dict[ErrorCode, type[TensorwireError]] = {
     ErrorCode.INVALID_TENSOR: InvalidTensor,
     ErrorCode.PERSISTENCE_ERROR: PersistenceError,
     ErrorCode.UNAUTHENTICATED: AuthenticationError,
+    ErrorCode.TIMEOUT: TransferTimeout,
 }
 
 

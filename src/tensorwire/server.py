@@ -17,8 +17,9 @@ import logging
 import struct
 import threading
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 from tensorwire import transport
 from tensorwire._gc import gc_paused
@@ -64,6 +65,65 @@ _RID = struct.Struct("<Q")
 _HELLO_MAX_META = 4 + MAX_TOKEN_BYTES  # two version bytes, a u16 length, the token
 
 
+class Request:
+    """One request for an opcode that an extension serves (see ``Extension``).
+
+    The handler reads its metadata from ``meta``, then either ``receive``s the data section into
+    buffers of its own (every chunk verified before it returns) or ``skip``s it, and answers once
+    with ``reply``. Raising a ``TensorwireError`` answers with an ERROR frame, as for any request.
+    """
+
+    __slots__ = ("_session", "header", "meta")
+
+    def __init__(self, session: _Session, header: Header, meta: wm.MetaReader) -> None:
+        self._session = session
+        self.header = header
+        self.meta = meta
+
+    @property
+    def peer(self) -> str:
+        return self._session.stream.peer
+
+    async def receive(self, buffers: Sequence[memoryview]) -> None:
+        """Read the data section into ``buffers`` (their sizes must add up to its length)."""
+        self._session.data_read = True  # consumed whatever happens, or the stream is gone
+        await recv_data(self._session.reader, self.header, buffers)
+
+    async def skip(self) -> None:
+        if not self._session.data_read:
+            self._session.data_read = True
+            await skip_data(self._session.reader, self.header)
+
+    async def reply(self, meta: bytes, data: Sequence[memoryview] = ()) -> None:
+        await self._session.reply(self.header, meta, data)
+
+    @contextlib.contextmanager
+    def waiting(self) -> Iterator[None]:
+        """While inside, the request waits on the server (other workers, a step), not on its peer:
+        the stall watchdog leaves the connection alone."""
+        self._session.working = True
+        try:
+            yield
+        finally:
+            self._session.working = False
+            self._session.stream.last_active = time.monotonic()
+
+
+Handler = Callable[[Request], Awaitable[None]]
+
+
+class Extension(Protocol):
+    """More operations on the same listeners: the parameter server is one (``tensorwire.ps``)."""
+
+    def frame_handlers(self) -> Mapping[int, Handler]:
+        """Opcode -> handler, for the frame protocol (tcp://, tls://, memory://)."""
+        ...
+
+    def rpc_handlers(self) -> Sequence[Any]:
+        """``grpc.GenericRpcHandler`` objects served next to TensorService on grpc:// addresses."""
+        ...
+
+
 class Server:
     """Serves one store on any number of addresses (``tcp://host:0`` binds a free port)."""
 
@@ -76,8 +136,13 @@ class Server:
         security: Security | None = None,
         max_connections: int = 1024,
         idle_timeout: float = 900.0,
+        extensions: Sequence[Extension] = (),
     ) -> None:
         self.store = store if store is not None else TensorStore()
+        self.extensions = list(extensions)
+        self.handlers: dict[int, Handler] = {}
+        for extension in self.extensions:
+            self.handlers.update(extension.frame_handlers())
         self.limits = limits or Limits()
         # TLS files serve tls:// and grpcs:// addresses; a token is required on every connection.
         self.security = security or Security()
@@ -184,6 +249,7 @@ async def _listen_rpc(server: Server, address: Address) -> Listener:
         tls=files,
         token=server.security.token,
         stall_timeout=server.stall_timeout,
+        extra_handlers=[h for extension in server.extensions for h in extension.rpc_handlers()],
     )
 
 
@@ -209,6 +275,7 @@ class _Session:
         self.store = server.store
         self.limits = server.limits
         self.stream = stream
+        self.handlers = server.handlers
         self.reader = FrameReader(stream)
         self.version = PROTOCOL_VERSIONS[-1]
         self.data_read = False  # whether the current request's data section has been consumed
@@ -270,6 +337,15 @@ class _Session:
             raise ProtocolError(f"unknown opcode {op}")
         if header.flags & Flags.MORE and op != Opcode.PUT_MANY:
             raise ProtocolError(f"only PUT_MANY can span several frames, not {_opname(op)}")
+        handler = self.handlers.get(op)
+        if handler is not None:
+            await handler(Request(self, header, reader))
+            if not self.data_read:  # a handler that answered without the data: keep the stream in step
+                await skip_data(self.reader, header)
+                self.data_read = True
+            return
+        if op >= Opcode.PS_INIT:
+            raise ProtocolError(f"this server does not serve {_opname(op)} (`tensorwire ps serve` does)")
         if op in (Opcode.PUT, Opcode.PUT_MANY):
             await self._put(header, reader)
             return
@@ -281,17 +357,17 @@ class _Session:
             await self._hello(header, reader)
         elif op == Opcode.PING:
             reader.done()
-            await self._reply(header, b"")
+            await self.reply(header, b"")
         elif op == Opcode.DELETE:
             names = _names(reader)
-            await self._reply(header, struct.pack("<I", self.store.delete(names)))
+            await self.reply(header, struct.pack("<I", self.store.delete(names)))
         elif op == Opcode.STAT:
-            await self._reply(header, wm.encode_records(self.store.stat(_names(reader))))
+            await self.reply(header, wm.encode_records(self.store.stat(_names(reader))))
         elif op == Opcode.LIST:
             prefix, limit = wm.decode_list_request(reader)
             reader.done()
             limit = min(limit or self.limits.max_batch, self.limits.max_batch)
-            await self._reply(header, wm.encode_records(self.store.list(prefix, limit)))
+            await self.reply(header, wm.encode_records(self.store.list(prefix, limit)))
 
     async def _authenticate(self, header: Header, meta: bytes) -> bool:
         """The first frame of a connection to a server with a token must be a HELLO that carries
@@ -318,7 +394,7 @@ class _Session:
             raise UnsupportedVersion(f"client speaks versions {lo}..{hi}; server speaks {PROTOCOL_VERSIONS}")
         self.version = common[-1]
         info = wm.ServerInfo(self.version, self.limits, self.store.capacity, self.store.used)
-        await self._reply(header, wm.encode_hello_response(info))
+        await self.reply(header, wm.encode_hello_response(info))
 
     async def _put(self, header: Header, reader: wm.MetaReader) -> None:
         """A PUT, or one part of a PUT_MANY that arrives in several frames (flag MORE on all parts
@@ -376,7 +452,7 @@ class _Session:
         except BaseException:
             self.store.abort(res)
             raise
-        await self._reply(header, _RID.pack(version))
+        await self.reply(header, _RID.pack(version))
 
     async def _interrupted(self, header: Header) -> None:
         """Another frame arrived in the middle of a multi-frame PUT_MANY: the client broke its own
@@ -406,11 +482,11 @@ class _Session:
                 raise LimitExceeded(f"an answer of {total} bytes exceeds {self.limits.max_request_bytes}")
             metas = [e.meta for e in entries]
             data = [e.data for e in entries]
-            await self._reply(header, wm.encode_records(metas), data)
+            await self.reply(header, wm.encode_records(metas), data)
         finally:
             self.store.release(entries)
 
-    async def _reply(self, req: Header, meta: bytes, data: Sequence[memoryview] = ()) -> None:
+    async def reply(self, req: Header, meta: bytes, data: Sequence[memoryview] = ()) -> None:
         data_len = sum(d.nbytes for d in data)
         # Answer in the client's checksum kind and chunk size when the server accepts them.
         kind = req.checksum if req.checksum in CHECKSUM_KINDS else ChecksumKind.XXH3_64
@@ -462,10 +538,12 @@ class ServerThread:
         limits: Limits | None = None,
         start_timeout: float = 10.0,
         security: Security | None = None,
+        *,
+        extensions: Sequence[Extension] = (),
     ) -> None:
         from tensorwire._loop import new_event_loop
 
-        self.server = Server(store, limits, security=security)
+        self.server = Server(store, limits, security=security, extensions=extensions)
         self._loop = new_event_loop()
         self._started = threading.Event()
         self._error: BaseException | None = None

@@ -14,7 +14,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
 import grpc
@@ -364,6 +364,7 @@ async def listen(
     tls: TlsFiles | None = None,
     token: str | None = None,
     stall_timeout: float = 60.0,
+    extra_handlers: Sequence[grpc.GenericRpcHandler] = (),
 ) -> RpcListener:
     """Serve ``TensorService`` for ``store`` on ``address`` (``grpc://host:0`` picks a free port;
     ``grpcs://`` serves TLS with ``tls``' files; a ``token`` is then required on every call)."""
@@ -376,7 +377,7 @@ async def listen(
         ("grpc.max_connection_idle_ms", 900_000),
     ]
     server = grpc.aio.server(options=options, interceptors=interceptors)
-    server.add_generic_rpc_handlers((handlers(TensorServicer(store, limits, stall_timeout)),))
+    server.add_generic_rpc_handlers((handlers(TensorServicer(store, limits, stall_timeout)), *extra_handlers))
     host = f"[{address.host}]" if ":" in address.host else address.host
     try:
         if tls is not None:

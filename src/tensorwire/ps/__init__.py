@@ -1,10 +1,33 @@
 """The parameter server layer: parameters sharded over S servers, pulled and pushed by workers.
 
-Here now: ``placement``, which decides where each range of each parameter lives. Next: the server
-that holds and updates its shards, the worker that pulls parameters and pushes gradients, and the
-consistency rules between them.
+* ``placement``: which server holds which range of which parameter (``plan``).
+* ``server``: ``ParamServer``, the extension ``tensorwire ps serve`` adds to a server: shards,
+  their optimizer, and the ``sync`` / ``async`` / ``ssp:<s>`` consistency modes.
+* ``worker``: ``Worker``, which wraps a module for a training loop (pull, push, step).
+* ``exchange``: the gradient exchange (an ``allreduce`` of gradients over a server, by TCP or by
+  gRPC ``train.GradientService``) for code that keeps its optimizer local; ``ExchangeClient``.
+* ``optim``: the optimizer specs (``SGD``, ``Adam``, ``AdamW``).
+* ``launch``: a local cluster of server and worker processes (``tensorwire ps launch``).
 """
 
+from tensorwire.ps.optim import SGD, Adam, AdamW, OptimizerSpec
 from tensorwire.ps.placement import ParamSpec, Placement, Shard, plan
+from tensorwire.ps.server import JobConfig, Mode, ParamServer
+from tensorwire.ps.worker import PushResult, Worker, pull_parameters
 
-__all__ = ["ParamSpec", "Placement", "Shard", "plan"]
+__all__ = [
+    "SGD",
+    "Adam",
+    "AdamW",
+    "JobConfig",
+    "Mode",
+    "OptimizerSpec",
+    "ParamServer",
+    "ParamSpec",
+    "Placement",
+    "PushResult",
+    "Shard",
+    "Worker",
+    "plan",
+    "pull_parameters",
+]

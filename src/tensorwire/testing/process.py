@@ -12,8 +12,9 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import TracebackType
 
@@ -25,6 +26,29 @@ def wait_for(condition: object, timeout: float, what: str, interval: float = 0.0
         if time.monotonic() > deadline:
             raise TimeoutError(f"waited {timeout}s for {what}")
         time.sleep(interval)
+
+
+def run_threads(target: Callable[[int], object], count: int, timeout: float) -> None:
+    """Run ``target(i)`` for i in range(count) in threads (workers of a test); re-raise the first
+    error; fail, naming the timeout, if one is still running after ``timeout`` seconds."""
+    errors: list[BaseException] = []
+
+    def guarded(index: int) -> None:
+        try:
+            target(index)
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=guarded, args=(i,), daemon=True) for i in range(count)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + timeout
+    for t in threads:
+        t.join(max(deadline - time.monotonic(), 0.0))
+    if any(t.is_alive() for t in threads):
+        raise TimeoutError(f"waited {timeout}s for {count} worker threads to finish")
+    if errors:
+        raise errors[0]
 
 
 class ServerProcess:

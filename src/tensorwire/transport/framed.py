@@ -138,6 +138,25 @@ class FramedTransport(Transport):
         _, reader = await self._call(Opcode.PING, b"", what="ping")
         reader.done()
 
+    async def call(
+        self,
+        opcode: int,
+        meta: bytes,
+        data: Sequence[memoryview] = (),
+        sink: Sink | None = None,
+        *,
+        what: str,
+        timeout: float | None = None,
+    ) -> wm.MetaReader:
+        """Any request as one frame: ``meta``, then ``data``; the answer's metadata comes back.
+
+        With ``sink`` the answer's metadata must start with tensor records (the reader returned is
+        past them) and its data lands in the buffers the sink hands out. ``timeout`` replaces the
+        transport's own for this request (a parameter-server pull may wait for a whole step).
+        """
+        _, reader = await self._call(opcode, meta, data=data, sink=sink, what=what, timeout=timeout)
+        return reader
+
     async def close(self) -> None:
         await self._fail(ConnectionLost(f"connection to {self.address} was closed by the client"))
 
@@ -159,13 +178,15 @@ class FramedTransport(Transport):
 
     async def _call(
         self,
-        opcode: Opcode,
+        opcode: int,
         meta: bytes,
         *,
         batch: PutBatch | None = None,
+        data: Sequence[memoryview] = (),
         sink: Sink | None = None,
         progress: Callable[[int], None] | None = None,
         what: str = "request",
+        timeout: float | None = None,
     ) -> tuple[Header, wm.MetaReader]:
         if self._closed:
             raise self._failure or ConnectionLost(f"connection to {self.address} is closed")
@@ -174,7 +195,8 @@ class FramedTransport(Transport):
         pending = self._pending[rid] = _Pending(opcode, future, sink, None if batch else progress)
         # One timer per request, not an asyncio.timeout scope: it is the cheapest finite wait, and
         # it covers the send as well as the answer.
-        timer = self._loop.call_later(self.timeout, self._expire, pending, what)
+        wait = self.timeout if timeout is None else timeout
+        timer = self._loop.call_later(wait, self._expire, pending, what, wait)
         try:
             while len(self._pending) > self._max_inflight:  # rare: wait for an answer to free a slot
                 self._room = self._room or asyncio.Event()
@@ -182,7 +204,8 @@ class FramedTransport(Transport):
             try:
                 async with self._write_lock:
                     if batch is None:
-                        await send_frame(self._stream, self._header(opcode, rid, meta, 0), meta)
+                        header = self._header(opcode, rid, meta, sum(d.nbytes for d in data))
+                        await send_frame(self._stream, header, meta, data)
                     else:
                         await self._send_batch(opcode, rid, batch, progress)
             except ConnectionLost as exc:
@@ -203,12 +226,12 @@ class FramedTransport(Transport):
                 self._room.set()
                 self._room = None
 
-    def _expire(self, pending: _Pending, what: str) -> None:
+    def _expire(self, pending: _Pending, what: str, wait: float) -> None:
         """A request's timer ran out: fail it, and drop the connection it is stuck on (also when
         its answer is half received: the reader is cancelled with the connection)."""
         if pending.future.done():
             return
-        waited = f"waited {self.timeout:.3g}s for the answer to the {what} from {self.address}"
+        waited = f"waited {wait:.3g}s for the answer to the {what} from {self.address}"
         _settle(pending, error=TransferTimeout(waited))
         lost = ConnectionLost(f"connection to {self.address} dropped: a request on it timed out")
         self._closing = self._loop.create_task(self._fail(lost))

@@ -36,6 +36,14 @@ class Opcode(enum.IntEnum):
     STAT = 7
     PUT_MANY = 8
     GET_MANY = 9
+    # The parameter server (wire/ps.py; served by servers with the tensorwire.ps extension).
+    PS_INIT = 10
+    PS_JOIN = 11
+    PS_LEAVE = 12
+    PS_PUSH = 13
+    PS_PULL = 14
+    PS_STATS = 15
+    ALLREDUCE = 16
 
 
 class Flags(enum.IntFlag):

@@ -100,6 +100,14 @@ class MetaReader:
         meta.check_size()
         return meta
 
+    def raw(self, n: int) -> bytes:
+        end = self._pos + n
+        if end > len(self._buf):
+            raise ProtocolError(f"metadata block truncated: {n} bytes wanted at byte {self._pos}")
+        raw = self._buf[self._pos : end]
+        self._pos = end
+        return bytes(raw)
+
     @property
     def remaining(self) -> int:
         return len(self._buf) - self._pos

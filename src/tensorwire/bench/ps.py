@@ -1,0 +1,106 @@
+"""Parameter-server benchmark: tensorwire's PS next to what PyTorch offers for the same job.
+
+One workload (``ps_baselines.Workload``: a ~10.5M-parameter MLP on synthetic data, SGD, 2 workers
+at batch 64, one torch thread per process) trained four ways, in one run, so the ratios compare
+runs on the same machine in the same minute:
+
+* ``ps_sync``: 2 tensorwire parameter servers + 2 workers (4 processes), ``mode="sync"``.
+* ``ps_async``: the same, ``mode="async"``.
+* ``rpc_ps``: the ``torch.distributed.rpc`` batch-update parameter server (1 server + 2 trainers).
+* ``ddp``: ``DistributedDataParallel`` over gloo (2 processes).
+
+Targets (issue 4): ``async_vs_rpc`` = ps_async / rpc_ps >= 2; ``sync_step_vs_ddp`` = the sync step
+time over DDP's = ddp / ps_sync samples/s <= 1.3.
+
+Run: ``tensorwire bench ps [--json] [--steps 30] [--sizes 1024,2048,2048,2048,10]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from collections.abc import Sequence
+
+import torch
+
+from tensorwire.bench import ps_baselines as base
+from tensorwire.ps import SGD, Worker
+from tensorwire.ps.launch import local_servers
+
+SERVERS = 2
+
+
+def _ps_worker(w: base.Workload, rank: int, urls: list[str], mode: str, timeout: float) -> float:
+    """Train one worker through the servers; the seconds its timed steps took."""
+    torch.set_num_threads(1)
+    model = base.make_model(w)
+    batches = base._batches(w, rank)
+    with Worker(model, urls, mode, SGD(lr=w.lr), rank=rank, world_size=w.workers, timeout=timeout) as worker:
+        for x, y in batches[: w.warmup]:
+            base._backward(model, x, y)
+            worker.step()
+        start = time.perf_counter()
+        for x, y in batches[w.warmup :]:
+            base._backward(model, x, y)
+            worker.step()
+        return time.perf_counter() - start
+
+
+def ps_samples_per_s(w: base.Workload, mode: str, timeout: float = 300.0) -> float:
+    """Samples/s of ``w`` through ``SERVERS`` fresh tensorwire servers in ``mode``."""
+    with local_servers(SERVERS) as urls:
+        jobs: list[base.Job] = [
+            (f"ps worker {rank}", _ps_worker, (w, rank, urls, mode, timeout)) for rank in range(w.workers)
+        ]
+        return base._samples_per_s(w, base._run_children(f"tensorwire {mode} workers", jobs, timeout))
+
+
+def run(w: base.Workload, timeout: float) -> dict[str, float | int]:
+    result: dict[str, float | int] = {"params": base.param_count(w), "workers": w.workers, "servers": SERVERS}
+    result["ps_sync_samples_per_s"] = ps_samples_per_s(w, "sync", timeout)
+    result["ps_async_samples_per_s"] = ps_samples_per_s(w, "async", timeout)
+    result["rpc_ps_samples_per_s"] = base.rpc_ps_samples_per_s(w, timeout)
+    result["ddp_samples_per_s"] = base.ddp_samples_per_s(w, timeout)
+    result["async_vs_rpc"] = result["ps_async_samples_per_s"] / result["rpc_ps_samples_per_s"]
+    result["sync_vs_rpc"] = result["ps_sync_samples_per_s"] / result["rpc_ps_samples_per_s"]
+    result["sync_step_vs_ddp"] = result["ddp_samples_per_s"] / result["ps_sync_samples_per_s"]
+    return result
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, float | int]:
+    default = base.Workload()
+    parser = argparse.ArgumentParser(prog="tensorwire bench ps", description=__doc__)
+    parser.add_argument("--json", action="store_true", help="print one JSON line")
+    parser.add_argument("--sizes", type=base._sizes, default=default.sizes, help="MLP widths")
+    parser.add_argument("--batch", type=int, default=default.batch, help="samples per worker per step")
+    parser.add_argument("--steps", type=int, default=default.steps, help="timed steps")
+    parser.add_argument("--warmup", type=int, default=default.warmup, help="untimed steps first")
+    parser.add_argument("--timeout", type=float, default=300.0, help="seconds for each of the four runs")
+    args = parser.parse_args(argv)
+    w = base.Workload(args.sizes, args.batch, args.steps, args.warmup)
+    result = run(w, args.timeout)
+    if args.json:
+        print(json.dumps(result))
+    else:
+        _print(result)
+    return result
+
+
+def _print(result: dict[str, float | int]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"parameter server, {result['params']:,} parameters, {result['workers']} workers")
+    table.add_column("path")
+    table.add_column("samples/s", justify="right")
+    for key, label in (("ps_sync", "tensorwire PS, sync (2 servers)"), ("ps_async", "tensorwire PS, async"),
+                       ("rpc_ps", "torch.distributed.rpc PS"), ("ddp", "DDP over gloo")):  # fmt: skip
+        table.add_row(label, f"{result[f'{key}_samples_per_s']:,.0f}")
+    Console().print(table)
+    print(f"async / rpc PS = {result['async_vs_rpc']:.2f} (target >= 2); "
+          f"sync step time / DDP's = {result['sync_step_vs_ddp']:.2f} (target <= 1.3)")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,144 @@
+"""The client of the gradient exchange: a drop-in ``allreduce`` of gradients over one server.
+
+::
+
+    with ExchangeClient("tcp://ps-host:7070") as exchange:   # rank, world size from torchrun/env
+        for x, y in loader:
+            loss_fn(model(x), y).backward()
+            exchange.average_gradients(model)   # every worker now holds the same mean gradients
+            optimizer.step(); optimizer.zero_grad()
+
+Each call sends this worker's tensors for one step (the client counts steps) in one request and
+writes the mean over the live workers into the same tensors, in place. Leaving (``close``, or the
+end of the ``with``) tells the server not to wait for this worker any more. Clients generated from
+``train.GradientService`` (gRPC) take part in the same rounds (see ``tensorwire.ps.exchange``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from types import TracebackType
+
+import torch
+
+from tensorwire import transport as transports
+from tensorwire._loop import LoopThread
+from tensorwire.errors import ProtocolError
+from tensorwire.ps.worker import check_trainable, env_int
+from tensorwire.security import Security, client_token
+from tensorwire.transport.framed import FramedTransport
+from tensorwire.types import Address, TensorMeta
+from tensorwire.wire import meta as wm
+from tensorwire.wire import ps as wps
+from tensorwire.wire.frame import Opcode
+from tensorwire.wire.tensors import byte_view
+
+_MARGIN = 10.0
+
+
+class ExchangeClient:
+    """One worker's connection to a gradient exchange (see the module doc)."""
+
+    def __init__(
+        self,
+        server: str,
+        *,
+        rank: int | None = None,
+        world_size: int | None = None,
+        timeout: float = 120.0,
+        connect_timeout: float = 10.0,
+        token: str | None = None,
+    ) -> None:
+        self.address = Address.parse(server)
+        self.rank = env_int("RANK", rank, 0)
+        self.world_size = env_int("WORLD_SIZE", world_size, 1)
+        if not 0 <= self.rank < self.world_size:
+            raise ValueError(f"rank {self.rank} is not in a world of {self.world_size}")
+        self.timeout = timeout
+        self.step = 0  # the step the next allreduce is for
+        self._options = transports.TransportOptions(
+            connect_timeout, timeout + _MARGIN, security=Security(None, client_token(token))
+        )
+        self._thread = LoopThread("tensorwire-exchange")
+        self._conn: FramedTransport | None = None
+        try:
+            self._conn = self._thread.call(self._open(), connect_timeout + _MARGIN, f"connecting to {server}")
+        except BaseException:
+            self._thread.stop()
+            raise
+
+    def allreduce(self, tensors: Mapping[str, torch.Tensor]) -> int:
+        """Replace each tensor by the mean of that tensor over the live workers, for this step;
+        return how many workers the mean is over."""
+        items = list(tensors.items())
+        for name, tensor in items:
+            check_trainable(name, tensor)
+        step, self.step = self.step, self.step + 1
+        wait = self.timeout + 2 * _MARGIN
+        count: int = self._thread.call(self._allreduce(items, step), wait, f"the allreduce of step {step}")
+        return count
+
+    def average_gradients(self, model: torch.nn.Module) -> int:
+        """``allreduce`` of the ``.grad`` of every parameter of ``model`` (zeros where it has none)."""
+        grads = {}
+        for name, param in model.named_parameters():
+            if param.grad is None:
+                param.grad = torch.zeros_like(param)
+            grads[name] = param.grad
+        return self.allreduce(grads)
+
+    def close(self) -> None:
+        """Leave: the other workers' rounds stop waiting for this one."""
+        if self._conn is None:
+            return
+        conn, self._conn = self._conn, None
+        try:
+            wait = self._options.connect_timeout + _MARGIN
+            self._thread.call(self._leave(conn), wait, "leaving the exchange")
+        finally:
+            self._thread.stop()
+
+    def __enter__(self) -> ExchangeClient:
+        return self
+
+    def __exit__(
+        self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+    async def _open(self) -> FramedTransport:
+        conn = await transports.open_transport(self.address, self._options)
+        if not isinstance(conn, FramedTransport):
+            await conn.close()
+            raise ValueError(
+                f"the exchange speaks tcp://, tls:// or memory:// here, not {self.address.scheme}://"
+            )
+        return conn
+
+    def _head(self, step: int) -> bytes:
+        return wps.PsHead(self.rank, self.world_size, step, 0, int(self.timeout * 1000)).encode()
+
+    async def _allreduce(self, items: list[tuple[str, torch.Tensor]], step: int) -> int:
+        if self._conn is None:
+            raise ProtocolError("the exchange client is closed")
+        metas = [TensorMeta(n, t.dtype, tuple(t.shape), t.numel() * t.element_size()) for n, t in items]
+        sent = [(m.name, m.dtype, m.shape) for m in metas]
+
+        def land(answer: list[TensorMeta]) -> list[memoryview]:
+            if [(m.name, m.dtype, m.shape) for m in answer] != sent:
+                raise ProtocolError("the exchange answered with other tensors than were sent")
+            return [byte_view(t) for _, t in items]  # the means land in the caller's tensors
+
+        data = [byte_view(t) for _, t in items]
+        what = f"the mean of step {step} from {self.address}"
+        body = self._head(step) + wm.encode_records(metas)
+        reader = await self._conn.call(Opcode.ALLREDUCE, body, data, land, what=what)
+        count = wps.decode_u32(reader)
+        reader.done()
+        return count
+
+    async def _leave(self, conn: FramedTransport) -> None:
+        try:
+            await conn.call(Opcode.PS_LEAVE, self._head(self.step), what="leaving the exchange")
+        finally:
+            await conn.close()

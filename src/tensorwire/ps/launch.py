@@ -1,0 +1,95 @@
+"""A local cluster: S parameter-server processes and W worker processes on this machine.
+
+``tensorwire ps launch --servers 2 --workers 2 train.py ARGS`` starts the servers on free loopback
+ports, then runs ``python train.py ARGS`` W times with the variables torchrun would set (``RANK``,
+``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``) and ``TENSORWIRE_SERVERS``, which
+``ps.Worker`` reads. When one worker fails the others are stopped (in ``sync`` mode they would
+wait for it); whatever happens, every process started here is ended before ``run`` returns.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Mapping, Sequence
+
+from tensorwire.ps.worker import SERVERS_ENV
+from tensorwire.testing.process import ServerProcess
+
+STOP_GRACE = 5.0  # seconds a process gets to exit after SIGTERM before SIGKILL
+
+
+@contextlib.contextmanager
+def local_servers(count: int, extra: Sequence[str] = ()) -> Iterator[list[str]]:
+    """``count`` parameter-server processes on loopback; yields their URLs, stops them after."""
+    servers: list[ServerProcess] = []
+    try:
+        for _ in range(count):
+            servers.append(ServerProcess("tcp://127.0.0.1:0", capacity="16GiB", extra=extra))
+        yield [s.url for s in servers]
+    finally:
+        for server in servers:
+            server.stop(STOP_GRACE)
+
+
+def start_workers(
+    command: Sequence[str], workers: int, servers: Sequence[str], env: Mapping[str, str] | None = None
+) -> list[subprocess.Popen[bytes]]:
+    """Start ``command`` once per rank, with the rank variables and the servers in its environment."""
+    procs: list[subprocess.Popen[bytes]] = []
+    try:
+        for rank in range(workers):
+            child = {**os.environ, **(env or {})}
+            child.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(workers),
+                         LOCAL_WORLD_SIZE=str(workers), **{SERVERS_ENV: ",".join(servers)})  # fmt: skip
+            procs.append(subprocess.Popen(list(command), env=child))
+    except BaseException:
+        stop_all(procs)
+        raise
+    return procs
+
+
+def wait_workers(procs: Sequence[subprocess.Popen[bytes]], timeout: float | None = None) -> int:
+    """Wait for every worker; the first failure stops the rest. Returns 0, or the failing code
+    (124 when ``timeout`` ran out)."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    try:
+        while True:
+            codes = [p.poll() for p in procs]
+            failed = next((c for c in codes if c not in (None, 0)), None)
+            if failed is not None:
+                return failed
+            if all(c == 0 for c in codes):
+                return 0
+            if deadline is not None and time.monotonic() > deadline:
+                return 124
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                next(p for p in procs if p.poll() is None).wait(0.1)
+    finally:
+        stop_all(procs)
+
+
+def stop_all(procs: Sequence[subprocess.Popen[bytes]]) -> None:
+    """SIGTERM every process still running, then SIGKILL those that outlive ``STOP_GRACE``."""
+    for proc in procs:
+        if proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                proc.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + STOP_GRACE
+    for proc in procs:
+        try:
+            proc.wait(max(deadline - time.monotonic(), 0.01))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(STOP_GRACE)
+
+
+def run(script: Sequence[str], servers: int, workers: int, timeout: float | None = None) -> int:
+    """``tensorwire ps launch``: the cluster, the workers, their exit code."""
+    with local_servers(servers) as urls:
+        procs = start_workers([sys.executable, *script], workers, urls)
+        return wait_workers(procs, timeout)

@@ -1,0 +1,508 @@
+"""The server side of the parameter server: shards, their optimizer, and the consistency modes.
+
+A ``ParamServer`` is an extension of a tensorwire ``Server`` (``Server(extensions=[ParamServer()])``,
+which ``tensorwire ps serve`` does). It holds the shards that workers placed on it (``PS_INIT``),
+each as an ``nn.Parameter`` over a flat range of elements, with one ``torch.optim`` optimizer over
+all of them, and applies pushed gradients under one of three modes:
+
+* ``sync``: the gradients of every live worker for clock t are averaged (summed in worker order,
+  so a run is bit-reproducible), then the optimizer steps once; a pull for clock t+1 waits for
+  that step. No step is taken before ``world`` workers have joined.
+* ``async``: each push is applied as it arrives.
+* ``ssp:s`` (stale synchronous parallel): pushes are applied as they arrive, and a worker pulling
+  at clock c waits while c - (slowest live worker's clock) > s.
+
+Staleness: when a worker pulls, the server notes the slowest live clock at that moment; the
+staleness of its next push is its clock minus that note, i.e. how many clocks the gradient's
+parameters may lag behind the updates of the slowest worker. ``sync`` always records 0, ``ssp:s``
+never more than s (its pull gate is what guarantees it), ``async`` whatever happens.
+
+Every wait (a pull for a step, a gate, initialisation) is bounded by the request's ``wait_ms`` or
+the server's ``wait_timeout``, and ends in a TIMEOUT error that names what was waited for and who.
+
+All state is changed on the event loop; optimizer steps and gradient sums run in one worker thread
+(torch releases the GIL), so the loop keeps receiving the next push meanwhile. Pulls read the
+parameters under a shared lock that a step takes exclusively, so a pull never sees half a step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+from collections import Counter
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import torch
+
+from tensorwire.errors import InvalidTensor, ProtocolError, TransferTimeout
+from tensorwire.ps.exchange import GradientExchange
+from tensorwire.ps.optim import OptimizerSpec, from_dict
+from tensorwire.server import Handler, Request
+from tensorwire.types import TensorMeta
+from tensorwire.wire import meta as wm
+from tensorwire.wire import ps as wps
+from tensorwire.wire.frame import Opcode
+from tensorwire.wire.tensors import byte_view
+
+log = logging.getLogger("tensorwire.ps")
+T = TypeVar("T")
+MAX_STALENESS_BUCKET = 1000  # the histogram's last bucket holds everything above
+
+
+@dataclass(frozen=True)
+class Mode:
+    """``sync``, ``async`` or ``ssp:<s>``."""
+
+    kind: str
+    staleness: int = 0
+
+    @staticmethod
+    def parse(text: str | Mode) -> Mode:
+        if isinstance(text, Mode):
+            return text
+        kind, _, bound = text.partition(":")
+        if kind in ("sync", "async") and not bound:
+            return Mode(kind)
+        if kind == "ssp" and bound.isdigit():
+            return Mode("ssp", int(bound))
+        raise ValueError(f"mode must be sync, async or ssp:<s> (s a whole number), not {text!r}")
+
+    def __str__(self) -> str:
+        return f"ssp:{self.staleness}" if self.kind == "ssp" else self.kind
+
+
+@dataclass(frozen=True)
+class JobConfig:
+    """What every worker of a job must agree on; the first ``PS_INIT`` sets it."""
+
+    mode: Mode
+    optimizer: OptimizerSpec
+
+    def to_json(self) -> str:
+        return json.dumps({"mode": str(self.mode), "optimizer": self.optimizer.to_dict()}, sort_keys=True)
+
+    @staticmethod
+    def from_json(text: str) -> JobConfig:
+        try:
+            doc = json.loads(text)
+            return JobConfig(Mode.parse(doc["mode"]), from_dict(doc["optimizer"]))
+        except (ValueError, KeyError, TypeError) as exc:
+            raise ProtocolError(f"unusable parameter-server config: {exc}") from exc
+
+
+@dataclass(eq=False)
+class _Shard:
+    key: str
+    param: torch.nn.Parameter  # flat, 1-D
+    version: int = 0
+
+    @property
+    def meta(self) -> TensorMeta:
+        p = self.param
+        return TensorMeta(self.key, p.dtype, (p.numel(),), p.numel() * p.element_size(), self.version)
+
+
+@dataclass(eq=False)
+class _Worker:
+    clock: int = 0
+    live: bool = True
+    read_clock: int = 0  # the slowest live clock when this worker last pulled
+
+
+@dataclass(eq=False)
+class _Pending:
+    """The gradients pushed for one clock of a sync job, by worker."""
+
+    grads: dict[int, list[torch.Tensor]] = field(default_factory=dict)
+
+
+class _SharedLock:
+    """Many readers (pulls) or one writer (a step); a waiting writer goes before new readers."""
+
+    def __init__(self) -> None:
+        self._readers = 0
+        self._writer = False
+        self._writers_waiting = 0
+        self._changed = asyncio.Condition()
+
+    @contextlib.asynccontextmanager
+    async def shared(self) -> AsyncIterator[None]:
+        async with self._changed:
+            await self._changed.wait_for(lambda: not self._writer and not self._writers_waiting)
+            self._readers += 1
+        try:
+            yield
+        finally:
+            async with self._changed:
+                self._readers -= 1
+                self._changed.notify_all()
+
+    @contextlib.asynccontextmanager
+    async def exclusive(self) -> AsyncIterator[None]:
+        async with self._changed:
+            self._writers_waiting += 1
+            try:
+                await self._changed.wait_for(lambda: not self._writer and not self._readers)
+            finally:
+                self._writers_waiting -= 1
+            self._writer = True
+        try:
+            yield
+        finally:
+            async with self._changed:
+                self._writer = False
+                self._changed.notify_all()
+
+
+class ParamServer:
+    """One server's shards of a job's parameters, with their optimizer (see the module doc)."""
+
+    def __init__(self, wait_timeout: float = 120.0, workers: int = 0) -> None:
+        self.wait_timeout = wait_timeout
+        # The gradient exchange (ALLREDUCE, gRPC GradientService) rides on the same server.
+        self.exchange = GradientExchange(workers, wait_timeout)
+        self.config: JobConfig | None = None
+        self.shards: dict[str, _Shard] = {}
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.workers: dict[int, _Worker] = {}
+        self.world = 0
+        self.step = 0  # sync: steps taken; the clock the next step is for
+        self.version = 0  # updates applied, in any mode
+        self.pushes = 0
+        self.staleness: Counter[int] = Counter()
+        self._initializing = False
+        self._pending: dict[int, _Pending] = {}
+        self._free: list[list[torch.Tensor]] = []  # gradient buffers for reuse (fresh pages are slow)
+        self._changed: asyncio.Event | None = None  # set (and dropped) at every change of state
+        self._lock = _SharedLock()
+        self._applying: asyncio.Lock | None = None
+        self._thread = ThreadPoolExecutor(1, thread_name_prefix="tensorwire-ps")
+
+    # -- the extension seam ---------------------------------------------------------------------
+    def frame_handlers(self) -> Mapping[int, Handler]:
+        return {
+            Opcode.PS_INIT: self._on_init,
+            Opcode.PS_JOIN: self._on_join,
+            Opcode.PS_LEAVE: self._on_leave,
+            Opcode.PS_PUSH: self._on_push,
+            Opcode.PS_PULL: self._on_pull,
+            Opcode.PS_STATS: self._on_stats,
+            Opcode.ALLREDUCE: self.exchange.on_allreduce,
+        }
+
+    def rpc_handlers(self) -> Sequence[Any]:
+        return (self.exchange.rpc_handler(),)
+
+    # -- state queries --------------------------------------------------------------------------
+    @property
+    def mode(self) -> Mode | None:
+        return self.config.mode if self.config else None
+
+    def live(self) -> list[int]:
+        return sorted(w for w, state in self.workers.items() if state.live)
+
+    def slowest(self) -> int:
+        """The slowest live worker's clock; 0 while some of the ``world`` have not joined yet."""
+        if len(self.workers) < self.world:
+            return 0
+        clocks = [state.clock for state in self.workers.values() if state.live]
+        return min(clocks) if clocks else 0
+
+    def stats(self) -> dict[str, Any]:
+        """What ``PS_STATS`` answers (and ``tensorwire ps stats`` prints)."""
+        return {
+            "mode": str(self.mode) if self.mode else None,
+            "optimizer": self.config.optimizer.to_dict() if self.config else None,
+            "world": self.world,
+            "step": self.step,
+            "version": self.version,
+            "pushes_applied": self.pushes,
+            "shards": len(self.shards),
+            "bytes": sum(s.meta.nbytes for s in self.shards.values()),
+            "workers": {str(w): {"clock": s.clock, "live": s.live} for w, s in sorted(self.workers.items())},
+            "staleness": {str(k): v for k, v in sorted(self.staleness.items())},
+            "max_staleness": max(self.staleness, default=0),
+        }
+
+    # -- handlers -------------------------------------------------------------------------------
+    async def _on_init(self, request: Request) -> None:
+        head = wps.PsHead.decode(request.meta)
+        config = JobConfig.from_json(wps.decode_config(request.meta))
+        metas = wm.decode_records(request.meta)
+        request.meta.done()
+        _check_records(metas, request.header.data_len)
+        self._note_world(head.world)
+        if self.config is None and not self._initializing:
+            await self._create(request, config, metas)
+            await request.reply(wps.encode_init_reply(True, self.step))
+            return
+        await request.skip()  # someone else's values won: this worker pulls them
+        with request.waiting():
+            await self._wait(lambda: self.config is not None, head, "the job's parameters to be initialised")
+        self._check_same_job(config, metas)
+        await request.reply(wps.encode_init_reply(False, self.step))
+
+    async def _create(self, request: Request, config: JobConfig, metas: list[TensorMeta]) -> None:
+        self._initializing = True
+        try:
+            values = [torch.empty(m.numel if m.shape else 1, dtype=m.dtype) for m in metas]
+            await request.receive([byte_view(v) for v in values])
+            shards = {
+                m.name: _Shard(m.name, torch.nn.Parameter(v)) for m, v in zip(metas, values, strict=True)
+            }
+            optimizer = config.optimizer.build(s.param for s in shards.values())
+        except BaseException:
+            self._initializing = False
+            self._notify()
+            raise
+        self.shards, self.optimizer, self.config = shards, optimizer, config
+        self._initializing = False
+        log.info("job initialised: %d shards, mode %s, %s", len(shards), config.mode, config.optimizer)
+        self._notify()
+
+    async def _on_join(self, request: Request) -> None:
+        head = wps.PsHead.decode(request.meta)
+        request.meta.done()
+        self._check_worker(head)
+        self._note_world(head.world)
+        clock = self.step if self.mode and self.mode.kind == "sync" else self.slowest()
+        self.workers[head.worker] = _Worker(clock, True, clock)
+        log.info("worker %d joined at clock %d (live: %s)", head.worker, clock, self.live())
+        self._notify()
+        await request.reply(wps.encode_join_reply(clock, self.config is not None))
+
+    async def _on_leave(self, request: Request) -> None:
+        head = wps.PsHead.decode(request.meta)
+        request.meta.done()
+        self.exchange.leave(head.worker)
+        state = self.workers.get(head.worker)
+        if state is not None and state.live:
+            state.live = False
+            log.info("worker %d left at clock %d (live: %s)", head.worker, state.clock, self.live())
+            self._notify()
+            await self._apply_ready_steps()
+        await request.reply(b"")
+
+    async def _on_push(self, request: Request) -> None:
+        head = wps.PsHead.decode(request.meta)
+        metas = wm.decode_records(request.meta)
+        request.meta.done()
+        state = self._pushing_worker(head)
+        shards = self._shards_for(metas, request.header.data_len)
+        grads = self._take_buffers(shards)
+        await request.receive([byte_view(g) for g in grads])
+        staleness = head.clock - state.read_clock
+        state.clock = head.clock + 1
+        assert self.config is not None
+        if self.config.mode.kind == "sync":
+            self._pending.setdefault(head.clock, _Pending()).grads[head.worker] = grads
+            self._record(0)
+            self._notify()
+            await self._apply_ready_steps()
+            await request.reply(wps.encode_push_reply(self.version, 0))
+            return
+        self._record(staleness)
+        self._notify()  # this worker's clock moved: ssp gates may open
+        await self._apply(shards, grads, divide_by=1)
+        self._free.append(grads)
+        await request.reply(wps.encode_push_reply(self.version, staleness))
+
+    async def _on_pull(self, request: Request) -> None:
+        head = wps.PsHead.decode(request.meta)
+        names = wm.decode_names(request.meta)
+        request.meta.done()
+        with request.waiting():
+            await self._wait(lambda: self.config is not None, head, "the job's parameters to be initialised")
+        shards = [self._shard(name) for name in names]
+        if len(set(names)) != len(names):
+            raise ProtocolError("PS_PULL names the same shard twice")
+        state = self.workers.get(head.worker) if head.worker != wps.OBSERVER else None
+        if state is not None:
+            with request.waiting():
+                await self._gate(head, state)
+            state.read_clock = self.slowest() if self.mode and self.mode.kind != "sync" else head.clock
+        async with self._lock.shared():
+            metas = [s.meta for s in shards]
+            data = [byte_view(s.param.data) for s in shards]
+            await request.reply(wm.encode_records(metas) + wps.encode_u64(self.version), data)
+
+    async def _on_stats(self, request: Request) -> None:
+        wps.PsHead.decode(request.meta)
+        request.meta.done()
+        await request.reply(wps.encode_stats(json.dumps(self.stats(), sort_keys=True)))
+
+    # -- waiting --------------------------------------------------------------------------------
+    async def _gate(self, head: wps.PsHead, state: _Worker) -> None:
+        """Hold a worker's pull until its mode lets it read (see the module doc)."""
+        mode = self.mode
+        assert mode is not None
+        if mode.kind == "sync":
+            await self._wait(lambda: self.step >= head.clock, head, f"step {head.clock - 1} to be taken")
+        elif mode.kind == "ssp":
+            bound = mode.staleness
+            await self._wait(
+                lambda: head.clock - self.slowest() <= bound,
+                head,
+                f"the slowest worker to come within {bound} clocks of clock {head.clock}",
+            )
+
+    async def _wait(self, ready: Callable[[], bool], head: wps.PsHead, what: str) -> None:
+        seconds = head.wait_ms / 1000 if head.wait_ms else self.wait_timeout
+        try:
+            async with asyncio.timeout(seconds):
+                while not ready():
+                    if self._changed is None:
+                        self._changed = asyncio.Event()
+                    await self._changed.wait()
+        except TimeoutError:
+            raise TransferTimeout(f"waited {seconds:.3g}s for {what}; {self._who_lags()}") from None
+
+    def _notify(self) -> None:
+        """Wake every waiter to re-check what it waits for (one event per change, then a new one)."""
+        if self._changed is not None:
+            self._changed.set()
+            self._changed = None
+
+    def _who_lags(self) -> str:
+        if self.config is None:
+            return "no worker has initialised the job"
+        clocks = ", ".join(
+            f"worker {w} at clock {s.clock}" for w, s in sorted(self.workers.items()) if s.live
+        )
+        missing = sorted(set(range(self.world)) - set(self.workers))
+        joined = f"; never joined: {', '.join(map(str, missing))}" if missing else ""
+        return f"step {self.step}, live: {clocks or 'none'}{joined}"
+
+    # -- applying -------------------------------------------------------------------------------
+    async def _apply_ready_steps(self) -> None:
+        """Take every sync step whose gradients are all in (there may be several after a leave)."""
+        if self._applying is None:
+            self._applying = asyncio.Lock()
+        async with self._applying:
+            while (grads := self._ready_step()) is not None:
+                pending = self._pending.pop(self.step)
+                total = grads[0]
+                await self._run(_sum_into, total, grads[1:])
+                await self._apply(list(self.shards.values()), total, divide_by=len(pending.grads))
+                self._free.extend(list(g) for g in pending.grads.values())
+                self.step += 1
+                self._notify()
+
+    def _ready_step(self) -> list[list[torch.Tensor]] | None:
+        """The gradients of the current step in worker order, if every live worker pushed."""
+        pending = self._pending.get(self.step)
+        if pending is None or len(self.workers) < self.world:
+            return None
+        if any(w not in pending.grads for w in self.live()):
+            return None
+        return [pending.grads[w] for w in sorted(pending.grads)]
+
+    async def _apply(self, shards: Sequence[_Shard], grads: Sequence[torch.Tensor], divide_by: int) -> None:
+        assert self.optimizer is not None
+        async with self._lock.exclusive():
+            await self._run(_step, self.optimizer, [s.param for s in shards], grads, divide_by)
+        self.version += 1
+        self.pushes += 1 if self.mode and self.mode.kind != "sync" else divide_by
+        for shard in shards:
+            shard.version = self.version
+
+    async def _run(self, fn: Callable[..., T], *args: Any) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self._thread, fn, *args)
+
+    # -- checks ---------------------------------------------------------------------------------
+    def _note_world(self, world: int) -> None:
+        self.world = max(self.world, world)
+
+    def _check_worker(self, head: wps.PsHead) -> None:
+        if head.worker == wps.OBSERVER:
+            raise ProtocolError("an observer cannot join a job")
+        if not 0 < head.world <= 1 << 16 or head.worker >= head.world:
+            raise ProtocolError(f"worker {head.worker} of a world of {head.world} is not a valid rank")
+        if self.world and head.world != self.world:
+            raise ProtocolError(
+                f"worker {head.worker} says the world has {head.world} workers; it has {self.world}"
+            )
+
+    def _check_same_job(self, config: JobConfig, metas: Sequence[TensorMeta]) -> None:
+        if config != self.config:
+            raise ProtocolError(f"this job runs {self._describe()}; a worker asked for {config.to_json()}")
+        mine = sorted((s.meta.name, s.meta.dtype, s.meta.shape) for s in self.shards.values())
+        theirs = sorted((m.name, m.dtype, m.shape) for m in metas)
+        if mine != theirs:
+            raise InvalidTensor("a worker's shards differ from this job's (another model or placement?)")
+
+    def _describe(self) -> str:
+        return self.config.to_json() if self.config else "nothing yet"
+
+    def _pushing_worker(self, head: wps.PsHead) -> _Worker:
+        if self.config is None:
+            raise ProtocolError("PS_PUSH before the job was initialised (PS_INIT)")
+        state = self.workers.get(head.worker)
+        if state is None or not state.live:
+            raise ProtocolError(f"worker {head.worker} pushed without being part of the job (PS_JOIN)")
+        if head.clock != state.clock:
+            raise ProtocolError(
+                f"worker {head.worker} pushed for clock {head.clock}; it is at clock {state.clock}"
+            )
+        if self.config.mode.kind == "sync" and head.clock < self.step:
+            raise ProtocolError(f"worker {head.worker} pushed for step {head.clock}, already taken")
+        return state
+
+    def _shard(self, name: str) -> _Shard:
+        shard = self.shards.get(name)
+        if shard is None:
+            raise ProtocolError(f"this server holds no shard {name!r}")
+        return shard
+
+    def _shards_for(self, metas: Sequence[TensorMeta], data_len: int) -> list[_Shard]:
+        """A push must carry one gradient for each shard here, in the shards' order, of its size."""
+        _check_records(metas, data_len)
+        shards = list(self.shards.values())
+        if [m.name for m in metas] != [s.key for s in shards]:
+            raise ProtocolError("a push must carry a gradient for every shard of this server, in its order")
+        for meta, shard in zip(metas, shards, strict=True):
+            if meta.dtype != shard.param.dtype or meta.nbytes != shard.meta.nbytes:
+                raise InvalidTensor(f"gradient {meta.name!r} is {meta.dtype}/{meta.nbytes} B; the shard is "
+                                    f"{shard.param.dtype}/{shard.meta.nbytes} B")  # fmt: skip
+        return shards
+
+    def _take_buffers(self, shards: Sequence[_Shard]) -> list[torch.Tensor]:
+        if self._free:
+            return self._free.pop()
+        return [torch.empty_like(s.param.data) for s in shards]
+
+    def _record(self, staleness: int) -> None:
+        self.staleness[min(staleness, MAX_STALENESS_BUCKET)] += 1
+
+
+def _check_records(metas: Sequence[TensorMeta], data_len: int) -> None:
+    if sum(m.nbytes for m in metas) != data_len:
+        raise InvalidTensor("the records' sizes do not add up to the frame's data length")
+    for meta in metas:
+        if len(meta.shape) != 1 or not meta.dtype.is_floating_point:
+            raise InvalidTensor(f"shard {meta.name!r} must be a flat floating-point range")
+
+
+def _sum_into(total: list[torch.Tensor], others: Sequence[list[torch.Tensor]]) -> None:
+    for grads in others:
+        torch._foreach_add_(total, grads)
+
+
+def _step(
+    optimizer: torch.optim.Optimizer,
+    params: Sequence[torch.nn.Parameter],
+    grads: Sequence[torch.Tensor],
+    divide_by: int,
+) -> None:
+    if divide_by != 1:
+        torch._foreach_div_(list(grads), divide_by)
+    for param, grad in zip(params, grads, strict=True):
+        param.grad = grad
+    optimizer.step()
+    for param in params:
+        param.grad = None

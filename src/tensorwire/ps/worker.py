@@ -1,0 +1,425 @@
+"""The worker side of the parameter server: ``Worker`` wraps a module for a training loop.
+
+::
+
+    with ps.Worker(model, servers=urls, mode="sync", optimizer=ps.Adam(lr=1e-3)) as worker:
+        for x, y in loader:
+            loss = F.cross_entropy(model(x), y)
+            loss.backward()
+            worker.step()  # in place of optimizer.step() and zero_grad()
+
+Entering joins the job on every server, initialises the parameters there if no worker has yet
+(the first worker's values win), and pulls them, so every worker starts from the same numbers.
+Leaving (also on an exception) waits for the last push and leaves the job, so that the others stop
+waiting for this worker: workers with uneven amounts of data finish cleanly.
+
+* ``pull()`` writes the parameters into the module's own tensors, in place (no copy: the bytes
+  land in ``param.data``), from all servers at once.
+* ``push()`` sends the ``.grad`` of every parameter to all servers at once and returns a future,
+  so the caller can go on (load the next batch) while it travels. The gradients are handed over:
+  the module's ``.grad`` are set to None, and the next ``backward()`` makes new ones, so a push in
+  flight never sees them change.
+* ``step()`` is ``push()`` then ``pull()``.
+
+Where the servers are: ``servers=`` (URLs, or one comma-separated string), else
+``$TENSORWIRE_SERVERS``, else (under ``torchrun``) what rank 0 published in torchrun's rendezvous
+store. Rank and world size: ``rank=``/``world_size=``, else ``$RANK``/``$WORLD_SIZE`` (set by
+torchrun and by ``tensorwire ps launch``), else 0 and 1.
+
+Every wait is bounded by ``timeout``: a pull that waits for the other workers' step gets the
+server's TIMEOUT error, naming the workers it waited for.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import json
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+from types import TracebackType
+from typing import Any
+
+import torch
+
+from tensorwire import transport as transports
+from tensorwire._loop import LoopThread, wait
+from tensorwire.errors import InvalidTensor, ProtocolError, TensorwireError
+from tensorwire.ps.optim import SGD, OptimizerSpec, spec_of
+from tensorwire.ps.placement import ParamSpec, Placement, Shard, plan
+from tensorwire.ps.server import JobConfig, Mode
+from tensorwire.security import Security, client_token
+from tensorwire.transport.framed import FramedTransport
+from tensorwire.types import Address, TensorMeta
+from tensorwire.wire import meta as wm
+from tensorwire.wire import ps as wps
+from tensorwire.wire.frame import Opcode
+from tensorwire.wire.tensors import byte_view
+
+SERVERS_ENV = "TENSORWIRE_SERVERS"
+STORE_KEY = "tensorwire/servers"
+_MARGIN = 10.0  # a request's own timer runs this much longer than the server's wait, so the
+# server's answer (naming who it waited for) arrives before the client gives up.
+
+
+@dataclass(frozen=True)
+class PushResult:
+    """What the servers said of one push."""
+
+    clock: int  # the clock the push was for
+    version: int  # the highest version among the servers after it (sync: before the step)
+    staleness: int  # the largest staleness a server recorded for it
+
+
+class Worker:
+    """One data-parallel worker of a parameter-server job (see the module doc)."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        servers: Sequence[str] | str | None = None,
+        mode: str | Mode = "sync",
+        optimizer: OptimizerSpec | torch.optim.Optimizer | str | None = None,
+        *,
+        rank: int | None = None,
+        world_size: int | None = None,
+        timeout: float = 120.0,
+        connect_timeout: float = 10.0,
+        split_bytes: int | None = None,
+        token: str | None = None,
+        observer: bool = False,
+    ) -> None:
+        self.model = model
+        self.mode = Mode.parse(mode)
+        self.optimizer = spec_of(optimizer if optimizer is not None else SGD())
+        self.rank = env_int("RANK", rank, 0)
+        self.world_size = env_int("WORLD_SIZE", world_size, 1)
+        if not 0 <= self.rank < self.world_size:
+            raise ValueError(f"rank {self.rank} is not in a world of {self.world_size}")
+        self.timeout = timeout
+        self.connect_timeout = connect_timeout
+        self.observer = observer  # pulls only, without joining (evaluation, checkpoints)
+        self.servers = resolve_servers(servers, self.rank, timeout)
+        self._params = _check_params(model)
+        self.placement: Placement = plan(ParamSpec.of(model), len(self.servers), split_bytes)
+        self._shards = [self.placement.on_server(i) for i in range(len(self.servers))]
+        self._security = Security(None, client_token(token))
+        self.clock = 0
+        self.seq = 0
+        self.version = 0
+        self.bytes_pushed = 0
+        self.bytes_pulled = 0
+        self._conns: list[FramedTransport] = []
+        self._pending: concurrent.futures.Future[PushResult] | None = None
+        self._zeros: dict[str, torch.Tensor] = {}
+        self._thread: LoopThread | None = None
+        self._joined = False
+
+    # -- lifecycle ------------------------------------------------------------------------------
+    def start(self) -> Worker:
+        """Connect, join, initialise the job if nobody has, and pull the parameters."""
+        if self._thread is not None:
+            return self
+        self._thread = LoopThread("tensorwire-worker")
+        try:
+            self._call(self._start(), "joining the job")
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def close(self) -> None:
+        """Wait for the last push, leave the job (the others stop waiting for this worker)."""
+        thread, self._thread = self._thread, None
+        if thread is None:
+            return
+        try:
+            if self._pending is not None and not self._pending.done():
+                with contextlib.suppress(TensorwireError, TimeoutError):
+                    wait(self._pending, self.timeout + _MARGIN, "the last push")
+            thread.call(self._leave(), self.connect_timeout + _MARGIN, "leaving the job")
+        finally:
+            thread.stop()
+
+    def __enter__(self) -> Worker:
+        return self.start()
+
+    def __exit__(
+        self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+    # -- training -------------------------------------------------------------------------------
+    def pull(self) -> int:
+        """Write the current parameters into the module in place; return the servers' version.
+
+        Waits for this worker's last push first; in ``sync`` mode then for the step it completes,
+        in ``ssp:s`` while this worker is more than s clocks ahead of the slowest.
+        """
+        self._finish_push()
+        self.version = self._call(self._pull(), "a pull of the parameters")
+        return self.version
+
+    def push(self) -> concurrent.futures.Future[PushResult]:
+        """Send every parameter's gradient to its servers; the future settles when they have it."""
+        if self.observer:
+            raise ProtocolError("an observer worker does not push")
+        self._finish_push()
+        grads = self._take_grads()
+        clock, self.clock = self.clock, self.clock + 1
+        self._pending = self._loop().submit(self._push(grads, clock))
+        return self._pending
+
+    def step(self) -> PushResult:
+        """``push()``, then ``pull()``: one training step's exchange."""
+        future = self.push()
+        self.pull()
+        return future.result()
+
+    def stats(self) -> list[dict[str, Any]]:
+        """Each server's view of the job (mode, step, workers' clocks, staleness histogram)."""
+        stats: list[dict[str, Any]] = self._call(self._stats(), "the servers' stats")
+        return stats
+
+    # -- the async side -------------------------------------------------------------------------
+    async def _start(self) -> None:
+        options = transports.TransportOptions(
+            self.connect_timeout, self.timeout + _MARGIN, security=self._security
+        )
+        self._conns = list(await asyncio.gather(*(self._open(url, options) for url in self.servers)))
+        if self.observer:
+            await self._pull()
+            return
+        joined = await asyncio.gather(*(self._request(i, Opcode.PS_JOIN, b"") for i in self._servers()))
+        clocks = {wps.decode_join_reply(reader)[0] for reader in joined}
+        self._joined = True
+        if len(clocks) != 1:
+            raise ProtocolError(f"the servers disagree on this worker's clock: {sorted(clocks)}")
+        self.clock = clocks.pop()
+        config = JobConfig(self.mode, self.optimizer).to_json()
+        await asyncio.gather(*(self._init(i, config) for i in self._servers()))
+        self.version = await self._pull()
+
+    async def _open(self, url: str, options: transports.TransportOptions) -> FramedTransport:
+        address = Address.parse(url)
+        conn = await transports.open_transport(address, options)
+        if not isinstance(conn, FramedTransport):
+            await conn.close()
+            raise ValueError(f"parameter servers speak tcp://, tls:// or memory://, not {address.scheme}://")
+        return conn
+
+    async def _init(self, server: int, config: str) -> None:
+        shards = self._shards[server]
+        metas = [self._meta(s) for s in shards]
+        data = [byte_view(self._view(self._params[s.param].data, s)) for s in shards]
+        meta = wps.encode_config(config) + wm.encode_records(metas)
+        reader = await self._request(server, Opcode.PS_INIT, meta, data)
+        wps.decode_init_reply(reader)
+        reader.done()
+
+    async def _pull(self) -> int:
+        versions = await asyncio.gather(*(self._pull_from(i) for i in self._servers()))
+        return max(versions, default=0)
+
+    async def _pull_from(self, server: int) -> int:
+        shards = self._shards[server]
+        expected = [self._meta(s) for s in shards]
+
+        def land(metas: list[TensorMeta]) -> list[memoryview]:
+            if [(m.name, m.dtype, m.nbytes) for m in metas] != [
+                (m.name, m.dtype, m.nbytes) for m in expected
+            ]:
+                raise ProtocolError(
+                    f"{self.servers[server]} answered a pull with other shards than asked for"
+                )
+            return [byte_view(self._view(self._params[s.param].data, s)) for s in shards]
+
+        names = wm.encode_names([s.key for s in shards])
+        reader = await self._request(server, Opcode.PS_PULL, names, sink=land)
+        self.bytes_pulled += sum(m.nbytes for m in expected)
+        version = wps.decode_u64(reader)
+        reader.done()
+        return version
+
+    async def _push(self, grads: dict[str, torch.Tensor], clock: int) -> PushResult:
+        replies = await asyncio.gather(*(self._push_to(i, grads, clock) for i in self._servers()))
+        return PushResult(
+            clock, max((v for v, _ in replies), default=0), max((s for _, s in replies), default=0)
+        )
+
+    async def _push_to(self, server: int, grads: dict[str, torch.Tensor], clock: int) -> tuple[int, int]:
+        shards = self._shards[server]
+        metas = [self._meta(s) for s in shards]
+        data = [byte_view(self._view(grads[s.param], s)) for s in shards]
+        reader = await self._request(server, Opcode.PS_PUSH, wm.encode_records(metas), data, clock=clock)
+        self.bytes_pushed += sum(m.nbytes for m in metas)
+        reply = wps.decode_push_reply(reader)
+        reader.done()
+        return reply
+
+    async def _stats(self) -> list[dict[str, Any]]:
+        readers = await asyncio.gather(*(self._request(i, Opcode.PS_STATS, b"") for i in self._servers()))
+        docs: list[dict[str, Any]] = [json.loads(wps.decode_stats(r)) for r in readers]
+        return docs
+
+    async def _leave(self) -> None:
+        try:
+            if self._joined:
+                await asyncio.gather(*(self._request(i, Opcode.PS_LEAVE, b"") for i in self._servers()))
+        finally:
+            for conn in self._conns:
+                await conn.close()
+
+    async def _request(
+        self,
+        server: int,
+        opcode: Opcode,
+        body: bytes,
+        data: Sequence[memoryview] = (),
+        *,
+        sink: transports.base.Sink | None = None,
+        clock: int | None = None,
+    ) -> wm.MetaReader:
+        worker = wps.OBSERVER if self.observer else self.rank
+        self.seq += 1
+        head = wps.PsHead(worker, self.world_size, self.clock if clock is None else clock, self.seq,
+                          int(self.timeout * 1000))  # fmt: skip
+        what = f"{opcode.name} from worker {self.rank}"
+        return await self._conns[server].call(opcode, head.encode() + body, data, sink, what=what)
+
+    # -- helpers --------------------------------------------------------------------------------
+    def _servers(self) -> range:
+        return range(len(self.servers))
+
+    def _loop(self) -> LoopThread:
+        if self._thread is None:
+            raise ProtocolError("the worker is not started: use `with Worker(...)` or call start()")
+        return self._thread
+
+    def _call(self, coro: Any, what: str) -> Any:
+        try:
+            return self._loop().call(coro, self.timeout + 2 * _MARGIN, what)
+        except BaseException:
+            coro.close()  # never scheduled when the loop is missing
+            raise
+
+    def _finish_push(self) -> None:
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            wait(pending, self.timeout + 2 * _MARGIN, "the last push")
+
+    def _take_grads(self) -> dict[str, torch.Tensor]:
+        """Every parameter's gradient (zeros where backward made none), taken from the module."""
+        grads: dict[str, torch.Tensor] = {}
+        for name, param in self._params.items():
+            grad = param.grad
+            if grad is None:
+                grad = self._zeros.get(name)
+                if grad is None:
+                    grad = self._zeros[name] = torch.zeros_like(param.data)
+            elif grad.is_sparse or grad.dtype != param.dtype:
+                raise ProtocolError(f"the gradient of {name!r} must be dense {param.dtype}")
+            grads[name] = grad.contiguous()
+            param.grad = None
+        return grads
+
+    def _meta(self, shard: Shard) -> TensorMeta:
+        dtype = self._params[shard.param].dtype
+        return TensorMeta(shard.key, dtype, (shard.numel,), shard.numel * dtype.itemsize)
+
+    @staticmethod
+    def _view(tensor: torch.Tensor, shard: Shard) -> torch.Tensor:
+        return tensor.view(-1)[shard.start : shard.stop]
+
+
+def pull_parameters(model: torch.nn.Module, servers: Sequence[str] | str, *, timeout: float = 60.0) -> int:
+    """Write a job's current parameters into ``model`` without joining it (evaluation, export)."""
+    with Worker(model, servers, rank=0, world_size=1, timeout=timeout, observer=True) as reader:
+        return reader.version
+
+
+def server_stats(
+    servers: Sequence[str], *, timeout: float = 10.0, token: str | None = None
+) -> list[dict[str, Any]]:
+    """Each server's ``PS_STATS`` answer, without joining anything (``tensorwire ps stats``)."""
+    from tensorwire._loop import run
+
+    options = transports.TransportOptions(timeout, timeout, security=Security(None, client_token(token)))
+
+    async def one(url: str) -> dict[str, Any]:
+        conn = await transports.open_transport(Address.parse(url), options)
+        try:
+            if not isinstance(conn, FramedTransport):
+                raise ValueError(f"parameter servers speak tcp://, tls:// or memory://, not {url}")
+            reader = await conn.call(Opcode.PS_STATS, wps.PsHead(wps.OBSERVER).encode(), what="PS_STATS")
+            doc: dict[str, Any] = json.loads(wps.decode_stats(reader))
+            return doc
+        finally:
+            await conn.close()
+
+    async def every() -> list[dict[str, Any]]:
+        return list(await asyncio.gather(*(one(url) for url in servers)))
+
+    return run(every())
+
+
+def resolve_servers(servers: Sequence[str] | str | None, rank: int, timeout: float) -> list[str]:
+    """The servers' URLs: given, else ``$TENSORWIRE_SERVERS``, else from torchrun's store."""
+    if servers is None:
+        servers = os.environ.get(SERVERS_ENV)
+    if isinstance(servers, str):
+        servers = [url.strip() for url in servers.split(",") if url.strip()]
+    store = _torchrun_store(timeout)
+    if servers:
+        if store is not None and rank == 0:
+            store.set(STORE_KEY, ",".join(servers))  # for ranks started without the list
+        return list(servers)
+    if store is None:
+        raise ValueError(f"no parameter servers: pass servers=, or set ${SERVERS_ENV}, or run under torchrun")
+    try:
+        published = store.get(STORE_KEY).decode()
+    except Exception as exc:  # the store raises its own timeout and connection errors
+        raise TensorwireError(
+            f"waited {timeout:.3g}s for rank 0 to publish the servers in torchrun's store ({exc})"
+        ) from exc
+    return str(published).split(",")
+
+
+def _torchrun_store(timeout: float) -> Any:
+    """A client of the store torchrun's agent hosts, when this process runs under torchrun."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    import torch.distributed as dist
+
+    host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    return dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout))  # type: ignore[attr-defined]
+
+
+def env_int(name: str, given: int | None, default: int) -> int:
+    if given is not None:
+        return given
+    raw = os.environ.get(name)
+    if raw is None:
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise ValueError(f"${name} must be a whole number, not {raw!r}") from None
+
+
+def _check_params(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
+    params = dict(model.named_parameters())
+    if not params:
+        raise ValueError("the model has no parameters to train")
+    for name, param in params.items():
+        check_trainable(name, param)
+    return params
+
+
+def check_trainable(name: str, tensor: torch.Tensor) -> None:
+    """InvalidTensor unless ``tensor`` can be sent and landed in place: contiguous, float, CPU."""
+    if tensor.device.type != "cpu" or not tensor.is_contiguous() or not tensor.dtype.is_floating_point:
+        raise InvalidTensor(f"{name!r} must be a contiguous floating-point CPU tensor")

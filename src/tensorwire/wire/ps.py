@@ -1,0 +1,137 @@
+"""Metadata blocks of the parameter-server opcodes (docs/protocol.md, "Parameter server").
+
+Every parameter-server request starts with the same 28-byte head, ``u32 worker | u32 world |
+u64 clock | u64 seq | u32 wait_ms``, then an opcode's own fields:
+
+=========  ===============================================  =========================================
+opcode     request after the head                           response
+=========  ===============================================  =========================================
+PS_INIT    config (string, JSON) | records; data: values    u8 created | u64 step
+PS_JOIN    (nothing)                                        u64 clock | u8 initialized
+PS_LEAVE   (nothing)                                        (nothing)
+PS_PUSH    records; data: gradients                         u64 version | u32 staleness
+PS_PULL    names                                            records | u64 version; data: values
+PS_STATS   (nothing)                                        u32 length | UTF-8 JSON
+ALLREDUCE  records; data: gradients (``clock`` = step)      records | u32 contributors; data: means
+=========  ===============================================  =========================================
+
+``worker`` is the worker's rank (``OBSERVER`` for a reader that takes no part in training);
+``world`` the number of workers the job was started with; ``clock`` the worker's step count
+(pushes done so far); ``seq`` a per-worker sequence number for exactly-once pushes; ``wait_ms``
+how long the server may wait on other workers before it answers TIMEOUT (0: the server's default).
+Answers that carry tensors put their records first, as GET_MANY does.
+"""
+
+from __future__ import annotations
+
+import struct
+from typing import NamedTuple
+
+from tensorwire.errors import LimitExceeded, ProtocolError
+from tensorwire.wire.meta import MetaReader
+
+OBSERVER = 0xFFFFFFFF  # the worker id of a reader that is not a worker (pulls without waiting)
+MAX_CONFIG_BYTES = 0xFFFF
+MAX_STATS_BYTES = 16 << 20
+
+_HEAD = struct.Struct("<IIQQI")
+_U8 = struct.Struct("<B")
+_U32 = struct.Struct("<I")
+_U64 = struct.Struct("<Q")
+_U64_U8 = struct.Struct("<QB")
+_U8_U64 = struct.Struct("<BQ")
+_U64_U32 = struct.Struct("<QI")
+
+
+class PsHead(NamedTuple):
+    """The fields every parameter-server request starts with."""
+
+    worker: int
+    world: int = 0
+    clock: int = 0
+    seq: int = 0
+    wait_ms: int = 0
+
+    def encode(self) -> bytes:
+        return _HEAD.pack(self.worker, self.world, self.clock, self.seq, self.wait_ms)
+
+    @staticmethod
+    def decode(reader: MetaReader) -> PsHead:
+        return PsHead(*reader.take(_HEAD))
+
+
+def encode_config(config: str) -> bytes:
+    return _encode_text(config, MAX_CONFIG_BYTES, "a parameter-server config")
+
+
+def decode_config(reader: MetaReader) -> str:
+    return _decode_text(reader, MAX_CONFIG_BYTES, "a parameter-server config")
+
+
+def encode_init_reply(created: bool, step: int) -> bytes:
+    return _U8_U64.pack(int(created), step)
+
+
+def decode_init_reply(reader: MetaReader) -> tuple[bool, int]:
+    created, step = reader.take(_U8_U64)
+    return bool(created), step
+
+
+def encode_join_reply(clock: int, initialized: bool) -> bytes:
+    return _U64_U8.pack(clock, int(initialized))
+
+
+def decode_join_reply(reader: MetaReader) -> tuple[int, bool]:
+    clock, initialized = reader.take(_U64_U8)
+    return clock, bool(initialized)
+
+
+def encode_push_reply(version: int, staleness: int) -> bytes:
+    return _U64_U32.pack(version, min(staleness, 0xFFFFFFFF))
+
+
+def decode_push_reply(reader: MetaReader) -> tuple[int, int]:
+    version, staleness = reader.take(_U64_U32)
+    return version, staleness
+
+
+def encode_u64(value: int) -> bytes:
+    return _U64.pack(value)
+
+
+def decode_u64(reader: MetaReader) -> int:
+    return int(reader.take(_U64)[0])
+
+
+def encode_u32(value: int) -> bytes:
+    return _U32.pack(value)
+
+
+def decode_u32(reader: MetaReader) -> int:
+    return int(reader.take(_U32)[0])
+
+
+def encode_stats(text: str) -> bytes:
+    return _encode_text(text, MAX_STATS_BYTES, "a stats document")
+
+
+def decode_stats(reader: MetaReader) -> str:
+    return _decode_text(reader, MAX_STATS_BYTES, "a stats document")
+
+
+def _encode_text(text: str, limit: int, what: str) -> bytes:
+    """``u32 length | UTF-8``: for texts that may outgrow a u16-length string (§4.1)."""
+    raw = text.encode("utf-8")
+    if len(raw) > limit:
+        raise LimitExceeded(f"{what} of {len(raw)} bytes exceeds {limit}")
+    return _U32.pack(len(raw)) + raw
+
+
+def _decode_text(reader: MetaReader, limit: int, what: str) -> str:
+    (n,) = reader.take(_U32)
+    if n > limit:
+        raise LimitExceeded(f"{what} of {n} bytes exceeds {limit}")
+    try:
+        return reader.raw(n).decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ProtocolError(f"{what} is not valid UTF-8") from exc

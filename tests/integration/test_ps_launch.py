@@ -1,0 +1,93 @@
+"""Parameter-server jobs as real processes: `tensorwire ps launch`, torchrun, and the demo."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from tensorwire import demo
+from tensorwire.ps.launch import local_servers
+from tensorwire.ps.worker import SERVERS_ENV
+
+TIMEOUT = 180
+
+WORKER_SCRIPT = textwrap.dedent(
+    """
+    import os, sys, torch
+    from tensorwire.ps import Worker, SGD
+
+    torch.set_num_threads(1)
+    rank, out, how = int(os.environ["RANK"]), sys.argv[1], sys.argv[2]
+    if how == "fail" and rank == 1:
+        sys.exit(3)  # rank 0 is left waiting for step 0: the launcher must stop it
+    servers = how.removeprefix("servers=") if how.startswith("servers=") and rank == 0 else None
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 2)
+    with Worker(model, servers, "sync", SGD(lr=0.1), timeout=60) as worker:
+        for step in range(10):
+            torch.manual_seed(10 * step + rank)
+            model(torch.randn(4, 8)).pow(2).mean().backward()
+            worker.step()
+    torch.save(model.state_dict(), f"{out}/rank{rank}.pt")
+    """
+)
+
+
+@pytest.fixture
+def script(tmp_path: Path) -> Path:
+    path = tmp_path / "train.py"
+    path.write_text(WORKER_SCRIPT)
+    return path
+
+
+def run(cmd: list[str]) -> subprocess.CompletedProcess[str]:
+    """Run ``cmd`` without the variables a worker would read the servers or its rank from."""
+    env = {k: v for k, v in os.environ.items() if k not in (SERVERS_ENV, "RANK", "WORLD_SIZE")}
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=TIMEOUT, check=False)
+
+
+def assert_same_trained_model(out: Path, ranks: int) -> None:
+    states = [torch.load(out / f"rank{r}.pt", weights_only=True) for r in range(ranks)]
+    for state in states[1:]:
+        assert all(torch.equal(state[k], states[0][k]) for k in state)
+    torch.manual_seed(0)
+    assert not torch.equal(states[0]["weight"], torch.nn.Linear(8, 2).weight.detach())  # it trained
+
+
+def test_ps_launch_runs_a_local_cluster(script: Path, tmp_path: Path) -> None:
+    cmd = [sys.executable, "-m", "tensorwire.cli", "ps", "launch", "--servers", "2", "--workers", "2",
+           str(script), str(tmp_path), "env"]  # fmt: skip
+    done = run(cmd)
+    assert done.returncode == 0, done.stderr
+    assert_same_trained_model(tmp_path, 2)
+
+
+def test_ps_launch_stops_the_others_when_a_worker_fails(script: Path, tmp_path: Path) -> None:
+    cmd = [sys.executable, "-m", "tensorwire.cli", "ps", "launch", "--workers", "2",
+           str(script), str(tmp_path), "fail"]  # fmt: skip
+    done = run(cmd)
+    assert done.returncode == 3, done.stderr
+    assert not (tmp_path / "rank0.pt").exists()
+
+
+def test_torchrun_workers_find_the_servers_through_its_store(script: Path, tmp_path: Path) -> None:
+    """Only rank 0 is told where the servers are; rank 1 reads them from torchrun's store."""
+    with local_servers(2) as urls:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+               str(script), str(tmp_path), "servers=" + ",".join(urls)]  # fmt: skip
+        done = run(cmd)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert_same_trained_model(tmp_path, 2)
+
+
+def test_demo_trains_the_digits_to_the_target_accuracy() -> None:
+    result = demo.train(mode="async")
+    assert float(result["accuracy"]) >= demo.TARGET_ACCURACY
+    assert int(result["bytes_pushed"]) > 0 and int(result["bytes_pulled"]) > 0
+    assert int(result["steps"]) == 2 * 12 * 23  # 2 workers, 12 epochs of 23 batches of 32
