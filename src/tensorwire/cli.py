@@ -219,6 +219,10 @@ def main() -> None:
     help="Parameter server: most seconds a pull or an allreduce waits for the other workers.",
 )  # fmt: skip
 @click.option(
+    "--threads", type=click.IntRange(min=1), default=None,
+    help="Parameter server: torch threads for the optimizer [default: half the cores, at most 4].",
+)  # fmt: skip
+@click.option(
     "--log-level", type=click.Choice(["debug", "info", "warning", "error"], case_sensitive=False),
     default="warning", show_default=True,
 )  # fmt: skip
@@ -238,11 +242,15 @@ def serve(
     token_file: Path | None,
     workers: int,
     wait_timeout: float,
+    threads: int | None,
     log_level: str,
 ) -> None:
     """Serve a tensor store, which is also a parameter server, until SIGINT or SIGTERM."""
     from tensorwire.ps import ParamServer
 
+    # The optimizer's element-wise steps are memory-bound: a few threads get most of the speed, and
+    # more (spinning OpenMP threads) take cores from the workers that often share the host.
+    torch.set_num_threads(threads or max(1, min(4, (os.cpu_count() or 2) // 2)))
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     tls = TlsFiles(tls_cert, tls_key, tls_client_ca) if tls_cert or tls_key or tls_client_ca else None
     security = Security(tls, load_token(token_file) if token_file else None)
@@ -253,7 +261,7 @@ def serve(
         security=security,
         max_connections=max_connections,
         idle_timeout=idle_timeout,
-        extensions=[ParamServer(wait_timeout, workers)],
+        extensions=[ParamServer(wait_timeout, workers, capacity)],
     )
     run(_serve(server, listen + grpc_listen, ready_file))
 

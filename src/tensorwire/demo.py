@@ -37,6 +37,7 @@ def train(mode: str = "async", epochs: int = 12) -> dict[str, float | int | str]
     """Run the main job (see the module doc); return its summary."""
     from tensorwire.ps import digits, launch, pull_parameters
 
+    Console().print(f"starting {SERVERS} parameter servers and {WORKERS} workers on loopback ({mode})...")
     with tempfile.TemporaryDirectory(prefix="tensorwire-demo-") as tmp, launch.local_servers(SERVERS) as urls:
         reports = [Path(tmp) / f"worker{rank}.json" for rank in range(WORKERS)]
         command = [sys.executable, "-m", "tensorwire.ps.digits", "--mode", mode, "--epochs", str(epochs),

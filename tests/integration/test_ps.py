@@ -256,3 +256,24 @@ def test_workers_must_agree_on_the_job() -> None:
             Worker(small_model(), urls, "async", SGD(lr=0.1), rank=1, world_size=2, timeout=5).start()
         with pytest.raises(ProtocolError, match="world"):
             Worker(small_model(), urls, "sync", SGD(lr=0.1), rank=1, world_size=3, timeout=5).start()
+
+
+def test_a_sync_worker_cannot_push_ahead_of_the_step() -> None:
+    """Gradients for future steps would pile up on the server: a second push before a pull is refused."""
+    model = small_model()
+    x, y = torch.randn(B, 20), torch.randint(0, 5, (B,))
+    with cluster(1) as urls, Worker(model, urls, "sync", SGD(), rank=0, world_size=2, timeout=5) as worker:
+        loss_of(model, x, y).backward()  # type: ignore[no-untyped-call]
+        worker.push().result()  # step 0 waits for worker 1, who never comes
+        loss_of(model, x, y).backward()  # type: ignore[no-untyped-call]
+        with pytest.raises(ProtocolError, match="pull before pushing again"):
+            worker.push().result()
+
+
+def test_a_job_larger_than_the_server_capacity_is_refused() -> None:
+    from tensorwire.errors import CapacityExceeded
+
+    with ServerThread(extensions=[ParamServer(capacity=1024)]) as server:
+        with pytest.raises(CapacityExceeded, match="exceed 1024"):
+            Worker(small_model(), [server.url], "async", SGD(), rank=0, world_size=1).start()
+        assert server_stats([server.url])[0]["shards"] == 0  # nothing was kept

@@ -2,18 +2,22 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 
 from tensorwire import demo
 from tensorwire.ps.launch import local_servers
 from tensorwire.ps.worker import SERVERS_ENV
+from tensorwire.testing.process import wait_for
 
 TIMEOUT = 180
 
@@ -26,6 +30,9 @@ WORKER_SCRIPT = textwrap.dedent(
     rank, out, how = int(os.environ["RANK"]), sys.argv[1], sys.argv[2]
     if how == "fail" and rank == 1:
         sys.exit(3)  # rank 0 is left waiting for step 0: the launcher must stop it
+    if how == "hang" and rank == 1:
+        open(f"{out}/hanging", "w").close()
+        sys.stdin.read()  # until the launcher ends this process
     servers = how.removeprefix("servers=") if how.startswith("servers=") and rank == 0 else None
     torch.manual_seed(0)
     model = torch.nn.Linear(8, 2)
@@ -46,10 +53,19 @@ def script(tmp_path: Path) -> Path:
     return path
 
 
-def run(cmd: list[str]) -> subprocess.CompletedProcess[str]:
-    """Run ``cmd`` without the variables a worker would read the servers or its rank from."""
+def run(cmd: list[str]) -> tuple[int, str]:
+    """Run ``cmd`` (without the variables a worker reads the servers or its rank from) in a
+    session of its own, so that on a timeout the whole tree it started is killed, not only it."""
     env = {k: v for k, v in os.environ.items() if k not in (SERVERS_ENV, "RANK", "WORLD_SIZE")}
-    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=TIMEOUT, check=False)
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)  # fmt: skip
+    try:
+        output, _ = proc.communicate(timeout=TIMEOUT)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)  # whatever of the tree is left (nothing, normally)
+        proc.wait()
+    return proc.returncode, output
 
 
 def assert_same_trained_model(out: Path, ranks: int) -> None:
@@ -63,17 +79,35 @@ def assert_same_trained_model(out: Path, ranks: int) -> None:
 def test_ps_launch_runs_a_local_cluster(script: Path, tmp_path: Path) -> None:
     cmd = [sys.executable, "-m", "tensorwire.cli", "ps", "launch", "--servers", "2", "--workers", "2",
            str(script), str(tmp_path), "env"]  # fmt: skip
-    done = run(cmd)
-    assert done.returncode == 0, done.stderr
+    code, output = run(cmd)
+    assert code == 0, output
     assert_same_trained_model(tmp_path, 2)
 
 
 def test_ps_launch_stops_the_others_when_a_worker_fails(script: Path, tmp_path: Path) -> None:
     cmd = [sys.executable, "-m", "tensorwire.cli", "ps", "launch", "--workers", "2",
            str(script), str(tmp_path), "fail"]  # fmt: skip
-    done = run(cmd)
-    assert done.returncode == 3, done.stderr
+    code, output = run(cmd)
+    assert code == 3, output
     assert not (tmp_path / "rank0.pt").exists()
+
+
+def test_sigterm_to_the_launcher_ends_the_whole_cluster(script: Path, tmp_path: Path) -> None:
+    cmd = [sys.executable, "-m", "tensorwire.cli", "ps", "launch", "--workers", "2",
+           str(script), str(tmp_path), "hang"]  # fmt: skip
+    launcher = subprocess.Popen(cmd, stdin=subprocess.PIPE, start_new_session=True)
+    try:
+        wait_for((tmp_path / "hanging").exists, TIMEOUT, "worker 1 to start")
+        cluster = psutil.Process(launcher.pid).children(recursive=True)
+        assert len(cluster) >= 4  # 2 servers, 2 workers
+        launcher.send_signal(signal.SIGTERM)
+        assert launcher.wait(TIMEOUT) == 128 + signal.SIGTERM
+        _, alive = psutil.wait_procs(cluster, timeout=TIMEOUT)
+        assert not alive, f"left running: {alive}"
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(launcher.pid, signal.SIGKILL)
+        launcher.wait()
 
 
 def test_torchrun_workers_find_the_servers_through_its_store(script: Path, tmp_path: Path) -> None:
@@ -81,8 +115,8 @@ def test_torchrun_workers_find_the_servers_through_its_store(script: Path, tmp_p
     with local_servers(2) as urls:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                str(script), str(tmp_path), "servers=" + ",".join(urls)]  # fmt: skip
-        done = run(cmd)
-    assert done.returncode == 0, done.stderr[-3000:]
+        code, output = run(cmd)
+    assert code == 0, output[-3000:]
     assert_same_trained_model(tmp_path, 2)
 
 

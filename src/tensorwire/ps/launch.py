@@ -89,7 +89,16 @@ def stop_all(procs: Sequence[subprocess.Popen[bytes]]) -> None:
 
 
 def run(script: Sequence[str], servers: int, workers: int, timeout: float | None = None) -> int:
-    """``tensorwire ps launch``: the cluster, the workers, their exit code."""
-    with local_servers(servers) as urls:
-        procs = start_workers([sys.executable, *script], workers, urls)
-        return wait_workers(procs, timeout)
+    """``tensorwire ps launch``: the cluster, the workers, their exit code. A SIGTERM to the
+    launcher ends the whole cluster too (it unwinds through the same cleanup as Ctrl-C)."""
+    previous = signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    try:
+        with local_servers(servers) as urls:
+            procs = start_workers([sys.executable, *script], workers, urls)
+            return wait_workers(procs, timeout)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _exit_on_sigterm(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)

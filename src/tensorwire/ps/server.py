@@ -39,7 +39,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from tensorwire.errors import InvalidTensor, ProtocolError, TransferTimeout
+from tensorwire.errors import CapacityExceeded, InvalidTensor, ProtocolError, TransferTimeout
 from tensorwire.ps.exchange import GradientExchange
 from tensorwire.ps.optim import OptimizerSpec, from_dict
 from tensorwire.server import Handler, Request
@@ -162,8 +162,9 @@ class _SharedLock:
 class ParamServer:
     """One server's shards of a job's parameters, with their optimizer (see the module doc)."""
 
-    def __init__(self, wait_timeout: float = 120.0, workers: int = 0) -> None:
+    def __init__(self, wait_timeout: float = 120.0, workers: int = 0, capacity: int = 1 << 62) -> None:
         self.wait_timeout = wait_timeout
+        self.capacity = capacity  # most bytes of parameters a job may place here
         # The gradient exchange (ALLREDUCE, gRPC GradientService) rides on the same server.
         self.exchange = GradientExchange(workers, wait_timeout)
         self.config: JobConfig | None = None
@@ -236,6 +237,8 @@ class ParamServer:
         metas = wm.decode_records(request.meta)
         request.meta.done()
         _check_records(metas, request.header.data_len)
+        if request.header.data_len > self.capacity:
+            raise CapacityExceeded(f"{request.header.data_len} bytes of parameters exceed {self.capacity}")
         self._note_world(head.world)
         if self.config is None and not self._initializing:
             await self._create(request, config, metas)
@@ -449,8 +452,11 @@ class ParamServer:
             raise ProtocolError(
                 f"worker {head.worker} pushed for clock {head.clock}; it is at clock {state.clock}"
             )
-        if self.config.mode.kind == "sync" and head.clock < self.step:
-            raise ProtocolError(f"worker {head.worker} pushed for step {head.clock}, already taken")
+        if self.config.mode.kind == "sync" and head.clock != self.step:
+            # Behind: that step is taken. Ahead: it never pulled the step before (and gradients
+            # held for future steps would pile up without bound).
+            raise ProtocolError(f"worker {head.worker} pushed for step {head.clock}; the server is at step "
+                                f"{self.step} (pull before pushing again)")  # fmt: skip
         return state
 
     def _shard(self, name: str) -> _Shard:
