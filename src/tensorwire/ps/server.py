@@ -109,9 +109,10 @@ class _Shard:
 
 @dataclass(eq=False)
 class _Worker:
-    clock: int = 0
+    clock: int = 0  # pushes recorded (sync) or applied (async, ssp)
     live: bool = True
     read_clock: int = 0  # the slowest live clock when this worker last pulled
+    pushing: bool = False
 
 
 @dataclass(eq=False)
@@ -298,22 +299,39 @@ class ParamServer:
         state = self._pushing_worker(head)
         shards = self._shards_for(metas, request.header.data_len)
         grads = self._take_buffers(shards)
-        await request.receive([byte_view(g) for g in grads])
-        staleness = head.clock - state.read_clock
-        state.clock = head.clock + 1
+        state.pushing = True  # one push per worker at a time: a second one is refused, not merged
+        try:
+            await request.receive([byte_view(g) for g in grads])
+            await self._accept(head, state, shards, grads)
+        finally:
+            state.pushing = False
+        await request.reply(wps.encode_push_reply(self.version, self.staleness_of(head, state)))
+
+    async def _accept(
+        self, head: wps.PsHead, state: _Worker, shards: list[_Shard], grads: list[torch.Tensor]
+    ) -> None:
+        """Record (sync) or apply (async, ssp) a received push; then the worker's clock moves on,
+        so an ssp gate opens only once the update it waits for is in the parameters."""
         assert self.config is not None
         if self.config.mode.kind == "sync":
             self._pending.setdefault(head.clock, _Pending()).grads[head.worker] = grads
             self._record(0)
+            state.clock = head.clock + 1
             self._notify()
             await self._apply_ready_steps()
-            await request.reply(wps.encode_push_reply(self.version, 0))
             return
-        self._record(staleness)
-        self._notify()  # this worker's clock moved: ssp gates may open
+        staleness = self.staleness_of(head, state)
         await self._apply(shards, grads, divide_by=1)
         self._free.append(grads)
-        await request.reply(wps.encode_push_reply(self.version, staleness))
+        self._record(staleness)
+        state.clock = head.clock + 1
+        self._notify()
+
+    def staleness_of(self, head: wps.PsHead, state: _Worker) -> int:
+        """Clocks the push's parameters may lag the slowest worker's updates by (module doc)."""
+        if self.config is None or self.config.mode.kind == "sync":
+            return 0
+        return head.clock - state.read_clock
 
     async def _on_pull(self, request: Request) -> None:
         head = wps.PsHead.decode(request.meta)
@@ -448,6 +466,8 @@ class ParamServer:
         state = self.workers.get(head.worker)
         if state is None or not state.live:
             raise ProtocolError(f"worker {head.worker} pushed without being part of the job (PS_JOIN)")
+        if state.pushing:
+            raise ProtocolError(f"worker {head.worker} has a push in flight already")
         if head.clock != state.clock:
             raise ProtocolError(
                 f"worker {head.worker} pushed for clock {head.clock}; it is at clock {state.clock}"
