@@ -219,6 +219,22 @@ def main() -> None:
     help="Parameter server: most seconds a pull or an allreduce waits for the other workers.",
 )  # fmt: skip
 @click.option(
+    "--heartbeat-timeout", type=click.FloatRange(min=0), default=10.0, show_default=True,
+    help="Parameter server: drop a worker not heard from this long (0: never), so sync steps go on.",
+)  # fmt: skip
+@click.option(
+    "--checkpoint-dir", type=click.Path(file_okay=False, path_type=Path),
+    help="Parameter server: write checkpoints here (and at SIGTERM); resume from the newest at start.",
+)  # fmt: skip
+@click.option(
+    "--checkpoint-every", type=click.IntRange(min=0), default=0, show_default=True,
+    help="Parameter server: a checkpoint every this many updates (0: not by count).",
+)  # fmt: skip
+@click.option(
+    "--checkpoint-seconds", type=click.FloatRange(min=0), default=0.0, show_default=True,
+    help="Parameter server: a checkpoint at the first update this long after the last (0: not by time).",
+)  # fmt: skip
+@click.option(
     "--threads", type=click.IntRange(min=1), default=None,
     help="Parameter server: torch threads for the optimizer [default: half the cores, at most 4].",
 )  # fmt: skip
@@ -242,11 +258,15 @@ def serve(
     token_file: Path | None,
     workers: int,
     wait_timeout: float,
+    heartbeat_timeout: float,
+    checkpoint_dir: Path | None,
+    checkpoint_every: int,
+    checkpoint_seconds: float,
     threads: int | None,
     log_level: str,
 ) -> None:
     """Serve a tensor store, which is also a parameter server, until SIGINT or SIGTERM."""
-    from tensorwire.ps import ParamServer
+    from tensorwire.ps import CheckpointPolicy, ParamServer
 
     # The optimizer's element-wise steps are memory-bound: a few threads get most of the speed, and
     # more (spinning OpenMP threads) take cores from the workers that often share the host.
@@ -255,13 +275,21 @@ def serve(
     tls = TlsFiles(tls_cert, tls_key, tls_client_ca) if tls_cert or tls_key or tls_client_ca else None
     security = Security(tls, load_token(token_file) if token_file else None)
     store = TensorStore(capacity, data_dir)
+    policy = (
+        CheckpointPolicy(checkpoint_dir, checkpoint_every, checkpoint_seconds) if checkpoint_dir else None
+    )
+    ps_server = ParamServer(
+        wait_timeout, workers, capacity, heartbeat_timeout=heartbeat_timeout, checkpoints=policy
+    )
+    if policy is not None and ps_server.restore(policy.directory):
+        click.echo(f"resumed from a checkpoint in {policy.directory}: step {ps_server.step}")
     server = Server(
         store,
         stall_timeout=stall_timeout,
         security=security,
         max_connections=max_connections,
         idle_timeout=idle_timeout,
-        extensions=[ParamServer(wait_timeout, workers, capacity)],
+        extensions=[ps_server],
     )
     run(_serve(server, listen + grpc_listen, ready_file))
 

@@ -11,6 +11,7 @@ of these. Each class says whether retrying the same call can help.
     │   ├── ConnectError               could not reach the server
     │   ├── ConnectionLost             the connection broke mid-request
     │   └── TransferTimeout            (also TimeoutError) a wait ran out
+    │       └── WaitTimeout            the server waited for other workers and gave up; no retry
     ├── ProtocolError                  a peer broke the wire protocol
     │   ├── CorruptFrame               a checksum failed / bytes damaged; retry can help
     │   ├── UnsupportedVersion         no common protocol version
@@ -22,6 +23,7 @@ of these. Each class says whether retrying the same call can help.
     │   └── PersistenceError           the data directory could not be written or read
     ├── InvalidTensor                  (also ValueError) dtype/shape/size unusable or inconsistent
     ├── AuthenticationError            the server refused the token or client certificate
+    ├── WorkerDropped                  the server does not count this worker in the job: rejoin
     └── ServerError                    an unexpected failure inside the server
 
 Every error a server reports travels as a numeric code (``ErrorCode``) and is raised on the
@@ -55,6 +57,13 @@ class ConnectionLost(TransportError):
 
 class TransferTimeout(TransportError, TimeoutError):
     """A finite wait ran out; the message names what was waited for."""
+
+
+class WaitTimeout(TransferTimeout):
+    """A parameter server waited for other workers (a step, a gate, an allreduce round) until its
+    timeout; the message names whom. The server is alive: resending the same request waits again."""
+
+    retryable = False
 
 
 class ProtocolError(TensorwireError):
@@ -108,6 +117,11 @@ class AuthenticationError(TensorwireError):
     Retrying with the same credentials will not help; the connection was closed."""
 
 
+class WorkerDropped(TensorwireError):
+    """The parameter server does not count this worker in its job: it missed its heartbeats, left,
+    or the server restarted from a checkpoint. ``ps.Worker`` rejoins and carries on."""
+
+
 class ServerError(TensorwireError):
     """Something unexpected failed inside the server; the server keeps serving."""
 
@@ -127,6 +141,7 @@ class ErrorCode(enum.IntEnum):
     PERSISTENCE_ERROR = 10
     UNAUTHENTICATED = 11
     TIMEOUT = 12
+    NOT_MEMBER = 13
 
 
 _CODE_TO_ERROR: dict[ErrorCode, type[TensorwireError]] = {
@@ -141,7 +156,8 @@ _CODE_TO_ERROR: dict[ErrorCode, type[TensorwireError]] = {
     ErrorCode.INVALID_TENSOR: InvalidTensor,
     ErrorCode.PERSISTENCE_ERROR: PersistenceError,
     ErrorCode.UNAUTHENTICATED: AuthenticationError,
-    ErrorCode.TIMEOUT: TransferTimeout,
+    ErrorCode.TIMEOUT: WaitTimeout,
+    ErrorCode.NOT_MEMBER: WorkerDropped,
 }
 
 

@@ -123,6 +123,10 @@ class Extension(Protocol):
         """``grpc.GenericRpcHandler`` objects served next to TensorService on grpc:// addresses."""
         ...
 
+    async def close(self) -> None:
+        """The server stops: finish (a parameter server writes its last checkpoint)."""
+        ...
+
 
 class Server:
     """Serves one store on any number of addresses (``tcp://host:0`` binds a free port)."""
@@ -188,6 +192,8 @@ class Server:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._watchdog
             self._watchdog = None
+        for extension in self.extensions:
+            await extension.close()
 
     async def _watch(self) -> None:
         """Cut off sessions stalled mid-request (``stall_timeout``) or idle (``idle_timeout``)."""

@@ -12,13 +12,14 @@
 
 from tensorwire.ps.optim import SGD, Adam, AdamW, OptimizerSpec
 from tensorwire.ps.placement import ParamSpec, Placement, Shard, plan
-from tensorwire.ps.server import JobConfig, Mode, ParamServer
+from tensorwire.ps.server import CheckpointPolicy, JobConfig, Mode, ParamServer
 from tensorwire.ps.worker import PushResult, Worker, pull_parameters
 
 __all__ = [
     "SGD",
     "Adam",
     "AdamW",
+    "CheckpointPolicy",
     "JobConfig",
     "Mode",
     "OptimizerSpec",

@@ -28,7 +28,7 @@ from typing import Any
 import grpc
 import torch
 
-from tensorwire.errors import InvalidTensor, ProtocolError, TensorwireError, TransferTimeout
+from tensorwire.errors import InvalidTensor, ProtocolError, TensorwireError, TransferTimeout, WaitTimeout
 from tensorwire.server import Request
 from tensorwire.store.names import validate_name
 from tensorwire.types import TensorMeta
@@ -88,7 +88,7 @@ class GradientExchange:
             if not round_.grads and self._rounds.get(key) is round_:
                 del self._rounds[key]
             missing = sorted(set(range(round_.world)) - set(round_.grads) - self.left - {worker})
-            raise TransferTimeout(
+            raise WaitTimeout(
                 f"waited {seconds:.3g}s for the gradients of step {step} of {name!r} from worker(s) "
                 f"{', '.join(map(str, missing))}"
             ) from None

@@ -31,15 +31,18 @@ import asyncio
 import contextlib
 import json
 import logging
+import time
 from collections import Counter
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
 
-from tensorwire.errors import CapacityExceeded, InvalidTensor, ProtocolError, TransferTimeout
+from tensorwire.errors import CapacityExceeded, InvalidTensor, ProtocolError, WaitTimeout, WorkerDropped
+from tensorwire.ps import checkpoint
 from tensorwire.ps.exchange import GradientExchange
 from tensorwire.ps.optim import OptimizerSpec, from_dict
 from tensorwire.server import Handler, Request
@@ -95,6 +98,15 @@ class JobConfig:
             raise ProtocolError(f"unusable parameter-server config: {exc}") from exc
 
 
+@dataclass(frozen=True)
+class CheckpointPolicy:
+    """Where and how often a server writes its checkpoints (and it always does at SIGTERM)."""
+
+    directory: Path
+    every_steps: int = 0  # after every this many updates (0: not by count)
+    every_seconds: float = 0.0  # after the first update this long after the last one (0: not by time)
+
+
 @dataclass(eq=False)
 class _Shard:
     key: str
@@ -113,6 +125,9 @@ class _Worker:
     live: bool = True
     read_clock: int = 0  # the slowest live clock when this worker last pulled
     pushing: bool = False
+    seq: int = 0  # the highest push sequence number applied: a resend at or below it is a duplicate
+    last_reply: bytes = b""  # the answer to push ``seq``, sent again to a resend of it
+    heard: float = field(default_factory=time.monotonic)  # its last request or heartbeat
 
 
 @dataclass(eq=False)
@@ -163,9 +178,25 @@ class _SharedLock:
 class ParamServer:
     """One server's shards of a job's parameters, with their optimizer (see the module doc)."""
 
-    def __init__(self, wait_timeout: float = 120.0, workers: int = 0, capacity: int = 1 << 62) -> None:
+    def __init__(
+        self,
+        wait_timeout: float = 120.0,
+        workers: int = 0,
+        capacity: int = 1 << 62,
+        *,
+        heartbeat_timeout: float = 0.0,
+        checkpoints: CheckpointPolicy | None = None,
+    ) -> None:
         self.wait_timeout = wait_timeout
         self.capacity = capacity  # most bytes of parameters a job may place here
+        # A live worker not heard from (request or heartbeat) for this long is dropped from the
+        # job, so that sync steps go on without it; 0 turns it off.
+        self.heartbeat_timeout = heartbeat_timeout
+        self.checkpoints = checkpoints
+        self.duplicates = 0  # resent pushes answered without being applied again
+        self.dropped = 0  # workers dropped for missed heartbeats
+        self._last_checkpoint = time.monotonic()
+        self._watchdog: asyncio.Task[None] | None = None
         # The gradient exchange (ALLREDUCE, gRPC GradientService) rides on the same server.
         self.exchange = GradientExchange(workers, wait_timeout)
         self.config: JobConfig | None = None
@@ -195,10 +226,23 @@ class ParamServer:
             Opcode.PS_PULL: self._on_pull,
             Opcode.PS_STATS: self._on_stats,
             Opcode.ALLREDUCE: self.exchange.on_allreduce,
+            Opcode.PS_HEARTBEAT: self._on_heartbeat,
+            Opcode.PS_ROLLBACK: self._on_rollback,
         }
 
     def rpc_handlers(self) -> Sequence[Any]:
         return (self.exchange.rpc_handler(),)
+
+    async def close(self) -> None:
+        """The server is stopping (SIGTERM): stop watching heartbeats, write a last checkpoint."""
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._watchdog
+            self._watchdog = None
+        if self.checkpoints is not None and self.config is not None:
+            await self._checkpoint()
+        self._thread.shutdown(wait=True)
 
     # -- state queries --------------------------------------------------------------------------
     @property
@@ -226,7 +270,12 @@ class ParamServer:
             "pushes_applied": self.pushes,
             "shards": len(self.shards),
             "bytes": sum(s.meta.nbytes for s in self.shards.values()),
-            "workers": {str(w): {"clock": s.clock, "live": s.live} for w, s in sorted(self.workers.items())},
+            "workers": {
+                str(w): {"clock": s.clock, "live": s.live, "seq": s.seq}
+                for w, s in sorted(self.workers.items())
+            },
+            "duplicates_ignored": self.duplicates,
+            "workers_dropped": self.dropped,
             "staleness": {str(k): v for k, v in sorted(self.staleness.items())},
             "max_staleness": max(self.staleness, default=0),
         }
@@ -237,7 +286,11 @@ class ParamServer:
         config = JobConfig.from_json(wps.decode_config(request.meta))
         metas = wm.decode_records(request.meta)
         request.meta.done()
-        _check_records(metas, request.header.data_len)
+        # Without data it only checks that the server's job is the worker's (a rejoining worker).
+        check_only = request.header.data_len == 0 and any(m.nbytes for m in metas)
+        _check_records(metas, None if check_only else request.header.data_len)
+        if check_only and self.config is None and not self._initializing:
+            raise ProtocolError("PS_INIT without values, but this server has no job yet")
         if request.header.data_len > self.capacity:
             raise CapacityExceeded(f"{request.header.data_len} bytes of parameters exceed {self.capacity}")
         self._note_world(head.world)
@@ -275,10 +328,13 @@ class ParamServer:
         self._check_worker(head)
         self._note_world(head.world)
         clock = self.step if self.mode and self.mode.kind == "sync" else self.slowest()
-        self.workers[head.worker] = _Worker(clock, True, clock)
+        before = self.workers.get(head.worker)  # a rejoin keeps its push marks: resends stay duplicates
+        marks = (before.seq, before.last_reply) if before else (0, b"")
+        self.workers[head.worker] = _Worker(clock, True, clock, False, *marks)
         log.info("worker %d joined at clock %d (live: %s)", head.worker, clock, self.live())
+        self._start_watchdog()
         self._notify()
-        await request.reply(wps.encode_join_reply(clock, self.config is not None))
+        await request.reply(wps.encode_join_reply(clock, self.config is not None, marks[0]))
 
     async def _on_leave(self, request: Request) -> None:
         head = wps.PsHead.decode(request.meta)
@@ -296,7 +352,18 @@ class ParamServer:
         head = wps.PsHead.decode(request.meta)
         metas = wm.decode_records(request.meta)
         request.meta.done()
-        state = self._pushing_worker(head)
+        state = self._member(head)
+        if state.pushing:  # a resend racing the original (the client timed out): let it finish first
+            with request.waiting():
+                await self._wait(lambda: not state.pushing, head, f"worker {head.worker}'s push in flight")
+        if head.seq <= state.seq:  # applied already: answer as the first time, apply nothing
+            await request.skip()
+            self.duplicates += 1
+            log.info("worker %d resent push %d: answered, not applied again", head.worker, head.seq)
+            stale = wps.encode_push_reply(self.version, 0)
+            await request.reply(state.last_reply if head.seq == state.seq else stale)
+            return
+        self._check_push(head, state)
         shards = self._shards_for(metas, request.header.data_len)
         grads = self._take_buffers(shards)
         state.pushing = True  # one push per worker at a time: a second one is refused, not merged
@@ -305,7 +372,8 @@ class ParamServer:
             await self._accept(head, state, shards, grads)
         finally:
             state.pushing = False
-        await request.reply(wps.encode_push_reply(self.version, self.staleness_of(head, state)))
+            self._notify()
+        await request.reply(state.last_reply)
 
     async def _accept(
         self, head: wps.PsHead, state: _Worker, shards: list[_Shard], grads: list[torch.Tensor]
@@ -316,15 +384,21 @@ class ParamServer:
         if self.config.mode.kind == "sync":
             self._pending.setdefault(head.clock, _Pending()).grads[head.worker] = grads
             self._record(0)
-            state.clock = head.clock + 1
-            self._notify()
+            self._mark(head, state, 0)
             await self._apply_ready_steps()
             return
         staleness = self.staleness_of(head, state)
         await self._apply(shards, grads, divide_by=1)
         self._free.append(grads)
         self._record(staleness)
+        self._mark(head, state, staleness)
+        await self._maybe_checkpoint()
+
+    def _mark(self, head: wps.PsHead, state: _Worker, staleness: int) -> None:
+        """The push is in: the worker's clock moves on and its sequence number is remembered."""
         state.clock = head.clock + 1
+        state.seq = head.seq
+        state.last_reply = wps.encode_push_reply(self.version, staleness)
         self._notify()
 
     def staleness_of(self, head: wps.PsHead, state: _Worker) -> int:
@@ -342,7 +416,7 @@ class ParamServer:
         shards = [self._shard(name) for name in names]
         if len(set(names)) != len(names):
             raise ProtocolError("PS_PULL names the same shard twice")
-        state = self.workers.get(head.worker) if head.worker != wps.OBSERVER else None
+        state = self._member(head) if head.worker != wps.OBSERVER else None
         if state is not None:
             with request.waiting():
                 await self._gate(head, state)
@@ -352,10 +426,114 @@ class ParamServer:
             data = [byte_view(s.param.data) for s in shards]
             await request.reply(wm.encode_records(metas) + wps.encode_u64(self.version), data)
 
+    async def _on_heartbeat(self, request: Request) -> None:
+        head = wps.PsHead.decode(request.meta)
+        request.meta.done()
+        state = self.workers.get(head.worker)
+        if state is not None and state.live:
+            state.heard = time.monotonic()
+        await request.reply(wps.encode_u32(int(state is not None and state.live)))
+
+    async def _on_rollback(self, request: Request) -> None:
+        """Go back to the checkpoint of version ``clock``: after a restart of several servers,
+        workers bring them all to the newest version every one of them has."""
+        head = wps.PsHead.decode(request.meta)
+        request.meta.done()
+        if self.live():
+            raise ProtocolError(f"cannot roll back while workers {self.live()} are live")
+        if self.checkpoints is None or not self.restore(self.checkpoints.directory, head.clock):
+            raise WorkerDropped(f"no checkpoint of version {head.clock} here to roll back to")
+        await request.reply(wps.encode_u64(self.version))
+
     async def _on_stats(self, request: Request) -> None:
         wps.PsHead.decode(request.meta)
         request.meta.done()
         await request.reply(wps.encode_stats(json.dumps(self.stats(), sort_keys=True)))
+
+    # -- membership -----------------------------------------------------------------------------
+    def _start_watchdog(self) -> None:
+        if self.heartbeat_timeout > 0 and self._watchdog is None:
+            self._watchdog = asyncio.get_running_loop().create_task(self._watch_heartbeats())
+
+    async def _watch_heartbeats(self) -> None:
+        """Drop live workers not heard from for ``heartbeat_timeout``: sync steps go on without them."""
+        while True:
+            await asyncio.sleep(self.heartbeat_timeout / 4)
+            now = time.monotonic()
+            silent = [w for w, s in self.workers.items() if s.live and not s.pushing
+                      and now - s.heard > self.heartbeat_timeout]  # fmt: skip
+            for worker in silent:
+                self.workers[worker].live = False
+                self.exchange.leave(worker)
+                self.dropped += 1
+                log.warning("dropped worker %d: no heartbeat for %.3gs (live: %s)", worker,
+                            self.heartbeat_timeout, self.live())  # fmt: skip
+            if silent:
+                self._notify()
+                await self._apply_ready_steps()
+
+    # -- checkpoints ----------------------------------------------------------------------------
+    async def _maybe_checkpoint(self) -> None:
+        policy = self.checkpoints
+        if policy is None:
+            return
+        by_steps = policy.every_steps and self.version % policy.every_steps == 0
+        by_time = policy.every_seconds and time.monotonic() - self._last_checkpoint >= policy.every_seconds
+        if by_steps or by_time:
+            await self._checkpoint()
+
+    async def _checkpoint(self) -> None:
+        """Write the job's state. It runs on the optimizer's thread, after the step that made it,
+        so no step changes the parameters while they are written (pulls only read them)."""
+        assert self.checkpoints is not None
+        async with self._lock.exclusive():  # no step in between: the counters match the tensors
+            snapshot = self._snapshot()
+            path = await self._run(checkpoint.save, self.checkpoints.directory, self.version, snapshot)
+        self._last_checkpoint = time.monotonic()
+        log.info("checkpoint %s written (step %d, version %d)", path, self.step, self.version)
+
+    def _snapshot(self) -> checkpoint.Snapshot:
+        assert self.config is not None and self.optimizer is not None
+        tensors, optimizer_rest = checkpoint.optimizer_tensors(self.optimizer.state_dict())
+        state = {
+            "config": json.loads(self.config.to_json()),
+            "shards": list(self.shards),
+            "versions": {key: shard.version for key, shard in self.shards.items()},
+            "world": self.world,
+            "step": self.step,
+            "version": self.version,
+            "pushes": self.pushes,
+            "workers": {str(w): [s.clock, s.seq, s.last_reply.hex()] for w, s in self.workers.items()},
+            "optimizer": optimizer_rest,
+        }
+        params = {key: shard.param.detach() for key, shard in self.shards.items()}
+        return checkpoint.Snapshot(state, params, tensors)
+
+    def restore(self, directory: Path, version: int | None = None) -> bool:
+        """Load checkpoint ``version`` (default: the newest) of ``directory``, if there is one.
+        Its workers come back as not live: each rejoins (``ps.Worker`` does it by itself)."""
+        snapshot = checkpoint.load(directory, version)
+        if snapshot is None:
+            return False
+        state = snapshot.state
+        config = JobConfig.from_json(json.dumps(state["config"]))
+        shards = {key: _Shard(key, torch.nn.Parameter(snapshot.params[key]), state["versions"][key])
+                  for key in state["shards"]}  # fmt: skip
+        optimizer = config.optimizer.build(s.param for s in shards.values())
+        optimizer.load_state_dict(checkpoint.optimizer_state(snapshot.optimizer, state["optimizer"]))
+        self.config, self.shards, self.optimizer = config, shards, optimizer
+        self.world, self.step, self.version, self.pushes = (
+            state["world"],
+            state["step"],
+            state["version"],
+            state["pushes"],
+        )
+        self.workers = {int(w): _Worker(clock, False, clock, False, seq, bytes.fromhex(reply))
+                        for w, (clock, seq, reply) in state["workers"].items()}  # fmt: skip
+        self._pending.clear()
+        self._free.clear()
+        log.info("restored checkpoint %d of %s (step %d)", self.version, directory, self.step)
+        return True
 
     # -- waiting --------------------------------------------------------------------------------
     async def _gate(self, head: wps.PsHead, state: _Worker) -> None:
@@ -381,7 +559,7 @@ class ParamServer:
                         self._changed = asyncio.Event()
                     await self._changed.wait()
         except TimeoutError:
-            raise TransferTimeout(f"waited {seconds:.3g}s for {what}; {self._who_lags()}") from None
+            raise WaitTimeout(f"waited {seconds:.3g}s for {what}; {self._who_lags()}") from None
 
     def _notify(self) -> None:
         """Wake every waiter to re-check what it waits for (one event per change, then a new one)."""
@@ -413,6 +591,7 @@ class ParamServer:
                 self._free.extend(list(g) for g in pending.grads.values())
                 self.step += 1
                 self._notify()
+                await self._maybe_checkpoint()
 
     def _ready_step(self) -> list[list[torch.Tensor]] | None:
         """The gradients of the current step in worker order, if every live worker pushed."""
@@ -460,14 +639,24 @@ class ParamServer:
     def _describe(self) -> str:
         return self.config.to_json() if self.config else "nothing yet"
 
-    def _pushing_worker(self, head: wps.PsHead) -> _Worker:
-        if self.config is None:
-            raise ProtocolError("PS_PUSH before the job was initialised (PS_INIT)")
+    def _member(self, head: wps.PsHead) -> _Worker:
+        """The live worker sending ``head``; WorkerDropped (rejoin) if it is not one."""
         state = self.workers.get(head.worker)
         if state is None or not state.live:
-            raise ProtocolError(f"worker {head.worker} pushed without being part of the job (PS_JOIN)")
-        if state.pushing:
-            raise ProtocolError(f"worker {head.worker} has a push in flight already")
+            why = (
+                "it left or was dropped"
+                if state is not None
+                else "it has not joined since this server started"
+            )
+            raise WorkerDropped(f"worker {head.worker} is not part of this job ({why}): rejoin")
+        state.heard = time.monotonic()
+        return state
+
+    def _check_push(self, head: wps.PsHead, state: _Worker) -> None:
+        if self.config is None:
+            raise ProtocolError("PS_PUSH before the job was initialised (PS_INIT)")
+        if head.seq != state.seq + 1:
+            raise ProtocolError(f"worker {head.worker} sent push {head.seq} after push {state.seq}")
         if head.clock != state.clock:
             raise ProtocolError(
                 f"worker {head.worker} pushed for clock {head.clock}; it is at clock {state.clock}"
@@ -477,7 +666,6 @@ class ParamServer:
             # held for future steps would pile up without bound).
             raise ProtocolError(f"worker {head.worker} pushed for step {head.clock}; the server is at step "
                                 f"{self.step} (pull before pushing again)")  # fmt: skip
-        return state
 
     def _shard(self, name: str) -> _Shard:
         shard = self.shards.get(name)
@@ -506,8 +694,8 @@ class ParamServer:
         self.staleness[min(staleness, MAX_STALENESS_BUCKET)] += 1
 
 
-def _check_records(metas: Sequence[TensorMeta], data_len: int) -> None:
-    if sum(m.nbytes for m in metas) != data_len:
+def _check_records(metas: Sequence[TensorMeta], data_len: int | None) -> None:
+    if data_len is not None and sum(m.nbytes for m in metas) != data_len:
         raise InvalidTensor("the records' sizes do not add up to the frame's data length")
     for meta in metas:
         if len(meta.shape) != 1 or not meta.dtype.is_floating_point:

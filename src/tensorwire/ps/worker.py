@@ -35,19 +35,21 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import itertools
 import json
+import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Coroutine, Iterable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from types import TracebackType
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
 from tensorwire import transport as transports
 from tensorwire._loop import LoopThread, wait
-from tensorwire.errors import InvalidTensor, ProtocolError, TensorwireError
+from tensorwire.errors import InvalidTensor, ProtocolError, TensorwireError, TransportError, WorkerDropped
 from tensorwire.ps.optim import SGD, OptimizerSpec, spec_of
 from tensorwire.ps.placement import ParamSpec, Placement, Shard, plan
 from tensorwire.ps.server import JobConfig, Mode
@@ -59,6 +61,8 @@ from tensorwire.wire import ps as wps
 from tensorwire.wire.frame import Opcode
 from tensorwire.wire.tensors import byte_view
 
+log = logging.getLogger("tensorwire.ps.worker")
+T = TypeVar("T")
 SERVERS_ENV = "TENSORWIRE_SERVERS"
 STORE_KEY = "tensorwire/servers"
 _MARGIN = 10.0  # a request's own timer runs this much longer than the server's wait, so the
@@ -72,6 +76,7 @@ class PushResult:
     clock: int  # the clock the push was for
     version: int  # the highest version among the servers after it (sync: before the step)
     staleness: int  # the largest staleness a server recorded for it
+    rejoined: bool = False  # a server had dropped this worker: it rejoined, and this push was lost
 
 
 class Worker:
@@ -91,6 +96,7 @@ class Worker:
         split_bytes: int | None = None,
         token: str | None = None,
         observer: bool = False,
+        heartbeat: float = 1.0,
     ) -> None:
         self.model = model
         self.mode = Mode.parse(mode)
@@ -107,12 +113,20 @@ class Worker:
         self.placement: Placement = plan(ParamSpec.of(model), len(self.servers), split_bytes)
         self._shards = [self.placement.on_server(i) for i in range(len(self.servers))]
         self._security = Security(None, client_token(token))
-        self.clock = 0
-        self.seq = 0
+        self.heartbeat = heartbeat  # seconds between heartbeats (0: none); see ParamServer
+        self.clock = 0  # pushes made since the last (re)join
         self.version = 0
         self.bytes_pushed = 0
         self.bytes_pulled = 0
-        self._conns: list[FramedTransport] = []
+        self.rejoins = 0
+        self._options = transports.TransportOptions(
+            connect_timeout, timeout + _MARGIN, security=self._security
+        )
+        self._conns: list[FramedTransport | None] = [None] * len(self.servers)
+        self._reconnecting = [asyncio.Lock() for _ in self.servers]
+        self._clocks = [0] * len(self.servers)  # this worker's clock on each server
+        self._seqs = [0] * len(self.servers)  # the last push sequence number each server applied
+        self._beating: asyncio.Task[None] | None = None
         self._pending: concurrent.futures.Future[PushResult] | None = None
         self._zeros: dict[str, torch.Tensor] = {}
         self._thread: LoopThread | None = None
@@ -186,22 +200,53 @@ class Worker:
 
     # -- the async side -------------------------------------------------------------------------
     async def _start(self) -> None:
-        options = transports.TransportOptions(
-            self.connect_timeout, self.timeout + _MARGIN, security=self._security
-        )
-        self._conns = list(await asyncio.gather(*(self._open(url, options) for url in self.servers)))
         if self.observer:
-            await self._pull()
+            await self._pull_all()
             return
-        joined = await asyncio.gather(*(self._request(i, Opcode.PS_JOIN, b"") for i in self._servers()))
-        clocks = {wps.decode_join_reply(reader)[0] for reader in joined}
-        self._joined = True
-        if len(clocks) != 1:
-            raise ProtocolError(f"the servers disagree on this worker's clock: {sorted(clocks)}")
-        self.clock = clocks.pop()
+        await self._join_all(first=True)
+        if self.heartbeat > 0:
+            self._beating = asyncio.get_running_loop().create_task(self._heartbeats())
+        self.version = await self._pull_all()
+
+    async def _join_all(self, first: bool = False) -> None:
+        """Join on every server (initialising the job where there is none). In sync mode they must
+        be at one step: servers restored from checkpoints written a step apart are rolled back to
+        the older one, which each of them keeps."""
         config = JobConfig(self.mode, self.optimizer).to_json()
-        await asyncio.gather(*(self._init(i, config) for i in self._servers()))
-        self.version = await self._pull()
+        clocks: list[int] = []
+        for _ in range(3):
+            joined = await asyncio.gather(*(self._join(i, config, first) for i in self._servers()))
+            self._joined = True
+            clocks = [clock for clock, _ in joined]
+            self._clocks, self._seqs = clocks, [seq for _, seq in joined]
+            if self.mode.kind != "sync" or len(set(clocks)) == 1:
+                self.clock = max(clocks)
+                return
+            target = min(clocks)
+            log.warning("servers are at steps %s after a restart: rolling back to step %d", clocks, target)
+            await asyncio.gather(*(self._rollback(i, target) for i, c in enumerate(clocks) if c > target))
+        raise ProtocolError(f"the servers could not be brought to one step: {clocks}")
+
+    async def _join(self, server: int, config: str, first: bool) -> tuple[int, int]:
+        reader = await self._request(server, Opcode.PS_JOIN, b"")
+        clock, initialized, seq = wps.decode_join_reply(reader)
+        reader.done()
+        if first or not initialized:  # the first time, also to check that this is the same job
+            await self._init(server, config, with_values=not initialized)
+        return clock, seq
+
+    async def _rollback(self, server: int, version: int) -> None:
+        reader = await self._request(server, Opcode.PS_ROLLBACK, b"", clock=version)
+        wps.decode_u64(reader)
+        reader.done()
+
+    async def _recover(self) -> None:
+        """A server no longer counts this worker (it restarted, or dropped the worker after missed
+        heartbeats): rejoin everywhere and pull the current parameters."""
+        log.warning("worker %d was dropped by a server: rejoining", self.rank)
+        self.rejoins += 1
+        await self._join_all()
+        self.version = await self._pull_all()
 
     async def _open(self, url: str, options: transports.TransportOptions) -> FramedTransport:
         address = Address.parse(url)
@@ -211,50 +256,75 @@ class Worker:
             raise ValueError(f"parameter servers speak tcp://, tls:// or memory://, not {address.scheme}://")
         return conn
 
-    async def _init(self, server: int, config: str) -> None:
+    async def _connection(self, server: int) -> FramedTransport:
+        conn = self._conns[server]
+        if conn is not None and not conn.closed:
+            return conn
+        async with self._reconnecting[server]:
+            conn = self._conns[server]
+            if conn is None or conn.closed:
+                conn = self._conns[server] = await self._open(self.servers[server], self._options)
+            return conn
+
+    async def _init(self, server: int, config: str, with_values: bool) -> None:
+        """Create the job with this worker's values (the first worker's win), or, without values,
+        only check that the server's job is this one (same mode, optimizer and shards)."""
         shards = self._shards[server]
         metas = [self._meta(s) for s in shards]
-        data = [byte_view(self._view(self._params[s.param].data, s)) for s in shards]
+        data = [byte_view(self._view(self._params[s.param].data, s)) for s in shards] if with_values else []
         meta = wps.encode_config(config) + wm.encode_records(metas)
         reader = await self._request(server, Opcode.PS_INIT, meta, data)
         wps.decode_init_reply(reader)
         reader.done()
 
     async def _pull(self) -> int:
-        versions = await asyncio.gather(*(self._pull_from(i) for i in self._servers()))
+        """Pull from every server; rejoin first if one of them dropped this worker."""
+        try:
+            return await self._pull_all()
+        except WorkerDropped:
+            await self._recover()
+            return self.version
+
+    async def _pull_all(self) -> int:
+        versions = await _gather_all(self._pull_from(i) for i in self._servers())
         return max(versions, default=0)
 
     async def _pull_from(self, server: int) -> int:
         shards = self._shards[server]
-        expected = [self._meta(s) for s in shards]
+        expected = [m[:4] for m in map(self._meta, shards)]  # all but the version
 
         def land(metas: list[TensorMeta]) -> list[memoryview]:
-            if [(m.name, m.dtype, m.nbytes) for m in metas] != [
-                (m.name, m.dtype, m.nbytes) for m in expected
-            ]:
-                raise ProtocolError(
-                    f"{self.servers[server]} answered a pull with other shards than asked for"
-                )
+            if [m[:4] for m in metas] != expected:
+                raise ProtocolError(f"{self.servers[server]} answered a pull with other shards than asked")
             return [byte_view(self._view(self._params[s.param].data, s)) for s in shards]
 
         names = wm.encode_names([s.key for s in shards])
         reader = await self._request(server, Opcode.PS_PULL, names, sink=land)
-        self.bytes_pulled += sum(m.nbytes for m in expected)
+        self.bytes_pulled += sum(m[3] for m in expected)
         version = wps.decode_u64(reader)
         reader.done()
         return version
 
     async def _push(self, grads: dict[str, torch.Tensor], clock: int) -> PushResult:
-        replies = await asyncio.gather(*(self._push_to(i, grads, clock) for i in self._servers()))
-        return PushResult(
-            clock, max((v for v, _ in replies), default=0), max((s for _, s in replies), default=0)
-        )
+        try:
+            replies = await _gather_all(self._push_to(i, grads) for i in self._servers())
+        except WorkerDropped:
+            await self._recover()  # the push is lost: it was computed on parameters now gone
+            return PushResult(clock, self.version, 0, rejoined=True)
+        versions, staleness = zip(*replies, strict=True) if replies else ((0,), (0,))
+        return PushResult(clock, max(versions), max(staleness))
 
-    async def _push_to(self, server: int, grads: dict[str, torch.Tensor], clock: int) -> tuple[int, int]:
+    async def _push_to(self, server: int, grads: dict[str, torch.Tensor]) -> tuple[int, int]:
+        """One push, exactly once: a resend after a broken connection carries the same sequence
+        number, and a server that applied it already only answers again."""
         shards = self._shards[server]
         metas = [self._meta(s) for s in shards]
         data = [byte_view(self._view(grads[s.param], s)) for s in shards]
-        reader = await self._request(server, Opcode.PS_PUSH, wm.encode_records(metas), data, clock=clock)
+        seq = self._seqs[server] + 1
+        body = wm.encode_records(metas)
+        reader = await self._request(server, Opcode.PS_PUSH, body, data, clock=self._clocks[server], seq=seq)
+        self._seqs[server] = seq
+        self._clocks[server] += 1
         self.bytes_pushed += sum(m.nbytes for m in metas)
         reply = wps.decode_push_reply(reader)
         reader.done()
@@ -265,13 +335,45 @@ class Worker:
         docs: list[dict[str, Any]] = [json.loads(wps.decode_stats(r)) for r in readers]
         return docs
 
+    async def _heartbeats(self) -> None:
+        """Tell every server this worker is alive, on connections of their own (a pull waiting
+        for a step must not hold up the heartbeat); a server that drops it is rejoined by the
+        next push or pull."""
+        beats: list[FramedTransport | None] = [None] * len(self.servers)
+        options = self._options._replace(request_timeout=max(self.heartbeat * 4, 1.0))
+        try:
+            while True:
+                await asyncio.sleep(self.heartbeat)
+                for i in self._servers():
+                    try:
+                        conn = beats[i]
+                        if conn is None or conn.closed:
+                            conn = beats[i] = await self._open(self.servers[i], options)
+                        head = wps.PsHead(self.rank, self.world_size, self._clocks[i])
+                        await conn.call(Opcode.PS_HEARTBEAT, head.encode(), what="a heartbeat")
+                    except TensorwireError as exc:
+                        log.debug("heartbeat to %s failed: %s", self.servers[i], exc)
+        finally:
+            for conn in beats:
+                if conn is not None:
+                    await conn.close()
+
     async def _leave(self) -> None:
+        """Leave every server that can be reached now (no retries: the process may be ending)."""
+        if self._beating is not None:
+            self._beating.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._beating
         try:
             if self._joined:
-                await asyncio.gather(*(self._request(i, Opcode.PS_LEAVE, b"") for i in self._servers()))
+                head = wps.PsHead(self.rank, self.world_size).encode()
+                calls = [c.call(Opcode.PS_LEAVE, head, what="PS_LEAVE", timeout=self.connect_timeout)
+                         for c in self._conns if c is not None and not c.closed]  # fmt: skip
+                await asyncio.gather(*calls, return_exceptions=True)
         finally:
             for conn in self._conns:
-                await conn.close()
+                if conn is not None:
+                    await conn.close()
 
     async def _request(
         self,
@@ -282,13 +384,26 @@ class Worker:
         *,
         sink: transports.base.Sink | None = None,
         clock: int | None = None,
+        seq: int = 0,
     ) -> wm.MetaReader:
+        """One request to one server, resent on a new connection while the network fails (a
+        broken connection, a server restarting), for at most ``timeout`` seconds."""
         worker = wps.OBSERVER if self.observer else self.rank
-        self.seq += 1
-        head = wps.PsHead(worker, self.world_size, self.clock if clock is None else clock, self.seq,
-                          int(self.timeout * 1000))  # fmt: skip
-        what = f"{opcode.name} from worker {self.rank}"
-        return await self._conns[server].call(opcode, head.encode() + body, data, sink, what=what)
+        tick = self._clocks[server] if clock is None else clock
+        head = wps.PsHead(worker, self.world_size, tick, seq, int(self.timeout * 1000)).encode()
+        what = f"{opcode.name} from worker {self.rank} to {self.servers[server]}"
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.timeout
+        for attempt in itertools.count(1):
+            try:
+                conn = await self._connection(server)
+                return await conn.call(opcode, head + body, data, sink, what=what)
+            except TransportError as exc:
+                if not exc.retryable or loop.time() >= deadline:
+                    raise
+                log.info("%s failed (%s); retrying", what, exc)
+                await asyncio.sleep(min(0.05 * 2**attempt, 1.0, max(deadline - loop.time(), 0)))
+        raise AssertionError("unreachable")
 
     # -- helpers --------------------------------------------------------------------------------
     def _servers(self) -> range:
@@ -333,6 +448,16 @@ class Worker:
     @staticmethod
     def _view(tensor: torch.Tensor, shard: Shard) -> torch.Tensor:
         return tensor.view(-1)[shard.start : shard.stop]
+
+
+async def _gather_all(coros: Iterable[Coroutine[Any, Any, T]]) -> list[T]:
+    """Like ``asyncio.gather``, but every call finishes before the first error is raised (a call
+    still running after its sibling failed would change this worker's state behind its back)."""
+    results = await asyncio.gather(*coros, return_exceptions=True)
+    for result in results:
+        if isinstance(result, BaseException):
+            raise result
+    return results  # type: ignore[return-value]
 
 
 def pull_parameters(model: torch.nn.Module, servers: Sequence[str] | str, *, timeout: float = 60.0) -> int:

@@ -44,6 +44,8 @@ class Opcode(enum.IntEnum):
     PS_PULL = 14
     PS_STATS = 15
     ALLREDUCE = 16
+    PS_HEARTBEAT = 17
+    PS_ROLLBACK = 18
 
 
 class Flags(enum.IntFlag):

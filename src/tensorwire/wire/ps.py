@@ -7,17 +7,20 @@ u64 clock | u64 seq | u32 wait_ms``, then an opcode's own fields:
 opcode     request after the head                           response
 =========  ===============================================  =========================================
 PS_INIT    config (string, JSON) | records; data: values    u8 created | u64 step
-PS_JOIN    (nothing)                                        u64 clock | u8 initialized
+PS_JOIN    (nothing)                                        u64 clock | u8 initialized | u64 seq
 PS_LEAVE   (nothing)                                        (nothing)
 PS_PUSH    records; data: gradients                         u64 version | u32 staleness
 PS_PULL    names                                            records | u64 version; data: values
 PS_STATS   (nothing)                                        u32 length | UTF-8 JSON
 ALLREDUCE  records; data: gradients (``clock`` = step)      records | u32 contributors; data: means
+HEARTBEAT  (nothing)                                        u32 live (0: dropped, rejoin)
+ROLLBACK   (nothing; ``clock`` = the version to go back to)  u64 version
 =========  ===============================================  =========================================
 
 ``worker`` is the worker's rank (``OBSERVER`` for a reader that takes no part in training);
 ``world`` the number of workers the job was started with; ``clock`` the worker's step count
-(pushes done so far); ``seq`` a per-worker sequence number for exactly-once pushes; ``wait_ms``
+(pushes done so far); ``seq`` the push's sequence number (1, 2, ... per worker; a push the server
+applied already is answered again, not applied again); ``wait_ms``
 how long the server may wait on other workers before it answers TIMEOUT (0: the server's default).
 Answers that carry tensors put their records first, as GET_MANY does.
 """
@@ -38,7 +41,7 @@ _HEAD = struct.Struct("<IIQQI")
 _U8 = struct.Struct("<B")
 _U32 = struct.Struct("<I")
 _U64 = struct.Struct("<Q")
-_U64_U8 = struct.Struct("<QB")
+_JOIN_REPLY = struct.Struct("<QBQ")
 _U8_U64 = struct.Struct("<BQ")
 _U64_U32 = struct.Struct("<QI")
 
@@ -77,13 +80,13 @@ def decode_init_reply(reader: MetaReader) -> tuple[bool, int]:
     return bool(created), step
 
 
-def encode_join_reply(clock: int, initialized: bool) -> bytes:
-    return _U64_U8.pack(clock, int(initialized))
+def encode_join_reply(clock: int, initialized: bool, seq: int) -> bytes:
+    return _JOIN_REPLY.pack(clock, int(initialized), seq)
 
 
-def decode_join_reply(reader: MetaReader) -> tuple[int, bool]:
-    clock, initialized = reader.take(_U64_U8)
-    return clock, bool(initialized)
+def decode_join_reply(reader: MetaReader) -> tuple[int, bool, int]:
+    clock, initialized, seq = reader.take(_JOIN_REPLY)
+    return clock, bool(initialized), seq
 
 
 def encode_push_reply(version: int, staleness: int) -> bytes:
