@@ -121,7 +121,10 @@ def optimizer_state(tensors: dict[str, torch.Tensor], rest: dict[str, Any]) -> d
     for key, value in tensors.items():
         index, _, name = key.partition("/")
         state.setdefault(int(index), {})[name] = value
-    return {"state": state, "param_groups": rest["param_groups"]}
+    # JSON made tuples (Adam's betas) into lists: give them back as torch wrote them.
+    groups = [{k: (tuple(v) if isinstance(v, list) and k != "params" else v) for k, v in group.items()}
+              for group in rest["param_groups"]]  # fmt: skip
+    return {"state": state, "param_groups": groups}
 
 
 def _prune(directory: Path) -> None:

@@ -327,6 +327,12 @@ class ParamServer:
         request.meta.done()
         self._check_worker(head)
         self._note_world(head.world)
+        async with self._step_lock():  # a step being taken does not count a worker joining now
+            reply = self._admit(head)
+        await request.reply(reply)
+
+    def _admit(self, head: wps.PsHead) -> bytes:
+        """Make ``head.worker`` live at the current step (sync) or the slowest clock; the answer."""
         clock = self.step if self.mode and self.mode.kind == "sync" else self.slowest()
         before = self.workers.get(head.worker)  # a rejoin keeps its push marks: resends stay duplicates
         marks = (before.seq, before.last_reply) if before else (0, b"")
@@ -334,7 +340,7 @@ class ParamServer:
         log.info("worker %d joined at clock %d (live: %s)", head.worker, clock, self.live())
         self._start_watchdog()
         self._notify()
-        await request.reply(wps.encode_join_reply(clock, self.config is not None, marks[0]))
+        return wps.encode_join_reply(clock, self.config is not None, marks[0])
 
     async def _on_leave(self, request: Request) -> None:
         head = wps.PsHead.decode(request.meta)
@@ -580,9 +586,7 @@ class ParamServer:
     # -- applying -------------------------------------------------------------------------------
     async def _apply_ready_steps(self) -> None:
         """Take every sync step whose gradients are all in (there may be several after a leave)."""
-        if self._applying is None:
-            self._applying = asyncio.Lock()
-        async with self._applying:
+        async with self._step_lock():
             while (grads := self._ready_step()) is not None:
                 pending = self._pending.pop(self.step)
                 total = grads[0]
@@ -592,6 +596,11 @@ class ParamServer:
                 self.step += 1
                 self._notify()
                 await self._maybe_checkpoint()
+
+    def _step_lock(self) -> asyncio.Lock:
+        if self._applying is None:
+            self._applying = asyncio.Lock()
+        return self._applying
 
     def _ready_step(self) -> list[list[torch.Tensor]] | None:
         """The gradients of the current step in worker order, if every live worker pushed."""

@@ -49,7 +49,7 @@ import torch
 
 from tensorwire import transport as transports
 from tensorwire._loop import LoopThread, wait
-from tensorwire.errors import InvalidTensor, ProtocolError, TensorwireError, TransportError, WorkerDropped
+from tensorwire.errors import InvalidTensor, ProtocolError, TensorwireError, WorkerDropped
 from tensorwire.ps.optim import SGD, OptimizerSpec, spec_of
 from tensorwire.ps.placement import ParamSpec, Placement, Shard, plan
 from tensorwire.ps.server import JobConfig, Mode
@@ -203,10 +203,10 @@ class Worker:
         if self.observer:
             await self._pull_all()
             return
-        await self._join_all(first=True)
-        if self.heartbeat > 0:
+        if self.heartbeat > 0:  # beating from the start: a slow first pull must not get it dropped
             self._beating = asyncio.get_running_loop().create_task(self._heartbeats())
-        self.version = await self._pull_all()
+        await self._join_all(first=True)
+        self.version = await self._pull()
 
     async def _join_all(self, first: bool = False) -> None:
         """Join on every server (initialising the job where there is none). In sync mode they must
@@ -341,18 +341,21 @@ class Worker:
         next push or pull."""
         beats: list[FramedTransport | None] = [None] * len(self.servers)
         options = self._options._replace(request_timeout=max(self.heartbeat * 4, 1.0))
+
+        async def beat(i: int) -> None:
+            try:
+                conn = beats[i]
+                if conn is None or conn.closed:
+                    conn = beats[i] = await self._open(self.servers[i], options)
+                head = wps.PsHead(self.rank, self.world_size, self._clocks[i])
+                await conn.call(Opcode.PS_HEARTBEAT, head.encode(), what="a heartbeat")
+            except TensorwireError as exc:
+                log.debug("heartbeat to %s failed: %s", self.servers[i], exc)
+
         try:
             while True:
+                await asyncio.gather(*(beat(i) for i in self._servers()))
                 await asyncio.sleep(self.heartbeat)
-                for i in self._servers():
-                    try:
-                        conn = beats[i]
-                        if conn is None or conn.closed:
-                            conn = beats[i] = await self._open(self.servers[i], options)
-                        head = wps.PsHead(self.rank, self.world_size, self._clocks[i])
-                        await conn.call(Opcode.PS_HEARTBEAT, head.encode(), what="a heartbeat")
-                    except TensorwireError as exc:
-                        log.debug("heartbeat to %s failed: %s", self.servers[i], exc)
         finally:
             for conn in beats:
                 if conn is not None:
@@ -398,7 +401,7 @@ class Worker:
             try:
                 conn = await self._connection(server)
                 return await conn.call(opcode, head + body, data, sink, what=what)
-            except TransportError as exc:
+            except TensorwireError as exc:  # a broken connection, a corrupt chunk: resend
                 if not exc.retryable or loop.time() >= deadline:
                     raise
                 log.info("%s failed (%s); retrying", what, exc)

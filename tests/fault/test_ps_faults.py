@@ -1,0 +1,224 @@
+"""The parameter server under faults: broken connections, corrupt bytes, duplicate pushes,
+stopped workers, killed servers. Every fault is injected for real and checked to have fired."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import ps_job
+import torch
+
+from tensorwire.ps import Adam, CheckpointPolicy, ParamServer, Worker, pull_parameters
+from tensorwire.ps.worker import server_stats
+from tensorwire.server import ServerThread
+from tensorwire.testing.faults import Fault, FaultSchedule, FaultyProxy, kill9, sigcont, sigstop
+from tensorwire.testing.process import ServerProcess, wait_for
+
+JOB = Path(ps_job.__file__)
+DEADLINE = 120.0
+
+
+def same_state(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def reference(tmp_path: Path, steps: int) -> dict[str, torch.Tensor]:
+    """The same job, one worker, no faults."""
+    out = tmp_path / "reference"
+    out.mkdir()
+    with ServerThread(extensions=[ParamServer()]) as server:
+        ps_job.train(server.url, "sync", steps, out)
+    state: dict[str, torch.Tensor] = torch.load(out / "rank0.pt", weights_only=True)
+    return state
+
+
+def test_a_duplicated_push_is_applied_once() -> None:
+    model = ps_job.model()
+    with (
+        ServerThread(extensions=[ParamServer()]) as server,
+        Worker(model, [server.url], "async", rank=0) as worker,
+    ):
+        x, y = ps_job.batch(0, 0)
+        torch.nn.functional.cross_entropy(model(x), y).backward()  # type: ignore[no-untyped-call]
+        grads = worker._take_grads()
+        first = worker._loop().call(worker._push_to(0, grads), 10, "push")
+        worker._seqs[0], worker._clocks[0] = 0, 0  # the same (worker, seq) again, as a resend would
+        again = worker._loop().call(worker._push_to(0, grads), 10, "the same push")
+        (stats,) = server_stats([server.url])
+        assert first == again
+        assert stats["version"] == stats["pushes_applied"] == 1
+        assert stats["duplicates_ignored"] == 1 and stats["workers"]["0"]["seq"] == 1
+        worker.pull()
+        torch.nn.functional.cross_entropy(model(x), y).backward()  # type: ignore[no-untyped-call]
+        assert worker.step().version == 2  # and the worker carries on with push 2
+
+
+def test_dropped_connections_and_corrupt_bytes_change_nothing(tmp_path: Path) -> None:
+    """Exactly once: a run whose connections break and whose bytes get corrupted (each push resent
+    on a new connection) ends with the same bits as a run without faults."""
+    steps = 40
+    expected = reference(tmp_path, steps)
+    out = tmp_path / "faulty"
+    out.mkdir()
+    progress = out / "rank0.progress"
+
+    def at(step: int) -> bool:
+        return progress.exists() and int(progress.read_text() or 0) >= step
+
+    with ServerThread(extensions=[ParamServer()]) as server, FaultyProxy(server.url) as proxy:
+        schedule = FaultSchedule([
+            Fault("drop the connections", proxy.drop, when=lambda: at(10)),
+            Fault("corrupt a byte", proxy.corrupt, when=lambda: at(20)),
+            Fault("drop them again", proxy.drop, when=lambda: at(30)),
+        ])  # fmt: skip
+        with schedule.running():
+            ps_job.train(proxy.url, "sync", steps, out)
+        schedule.assert_fired()
+        assert proxy.dropped >= 2 and proxy.corrupted == 1
+        (stats,) = server_stats([server.url])
+    assert stats["step"] == steps
+    assert same_state(torch.load(out / "rank0.pt", weights_only=True), expected)
+
+
+def start_workers(
+    servers: list[str], mode: str, steps: int, out: Path, world: int
+) -> list[subprocess.Popen[bytes]]:
+    procs = []
+    for rank in range(world):
+        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(world)}
+        cmd = [sys.executable, str(JOB), ",".join(servers), mode, str(steps), str(out)]
+        procs.append(subprocess.Popen(cmd, env=env))
+    return procs
+
+
+def finish(procs: list[subprocess.Popen[bytes]]) -> list[int]:
+    """Exit codes; any process still running after the deadline is killed (and fails the test)."""
+    codes = []
+    for proc in procs:
+        try:
+            codes.append(proc.wait(DEADLINE))
+        except subprocess.TimeoutExpired:
+            os.kill(proc.pid, signal.SIGCONT)
+            proc.kill()
+            codes.append(proc.wait())
+    return codes
+
+
+def test_a_stopped_worker_is_dropped_and_rejoins_after_sigcont(tmp_path: Path) -> None:
+    heartbeat_timeout = 2.0
+    with ServerProcess(extra=["--heartbeat-timeout", str(heartbeat_timeout)]) as server:
+        procs = start_workers([server.url], "sync", 300, tmp_path, 2)
+        try:
+            stats = lambda: server_stats([server.url])[0]  # noqa: E731
+            wait_for(lambda: stats()["step"] >= 20, DEADLINE, "step 20")
+            schedule = FaultSchedule([Fault("SIGSTOP worker 1", sigstop(procs[1]))])
+            with schedule.running():
+                schedule.wait(10)
+            stopped_at = stats()["step"]
+            # Worker 0 goes on alone once worker 1 missed its heartbeats: within the timeout + a step.
+            wait_for(lambda: not stats()["workers"]["1"]["live"], heartbeat_timeout + 10, "worker 1 dropped")
+            wait_for(lambda: stats()["step"] >= stopped_at + 5, 10, "steps without worker 1")
+            resume = FaultSchedule([Fault("SIGCONT worker 1", sigcont(procs[1]))])
+            with resume.running():
+                resume.wait(10)
+            wait_for(lambda: stats()["workers"]["1"]["live"], 30, "worker 1 to rejoin")
+            schedule.assert_fired()
+            resume.assert_fired()
+        finally:
+            codes = finish(procs)
+        assert codes == [0, 0]
+        assert stats()["workers_dropped"] >= 1
+    report = json.loads((tmp_path / "rank1.json").read_text())
+    assert report["rejoins"] >= 1
+
+
+def test_killed_servers_resume_from_their_checkpoints(tmp_path: Path) -> None:
+    """kill -9 both servers of a sync job mid-training, start them again on the same ports:
+    each resumes from its newest checkpoint, the worker rolls them to one step and finishes."""
+    every, steps = 5, 80
+    dirs = [tmp_path / f"ckpt{i}" for i in range(2)]
+    extra = lambda i: ["--checkpoint-dir", str(dirs[i]), "--checkpoint-every", str(every)]  # noqa: E731
+    servers = [ServerProcess(extra=extra(i)) for i in range(2)]
+    urls = [s.url for s in servers]
+    out = tmp_path / "out"
+    out.mkdir()
+    procs = start_workers(urls, "sync", steps, out, 1)
+    try:
+        progress = out / "rank0.progress"
+
+        def step() -> int:
+            return int(progress.read_text() or 0) if progress.exists() else 0
+
+        schedule = FaultSchedule([
+            Fault("kill -9 server 0", kill9(servers[0].proc), when=lambda: step() >= 23),
+            Fault("kill -9 server 1", kill9(servers[1].proc)),
+        ])  # fmt: skip
+        with schedule.running():
+            schedule.wait(DEADLINE)
+        schedule.assert_fired()
+        killed_at = step()
+        for s in servers:
+            s.stop()
+        servers = [ServerProcess(listen=url, extra=extra(i)) for i, url in enumerate(urls)]
+        resumed = [server_stats([url])[0]["step"] for url in urls]
+        assert all(killed_at - every <= r <= killed_at + 1 for r in resumed), (killed_at, resumed)
+        assert finish(procs) == [0]
+        report = json.loads((out / "rank0.json").read_text())
+        assert report["rejoins"] >= 1
+        final = server_stats(urls)
+        assert final[0]["step"] == final[1]["step"] > killed_at
+    finally:
+        finish(procs)
+        for s in servers:
+            s.stop()
+
+
+def test_fault_schedule_reports_a_fault_that_never_fired() -> None:
+    never = FaultSchedule([Fault("impossible", lambda: None, when=lambda: False)], deadline=0.2)
+    with never.running():
+        never.wait(5)
+    try:
+        never.assert_fired()
+    except AssertionError as exc:
+        assert "impossible" in str(exc)
+    else:
+        raise AssertionError("a fault that never fired passed assert_fired")
+
+
+def test_threads_of_the_fault_kit_end() -> None:
+    before = threading.active_count()
+    with ServerThread(extensions=[ParamServer()]) as server, FaultyProxy(server.url):
+        pass
+    wait_for(lambda: threading.active_count() <= before, 10, "the proxy's and server's threads to end")
+
+
+def test_checkpoint_round_trip_restores_the_whole_job(tmp_path: Path) -> None:
+    policy = CheckpointPolicy(tmp_path, every_steps=3)
+    model = ps_job.model()
+    original = ParamServer(checkpoints=policy)
+    server = ServerThread(extensions=[original])
+    with server, Worker(model, [server.url], "async", Adam(lr=1e-2), rank=0) as worker:
+        for step in range(7):
+            x, y = ps_job.batch(0, step)
+            torch.nn.functional.cross_entropy(model(x), y).backward()  # type: ignore[no-untyped-call]
+            worker.step()
+    restored = ParamServer()
+    assert restored.restore(tmp_path)
+    assert restored.version == original.version == 7  # the last checkpoint is written at close
+    assert restored.workers[0].seq == 7 and not restored.workers[0].live
+    with ServerThread(extensions=[restored]) as again:
+        fresh = ps_job.model()
+        pull_parameters(fresh, [again.url])
+    assert same_state(fresh.state_dict(), model.state_dict())
+    assert original.optimizer is not None and restored.optimizer is not None
+    want, got = original.optimizer.state_dict(), restored.optimizer.state_dict()
+    assert len(got["state"]) == 4 and want["param_groups"] == got["param_groups"]
+    for index, entry in want["state"].items():
+        assert all(torch.equal(entry[k], got["state"][index][k]) for k in ("step", "exp_avg", "exp_avg_sq"))
+    assert len(list(tmp_path.iterdir())) <= 3  # the newest three are kept
