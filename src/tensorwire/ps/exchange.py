@@ -28,7 +28,14 @@ from typing import Any
 import grpc
 import torch
 
-from tensorwire.errors import InvalidTensor, ProtocolError, TensorwireError, TransferTimeout, WaitTimeout
+from tensorwire.errors import (
+    CapacityExceeded,
+    InvalidTensor,
+    ProtocolError,
+    TensorwireError,
+    TransferTimeout,
+    WaitTimeout,
+)
 from tensorwire.server import Request
 from tensorwire.store.names import validate_name
 from tensorwire.types import TensorMeta
@@ -55,13 +62,16 @@ class _Round:
 class GradientExchange:
     """The server side: rounds keyed by (step, tensor name); see the module doc."""
 
-    def __init__(self, workers: int = 0, wait_timeout: float = 120.0) -> None:
+    def __init__(self, workers: int = 0, wait_timeout: float = 120.0, capacity: int = 1 << 62) -> None:
         self.default_world = workers  # for gRPC callers that send no world-size
         self.wait_timeout = wait_timeout
+        self.capacity = capacity  # most bytes of gradients open rounds may hold
+        self.held = 0
         self.left: set[int] = set()
         self.rounds_done = 0
         self._rounds: dict[tuple[int, str], _Round] = {}
         self._done: dict[str, int] = {}  # the last step averaged, per tensor
+        self._last_world = 0
 
     async def contribute(
         self, worker: int, world: int, step: int, name: str, grad: torch.Tensor, *, wait: float | None = None
@@ -69,6 +79,8 @@ class GradientExchange:
         """Add ``grad`` to its round; return (the mean, how many workers it averages)."""
         world = world or self.default_world
         _check_rank(worker, world)
+        if not 0 <= step < 1 << 63:
+            raise ProtocolError(f"step {step} is out of range")
         if step <= self._done.get(name, -1):
             raise ProtocolError(f"step {step} of {name!r} was already averaged without worker {worker}")
         self.left.discard(worker)  # sending again is rejoining
@@ -77,27 +89,48 @@ class GradientExchange:
         if round_ is None:
             round_ = self._rounds[key] = _Round(world)
         _check_like(round_, worker, world, grad, name)
+        nbytes = grad.numel() * grad.element_size()
+        if self.held + nbytes > self.capacity:
+            raise CapacityExceeded(f"open allreduce rounds hold {self.held} bytes; {nbytes} more exceed "
+                                   f"{self.capacity}")  # fmt: skip
         round_.grads[worker] = grad
+        self.held += nbytes
         self._settle(key, round_)
-        seconds = self.wait_timeout if wait is None else wait
+        # The caller may ask for a shorter wait, never a longer one than the server's own.
+        seconds = self.wait_timeout if wait is None else min(wait, self.wait_timeout)
         try:
             return await asyncio.wait_for(asyncio.shield(round_.result), seconds)
         except TimeoutError:
-            # This worker gets an error, so its gradient does not count: take it out of the round.
-            round_.grads.pop(worker, None)
-            if not round_.grads and self._rounds.get(key) is round_:
-                del self._rounds[key]
-            missing = sorted(set(range(round_.world)) - set(round_.grads) - self.left - {worker})
+            self._withdraw(key, round_, worker)
+            missing = sorted(set(range(round_.world)) - set(round_.grads) - self.left - {worker})[:16]
             raise WaitTimeout(
                 f"waited {seconds:.3g}s for the gradients of step {step} of {name!r} from worker(s) "
                 f"{', '.join(map(str, missing))}"
             ) from None
+        except asyncio.CancelledError:  # the caller went away (a cancelled gRPC call)
+            self._withdraw(key, round_, worker)
+            raise
+
+    def _withdraw(self, key: tuple[int, str], round_: _Round, worker: int) -> None:
+        """The worker gets an error, so its gradient does not count: take it out of the round."""
+        if round_.result.done():
+            return
+        grad = round_.grads.pop(worker, None)
+        if grad is not None:
+            self.held -= grad.numel() * grad.element_size()
+        if not round_.grads and self._rounds.get(key) is round_:
+            del self._rounds[key]
 
     def leave(self, worker: int) -> None:
-        """``worker`` is done: rounds stop waiting for it."""
+        """``worker`` is done: rounds stop waiting for it. Once every worker of a world has left,
+        the exchange forgets the run (the next one starts again at step 0)."""
         self.left.add(worker)
         for key, round_ in list(self._rounds.items()):
             self._settle(key, round_)
+        world = max((r.world for r in self._rounds.values()), default=self._last_world)
+        if not self._rounds and world and set(range(world)) <= self.left:
+            self.left.clear()
+            self._done.clear()
 
     def _settle(self, key: tuple[int, str], round_: _Round) -> None:
         expected = set(range(round_.world)) - self.left
@@ -106,6 +139,8 @@ class GradientExchange:
         del self._rounds[key]
         step, name = key
         self._done[name] = max(step, self._done.get(name, -1))
+        self._last_world = round_.world
+        self.held -= sum(g.numel() * g.element_size() for g in round_.grads.values())
         grads = [round_.grads[w] for w in sorted(round_.grads)]
         mean = grads[0].clone() if len(grads) > 1 else grads[0]
         for grad in grads[1:]:
@@ -121,6 +156,8 @@ class GradientExchange:
         request.meta.done()
         if sum(m.nbytes for m in metas) != request.header.data_len:
             raise InvalidTensor("the records' sizes do not add up to the frame's data length")
+        if self.held + request.header.data_len > self.capacity:  # refused before a byte is read
+            raise CapacityExceeded(f"{request.header.data_len} more gradient bytes exceed {self.capacity}")
         if len({m.name for m in metas}) != len(metas):
             raise ProtocolError("ALLREDUCE names the same tensor twice")
         for meta in metas:

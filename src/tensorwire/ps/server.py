@@ -55,6 +55,8 @@ from tensorwire.wire.tensors import byte_view
 log = logging.getLogger("tensorwire.ps")
 T = TypeVar("T")
 MAX_STALENESS_BUCKET = 1000  # the histogram's last bucket holds everything above
+MAX_WORLD = 1 << 16
+MAX_SNAPSHOTS = 4  # older copies of the parameters that slow pulls may still be sending from
 
 
 @dataclass(frozen=True)
@@ -130,11 +132,25 @@ class _Worker:
     heard: float = field(default_factory=time.monotonic)  # its last request or heartbeat
 
 
+_Grads = list[torch.Tensor | None]  # one per shard of the server; None: no gradient for it
+
+
+@dataclass(eq=False)
+class _Snapshot:
+    """A copy of the parameters at one version, which pulls send from (see ``_published``)."""
+
+    generation: int  # of the job's shards (a restore makes new ones)
+    version: int
+    metas: dict[str, TensorMeta]
+    tensors: dict[str, torch.Tensor]
+    readers: int = 0  # pulls sending from it right now
+
+
 @dataclass(eq=False)
 class _Pending:
-    """The gradients pushed for one clock of a sync job, by worker."""
+    """The gradients pushed for one clock of a sync job, by worker: (its buffers, its gradients)."""
 
-    grads: dict[int, list[torch.Tensor]] = field(default_factory=dict)
+    grads: dict[int, tuple[_Grads, _Grads]] = field(default_factory=dict)
 
 
 class _SharedLock:
@@ -198,7 +214,7 @@ class ParamServer:
         self._last_checkpoint = time.monotonic()
         self._watchdog: asyncio.Task[None] | None = None
         # The gradient exchange (ALLREDUCE, gRPC GradientService) rides on the same server.
-        self.exchange = GradientExchange(workers, wait_timeout)
+        self.exchange = GradientExchange(workers, wait_timeout, capacity)
         self.config: JobConfig | None = None
         self.shards: dict[str, _Shard] = {}
         self.optimizer: torch.optim.Optimizer | None = None
@@ -210,10 +226,14 @@ class ParamServer:
         self.staleness: Counter[int] = Counter()
         self._initializing = False
         self._pending: dict[int, _Pending] = {}
-        self._free: list[list[torch.Tensor]] = []  # gradient buffers for reuse (fresh pages are slow)
+        self._free: list[_Grads] = []  # gradient buffers for reuse (fresh pages are slow)
         self._changed: asyncio.Event | None = None  # set (and dropped) at every change of state
         self._lock = _SharedLock()
         self._applying: asyncio.Lock | None = None
+        self._generation = 0  # bumped when the shards are replaced (a job created, a checkpoint restored)
+        self._current: _Snapshot | None = None  # the copy pulls send from
+        self._retired: list[_Snapshot] = []
+        self._publishing: asyncio.Lock | None = None
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="tensorwire-ps")
 
     # -- the extension seam ---------------------------------------------------------------------
@@ -293,14 +313,18 @@ class ParamServer:
             raise ProtocolError("PS_INIT without values, but this server has no job yet")
         if request.header.data_len > self.capacity:
             raise CapacityExceeded(f"{request.header.data_len} bytes of parameters exceed {self.capacity}")
-        self._note_world(head.world)
+        self._check_worker(head)
         if self.config is None and not self._initializing:
             await self._create(request, config, metas)
+            self._note_world(head.world)
             await request.reply(wps.encode_init_reply(True, self.step))
             return
         await request.skip()  # someone else's values won: this worker pulls them
         with request.waiting():
-            await self._wait(lambda: self.config is not None, head, "the job's parameters to be initialised")
+            ready = lambda: self.config is not None or not self._initializing  # noqa: E731
+            await self._wait(ready, head, "the job's parameters to be initialised")
+        if self.config is None:  # the worker creating it failed: this one may try again
+            raise WorkerDropped("the worker that was creating the job failed: initialise it again")
         self._check_same_job(config, metas)
         await request.reply(wps.encode_init_reply(False, self.step))
 
@@ -318,6 +342,7 @@ class ParamServer:
             self._notify()
             raise
         self.shards, self.optimizer, self.config = shards, optimizer, config
+        self._generation += 1
         self._initializing = False
         log.info("job initialised: %d shards, mode %s, %s", len(shards), config.mode, config.optimizer)
         self._notify()
@@ -370,32 +395,31 @@ class ParamServer:
             await request.reply(state.last_reply if head.seq == state.seq else stale)
             return
         self._check_push(head, state)
-        shards = self._shards_for(metas, request.header.data_len)
-        grads = self._take_buffers(shards)
+        shards, present = self._shards_for(metas, request.header.data_len)
+        buffers = self._take_buffers(shards)
+        grads = [b if p else None for b, p in zip(buffers, present, strict=True)]
         state.pushing = True  # one push per worker at a time: a second one is refused, not merged
         try:
-            await request.receive([byte_view(g) for g in grads])
-            await self._accept(head, state, shards, grads)
+            await request.receive([byte_view(g) for g in grads if g is not None])
+            await self._accept(head, state, buffers, grads)
         finally:
             state.pushing = False
             self._notify()
         await request.reply(state.last_reply)
 
-    async def _accept(
-        self, head: wps.PsHead, state: _Worker, shards: list[_Shard], grads: list[torch.Tensor]
-    ) -> None:
+    async def _accept(self, head: wps.PsHead, state: _Worker, buffers: _Grads, grads: _Grads) -> None:
         """Record (sync) or apply (async, ssp) a received push; then the worker's clock moves on,
         so an ssp gate opens only once the update it waits for is in the parameters."""
         assert self.config is not None
         if self.config.mode.kind == "sync":
-            self._pending.setdefault(head.clock, _Pending()).grads[head.worker] = grads
+            self._pending.setdefault(head.clock, _Pending()).grads[head.worker] = (buffers, grads)
             self._record(0)
             self._mark(head, state, 0)
             await self._apply_ready_steps()
             return
         staleness = self.staleness_of(head, state)
-        await self._apply(shards, grads, divide_by=1)
-        self._free.append(grads)
+        await self._apply(grads, pushes=1)
+        self._free.append(buffers)
         self._record(staleness)
         self._mark(head, state, staleness)
         await self._maybe_checkpoint()
@@ -427,10 +451,53 @@ class ParamServer:
             with request.waiting():
                 await self._gate(head, state)
             state.read_clock = self.slowest() if self.mode and self.mode.kind != "sync" else head.clock
-        async with self._lock.shared():
-            metas = [s.meta for s in shards]
-            data = [byte_view(s.param.data) for s in shards]
-            await request.reply(wm.encode_records(metas) + wps.encode_u64(self.version), data)
+        del shards  # checked; the answer comes from the published copy
+        with request.waiting():
+            snapshot = await self._published(head)
+        snapshot.readers += 1
+        try:
+            metas = [snapshot.metas[name] for name in names]
+            data = [byte_view(snapshot.tensors[name]) for name in names]
+            await request.reply(wm.encode_records(metas) + wps.encode_u64(snapshot.version), data)
+        finally:
+            snapshot.readers -= 1
+            self._notify()
+
+    async def _published(self, head: wps.PsHead) -> _Snapshot:
+        """A copy of the parameters at the current version, made by the first pull after a step and
+        shared by the pulls that follow. Pulls send from it without holding the parameters' lock,
+        so a slow reader never holds up a step; the copy is one memcpy per version."""
+        if self._publishing is None:
+            self._publishing = asyncio.Lock()
+        async with self._publishing:
+            current = self._current
+            if (
+                current is not None
+                and current.version == self.version
+                and current.generation == self._generation
+            ):
+                return current
+            room = lambda: sum(s.readers > 0 for s in self._retired) < MAX_SNAPSHOTS  # noqa: E731
+            await self._wait(room, head, f"one of {MAX_SNAPSHOTS} slow pulls to finish")
+            async with self._lock.shared():  # no step while the values are copied
+                fresh = self._spare_snapshot()
+                await self._run(_copy_shards, fresh, self.shards)
+                fresh.version = self.version
+                fresh.metas = {key: shard.meta for key, shard in self.shards.items()}
+            if current is not None:
+                self._retired.append(current)
+            self._current = fresh
+            return fresh
+
+    def _spare_snapshot(self) -> _Snapshot:
+        """A retired copy nobody is sending from any more (its buffers are reused: fresh pages
+        cost more than the copy), or a new one."""
+        idle = [s for s in self._retired if s.readers == 0 and s.generation == self._generation]
+        self._retired = [s for s in self._retired if s.readers > 0]
+        if idle:
+            return idle[0]
+        tensors = {key: torch.empty_like(shard.param.data) for key, shard in self.shards.items()}
+        return _Snapshot(self._generation, -1, {}, tensors)
 
     async def _on_heartbeat(self, request: Request) -> None:
         head = wps.PsHead.decode(request.meta)
@@ -528,6 +595,7 @@ class ParamServer:
         optimizer = config.optimizer.build(s.param for s in shards.values())
         optimizer.load_state_dict(checkpoint.optimizer_state(snapshot.optimizer, state["optimizer"]))
         self.config, self.shards, self.optimizer = config, shards, optimizer
+        self._generation += 1
         self.world, self.step, self.version, self.pushes = (
             state["world"],
             state["step"],
@@ -557,7 +625,8 @@ class ParamServer:
             )
 
     async def _wait(self, ready: Callable[[], bool], head: wps.PsHead, what: str) -> None:
-        seconds = head.wait_ms / 1000 if head.wait_ms else self.wait_timeout
+        # The peer may ask for a shorter wait, never a longer one than the server's own.
+        seconds = min(head.wait_ms / 1000, self.wait_timeout) if head.wait_ms else self.wait_timeout
         try:
             async with asyncio.timeout(seconds):
                 while not ready():
@@ -576,10 +645,9 @@ class ParamServer:
     def _who_lags(self) -> str:
         if self.config is None:
             return "no worker has initialised the job"
-        clocks = ", ".join(
-            f"worker {w} at clock {s.clock}" for w, s in sorted(self.workers.items()) if s.live
-        )
-        missing = sorted(set(range(self.world)) - set(self.workers))
+        live = sorted((w, s.clock) for w, s in self.workers.items() if s.live)
+        clocks = ", ".join(f"worker {w} at clock {clock}" for w, clock in live[:16])
+        missing = [w for w in range(min(self.world, len(self.workers) + 16)) if w not in self.workers][:16]
         joined = f"; never joined: {', '.join(map(str, missing))}" if missing else ""
         return f"step {self.step}, live: {clocks or 'none'}{joined}"
 
@@ -587,12 +655,11 @@ class ParamServer:
     async def _apply_ready_steps(self) -> None:
         """Take every sync step whose gradients are all in (there may be several after a leave)."""
         async with self._step_lock():
-            while (grads := self._ready_step()) is not None:
-                pending = self._pending.pop(self.step)
-                total = grads[0]
-                await self._run(_sum_into, total, grads[1:])
-                await self._apply(list(self.shards.values()), total, divide_by=len(pending.grads))
-                self._free.extend(list(g) for g in pending.grads.values())
+            while (ready := self._ready_step()) is not None:
+                del self._pending[self.step]
+                mean = await self._run(_mean, [grads for _, grads in ready])
+                await self._apply(mean, pushes=len(ready))
+                self._free.extend(buffers for buffers, _ in ready)
                 self.step += 1
                 self._notify()
                 await self._maybe_checkpoint()
@@ -602,8 +669,8 @@ class ParamServer:
             self._applying = asyncio.Lock()
         return self._applying
 
-    def _ready_step(self) -> list[list[torch.Tensor]] | None:
-        """The gradients of the current step in worker order, if every live worker pushed."""
+    def _ready_step(self) -> list[tuple[_Grads, _Grads]] | None:
+        """The pushes of the current step in worker order, if every live worker pushed."""
         pending = self._pending.get(self.step)
         if pending is None or len(self.workers) < self.world:
             return None
@@ -611,14 +678,17 @@ class ParamServer:
             return None
         return [pending.grads[w] for w in sorted(pending.grads)]
 
-    async def _apply(self, shards: Sequence[_Shard], grads: Sequence[torch.Tensor], divide_by: int) -> None:
+    async def _apply(self, grads: _Grads, pushes: int) -> None:
+        """One optimizer step with ``grads`` (one per shard, None where there is none)."""
         assert self.optimizer is not None
+        shards = list(self.shards.values())
         async with self._lock.exclusive():
-            await self._run(_step, self.optimizer, [s.param for s in shards], grads, divide_by)
+            await self._run(_step, self.optimizer, [s.param for s in shards], grads)
         self.version += 1
-        self.pushes += 1 if self.mode and self.mode.kind != "sync" else divide_by
-        for shard in shards:
-            shard.version = self.version
+        self.pushes += pushes
+        for shard, grad in zip(shards, grads, strict=True):
+            if grad is not None:
+                shard.version = self.version
 
     async def _run(self, fn: Callable[..., T], *args: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(self._thread, fn, *args)
@@ -629,8 +699,8 @@ class ParamServer:
 
     def _check_worker(self, head: wps.PsHead) -> None:
         if head.worker == wps.OBSERVER:
-            raise ProtocolError("an observer cannot join a job")
-        if not 0 < head.world <= 1 << 16 or head.worker >= head.world:
+            raise ProtocolError("an observer cannot join or create a job")
+        if not 0 < head.world <= MAX_WORLD or head.worker >= head.world:
             raise ProtocolError(f"worker {head.worker} of a world of {head.world} is not a valid rank")
         if self.world and head.world != self.world:
             raise ProtocolError(
@@ -670,7 +740,13 @@ class ParamServer:
             raise ProtocolError(
                 f"worker {head.worker} pushed for clock {head.clock}; it is at clock {state.clock}"
             )
-        if self.config.mode.kind == "sync" and head.clock != self.step:
+        mode = self.config.mode
+        if mode.kind == "ssp" and head.clock - state.read_clock > mode.staleness:
+            raise ProtocolError(
+                f"worker {head.worker} pushed for clock {head.clock} on parameters read at clock "
+                f"{state.read_clock}: staler than {mode} allows (pull first)"
+            )
+        if mode.kind == "sync" and head.clock != self.step:
             # Behind: that step is taken. Ahead: it never pulled the step before (and gradients
             # held for future steps would pile up without bound).
             raise ProtocolError(f"worker {head.worker} pushed for step {head.clock}; the server is at step "
@@ -682,22 +758,32 @@ class ParamServer:
             raise ProtocolError(f"this server holds no shard {name!r}")
         return shard
 
-    def _shards_for(self, metas: Sequence[TensorMeta], data_len: int) -> list[_Shard]:
-        """A push must carry one gradient for each shard here, in the shards' order, of its size."""
+    def _shards_for(self, metas: Sequence[TensorMeta], data_len: int) -> tuple[list[_Shard], list[bool]]:
+        """A push carries one record for each shard here, in the shards' order: its gradient, or
+        an empty one (``shape (0,)``) where the worker has no gradient (a parameter it did not use,
+        which torch.optim would skip). Returns the shards and which of them have a gradient."""
         _check_records(metas, data_len)
         shards = list(self.shards.values())
         if [m.name for m in metas] != [s.key for s in shards]:
-            raise ProtocolError("a push must carry a gradient for every shard of this server, in its order")
+            raise ProtocolError("a push must carry a record for every shard of this server, in its order")
+        present = []
         for meta, shard in zip(metas, shards, strict=True):
-            if meta.dtype != shard.param.dtype or meta.nbytes != shard.meta.nbytes:
-                raise InvalidTensor(f"gradient {meta.name!r} is {meta.dtype}/{meta.nbytes} B; the shard is "
-                                    f"{shard.param.dtype}/{shard.meta.nbytes} B")  # fmt: skip
-        return shards
+            if meta.dtype != shard.param.dtype:
+                raise InvalidTensor(
+                    f"gradient {meta.name!r} is {meta.dtype}; the shard is {shard.param.dtype}"
+                )
+            if meta.nbytes not in (0, shard.meta.nbytes):
+                raise InvalidTensor(
+                    f"gradient {meta.name!r} has {meta.nbytes} bytes; the shard {shard.meta.nbytes}"
+                )
+            present.append(meta.nbytes == shard.meta.nbytes)
+        return shards, present
 
-    def _take_buffers(self, shards: Sequence[_Shard]) -> list[torch.Tensor]:
+    def _take_buffers(self, shards: Sequence[_Shard]) -> _Grads:
         if self._free:
             return self._free.pop()
-        return [torch.empty_like(s.param.data) for s in shards]
+        fresh: _Grads = [torch.empty_like(s.param.data) for s in shards]
+        return fresh
 
     def _record(self, staleness: int) -> None:
         self.staleness[min(staleness, MAX_STALENESS_BUCKET)] += 1
@@ -711,21 +797,33 @@ def _check_records(metas: Sequence[TensorMeta], data_len: int | None) -> None:
             raise InvalidTensor(f"shard {meta.name!r} must be a flat floating-point range")
 
 
-def _sum_into(total: list[torch.Tensor], others: Sequence[list[torch.Tensor]]) -> None:
-    for grads in others:
-        torch._foreach_add_(total, grads)
+def _mean(pushes: Sequence[_Grads]) -> _Grads:
+    """Per shard, the sum of the workers' gradients in worker order (into the first one's buffer),
+    divided by the number of workers: a worker without a gradient for a shard counts as zeros,
+    as in one process whose batch is all the workers' batches. None where nobody had one."""
+    mean: _Grads = []
+    for column in zip(*pushes, strict=True):
+        present = [g for g in column if g is not None]
+        if not present:
+            mean.append(None)
+            continue
+        total = present[0]
+        for grad in present[1:]:
+            total.add_(grad)
+        if len(pushes) > 1:
+            total.div_(len(pushes))
+        mean.append(total)
+    return mean
 
 
-def _step(
-    optimizer: torch.optim.Optimizer,
-    params: Sequence[torch.nn.Parameter],
-    grads: Sequence[torch.Tensor],
-    divide_by: int,
-) -> None:
-    if divide_by != 1:
-        torch._foreach_div_(list(grads), divide_by)
+def _copy_shards(snapshot: _Snapshot, shards: Mapping[str, _Shard]) -> None:
+    for key, shard in shards.items():
+        snapshot.tensors[key].copy_(shard.param.data)
+
+
+def _step(optimizer: torch.optim.Optimizer, params: Sequence[torch.nn.Parameter], grads: _Grads) -> None:
     for param, grad in zip(params, grads, strict=True):
-        param.grad = grad
+        param.grad = grad  # None: torch.optim leaves the parameter (and its state) alone
     optimizer.step()
     for param in params:
         param.grad = None

@@ -128,7 +128,6 @@ class Worker:
         self._seqs = [0] * len(self.servers)  # the last push sequence number each server applied
         self._beating: asyncio.Task[None] | None = None
         self._pending: concurrent.futures.Future[PushResult] | None = None
-        self._zeros: dict[str, torch.Tensor] = {}
         self._thread: LoopThread | None = None
         self._joined = False
 
@@ -305,7 +304,7 @@ class Worker:
         reader.done()
         return version
 
-    async def _push(self, grads: dict[str, torch.Tensor], clock: int) -> PushResult:
+    async def _push(self, grads: dict[str, torch.Tensor | None], clock: int) -> PushResult:
         try:
             replies = await _gather_all(self._push_to(i, grads) for i in self._servers())
         except WorkerDropped:
@@ -314,12 +313,19 @@ class Worker:
         versions, staleness = zip(*replies, strict=True) if replies else ((0,), (0,))
         return PushResult(clock, max(versions), max(staleness))
 
-    async def _push_to(self, server: int, grads: dict[str, torch.Tensor]) -> tuple[int, int]:
+    async def _push_to(self, server: int, grads: dict[str, torch.Tensor | None]) -> tuple[int, int]:
         """One push, exactly once: a resend after a broken connection carries the same sequence
-        number, and a server that applied it already only answers again."""
+        number, and a server that applied it already only answers again. A parameter without a
+        gradient travels as an empty record."""
         shards = self._shards[server]
-        metas = [self._meta(s) for s in shards]
-        data = [byte_view(self._view(grads[s.param], s)) for s in shards]
+        metas, data = [], []
+        for shard in shards:
+            grad = grads[shard.param]
+            if grad is None:
+                metas.append(TensorMeta(shard.key, self._params[shard.param].dtype, (0,), 0))
+            else:
+                metas.append(self._meta(shard))
+                data.append(byte_view(self._view(grad, shard)))
         seq = self._seqs[server] + 1
         body = wm.encode_records(metas)
         reader = await self._request(server, Opcode.PS_PUSH, body, data, clock=self._clocks[server], seq=seq)
@@ -429,18 +435,15 @@ class Worker:
         if pending is not None:
             wait(pending, self.timeout + 2 * _MARGIN, "the last push")
 
-    def _take_grads(self) -> dict[str, torch.Tensor]:
-        """Every parameter's gradient (zeros where backward made none), taken from the module."""
-        grads: dict[str, torch.Tensor] = {}
+    def _take_grads(self) -> dict[str, torch.Tensor | None]:
+        """Every parameter's gradient, taken from the module (None where backward made none: the
+        server then leaves that parameter alone, as torch.optim does)."""
+        grads: dict[str, torch.Tensor | None] = {}
         for name, param in self._params.items():
             grad = param.grad
-            if grad is None:
-                grad = self._zeros.get(name)
-                if grad is None:
-                    grad = self._zeros[name] = torch.zeros_like(param.data)
-            elif grad.is_sparse or grad.dtype != param.dtype:
+            if grad is not None and (grad.is_sparse or grad.dtype != param.dtype):
                 raise ProtocolError(f"the gradient of {name!r} must be dense {param.dtype}")
-            grads[name] = grad.contiguous()
+            grads[name] = None if grad is None else grad.contiguous()
             param.grad = None
         return grads
 
