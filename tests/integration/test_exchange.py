@@ -142,3 +142,16 @@ def test_tcp_allreduce_timeout_and_bad_input() -> None:
                 client.step = 0  # a replay of a step that is done
                 client.allreduce(grads_of(0, 0))
             assert client.allreduce({"x": torch.ones(3)}) == 1  # the connection still serves
+
+
+def test_a_second_run_on_the_same_server_starts_again_at_step_0() -> None:
+    with exchange_server() as (url, _):
+        for run in range(2):
+            counts: dict[int, int] = {}
+
+            def work(rank: int, run: int = run, counts: dict[int, int] = counts) -> None:
+                with ExchangeClient(url, rank=rank, world_size=2) as client:
+                    counts[rank] = client.allreduce({"w": torch.full((3,), float(rank + run))})
+
+            run_threads(work, 2, 60)
+            assert counts == {0: 2, 1: 2}, f"run {run}"

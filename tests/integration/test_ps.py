@@ -20,6 +20,7 @@ from tensorwire.ps import SGD, Adam, AdamW, OptimizerSpec, ParamServer, Worker, 
 from tensorwire.ps.worker import server_stats
 from tensorwire.server import ServerThread
 from tensorwire.testing.process import run_threads, wait_for
+from tensorwire.transport.framed import FramedTransport
 
 W, B, STEPS = 2, 8, 100
 DEADLINE = 120.0
@@ -281,3 +282,145 @@ def test_a_job_larger_than_the_server_capacity_is_refused() -> None:
         with pytest.raises(CapacityExceeded, match="exceed 1024"):
             Worker(small_model(), [server.url], "async", SGD(), rank=0, world_size=1).start()
         assert server_stats([server.url])[0]["shards"] == 0  # nothing was kept
+
+
+class Branchy(torch.nn.Module):
+    """A model whose auxiliary head is used on some steps only: on the others it has no gradient."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.body = torch.nn.Linear(20, 5)
+        self.aux = torch.nn.Linear(20, 5)
+
+    def forward(self, x: torch.Tensor, step: int) -> torch.Tensor:
+        out: torch.Tensor = self.body(x)
+        return out + self.aux(x) if step % 3 == 0 else out
+
+
+@pytest.mark.parametrize(
+    "spec", [SGD(lr=0.1, momentum=0.9, weight_decay=1e-2), AdamW(lr=1e-2)], ids=["sgd-momentum", "adamw"]
+)
+def test_parameters_without_a_gradient_are_left_alone_as_torch_does(
+    spec: OptimizerSpec, data: tuple[torch.Tensor, torch.Tensor]
+) -> None:
+    x, y = data
+    steps = 30
+    expected = Branchy()
+    optimizer = spec.build(expected.parameters())  # type: ignore[arg-type]
+    for step in range(steps):
+        rows = slice(step * W * B, (step + 1) * W * B)
+        optimizer.zero_grad()
+        loss_of_branchy = F.cross_entropy(expected(x[rows], step), y[rows])
+        loss_of_branchy.backward()  # type: ignore[no-untyped-call]
+        optimizer.step()
+    models = [Branchy() for _ in range(W)]
+
+    def work(rank: int) -> None:
+        with Worker(models[rank], urls, "sync", spec, rank=rank, world_size=W) as worker:
+            for step in range(steps):
+                rows = slice(step * W * B + rank * B, step * W * B + (rank + 1) * B)
+                F.cross_entropy(models[rank](x[rows], step), y[rows]).backward()  # type: ignore[no-untyped-call]
+                worker.step()
+
+    with cluster(2) as urls:
+        run_threads(work, W, DEADLINE)
+    assert max_diff(models[0], expected) <= 1e-5
+
+
+def raw_call(url: str, opcode: int, body: bytes, data: list[memoryview] | None = None) -> None:
+    """One hand-made request on a connection of its own."""
+    from tensorwire import transport as transports
+    from tensorwire._loop import run
+    from tensorwire.types import Address
+
+    async def call() -> None:
+        options = transports.TransportOptions(5.0, 10.0)
+        conn = await transports.open_transport(Address.parse(url), options)
+        try:
+            assert isinstance(conn, FramedTransport)
+            await conn.call(opcode, body, data or [], what="a hand-made request")
+        finally:
+            await conn.close()
+
+    run(call())
+
+
+def test_a_lying_world_in_ps_init_changes_nothing() -> None:
+    from tensorwire.types import TensorMeta
+    from tensorwire.wire import meta as wm
+    from tensorwire.wire import ps as wps
+    from tensorwire.wire.frame import Opcode
+
+    config = '{"mode": "async", "optimizer": {"kind": "sgd"}}'
+    metas = [TensorMeta("w#0:4", torch.float32, (4,), 16)]
+    body = wps.PsHead(0, 1 << 23).encode() + wps.encode_config(config) + wm.encode_records(metas)
+    with cluster(1) as urls:
+        with pytest.raises(ProtocolError, match="not a valid rank"):
+            raw_call(urls[0], Opcode.PS_INIT, body, [memoryview(torch.zeros(4).numpy()).cast("B")])
+        (stats,) = server_stats(urls)
+        assert stats["world"] == 0 and stats["shards"] == 0
+        with Worker(small_model(), urls, "async", SGD(), rank=0, world_size=1):
+            pass  # a real worker still creates the job
+
+
+def test_ssp_refuses_a_push_staler_than_its_bound() -> None:
+    model = small_model()
+    x, y = torch.randn(B, 20), torch.randint(0, 5, (B,))
+    with cluster(1) as urls, Worker(model, urls, "ssp:1", SGD(), rank=0, world_size=1) as worker:
+        for _ in range(2):  # pushes at clocks 0 and 1 on parameters read at clock 0: within 1
+            loss_of(model, x, y).backward()  # type: ignore[no-untyped-call]
+            worker.push().result()
+        loss_of(model, x, y).backward()  # type: ignore[no-untyped-call]
+        with pytest.raises(ProtocolError, match="staler than ssp:1"):
+            worker.push().result()
+
+
+def test_a_second_process_cannot_take_a_live_rank() -> None:
+    with cluster(1) as urls, Worker(small_model(), urls, "sync", SGD(), rank=0, world_size=2):
+        with pytest.raises(ProtocolError, match="held by another live process"):
+            Worker(small_model(), urls, "sync", SGD(), rank=0, world_size=2).start()
+        (stats,) = server_stats(urls)
+        assert stats["workers"]["0"]["live"]  # the refused one's exit did not remove the real one
+
+
+def test_a_reader_that_never_reads_does_not_stall_training() -> None:
+    """An observer asks for 64 MiB of parameters and reads none of it; training goes on."""
+    import socket
+
+    from tensorwire.wire import meta as wm
+    from tensorwire.wire import ps as wps
+    from tensorwire.wire.checksum import ChecksumKind
+    from tensorwire.wire.frame import Header, Opcode, encode_frame_head
+
+    model = torch.nn.Linear(4096, 4096)  # 64 MiB: more than any socket buffers hold
+    x = torch.randn(2, 4096)
+    with cluster(1) as urls, Worker(model, urls, "async", SGD(lr=1e-3), rank=0, world_size=1) as worker:
+        host, port = urls[0].removeprefix("tcp://").rsplit(":", 1)
+        keys = [s.key for s in worker.placement.on_server(0)]
+        meta = wps.PsHead(wps.OBSERVER).encode() + wm.encode_names(keys)
+        frame = encode_frame_head(
+            Header(1, Opcode.PS_PULL, 0, ChecksumKind.XXH3_64, 1, len(meta), 4 << 20, 0), meta
+        )
+        with socket.create_connection((host, int(port))) as stalled:
+            stalled.sendall(frame)
+            wait_for(lambda: server_stats(urls)[0]["pulls_sending"] == 1, 30, "the stalled pull's answer")
+            for _ in range(3):
+                model(x).pow(2).mean().backward()  # type: ignore[no-untyped-call]
+                worker.step()
+            assert worker.stats()[0]["version"] == 3
+
+
+def test_a_model_smaller_than_the_cluster_leaves_servers_out() -> None:
+    model = torch.nn.Linear(1, 1, bias=False)  # one element, two servers
+    with cluster(2) as urls, Worker(model, urls, "sync", SGD(lr=0.5), rank=0, world_size=1) as worker:
+        model(torch.ones(1, 1)).sum().backward()  # type: ignore[no-untyped-call]
+        worker.step()
+        assert sum(s["shards"] for s in server_stats(urls)) == 1
+
+
+def test_unusable_optimizer_settings_are_refused_where_they_are_written() -> None:
+    with pytest.raises(ValueError, match="unusable sgd settings"):
+        SGD(lr=-1.0)
+    with pytest.raises(ValueError, match="unusable sgd settings"):
+        SGD(nesterov=True)  # nesterov needs momentum

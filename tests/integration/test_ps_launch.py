@@ -30,6 +30,8 @@ WORKER_SCRIPT = textwrap.dedent(
     rank, out, how = int(os.environ["RANK"]), sys.argv[1], sys.argv[2]
     if how == "fail" and rank == 1:
         sys.exit(3)  # rank 0 is left waiting for step 0: the launcher must stop it
+    if how == "killed" and rank == 1:
+        os.kill(os.getpid(), 9)
     if how == "hang" and rank == 1:
         open(f"{out}/hanging", "w").close()
         sys.stdin.read()  # until the launcher ends this process
@@ -90,6 +92,8 @@ def test_ps_launch_stops_the_others_when_a_worker_fails(script: Path, tmp_path: 
     code, output = run(cmd)
     assert code == 3, output
     assert not (tmp_path / "rank0.pt").exists()
+    code, output = run([*cmd[:-1], "killed"])
+    assert code == 128 + signal.SIGKILL, output  # as a shell reports a signal
 
 
 def test_sigterm_to_the_launcher_ends_the_whole_cluster(script: Path, tmp_path: Path) -> None:

@@ -61,8 +61,8 @@ def wait_workers(procs: Sequence[subprocess.Popen[bytes]], timeout: float | None
         while True:
             codes = [p.poll() for p in procs]
             failed = next((c for c in codes if c not in (None, 0)), None)
-            if failed is not None:
-                return failed
+            if failed is not None:  # killed by a signal: the shell's 128 + signal number
+                return failed if failed > 0 else 128 - failed
             if all(c == 0 for c in codes):
                 return 0
             if deadline is not None and time.monotonic() > deadline:

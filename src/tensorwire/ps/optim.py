@@ -33,6 +33,14 @@ class OptimizerSpec:
     def build(self, params: Iterable[torch.nn.Parameter]) -> torch.optim.Optimizer:
         return self.TORCH(params, **dataclasses.asdict(self))
 
+    def __post_init__(self) -> None:
+        # torch checks the settings when it builds the optimizer: do it now, on a dummy, so that
+        # a bad lr or betas is a ValueError here, not an internal error on a server.
+        try:
+            self.build([torch.nn.Parameter(torch.zeros(1))])
+        except (ValueError, TypeError, IndexError, RuntimeError) as exc:
+            raise ValueError(f"unusable {self.KIND} settings {dataclasses.asdict(self)}: {exc}") from None
+
     def to_dict(self) -> dict[str, Any]:
         return {"kind": self.KIND, **dataclasses.asdict(self)}
 

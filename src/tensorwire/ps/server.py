@@ -128,6 +128,7 @@ class _Worker:
     read_clock: int = 0  # the slowest live clock when this worker last pulled
     pushing: bool = False
     seq: int = 0  # the highest push sequence number applied: a resend at or below it is a duplicate
+    incarnation: int = 0  # which process holds the rank (PS_JOIN's seq field)
     last_reply: bytes = b""  # the answer to push ``seq``, sent again to a resend of it
     heard: float = field(default_factory=time.monotonic)  # its last request or heartbeat
 
@@ -295,6 +296,7 @@ class ParamServer:
                 for w, s in sorted(self.workers.items())
             },
             "duplicates_ignored": self.duplicates,
+            "pulls_sending": sum(s.readers for s in [*self._retired, *filter(None, [self._current])]),
             "workers_dropped": self.dropped,
             "staleness": {str(k): v for k, v in sorted(self.staleness.items())},
             "max_staleness": max(self.staleness, default=0),
@@ -360,19 +362,26 @@ class ParamServer:
         """Make ``head.worker`` live at the current step (sync) or the slowest clock; the answer."""
         clock = self.step if self.mode and self.mode.kind == "sync" else self.slowest()
         before = self.workers.get(head.worker)  # a rejoin keeps its push marks: resends stay duplicates
-        marks = (before.seq, before.last_reply) if before else (0, b"")
-        self.workers[head.worker] = _Worker(clock, True, clock, False, *marks)
+        if before is not None and before.live and before.incarnation != head.seq and self._alive(before):
+            raise ProtocolError(
+                f"rank {head.worker} is held by another live process (a second worker with the same RANK?); "
+                "it is freed when that one leaves or misses its heartbeats"
+            )
+        seq, reply = (before.seq, before.last_reply) if before else (0, b"")
+        self.workers[head.worker] = _Worker(
+            clock, read_clock=clock, seq=seq, last_reply=reply, incarnation=head.seq
+        )
         log.info("worker %d joined at clock %d (live: %s)", head.worker, clock, self.live())
         self._start_watchdog()
         self._notify()
-        return wps.encode_join_reply(clock, self.config is not None, marks[0])
+        return wps.encode_join_reply(clock, self.config is not None, seq)
 
     async def _on_leave(self, request: Request) -> None:
         head = wps.PsHead.decode(request.meta)
         request.meta.done()
         self.exchange.leave(head.worker)
         state = self.workers.get(head.worker)
-        if state is not None and state.live:
+        if state is not None and state.live and state.incarnation == head.seq:  # not another process's
             state.live = False
             log.info("worker %d left at clock %d (live: %s)", head.worker, state.clock, self.live())
             self._notify()
@@ -503,9 +512,11 @@ class ParamServer:
         head = wps.PsHead.decode(request.meta)
         request.meta.done()
         state = self.workers.get(head.worker)
-        if state is not None and state.live:
+        live = state is not None and state.live and state.incarnation == head.seq
+        if live:
+            assert state is not None
             state.heard = time.monotonic()
-        await request.reply(wps.encode_u32(int(state is not None and state.live)))
+        await request.reply(wps.encode_u32(int(live)))
 
     async def _on_rollback(self, request: Request) -> None:
         """Go back to the checkpoint of version ``clock``: after a restart of several servers,
@@ -524,6 +535,11 @@ class ParamServer:
         await request.reply(wps.encode_stats(json.dumps(self.stats(), sort_keys=True)))
 
     # -- membership -----------------------------------------------------------------------------
+    def _alive(self, state: _Worker) -> bool:
+        """Whether a live worker was heard from lately (always, without heartbeat checks: then
+        only its PS_LEAVE frees the rank)."""
+        return not self.heartbeat_timeout or time.monotonic() - state.heard < self.heartbeat_timeout
+
     def _start_watchdog(self) -> None:
         if self.heartbeat_timeout > 0 and self._watchdog is None:
             self._watchdog = asyncio.get_running_loop().create_task(self._watch_heartbeats())
@@ -602,7 +618,7 @@ class ParamServer:
             state["version"],
             state["pushes"],
         )
-        self.workers = {int(w): _Worker(clock, False, clock, False, seq, bytes.fromhex(reply))
+        self.workers = {int(w): _Worker(clock, False, clock, seq=seq, last_reply=bytes.fromhex(reply))
                         for w, (clock, seq, reply) in state["workers"].items()}  # fmt: skip
         self._pending.clear()
         self._free.clear()

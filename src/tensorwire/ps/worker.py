@@ -39,6 +39,7 @@ import itertools
 import json
 import logging
 import os
+import secrets
 from collections.abc import Coroutine, Iterable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
@@ -119,6 +120,8 @@ class Worker:
         self.bytes_pushed = 0
         self.bytes_pulled = 0
         self.rejoins = 0
+        # Which process holds this rank: a second process with the same RANK is refused.
+        self.incarnation = secrets.randbits(63) or 1
         self._options = transports.TransportOptions(
             connect_timeout, timeout + _MARGIN, security=self._security
         )
@@ -227,12 +230,19 @@ class Worker:
         raise ProtocolError(f"the servers could not be brought to one step: {clocks}")
 
     async def _join(self, server: int, config: str, first: bool) -> tuple[int, int]:
-        reader = await self._request(server, Opcode.PS_JOIN, b"")
-        clock, initialized, seq = wps.decode_join_reply(reader)
-        reader.done()
-        if first or not initialized:  # the first time, also to check that this is the same job
-            await self._init(server, config, with_values=not initialized)
-        return clock, seq
+        for attempt in itertools.count(1):
+            reader = await self._request(server, Opcode.PS_JOIN, b"", seq=self.incarnation)
+            clock, initialized, seq = wps.decode_join_reply(reader)
+            reader.done()
+            if not first and initialized:
+                return clock, seq
+            try:  # the first time, also to check that the server's job is this one
+                await self._init(server, config, with_values=not initialized)
+                return clock, seq
+            except WorkerDropped:  # the worker creating the job failed: try again, ours may win
+                if attempt == 3:
+                    raise
+        raise AssertionError("unreachable")
 
     async def _rollback(self, server: int, version: int) -> None:
         reader = await self._request(server, Opcode.PS_ROLLBACK, b"", clock=version)
@@ -353,7 +363,7 @@ class Worker:
                 conn = beats[i]
                 if conn is None or conn.closed:
                     conn = beats[i] = await self._open(self.servers[i], options)
-                head = wps.PsHead(self.rank, self.world_size, self._clocks[i])
+                head = wps.PsHead(self.rank, self.world_size, self._clocks[i], self.incarnation)
                 await conn.call(Opcode.PS_HEARTBEAT, head.encode(), what="a heartbeat")
             except TensorwireError as exc:
                 log.debug("heartbeat to %s failed: %s", self.servers[i], exc)
@@ -375,7 +385,7 @@ class Worker:
                 await self._beating
         try:
             if self._joined:
-                head = wps.PsHead(self.rank, self.world_size).encode()
+                head = wps.PsHead(self.rank, self.world_size, 0, self.incarnation).encode()
                 calls = [c.call(Opcode.PS_LEAVE, head, what="PS_LEAVE", timeout=self.connect_timeout)
                          for c in self._conns if c is not None and not c.closed]  # fmt: skip
                 await asyncio.gather(*calls, return_exceptions=True)
@@ -415,8 +425,10 @@ class Worker:
         raise AssertionError("unreachable")
 
     # -- helpers --------------------------------------------------------------------------------
-    def _servers(self) -> range:
-        return range(len(self.servers))
+    def _servers(self) -> list[int]:
+        """The servers this worker talks to: those the placement gives a shard (a model with
+        fewer elements than there are servers leaves some without)."""
+        return [i for i, shards in enumerate(self._shards) if shards]
 
     def _loop(self) -> LoopThread:
         if self._thread is None:

@@ -7,7 +7,7 @@ u64 clock | u64 seq | u32 wait_ms``, then an opcode's own fields:
 opcode     request after the head                           response
 =========  ===============================================  =========================================
 PS_INIT    config (string, JSON) | records; data: values    u8 created | u64 step
-PS_JOIN    (nothing)                                        u64 clock | u8 initialized | u64 seq
+PS_JOIN    (nothing; ``seq`` = incarnation)                 u64 clock | u8 initialized | u64 seq
 PS_LEAVE   (nothing)                                        (nothing)
 PS_PUSH    records; data: gradients                         u64 version | u32 staleness
 PS_PULL    names                                            records | u64 version; data: values
