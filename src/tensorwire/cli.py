@@ -235,6 +235,18 @@ def main() -> None:
     help="Parameter server: a checkpoint at the first update this long after the last (0: not by time).",
 )  # fmt: skip
 @click.option(
+    "--backup", "backups", metavar="URL", multiple=True,
+    help="Parameter server: a backup (started with --standby) each change goes to first (repeatable).",
+)  # fmt: skip
+@click.option(
+    "--standby", is_flag=True,
+    help="Parameter server: be a backup; take over when the primary is silent for --failover-timeout.",
+)  # fmt: skip
+@click.option(
+    "--failover-timeout", type=click.FloatRange(min=0.1), default=2.0, show_default=True,
+    help="Parameter server (--standby): seconds without a word from the primary before taking over.",
+)  # fmt: skip
+@click.option(
     "--threads", type=click.IntRange(min=1), default=None,
     help="Parameter server: torch threads for the optimizer [default: half the cores, at most 4].",
 )  # fmt: skip
@@ -262,6 +274,9 @@ def serve(
     checkpoint_dir: Path | None,
     checkpoint_every: int,
     checkpoint_seconds: float,
+    backups: tuple[str, ...],
+    standby: bool,
+    failover_timeout: float,
     threads: int | None,
     log_level: str,
 ) -> None:
@@ -279,7 +294,14 @@ def serve(
         CheckpointPolicy(checkpoint_dir, checkpoint_every, checkpoint_seconds) if checkpoint_dir else None
     )
     ps_server = ParamServer(
-        wait_timeout, workers, capacity, heartbeat_timeout=heartbeat_timeout, checkpoints=policy
+        wait_timeout,
+        workers,
+        capacity,
+        heartbeat_timeout=heartbeat_timeout,
+        checkpoints=policy,
+        backups=backups,
+        standby=standby,
+        failover_timeout=failover_timeout,
     )
     if policy is not None and ps_server.restore(policy.directory):
         click.echo(f"resumed from a checkpoint in {policy.directory}: step {ps_server.step}")

@@ -10,8 +10,9 @@ of these. Each class says whether retrying the same call can help.
     ├── TransportError                 the network failed; retry can help
     │   ├── ConnectError               could not reach the server
     │   ├── ConnectionLost             the connection broke mid-request
-    │   └── TransferTimeout            (also TimeoutError) a wait ran out
-    │       └── WaitTimeout            the server waited for other workers and gave up; no retry
+    │   ├── TransferTimeout            (also TimeoutError) a wait ran out
+    │   │   └── WaitTimeout            the server waited for other workers and gave up; no retry
+    │   └── NotPrimary                 a parameter-server replica that does not serve now: try another
     ├── ProtocolError                  a peer broke the wire protocol
     │   ├── CorruptFrame               a checksum failed / bytes damaged; retry can help
     │   ├── UnsupportedVersion         no common protocol version
@@ -64,6 +65,11 @@ class WaitTimeout(TransferTimeout):
     timeout; the message names whom. The server is alive: resending the same request waits again."""
 
     retryable = False
+
+
+class NotPrimary(TransportError):
+    """This replica of a parameter server does not serve workers now (it is a backup whose primary
+    is alive, or a primary a backup took over from): the client moves to another replica."""
 
 
 class ProtocolError(TensorwireError):
@@ -142,6 +148,7 @@ class ErrorCode(enum.IntEnum):
     UNAUTHENTICATED = 11
     TIMEOUT = 12
     NOT_MEMBER = 13
+    NOT_PRIMARY = 14
 
 
 _CODE_TO_ERROR: dict[ErrorCode, type[TensorwireError]] = {
@@ -158,6 +165,7 @@ _CODE_TO_ERROR: dict[ErrorCode, type[TensorwireError]] = {
     ErrorCode.UNAUTHENTICATED: AuthenticationError,
     ErrorCode.TIMEOUT: WaitTimeout,
     ErrorCode.NOT_MEMBER: WorkerDropped,
+    ErrorCode.NOT_PRIMARY: NotPrimary,
 }
 
 

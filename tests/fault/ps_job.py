@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import threading
 from pathlib import Path
 
 import torch
@@ -16,10 +17,13 @@ import torch.nn.functional as F
 
 from tensorwire.ps import SGD, Worker
 
+_SEEDING = threading.Lock()  # torch's global generator: workers in threads take turns
+
 
 def model() -> torch.nn.Module:
-    torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+    with _SEEDING:
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
 
 
 def batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import ps_job
@@ -18,7 +19,7 @@ from tensorwire.ps import Adam, CheckpointPolicy, ParamServer, Worker, pull_para
 from tensorwire.ps.worker import server_stats
 from tensorwire.server import ServerThread
 from tensorwire.testing.faults import Fault, FaultSchedule, FaultyProxy, kill9, sigcont, sigstop
-from tensorwire.testing.process import ServerProcess, wait_for
+from tensorwire.testing.process import ServerProcess, run_threads, wait_for
 
 JOB = Path(ps_job.__file__)
 DEADLINE = 120.0
@@ -222,3 +223,87 @@ def test_checkpoint_round_trip_restores_the_whole_job(tmp_path: Path) -> None:
     for index, entry in want["state"].items():
         assert all(torch.equal(entry[k], got["state"][index][k]) for k in ("step", "exp_avg", "exp_avg_sq"))
     assert len(list(tmp_path.iterdir())) <= 3  # the newest three are kept
+
+
+def reference_sync(tmp_path: Path, steps: int, world: int) -> dict[str, torch.Tensor]:
+    """The same sync job with ``world`` workers (threads), no replicas, no faults."""
+    out = tmp_path / "reference"
+    out.mkdir()
+    with ServerThread(extensions=[ParamServer()]) as server:
+        run_threads(
+            lambda rank: ps_job.train(server.url, "sync", steps, out, rank=rank, world=world), world, 120
+        )
+    state: dict[str, torch.Tensor] = torch.load(out / "rank0.pt", weights_only=True)
+    return state
+
+
+def test_killing_the_primary_fails_over_to_its_backup_bit_identically(tmp_path: Path) -> None:
+    """kill -9 the primary of a sync job with one backup mid-training: the backup takes over,
+    the workers move to it and resend what was not acknowledged, and the job ends with the bits
+    of a run without the fault."""
+    steps, world = 60, 2
+    expected = reference_sync(tmp_path, steps, world)
+    out = tmp_path / "faulty"
+    out.mkdir()
+    progress = out / "rank0.progress"
+    with ServerProcess(extra=["--standby", "--failover-timeout", "1"]) as backup:
+        primary = ServerProcess(extra=["--backup", backup.url])
+        try:
+            procs = start_workers([f"{primary.url}|{backup.url}"], "sync", steps, out, world)
+            try:
+                at_20 = lambda: progress.exists() and int(progress.read_text() or 0) >= 20  # noqa: E731
+                kill = FaultSchedule([Fault("kill -9 the primary", kill9(primary.proc), when=at_20)])
+                with kill.running():
+                    kill.wait(DEADLINE)
+                kill.assert_fired()
+                assert kill.faults[0].fired_at is not None
+                killed = time.monotonic()
+                wait_for(
+                    lambda: server_stats([backup.url])[0]["role"] == "primary", 30, "the backup to take over"
+                )
+                taken_over = server_stats([backup.url])[0]["step"]
+                wait_for(
+                    lambda: server_stats([backup.url])[0]["step"] > taken_over, 30, "a step on the backup"
+                )
+                failover_s = time.monotonic() - killed
+                print(f"failover: the backup took over and stepped {failover_s:.2f}s after the kill")
+            finally:
+                codes = finish(procs)
+            assert codes == [0, 0]
+        finally:
+            primary.stop()
+        (stats,) = server_stats([backup.url])
+    assert stats["failovers"] == 1 and stats["epoch"] == 2
+    assert stats["step"] == steps and stats["pushes_applied"] == steps * world  # none lost, none twice
+    for rank in range(world):
+        assert same_state(torch.load(out / f"rank{rank}.pt", weights_only=True), expected)
+
+
+def test_a_primary_a_backup_took_over_from_is_fenced() -> None:
+    from tensorwire.errors import NotPrimary
+
+    model = ps_job.model()
+    backup_ps = ParamServer(standby=True, failover_timeout=0.2)
+    with ServerThread(extensions=[backup_ps]) as backup:
+        with ServerThread(extensions=[ParamServer(backups=[backup.url])]) as primary:
+            slot = f"{primary.url}|{backup.url}"
+            with Worker(model, slot, "async", rank=0, heartbeat=0) as worker:
+                x, y = ps_job.batch(0, 0)
+                torch.nn.functional.cross_entropy(model(x), y).backward()  # type: ignore[no-untyped-call]
+                worker.step()
+                primary.close()  # the primary is gone: the next step moves to the backup
+                torch.nn.functional.cross_entropy(model(x), y).backward()  # type: ignore[no-untyped-call]
+                worker.step()
+        assert backup_ps.role == "primary" and backup_ps.epoch == 2 and backup_ps.version == 2
+        # The old primary comes back (at epoch 1) and serves a worker: its first change is refused.
+        old = ParamServer(backups=[backup.url])
+        with ServerThread(extensions=[old]) as returned:
+            late = Worker(ps_job.model(), returned.url, "async", rank=0, timeout=2, heartbeat=0)
+            try:
+                late.start()
+            except NotPrimary:
+                pass
+            else:
+                late.close()
+                raise AssertionError("a fenced primary accepted a worker")
+        assert old.role == "fenced"

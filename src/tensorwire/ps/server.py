@@ -41,8 +41,15 @@ from typing import Any, TypeVar
 
 import torch
 
-from tensorwire.errors import CapacityExceeded, InvalidTensor, ProtocolError, WaitTimeout, WorkerDropped
-from tensorwire.ps import checkpoint
+from tensorwire.errors import (
+    CapacityExceeded,
+    InvalidTensor,
+    NotPrimary,
+    ProtocolError,
+    WaitTimeout,
+    WorkerDropped,
+)
+from tensorwire.ps import checkpoint, replication
 from tensorwire.ps.exchange import GradientExchange
 from tensorwire.ps.optim import OptimizerSpec, from_dict
 from tensorwire.server import Handler, Request
@@ -203,6 +210,9 @@ class ParamServer:
         *,
         heartbeat_timeout: float = 0.0,
         checkpoints: CheckpointPolicy | None = None,
+        backups: Sequence[str] = (),
+        standby: bool = False,
+        failover_timeout: float = 2.0,
     ) -> None:
         self.wait_timeout = wait_timeout
         self.capacity = capacity  # most bytes of parameters a job may place here
@@ -214,6 +224,15 @@ class ParamServer:
         self.dropped = 0  # workers dropped for missed heartbeats
         self._last_checkpoint = time.monotonic()
         self._watchdog: asyncio.Task[None] | None = None
+        # Replication (ps/replication.py): a primary sends every change to its backups first.
+        self.role = "backup" if standby else "primary"
+        self.epoch = 0 if standby else 1
+        self.failover_timeout = failover_timeout
+        self.failovers = 0
+        self._backups = replication.Backups(backups) if backups else None
+        self._ordered: asyncio.Lock | None = None  # changes are made (and replicated) one at a time
+        self._primary_seen: float | None = None
+        self._pinging: asyncio.Task[None] | None = None
         # The gradient exchange (ALLREDUCE, gRPC GradientService) rides on the same server.
         self.exchange = GradientExchange(workers, wait_timeout, capacity)
         self.config: JobConfig | None = None
@@ -249,6 +268,7 @@ class ParamServer:
             Opcode.ALLREDUCE: self.exchange.on_allreduce,
             Opcode.PS_HEARTBEAT: self._on_heartbeat,
             Opcode.PS_ROLLBACK: self._on_rollback,
+            Opcode.PS_REPLICATE: self._on_replicate,
         }
 
     def rpc_handlers(self) -> Sequence[Any]:
@@ -256,11 +276,14 @@ class ParamServer:
 
     async def close(self) -> None:
         """The server is stopping (SIGTERM): stop watching heartbeats, write a last checkpoint."""
-        if self._watchdog is not None:
-            self._watchdog.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._watchdog
-            self._watchdog = None
+        for task in (self._watchdog, self._pinging):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+        self._watchdog = self._pinging = None
+        if self._backups is not None:
+            await self._backups.close()
         if self.checkpoints is not None and self.config is not None:
             await self._checkpoint()
         self._thread.shutdown(wait=True)
@@ -296,6 +319,9 @@ class ParamServer:
                 for w, s in sorted(self.workers.items())
             },
             "duplicates_ignored": self.duplicates,
+            "role": self.role,
+            "epoch": self.epoch,
+            "failovers": self.failovers,
             "pulls_sending": sum(s.readers for s in [*self._retired, *filter(None, [self._current])]),
             "workers_dropped": self.dropped,
             "staleness": {str(k): v for k, v in sorted(self.staleness.items())},
@@ -304,6 +330,7 @@ class ParamServer:
 
     # -- handlers -------------------------------------------------------------------------------
     async def _on_init(self, request: Request) -> None:
+        self._serving()
         head = wps.PsHead.decode(request.meta)
         config = JobConfig.from_json(wps.decode_config(request.meta))
         metas = wm.decode_records(request.meta)
@@ -317,8 +344,7 @@ class ParamServer:
             raise CapacityExceeded(f"{request.header.data_len} bytes of parameters exceed {self.capacity}")
         self._check_worker(head)
         if self.config is None and not self._initializing:
-            await self._create(request, config, metas)
-            self._note_world(head.world)
+            await self._create(request, head, config, metas)
             await request.reply(wps.encode_init_reply(True, self.step))
             return
         await request.skip()  # someone else's values won: this worker pulls them
@@ -330,43 +356,55 @@ class ParamServer:
         self._check_same_job(config, metas)
         await request.reply(wps.encode_init_reply(False, self.step))
 
-    async def _create(self, request: Request, config: JobConfig, metas: list[TensorMeta]) -> None:
+    async def _create(
+        self, request: Request, head: wps.PsHead, config: JobConfig, metas: list[TensorMeta]
+    ) -> None:
         self._initializing = True
         try:
-            values = [torch.empty(m.numel if m.shape else 1, dtype=m.dtype) for m in metas]
+            values = [torch.empty(m.numel, dtype=m.dtype) for m in metas]
             await request.receive([byte_view(v) for v in values])
-            shards = {
-                m.name: _Shard(m.name, torch.nn.Parameter(v)) for m, v in zip(metas, values, strict=True)
-            }
-            optimizer = config.optimizer.build(s.param for s in shards.values())
-        except BaseException:
+            async with self._in_order():
+                body = wps.encode_config(config.to_json()) + wm.encode_records(metas)
+                await self._replicate(replication.Change.CREATE, head, body, [byte_view(v) for v in values])
+                self._install(head, config, metas, values)
+        finally:
             self._initializing = False
             self._notify()
-            raise
-        self.shards, self.optimizer, self.config = shards, optimizer, config
+
+    def _install(
+        self, head: wps.PsHead, config: JobConfig, metas: list[TensorMeta], values: list[torch.Tensor]
+    ) -> None:
+        shards = {m.name: _Shard(m.name, torch.nn.Parameter(v)) for m, v in zip(metas, values, strict=True)}
+        self.optimizer = config.optimizer.build(s.param for s in shards.values())
+        self.shards, self.config = shards, config
         self._generation += 1
-        self._initializing = False
+        self._note_world(head.world)
         log.info("job initialised: %d shards, mode %s, %s", len(shards), config.mode, config.optimizer)
-        self._notify()
 
     async def _on_join(self, request: Request) -> None:
+        self._serving()
         head = wps.PsHead.decode(request.meta)
         request.meta.done()
         self._check_worker(head)
-        self._note_world(head.world)
-        async with self._step_lock():  # a step being taken does not count a worker joining now
+        async with self._in_order(), self._step_lock():  # a step being taken does not count it
+            self._check_rank_free(head)
+            await self._replicate(replication.Change.JOIN, head)
             reply = self._admit(head)
         await request.reply(reply)
 
-    def _admit(self, head: wps.PsHead) -> bytes:
-        """Make ``head.worker`` live at the current step (sync) or the slowest clock; the answer."""
-        clock = self.step if self.mode and self.mode.kind == "sync" else self.slowest()
-        before = self.workers.get(head.worker)  # a rejoin keeps its push marks: resends stay duplicates
+    def _check_rank_free(self, head: wps.PsHead) -> None:
+        before = self.workers.get(head.worker)
         if before is not None and before.live and before.incarnation != head.seq and self._alive(before):
             raise ProtocolError(
                 f"rank {head.worker} is held by another live process (a second worker with the same RANK?); "
                 "it is freed when that one leaves or misses its heartbeats"
             )
+
+    def _admit(self, head: wps.PsHead) -> bytes:
+        """Make ``head.worker`` live at the current step (sync) or the slowest clock; the answer."""
+        self._note_world(head.world)
+        clock = self.step if self.mode and self.mode.kind == "sync" else self.slowest()
+        before = self.workers.get(head.worker)  # a rejoin keeps its push marks: resends stay duplicates
         seq, reply = (before.seq, before.last_reply) if before else (0, b"")
         self.workers[head.worker] = _Worker(
             clock, read_clock=clock, seq=seq, last_reply=reply, incarnation=head.seq
@@ -377,18 +415,26 @@ class ParamServer:
         return wps.encode_join_reply(clock, self.config is not None, seq)
 
     async def _on_leave(self, request: Request) -> None:
+        self._serving()
         head = wps.PsHead.decode(request.meta)
         request.meta.done()
         self.exchange.leave(head.worker)
         state = self.workers.get(head.worker)
         if state is not None and state.live and state.incarnation == head.seq:  # not another process's
-            state.live = False
-            log.info("worker %d left at clock %d (live: %s)", head.worker, state.clock, self.live())
-            self._notify()
-            await self._apply_ready_steps()
+            async with self._in_order():
+                await self._replicate(replication.Change.LEAVE, head)
+                await self._leave(head.worker, "left")
         await request.reply(b"")
 
+    async def _leave(self, worker: int, why: str) -> None:
+        state = self.workers[worker]
+        state.live = False
+        log.info("worker %d %s at clock %d (live: %s)", worker, why, state.clock, self.live())
+        self._notify()
+        await self._apply_ready_steps()
+
     async def _on_push(self, request: Request) -> None:
+        self._serving()
         head = wps.PsHead.decode(request.meta)
         metas = wm.decode_records(request.meta)
         request.meta.done()
@@ -409,8 +455,11 @@ class ParamServer:
         grads = [b if p else None for b, p in zip(buffers, present, strict=True)]
         state.pushing = True  # one push per worker at a time: a second one is refused, not merged
         try:
-            await request.receive([byte_view(g) for g in grads if g is not None])
-            await self._accept(head, state, buffers, grads)
+            data = [byte_view(g) for g in grads if g is not None]
+            await request.receive(data)
+            async with self._in_order():
+                await self._replicate(replication.Change.PUSH, head, wm.encode_records(metas), data)
+                await self._accept(head, state, buffers, grads)
         finally:
             state.pushing = False
             self._notify()
@@ -447,6 +496,7 @@ class ParamServer:
         return head.clock - state.read_clock
 
     async def _on_pull(self, request: Request) -> None:
+        self._serving()
         head = wps.PsHead.decode(request.meta)
         names = wm.decode_names(request.meta)
         request.meta.done()
@@ -459,7 +509,11 @@ class ParamServer:
         if state is not None:
             with request.waiting():
                 await self._gate(head, state)
-            state.read_clock = self.slowest() if self.mode and self.mode.kind != "sync" else head.clock
+            read = self.slowest() if self.mode and self.mode.kind != "sync" else head.clock
+            if read != state.read_clock:
+                async with self._in_order():
+                    await self._replicate(replication.Change.READ, head._replace(clock=read))
+                    state.read_clock = read
         del shards  # checked; the answer comes from the published copy
         with request.waiting():
             snapshot = await self._published(head)
@@ -509,6 +563,7 @@ class ParamServer:
         return _Snapshot(self._generation, -1, {}, tensors)
 
     async def _on_heartbeat(self, request: Request) -> None:
+        self._serving()
         head = wps.PsHead.decode(request.meta)
         request.meta.done()
         state = self.workers.get(head.worker)
@@ -521,18 +576,108 @@ class ParamServer:
     async def _on_rollback(self, request: Request) -> None:
         """Go back to the checkpoint of version ``clock``: after a restart of several servers,
         workers bring them all to the newest version every one of them has."""
+        self._serving()
         head = wps.PsHead.decode(request.meta)
         request.meta.done()
         if self.live():
             raise ProtocolError(f"cannot roll back while workers {self.live()} are live")
-        if self.checkpoints is None or not self.restore(self.checkpoints.directory, head.clock):
+        if self.checkpoints is None or head.clock not in checkpoint.available(self.checkpoints.directory):
             raise WorkerDropped(f"no checkpoint of version {head.clock} here to roll back to")
+        async with self._in_order():
+            await self._replicate(replication.Change.ROLLBACK, head)
+            self.restore(self.checkpoints.directory, head.clock)
         await request.reply(wps.encode_u64(self.version))
 
     async def _on_stats(self, request: Request) -> None:
         wps.PsHead.decode(request.meta)
         request.meta.done()
         await request.reply(wps.encode_stats(json.dumps(self.stats(), sort_keys=True)))
+
+    # -- replication ----------------------------------------------------------------------------
+    def _in_order(self) -> asyncio.Lock:
+        if self._ordered is None:
+            self._ordered = asyncio.Lock()
+        return self._ordered
+
+    def _serving(self) -> None:
+        """Refuse a worker's request unless this replica is the primary. A backup whose primary has
+        been silent for ``failover_timeout`` takes over first."""
+        if self.role == "primary":
+            if self._backups is not None and self._pinging is None:
+                self._pinging = asyncio.get_running_loop().create_task(self._ping_backups())
+            return
+        seen = self._primary_seen
+        if self.role == "backup" and seen is not None and time.monotonic() - seen > self.failover_timeout:
+            self._promote()
+            return
+        raise NotPrimary(f"this replica is a {self.role} at epoch {self.epoch}: ask another one")
+
+    def _promote(self) -> None:
+        self.role = "primary"
+        self.epoch += 1
+        self.failovers += 1
+        now = time.monotonic()
+        for state in self.workers.values():
+            state.heard = now  # a grace period: the workers are moving over from the old primary
+        self._start_watchdog()
+        log.warning("the primary is silent: this backup takes over at epoch %d (step %d, version %d)",
+                    self.epoch, self.step, self.version)  # fmt: skip
+
+    async def _replicate(
+        self, change: replication.Change, head: wps.PsHead, body: bytes = b"", data: Sequence[memoryview] = ()
+    ) -> None:
+        """Apply a change on every backup before making it here (inside ``_in_order``)."""
+        if self._backups is None or self.role != "primary":
+            return
+        try:
+            await self._backups.send(replication.encode(change, self.epoch, head, body), data)
+        except NotPrimary:
+            self.role = "fenced"
+            log.error("a backup took over from this primary: stepping down")
+            raise NotPrimary("this primary was fenced: a backup took over; ask another replica") from None
+
+    async def _ping_backups(self) -> None:
+        while self.role == "primary":
+            async with self._in_order():
+                with contextlib.suppress(NotPrimary):
+                    await self._replicate(replication.Change.PING, wps.PsHead(wps.OBSERVER))
+            await asyncio.sleep(replication.PING_SECONDS)
+
+    async def _on_replicate(self, request: Request) -> None:
+        """A backup applies its primary's change, exactly as the primary did."""
+        head, change, epoch = replication.decode(request.meta)
+        if self.role != "backup" or epoch < self.epoch:
+            await request.skip()
+            raise NotPrimary(f"epoch {epoch} is over: this replica is a {self.role} at epoch {self.epoch}")
+        self.epoch, self._primary_seen = epoch, time.monotonic()
+        if change == replication.Change.CREATE:
+            config = JobConfig.from_json(wps.decode_config(request.meta))
+            metas = wm.decode_records(request.meta)
+            values = [torch.empty(m.numel, dtype=m.dtype) for m in metas]
+            await request.receive([byte_view(v) for v in values])
+            self._install(head, config, metas, values)
+        elif change == replication.Change.JOIN:
+            async with self._step_lock():
+                self._admit(head)
+        elif change in (replication.Change.LEAVE, replication.Change.DROP):
+            await self._leave(head.worker, "left (replicated)")
+        elif change == replication.Change.PUSH:
+            await self._apply_replicated_push(request, head)
+        elif change == replication.Change.READ:
+            self.workers[head.worker].read_clock = head.clock
+        elif change == replication.Change.ROLLBACK and self.checkpoints is not None:
+            self.restore(self.checkpoints.directory, head.clock)
+        request.meta.done()
+        await request.reply(b"")
+
+    async def _apply_replicated_push(self, request: Request, head: wps.PsHead) -> None:
+        metas = wm.decode_records(request.meta)
+        state = self.workers[head.worker]
+        shards, present = self._shards_for(metas, request.header.data_len)
+        buffers = self._take_buffers(shards)
+        grads = [b if p else None for b, p in zip(buffers, present, strict=True)]
+        await request.receive([byte_view(g) for g in grads if g is not None])
+        await self._accept(head, state, buffers, grads)
 
     # -- membership -----------------------------------------------------------------------------
     def _alive(self, state: _Worker) -> bool:
@@ -552,14 +697,11 @@ class ParamServer:
             silent = [w for w, s in self.workers.items() if s.live and not s.pushing
                       and now - s.heard > self.heartbeat_timeout]  # fmt: skip
             for worker in silent:
-                self.workers[worker].live = False
                 self.exchange.leave(worker)
                 self.dropped += 1
-                log.warning("dropped worker %d: no heartbeat for %.3gs (live: %s)", worker,
-                            self.heartbeat_timeout, self.live())  # fmt: skip
-            if silent:
-                self._notify()
-                await self._apply_ready_steps()
+                async with self._in_order():
+                    await self._replicate(replication.Change.DROP, wps.PsHead(worker))
+                    await self._leave(worker, f"dropped (no heartbeat for {self.heartbeat_timeout:.3g}s)")
 
     # -- checkpoints ----------------------------------------------------------------------------
     async def _maybe_checkpoint(self) -> None:

@@ -50,7 +50,15 @@ import torch
 
 from tensorwire import transport as transports
 from tensorwire._loop import LoopThread, wait
-from tensorwire.errors import InvalidTensor, ProtocolError, TensorwireError, WorkerDropped
+from tensorwire.errors import (
+    ConnectError,
+    ConnectionLost,
+    InvalidTensor,
+    NotPrimary,
+    ProtocolError,
+    TensorwireError,
+    WorkerDropped,
+)
 from tensorwire.ps.optim import SGD, OptimizerSpec, spec_of
 from tensorwire.ps.placement import ParamSpec, Placement, Shard, plan
 from tensorwire.ps.server import JobConfig, Mode
@@ -126,6 +134,10 @@ class Worker:
             connect_timeout, timeout + _MARGIN, security=self._security
         )
         self._conns: list[FramedTransport | None] = [None] * len(self.servers)
+        # Each server may be a replica set, "tcp://a:1|tcp://b:2": requests go to the one that
+        # answers as primary, and move on when it breaks or says NOT_PRIMARY.
+        self._replicas = [slot.split("|") for slot in self.servers]
+        self._at = [0] * len(self.servers)
         self._reconnecting = [asyncio.Lock() for _ in self.servers]
         self._clocks = [0] * len(self.servers)  # this worker's clock on each server
         self._seqs = [0] * len(self.servers)  # the last push sequence number each server applied
@@ -272,8 +284,21 @@ class Worker:
         async with self._reconnecting[server]:
             conn = self._conns[server]
             if conn is None or conn.closed:
-                conn = self._conns[server] = await self._open(self.servers[server], self._options)
+                conn = self._conns[server] = await self._open(self._url(server), self._options)
             return conn
+
+    def _url(self, server: int) -> str:
+        return self._replicas[server][self._at[server]]
+
+    async def _next_replica(self, server: int) -> None:
+        """Move to the server's next replica (a failover), if it has several."""
+        if len(self._replicas[server]) < 2:
+            return
+        conn, self._conns[server] = self._conns[server], None
+        if conn is not None:
+            await conn.close()
+        self._at[server] = (self._at[server] + 1) % len(self._replicas[server])
+        log.info("worker %d moves to replica %s", self.rank, self._url(server))
 
     async def _init(self, server: int, config: str, with_values: bool) -> None:
         """Create the job with this worker's values (the first worker's win), or, without values,
@@ -361,8 +386,10 @@ class Worker:
         async def beat(i: int) -> None:
             try:
                 conn = beats[i]
-                if conn is None or conn.closed:
-                    conn = beats[i] = await self._open(self.servers[i], options)
+                if conn is None or conn.closed or str(conn.address) != str(Address.parse(self._url(i))):
+                    if conn is not None:
+                        await conn.close()
+                    conn = beats[i] = await self._open(self._url(i), options)
                 head = wps.PsHead(self.rank, self.world_size, self._clocks[i], self.incarnation)
                 await conn.call(Opcode.PS_HEARTBEAT, head.encode(), what="a heartbeat")
             except TensorwireError as exc:
@@ -421,6 +448,8 @@ class Worker:
                 if not exc.retryable or loop.time() >= deadline:
                     raise
                 log.info("%s failed (%s); retrying", what, exc)
+                if isinstance(exc, (ConnectError, ConnectionLost, NotPrimary)):
+                    await self._next_replica(server)
                 await asyncio.sleep(min(0.05 * 2**attempt, 1.0, max(deadline - loop.time(), 0)))
         raise AssertionError("unreachable")
 

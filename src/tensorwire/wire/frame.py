@@ -46,6 +46,7 @@ class Opcode(enum.IntEnum):
     ALLREDUCE = 16
     PS_HEARTBEAT = 17
     PS_ROLLBACK = 18
+    PS_REPLICATE = 19
 
 
 class Flags(enum.IntFlag):
