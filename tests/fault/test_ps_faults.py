@@ -307,3 +307,44 @@ def test_a_primary_a_backup_took_over_from_is_fenced() -> None:
                 late.close()
                 raise AssertionError("a fenced primary accepted a worker")
         assert old.role == "fenced"
+
+
+def test_a_restarted_backup_gets_the_job_and_can_take_over() -> None:
+    """The backup dies and comes back empty on its port: the primary sends it the whole job, and
+    when the primary dies in turn, the new backup takes over with the same bits."""
+
+    def steps(worker: Worker, model: torch.nn.Module, first: int, count: int) -> None:
+        for step in range(first, first + count):
+            x, y = ps_job.batch(0, step)
+            torch.nn.functional.cross_entropy(model(x), y).backward()  # type: ignore[no-untyped-call]
+            worker.step()
+
+    expected = ps_job.model()
+    with (
+        ServerThread(extensions=[ParamServer()]) as plain,
+        Worker(expected, plain.url, "async", rank=0) as worker,
+    ):
+        steps(worker, expected, 0, 9)
+
+    model = ps_job.model()
+    first_backup = ServerThread(extensions=[ParamServer(standby=True, failover_timeout=0.3)])
+    backup_url = first_backup.url
+    primary = ServerThread(extensions=[ParamServer(backups=[backup_url])])
+    second_backup: ServerThread | None = None
+    try:
+        with Worker(model, f"{primary.url}|{backup_url}", "async", rank=0, heartbeat=0) as worker:
+            steps(worker, model, 0, 3)
+            first_backup.close()  # the backup dies; training goes on without a copy
+            steps(worker, model, 3, 3)
+            revived = ParamServer(standby=True, failover_timeout=0.3)
+            second_backup = ServerThread([backup_url], extensions=[revived])  # back, empty, same port
+            wait_for(lambda: revived.version == 6, 30, "the state transfer to the restarted backup")
+            primary.close()  # now the primary dies: the restarted backup takes over
+            steps(worker, model, 6, 3)
+            assert revived.role == "primary" and revived.version == 9
+    finally:
+        primary.close()
+        first_backup.close()
+        if second_backup is not None:
+            second_backup.close()
+    assert same_state(model.state_dict(), expected.state_dict())

@@ -377,9 +377,11 @@ def test_ssp_refuses_a_push_staler_than_its_bound() -> None:
 
 
 def test_a_second_process_cannot_take_a_live_rank() -> None:
+    from tensorwire.errors import WaitTimeout
+
     with cluster(1) as urls, Worker(small_model(), urls, "sync", SGD(), rank=0, world_size=2):
-        with pytest.raises(ProtocolError, match="held by another live process"):
-            Worker(small_model(), urls, "sync", SGD(), rank=0, world_size=2).start()
+        with pytest.raises(WaitTimeout, match="rank 0 to be freed"):  # it waits for the first to go
+            Worker(small_model(), urls, "sync", SGD(), rank=0, world_size=2, timeout=0.5).start()
         (stats,) = server_stats(urls)
         assert stats["workers"]["0"]["live"]  # the refused one's exit did not remove the real one
 

@@ -25,7 +25,7 @@ import asyncio
 import enum
 import logging
 import struct
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from tensorwire import transport as transports
 from tensorwire.errors import NotPrimary, TensorwireError
@@ -36,6 +36,7 @@ from tensorwire.wire import ps as wps
 from tensorwire.wire.frame import Opcode
 
 log = logging.getLogger("tensorwire.ps.replication")
+Sync = Callable[[], "tuple[bytes, list[memoryview]] | None"]  # the state transfer, or None (no job)
 PING_SECONDS = 0.5
 _KIND = struct.Struct("<BQ")  # kind, epoch
 
@@ -51,6 +52,7 @@ class Change(enum.IntEnum):
     DROP = 5
     READ = 6  # head.clock: the read clock to note
     ROLLBACK = 7  # head.clock: the version
+    SYNC = 8  # body: u32 length + JSON state, records; data: params, optimizer, pending pushes
 
 
 def encode(change: Change, epoch: int, head: wps.PsHead, body: bytes = b"") -> bytes:
@@ -74,31 +76,51 @@ class Backups:
         self._options = transports.TransportOptions(connect_timeout, timeout)
         self._conns: dict[str, FramedTransport] = {}
         self.lost: set[str] = set()  # backups that stopped answering: no longer waited for
+        self._synced: set[str] = set()  # backups holding the job (after a state transfer)
 
-    async def send(self, meta: bytes, data: Sequence[memoryview] = ()) -> None:
-        """Apply a change on every live backup; NotPrimary if one of them has a newer epoch."""
-        live = [url for url in self.urls if url not in self.lost]
-        sends = (self._send_one(url, meta, data) for url in live)
+    def reset(self) -> None:
+        """Forget every backup's state (this server just became the primary)."""
+        self.lost.clear()
+        self._synced.clear()
+
+    async def send(self, meta: bytes, data: Sequence[memoryview] = (), sync: Sync | None = None, *,
+                   retry_lost: bool = False) -> None:  # fmt: skip
+        """Apply a change on every live backup (``retry_lost``: also on those lost, which get the
+        whole job first, from ``sync``); NotPrimary if one of them has a newer epoch."""
+        live = [url for url in self.urls if retry_lost or url not in self.lost]
+        sends = (self._send_one(url, meta, data, sync) for url in live)
         results = await asyncio.gather(*sends, return_exceptions=True)
         for result in results:
             if isinstance(result, BaseException):
                 raise result
 
-    async def _send_one(self, url: str, meta: bytes, data: Sequence[memoryview]) -> None:
+    async def _send_one(self, url: str, meta: bytes, data: Sequence[memoryview], sync: Sync | None) -> None:
         try:
             conn = self._conns.get(url)
             if conn is None or conn.closed:
+                self._synced.discard(url)  # a new connection may be a restarted, empty backup
                 opened = await transports.open_transport(Address.parse(url), self._options)
                 assert isinstance(opened, FramedTransport)
                 conn = self._conns[url] = opened
+            if url not in self._synced:
+                transfer = sync() if sync is not None else None
+                if transfer is not None:
+                    (
+                        await conn.call(Opcode.PS_REPLICATE, *transfer, what=f"the state transfer to {url}")
+                    ).done()
+                    log.info("backup %s has the job (state transfer)", url)
+                self._synced.add(url)
             reader = await conn.call(Opcode.PS_REPLICATE, meta, data, what=f"a replicated change to {url}")
             reader.done()
+            self.lost.discard(url)
         except NotPrimary:
             raise
         except TensorwireError as exc:
             # A dead backup must not stop training: go on with the others (fewer copies).
-            log.warning("backup %s lost (%s): going on without it", url, exc)
+            if url not in self.lost:
+                log.warning("backup %s lost (%s): going on without it", url, exc)
             self.lost.add(url)
+            self._synced.discard(url)
 
     async def close(self) -> None:
         for conn in self._conns.values():

@@ -386,15 +386,20 @@ class ParamServer:
         head = wps.PsHead.decode(request.meta)
         request.meta.done()
         self._check_worker(head)
+        with request.waiting():  # a restarted worker: its old process is dropped after its heartbeats
+            await self._wait(lambda: self._rank_free(head), head, f"rank {head.worker} to be freed")
         async with self._in_order(), self._step_lock():  # a step being taken does not count it
             self._check_rank_free(head)
             await self._replicate(replication.Change.JOIN, head)
             reply = self._admit(head)
         await request.reply(reply)
 
-    def _check_rank_free(self, head: wps.PsHead) -> None:
+    def _rank_free(self, head: wps.PsHead) -> bool:
         before = self.workers.get(head.worker)
-        if before is not None and before.live and before.incarnation != head.seq and self._alive(before):
+        return before is None or not before.live or before.incarnation == head.seq or not self._alive(before)
+
+    def _check_rank_free(self, head: wps.PsHead) -> None:
+        if not self._rank_free(head):
             raise ProtocolError(
                 f"rank {head.worker} is held by another live process (a second worker with the same RANK?); "
                 "it is freed when that one leaves or misses its heartbeats"
@@ -620,21 +625,42 @@ class ParamServer:
         for state in self.workers.values():
             state.heard = now  # a grace period: the workers are moving over from the old primary
         self._start_watchdog()
+        if self._backups is not None and self._pinging is None:  # its peers become its backups
+            self._backups.reset()
+            self._pinging = asyncio.get_running_loop().create_task(self._ping_backups())
         log.warning("the primary is silent: this backup takes over at epoch %d (step %d, version %d)",
                     self.epoch, self.step, self.version)  # fmt: skip
 
     async def _replicate(
         self, change: replication.Change, head: wps.PsHead, body: bytes = b"", data: Sequence[memoryview] = ()
     ) -> None:
-        """Apply a change on every backup before making it here (inside ``_in_order``)."""
+        """Apply a change on every backup before making it here (inside ``_in_order``). A backup
+        that is new, or back, first gets the whole job (a state transfer)."""
         if self._backups is None or self.role != "primary":
             return
+        meta = replication.encode(change, self.epoch, head, body)
         try:
-            await self._backups.send(replication.encode(change, self.epoch, head, body), data)
+            await self._backups.send(
+                meta, data, self._state_transfer, retry_lost=change == replication.Change.PING
+            )
         except NotPrimary:
             self.role = "fenced"
             log.error("a backup took over from this primary: stepping down")
             raise NotPrimary("this primary was fenced: a backup took over; ask another replica") from None
+
+    def _state_transfer(self) -> tuple[bytes, list[memoryview]] | None:
+        """The SYNC change: the whole job, as it is between two changes (we are in ``_in_order``)."""
+        if self.config is None:
+            return None
+        snapshot = self._snapshot(live=True)
+        tensors = {**snapshot.params, **{f"@optimizer/{k}": v for k, v in snapshot.optimizer.items()}}
+        metas = [
+            TensorMeta(k, t.dtype, tuple(t.shape), t.numel() * t.element_size()) for k, t in tensors.items()
+        ]
+        body = wps.encode_stats(json.dumps(snapshot.state)) + wm.encode_records(metas)
+        head = wps.PsHead(wps.OBSERVER, self.world)
+        meta = replication.encode(replication.Change.SYNC, self.epoch, head, body)
+        return meta, [byte_view(t.contiguous()) for t in tensors.values()]
 
     async def _ping_backups(self) -> None:
         while self.role == "primary":
@@ -650,7 +676,9 @@ class ParamServer:
             await request.skip()
             raise NotPrimary(f"epoch {epoch} is over: this replica is a {self.role} at epoch {self.epoch}")
         self.epoch, self._primary_seen = epoch, time.monotonic()
-        if change == replication.Change.CREATE:
+        if change == replication.Change.SYNC:
+            await self._receive_state(request)
+        elif change == replication.Change.CREATE:
             config = JobConfig.from_json(wps.decode_config(request.meta))
             metas = wm.decode_records(request.meta)
             values = [torch.empty(m.numel, dtype=m.dtype) for m in metas]
@@ -669,6 +697,19 @@ class ParamServer:
             self.restore(self.checkpoints.directory, head.clock)
         request.meta.done()
         await request.reply(b"")
+
+    async def _receive_state(self, request: Request) -> None:
+        state = json.loads(wps.decode_stats(request.meta))
+        metas = wm.decode_records(request.meta)
+        tensors = {m.name: torch.empty(m.shape, dtype=m.dtype) for m in metas}
+        await request.receive([byte_view(t) for t in tensors.values()])
+        optimizer = {
+            k.removeprefix("@optimizer/"): t for k, t in tensors.items() if k.startswith("@optimizer/")
+        }
+        params = {k: t for k, t in tensors.items() if not k.startswith("@optimizer/")}
+        self._load(checkpoint.Snapshot(state, params, optimizer))
+        self._generation += 1
+        log.info("state transfer from the primary: step %d, version %d", self.step, self.version)
 
     async def _apply_replicated_push(self, request: Request, head: wps.PsHead) -> None:
         metas = wm.decode_records(request.meta)
@@ -723,7 +764,9 @@ class ParamServer:
         self._last_checkpoint = time.monotonic()
         log.info("checkpoint %s written (step %d, version %d)", path, self.step, self.version)
 
-    def _snapshot(self) -> checkpoint.Snapshot:
+    def _snapshot(self, *, live: bool = False) -> checkpoint.Snapshot:
+        """The job's state; ``live`` adds what a backup taking over needs beyond a checkpoint: the
+        workers' liveness and read clocks and the pushes of a sync step not taken yet."""
         assert self.config is not None and self.optimizer is not None
         tensors, optimizer_rest = checkpoint.optimizer_tensors(self.optimizer.state_dict())
         state = {
@@ -738,6 +781,17 @@ class ParamServer:
             "optimizer": optimizer_rest,
         }
         params = {key: shard.param.detach() for key, shard in self.shards.items()}
+        if live:
+            state["live"] = {str(w): [s.live, s.read_clock, s.incarnation] for w, s in self.workers.items()}
+            state["pending"] = {}
+            for clock, pending in self._pending.items():
+                for worker, (_, grads) in pending.grads.items():
+                    present = [i for i, g in enumerate(grads) if g is not None]
+                    state["pending"].setdefault(str(clock), {})[str(worker)] = present
+                    for i in present:
+                        grad = grads[i]
+                        assert grad is not None
+                        params[f"@pending/{clock}/{worker}/{i}"] = grad
         return checkpoint.Snapshot(state, params, tensors)
 
     def restore(self, directory: Path, version: int | None = None) -> bool:
@@ -746,6 +800,13 @@ class ParamServer:
         snapshot = checkpoint.load(directory, version)
         if snapshot is None:
             return False
+        self._load(snapshot)
+        log.info("restored checkpoint %d of %s (step %d)", self.version, directory, self.step)
+        return True
+
+    def _load(self, snapshot: checkpoint.Snapshot) -> None:
+        """Make ``snapshot`` this server's job (a checkpoint: its workers not live; a backup's
+        state transfer: as they are on the primary, pending pushes included)."""
         state = snapshot.state
         config = JobConfig.from_json(json.dumps(state["config"]))
         shards = {key: _Shard(key, torch.nn.Parameter(snapshot.params[key]), state["versions"][key])
@@ -762,10 +823,20 @@ class ParamServer:
         )
         self.workers = {int(w): _Worker(clock, False, clock, seq=seq, last_reply=bytes.fromhex(reply))
                         for w, (clock, seq, reply) in state["workers"].items()}  # fmt: skip
+        for w, (live, read_clock, incarnation) in state.get("live", {}).items():
+            worker = self.workers[int(w)]
+            worker.live, worker.read_clock, worker.incarnation = live, read_clock, incarnation
         self._pending.clear()
         self._free.clear()
-        log.info("restored checkpoint %d of %s (step %d)", self.version, directory, self.step)
-        return True
+        keys = list(shards)
+        for clock, by_worker in state.get("pending", {}).items():
+            for w, present in by_worker.items():
+                grads: _Grads = [None] * len(keys)
+                for i in present:
+                    grads[i] = snapshot.params[f"@pending/{clock}/{w}/{i}"]
+                buffers: _Grads = [g if g is not None else torch.empty_like(shards[k].param.data)
+                                   for g, k in zip(grads, keys, strict=True)]  # fmt: skip
+                self._pending.setdefault(int(clock), _Pending()).grads[int(w)] = (buffers, grads)
 
     # -- waiting --------------------------------------------------------------------------------
     async def _gate(self, head: wps.PsHead, state: _Worker) -> None:
