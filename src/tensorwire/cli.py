@@ -706,6 +706,7 @@ BENCHMARKS = {
     "transfer": "Transfer throughput against plain sockets (--size, --json, --iters, --many...).",
     "grpc": "gRPC throughput against naive gRPC and Arrow Flight (--size, --json, --iters...).",
     "ps": "Parameter-server training against a torch.distributed.rpc PS and DDP (--json, --steps...).",
+    "chaos": "Replicated parameter servers while processes are killed (--minutes, --interval, --json).",
 }
 
 

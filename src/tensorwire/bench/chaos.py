@@ -1,0 +1,276 @@
+"""Chaos benchmark: training through replicated parameter servers while processes are killed.
+
+Two server slots, each a primary and a backup process (``--backup``/``--standby`` of each other),
+and two worker processes train a small MLP in ``sync`` mode on data that depends only on (rank,
+step). Every ``--interval`` seconds (default 20) a random server or worker is killed with SIGKILL
+and started again (a server as a standby on its port, which the slot's primary brings up to date;
+a worker with its rank, which rejoins at the job's step). The same job runs once without faults.
+
+Reported (``--json``): ``faults_injected``; ``throughput_ratio`` (samples/s with faults over
+without); ``final_loss_delta`` (relative difference of the final loss on a fixed batch);
+``failover_p50_s`` / ``failover_max_s`` (from killing a slot's primary to that slot's next step on
+its backup); ``lost_updates`` (pushes a worker saw acknowledged that its slot does not hold) and
+``duplicate_updates`` (pushes applied more than once: applied minus distinct sequence numbers).
+
+Run: ``tensorwire bench chaos --minutes 3 [--json]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from tensorwire.testing.process import ServerProcess, wait_for
+
+SLOTS = WORKERS = 2
+BATCH = 32
+SERVER_FLAGS = ["--heartbeat-timeout", "2", "--failover-timeout", "1"]
+
+
+def model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 10))
+
+
+def batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(1_000_003 * step + rank)
+    x = torch.randn(BATCH, 64, generator=gen)
+    return x, (x[:, :10].argmax(1) + step % 2) % 10  # a learnable rule
+
+
+def eval_loss(net: torch.nn.Module) -> float:
+    x, y = batch(10_000, 0)
+    with torch.no_grad():
+        return float(F.cross_entropy(net(x), y))
+
+
+# -- the worker process ----------------------------------------------------------------------------
+def worker_main(servers: str, steps: int, out: Path) -> None:
+    """Train until the job reaches ``steps``, starting at the job's step (a restarted worker)."""
+    from tensorwire.ps import SGD, Worker
+
+    torch.set_num_threads(1)
+    rank = int(os.environ["RANK"])
+    net = model()
+    acked = 0
+    with Worker(net, servers, "sync", SGD(lr=0.05, momentum=0.9), timeout=120, heartbeat=0.5) as worker:
+        step = worker.clock
+        while step < steps:
+            x, y = batch(rank, step)
+            loss: torch.Tensor = F.cross_entropy(net(x), y)
+            loss.backward()  # type: ignore[no-untyped-call]
+            result = worker.step()
+            acked += not result.rejoined
+            step = worker.clock
+            report = {"step": step, "seqs": list(worker._seqs), "acked": acked}
+            _write(out / f"rank{rank}.json", report)
+    _write(out / f"rank{rank}.done", {"loss": eval_loss(net)})
+
+
+def _write(path: Path, doc: dict[str, Any]) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(doc))
+    os.replace(tmp, path)
+
+
+# -- the controller --------------------------------------------------------------------------------
+@dataclass
+class Cluster:
+    """Server slots (primary, backup) and worker processes, restartable on their addresses."""
+
+    steps: int
+    out: Path
+    slots: list[list[ServerProcess]] = field(default_factory=list)
+    workers: dict[int, subprocess.Popen[bytes]] = field(default_factory=dict)
+
+    def start(self) -> None:
+        for _ in range(SLOTS):
+            # Each knows the other: the backup replicates to its old primary once it takes over.
+            a, b = (f"tcp://127.0.0.1:{_free_port()}" for _ in range(2))
+            backup = ServerProcess(b, extra=["--standby", "--backup", a, *SERVER_FLAGS])
+            primary = ServerProcess(a, extra=["--backup", b, *SERVER_FLAGS])
+            self.slots.append([primary, backup])
+        for rank in range(WORKERS):
+            self.start_worker(rank)
+
+    @property
+    def servers(self) -> str:
+        return ",".join("|".join(s.url for s in slot) for slot in self.slots)
+
+    def start_worker(self, rank: int) -> None:
+        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(WORKERS)}
+        cmd = [sys.executable, "-m", "tensorwire.bench.chaos", "--worker", self.servers, str(self.steps),
+               str(self.out)]  # fmt: skip
+        self.workers[rank] = subprocess.Popen(cmd, env=env)
+
+    def restart_server(self, slot: int, index: int) -> None:
+        old = self.slots[slot][index]
+        peer = self.slots[slot][1 - index].url
+        old.stop(5)
+        self.slots[slot][index] = ServerProcess(old.url, extra=["--standby", "--backup", peer, *SERVER_FLAGS])
+
+    def done(self) -> bool:
+        return all((self.out / f"rank{r}.done").exists() for r in range(WORKERS))
+
+    def stop(self) -> None:
+        for proc in self.workers.values():
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()
+        for slot in self.slots:
+            for server in slot:
+                server.stop(5)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def stats(url: str) -> dict[str, Any] | None:
+    from tensorwire.ps.worker import server_stats
+
+    try:
+        return server_stats([url], timeout=2)[0]
+    except Exception:
+        return None
+
+
+def run(steps: int, interval: float | None, seed: int = 0) -> dict[str, Any]:
+    """One training run; with ``interval``, a fault every ``interval`` seconds."""
+    rng = random.Random(seed)
+    with tempfile.TemporaryDirectory(prefix="tensorwire-chaos-") as tmp:
+        cluster = Cluster(steps, Path(tmp))
+        failovers: list[float] = []
+        faults = 0
+        try:
+            cluster.start()
+            start = time.monotonic()
+            next_fault = start + (interval or 0)
+            while not cluster.done():
+                _check_workers(cluster)
+                if interval is not None and time.monotonic() >= next_fault:
+                    failover = _inject(cluster, rng)
+                    faults += 1
+                    if failover is not None:
+                        failovers.append(failover)
+                    next_fault = time.monotonic() + interval
+                time.sleep(0.05)
+            seconds = time.monotonic() - start
+            result = _account(cluster, seconds, faults, failovers)
+        finally:
+            cluster.stop()
+    return result
+
+
+def _check_workers(cluster: Cluster) -> None:
+    for rank, proc in cluster.workers.items():
+        if proc.poll() not in (None, 0):
+            raise RuntimeError(f"worker {rank} failed with exit code {proc.returncode}")
+
+
+def _inject(cluster: Cluster, rng: random.Random) -> float | None:
+    """Kill -9 a random server or worker, start it again; the failover time if a primary died."""
+    targets = [("worker", r, 0) for r, p in cluster.workers.items() if p.poll() is None]
+    targets += [("server", slot, i) for slot in range(SLOTS) for i in range(2)]
+    kind, a, b = rng.choice(targets)
+    if kind == "worker":
+        proc = cluster.workers[a]
+        proc.kill()
+        proc.wait()
+        if not (cluster.out / f"rank{a}.done").exists():
+            cluster.start_worker(a)
+        return None
+    server = cluster.slots[a][b]
+    before = stats(server.url)
+    was_primary = before is not None and before["role"] == "primary"
+    step_at_kill = max((s["step"] for s in map(stats, (x.url for x in cluster.slots[a])) if s), default=0)
+    killed = time.monotonic()
+    server.proc.kill()
+    cluster.restart_server(a, b)
+    if not was_primary:
+        return None
+    peer = cluster.slots[a][1 - b].url
+
+    def stepped() -> bool:
+        doc = stats(peer)
+        return doc is not None and doc["role"] == "primary" and doc["step"] > step_at_kill
+
+    wait_for(lambda: stepped() or cluster.done(), 120, f"slot {a}'s backup to take over")
+    return time.monotonic() - killed
+
+
+def _account(cluster: Cluster, seconds: float, faults: int, failovers: list[float]) -> dict[str, Any]:
+    reports = [json.loads((cluster.out / f"rank{r}.json").read_text()) for r in range(WORKERS)]
+    losses = [json.loads((cluster.out / f"rank{r}.done").read_text())["loss"] for r in range(WORKERS)]
+    lost = duplicates = 0
+    for slot_index, slot in enumerate(cluster.slots):
+        primaries = [doc for doc in map(stats, (s.url for s in slot)) if doc and doc["role"] == "primary"]
+        if not primaries:
+            raise RuntimeError(f"slot {slot_index} has no primary at the end")
+        doc = max(primaries, key=lambda d: d["epoch"])
+        marks = {int(w): s["seq"] for w, s in doc["workers"].items()}
+        lost += sum(max(0, r["seqs"][slot_index] - marks.get(rank, 0)) for rank, r in enumerate(reports))
+        duplicates += max(0, doc["pushes_applied"] - sum(marks.values()))
+    return {
+        "seconds": seconds,
+        "samples_per_s": cluster.steps * WORKERS * BATCH / seconds,
+        "loss": statistics.mean(losses),
+        "faults_injected": faults,
+        "failovers": failovers,
+        "lost_updates": lost,
+        "duplicate_updates": duplicates,
+    }
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(prog="tensorwire bench chaos", description=__doc__)
+    parser.add_argument("--minutes", type=float, default=3.0, help="length of the run with faults")
+    parser.add_argument("--interval", type=float, default=20.0, help="seconds between faults")
+    parser.add_argument("--json", action="store_true", help="print one JSON line")
+    parser.add_argument("--worker", nargs=3, metavar=("SERVERS", "STEPS", "OUT"), help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker:
+        servers, steps, out = args.worker
+        worker_main(servers, int(steps), Path(out))
+        return {}
+    probe = run(100, None)  # how fast the job runs here, to size the runs to --minutes
+    steps = max(100, int(probe["samples_per_s"] / (WORKERS * BATCH) * args.minutes * 60))
+    calm = run(steps, None)
+    chaos = run(steps, args.interval)
+    failovers = sorted(chaos["failovers"])
+    result = {
+        "minutes": args.minutes,
+        "steps": steps,
+        "faults_injected": chaos["faults_injected"],
+        "throughput_ratio": chaos["samples_per_s"] / calm["samples_per_s"],
+        "final_loss_delta": abs(chaos["loss"] - calm["loss"]) / calm["loss"],
+        "failover_p50_s": statistics.median(failovers) if failovers else None,
+        "failover_max_s": max(failovers) if failovers else None,
+        "failovers_measured": len(failovers),
+        "lost_updates": chaos["lost_updates"],
+        "duplicate_updates": chaos["duplicate_updates"],
+    }
+    print(json.dumps(result) if args.json else json.dumps(result, indent=2))
+    return result
+
+
+if __name__ == "__main__":
+    main()
