@@ -8,6 +8,8 @@
   gRPC ``train.GradientService``) for code that keeps its optimizer local; ``ExchangeClient``.
 * ``optim``: the optimizer specs (``SGD``, ``Adam``, ``AdamW``).
 * ``launch``: a local cluster of server and worker processes (``tensorwire ps launch``).
+* ``checkpoint``: a server's whole job on disk, all or nothing; ``replication``: primary/backup
+  replication with failover and fencing.
 """
 
 from tensorwire.ps.optim import SGD, Adam, AdamW, OptimizerSpec

@@ -381,7 +381,9 @@ class Worker:
         for a step must not hold up the heartbeat); a server that drops it is rejoined by the
         next push or pull."""
         beats: list[FramedTransport | None] = [None] * len(self.servers)
-        options = self._options._replace(request_timeout=max(self.heartbeat * 4, 1.0))
+        missed = [0] * len(self.servers)
+        wait = max(self.heartbeat * 4, 1.0)
+        options = self._options._replace(connect_timeout=wait, request_timeout=wait)
 
         async def beat(i: int) -> None:
             try:
@@ -392,8 +394,12 @@ class Worker:
                     conn = beats[i] = await self._open(self._url(i), options)
                 head = wps.PsHead(self.rank, self.world_size, self._clocks[i], self.incarnation)
                 await conn.call(Opcode.PS_HEARTBEAT, head.encode(), what="a heartbeat")
+                missed[i] = 0
             except TensorwireError as exc:
-                log.debug("heartbeat to %s failed: %s", self.servers[i], exc)
+                log.debug("heartbeat to %s failed: %s", self._url(i), exc)
+                missed[i] += 1
+                if missed[i] == 2:  # the server is unreachable (cut off, gone without a reset)
+                    await self._abandon(i)
 
         try:
             while True:
@@ -403,6 +409,15 @@ class Worker:
             for conn in beats:
                 if conn is not None:
                     await conn.close()
+
+    async def _abandon(self, server: int) -> None:
+        """Drop the connection to a server that stopped answering heartbeats: a request waiting on
+        it fails now and is resent (on the next replica, if any) instead of waiting out its timer."""
+        conn = self._conns[server]
+        if conn is not None and not conn.closed:
+            log.warning("worker %d: %s stopped answering heartbeats; dropping its connection", self.rank,
+                        self._url(server))  # fmt: skip
+            await conn.close()
 
     async def _leave(self) -> None:
         """Leave every server that can be reached now (no retries: the process may be ending)."""

@@ -61,10 +61,14 @@ class ServerProcess:
         data_dir: Path | None = None,
         start_timeout: float = 30.0,
         extra: Sequence[str] = (),
+        *,
+        wrapper: Sequence[str] = (),
     ) -> None:
         self._dir = tempfile.TemporaryDirectory(prefix="tensorwire-srv-")
         ready = Path(self._dir.name) / "ready"
-        cmd = [sys.executable, "-m", "tensorwire.cli", "serve", "--listen", listen, "--capacity", capacity]
+        # wrapper: a command the server runs under, e.g. ("ip", "netns", "exec", "ns1").
+        cmd = [*wrapper, sys.executable, "-m", "tensorwire.cli", "serve", "--listen", listen]
+        cmd += ["--capacity", capacity]
         cmd += ["--ready-file", str(ready)]
         if data_dir is not None:
             cmd += ["--data-dir", str(data_dir)]
