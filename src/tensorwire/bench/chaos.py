@@ -162,6 +162,10 @@ def run(steps: int, interval: float | None, seed: int = 0) -> dict[str, Any]:
         faults = 0
         try:
             cluster.start()
+            # The clock starts at the first step of both workers: process start-up is not training.
+            while (first := _first_step(cluster)) is None:
+                _check_workers(cluster)
+                time.sleep(0.05)
             start = time.monotonic()
             next_fault = start + (interval or 0)
             while not cluster.done():
@@ -175,9 +179,21 @@ def run(steps: int, interval: float | None, seed: int = 0) -> dict[str, Any]:
                 time.sleep(0.05)
             seconds = time.monotonic() - start
             result = _account(cluster, seconds, faults, failovers)
+            result["samples_per_s"] = (steps - first) * WORKERS * BATCH / seconds
         finally:
             cluster.stop()
     return result
+
+
+def _first_step(cluster: Cluster) -> int | None:
+    """The job's step once both workers have taken one, else None."""
+    steps = []
+    for rank in range(WORKERS):
+        path = cluster.out / f"rank{rank}.json"
+        if not path.exists():
+            return None
+        steps.append(json.loads(path.read_text())["step"])
+    return int(min(steps))
 
 
 def _check_workers(cluster: Cluster) -> None:
@@ -231,7 +247,6 @@ def _account(cluster: Cluster, seconds: float, faults: int, failovers: list[floa
         duplicates += max(0, doc["pushes_applied"] - sum(marks.values()))
     return {
         "seconds": seconds,
-        "samples_per_s": cluster.steps * WORKERS * BATCH / seconds,
         "loss": statistics.mean(losses),
         "faults_injected": faults,
         "failovers": failovers,
@@ -251,7 +266,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         servers, steps, out = args.worker
         worker_main(servers, int(steps), Path(out))
         return {}
-    probe = run(100, None)  # how fast the job runs here, to size the runs to --minutes
+    probe = run(300, None)  # how fast the job runs here, to size the runs to --minutes
     steps = max(100, int(probe["samples_per_s"] / (WORKERS * BATCH) * args.minutes * 60))
     calm = run(steps, None)
     chaos = run(steps, args.interval)
