@@ -10,7 +10,9 @@ same value, at a later version); ``delete`` is retried only when the request nev
 from __future__ import annotations
 
 import asyncio
+import itertools
 import random
+import secrets
 import threading
 import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
@@ -28,8 +30,11 @@ from tensorwire.errors import ConnectError, InvalidTensor, ProtocolError, Tensor
 from tensorwire.security import Security, TlsFiles, client_token
 from tensorwire.store.names import validate_name, validate_prefix
 from tensorwire.transport.base import Transport
+from tensorwire.transport.framed import FramedTransport
 from tensorwire.types import Address, TensorMeta
+from tensorwire.wire import meta as wm
 from tensorwire.wire.checksum import ChecksumKind
+from tensorwire.wire.frame import Opcode
 from tensorwire.wire.tensors import byte_view, check_out, empty_for, sendable
 
 T = TypeVar("T")
@@ -54,6 +59,9 @@ class ClientOptions:
     tls_cert: str | None = None  # this client's certificate and key, for servers that ask (mTLS)
     tls_key: str | None = None
     token: str | None = None  # the server's shared token; None: $TENSORWIRE_TOKEN if set
+    # A put of one tensor at least this large resumes after a broken connection from the last
+    # verified chunk, not from byte 0 (tcp://, tls://, memory://); 0: never.
+    resumable_bytes: int = 64 << 20
 
     def security(self) -> Security:
         files = [self.tls_cert, self.tls_key, self.tls_ca]
@@ -82,6 +90,7 @@ class AsyncClient:
             raise ValueError(f"checksum must be one of {sorted(CHECKSUMS)}, not {self.options.checksum!r}")
         self._transport: Transport | None = None
         self._open_lock = asyncio.Lock()
+        self.resumed_at: list[int] = []  # where each resumed put went on from (bytes already verified)
         self._closed = False
 
     @property
@@ -95,8 +104,46 @@ class AsyncClient:
 
     # -- tensors -------------------------------------------------------------------------------
     async def put(self, name: str, tensor: torch.Tensor, progress: Progress | None = None) -> int:
-        """Store ``tensor`` under ``name``; return its new version."""
+        """Store ``tensor`` under ``name``; return its new version. A large one (``resumable_bytes``)
+        survives broken connections: each retry sends only what the server has not verified."""
+        size = tensor.numel() * tensor.element_size()
+        if self.options.resumable_bytes and size >= self.options.resumable_bytes and self.transport != "grpc":
+            return await self._put_resumable(name, tensor, progress)
         return await self.put_many([(name, tensor)], progress=progress)
+
+    async def _put_resumable(self, name: str, tensor: torch.Tensor, progress: Progress | None) -> int:
+        validate_name(name)
+        sent = sendable(tensor, name)
+        view = byte_view(sent)
+        meta = TensorMeta(name, sent.dtype, tuple(sent.shape), view.nbytes)
+        upload = secrets.randbits(63) or 1
+        for attempt in itertools.count():
+            try:
+                conn = await self._open()
+                if not isinstance(conn, FramedTransport):  # grpcs:// and the like: a plain put
+                    return await self.put_many([(name, tensor)], progress=progress)
+                offset = 0
+                if attempt:  # ask the server how much of the upload it holds, verified
+                    query = wm.encode_resumable(upload, wm.RESUME_QUERY, meta)
+                    reader = await conn.call(
+                        Opcode.PUT_RESUMABLE, query, what=f"the resume point of {name!r}"
+                    )
+                    offset = int(reader.u64())
+                    reader.done()
+                    self.resumed_at.append(offset)
+                body = wm.encode_resumable(upload, offset, meta)
+                what = f"put of {name!r} from byte {offset}"
+                reader = await conn.call(
+                    Opcode.PUT_RESUMABLE, body, [view[offset:]], what=what, progress=progress
+                )
+                version = int(reader.u64())
+                reader.done()
+                return version
+            except TensorwireError as exc:
+                if not exc.retryable or attempt >= self.options.retries:
+                    raise
+            await asyncio.sleep(self.options.delay(attempt + 1))
+        raise AssertionError("unreachable")
 
     async def put_many(self, items: TensorItems, progress: Progress | None = None) -> int:
         """Store several tensors in one request, atomically (all visible or none, under one new
@@ -323,6 +370,10 @@ class Client:
     @property
     def options(self) -> ClientOptions:
         return self._async.options
+
+    @property
+    def resumed_at(self) -> list[int]:
+        return self._async.resumed_at
 
     def _call(self, coro: Awaitable[T]) -> T:
         future: Future[T] = asyncio.run_coroutine_threadsafe(coro, self._loop)  # type: ignore[arg-type]

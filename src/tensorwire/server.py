@@ -46,6 +46,7 @@ from tensorwire.transport import tls
 from tensorwire.transport.base import ByteStream, Listener
 from tensorwire.transport.framing import FrameReader, read_head, recv_data, send_frame, skip_data
 from tensorwire.types import Address, Limits
+from tensorwire.uploads import Uploads
 from tensorwire.wire import meta as wm
 from tensorwire.wire.checksum import ChecksumKind
 from tensorwire.wire.frame import (
@@ -159,6 +160,7 @@ class Server:
         self.idle_timeout = idle_timeout
         self._listeners: list[Listener] = []
         self._sessions: set[_Session] = set()
+        self.uploads = Uploads(self.store, max_connections, stall_timeout)
         self._watchdog: asyncio.Task[None] | None = None
 
     @property
@@ -194,6 +196,7 @@ class Server:
             self._watchdog = None
         for extension in self.extensions:
             await extension.close()
+        self.uploads.close()
 
     async def _watch(self) -> None:
         """Cut off sessions stalled mid-request (``stall_timeout``) or idle (``idle_timeout``)."""
@@ -201,6 +204,7 @@ class Server:
         while True:
             await asyncio.sleep(period)
             now = time.monotonic()
+            self.uploads.expire(now)
             for session in list(self._sessions):
                 quiet = now - session.stream.last_active
                 if session.busy and quiet > self.stall_timeout:
@@ -282,6 +286,7 @@ class _Session:
         self.limits = server.limits
         self.stream = stream
         self.handlers = server.handlers
+        self.uploads = server.uploads
         self.reader = FrameReader(stream)
         self.version = PROTOCOL_VERSIONS[-1]
         self.data_read = False  # whether the current request's data section has been consumed
@@ -343,6 +348,9 @@ class _Session:
             raise ProtocolError(f"unknown opcode {op}")
         if header.flags & Flags.MORE and op != Opcode.PUT_MANY:
             raise ProtocolError(f"only PUT_MANY can span several frames, not {_opname(op)}")
+        if op == Opcode.PUT_RESUMABLE:
+            await self._put_resumable(header, reader)
+            return
         handler = self.handlers.get(op)
         if handler is not None:
             await handler(Request(self, header, reader))
@@ -459,6 +467,34 @@ class _Session:
             self.store.abort(res)
             raise
         await self.reply(header, _RID.pack(version))
+
+    async def _put_resumable(self, header: Header, reader: wm.MetaReader) -> None:
+        """One tensor from byte ``offset`` on, into the upload ``upload_id`` (uploads.py). With no
+        data and offset ``RESUME_QUERY``, the answer is where to resume from."""
+        upload_id, offset, metas = wm.decode_resumable(reader)
+        reader.done()
+        if len(metas) != 1:
+            raise ProtocolError(f"PUT_RESUMABLE carries one tensor, not {len(metas)}")
+        meta = metas[0]
+        if offset == wm.RESUME_QUERY and not header.data_len:
+            await self.reply(header, _RID.pack(self.uploads.resume_point(upload_id, meta)))
+            return
+        if offset + header.data_len != meta.nbytes or not header.data_len:
+            raise InvalidTensor(
+                f"bytes {offset}..{offset + header.data_len} are not the rest of {meta.name!r}"
+            )
+        upload = self.uploads.claim(upload_id, meta, offset)
+        try:
+            self.data_read = True
+
+            def verified(n: int) -> None:
+                upload.verified += n
+
+            await recv_data(self.reader, header, [upload.buffer[offset:]], verified=verified)
+        finally:
+            self.uploads.release(upload)
+        self.uploads.finish(upload)
+        await self._finish_batch(header, _Batch(header.request_id, upload.reservation))
 
     async def _interrupted(self, header: Header) -> None:
         """Another frame arrived in the middle of a multi-frame PUT_MANY: the client broke its own

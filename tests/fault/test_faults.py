@@ -92,7 +92,9 @@ _CLIENT = textwrap.dedent(
 
 def test_client_killed_mid_put_leaves_nothing_and_frees_its_reservation() -> None:
     capacity = BIG + (BIG // 2)
-    with ServerProcess(capacity=str(capacity)) as srv:
+    # The put is resumable (BIG is over the client's resumable_bytes): the server keeps its
+    # verified bytes for a resume until its stall timeout, then frees them.
+    with ServerProcess(capacity=str(capacity), extra=["--stall-timeout", "2"]) as srv:
         proc = subprocess.Popen(
             [sys.executable, "-c", _CLIENT % BIG, srv.url],
             stdin=subprocess.PIPE,
@@ -118,7 +120,7 @@ def test_client_killed_mid_put_leaves_nothing_and_frees_its_reservation() -> Non
                     return False
                 return True
 
-            wait_for(reservation_released, 10, "the killed client's reservation to be released")
+            wait_for(reservation_released, 30, "the killed client's reservation to be released")
             assert c.stat("full").nbytes == BIG
 
 

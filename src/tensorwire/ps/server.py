@@ -388,15 +388,26 @@ class ParamServer:
         self._check_worker(head)
         with request.waiting():  # a restarted worker: its old process is dropped after its heartbeats
             await self._wait(lambda: self._rank_free(head), head, f"rank {head.worker} to be freed")
-        async with self._in_order(), self._step_lock():  # a step being taken does not count it
-            self._check_rank_free(head)
-            await self._replicate(replication.Change.JOIN, head)
-            reply = self._admit(head)
+        async with self._in_order():
+            async with self._step_lock():  # a step being taken does not count it
+                self._check_rank_free(head)
+                await self._replicate(replication.Change.JOIN, head)
+                reply = self._admit(head)
+            await self._apply_ready_steps()  # a rejoin for the next step may complete this one
         await request.reply(reply)
 
     def _rank_free(self, head: wps.PsHead) -> bool:
         before = self.workers.get(head.worker)
         return before is None or not before.live or before.incarnation == head.seq or not self._alive(before)
+
+    def _joining_clock(self) -> int:
+        """Where a joining worker starts. Sync: the current step, or the next one when pushes for
+        the current one are in already (that step goes on without the newcomer: its workers need
+        not wait, and servers that are a step apart agree on where the newcomer starts)."""
+        if not self.mode or self.mode.kind != "sync":
+            return self.slowest()
+        pending = self._pending.get(self.step)
+        return self.step + 1 if pending is not None and pending.grads else self.step
 
     def _check_rank_free(self, head: wps.PsHead) -> None:
         if not self._rank_free(head):
@@ -408,7 +419,7 @@ class ParamServer:
     def _admit(self, head: wps.PsHead) -> bytes:
         """Make ``head.worker`` live at the current step (sync) or the slowest clock; the answer."""
         self._note_world(head.world)
-        clock = self.step if self.mode and self.mode.kind == "sync" else self.slowest()
+        clock = self._joining_clock()
         before = self.workers.get(head.worker)  # a rejoin keeps its push marks: resends stay duplicates
         seq, reply = (before.seq, before.last_reply) if before else (0, b"")
         self.workers[head.worker] = _Worker(
@@ -687,6 +698,7 @@ class ParamServer:
         elif change == replication.Change.JOIN:
             async with self._step_lock():
                 self._admit(head)
+            await self._apply_ready_steps()
         elif change in (replication.Change.LEAVE, replication.Change.DROP):
             await self._leave(head.worker, "left (replicated)")
         elif change == replication.Change.PUSH:
@@ -734,6 +746,8 @@ class ParamServer:
         """Drop live workers not heard from for ``heartbeat_timeout``: sync steps go on without them."""
         while True:
             await asyncio.sleep(self.heartbeat_timeout / 4)
+            if self.role != "primary":  # workers beat to the primary; a backup learns drops from it
+                continue
             now = time.monotonic()
             silent = [w for w, s in self.workers.items() if s.live and not s.pushing
                       and now - s.heard > self.heartbeat_timeout]  # fmt: skip
@@ -903,7 +917,8 @@ class ParamServer:
         pending = self._pending.get(self.step)
         if pending is None or len(self.workers) < self.world:
             return None
-        if any(w not in pending.grads for w in self.live()):
+        # Every live worker of this step pushed (one that joined for the next step is not in it).
+        if any(w not in pending.grads for w in self.live() if self.workers[w].clock <= self.step):
             return None
         return [pending.grads[w] for w in sorted(pending.grads)]
 

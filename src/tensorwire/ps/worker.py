@@ -74,6 +74,7 @@ log = logging.getLogger("tensorwire.ps.worker")
 T = TypeVar("T")
 SERVERS_ENV = "TENSORWIRE_SERVERS"
 STORE_KEY = "tensorwire/servers"
+CATCH_UP_TRIES = 10  # joins that wait for servers a step behind before rolling them back
 _MARGIN = 10.0  # a request's own timer runs this much longer than the server's wait, so the
 # server's answer (naming who it waited for) arrives before the client gives up.
 
@@ -223,22 +224,33 @@ class Worker:
         self.version = await self._pull()
 
     async def _join_all(self, first: bool = False) -> None:
-        """Join on every server (initialising the job where there is none). In sync mode they must
-        be at one step: servers restored from checkpoints written a step apart are rolled back to
-        the older one, which each of them keeps."""
+        """Join on every server (initialising the job where there is none). In sync mode this
+        worker must be at one step on all of them. Servers of a live job can be a step apart for a
+        moment (each takes the step when its pushes are in): then it leaves those behind, lets them
+        finish that step without it, and joins again. Servers restored from checkpoints written a
+        step apart do not move by themselves: after a while they are rolled back to the older one,
+        which each of them keeps."""
         config = JobConfig(self.mode, self.optimizer).to_json()
+        servers = self._servers()
         clocks: list[int] = []
-        for _ in range(3):
-            joined = await asyncio.gather(*(self._join(i, config, first) for i in self._servers()))
+        for attempt in range(CATCH_UP_TRIES + 3):
+            joined = await asyncio.gather(*(self._join(i, config, first) for i in servers))
             self._joined = True
-            clocks = [clock for clock, _ in joined]
-            self._clocks, self._seqs = clocks, [seq for _, seq in joined]
+            for i, (clock, seq) in zip(servers, joined, strict=True):
+                self._clocks[i], self._seqs[i] = clock, seq
+            clocks = [self._clocks[i] for i in servers]
             if self.mode.kind != "sync" or len(set(clocks)) == 1:
                 self.clock = max(clocks)
                 return
+            behind = [i for i in servers if self._clocks[i] < max(clocks)]
+            if attempt < CATCH_UP_TRIES:
+                leaving = (self._request(i, Opcode.PS_LEAVE, b"", seq=self.incarnation) for i in behind)
+                await asyncio.gather(*leaving)
+                await asyncio.sleep(0.05 * (attempt + 1))
+                continue
             target = min(clocks)
-            log.warning("servers are at steps %s after a restart: rolling back to step %d", clocks, target)
-            await asyncio.gather(*(self._rollback(i, target) for i, c in enumerate(clocks) if c > target))
+            log.warning("servers stay at steps %s: rolling back to step %d", clocks, target)
+            await asyncio.gather(*(self._rollback(i, target) for i in servers if self._clocks[i] > target))
         raise ProtocolError(f"the servers could not be brought to one step: {clocks}")
 
     async def _join(self, server: int, config: str, first: bool) -> tuple[int, int]:

@@ -149,6 +149,7 @@ class FaultyProxy:
         self._corrupt_next = False
         self._partitioned = False
         self.dropped = self.corrupted = 0
+        self.bytes_up = 0  # bytes relayed towards the server
         self._server: asyncio.Server = self._thread.call(self._listen(), 10, "the proxy to listen")
         port = self._server.sockets[0].getsockname()[1]
         self.url = f"tcp://127.0.0.1:{port}"
@@ -214,6 +215,8 @@ class FaultyProxy:
                     self.corrupted += 1
                     index = len(chunk) // 2  # past the frame header: a data byte, most likely
                     chunk = chunk[:index] + bytes([chunk[index] ^ 0xFF]) + chunk[index + 1 :]
+                if upstream:
+                    self.bytes_up += len(chunk)
                 writer.write(chunk)
                 await writer.drain()
         writer.close()

@@ -147,6 +147,7 @@ class FramedTransport(Transport):
         *,
         what: str,
         timeout: float | None = None,
+        progress: Progress | None = None,
     ) -> wm.MetaReader:
         """Any request as one frame: ``meta``, then ``data``; the answer's metadata comes back.
 
@@ -154,7 +155,9 @@ class FramedTransport(Transport):
         past them) and its data lands in the buffers the sink hands out. ``timeout`` replaces the
         transport's own for this request (a parameter-server pull may wait for a whole step).
         """
-        _, reader = await self._call(opcode, meta, data=data, sink=sink, what=what, timeout=timeout)
+        _, reader = await self._call(
+            opcode, meta, data=data, sink=sink, what=what, timeout=timeout, progress=progress
+        )
         return reader
 
     async def close(self) -> None:
@@ -205,7 +208,7 @@ class FramedTransport(Transport):
                 async with self._write_lock:
                     if batch is None:
                         header = self._header(opcode, rid, meta, sum(d.nbytes for d in data))
-                        await send_frame(self._stream, header, meta, data)
+                        await send_frame(self._stream, header, meta, data, progress if data else None)
                     else:
                         await self._send_batch(opcode, rid, batch, progress)
             except ConnectionLost as exc:

@@ -222,8 +222,12 @@ async def recv_data(
     header: Header,
     segments: Sequence[memoryview],
     progress: Callable[[int], None] | None = None,
+    verified: Callable[[int], None] | None = None,
 ) -> None:
     """Read the data section into ``segments``, checking every chunk as it lands.
+
+    ``verified`` is told the size of each chunk that checked out, as long as every chunk before it
+    did too and its bytes are in place (not staged): a resumable put's verified prefix.
 
     The whole section is always consumed, so the stream stays in step; a bad chunk raises
     CorruptFrame only after that. The caller must not expose ``segments`` if this raises. Runs of
@@ -240,6 +244,8 @@ async def recv_data(
             progress(header.data_len)
         if _TRAILER.unpack(trailer)[0] != checksum(header.checksum, segments[0]):
             raise CorruptFrame(f"corrupt chunk in request {header.request_id}; nothing was kept")
+        if verified is not None:
+            verified(header.data_len)
         return
     views, staged = _runs(segments)
     bad = 0
@@ -247,10 +253,13 @@ async def recv_data(
         for piece in pieces:
             await reader.readinto(piece)
         await reader.readinto(tview)
+        size = sum(p.nbytes for p in pieces)
         if _TRAILER.unpack(trailer)[0] != _digest(header.checksum, pieces):
             bad += 1
+        elif verified is not None and not bad and not staged:
+            verified(size)
         if progress is not None:
-            progress(sum(p.nbytes for p in pieces))
+            progress(size)
     if bad:
         raise CorruptFrame(f"{bad} corrupt chunk(s) in request {header.request_id}; nothing was kept")
     for buf, run in staged:

@@ -47,6 +47,7 @@ class Opcode(enum.IntEnum):
     PS_HEARTBEAT = 17
     PS_ROLLBACK = 18
     PS_REPLICATE = 19
+    PUT_RESUMABLE = 20  # a put that survives a broken connection (docs/protocol.md §11.6)
 
 
 class Flags(enum.IntFlag):

@@ -164,6 +164,20 @@ def decode_list_request(reader: MetaReader) -> tuple[str, int]:
     return reader.name(), reader.u32()
 
 
+_RESUMABLE = struct.Struct("<QQ")
+RESUME_QUERY = (1 << 64) - 1  # PUT_RESUMABLE's offset that asks where to resume (no data)
+
+
+def encode_resumable(upload_id: int, offset: int, meta: TensorMeta) -> bytes:
+    """PUT_RESUMABLE's block: ``u64 upload id | u64 offset | records`` (one record)."""
+    return _RESUMABLE.pack(upload_id, offset) + encode_records([meta])
+
+
+def decode_resumable(reader: MetaReader) -> tuple[int, int, list[TensorMeta]]:
+    upload_id, offset = reader.take(_RESUMABLE)
+    return upload_id, offset, decode_records(reader)
+
+
 def encode_error(code: int, message: str) -> bytes:
     raw = message.encode("utf-8", "replace")[:MAX_MESSAGE_BYTES].decode("utf-8", "ignore")
     return _ERROR.pack(code) + _text(raw)
