@@ -624,17 +624,23 @@ ps.add_command(serve, "serve")  # one process of a cluster: the same server, whi
 @click.option("--servers", type=click.IntRange(min=1), default=2, show_default=True)
 @click.option("--workers", type=click.IntRange(min=1), default=2, show_default=True)
 @click.option(
+    "--replicas", type=click.IntRange(min=0), default=0, show_default=True,
+    help="Standby backups per server (each takes over when its primary dies).",
+)  # fmt: skip
+@click.option(
     "--timeout", type=click.FloatRange(min=1), default=None, help="Stop everything after this many s."
 )
 @click.argument("script", nargs=-1, required=True, type=click.UNPROCESSED)
-def ps_launch(servers: int, workers: int, timeout: float | None, script: tuple[str, ...]) -> None:
+def ps_launch(
+    servers: int, workers: int, replicas: int, timeout: float | None, script: tuple[str, ...]
+) -> None:
     """Start SERVERS parameter servers and WORKERS copies of `python SCRIPT ARGS...` on this machine.
 
     Each worker gets RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE and TENSORWIRE_SERVERS, which
     `tensorwire.ps.Worker` reads. Exits with the first failing worker's code."""
     from tensorwire.ps import launch
 
-    raise SystemExit(launch.run(script, servers, workers, timeout))
+    raise SystemExit(launch.run(script, servers, workers, timeout, replicas))
 
 
 @ps.command("stats")

@@ -21,7 +21,6 @@ import argparse
 import json
 import os
 import random
-import socket
 import statistics
 import subprocess
 import sys
@@ -35,6 +34,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from tensorwire.ps.launch import free_port, replica_flags
 from tensorwire.testing.process import ServerProcess, wait_for
 
 SLOTS = WORKERS = 2
@@ -101,9 +101,9 @@ class Cluster:
     def start(self) -> None:
         for _ in range(SLOTS):
             # Each knows the other: the backup replicates to its old primary once it takes over.
-            a, b = (f"tcp://127.0.0.1:{_free_port()}" for _ in range(2))
-            backup = ServerProcess(b, extra=["--standby", "--backup", a, *SERVER_FLAGS])
-            primary = ServerProcess(a, extra=["--backup", b, *SERVER_FLAGS])
+            urls = [f"tcp://127.0.0.1:{free_port()}" for _ in range(2)]
+            backup = ServerProcess(urls[1], extra=[*replica_flags(urls, 1), *SERVER_FLAGS])
+            primary = ServerProcess(urls[0], extra=[*replica_flags(urls, 0), *SERVER_FLAGS])
             self.slots.append([primary, backup])
         for rank in range(WORKERS):
             self.start_worker(rank)
@@ -135,13 +135,6 @@ class Cluster:
         for slot in self.slots:
             for server in slot:
                 server.stop(5)
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 def stats(url: str) -> dict[str, Any] | None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -24,16 +25,48 @@ STOP_GRACE = 5.0  # seconds a process gets to exit after SIGTERM before SIGKILL
 
 
 @contextlib.contextmanager
-def local_servers(count: int, extra: Sequence[str] = ()) -> Iterator[list[str]]:
-    """``count`` parameter-server processes on loopback; yields their URLs, stops them after."""
+def local_servers(count: int, extra: Sequence[str] = (), replicas: int = 0) -> Iterator[list[str]]:
+    """``count`` parameter servers on loopback, each a primary with ``replicas`` standby backups;
+    yields each server's address (``primary|backup|...``, as ``ps.Worker`` takes them), stops all
+    of them after."""
     servers: list[ServerProcess] = []
     try:
         for _ in range(count):
-            servers.append(ServerProcess("tcp://127.0.0.1:0", capacity="16GiB", extra=extra))
-        yield [s.url for s in servers]
+            if not replicas:
+                servers.append(ServerProcess("tcp://127.0.0.1:0", capacity="16GiB", extra=extra))
+                continue
+            slot = [f"tcp://127.0.0.1:{free_port()}" for _ in range(replicas + 1)]
+            for index in reversed(range(len(slot))):  # the backups first: the primary sends to them
+                flags = [*replica_flags(slot, index), *extra]
+                servers.append(ServerProcess(slot[index], capacity="16GiB", extra=flags))
+        yield _addresses(servers, replicas)
     finally:
         for server in servers:
             server.stop(STOP_GRACE)
+
+
+def replica_flags(slot: Sequence[str], index: int) -> list[str]:
+    """``tensorwire ps serve`` flags of replica ``index`` of a replica set: the first is the
+    primary, the others standbys, and each names all the others as its backups (a standby that
+    takes over replicates to the rest, its old primary included once it is back)."""
+    flags = [] if index == 0 else ["--standby"]
+    for other, url in enumerate(slot):
+        if other != index:
+            flags += ["--backup", url]
+    return flags
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def _addresses(servers: Sequence[ServerProcess], replicas: int) -> list[str]:
+    urls = [s.url for s in servers]
+    size = replicas + 1
+    return ["|".join(reversed(urls[i : i + size])) for i in range(0, len(urls), size)]
 
 
 def start_workers(
@@ -88,12 +121,14 @@ def stop_all(procs: Sequence[subprocess.Popen[bytes]]) -> None:
             proc.wait(STOP_GRACE)
 
 
-def run(script: Sequence[str], servers: int, workers: int, timeout: float | None = None) -> int:
+def run(
+    script: Sequence[str], servers: int, workers: int, timeout: float | None = None, replicas: int = 0
+) -> int:
     """``tensorwire ps launch``: the cluster, the workers, their exit code. A SIGTERM to the
     launcher ends the whole cluster too (it unwinds through the same cleanup as Ctrl-C)."""
     previous = signal.signal(signal.SIGTERM, _exit_on_sigterm)
     try:
-        with local_servers(servers) as urls:
+        with local_servers(servers, replicas=replicas) as urls:
             procs = start_workers([sys.executable, *script], workers, urls)
             return wait_workers(procs, timeout)
     finally:

@@ -74,6 +74,7 @@ log = logging.getLogger("tensorwire.ps.worker")
 T = TypeVar("T")
 SERVERS_ENV = "TENSORWIRE_SERVERS"
 STORE_KEY = "tensorwire/servers"
+RETRY_CAP = 0.25  # seconds between resends at most
 CATCH_UP_TRIES = 10  # joins that wait for servers a step behind before rolling them back
 _MARGIN = 10.0  # a request's own timer runs this much longer than the server's wait, so the
 # server's answer (naming who it waited for) arrives before the client gives up.
@@ -477,7 +478,9 @@ class Worker:
                 log.info("%s failed (%s); retrying", what, exc)
                 if isinstance(exc, (ConnectError, ConnectionLost, NotPrimary)):
                     await self._next_replica(server)
-                await asyncio.sleep(min(0.05 * 2**attempt, 1.0, max(deadline - loop.time(), 0)))
+                # Short, capped waits: during a failover the backup takes over at a moment this
+                # side cannot know, and each doubling past it would add to the pause.
+                await asyncio.sleep(min(0.05 * 2**attempt, RETRY_CAP, max(deadline - loop.time(), 0)))
         raise AssertionError("unreachable")
 
     # -- helpers --------------------------------------------------------------------------------
