@@ -13,10 +13,8 @@ import asyncio
 import itertools
 import random
 import secrets
-import threading
 import time
-from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
-from concurrent.futures import Future
+from collections.abc import Awaitable, Callable, Coroutine, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -25,8 +23,8 @@ import torch
 
 from tensorwire import transport as transports
 from tensorwire._gc import gc_paused
-from tensorwire._loop import new_event_loop
-from tensorwire.errors import ConnectError, InvalidTensor, ProtocolError, TensorwireError, TransferTimeout
+from tensorwire._loop import LoopThread
+from tensorwire.errors import ConnectError, InvalidTensor, ProtocolError, TensorwireError
 from tensorwire.security import Security, TlsFiles, client_token
 from tensorwire.store.names import validate_name, validate_prefix
 from tensorwire.transport.base import Transport
@@ -350,9 +348,8 @@ class Client:
     def __init__(self, url: str, options: ClientOptions | None = None) -> None:
         self._worst_case = (options or ClientOptions()).worst_case
         self._url = url
-        self._loop = new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name="tensorwire-client", daemon=True)
-        self._thread.start()
+        self._thread = LoopThread("tensorwire-client")
+        self._loop = self._thread.loop
         try:
             self._async = self._call(_make_async(url, options))
         except BaseException:
@@ -375,15 +372,9 @@ class Client:
     def resumed_at(self) -> list[int]:
         return self._async.resumed_at
 
-    def _call(self, coro: Awaitable[T]) -> T:
-        future: Future[T] = asyncio.run_coroutine_threadsafe(coro, self._loop)  # type: ignore[arg-type]
-        try:
-            return future.result(timeout=self._worst_case)
-        except TimeoutError as exc:
-            if isinstance(exc, TensorwireError):
-                raise
-            future.cancel()  # a backstop: the client's own timers should have fired long before
-            raise TransferTimeout(f"waited {self._worst_case:.3g}s for a call to {self._url}") from exc
+    def _call(self, coro: Coroutine[Any, Any, T]) -> T:
+        # The worst case is a backstop: the client's own timers should have fired long before.
+        return self._thread.call(coro, self._worst_case, f"a call to {self._url}")
 
     def connect(self) -> Client:
         self._call(self._async.connect())
@@ -432,10 +423,7 @@ class Client:
             self._stop()
 
     def _stop(self) -> None:
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(10)
-        if not self._thread.is_alive():
-            self._loop.close()
+        self._thread.stop()
 
     def __enter__(self) -> Client:
         return self

@@ -518,7 +518,8 @@ class ParamServer:
         request.meta.done()
         with request.waiting():
             await self._wait(lambda: self.config is not None, head, "the job's parameters to be initialised")
-        shards = [self._shard(name) for name in names]
+        for name in names:
+            self._shard(name)  # ProtocolError for a shard this server does not hold
         if len(set(names)) != len(names):
             raise ProtocolError("PS_PULL names the same shard twice")
         state = self._member(head) if head.worker != wps.OBSERVER else None
@@ -530,7 +531,6 @@ class ParamServer:
                 async with self._in_order():
                     await self._replicate(replication.Change.READ, head._replace(clock=read))
                     state.read_clock = read
-        del shards  # checked; the answer comes from the published copy
         with request.waiting():
             snapshot = await self._published(head)
         snapshot.readers += 1
