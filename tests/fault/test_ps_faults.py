@@ -348,3 +348,49 @@ def test_a_restarted_backup_gets_the_job_and_can_take_over() -> None:
         if second_backup is not None:
             second_backup.close()
     assert same_state(model.state_dict(), expected.state_dict())
+
+
+def test_a_stopped_primary_that_comes_back_follows_the_backup_that_took_over() -> None:
+    """SIGSTOP the primary past the failover timeout: the backup takes over (epoch 2) and goes on
+    without it. SIGCONT: the old primary learns of the newer epoch and follows it as its backup
+    (a state transfer), so the slot can fail over again, back to it, with the bits of a run
+    without faults. (Refusing the newer epoch would fence both replicas: no primary at all.)"""
+    from tensorwire.ps.launch import free_port, replica_flags
+
+    def steps(worker: Worker, model: torch.nn.Module, first: int, count: int) -> None:
+        for step in range(first, first + count):
+            x, y = ps_job.batch(0, step)
+            torch.nn.functional.cross_entropy(model(x), y).backward()  # type: ignore[no-untyped-call]
+            worker.step()
+
+    expected = ps_job.model()
+    with (
+        ServerThread(extensions=[ParamServer()]) as plain,
+        Worker(expected, plain.url, "async", rank=0) as worker,
+    ):
+        steps(worker, expected, 0, 9)
+
+    def role(url: str) -> tuple[str, int, int]:
+        (doc,) = server_stats([url], timeout=5)
+        return doc["role"], doc["epoch"], doc["version"]
+
+    urls = [f"tcp://127.0.0.1:{free_port()}" for _ in range(2)]
+    flags = ["--failover-timeout", "0.5"]
+    with (
+        ServerProcess(urls[0], extra=[*replica_flags(urls, 0), *flags]) as first,
+        ServerProcess(urls[1], extra=[*replica_flags(urls, 1), *flags]) as second,
+    ):
+        model = ps_job.model()
+        with Worker(model, "|".join(urls), "async", rank=0, heartbeat=0.25, timeout=30) as worker:
+            steps(worker, model, 0, 3)
+            sigstop(first.proc)()
+            try:
+                steps(worker, model, 3, 3)  # the worker gives up on it; the backup takes over
+                assert role(second.url) == ("primary", 2, 6)
+            finally:
+                sigcont(first.proc)()
+            wait_for(lambda: role(first.url) == ("backup", 2, 6), 30, "the old primary to follow the new")
+            kill9(second.proc)()
+            steps(worker, model, 6, 3)  # and back: the old primary takes over at epoch 3
+            assert role(first.url) == ("primary", 3, 9)
+    assert same_state(model.state_dict(), expected.state_dict())

@@ -15,8 +15,11 @@ NOT_PRIMARY from then on), so no two primaries acknowledge pushes. Workers list 
 each server (``tcp://a:7070|tcp://b:7070``) and move to the next one on a broken connection or
 NOT_PRIMARY, resending what was not acknowledged (exactly once, by sequence number).
 
-Not here yet: a backup that (re)joins a running job (it would need a state transfer first), and
-more than one replica set per slot growing back after a failover.
+A backup that is new, restarted or was lost gets the whole job first (SYNC), at the primary's
+next change or ping. A replica that hears from a primary of a newer epoch follows it: an old
+primary that was only slow or stopped becomes that primary's backup (refusing would fence both).
+A backup that stops answering is given up on after the primary's replication timeout (the larger
+of 5 s and 4 x ``failover_timeout``) and retried at each ping; until then it holds up the changes.
 """
 
 from __future__ import annotations

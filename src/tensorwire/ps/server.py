@@ -229,7 +229,10 @@ class ParamServer:
         self.epoch = 0 if standby else 1
         self.failover_timeout = failover_timeout
         self.failovers = 0
-        self._backups = replication.Backups(backups) if backups else None
+        # A backup that stops answering (stopped, cut off) holds up every change until it is given
+        # up on; long enough for a state transfer, short next to a worker's timeout.
+        replicate_timeout = max(5.0, 4 * failover_timeout)
+        self._backups = replication.Backups(backups, timeout=replicate_timeout) if backups else None
         self._ordered: asyncio.Lock | None = None  # changes are made (and replicated) one at a time
         self._primary_seen: float | None = None
         self._pinging: asyncio.Task[None] | None = None
@@ -683,9 +686,16 @@ class ParamServer:
     async def _on_replicate(self, request: Request) -> None:
         """A backup applies its primary's change, exactly as the primary did."""
         head, change, epoch = replication.decode(request.meta)
-        if self.role != "backup" or epoch < self.epoch:
+        if epoch < self.epoch or (epoch == self.epoch and self.role != "backup"):
             await request.skip()
             raise NotPrimary(f"epoch {epoch} is over: this replica is a {self.role} at epoch {self.epoch}")
+        if self.role != "backup":
+            # A newer primary: it took over from this one (which was slow or cut off, or fenced
+            # already). Step down and follow it; its state transfer comes first. Refusing would
+            # fence it too and leave the slot with no primary.
+            log.warning("a primary at epoch %d took over from this %s (epoch %d): following it",
+                        epoch, self.role, self.epoch)  # fmt: skip
+            self.role = "backup"
         self.epoch, self._primary_seen = epoch, time.monotonic()
         if change == replication.Change.SYNC:
             await self._receive_state(request)

@@ -279,8 +279,18 @@ class Worker:
         heartbeats): rejoin everywhere and pull the current parameters."""
         log.warning("worker %d was dropped by a server: rejoining", self.rank)
         self.rejoins += 1
-        await self._join_all()
-        self.version = await self._pull_all()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.timeout
+        while True:
+            try:
+                await self._join_all()
+                self.version = await self._pull_all()
+                return
+            except WorkerDropped:  # dropped again meanwhile (a failover, a slow machine): once more
+                if loop.time() >= deadline:
+                    raise
+                log.warning("worker %d was dropped again while rejoining: rejoining", self.rank)
+                await asyncio.sleep(RETRY_CAP)
 
     async def _open(self, url: str, options: transports.TransportOptions) -> FramedTransport:
         address = Address.parse(url)
