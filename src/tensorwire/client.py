@@ -30,6 +30,7 @@ from tensorwire.store.names import validate_name, validate_prefix
 from tensorwire.transport.base import Transport
 from tensorwire.transport.framed import FramedTransport
 from tensorwire.types import Address, TensorMeta
+from tensorwire.wire import lossless
 from tensorwire.wire import meta as wm
 from tensorwire.wire.checksum import ChecksumKind
 from tensorwire.wire.frame import Opcode
@@ -60,6 +61,10 @@ class ClientOptions:
     # A put of one tensor at least this large resumes after a broken connection from the last
     # verified chunk, not from byte 0 (tcp://, tls://, memory://); 0: never.
     resumable_bytes: int = 64 << 20
+    # Lossless chunk compression on tcp://, tls://, memory:// ("none", "lz4", "zstd", or "auto":
+    # lz4 only when the codec beats the link; incompressible data always goes raw). Negotiated per
+    # connection in HELLO: a server without it gets raw chunks.
+    compression: str = "none"
 
     def security(self) -> Security:
         files = [self.tls_cert, self.tls_key, self.tls_ca]
@@ -86,6 +91,7 @@ class AsyncClient:
         self.options = options or ClientOptions()
         if self.options.checksum not in CHECKSUMS:
             raise ValueError(f"checksum must be one of {sorted(CHECKSUMS)}, not {self.options.checksum!r}")
+        lossless.check_mode(self.options.compression)
         self._transport: Transport | None = None
         self._open_lock = asyncio.Lock()
         self.resumed_at: list[int] = []  # where each resumed put went on from (bytes already verified)
@@ -245,6 +251,7 @@ class AsyncClient:
                     CHECKSUMS[self.options.checksum],
                     self.options.chunk_size,
                     self.options.security(),
+                    self.options.compression,
                 )
                 self._transport = await transports.open_transport(self.address, options)
             return self._transport

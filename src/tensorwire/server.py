@@ -47,6 +47,7 @@ from tensorwire.transport.base import ByteStream, Listener
 from tensorwire.transport.framing import FrameReader, read_head, recv_data, send_frame, skip_data
 from tensorwire.types import Address, Limits
 from tensorwire.uploads import Uploads
+from tensorwire.wire import lossless
 from tensorwire.wire import meta as wm
 from tensorwire.wire.checksum import ChecksumKind
 from tensorwire.wire.frame import (
@@ -295,6 +296,7 @@ class _Session:
         self.token = server.security.token
         self.authenticated = self.token is None
         self.working = False  # the server, not the peer, is what a request waits on (a disk write)
+        self.encoder: lossless.Encoder | None = None  # how answers are compressed (HELLO; §5.5)
 
     @property
     def busy(self) -> bool:
@@ -401,14 +403,16 @@ class _Session:
         return False
 
     async def _hello(self, header: Header, reader: wm.MetaReader) -> None:
-        lo, hi, _ = wm.decode_hello_request(reader)
+        lo, hi, _, compression = wm.decode_hello_request(reader)
         reader.done()
         common = [v for v in PROTOCOL_VERSIONS if lo <= v <= hi]
         if not common:
             raise UnsupportedVersion(f"client speaks versions {lo}..{hi}; server speaks {PROTOCOL_VERSIONS}")
         self.version = common[-1]
-        info = wm.ServerInfo(self.version, self.limits, self.store.capacity, self.store.used)
-        await self.reply(header, wm.encode_hello_response(info))
+        self.encoder = _answer_encoder(compression)
+        codecs = lossless.SUPPORTED_MASK
+        info = wm.ServerInfo(self.version, self.limits, self.store.capacity, self.store.used, codecs)
+        await self.reply(header, wm.encode_hello_response(info, with_codecs=compression is not None))
 
     async def _put(self, header: Header, reader: wm.MetaReader) -> None:
         """A PUT, or one part of a PUT_MANY that arrives in several frames (flag MORE on all parts
@@ -538,7 +542,7 @@ class _Session:
             self.version, req.opcode, Flags.RESPONSE, kind, req.request_id, len(meta),
             chunk if data_len else 0, data_len,
         )  # fmt: skip
-        await send_frame(self.stream, header, meta, data)
+        await send_frame(self.stream, header, meta, data, encoder=self.encoder)
 
     async def send_error(self, request_id: int, exc: BaseException, opcode: int = 0) -> None:
         message = str(exc) if isinstance(exc, TensorwireError) else f"internal error: {type(exc).__name__}"
@@ -546,6 +550,18 @@ class _Session:
         header = Header(self.version, opcode, Flags.RESPONSE | Flags.ERROR, 0, request_id, len(meta), 0, 0)
         with contextlib.suppress(ConnectionLost):
             await send_frame(self.stream, header, meta)
+
+
+def _answer_encoder(compression: wm.Compression | None) -> lossless.Encoder | None:
+    """How to compress a connection's answers: the codec its HELLO asked for, if the client decodes
+    it and this server has it; else raw."""
+    if compression is None:
+        return None
+    mode = {int(code): mode for mode, code in lossless.MODE_CODES.items()}.get(compression.answers, "none")
+    if mode == "none":
+        return None
+    encoder = lossless.Encoder(mode)
+    return encoder if compression.accepts & (1 << encoder.codec) else None
 
 
 def _names(reader: wm.MetaReader) -> list[str]:

@@ -50,6 +50,7 @@ class Harness:
     """Starts servers and peers on one transport kind, on the running loop."""
 
     scheme: str
+    compression: str = "none"  # what every client of the harness asks for (ClientOptions.compression)
 
     def fresh_url(self) -> str:
         if self.scheme == "memory":
@@ -91,7 +92,7 @@ class Harness:
 
     @contextlib.asynccontextmanager
     async def client(self, server: Server, **options: object) -> AsyncIterator[AsyncClient]:
-        opts = {"timeout": 10.0, "connect_timeout": 5.0, **options}
+        opts = {"timeout": 10.0, "connect_timeout": 5.0, "compression": self.compression, **options}
         if self.secure:
             opts["tls_ca"] = str(_certs()["ca"])
         client = AsyncClient(str(server.addresses[0]), ClientOptions(**opts))  # type: ignore[arg-type]
@@ -117,9 +118,10 @@ def _certs() -> dict[str, Path]:
     return write_dev_certs(directory)
 
 
-def run_case(case: Case, scheme: str) -> None:
-    """Run one case against one transport on a fresh event loop."""
-    run(case(Harness(scheme)))
+def run_case(case: Case, scheme: str, compression: str = "none") -> None:
+    """Run one case against one transport on a fresh event loop (its clients asking for
+    ``compression``)."""
+    run(case(Harness(scheme, compression)))
 
 
 def random_tensor(dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
@@ -190,6 +192,23 @@ async def large_tensor_many_chunks(h: Harness) -> None:
         x = random_tensor(torch.float32, (9 * (1 << 18) + 5,))  # 9 MiB + 20 bytes: 10 chunks
         await c.put("big", x)
         assert same_bytes(await c.get("big"), x)
+
+
+async def compressible_and_mixed_tensors_round_trip(h: Harness) -> None:
+    """Sparse (compressible) and random (incompressible) data in one batch and alone: with chunk
+    compression on, chunks go compressed or raw, and every byte comes back the same."""
+    async with h.server() as srv, h.client(srv, chunk_size=1 << 20) as c:
+        sparse = torch.zeros(3 * (1 << 18) + 7)
+        sparse[::11] = torch.randn(sparse[::11].numel())
+        noise = random_tensor(torch.float32, (1 << 18,))
+        await c.put_many(
+            {"sparse": sparse, "noise": noise, "int8": torch.randint(-3, 3, (999_999,)).to(torch.int8)}
+        )
+        got = await c.get_many(["sparse", "noise", "int8"])
+        assert same_bytes(got["sparse"], sparse) and same_bytes(got["noise"], noise)
+        out = torch.empty_like(sparse)
+        await c.get("sparse", out=out)
+        assert same_bytes(out, sparse)
 
 
 async def a_batch_in_many_frames_is_one_put(h: Harness) -> None:
@@ -696,6 +715,7 @@ CASES: list[Case] = [
     large_tensor_many_chunks,
     batches_are_atomic_and_versioned,
     a_batch_in_many_frames_is_one_put,
+    compressible_and_mixed_tensors_round_trip,
     list_stat_delete,
     capacity_is_enforced,
     many_requests_in_flight,

@@ -55,6 +55,7 @@ class Flags(enum.IntFlag):
     RESPONSE = 0x01
     ERROR = 0x02
     MORE = 0x04  # request: a part of a PUT_MANY; more parts with the same request id follow
+    COMPRESSED = 0x08  # the data section's chunks carry chunk heads and may be compressed (§5.5)
 
 
 _RESPONSE = int(Flags.RESPONSE)
