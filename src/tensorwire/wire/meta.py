@@ -178,6 +178,19 @@ def decode_resumable(reader: MetaReader) -> tuple[int, int, list[TensorMeta]]:
     return upload_id, offset, decode_records(reader)
 
 
+_RANGE = struct.Struct("<QQQ")
+
+
+def encode_get_range(version: int, offset: int, length: int, name: str) -> bytes:
+    """GET_RANGE's block: ``u64 version (0: any) | u64 offset | u64 length | names`` (one name)."""
+    return _RANGE.pack(version, offset, length) + encode_names([name])
+
+
+def decode_get_range(reader: MetaReader) -> tuple[int, int, int, list[str]]:
+    version, offset, length = reader.take(_RANGE)
+    return version, offset, length, decode_names(reader)
+
+
 def encode_error(code: int, message: str) -> bytes:
     raw = message.encode("utf-8", "replace")[:MAX_MESSAGE_BYTES].decode("utf-8", "ignore")
     return _ERROR.pack(code) + _text(raw)
