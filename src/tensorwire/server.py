@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
+
 from tensorwire import transport
 from tensorwire._gc import gc_paused
 from tensorwire.errors import (
