@@ -21,7 +21,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from tensorwire import stripe
+from tensorwire import staging, stripe
 from tensorwire import transport as transports
 from tensorwire._gc import gc_paused
 from tensorwire._loop import LoopThread
@@ -42,6 +42,7 @@ T = TypeVar("T")
 Progress = Callable[[int], None]
 TensorItems = Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
 
+STAGED_SCHEMES = ("tcp", "tls", "memory")  # the frame protocol's ranged puts and gets stage CUDA tensors
 CHECKSUMS = {"xxh3": ChecksumKind.XXH3_64, "crc32c": ChecksumKind.CRC32C}
 
 
@@ -106,6 +107,7 @@ class AsyncClient:
         self._open_lock = asyncio.Lock()
         self.cache = TensorCache(self.options.cache_bytes, self.options.cache_lease)
         self._stripes: stripe.Stripes | None = None
+        self._pool: staging.PinnedPool | None = None  # host buffers for CUDA tensors, made on first use
         self._sizes: dict[str, int] = {}  # bytes of tensors this client moved: may a get be striped?
         self.resumed_at: list[int] = []  # where each resumed put went on from (bytes already verified)
         self._closed = False
@@ -126,6 +128,11 @@ class AsyncClient:
         size = tensor.numel() * tensor.element_size()
         self.cache.invalidate(name)
         self._note_size(name, size)
+        if tensor.is_cuda and self.transport in STAGED_SCHEMES:
+            validate_name(name)
+            copier = staging.copier_for(tensor)
+            upload, meta = await staging.put_staged(self._run, self._pinned(), name, tensor, copier)
+            return await self._commit(upload, meta)
         k = self._stripe_count(size)
         if k > 1:
             return await self._put_striped(name, tensor, k)
@@ -207,6 +214,8 @@ class AsyncClient:
     ) -> tuple[torch.Tensor, int]:
         """The tensor and the version it was read at: striped when it is large and its size is
         known here (an ``out``, or an earlier transfer), else one GET."""
+        if out is not None and out.is_cuda and self.transport in STAGED_SCHEMES:
+            return await self._get_to_device(name, out)
         known = out.numel() * out.element_size() if out is not None else self._sizes.get(name, 0)
         k = self._stripe_count(known)
         if k > 1 and (out is None or (out.is_cpu and out.is_contiguous())):
@@ -247,16 +256,38 @@ class AsyncClient:
         upload = secrets.randbits(63) or 1
         ops = stripe.put_ops(upload, meta, byte_view(sent), k)
         await self._lanes().run(ops, self.options.retries, self.options.delay)
+        return await self._commit(upload, meta)
+
+    async def _commit(self, upload: int, meta: TensorMeta) -> int:
+        """PUT_COMMIT: publish an upload whose ranges are all in (striped and staged puts)."""
 
         async def commit(t: Transport) -> int:
-            reader = await stripe.framed(t).call(
-                Opcode.PUT_COMMIT, stripe.commit_request(upload, meta), what=f"commit of {name!r}"
-            )
+            request = stripe.commit_request(upload, meta)
+            reader = await stripe.framed(t).call(Opcode.PUT_COMMIT, request, what=f"commit of {meta.name!r}")
             version = int(reader.u64())
             reader.done()
             return version
 
         return await self._run(commit, idempotent=False)
+
+    # -- CUDA tensors (staging.py) ----------------------------------------------------------------
+    def _pinned(self) -> staging.PinnedPool:
+        if self._pool is None:
+            self._pool = staging.PinnedPool()
+        return self._pool
+
+    async def _get_to_device(self, name: str, out: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """Into a device tensor through pinned buffers, pinned to the version a STAT saw."""
+        for attempt in itertools.count():
+            meta = await self.stat(name)
+            check_out(meta, out, device_ok=True)
+            try:
+                await staging.get_staged(self._run, self._pinned(), meta, out, staging.copier_for(out))
+                return out, meta.version
+            except VersionChanged:
+                if attempt >= self.options.retries:
+                    raise
+        raise AssertionError("unreachable")
 
     async def _get_striped(self, name: str, out: torch.Tensor | None, k: int) -> tuple[torch.Tensor, int]:
         """STAT for the version, then each range over its own connection, pinned to that version

@@ -34,10 +34,11 @@ from tensorwire.store import TensorStore
 from tensorwire.transport.base import ByteStream
 from tensorwire.transport.framing import FrameReader, read_head, send_frame
 from tensorwire.types import Address, Limits, TensorMeta
+from tensorwire.wire import lossless
 from tensorwire.wire import meta as wm
 from tensorwire.wire.checksum import ChecksumKind, checksum
 from tensorwire.wire.dtypes import SUPPORTED_DTYPES
-from tensorwire.wire.frame import Flags, Header, Opcode, decode_header, encode_frame_head
+from tensorwire.wire.frame import HEADER_BYTES, Flags, Header, Opcode, decode_header, encode_frame_head
 from tensorwire.wire.tensors import byte_view
 
 SCHEMES = ("memory", "tcp", "tls", "grpc", "grpcs")
@@ -468,6 +469,23 @@ def put_frame(
     return out
 
 
+def compressed_put_frame(
+    meta_list: list[TensorMeta], data: bytes, rid: int = 7, chunk: int = 4096
+) -> bytearray:
+    """A PUT_MANY frame with flag COMPRESSED: each chunk lz4-compressed behind its chunk head."""
+    meta = wm.encode_records(meta_list)
+    header = Header(
+        1, Opcode.PUT_MANY, Flags.COMPRESSED, ChecksumKind.XXH3_64, rid, len(meta), chunk, len(data)
+    )
+    out = bytearray(encode_frame_head(header, meta))
+    for i in range(0, len(data), chunk):
+        piece = data[i : i + chunk]
+        payload = lossless.compress(lossless.Codec.LZ4, piece)
+        out += lossless.CHUNK_HEAD.pack(lossless.Codec.LZ4, len(payload)) + payload
+        out += struct.pack("<Q", checksum(ChecksumKind.XXH3_64, piece))
+    return out
+
+
 async def assert_alive_and_empty(srv: Server, h: Harness) -> None:
     """The server still answers a new client, and nothing was stored."""
     async with h.client(srv) as c:
@@ -487,6 +505,66 @@ async def corrupt_chunk_is_never_stored(h: Harness) -> None:
         assert not header.is_error and header.request_id == 8
         async with h.client(srv) as c:
             assert [m.name for m in await c.list()] == ["ok"]
+
+
+async def corrupt_compressed_chunk_is_never_stored(h: Harness) -> None:
+    async with h.server() as srv, raw(srv) as (stream, reader):
+        data = bytes(8192) + bytes(range(256)) * 16
+        victim = [TensorMeta("victim", torch.uint8, (len(data),), len(data))]
+        await stream.send([compressed_put_frame(victim, data, rid=5)])
+        header, _ = await read_reply(reader)  # a well-formed compressed put is stored
+        assert not header.is_error and header.request_id == 5
+        frame = compressed_put_frame([TensorMeta("bad", torch.uint8, (len(data),), len(data))], data)
+        frame[-12] ^= 0x40  # a flipped bit in the last chunk's compressed bytes
+        await stream.send([frame])
+        await expect_error(reader, errors.ErrorCode.CORRUPT_FRAME)
+        await stream.send([put_frame([TensorMeta("ok", torch.uint8, (3,), 3)], b"abc", rid=8)])
+        header, _ = await read_reply(reader)  # the same connection keeps working
+        assert not header.is_error and header.request_id == 8
+        async with h.client(srv) as c:
+            assert [m.name for m in await c.list()] == ["ok", "victim"]
+            assert bytes(byte_view(await c.get("victim"))) == data
+
+
+async def a_lying_chunk_head_ends_the_session(h: Harness) -> None:
+    async with h.server() as srv, raw(srv) as (stream, reader):
+        data = bytes(4096)
+        frame = compressed_put_frame([TensorMeta("x", torch.uint8, (4096,), 4096)], data)
+        head = HEADER_BYTES + len(wm.encode_records([TensorMeta("x", torch.uint8, (4096,), 4096)]))
+        frame[head + 1 : head + 5] = struct.pack("<I", 1 << 30)  # announces a GiB for a 4 KiB chunk
+        await stream.send([frame])
+        assert not await asyncio.wait_for(reader.at_frame_start(), 5), "session stayed open"
+        await assert_alive_and_empty(srv, h)
+
+
+async def a_partial_striped_put_is_never_visible(h: Harness) -> None:
+    """PUT_RANGE writes land in an upload; only a PUT_COMMIT of ranges that tile the tensor makes
+    it visible, and a commit with a range missing is refused."""
+    async with h.server() as srv, raw(srv) as (stream, reader), h.client(srv) as c:
+        data = bytes(range(256)) * 64  # 16 KiB, as two ranges of 8 KiB
+        meta = TensorMeta("striped", torch.uint8, (len(data),), len(data))
+
+        async def request(opcode: int, block: bytes, payload: bytes = b"", rid: int = 1) -> Header:
+            header = Header(1, opcode, 0, ChecksumKind.XXH3_64, rid, len(block), 4096, len(payload))
+            await send_frame(stream, header, block, [payload] if payload else [])
+            return (await read_reply(reader))[0]
+
+        assert not (await request(Opcode.PUT_RANGE, wm.encode_resumable(9, 0, meta), data[:8192])).is_error
+        try:
+            await c.stat("striped")
+        except errors.KeyNotFound:
+            pass
+        else:
+            raise AssertionError("half a striped put is visible")
+        assert (await request(Opcode.PUT_COMMIT, wm.encode_resumable(9, 0, meta), rid=2)).is_error
+        assert not (
+            await request(Opcode.PUT_RANGE, wm.encode_resumable(9, 8192, meta), data[8192:], 3)
+        ).is_error
+        assert not (await request(Opcode.PUT_COMMIT, wm.encode_resumable(9, 0, meta), rid=4)).is_error
+        assert bytes(byte_view(await c.get("striped"))) == data
+        stale = wm.encode_get_range(99, 0, 10, "striped")
+        header = await request(Opcode.GET_RANGE, stale, rid=5)
+        assert header.is_error  # a range of a version that is gone: VERSION_CHANGED
 
 
 async def bad_magic_and_version_end_the_session(h: Harness) -> None:
@@ -732,6 +810,9 @@ STREAM_CASES: list[Case] = [
     a_get_naming_a_tensor_twice_is_refused,
     an_unauthenticated_peer_cannot_make_the_server_allocate,
     corrupt_chunk_is_never_stored,
+    corrupt_compressed_chunk_is_never_stored,
+    a_lying_chunk_head_ends_the_session,
+    a_partial_striped_put_is_never_visible,
     bad_magic_and_version_end_the_session,
     damaged_header_is_caught,
     truncated_frame_stores_nothing,
