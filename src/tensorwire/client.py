@@ -214,8 +214,12 @@ class AsyncClient:
     ) -> tuple[torch.Tensor, int]:
         """The tensor and the version it was read at: striped when it is large and its size is
         known here (an ``out``, or an earlier transfer), else one GET."""
-        if out is not None and out.is_cuda and self.transport in STAGED_SCHEMES:
-            return await self._get_to_device(name, out)
+        if out is not None and out.is_cuda:
+            if self.transport in STAGED_SCHEMES:
+                return await self._get_to_device(name, out)
+            host, version = await self._get(name, None, progress)  # gRPC: through a CPU tensor
+            check_out(TensorMeta(name, host.dtype, tuple(host.shape), 0, version), out, device_ok=True)
+            return out.copy_(host), version
         known = out.numel() * out.element_size() if out is not None else self._sizes.get(name, 0)
         k = self._stripe_count(known)
         if k > 1 and (out is None or (out.is_cpu and out.is_contiguous())):

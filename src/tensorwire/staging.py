@@ -178,9 +178,9 @@ async def get_staged(
 ) -> None:
     """Fill the device tensor ``out`` with ``meta``'s tensor (at ``meta.version``), piece by piece
     through ``pool``: the copy of piece i to the device runs while piece i+1 arrives."""
-    dst = flat_bytes(out)
     if not out.is_contiguous():
         raise InvalidTensor(f"{meta.name!r}: a device out must be contiguous")
+    dst = flat_bytes(out)
     copying: deque[tuple[torch.Tensor, object]] = deque()
     try:
         for offset, length in pieces(meta.nbytes, pool.piece_bytes):

@@ -37,13 +37,20 @@ ALIGN = 1 << 20  # ranges start on MiB boundaries: whole chunks, page-aligned co
 
 def stripe_count(nbytes: int, stripes: int, threshold: int, cpus: int | None = None) -> int:
     """How many connections a tensor of ``nbytes`` travels over: 1 below ``threshold`` (or when
-    ``stripes`` is 1); ``stripes`` when set; else one per core, at most 8, each ≥ 16 MiB."""
+    ``stripes`` is 1); ``stripes`` when set; else one per usable core, at most 8, each ≥ 16 MiB."""
     if stripes == 1 or not threshold or nbytes < threshold:
         return 1
     if stripes > 1:
         return stripes
-    cores = cpus if cpus is not None else os.cpu_count() or 1
+    cores = cpus if cpus is not None else usable_cores()
     return max(1, min(MAX_AUTO_STRIPES, cores, nbytes // MIN_STRIPE))
+
+
+def usable_cores() -> int:
+    """The CPUs this thread may run on (a process pinned to one core gains nothing from lanes)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
 
 
 def cut(nbytes: int, k: int) -> list[tuple[int, int]]:

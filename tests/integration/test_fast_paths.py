@@ -170,3 +170,44 @@ def test_cuda_put_and_get_into_a_device_tensor(server: ServerThread) -> None:
         assert c.get("gpu", out=out) is out
         assert torch.equal(out, x)
         assert c._async._pool is not None and c._async._pool.pin
+
+
+# -- compression negotiation -------------------------------------------------------------------------
+def test_a_server_from_before_compression_gets_raw_chunks() -> None:
+    """A peer that refuses HELLO's compression field (as a server without it does): the client says
+    HELLO again without it and the connection sends raw chunks."""
+    from tensorwire.testing.conformance import Harness, read_reply
+    from tensorwire.transport.base import ByteStream
+    from tensorwire.transport.framing import FrameReader, send_frame
+    from tensorwire.types import Limits
+    from tensorwire.wire import meta as wm
+    from tensorwire.wire.frame import Flags, Header, Opcode
+
+    hellos: list[bool] = []
+
+    async def old_server(stream: ByteStream) -> None:
+        reader = FrameReader(stream)
+        while await reader.at_frame_start():
+            header, meta = await read_reply(reader)
+            asked = meta.remaining > 2  # versions only, or a token: no compression field here
+            hellos.append(asked)
+            if asked:
+                block = wm.encode_error(errors.ErrorCode.PROTOCOL_ERROR, "2 unexpected bytes")
+                flags = Flags.RESPONSE | Flags.ERROR
+            else:
+                block = wm.encode_hello_response(wm.ServerInfo(1, Limits(), 1 << 30, 0))
+                flags = Flags.RESPONSE
+            answer = Header(1, Opcode.HELLO, flags, 0, header.request_id, len(block), 0, 0)
+            await send_frame(stream, answer, block)
+
+    async def go() -> None:
+        async with Harness("tcp").peer(old_server) as url:
+            client = await tensorwire.aconnect(url, compression="lz4", retries=0)
+            try:
+                transport = client._transport
+                assert isinstance(transport, FramedTransport) and transport.encoder is None
+            finally:
+                await client.close()
+
+    asyncio.run(go())
+    assert hellos == [True, False]
