@@ -69,9 +69,11 @@ class ClientOptions:
     # connection in HELLO: a server without it gets raw chunks.
     compression: str = "none"
     # A tensor of at least stripe_bytes travels over several connections at once (tcp://, tls://):
-    # `stripes` of them, or with 0 one per core (at most 8, each range ≥ 16 MiB); 1: never.
+    # `stripes` of them, or with 0 one per usable core (at most 8, each range ≥ 16 MiB); 1 (the
+    # default): never. Opt-in, since the server receives on one event loop: measure it first.
+    # A striped put retries each range on its own; it is not PUT_RESUMABLE.
     stripe_bytes: int = 64 << 20
-    stripes: int = 0
+    stripes: int = 1
     # Cached copies of what `get` read, up to cache_bytes (0: no cache). A cached get costs one STAT,
     # or nothing within cache_lease seconds of the last confirmation (cache.py).
     cache_bytes: int = 0
