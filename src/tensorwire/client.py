@@ -21,15 +21,18 @@ from typing import Any, TypeVar
 
 import torch
 
+from tensorwire import staging, stripe
 from tensorwire import transport as transports
 from tensorwire._gc import gc_paused
 from tensorwire._loop import LoopThread
-from tensorwire.errors import ConnectError, InvalidTensor, ProtocolError, TensorwireError
+from tensorwire.cache import TensorCache
+from tensorwire.errors import ConnectError, InvalidTensor, ProtocolError, TensorwireError, VersionChanged
 from tensorwire.security import Security, TlsFiles, client_token
 from tensorwire.store.names import validate_name, validate_prefix
 from tensorwire.transport.base import Transport
 from tensorwire.transport.framed import FramedTransport
 from tensorwire.types import Address, TensorMeta
+from tensorwire.wire import lossless
 from tensorwire.wire import meta as wm
 from tensorwire.wire.checksum import ChecksumKind
 from tensorwire.wire.frame import Opcode
@@ -39,6 +42,7 @@ T = TypeVar("T")
 Progress = Callable[[int], None]
 TensorItems = Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
 
+STAGED_SCHEMES = ("tcp", "tls", "memory")  # the frame protocol's ranged puts and gets stage CUDA tensors
 CHECKSUMS = {"xxh3": ChecksumKind.XXH3_64, "crc32c": ChecksumKind.CRC32C}
 
 
@@ -60,6 +64,20 @@ class ClientOptions:
     # A put of one tensor at least this large resumes after a broken connection from the last
     # verified chunk, not from byte 0 (tcp://, tls://, memory://); 0: never.
     resumable_bytes: int = 64 << 20
+    # Lossless chunk compression on tcp://, tls://, memory:// ("none", "lz4", "zstd", or "auto":
+    # lz4 only when the codec beats the link; incompressible data always goes raw). Negotiated per
+    # connection in HELLO: a server without it gets raw chunks.
+    compression: str = "none"
+    # A tensor of at least stripe_bytes travels over several connections at once (tcp://, tls://):
+    # `stripes` of them, or with 0 one per usable core (at most 8, each range ≥ 16 MiB); 1 (the
+    # default): never. Opt-in, since the server receives on one event loop: measure it first.
+    # A striped put retries each range on its own; it is not PUT_RESUMABLE.
+    stripe_bytes: int = 64 << 20
+    stripes: int = 1
+    # Cached copies of what `get` read, up to cache_bytes (0: no cache). A cached get costs one STAT,
+    # or nothing within cache_lease seconds of the last confirmation (cache.py).
+    cache_bytes: int = 0
+    cache_lease: float = 0.0
 
     def security(self) -> Security:
         files = [self.tls_cert, self.tls_key, self.tls_ca]
@@ -86,8 +104,13 @@ class AsyncClient:
         self.options = options or ClientOptions()
         if self.options.checksum not in CHECKSUMS:
             raise ValueError(f"checksum must be one of {sorted(CHECKSUMS)}, not {self.options.checksum!r}")
+        lossless.check_mode(self.options.compression)
         self._transport: Transport | None = None
         self._open_lock = asyncio.Lock()
+        self.cache = TensorCache(self.options.cache_bytes, self.options.cache_lease)
+        self._stripes: stripe.Stripes | None = None
+        self._pool: staging.PinnedPool | None = None  # host buffers for CUDA tensors, made on first use
+        self._sizes: dict[str, int] = {}  # bytes of tensors this client moved: may a get be striped?
         self.resumed_at: list[int] = []  # where each resumed put went on from (bytes already verified)
         self._closed = False
 
@@ -105,6 +128,16 @@ class AsyncClient:
         """Store ``tensor`` under ``name``; return its new version. A large one (``resumable_bytes``)
         survives broken connections: each retry sends only what the server has not verified."""
         size = tensor.numel() * tensor.element_size()
+        self.cache.invalidate(name)
+        self._note_size(name, size)
+        if tensor.is_cuda and self.transport in STAGED_SCHEMES:
+            validate_name(name)
+            copier = staging.copier_for(tensor)
+            upload, meta = await staging.put_staged(self._run, self._pinned(), name, tensor, copier)
+            return await self._commit(upload, meta)
+        k = self._stripe_count(size)
+        if k > 1:
+            return await self._put_striped(name, tensor, k)
         if self.options.resumable_bytes and size >= self.options.resumable_bytes and self.transport != "grpc":
             return await self._put_resumable(name, tensor, progress)
         return await self.put_many([(name, tensor)], progress=progress)
@@ -149,6 +182,8 @@ class AsyncClient:
         pairs = list(items.items()) if isinstance(items, Mapping) else list(items)
         if not pairs:
             raise InvalidTensor("put_many needs at least one tensor")
+        for name, _ in pairs:
+            self.cache.invalidate(name)
         batch = _Batch(pairs)
         return await self._run(lambda t: t.put(batch, progress))
 
@@ -158,16 +193,126 @@ class AsyncClient:
         """Fetch ``name``. With ``out``, the bytes land in ``out`` in place and ``out`` is returned.
 
         If the call raises, ``out`` may hold part of the transfer (its contents are unspecified).
+        With a cache (``cache_bytes``), an unchanged tensor costs one STAT (or nothing in its lease).
         """
+        if not self.cache.enabled:
+            return (await self._get(name, out, progress))[0]
+        entry = self.cache.lookup(name)
+        if entry is not None:
+            if self.cache.leased(entry):
+                self.cache.hits += 1
+                return entry.hand_out(out)
+            if entry.matches(await self.stat(name)):
+                self.cache.confirm(entry)
+                self.cache.hits += 1
+                self.cache.checks += 1
+                return entry.hand_out(out)
+        tensor, version = await self._get(name, out, progress)
+        self.cache.store(name, version, tensor)
+        return tensor
+
+    async def _get(
+        self, name: str, out: torch.Tensor | None, progress: Progress | None
+    ) -> tuple[torch.Tensor, int]:
+        """The tensor and the version it was read at: striped when it is large and its size is
+        known here (an ``out``, or an earlier transfer), else one GET."""
+        if out is not None and out.is_cuda:
+            if self.transport in STAGED_SCHEMES:
+                return await self._get_to_device(name, out)
+            host, version = await self._get(name, None, progress)  # gRPC: through a CPU tensor
+            check_out(TensorMeta(name, host.dtype, tuple(host.shape), 0, version), out, device_ok=True)
+            return out.copy_(host), version
+        known = out.numel() * out.element_size() if out is not None else self._sizes.get(name, 0)
+        k = self._stripe_count(known)
+        if k > 1 and (out is None or (out.is_cpu and out.is_contiguous())):
+            return await self._get_striped(name, out, k)
         outs = {name: out} if out is not None else {}
         landing = _Landing([name], outs)
 
-        async def op(t: Transport) -> torch.Tensor:
+        async def op(t: Transport) -> tuple[torch.Tensor, int]:
             landing.reset()
             await t.get([name], landing.sink, progress)
-            return landing.finish()[name]
+            return landing.finish()[name], landing.versions[name]
 
-        return await self._run(op)
+        tensor, version = await self._run(op)
+        self._note_size(name, tensor.numel() * tensor.element_size())
+        return tensor, version
+
+    # -- striping (stripe.py) --------------------------------------------------------------------
+    def _stripe_count(self, nbytes: int) -> int:
+        if self.transport not in stripe.SCHEMES:
+            return 1
+        return stripe.stripe_count(nbytes, self.options.stripes, self.options.stripe_bytes)
+
+    def _note_size(self, name: str, nbytes: int) -> None:
+        if len(self._sizes) >= 65536:  # a hint, not a registry: start over rather than grow
+            self._sizes.clear()
+        self._sizes[name] = nbytes
+
+    def _lanes(self) -> stripe.Stripes:
+        if self._stripes is None:
+            self._stripes = stripe.Stripes(self.address, self._transport_options())
+        return self._stripes
+
+    async def _put_striped(self, name: str, tensor: torch.Tensor, k: int) -> int:
+        """PUT_RANGE of each range on its own connection, then one PUT_COMMIT publishes the tensor."""
+        validate_name(name)
+        sent = sendable(tensor, name)
+        meta = TensorMeta(name, sent.dtype, tuple(sent.shape), sent.numel() * sent.element_size())
+        upload = secrets.randbits(63) or 1
+        ops = stripe.put_ops(upload, meta, byte_view(sent), k)
+        await self._lanes().run(ops, self.options.retries, self.options.delay)
+        return await self._commit(upload, meta)
+
+    async def _commit(self, upload: int, meta: TensorMeta) -> int:
+        """PUT_COMMIT: publish an upload whose ranges are all in (striped and staged puts)."""
+
+        async def commit(t: Transport) -> int:
+            request = stripe.commit_request(upload, meta)
+            reader = await stripe.framed(t).call(Opcode.PUT_COMMIT, request, what=f"commit of {meta.name!r}")
+            version = int(reader.u64())
+            reader.done()
+            return version
+
+        return await self._run(commit, idempotent=False)
+
+    # -- CUDA tensors (staging.py) ----------------------------------------------------------------
+    def _pinned(self) -> staging.PinnedPool:
+        if self._pool is None:
+            self._pool = staging.PinnedPool()
+        return self._pool
+
+    async def _get_to_device(self, name: str, out: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """Into a device tensor through pinned buffers, pinned to the version a STAT saw."""
+        for attempt in itertools.count():
+            meta = await self.stat(name)
+            check_out(meta, out, device_ok=True)
+            try:
+                await staging.get_staged(self._run, self._pinned(), meta, out, staging.copier_for(out))
+                return out, meta.version
+            except VersionChanged:
+                if attempt >= self.options.retries:
+                    raise
+        raise AssertionError("unreachable")
+
+    async def _get_striped(self, name: str, out: torch.Tensor | None, k: int) -> tuple[torch.Tensor, int]:
+        """STAT for the version, then each range over its own connection, pinned to that version
+        (VERSION_CHANGED: the tensor moved on, read it again)."""
+        for attempt in itertools.count():
+            meta = await self.stat(name)
+            target = out if out is not None else empty_for(meta)
+            check_out(meta, target)
+            self._note_size(name, meta.nbytes)
+            if self._stripe_count(meta.nbytes) <= 1:  # it shrank: one GET will do
+                return await self._get(name, out, None)
+            try:
+                ops = stripe.get_ops(meta, byte_view(target), k)
+                await self._lanes().run(ops, self.options.retries, self.options.delay)
+                return target, meta.version
+            except VersionChanged:
+                if attempt >= self.options.retries:
+                    raise
+        raise AssertionError("unreachable")
 
     async def get_many(
         self,
@@ -195,6 +340,7 @@ class AsyncClient:
         """Remove all of ``names`` or none of them (KeyNotFound)."""
         for name in names:
             validate_name(name)
+            self.cache.invalidate(name)
         return await self._run(lambda t: t.delete(names), idempotent=False)
 
     async def stat(self, name: str) -> TensorMeta:
@@ -215,6 +361,10 @@ class AsyncClient:
 
     async def close(self) -> None:
         self._closed = True
+        self.cache.clear()
+        if self._stripes is not None:
+            stripes, self._stripes = self._stripes, None
+            await asyncio.get_running_loop().run_in_executor(None, stripes.close)
         if self._transport is not None:
             await self._transport.close()
             self._transport = None
@@ -239,15 +389,19 @@ class AsyncClient:
             return t  # the common case, without taking the lock
         async with self._open_lock:
             if self._transport is None or self._transport.closed:
-                options = transports.TransportOptions(
-                    self.options.connect_timeout,
-                    self.options.timeout,
-                    CHECKSUMS[self.options.checksum],
-                    self.options.chunk_size,
-                    self.options.security(),
-                )
+                options = self._transport_options()
                 self._transport = await transports.open_transport(self.address, options)
             return self._transport
+
+    def _transport_options(self) -> transports.TransportOptions:
+        return transports.TransportOptions(
+            self.options.connect_timeout,
+            self.options.timeout,
+            CHECKSUMS[self.options.checksum],
+            self.options.chunk_size,
+            self.options.security(),
+            self.options.compression,
+        )
 
     async def _run(self, op: Callable[[Transport], Awaitable[T]], idempotent: bool = True) -> T:
         attempt = 0
@@ -271,6 +425,7 @@ class _Landing:
         self.names = names
         self.outs = outs
         self.results: dict[str, torch.Tensor] = {}
+        self.versions: dict[str, int] = {}
         self.staged: list[tuple[torch.Tensor, torch.Tensor]] = []  # (received, non-contiguous out)
 
     def reset(self) -> None:
@@ -289,6 +444,7 @@ class _Landing:
             return [self._land(meta) for meta in metas]
 
     def _land(self, meta: TensorMeta) -> memoryview:
+        self.versions[meta.name] = meta.version
         out = self.outs.get(meta.name)
         if out is None:
             target = empty_for(meta)

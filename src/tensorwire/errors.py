@@ -21,7 +21,8 @@ of these. Each class says whether retrying the same call can help.
     │   ├── KeyNotFound                (also KeyError) no tensor of that name
     │   ├── CapacityExceeded           the store's byte capacity is full
     │   ├── InvalidName                (also ValueError) a name the store does not accept
-    │   └── PersistenceError           the data directory could not be written or read
+    │   ├── PersistenceError           the data directory could not be written or read
+    │   └── VersionChanged             the tensor changed between the parts of one read; retry can help
     ├── InvalidTensor                  (also ValueError) dtype/shape/size unusable or inconsistent
     ├── AuthenticationError            the server refused the token or client certificate
     ├── WorkerDropped                  the server does not count this worker in the job: rejoin
@@ -113,6 +114,13 @@ class PersistenceError(StoreError):
     """The data directory could not be written or read back."""
 
 
+class VersionChanged(StoreError):
+    """A striped get's ranges were asked of one version and the tensor has moved on. Retrying
+    reads the new version whole."""
+
+    retryable = True
+
+
 class InvalidTensor(TensorwireError, ValueError):
     """A tensor cannot be sent or received as described: unknown dtype, inconsistent shape/size,
     or an ``out`` tensor that does not match the stored one."""
@@ -149,6 +157,7 @@ class ErrorCode(enum.IntEnum):
     TIMEOUT = 12
     NOT_MEMBER = 13
     NOT_PRIMARY = 14
+    VERSION_CHANGED = 20  # far from 15: other fast-path transports number theirs from 15
 
 
 _CODE_TO_ERROR: dict[ErrorCode, type[TensorwireError]] = {
@@ -166,6 +175,7 @@ _CODE_TO_ERROR: dict[ErrorCode, type[TensorwireError]] = {
     ErrorCode.TIMEOUT: WaitTimeout,
     ErrorCode.NOT_MEMBER: WorkerDropped,
     ErrorCode.NOT_PRIMARY: NotPrimary,
+    ErrorCode.VERSION_CHANGED: VersionChanged,
 }
 
 

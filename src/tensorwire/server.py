@@ -21,6 +21,8 @@ from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+import torch
+
 from tensorwire import transport
 from tensorwire._gc import gc_paused
 from tensorwire.errors import (
@@ -31,6 +33,7 @@ from tensorwire.errors import (
     ProtocolError,
     TensorwireError,
     UnsupportedVersion,
+    VersionChanged,
     code_for_error,
 )
 from tensorwire.security import (
@@ -45,8 +48,9 @@ from tensorwire.store import Reservation, TensorStore
 from tensorwire.transport import tls
 from tensorwire.transport.base import ByteStream, Listener
 from tensorwire.transport.framing import FrameReader, read_head, recv_data, send_frame, skip_data
-from tensorwire.types import Address, Limits
+from tensorwire.types import Address, Limits, TensorMeta
 from tensorwire.uploads import Uploads
+from tensorwire.wire import lossless
 from tensorwire.wire import meta as wm
 from tensorwire.wire.checksum import ChecksumKind
 from tensorwire.wire.frame import (
@@ -295,6 +299,7 @@ class _Session:
         self.token = server.security.token
         self.authenticated = self.token is None
         self.working = False  # the server, not the peer, is what a request waits on (a disk write)
+        self.encoder: lossless.Encoder | None = None  # how answers are compressed (HELLO; §5.5)
 
     @property
     def busy(self) -> bool:
@@ -351,6 +356,9 @@ class _Session:
         if op == Opcode.PUT_RESUMABLE:
             await self._put_resumable(header, reader)
             return
+        if op in _STRIPED:
+            await _STRIPED[op](self, header, reader)
+            return
         handler = self.handlers.get(op)
         if handler is not None:
             await handler(Request(self, header, reader))
@@ -401,14 +409,16 @@ class _Session:
         return False
 
     async def _hello(self, header: Header, reader: wm.MetaReader) -> None:
-        lo, hi, _ = wm.decode_hello_request(reader)
+        lo, hi, _, compression = wm.decode_hello_request(reader)
         reader.done()
         common = [v for v in PROTOCOL_VERSIONS if lo <= v <= hi]
         if not common:
             raise UnsupportedVersion(f"client speaks versions {lo}..{hi}; server speaks {PROTOCOL_VERSIONS}")
         self.version = common[-1]
-        info = wm.ServerInfo(self.version, self.limits, self.store.capacity, self.store.used)
-        await self.reply(header, wm.encode_hello_response(info))
+        self.encoder = _answer_encoder(compression)
+        codecs = lossless.SUPPORTED_MASK
+        info = wm.ServerInfo(self.version, self.limits, self.store.capacity, self.store.used, codecs)
+        await self.reply(header, wm.encode_hello_response(info, with_codecs=compression is not None))
 
     async def _put(self, header: Header, reader: wm.MetaReader) -> None:
         """A PUT, or one part of a PUT_MANY that arrives in several frames (flag MORE on all parts
@@ -496,6 +506,49 @@ class _Session:
         self.uploads.finish(upload)
         await self._finish_batch(header, _Batch(header.request_id, upload.reservation))
 
+    async def _put_range(self, header: Header, reader: wm.MetaReader) -> None:
+        """One byte range of a striped put (§11.7): into the upload's reservation, noted once every
+        chunk of it is verified; nothing is visible before PUT_COMMIT."""
+        upload_id, offset, metas = wm.decode_resumable(reader)
+        reader.done()
+        if len(metas) != 1:
+            raise ProtocolError(f"PUT_RANGE carries one tensor, not {len(metas)}")
+        upload = self.uploads.claim_range(upload_id, metas[0], offset, header.data_len)
+        try:
+            self.data_read = True
+            await recv_data(self.reader, header, [upload.buffer[offset : offset + header.data_len]])
+            upload.ranges[offset] = header.data_len
+        finally:
+            self.uploads.release(upload)
+        await self.reply(header, b"")
+
+    async def _put_commit(self, header: Header, reader: wm.MetaReader) -> None:
+        upload_id, _, metas = wm.decode_resumable(reader)
+        reader.done()
+        if len(metas) != 1 or header.data_len:
+            raise ProtocolError("PUT_COMMIT names one tensor and carries no data")
+        upload = self.uploads.complete(upload_id, metas[0])
+        await self._finish_batch(header, _Batch(header.request_id, upload.reservation))
+
+    async def _get_range(self, header: Header, reader: wm.MetaReader) -> None:
+        """Bytes ``offset .. offset + length`` of one tensor, of ``version`` (VERSION_CHANGED if it
+        has moved on), as one uint8 record of that length."""
+        version, offset, length, names = wm.decode_get_range(reader)
+        reader.done()
+        if len(names) != 1 or header.data_len:
+            raise ProtocolError("GET_RANGE names one tensor and carries no data")
+        (entry,) = self.store.acquire(names)
+        try:
+            meta = entry.meta
+            if version and meta.version != version:
+                raise VersionChanged(f"{meta.name!r} is at version {meta.version} now, not {version}")
+            if offset + length > meta.nbytes:
+                raise InvalidTensor(f"bytes {offset}..{offset + length} are not inside {meta.name!r}")
+            record = TensorMeta(meta.name, torch.uint8, (length,), length, meta.version)
+            await self.reply(header, wm.encode_records([record]), [entry.data[offset : offset + length]])
+        finally:
+            self.store.release([entry])
+
     async def _interrupted(self, header: Header) -> None:
         """Another frame arrived in the middle of a multi-frame PUT_MANY: the client broke its own
         batch, so nothing of it can be trusted. Answer, then hang up."""
@@ -538,7 +591,7 @@ class _Session:
             self.version, req.opcode, Flags.RESPONSE, kind, req.request_id, len(meta),
             chunk if data_len else 0, data_len,
         )  # fmt: skip
-        await send_frame(self.stream, header, meta, data)
+        await send_frame(self.stream, header, meta, data, encoder=self.encoder)
 
     async def send_error(self, request_id: int, exc: BaseException, opcode: int = 0) -> None:
         message = str(exc) if isinstance(exc, TensorwireError) else f"internal error: {type(exc).__name__}"
@@ -546,6 +599,25 @@ class _Session:
         header = Header(self.version, opcode, Flags.RESPONSE | Flags.ERROR, 0, request_id, len(meta), 0, 0)
         with contextlib.suppress(ConnectionLost):
             await send_frame(self.stream, header, meta)
+
+
+_STRIPED: dict[int, Callable[[_Session, Header, wm.MetaReader], Awaitable[None]]] = {
+    Opcode.PUT_RANGE: _Session._put_range,
+    Opcode.PUT_COMMIT: _Session._put_commit,
+    Opcode.GET_RANGE: _Session._get_range,
+}
+
+
+def _answer_encoder(compression: wm.Compression | None) -> lossless.Encoder | None:
+    """How to compress a connection's answers: the codec its HELLO asked for, if the client decodes
+    it and this server has it; else raw."""
+    if compression is None:
+        return None
+    mode = {int(code): mode for mode, code in lossless.MODE_CODES.items()}.get(compression.answers, "none")
+    if mode == "none":
+        return None
+    encoder = lossless.Encoder(mode)
+    return encoder if compression.accepts & (1 << encoder.codec) else None
 
 
 def _names(reader: wm.MetaReader) -> list[str]:

@@ -6,6 +6,10 @@ bytes of it arrived *verified* (whole chunks whose checksum matched, from the st
 connection breaks. On a new connection the client asks where to resume and sends the rest; the
 tensor becomes visible only when every byte is in, as for any put. An upload nobody resumes within
 the server's stall timeout is dropped and its reservation freed; at most ``limit`` are open.
+
+Striped puts (PUT_RANGE / PUT_COMMIT, §11.7) use the same uploads: several connections each write
+one byte range of the reservation, the server notes each range once its chunks are verified, and
+PUT_COMMIT publishes the tensor only when the verified ranges tile it exactly.
 """
 
 from __future__ import annotations
@@ -24,8 +28,13 @@ class Upload:
     meta: TensorMeta
     reservation: Reservation
     verified: int = 0  # bytes from the start that arrived in chunks whose checksum matched
-    busy: bool = False  # a connection is sending into it now
+    writers: int = 0  # connections sending into it now
+    ranges: dict[int, int] = field(default_factory=dict)  # striped: offset -> length, verified
     touched: float = field(default_factory=time.monotonic)
+
+    @property
+    def busy(self) -> bool:
+        return self.writers > 0
 
     @property
     def buffer(self) -> memoryview:
@@ -66,12 +75,44 @@ class Uploads:
             raise ProtocolError(f"upload {upload_id} is being sent on another connection")
         elif offset != upload.verified:
             raise ProtocolError(f"upload {upload_id} resumes at byte {upload.verified}, not {offset}")
-        upload.busy = True
+        upload.writers = 1
+        return upload
+
+    def claim_range(self, upload_id: int, meta: TensorMeta, offset: int, length: int) -> Upload:
+        """The striped upload that bytes ``offset .. offset + length`` go into (made on first use);
+        several connections may write into one upload at once, each its own range."""
+        if length <= 0 or offset + length > meta.nbytes:
+            raise ProtocolError(f"bytes {offset}..{offset + length} are not inside {meta.name!r}")
+        upload = self._open.get(upload_id)
+        if upload is None:
+            if len(self._open) >= self.limit:
+                raise LimitExceeded(f"{self.limit} uploads are open already")
+            upload = self._open[upload_id] = Upload(upload_id, meta, self.store.reserve([meta]))
+        elif not _same(upload.meta, meta):
+            raise ProtocolError(f"upload {upload_id} is of another tensor than {meta.name!r}")
+        upload.ranges.pop(offset, None)  # a range sent again is verified again
+        upload.writers += 1
+        return upload
+
+    def complete(self, upload_id: int, meta: TensorMeta) -> Upload:
+        """The striped upload, taken out, if its verified ranges tile the whole tensor exactly;
+        ProtocolError (and the upload stays, for the missing ranges) otherwise."""
+        upload = self._open.get(upload_id)
+        if upload is None or not _same(upload.meta, meta):
+            raise ProtocolError(f"no striped upload {upload_id} of {meta.name!r} here to commit")
+        pos = 0
+        for offset, length in sorted(upload.ranges.items()):
+            if offset != pos:
+                break
+            pos += length
+        if upload.busy or pos != meta.nbytes:
+            raise ProtocolError(f"upload {upload_id} of {meta.name!r} holds {pos} of {meta.nbytes} bytes")
+        self._open.pop(upload_id)
         return upload
 
     def release(self, upload: Upload) -> None:
         """The connection sending into ``upload`` is done with it (it may resume later)."""
-        upload.busy = False
+        upload.writers = max(0, upload.writers - 1)
         upload.touched = time.monotonic()
 
     def finish(self, upload: Upload) -> None:

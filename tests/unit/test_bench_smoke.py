@@ -26,6 +26,17 @@ KEYS = [
     "tls_get_ratio",
     "size_bytes",
     "iters",
+    "striped_gbps",
+    "one_stream_gbps",
+    "striped_ratio",
+    "lz4_gbps",
+    "zstd_gbps",
+    "raw_compressible_gbps",
+    "lz4_ratio",
+    "zstd_ratio",
+    "auto_incompressible_ratio",
+    "cache_hit_get_us",
+    "cache_leased_get_us",
 ]
 
 
@@ -38,6 +49,7 @@ def test_transfer_bench_smoke(capsys: pytest.CaptureFixture[str]) -> None:
         value = result[key]
         assert isinstance(value, int | float) and not isinstance(value, bool), key
         assert value > 0, key
+    assert "iperf_gbps" in result  # null where iperf3 is not installed
     assert result["size_bytes"] == 1 << 20
     assert result["iters"] == 1
     assert result["loop"] in ("uvloop", "asyncio")

@@ -52,6 +52,7 @@ import torch
 
 import tensorwire
 from tensorwire import _loop
+from tensorwire.bench import fastpaths
 from tensorwire.security import Security, TlsFiles, write_dev_certs
 from tensorwire.server import Server
 from tensorwire.store import TensorStore
@@ -437,6 +438,7 @@ def run(size: int, iters: int, small_iters: int, many: int, pin: bool = True) ->
     # Room for the stored tensor, the one being put over it and the store's reuse pool (a quarter
     # of capacity must hold one bulk buffer, or every timed put would fault in fresh pages).
     capacity = 6 * size + 4 * many * SMALL_BYTES + 64 * MiB  # tcp and tls runs each keep a copy
+    capacity += 6 * min(size, fastpaths.COMPRESSIBLE_MAX)  # the fast paths' sparse and noise tensors
     with contextlib.ExitStack() as stack:
         certs = write_dev_certs(Path(stack.enter_context(tempfile.TemporaryDirectory())))
         children: list[_Child] = []
@@ -461,7 +463,9 @@ def run(size: int, iters: int, small_iters: int, many: int, pin: bool = True) ->
             tls_put_gbps, tls_get_gbps = _bulk(client, data, iters, name="bench/tls")
         small_us = _on_loop(_async_small_us(url, small_iters))
         echo_us = _on_loop(_echo_us(echo_port, small_iters))
+        fast = fastpaths.measure(url, data, iters, small_iters)  # striping, compression, cache, iperf3
     return {
+        **fast,
         "put_gbps": put_gbps,
         "get_gbps": get_gbps,
         "socket_gbps": socket_gbps,
@@ -517,6 +521,29 @@ def format_table(r: Result) -> str:
             f"{_fmt(r['tls_get_gbps'], '.3f')} GB/s",
             f"{_fmt(r['tls_get_ratio'], '.2f')} x tcp://",
         ),
+        (
+            f"striped put+get ({r['stripes']} conns)",
+            f"{_fmt(r['striped_gbps'], '.3f')} GB/s",
+            f"{_fmt(r['striped_ratio'], '.2f')} x one stream ({_fmt(r['one_stream_gbps'], '.3f')})",
+        ),
+        ("iperf3 one stream", f"{_fmt(r['iperf_gbps'], '.3f')} GB/s", "ceiling (n/a: not installed)"),
+        (
+            "lz4 put+get, sparse",
+            f"{_fmt(r['lz4_gbps'], '.3f')} GB/s",
+            f"{_fmt(r['lz4_ratio'], '.2f')} x raw ({_fmt(r['raw_compressible_gbps'], '.3f')})",
+        ),
+        (
+            "zstd put+get, sparse",
+            f"{_fmt(r['zstd_gbps'], '.3f')} GB/s",
+            f"{_fmt(r['zstd_ratio'], '.2f')} x raw",
+        ),
+        (
+            "auto put+get, random",
+            f"{_fmt(r['auto_incompressible_gbps'], '.3f')} GB/s",
+            f"{_fmt(r['auto_incompressible_ratio'], '.2f')} x raw (target >= 0.95)",
+        ),
+        ("cached 1 KiB get p50", f"{_fmt(r['cache_hit_get_us'], '.1f')} us", "one STAT"),
+        ("leased 1 KiB get p50", f"{_fmt(r['cache_leased_get_us'], '.1f')} us", "no request"),
     ]
     head = (
         f"tensorwire transfer benchmark: {mib:g} MiB float32, median of {r['iters']} "

@@ -34,10 +34,11 @@ from tensorwire.store import TensorStore
 from tensorwire.transport.base import ByteStream
 from tensorwire.transport.framing import FrameReader, read_head, send_frame
 from tensorwire.types import Address, Limits, TensorMeta
+from tensorwire.wire import lossless
 from tensorwire.wire import meta as wm
 from tensorwire.wire.checksum import ChecksumKind, checksum
 from tensorwire.wire.dtypes import SUPPORTED_DTYPES
-from tensorwire.wire.frame import Flags, Header, Opcode, decode_header, encode_frame_head
+from tensorwire.wire.frame import HEADER_BYTES, Flags, Header, Opcode, decode_header, encode_frame_head
 from tensorwire.wire.tensors import byte_view
 
 SCHEMES = ("memory", "tcp", "tls", "grpc", "grpcs")
@@ -50,6 +51,7 @@ class Harness:
     """Starts servers and peers on one transport kind, on the running loop."""
 
     scheme: str
+    compression: str = "none"  # what every client of the harness asks for (ClientOptions.compression)
 
     def fresh_url(self) -> str:
         if self.scheme == "memory":
@@ -91,7 +93,7 @@ class Harness:
 
     @contextlib.asynccontextmanager
     async def client(self, server: Server, **options: object) -> AsyncIterator[AsyncClient]:
-        opts = {"timeout": 10.0, "connect_timeout": 5.0, **options}
+        opts = {"timeout": 10.0, "connect_timeout": 5.0, "compression": self.compression, **options}
         if self.secure:
             opts["tls_ca"] = str(_certs()["ca"])
         client = AsyncClient(str(server.addresses[0]), ClientOptions(**opts))  # type: ignore[arg-type]
@@ -117,9 +119,10 @@ def _certs() -> dict[str, Path]:
     return write_dev_certs(directory)
 
 
-def run_case(case: Case, scheme: str) -> None:
-    """Run one case against one transport on a fresh event loop."""
-    run(case(Harness(scheme)))
+def run_case(case: Case, scheme: str, compression: str = "none") -> None:
+    """Run one case against one transport on a fresh event loop (its clients asking for
+    ``compression``)."""
+    run(case(Harness(scheme, compression)))
 
 
 def random_tensor(dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
@@ -190,6 +193,23 @@ async def large_tensor_many_chunks(h: Harness) -> None:
         x = random_tensor(torch.float32, (9 * (1 << 18) + 5,))  # 9 MiB + 20 bytes: 10 chunks
         await c.put("big", x)
         assert same_bytes(await c.get("big"), x)
+
+
+async def compressible_and_mixed_tensors_round_trip(h: Harness) -> None:
+    """Sparse (compressible) and random (incompressible) data in one batch and alone: with chunk
+    compression on, chunks go compressed or raw, and every byte comes back the same."""
+    async with h.server() as srv, h.client(srv, chunk_size=1 << 20) as c:
+        sparse = torch.zeros(3 * (1 << 18) + 7)
+        sparse[::11] = torch.randn(sparse[::11].numel())
+        noise = random_tensor(torch.float32, (1 << 18,))
+        await c.put_many(
+            {"sparse": sparse, "noise": noise, "int8": torch.randint(-3, 3, (999_999,)).to(torch.int8)}
+        )
+        got = await c.get_many(["sparse", "noise", "int8"])
+        assert same_bytes(got["sparse"], sparse) and same_bytes(got["noise"], noise)
+        out = torch.empty_like(sparse)
+        await c.get("sparse", out=out)
+        assert same_bytes(out, sparse)
 
 
 async def a_batch_in_many_frames_is_one_put(h: Harness) -> None:
@@ -449,6 +469,23 @@ def put_frame(
     return out
 
 
+def compressed_put_frame(
+    meta_list: list[TensorMeta], data: bytes, rid: int = 7, chunk: int = 4096
+) -> bytearray:
+    """A PUT_MANY frame with flag COMPRESSED: each chunk lz4-compressed behind its chunk head."""
+    meta = wm.encode_records(meta_list)
+    header = Header(
+        1, Opcode.PUT_MANY, Flags.COMPRESSED, ChecksumKind.XXH3_64, rid, len(meta), chunk, len(data)
+    )
+    out = bytearray(encode_frame_head(header, meta))
+    for i in range(0, len(data), chunk):
+        piece = data[i : i + chunk]
+        payload = lossless.compress(lossless.Codec.LZ4, piece)
+        out += lossless.CHUNK_HEAD.pack(lossless.Codec.LZ4, len(payload)) + payload
+        out += struct.pack("<Q", checksum(ChecksumKind.XXH3_64, piece))
+    return out
+
+
 async def assert_alive_and_empty(srv: Server, h: Harness) -> None:
     """The server still answers a new client, and nothing was stored."""
     async with h.client(srv) as c:
@@ -468,6 +505,66 @@ async def corrupt_chunk_is_never_stored(h: Harness) -> None:
         assert not header.is_error and header.request_id == 8
         async with h.client(srv) as c:
             assert [m.name for m in await c.list()] == ["ok"]
+
+
+async def corrupt_compressed_chunk_is_never_stored(h: Harness) -> None:
+    async with h.server() as srv, raw(srv) as (stream, reader):
+        data = bytes(8192) + bytes(range(256)) * 16
+        victim = [TensorMeta("victim", torch.uint8, (len(data),), len(data))]
+        await stream.send([compressed_put_frame(victim, data, rid=5)])
+        header, _ = await read_reply(reader)  # a well-formed compressed put is stored
+        assert not header.is_error and header.request_id == 5
+        frame = compressed_put_frame([TensorMeta("bad", torch.uint8, (len(data),), len(data))], data)
+        frame[-12] ^= 0x40  # a flipped bit in the last chunk's compressed bytes
+        await stream.send([frame])
+        await expect_error(reader, errors.ErrorCode.CORRUPT_FRAME)
+        await stream.send([put_frame([TensorMeta("ok", torch.uint8, (3,), 3)], b"abc", rid=8)])
+        header, _ = await read_reply(reader)  # the same connection keeps working
+        assert not header.is_error and header.request_id == 8
+        async with h.client(srv) as c:
+            assert [m.name for m in await c.list()] == ["ok", "victim"]
+            assert bytes(byte_view(await c.get("victim"))) == data
+
+
+async def a_lying_chunk_head_ends_the_session(h: Harness) -> None:
+    async with h.server() as srv, raw(srv) as (stream, reader):
+        data = bytes(4096)
+        frame = compressed_put_frame([TensorMeta("x", torch.uint8, (4096,), 4096)], data)
+        head = HEADER_BYTES + len(wm.encode_records([TensorMeta("x", torch.uint8, (4096,), 4096)]))
+        frame[head + 1 : head + 5] = struct.pack("<I", 1 << 30)  # announces a GiB for a 4 KiB chunk
+        await stream.send([frame])
+        assert not await asyncio.wait_for(reader.at_frame_start(), 5), "session stayed open"
+        await assert_alive_and_empty(srv, h)
+
+
+async def a_partial_striped_put_is_never_visible(h: Harness) -> None:
+    """PUT_RANGE writes land in an upload; only a PUT_COMMIT of ranges that tile the tensor makes
+    it visible, and a commit with a range missing is refused."""
+    async with h.server() as srv, raw(srv) as (stream, reader), h.client(srv) as c:
+        data = bytes(range(256)) * 64  # 16 KiB, as two ranges of 8 KiB
+        meta = TensorMeta("striped", torch.uint8, (len(data),), len(data))
+
+        async def request(opcode: int, block: bytes, payload: bytes = b"", rid: int = 1) -> Header:
+            header = Header(1, opcode, 0, ChecksumKind.XXH3_64, rid, len(block), 4096, len(payload))
+            await send_frame(stream, header, block, [payload] if payload else [])
+            return (await read_reply(reader))[0]
+
+        assert not (await request(Opcode.PUT_RANGE, wm.encode_resumable(9, 0, meta), data[:8192])).is_error
+        try:
+            await c.stat("striped")
+        except errors.KeyNotFound:
+            pass
+        else:
+            raise AssertionError("half a striped put is visible")
+        assert (await request(Opcode.PUT_COMMIT, wm.encode_resumable(9, 0, meta), rid=2)).is_error
+        assert not (
+            await request(Opcode.PUT_RANGE, wm.encode_resumable(9, 8192, meta), data[8192:], 3)
+        ).is_error
+        assert not (await request(Opcode.PUT_COMMIT, wm.encode_resumable(9, 0, meta), rid=4)).is_error
+        assert bytes(byte_view(await c.get("striped"))) == data
+        stale = wm.encode_get_range(99, 0, 10, "striped")
+        header = await request(Opcode.GET_RANGE, stale, rid=5)
+        assert header.is_error  # a range of a version that is gone: VERSION_CHANGED
 
 
 async def bad_magic_and_version_end_the_session(h: Harness) -> None:
@@ -696,6 +793,7 @@ CASES: list[Case] = [
     large_tensor_many_chunks,
     batches_are_atomic_and_versioned,
     a_batch_in_many_frames_is_one_put,
+    compressible_and_mixed_tensors_round_trip,
     list_stat_delete,
     capacity_is_enforced,
     many_requests_in_flight,
@@ -712,6 +810,9 @@ STREAM_CASES: list[Case] = [
     a_get_naming_a_tensor_twice_is_refused,
     an_unauthenticated_peer_cannot_make_the_server_allocate,
     corrupt_chunk_is_never_stored,
+    corrupt_compressed_chunk_is_never_stored,
+    a_lying_chunk_head_ends_the_session,
+    a_partial_striped_put_is_never_visible,
     bad_magic_and_version_end_the_session,
     damaged_header_is_caught,
     truncated_frame_stores_nothing,

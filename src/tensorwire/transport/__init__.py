@@ -41,6 +41,7 @@ class TransportOptions(NamedTuple):
     checksum: ChecksumKind = ChecksumKind.XXH3_64
     chunk_size: int | None = None
     security: Security = Security()
+    compression: str = "none"  # lossless chunk codec asked for in HELLO (wire/lossless.py)
 
 
 async def _open_framed(address: Address, options: TransportOptions) -> Transport:
@@ -52,7 +53,9 @@ async def _open_framed(address: Address, options: TransportOptions) -> Transport
     else:
         stream = await connect_stream(address, options.connect_timeout)
     chunk = options.chunk_size if options.chunk_size is not None else DEFAULT_CHUNK_BYTES
-    transport = FramedTransport(address, stream, options.checksum, chunk, timeout=options.request_timeout)
+    transport = FramedTransport(
+        address, stream, options.checksum, chunk, options.request_timeout, compression=options.compression
+    )
     try:
         async with asyncio_timeout(options.connect_timeout, f"the HELLO answer from {address}"):
             await transport.hello(options.security.token)

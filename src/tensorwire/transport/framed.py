@@ -26,6 +26,7 @@ from tensorwire.errors import (
 from tensorwire.transport.base import ByteStream, Progress, PutBatch, Sink, Transport
 from tensorwire.transport.framing import FrameReader, read_head, recv_data, send_frame, skip_data
 from tensorwire.types import Address, Limits, TensorMeta
+from tensorwire.wire import lossless
 from tensorwire.wire import meta as wm
 from tensorwire.wire.checksum import ChecksumKind
 from tensorwire.wire.frame import (
@@ -60,8 +61,12 @@ class FramedTransport(Transport):
         checksum: ChecksumKind = ChecksumKind.XXH3_64,
         chunk_size: int = DEFAULT_CHUNK_BYTES,
         timeout: float = 60.0,
+        *,
+        compression: str = "none",
     ) -> None:
         self.address = address
+        self.compression = lossless.check_mode(compression)  # asked for; HELLO settles what is used
+        self.encoder: lossless.Encoder | None = None  # how this side's puts are compressed
         self._stream = stream
         self._reader = FrameReader(stream)
         self._checksum = checksum
@@ -86,9 +91,9 @@ class FramedTransport(Transport):
 
     async def hello(self, token: str | None = None) -> wm.ServerInfo:
         """Agree on a protocol version, authenticate with ``token``, learn the server's limits."""
-        hello = wm.encode_hello_request(PROTOCOL_VERSIONS[0], PROTOCOL_VERSIONS[-1], token)
-        _, reader = await self._call(Opcode.HELLO, hello, what="HELLO")
-        info = _finish(reader, wm.decode_hello_response(reader))
+        info = await self._hello(token, self.compression != "none")
+        if info.codecs & (1 << lossless.Encoder(self.compression).codec) and self.compression != "none":
+            self.encoder = lossless.Encoder(self.compression)
         if info.version not in PROTOCOL_VERSIONS:
             raise UnsupportedVersion(f"server chose version {info.version}; we speak {PROTOCOL_VERSIONS}")
         self._version = info.version
@@ -98,6 +103,19 @@ class FramedTransport(Transport):
         self.info = info
         self._max_inflight = info.limits.max_inflight
         return info
+
+    async def _hello(self, token: str | None, compress: bool) -> wm.ServerInfo:
+        versions = PROTOCOL_VERSIONS[0], PROTOCOL_VERSIONS[-1]
+        asked = lossless.MODE_CODES[self.compression]
+        compression = wm.Compression(lossless.SUPPORTED_MASK, asked) if compress else None
+        hello = wm.encode_hello_request(*versions, token, compression)
+        try:
+            _, reader = await self._call(Opcode.HELLO, hello, what="HELLO")
+        except ProtocolError as exc:
+            if not compress or isinstance(exc, UnsupportedVersion):
+                raise
+            return await self._hello(token, False)  # a server from before compression: raw it is
+        return _finish(reader, wm.decode_hello_response(reader))
 
     # -- operations ----------------------------------------------------------------------------
     async def put(self, batch: PutBatch, progress: Progress | None = None) -> int:
@@ -177,7 +195,7 @@ class FramedTransport(Transport):
             meta = wm.encode_records(metas)
             flags = 0 if i == batch.parts - 1 else Flags.MORE
             header = self._header(opcode, rid, meta, sum(d.nbytes for d in data), flags)
-            await send_frame(self._stream, header, meta, data, progress)
+            await send_frame(self._stream, header, meta, data, progress, encoder=self.encoder)
 
     async def _call(
         self,
@@ -208,7 +226,9 @@ class FramedTransport(Transport):
                 async with self._write_lock:
                     if batch is None:
                         header = self._header(opcode, rid, meta, sum(d.nbytes for d in data))
-                        await send_frame(self._stream, header, meta, data, progress if data else None)
+                        await send_frame(
+                            self._stream, header, meta, data, progress if data else None, encoder=self.encoder
+                        )
                     else:
                         await self._send_batch(opcode, rid, batch, progress)
             except ConnectionLost as exc:

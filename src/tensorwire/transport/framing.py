@@ -10,14 +10,25 @@ chunk is checked as it arrives, wherever its bytes land.
 from __future__ import annotations
 
 import struct
+import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import xxhash
 
 from tensorwire.errors import ConnectionLost, CorruptFrame
 from tensorwire.transport.base import Buffer, ByteStream
+from tensorwire.wire import lossless
 from tensorwire.wire.checksum import ChecksumKind, checksum, new_hasher
-from tensorwire.wire.frame import HEADER_BYTES, TRAILER_BYTES, Header, encode_frame_head
+from tensorwire.wire.frame import (
+    HEADER_BYTES,
+    TRAILER_BYTES,
+    Flags,
+    Header,
+    chunk_count,
+    encode_frame_head,
+)
+
+_COMPRESSED = int(Flags.COMPRESSED)
 
 _TRAILER = struct.Struct("<Q")
 READ_BUFFER = 256 << 10  # reads smaller than this go through the buffer; larger ones land directly
@@ -184,8 +195,20 @@ async def send_frame(
     meta: bytes,
     segments: Sequence[Buffer] = (),
     progress: Callable[[int], None] | None = None,
+    *,
+    encoder: lossless.Encoder | None = None,
 ) -> None:
-    """Write one whole frame: header, metadata, then the data chunks with their checksums."""
+    """Write one whole frame: header, metadata, then the data chunks with their checksums.
+
+    With an ``encoder`` (the connection negotiated compression) a data section of at least
+    ``lossless.MIN_FRAME_BYTES`` goes out with flag COMPRESSED, each chunk compressed or raw.
+    """
+    if encoder is not None and header.data_len >= lossless.MIN_FRAME_BYTES:
+        header.flags |= _COMPRESSED
+        await _send_compressed(
+            stream, encode_frame_head(header, meta), header, segments, progress, encoder=encoder
+        )
+        return
     head = encode_frame_head(header, meta)
     if not header.data_len:
         await stream.send([head])
@@ -217,6 +240,46 @@ async def send_frame(
         progress(pending)
 
 
+async def _send_compressed(
+    stream: ByteStream,
+    head: bytes,
+    header: Header,
+    segments: Sequence[Buffer],
+    progress: Callable[[int], None] | None,
+    *,
+    encoder: lossless.Encoder,
+) -> None:
+    """The data section as chunk head, payload (compressed or raw), trailer of the raw bytes."""
+    views = _coalesced(
+        (s if isinstance(s, memoryview) else memoryview(s).cast("B") for s in segments), header.chunk_size
+    )
+    chunks = encoder.frame()
+    out: list[Buffer] = [head]
+    pending = wire = 0
+    spent = 0.0  # seconds in the stream's send, for the link meter that auto weighs codecs against
+    for pieces in _pieces(views, header.chunk_size):
+        size = sum(p.nbytes for p in pieces)
+        digest = _TRAILER.pack(_digest(header.checksum, pieces))
+        codec, payload = chunks.encode(pieces[0] if len(pieces) == 1 else b"".join(pieces))
+        out.append(lossless.CHUNK_HEAD.pack(codec, len(payload)))
+        out += pieces if codec == lossless.Codec.RAW else [payload]
+        out.append(digest)
+        pending += size
+        wire += len(payload)
+        if len(out) >= _MAX_IOV or pending >= header.chunk_size:
+            start = time.perf_counter()
+            await stream.send(out)
+            spent += time.perf_counter() - start
+            if progress is not None:
+                progress(pending)
+            out, pending = [], 0
+    if out:
+        await stream.send(out)
+    if progress is not None and pending:
+        progress(pending)
+    encoder.link.observe(wire, spent)
+
+
 async def recv_data(
     reader: FrameReader,
     header: Header,
@@ -235,6 +298,9 @@ async def recv_data(
     """
     if not header.data_len:
         return  # no chunks, no trailers
+    if header.flags & _COMPRESSED:
+        await _recv_compressed(reader, header, segments, (progress, verified))
+        return
     trailer = bytearray(TRAILER_BYTES)
     tview = memoryview(trailer)
     if len(segments) == 1 and header.data_len <= header.chunk_size:  # one tensor, one chunk
@@ -260,6 +326,10 @@ async def recv_data(
             verified(size)
         if progress is not None:
             progress(size)
+    _finish_recv(header, bad, staged)
+
+
+def _finish_recv(header: Header, bad: int, staged: list[tuple[memoryview, list[memoryview]]]) -> None:
     if bad:
         raise CorruptFrame(f"{bad} corrupt chunk(s) in request {header.request_id}; nothing was kept")
     for buf, run in staged:
@@ -270,9 +340,72 @@ async def recv_data(
             pos = end
 
 
+async def _chunk_head(reader: FrameReader, head: memoryview, size: int) -> tuple[int, int]:
+    """A compressed section's chunk head, checked: its length must fit the chunk it stands for."""
+    await reader.readinto(head)
+    codec, wire = lossless.CHUNK_HEAD.unpack(head)
+    if wire > size or (codec != lossless.Codec.RAW and wire == size):
+        # The stream can no longer be cut into chunks: this connection is done.
+        raise ConnectionLost(f"a chunk head announces {wire} bytes for a {size}-byte chunk (codec {codec})")
+    return codec, wire
+
+
+async def _recv_compressed(
+    reader: FrameReader,
+    header: Header,
+    segments: Sequence[memoryview],
+    notify: tuple[Callable[[int], None] | None, Callable[[int], None] | None],
+) -> None:
+    """``recv_data`` for a section with chunk heads: raw chunks land in place, compressed ones are
+    read into a scratch buffer and decoded into place; the trailer checks the decoded bytes."""
+    progress, verified = notify
+    views, staged = _runs(segments)
+    head = memoryview(bytearray(lossless.CHUNK_HEAD.size))
+    trailer = bytearray(TRAILER_BYTES)
+    tview = memoryview(trailer)
+    scratch: memoryview | None = None
+    bad = 0
+    for pieces in _pieces(views, header.chunk_size):
+        size = sum(p.nbytes for p in pieces)
+        codec, wire = await _chunk_head(reader, head, size)
+        ok = True
+        if codec == lossless.Codec.RAW:
+            if wire != size:
+                raise ConnectionLost(f"a raw chunk of {wire} bytes stands for {size}")
+            for piece in pieces:
+                await reader.readinto(piece)
+        else:
+            scratch = scratch if scratch is not None else memoryview(bytearray(header.chunk_size))
+            await reader.readinto(scratch[:wire])
+            ok = _decode_into(codec, scratch[:wire], pieces, size)
+        await reader.readinto(tview)
+        if not ok or _TRAILER.unpack(trailer)[0] != _digest(header.checksum, pieces):
+            bad += 1
+        elif verified is not None and not bad and not staged:
+            verified(size)
+        if progress is not None:
+            progress(size)
+    _finish_recv(header, bad, staged)
+
+
+def _decode_into(codec: int, payload: memoryview, pieces: list[memoryview], size: int) -> bool:
+    try:
+        raw = memoryview(lossless.decompress(codec, payload, size))
+    except CorruptFrame:
+        return False
+    pos = 0
+    for piece in pieces:
+        piece[:] = raw[pos : pos + piece.nbytes]
+        pos += piece.nbytes
+    return True
+
+
 async def skip_data(reader: FrameReader, header: Header) -> None:
     """Read and drop a frame's data section (to stay in step after refusing a request)."""
     if not header.data_len:
+        return
+    if header.flags & _COMPRESSED:
+        await _skip_compressed(reader, header)
         return
     scratch = memoryview(bytearray(min(header.wire_data_len, READ_BUFFER)))
     left = header.wire_data_len
@@ -280,3 +413,18 @@ async def skip_data(reader: FrameReader, header: Header) -> None:
         take = min(left, scratch.nbytes)
         await reader.readinto(scratch[:take])
         left -= take
+
+
+async def _skip_compressed(reader: FrameReader, header: Header) -> None:
+    head = memoryview(bytearray(lossless.CHUNK_HEAD.size))
+    scratch = memoryview(bytearray(min(header.chunk_size, READ_BUFFER) + TRAILER_BYTES))
+    left = header.data_len
+    for _ in range(chunk_count(header.data_len, header.chunk_size)):
+        size = min(left, header.chunk_size)
+        left -= size
+        _, wire = await _chunk_head(reader, head, size)
+        rest = wire + TRAILER_BYTES
+        while rest:
+            take = min(rest, scratch.nbytes)
+            await reader.readinto(scratch[:take])
+            rest -= take

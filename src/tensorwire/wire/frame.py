@@ -48,6 +48,10 @@ class Opcode(enum.IntEnum):
     PS_ROLLBACK = 18
     PS_REPLICATE = 19
     PUT_RESUMABLE = 20  # a put that survives a broken connection (docs/protocol.md §11.6)
+    # Striping (§11.7): one tensor over several connections, published by one commit.
+    PUT_RANGE = 24
+    PUT_COMMIT = 25
+    GET_RANGE = 26
 
 
 class Flags(enum.IntFlag):
@@ -55,6 +59,7 @@ class Flags(enum.IntFlag):
     RESPONSE = 0x01
     ERROR = 0x02
     MORE = 0x04  # request: a part of a PUT_MANY; more parts with the same request id follow
+    COMPRESSED = 0x08  # the data section's chunks carry chunk heads and may be compressed (§5.5)
 
 
 _RESPONSE = int(Flags.RESPONSE)

@@ -178,6 +178,19 @@ def decode_resumable(reader: MetaReader) -> tuple[int, int, list[TensorMeta]]:
     return upload_id, offset, decode_records(reader)
 
 
+_RANGE = struct.Struct("<QQQ")
+
+
+def encode_get_range(version: int, offset: int, length: int, name: str) -> bytes:
+    """GET_RANGE's block: ``u64 version (0: any) | u64 offset | u64 length | names`` (one name)."""
+    return _RANGE.pack(version, offset, length) + encode_names([name])
+
+
+def decode_get_range(reader: MetaReader) -> tuple[int, int, int, list[str]]:
+    version, offset, length = reader.take(_RANGE)
+    return version, offset, length, decode_names(reader)
+
+
 def encode_error(code: int, message: str) -> bytes:
     raw = message.encode("utf-8", "replace")[:MAX_MESSAGE_BYTES].decode("utf-8", "ignore")
     return _ERROR.pack(code) + _text(raw)
@@ -196,23 +209,45 @@ class ServerInfo:
     limits: Limits
     capacity: int
     used: int
+    codecs: int = 0  # bit c set: the server decodes chunks of codec c (0: it did not say; §5.5)
 
 
-def encode_hello_request(min_version: int, max_version: int, token: str | None = None) -> bytes:
-    """The version range a client speaks, then (optional) the shared token it authenticates with."""
+@dataclass(frozen=True, slots=True)
+class Compression:
+    """HELLO's optional compression field: the codecs a peer decodes (bit mask), and the codec the
+    client wants the server's answers in (``lossless.Codec``, or 255 for auto)."""
+
+    accepts: int
+    answers: int
+
+
+_COMPRESSION = struct.Struct("<BB")
+
+
+def encode_hello_request(
+    min_version: int, max_version: int, token: str | None = None, compression: Compression | None = None
+) -> bytes:
+    """The version range a client speaks, then (optional) the shared token it authenticates with,
+    then (optional, after a token or an empty string) the compression it asks for."""
     head = _HELLO_REQ.pack(min_version, max_version)
+    if compression is not None:
+        return head + _text(token or "") + _COMPRESSION.pack(compression.accepts, compression.answers)
     return head + _text(token) if token else head
 
 
-def decode_hello_request(reader: MetaReader) -> tuple[int, int, str | None]:
+def decode_hello_request(reader: MetaReader) -> tuple[int, int, str | None, Compression | None]:
     lo, hi = reader.take(_HELLO_REQ)
     token = reader.text(MAX_TOKEN_BYTES) if reader.remaining else None
-    return lo, hi, token
+    compression = Compression(*reader.take(_COMPRESSION)) if reader.remaining else None
+    return lo, hi, token or None, compression
 
 
-def encode_hello_response(info: ServerInfo) -> bytes:
+def encode_hello_response(info: ServerInfo, with_codecs: bool = False) -> bytes:
+    """The 48-byte answer; ``with_codecs`` (the request asked about compression) appends
+    ``u8 codecs``, the mask of chunk codecs the server decodes."""
     lim = info.limits
-    return _HELLO_RESP.pack(
+    tail = _U8.pack(info.codecs) if with_codecs else b""
+    body = _HELLO_RESP.pack(
         info.version,
         lim.max_meta_bytes,
         lim.max_name_bytes,
@@ -225,6 +260,7 @@ def encode_hello_response(info: ServerInfo) -> bytes:
         info.capacity,
         info.used,
     )
+    return body + tail
 
 
 def decode_hello_response(reader: MetaReader) -> ServerInfo:
@@ -233,4 +269,5 @@ def decode_hello_response(reader: MetaReader) -> ServerInfo:
         limits = Limits(meta, name, ndim, batch, req, cmin, cmax, inflight)
     except ValueError as exc:  # a broken or hostile server's numbers
         raise ProtocolError(f"the server announced impossible limits: {exc}") from exc
-    return ServerInfo(version, limits, capacity, used)
+    codecs = reader.u8() if reader.remaining else 0
+    return ServerInfo(version, limits, capacity, used, codecs)

@@ -50,12 +50,13 @@ def empty_for(meta: TensorMeta) -> torch.Tensor:
     return torch.empty(meta.shape, dtype=meta.dtype)
 
 
-def check_out(meta: TensorMeta, out: torch.Tensor) -> None:
-    """Raise InvalidTensor unless ``out`` can receive the tensor described by ``meta`` in place."""
+def check_out(meta: TensorMeta, out: torch.Tensor, device_ok: bool = False) -> None:
+    """Raise InvalidTensor unless ``out`` can receive the tensor described by ``meta`` in place
+    (on the CPU, unless ``device_ok``: the client stages device tensors through host buffers)."""
     if out.dtype != meta.dtype or tuple(out.shape) != meta.shape:
         raise InvalidTensor(
             f"{meta.name!r}: out is {out.dtype}{list(out.shape)}, stored tensor is "
             f"{meta.dtype}{list(meta.shape)}"
         )
-    if not out.is_cpu:
+    if not out.is_cpu and not device_ok:
         raise InvalidTensor(f"{meta.name!r}: out must be a CPU tensor, not {out.device}")
