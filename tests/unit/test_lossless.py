@@ -59,6 +59,18 @@ def test_auto_compresses_only_when_the_codec_beats_the_link() -> None:
     assert fast.auto_skip == lossless.AUTO_RECHECK - 1
 
 
+def test_auto_sends_in_the_plain_framing_while_compression_does_not_pay() -> None:
+    """After auto finds data incompressible, its next frames skip the compressed framing (no chunk
+    heads, no probes) until AUTO_RECHECK chunks have gone by: then it costs what "none" does."""
+    encoder = lossless.Encoder("auto", lossless.LinkMeter(bps=50e6))
+    assert not encoder.plain(32)  # nothing learned yet: the first frame is probed
+    assert encoder.frame().encode(byte_view(torch.randn(CHUNK // 4)))[0] == lossless.Codec.RAW
+    frames = lossless.AUTO_RECHECK // 32
+    assert all(encoder.plain(32) for _ in range(frames))
+    assert not encoder.plain(32)  # and then it looks again
+    assert not lossless.Encoder("lz4").plain(32)  # an explicit codec always uses the framing
+
+
 def test_link_meter_ignores_small_sends_and_smooths() -> None:
     meter = lossless.LinkMeter()
     assert meter.estimate == lossless.DEFAULT_LINK_BPS

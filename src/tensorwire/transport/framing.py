@@ -203,7 +203,8 @@ async def send_frame(
     With an ``encoder`` (the connection negotiated compression) a data section of at least
     ``lossless.MIN_FRAME_BYTES`` goes out with flag COMPRESSED, each chunk compressed or raw.
     """
-    if encoder is not None and header.data_len >= lossless.MIN_FRAME_BYTES:
+    chunks = -(-header.data_len // header.chunk_size) if header.chunk_size else 0
+    if encoder is not None and header.data_len >= lossless.MIN_FRAME_BYTES and not encoder.plain(chunks):
         header.flags |= _COMPRESSED
         await _send_compressed(
             stream, encode_frame_head(header, meta), header, segments, progress, encoder=encoder

@@ -14,6 +14,9 @@ Which chunks are compressed is the sender's choice (``FrameEncoder``):
 - ``auto`` also weighs the codec's measured speed against the link's observed throughput
   (``LinkMeter``): it compresses only while ``compress time + compressed bytes / link`` beats
   ``raw bytes / link`` by ``AUTO_MARGIN``; a loopback link faster than the codec stays raw.
+  Once it finds the codec not worth it (too slow, or the data incompressible), its frames go in
+  the plain framing (flag COMPRESSED clear, as for small frames) for ``AUTO_RECHECK`` chunks, so
+  ``auto`` costs nothing over ``none`` there; then it looks again.
 """
 
 from __future__ import annotations
@@ -128,6 +131,15 @@ class Encoder:
     def frame(self) -> FrameEncoder:
         return FrameEncoder(self)
 
+    def plain(self, chunks: int) -> bool:
+        """Whether a frame of ``chunks`` chunks goes out in the plain framing (no chunk heads, no
+        probes): ``auto`` while it has lately found compression not worth it, so that it costs
+        nothing over ``none`` on incompressible data or a link faster than the codec."""
+        if self.mode != "auto" or not self.auto_skip:
+            return False
+        self.auto_skip = max(0, self.auto_skip - chunks)
+        return True
+
 
 class FrameEncoder:
     """The per-chunk choices for one frame's data section."""
@@ -166,13 +178,13 @@ class FrameEncoder:
         if size > 2 * SAMPLE_BYTES:
             sample = memoryview(chunk)[:SAMPLE_BYTES]
             if len(compress(Codec.LZ4, sample)) > SAMPLE_GAIN * SAMPLE_BYTES:
-                self._skip = SKIP_AFTER_MISS
+                self._miss()
                 return None
         start = time.perf_counter()
         payload = compress(self._codec, chunk)
         spent = time.perf_counter() - start
         if len(payload) >= size:
-            self._skip = SKIP_AFTER_MISS
+            self._miss()
             return None
         if self._enc.mode == "auto":
             link = self._enc.link.estimate
@@ -180,3 +192,10 @@ class FrameEncoder:
                 self._auto_off = True  # the link is faster than the codec: the rest goes raw,
                 self._enc.auto_skip = AUTO_RECHECK  # and so do the next frames', for a while
         return payload
+
+    def _miss(self) -> None:
+        """An incompressible chunk: the next ones go raw unprobed; under ``auto`` the next frames
+        too, in the plain framing, until ``AUTO_RECHECK`` chunks have gone by."""
+        self._skip = SKIP_AFTER_MISS
+        if self._enc.mode == "auto":
+            self._enc.auto_skip = AUTO_RECHECK
