@@ -21,7 +21,8 @@ of these. Each class says whether retrying the same call can help.
     │   ├── KeyNotFound                (also KeyError) no tensor of that name
     │   ├── CapacityExceeded           the store's byte capacity is full
     │   ├── InvalidName                (also ValueError) a name the store does not accept
-    │   └── PersistenceError           the data directory could not be written or read
+    │   ├── PersistenceError           the data directory could not be written or read
+    │   └── VerificationFailed         what a server holds differs from its source; resending can help
     ├── InvalidTensor                  (also ValueError) dtype/shape/size unusable or inconsistent
     ├── AuthenticationError            the server refused the token or client certificate
     ├── WorkerDropped                  the server does not count this worker in the job: rejoin
@@ -111,6 +112,14 @@ class InvalidName(StoreError, ValueError):
 
 class PersistenceError(StoreError):
     """The data directory could not be written or read back."""
+
+
+class VerificationFailed(StoreError):
+    """An end-to-end check failed: the bytes a server holds (hashed there, after the transfer) differ
+    from the source they were sent from. Raised by clients, never sent by servers; sending again
+    can help (``tensorwire dataset scatter`` re-sends what differs when re-run)."""
+
+    retryable = True
 
 
 class InvalidTensor(TensorwireError, ValueError):
