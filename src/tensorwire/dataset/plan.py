@@ -63,7 +63,7 @@ class Item:
                 part: torch.Tensor = f.get_slice(self.tensor)[self.start : self.stop]
             return part.contiguous()
         array = np.load(self.source, mmap_mode="r", allow_pickle=False)
-        return torch.from_numpy(np.ascontiguousarray(array[self.start : self.stop]))
+        return torch.from_numpy(np.array(array[self.start : self.stop]))  # read from the mmap, writable
 
 
 @dataclass(slots=True)
