@@ -724,6 +724,7 @@ BENCHMARKS = {
     "grpc": "gRPC throughput against naive gRPC and Arrow Flight (--size, --json, --iters...).",
     "ps": "Parameter-server training against a torch.distributed.rpc PS and DDP (--json, --steps...).",
     "chaos": "Replicated parameter servers while processes are killed (--minutes, --interval, --json).",
+    "scaling": "PS bytes per step across network namespaces vs the model (--json, --jobs, --table).",
 }
 
 

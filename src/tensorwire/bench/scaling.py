@@ -104,6 +104,25 @@ def markdown_table(params: int, workers: int, gbits: float) -> str:
     return "\n".join(rows)
 
 
+def measured_markdown(runs: Sequence[dict[str, Any]]) -> str:
+    """The measured runs of ``main`` as the markdown table of docs/scaling.md."""
+    head = (
+        "| S | R | W | link | model MB/step | measured MB/step | wire/model | step s model | step s measured "
+    )
+    rows = [head + "| measured/model |", "|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|"]
+    for run in runs:
+        job, model, wire = run["job"], run["model"], run["measured_wire"]
+        links = ["worker_sent", "worker_received", "server_received", "server_sent"]
+        links += ["backup_received"] if job["replicas"] else []
+        for i, key in enumerate(links):
+            lead = f"| {job['servers']} | {job['replicas']} | {job['workers']} " if i == 0 else "| | | "
+            step = (f"{run['model_step_s']:.3f} | {run['step_s']:.3f} | {run['step_over_model']:.2f}"
+                    if i == 0 and run["model_step_s"] else " | | ")  # fmt: skip
+            rows.append(f"{lead}| {key.replace('_', ' ')} | {model[key] / 1e6:.2f} | {wire[key] / 1e6:.2f} "
+                        f"| {run['wire_over_model'][key]:.4f} | {step} |")  # fmt: skip
+    return "\n".join(rows)
+
+
 def _mb(n: float) -> str:
     return f"{n / 1e6:,.1f} MB"
 
@@ -272,6 +291,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--json", action="store_true", help="print one JSON line")
     parser.add_argument("--table", nargs=3, type=float, metavar=("PARAMS", "WORKERS", "GBITS"),
                         help="print the model's markdown table and exit")  # fmt: skip
+    parser.add_argument("--markdown", action="store_true", help="also print the measured markdown table")
     parser.add_argument("--worker", nargs=6, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
@@ -289,6 +309,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         ]
     except Unavailable as exc:
         result["skipped"] = f"network namespaces are not available here: {exc}"
+    if args.markdown and "runs" in result:
+        print(measured_markdown(result["runs"]))
     print(json.dumps(result) if args.json else json.dumps(result, indent=2))
     return result
 
