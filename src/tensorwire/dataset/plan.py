@@ -105,7 +105,7 @@ def make_plan(
         raise ValueError(f"a data set needs at least one shard, not {shards}")
     if not src.exists():
         raise FileNotFoundError(f"{src}: no such file or folder")
-    name = validate_name(dataset or src.stem)
+    name = validate_name(dataset or (src.stem if src.is_file() else src.resolve().name))
     if by == "files":
         return Plan(name, by, _deal_files(src, shards, name))
     if by == "rows":
