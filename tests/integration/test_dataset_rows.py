@@ -10,8 +10,9 @@ import numpy as np
 import pytest
 import safetensors.torch
 import torch
+from click.testing import CliRunner
 
-from tensorwire import ServerThread, TensorStore, connect
+from tensorwire import ServerThread, TensorStore, cli, connect
 from tensorwire.dataset import DigestService, ShardDataset, fetch, make_plan, scatter
 from tensorwire.dataset.digest import fetch_digests
 from tensorwire.errors import ProtocolError, VerificationFailed
@@ -146,3 +147,24 @@ def test_digest_answers_what_is_held_and_refuses_bad_requests(servers: list[Serv
             await conn.close()
 
     asyncio.run(check())
+
+
+def test_nodes_that_cannot_take_a_shard_fail_alone_with_a_clear_error(
+    servers: list[ServerThread], tmp_path: Path
+) -> None:
+    (tmp_path / "set").mkdir()
+    for i in range(4):
+        (tmp_path / "set" / f"{i}.txt").write_text(str(i) * 100)
+    with ServerThread() as plain:  # no DigestService: it cannot prove what it holds
+        report = scatter(tmp_path / "set", [servers[0].url, plain.url])
+    good, no_digest = report.nodes
+    assert good.verified and good.error is None
+    assert not no_digest.verified and "DIGEST" in str(no_digest.error)
+    with pytest.raises(ValueError, match="not grpc://"):  # before anything is sent anywhere
+        scatter(tmp_path / "set", [servers[0].url, "grpc://127.0.0.1:1"])
+
+    result = CliRunner().invoke(cli.main, ["dataset", "scatter", str(tmp_path / "set"), "--by", "rows",
+                                           "--to", servers[0].url])  # fmt: skip
+    assert result.exit_code == 1 and "no .safetensors or .npy files" in result.output
+    result = CliRunner().invoke(cli.main, ["dataset", "scatter", str(tmp_path / "set"), "--to", "grpc://h:1"])
+    assert result.exit_code == 2 and "not grpc://" in result.output

@@ -16,7 +16,7 @@ import click
 from rich.console import Console
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
 
-from tensorwire.dataset.scatter import Advance, NodeReport, ScatterReport
+from tensorwire.dataset.scatter import Advance, NodeReport, ScatterReport, check_node
 
 
 def build() -> click.Group:
@@ -29,7 +29,10 @@ def build() -> click.Group:
         urls = [part.strip() for v in value for part in v.split(",") if part.strip()]
         if not urls:
             raise click.BadParameter("name at least one node", ctx, param)
-        return list(cli._url_param(ctx, param, tuple(urls)))
+        try:
+            return [check_node(url) for url in cli._url_param(ctx, param, tuple(urls))]
+        except ValueError as exc:
+            raise click.BadParameter(str(exc), ctx, param) from exc
 
     def parse_source(ctx: click.Context, param: click.Parameter, value: str) -> str:
         if "://" in value or not Path(value).exists():  # HOST:PORT or a URL; else a data dir

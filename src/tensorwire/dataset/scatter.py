@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -45,6 +46,7 @@ from tensorwire.wire.checksum import ChecksumKind, checksum
 from tensorwire.wire.tensors import byte_view
 
 Advance = Callable[[int, int], None]  # (node index, bytes done)
+FRAME_SCHEMES = ("tcp", "tls", "memory")
 
 
 @dataclass(slots=True)
@@ -102,6 +104,8 @@ def scatter(
     """
     if not urls:
         raise ValueError("scatter needs at least one node URL")
+    for url in urls:
+        check_node(url)
     plan = make_plan(src, shards or len(urls), by, dataset, block_bytes)
     report = ScatterReport(plan.dataset, plan.by, len(plan.shards))
     for i, url in enumerate(urls):
@@ -141,24 +145,24 @@ class _NodeSender:
     ) -> None:  # fmt: skip
         self.plan = plan
         self.node = node
-        self.options = options
         self.max_rate = max_rate
         self.advance = advance or (lambda n: None)
+        self.client = AsyncClient(node.url, options)
+        self.digests = _Digests(node.url, options)
         self._started = time.monotonic()
         self._paced_bytes = 0
 
     async def send(self, shards: Sequence[Shard]) -> None:
-        async with AsyncClient(self.node.url, self.options) as client:
-            conn = await _open_digests(self.node.url, self.options)
-            try:
-                for shard in shards:
-                    await self._send_shard(client, conn, shard)
-            finally:
-                await conn.close()
+        try:
+            for shard in shards:
+                await self._send_shard(shard)
+        finally:
+            await self.digests.close()
+            await self.client.close()
         self.node.verified = True
 
-    async def _send_shard(self, client: AsyncClient, conn: FramedTransport, shard: Shard) -> None:
-        held = await fetch_digests(conn, [*(i.name for i in shard.items), shard.manifest_name])
+    async def _send_shard(self, shard: Shard) -> None:
+        held = await self.digests.get([*(i.name for i in shard.items), shard.manifest_name])
         sources: dict[str, Expected] = {}
         manifest_valid = shard.manifest_name in held
         for item in shard.items:
@@ -171,20 +175,18 @@ class _NodeSender:
                 self.advance(item.nbytes)
                 continue
             if manifest_valid:  # the shard is about to change: it is not complete until re-verified
-                await client.delete(shard.manifest_name)
+                await self.client.delete(shard.manifest_name)
                 manifest_valid = False
-            await client.put(item.name, tensor, progress=self.advance)
+            await self.client.put(item.name, tensor, progress=self.advance)
             self.node.sent_items += 1
             self.node.sent_bytes += item.nbytes
             await self._pace(item.nbytes)
-        await self._verify(conn, shard.items, sources)
-        await self._prune(client, shard)
-        await self._write_manifest(client, conn, shard, sources)
+        await self._verify(shard.items, sources)
+        await self._prune(shard)
+        await self._write_manifest(shard, sources)
 
-    async def _verify(
-        self, conn: FramedTransport, items: Sequence[Item], sources: dict[str, Expected]
-    ) -> None:
-        held = await fetch_digests(conn, [item.name for item in items])
+    async def _verify(self, items: Sequence[Item], sources: dict[str, Expected]) -> None:
+        held = await self.digests.get([item.name for item in items])
         bad = [item.name for item in items if not _matches(held.get(item.name), sources[item.name])]
         if bad:
             raise VerificationFailed(
@@ -192,25 +194,21 @@ class _NodeSender:
                 f"{', '.join(bad[:3])}"
             )
 
-    async def _prune(self, client: AsyncClient, shard: Shard) -> None:
+    async def _prune(self, shard: Shard) -> None:
         wanted = {item.name for item in shard.items} | {shard.manifest_name}
-        stale = [m.name for m in await client.list(shard.prefix) if m.name not in wanted]
+        stale = [m.name for m in await self.client.list(shard.prefix) if m.name not in wanted]
         if stale:
-            await client.delete_many(stale)
+            await self.client.delete_many(stale)
             self.node.pruned += len(stale)
 
-    async def _write_manifest(
-        self, client: AsyncClient, conn: FramedTransport, shard: Shard,
-        sources: dict[str, Expected],
-    ) -> None:  # fmt: skip
+    async def _write_manifest(self, shard: Shard, sources: dict[str, Expected]) -> None:
         raw = manifest(self.plan, shard, sources)
-        tensor = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
         expected = (torch.uint8, (len(raw),), checksum(ChecksumKind.XXH3_64, raw))
-        held = await fetch_digests(conn, [shard.manifest_name])
+        held = await self.digests.get([shard.manifest_name])
         if not _matches(held.get(shard.manifest_name), expected):
-            await client.put(shard.manifest_name, tensor)
+            await self.client.put(shard.manifest_name, torch.frombuffer(bytearray(raw), dtype=torch.uint8))
         written = Item(shard.manifest_name, len(raw), Path())
-        await self._verify(conn, [written], {shard.manifest_name: expected})
+        await self._verify([written], {shard.manifest_name: expected})
 
     async def _pace(self, nbytes: int) -> None:
         """Sleep so this node's sending stays under ``max_rate`` bytes/s on average."""
@@ -222,6 +220,16 @@ class _NodeSender:
             await asyncio.sleep(ahead)
 
 
+def check_node(url: str) -> str:
+    """``url`` if scatter can send to it: DIGEST is an opcode of the frame protocol (not gRPC)."""
+    scheme = Address.parse(url).scheme
+    if scheme not in FRAME_SCHEMES:
+        raise ValueError(
+            f"dataset scatter speaks {', '.join(s + '://' for s in FRAME_SCHEMES)}, not {scheme}://"
+        )
+    return url
+
+
 def _matches(held: Digest | None, source: Expected) -> bool:
     if held is None:
         return False
@@ -229,16 +237,45 @@ def _matches(held: Digest | None, source: Expected) -> bool:
     return held.meta.dtype == dtype and tuple(held.meta.shape) == shape and held.value == value
 
 
-async def _open_digests(url: str, options: ClientOptions) -> FramedTransport:
-    """A connection for DIGEST requests (an extension opcode: the client API has no call for it)."""
-    address = Address.parse(url)
-    topts = transports.TransportOptions(
-        options.connect_timeout, options.timeout, CHECKSUMS[options.checksum], options.chunk_size,
-        options.security(),
-    )  # fmt: skip
-    conn = await transports.open_transport(address, topts)
-    if not isinstance(conn, FramedTransport):
-        with contextlib.suppress(TensorwireError):
-            await conn.close()
-        raise ValueError(f"dataset scatter speaks tcp://, tls:// or memory://, not {address.scheme}://")
-    return conn
+class _Digests:
+    """DIGEST requests to one server (an extension opcode: the client API has no call for it), on
+    a connection of their own, retried like the client's reads: a digest changes nothing."""
+
+    def __init__(self, url: str, options: ClientOptions) -> None:
+        self.address = Address.parse(url)
+        self.options = options
+        self._conn: FramedTransport | None = None
+
+    async def get(self, names: Sequence[str]) -> dict[str, Digest]:
+        for attempt in itertools.count():
+            try:
+                return await fetch_digests(await self._open(), names)
+            except TensorwireError as exc:
+                if not exc.retryable or attempt >= self.options.retries:
+                    raise
+                await self.close()
+            await asyncio.sleep(self.options.delay(attempt + 1))
+        raise AssertionError("unreachable")
+
+    async def _open(self) -> FramedTransport:
+        if self._conn is not None and not self._conn.closed:
+            return self._conn
+        opts = self.options
+        topts = transports.TransportOptions(
+            opts.connect_timeout, opts.timeout, CHECKSUMS[opts.checksum], opts.chunk_size, opts.security()
+        )
+        conn = await transports.open_transport(self.address, topts)
+        if not isinstance(conn, FramedTransport):
+            with contextlib.suppress(TensorwireError):
+                await conn.close()
+            raise ValueError(
+                f"dataset scatter speaks tcp://, tls:// or memory://, not {self.address.scheme}://"
+            )
+        self._conn = conn
+        return conn
+
+    async def close(self) -> None:
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            with contextlib.suppress(TensorwireError):
+                await conn.close()
