@@ -24,9 +24,10 @@ def test_step_time_is_bound_by_the_busiest_link() -> None:
     many = step_time(Job(10**6, 16, 8), link_bytes_per_s=1e9, compute_s=0.5)
     assert many["bound"] == "worker NIC" and many["step_s"] == pytest.approx(0.5 + 2 * 4e6 / 1e9)
     backed = step_time(Job(10**6, 1, 8, replicas=1), link_bytes_per_s=1e9)  # + forwarding the last push
-    assert backed["push_s"] == pytest.approx(9 * 4e6 / 1e9) and backed["pull_s"] == pytest.approx(
-        8 * 4e6 / 1e9
-    )
+    assert backed["push_s"] == pytest.approx(9 * 4e6 / 1e9)
+    assert backed["pull_s"] == pytest.approx(8 * 4e6 / 1e9)
+    two = step_time(Job(10**6, 1, 8, replicas=2), link_bytes_per_s=1e9)  # 16 shards out after the first in
+    assert two["push_s"] == pytest.approx(17 * 4e6 / 1e9)
 
 
 def test_the_table_has_a_row_per_codec_and_layout(capsys: pytest.CaptureFixture[str]) -> None:

@@ -8,9 +8,10 @@ codec: fp32 4, bf16 2, int8 ~1, ...) and whose pulls carry ``pull`` bytes per el
 - each primary receives W*P*push/S, sends W*P*pull/S to workers and R*W*P*push/S to its backups
   (a primary forwards each push's gradient bytes to every backup before it answers);
 - a sync step is a push phase then a pull phase, each as long as its busiest link:
-  push = max(P*push/B, (W + [R > 0])*P*push/(S*B)), pull = max(P*pull/B, W*P*pull/(S*B)), for links
-  of B bytes/s each way (full duplex), plus compute. (With backups, a primary forwards each push
-  while the next arrives, and the last one after it is in: one more shard's time.)
+  push = max(P*push/B, max(W, R*W + 1)*P*push/(S*B)) (W instead of max(..) without backups: a
+  primary forwards each push to its R backups while the next arrives, starting once the first is
+  in), pull = max(P*pull/B, W*P*pull/(S*B)), for links of B bytes/s each way (full duplex), plus
+  compute.
 
 The measurement puts every server and worker process in a network namespace of its own, each
 joined to a bridge by a veth link shaped to ``--rate`` (tc tbf, both directions), trains an MLP of
@@ -79,9 +80,10 @@ def traffic(job: Job) -> dict[str, float]:
 def step_time(job: Job, link_bytes_per_s: float, compute_s: float = 0.0) -> dict[str, Any]:
     """Seconds a sync step spends on the network (push phase + pull phase), and which link bounds it."""
     p, s, w, r, b = job.params, job.servers, job.workers, job.replicas, link_bytes_per_s
-    # A primary forwards each push to its backups while the next one arrives (full duplex), but
-    # the last push of a step is forwarded only once it is in: one more shard's worth of time.
-    push_worker, push_server = p * job.push / b, (w + (1 if r else 0)) * p * job.push / (s * b)
+    # A primary forwards each push to its R backups while the next one arrives (full duplex): its
+    # out link carries R*W shards, starting once the first one is in.
+    shards_in_push = max(w, r * w + 1) if r else w
+    push_worker, push_server = p * job.push / b, shards_in_push * p * job.push / (s * b)
     pull_worker, pull_server = p * job.pull / b, w * p * job.pull / (s * b)
     push, pull = max(push_worker, push_server), max(pull_worker, pull_server)
     bound = "server NIC" if push_server + pull_server > push_worker + pull_worker else "worker NIC"
