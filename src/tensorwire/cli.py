@@ -130,12 +130,17 @@ def _client_param(ctx: click.Context, param: click.Parameter, value: str | None)
 
 def server_option(command: Callable[..., Any]) -> Callable[..., Any]:
     """--server and the options that say how to reach it securely."""
+    command = security_options(command)
+    return click.option(
+        "--server", metavar="URL", callback=_url_param, envvar=SERVER_ENV, default=DEFAULT_URL,
+        show_default=True, help=f"Server address (env {SERVER_ENV}): tcp://, tls://, grpc://, grpcs://.",
+    )(command)  # fmt: skip
+
+
+def security_options(command: Callable[..., Any]) -> Callable[..., Any]:
+    """--tls-ca, --tls-cert, --tls-key, --token: how to reach servers securely (see ``client_options``)."""
     file = click.Path(exists=True, dir_okay=False)
     options = [
-        click.option(
-            "--server", metavar="URL", callback=_url_param, envvar=SERVER_ENV, default=DEFAULT_URL,
-            show_default=True, help=f"Server address (env {SERVER_ENV}): tcp://, tls://, grpc://, grpcs://.",
-        ),
         click.option("--tls-ca", type=file, callback=_client_param, expose_value=False,
                      help="CA that signs the server's certificate (tls://, grpcs://)."),
         click.option("--tls-cert", type=file, callback=_client_param, expose_value=False,
@@ -150,9 +155,14 @@ def server_option(command: Callable[..., Any]) -> Callable[..., Any]:
     return command
 
 
+def client_options() -> dict[str, Any]:
+    """This command's ``security_options``, as keyword arguments of ``connect``/``ClientOptions``."""
+    return dict(click.get_current_context().meta.get(_CLIENT_META, {}))
+
+
 def _connect(server: str) -> Client:
     """A client of ``server`` with this command's security options."""
-    return connect(server, **click.get_current_context().meta.get(_CLIENT_META, {}))
+    return connect(server, **client_options())
 
 
 # -- the group -------------------------------------------------------------------------------------
@@ -281,6 +291,7 @@ def serve(
     log_level: str,
 ) -> None:
     """Serve a tensor store, which is also a parameter server, until SIGINT or SIGTERM."""
+    from tensorwire.dataset.digest import DigestService
     from tensorwire.ps import CheckpointPolicy, ParamServer
 
     # The optimizer's element-wise steps are memory-bound: a few threads get most of the speed, and
@@ -311,7 +322,7 @@ def serve(
         security=security,
         max_connections=max_connections,
         idle_timeout=idle_timeout,
-        extensions=[ps_server],
+        extensions=[ps_server, DigestService(store)],
     )
     run(_serve(server, listen + grpc_listen, ready_file))
 
@@ -713,6 +724,7 @@ BENCHMARKS = {
     "grpc": "gRPC throughput against naive gRPC and Arrow Flight (--size, --json, --iters...).",
     "ps": "Parameter-server training against a torch.distributed.rpc PS and DDP (--json, --steps...).",
     "chaos": "Replicated parameter servers while processes are killed (--minutes, --interval, --json).",
+    "scaling": "PS bytes per step across network namespaces vs the model (--json, --jobs, --table).",
 }
 
 
@@ -727,6 +739,15 @@ def _add_benchmark(name: str, summary: str) -> None:
 
 for _name, _summary in BENCHMARKS.items():
     _add_benchmark(_name, _summary)
+
+
+def _add_dataset() -> None:
+    from tensorwire.dataset.cli import build  # its commands use the helpers above
+
+    main.add_command(build())
+
+
+_add_dataset()
 
 
 if __name__ == "__main__":

@@ -22,7 +22,8 @@ of these. Each class says whether retrying the same call can help.
     │   ├── CapacityExceeded           the store's byte capacity is full
     │   ├── InvalidName                (also ValueError) a name the store does not accept
     │   ├── PersistenceError           the data directory could not be written or read
-    │   └── VersionChanged             the tensor changed between the parts of one read; retry can help
+    │   ├── VersionChanged             the tensor changed between the parts of one read; retry can help
+    │   └── VerificationFailed         what a server holds differs from its source; resending can help
     ├── InvalidTensor                  (also ValueError) dtype/shape/size unusable or inconsistent
     ├── AuthenticationError            the server refused the token or client certificate
     ├── WorkerDropped                  the server does not count this worker in the job: rejoin
@@ -117,6 +118,14 @@ class PersistenceError(StoreError):
 class VersionChanged(StoreError):
     """A striped get's ranges were asked of one version and the tensor has moved on. Retrying
     reads the new version whole."""
+
+    retryable = True
+
+
+class VerificationFailed(StoreError):
+    """An end-to-end check failed: the bytes a server holds (hashed there, after the transfer) differ
+    from the source they were sent from. Raised by clients, never sent by servers; sending again
+    can help (``tensorwire dataset scatter`` re-sends what differs when re-run)."""
 
     retryable = True
 

@@ -48,6 +48,7 @@ class Opcode(enum.IntEnum):
     PS_ROLLBACK = 18
     PS_REPLICATE = 19
     PUT_RESUMABLE = 20  # a put that survives a broken connection (docs/protocol.md §11.6)
+    DIGEST = 21  # checksums of stored tensors (tensorwire.dataset.digest; docs/protocol.md §11.8)
     # Striping (§11.7): one tensor over several connections, published by one commit.
     PUT_RANGE = 24
     PUT_COMMIT = 25

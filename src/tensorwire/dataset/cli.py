@@ -1,0 +1,158 @@
+"""``tensorwire dataset scatter | fetch``: the command-line face of ``tensorwire.dataset``.
+
+``build()`` makes the click group; ``tensorwire.cli`` adds it to ``tensorwire`` once its own
+helpers (URL and size parsing, security options, the error line) are defined.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import click
+from rich.console import Console
+from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
+
+from tensorwire.dataset.scatter import Advance, NodeReport, ScatterReport, check_node
+
+
+def build() -> click.Group:
+    from tensorwire import cli
+    from tensorwire.client import ClientOptions
+    from tensorwire.dataset.fetch import fetch as fetch_shards
+    from tensorwire.dataset.scatter import scatter as scatter_shards
+
+    def parse_nodes(ctx: click.Context, param: click.Parameter, value: tuple[str, ...]) -> list[str]:
+        urls = [part.strip() for v in value for part in v.split(",") if part.strip()]
+        if not urls:
+            raise click.BadParameter("name at least one node", ctx, param)
+        try:
+            return [check_node(url) for url in cli._url_param(ctx, param, tuple(urls))]
+        except ValueError as exc:
+            raise click.BadParameter(str(exc), ctx, param) from exc
+
+    def parse_source(ctx: click.Context, param: click.Parameter, value: str) -> str:
+        if "://" in value or not Path(value).exists():  # HOST:PORT or a URL; else a data dir
+            return str(cli._url_param(ctx, param, value))
+        return value
+
+    def parse_rate(ctx: click.Context, param: click.Parameter, value: str | None) -> int | None:
+        return None if value is None else int(cli._size_param(ctx, param, value))
+
+    @click.group("dataset")
+    def dataset() -> None:
+        """Ship shards of a data set to the nodes that train on them, and read them there."""
+
+    @dataset.command("scatter")
+    @click.argument("src", type=click.Path(exists=True, path_type=Path))
+    @click.option(
+        "--to",
+        "nodes",
+        multiple=True,
+        required=True,
+        callback=parse_nodes,
+        metavar="URL,URL,...",
+        help="The nodes' servers (`tensorwire serve --data-dir DIR` on each); comma-separated or repeated.",
+    )
+    @click.option(
+        "--shards",
+        type=click.IntRange(min=1),
+        default=None,
+        help="How many shards [default: one per node]; shard k goes to node k mod nodes.",
+    )
+    @click.option(
+        "--by",
+        type=click.Choice(["files", "rows"]),
+        default="files",
+        show_default=True,
+        help="files: whole files to shards; rows: tensors (.safetensors/.npy) split along dim 0.",
+    )
+    @click.option(
+        "--name", "name", default=None, help="The data set's name on the nodes [default: SRC's name]."
+    )
+    @click.option(
+        "--block-size",
+        default="64MiB",
+        show_default=True,
+        callback=cli._size_param,
+        help="--by rows: the largest item sent (rows of one tensor); also what a resume redoes.",
+    )
+    @click.option(
+        "--max-rate",
+        default=None,
+        callback=parse_rate,
+        metavar="SIZE",
+        help="Cap each node's sending at SIZE bytes per second (e.g. 100MiB).",
+    )
+    @click.option(
+        "--json", "as_json", is_flag=True, help="Print the summary as JSON (sent and skipped per node)."
+    )
+    @cli.security_options
+    def scatter(
+        *, src: Path, nodes: list[str], shards: int | None, by: str, name: str | None, block_size: int,
+        max_rate: int | None, as_json: bool,
+    ) -> None:  # fmt: skip
+        """Split SRC into shards and send each to a node, verified; a re-run sends only what is missing."""
+        options = ClientOptions(**cli.client_options())
+        with _bars(len(nodes)) as (advance, on_plan):
+            report = scatter_shards(src, nodes, shards=shards, by=by,  # type: ignore[arg-type]
+                                    dataset=name, block_bytes=block_size, max_rate=max_rate,
+                                    options=options, advance=advance, on_plan=on_plan)  # fmt: skip
+        _print_report(report, as_json)
+        failed = [node for node in report.nodes if node.error]
+        if failed:
+            raise cli.CliError("; ".join(f"{node.url}: {node.error}" for node in failed))
+
+    @dataset.command("fetch")
+    @click.argument("source", metavar="URL|DATA_DIR", callback=parse_source)
+    @click.option(
+        "--out", type=click.Path(file_okay=False, path_type=Path), default=Path("."), show_default=True
+    )
+    @click.option("--name", "name", default=None, help="Which data set [default: the only one there].")
+    @click.option("--json", "as_json", is_flag=True)
+    @cli.security_options
+    def fetch(*, source: str, out: Path, name: str | None, as_json: bool) -> None:
+        """Write the shards a node holds (from its server, or its data dir) back to files under --out."""
+        report = fetch_shards(source, out, name, ClientOptions(**cli.client_options()))
+        if as_json:
+            click.echo(json.dumps(report.as_dict()))
+        else:
+            done = f"{len(report.written)} written, {len(report.unchanged)} already there"
+            click.echo(
+                f"{report.dataset}: shards {report.shards} ({report.by}), {report.bytes} B: {done} -> {out}"
+            )
+
+    return dataset
+
+
+@contextmanager
+def _bars(nodes: int) -> Iterator[tuple[Advance, Any]]:
+    """One rich bar per node on stderr (only on a terminal); yields (advance, on_plan) callbacks."""
+    console = Console(stderr=True)
+    columns = (TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn())
+    with Progress(*columns, console=console, disable=not console.is_terminal) as bar:
+        tasks: list[Any] = []
+
+        def on_plan(plan: Any, reports: list[NodeReport]) -> None:
+            for node in reports:
+                tasks.append(bar.add_task(f"{node.url} shards {node.shards}", total=node.bytes))
+
+        def advance(i: int, n: int) -> None:  # from the nodes' threads; Progress takes its own lock
+            if tasks:
+                bar.advance(tasks[i], n)
+
+        yield advance, on_plan
+
+
+def _print_report(report: ScatterReport, as_json: bool) -> None:
+    if as_json:
+        click.echo(json.dumps(report.as_dict()))
+        return
+    for node in report.nodes:
+        state = "verified" if node.verified else f"FAILED ({node.error})"
+        click.echo(f"{node.url}  shards {node.shards}  sent {node.sent_items} items / {node.sent_bytes} B, "
+                   f"already there {node.skipped_items} / {node.skipped_bytes} B, "
+                   f"pruned {node.pruned}, {node.seconds:.2f}s  {state}")  # fmt: skip

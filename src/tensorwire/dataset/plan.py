@@ -1,0 +1,238 @@
+"""How a data set is cut into shards, what each shard's items are called on a node, and its manifest.
+
+A plan is a pure function of the source (its files, their sizes, the tensors' shapes) and the
+options, so a re-run after an interruption computes the same items under the same names, and can
+skip those a node already holds.
+
+- ``by="files"``: every file under the source folder is one item, sent as its raw bytes (a 1-D
+  uint8 tensor) under ``<dataset>/shard-<k>/files/<relative path>``; fetching writes the same
+  bytes back. Files are dealt to shards by size (largest first, to the lightest shard).
+- ``by="rows"``: the source is tensors in ``.safetensors`` / ``.npy`` files that share their first
+  dimension (samples x features, labels...): shard k gets rows ``[k*R/N, (k+1)*R/N)`` of every
+  tensor, sent in blocks of at most ``block_bytes`` under ``<dataset>/shard-<k>/rows/<key>/<row>``.
+
+Each shard ends with ``<dataset>/shard-<k>/manifest``: JSON (a uint8 tensor) listing every item
+with its dtype, shape, size and xxh3-64, written only once all of them are verified on the node.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+import torch
+
+from tensorwire.errors import InvalidName, InvalidTensor
+from tensorwire.store.names import validate_name
+from tensorwire.types import MiB
+from tensorwire.wire.dtypes import dtype_name
+
+FORMAT = "tensorwire.dataset/1"
+TENSOR_SUFFIXES = (".safetensors", ".npy")
+Split = Literal["files", "rows"]
+Expected = tuple[torch.dtype, tuple[int, ...], int]  # an item's dtype, shape and xxh3-64
+
+
+@dataclass(frozen=True, slots=True)
+class Item:
+    """One tensor of a shard: where its bytes come from and what it is called on the node."""
+
+    name: str
+    nbytes: int
+    source: Path
+    path: str | None = None  # files: the path relative to the source folder
+    key: str | None = None  # rows: the tensor's key (its .npy stem, or its key in a .safetensors)
+    tensor: str | None = None  # rows from a .safetensors: the key inside that file
+    start: int = 0  # rows: [start, stop) of the source tensor's first dimension
+    stop: int = 0
+
+    def load(self) -> torch.Tensor:
+        """The item's bytes as the tensor that is sent (contiguous, CPU)."""
+        if self.key is None:
+            raw = np.fromfile(self.source, dtype=np.uint8)
+            return torch.from_numpy(raw)
+        if self.tensor is not None:
+            from safetensors import safe_open
+
+            with safe_open(str(self.source), framework="pt") as f:
+                part: torch.Tensor = f.get_slice(self.tensor)[self.start : self.stop]
+            return part.contiguous()
+        array = np.load(self.source, mmap_mode="r", allow_pickle=False)
+        return torch.from_numpy(np.array(array[self.start : self.stop]))  # read from the mmap, writable
+
+
+@dataclass(slots=True)
+class Shard:
+    index: int
+    dataset: str
+    items: list[Item] = field(default_factory=list)
+
+    @property
+    def prefix(self) -> str:
+        return shard_prefix(self.dataset, self.index)
+
+    @property
+    def manifest_name(self) -> str:
+        return self.prefix + "manifest"
+
+    @property
+    def nbytes(self) -> int:
+        return sum(item.nbytes for item in self.items)
+
+
+@dataclass(slots=True)
+class Plan:
+    dataset: str
+    by: Split
+    shards: list[Shard]
+    keys: list[str] = field(default_factory=list)  # rows: the tensors every row has, in order
+
+
+def shard_prefix(dataset: str, index: int) -> str:
+    return f"{dataset}/shard-{index:05d}/"
+
+
+def make_plan(
+    src: Path, shards: int, by: Split = "files", dataset: str | None = None, block_bytes: int = 64 * MiB
+) -> Plan:
+    """Cut ``src`` (a folder, or for rows also one tensor file) into ``shards`` shards."""
+    if shards < 1:
+        raise ValueError(f"a data set needs at least one shard, not {shards}")
+    if not src.exists():
+        raise FileNotFoundError(f"{src}: no such file or folder")
+    name = validate_name(dataset or (src.stem if src.is_file() else src.resolve().name))
+    if by == "files":
+        return Plan(name, by, _deal_files(src, shards, name))
+    if by == "rows":
+        keys = _tensor_keys(src)
+        return Plan(name, by, _split_rows(keys, shards, name, block_bytes), sorted(keys))
+    raise ValueError(f"by must be 'files' or 'rows', not {by!r}")
+
+
+# -- by files ------------------------------------------------------------------------------------
+def _deal_files(src: Path, count: int, dataset: str) -> list[Shard]:
+    if not src.is_dir():
+        raise NotADirectoryError(f"{src}: --by files needs a folder")
+    files = sorted((p for p in src.rglob("*") if p.is_file()), key=lambda p: p.relative_to(src).as_posix())
+    if not files:
+        raise FileNotFoundError(f"{src}: no files to scatter")
+    shards = [Shard(k, dataset) for k in range(count)]
+    loads = [0] * count
+    sized = sorted(((p.stat().st_size, p) for p in files), key=lambda sp: (-sp[0], sp[1].as_posix()))
+    bad: list[str] = []
+    for size, path in sized:  # largest first onto the lightest shard: loads end within one file
+        rel = path.relative_to(src).as_posix()
+        k = loads.index(min(loads))
+        name = f"{shards[k].prefix}files/{rel}"
+        try:
+            validate_name(name)
+        except InvalidName as exc:
+            bad.append(f"{rel!r} ({exc})")
+            continue
+        shards[k].items.append(Item(name, size, path, path=rel))
+        loads[k] += size
+    if bad:
+        raise InvalidName(f"{len(bad)} file(s) cannot be named on a server: {', '.join(bad[:3])}")
+    for shard in shards:
+        shard.items.sort(key=lambda item: item.name)
+    return shards
+
+
+# -- by rows -------------------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class _Source:
+    path: Path
+    tensor: str | None  # the key inside a .safetensors file; None for .npy
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+    @property
+    def row_bytes(self) -> int:
+        return math.prod(self.shape[1:]) * self.dtype.itemsize
+
+
+def _tensor_keys(src: Path) -> dict[str, _Source]:
+    files = [src] if src.is_file() else sorted(p for p in src.iterdir() if p.suffix in TENSOR_SUFFIXES)
+    if not files:
+        raise FileNotFoundError(f"{src}: no .safetensors or .npy files to split by rows")
+    keys: dict[str, _Source] = {}
+    for path in files:
+        for key, source in _read_shapes(path):
+            if key in keys:
+                raise InvalidTensor(f"tensor {key!r} is in both {keys[key].path} and {path}")
+            validate_name(key)
+            keys[key] = source
+    rows = {key: s.shape[0] if s.shape else None for key, s in keys.items()}
+    if None in rows.values() or len(set(rows.values())) != 1:
+        raise InvalidTensor(f"--by rows needs tensors with the same first dimension; found {rows}")
+    return keys
+
+
+def _read_shapes(path: Path) -> Iterator[tuple[str, _Source]]:
+    if path.suffix == ".npy":
+        array = np.load(path, mmap_mode="r", allow_pickle=False)
+        try:
+            dtype = torch.from_numpy(np.empty(0, dtype=array.dtype)).dtype
+        except TypeError as exc:
+            raise InvalidTensor(f"{path}: numpy dtype {array.dtype} has no torch counterpart") from exc
+        yield path.stem, _Source(path, None, dtype, tuple(array.shape))
+        return
+    if path.suffix != ".safetensors":
+        raise InvalidTensor(f"{path}: --by rows reads .safetensors and .npy files, not {path.suffix!r}")
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as f:
+        for key in f.keys():  # noqa: SIM118 - safe_open is not a mapping
+            part = f.get_slice(key)
+            shape = tuple(int(n) for n in part.get_shape())
+            yield key, _Source(path, key, part[0:0].dtype if shape else f.get_tensor(key).dtype, shape)
+
+
+def _split_rows(keys: dict[str, _Source], count: int, dataset: str, block_bytes: int) -> list[Shard]:
+    total = next(iter(keys.values())).shape[0]
+    shards = [Shard(k, dataset) for k in range(count)]
+    for shard in shards:
+        lo, hi = shard.index * total // count, (shard.index + 1) * total // count
+        for key in sorted(keys):
+            source = keys[key]
+            step = max(1, block_bytes // max(source.row_bytes, 1))
+            for start in range(lo, hi, step):
+                stop = min(start + step, hi)
+                name = f"{shard.prefix}rows/{key}/{start:012d}"
+                nbytes = (stop - start) * source.row_bytes
+                shard.items.append(Item(name, nbytes, source.path, key=key, tensor=source.tensor,
+                                        start=start, stop=stop))  # fmt: skip
+    return shards
+
+
+# -- manifests -----------------------------------------------------------------------------------
+def manifest(plan: Plan, shard: Shard, digests: dict[str, Expected]) -> bytes:
+    """The shard's manifest: every item, with the dtype, shape and xxh3-64 verified on the node."""
+    items: list[dict[str, Any]] = []
+    for item in shard.items:
+        dtype, shape, value = digests[item.name]
+        entry: dict[str, Any] = {"name": item.name, "dtype": dtype_name(dtype), "shape": list(shape),
+                                 "nbytes": item.nbytes, "xxh3": f"{value:016x}"}  # fmt: skip
+        if item.path is not None:
+            entry["path"] = item.path
+        else:
+            entry.update(key=item.key, start=item.start, stop=item.stop)
+        items.append(entry)
+    body = {"format": FORMAT, "dataset": plan.dataset, "shard": shard.index, "shards": len(plan.shards),
+            "by": plan.by, "keys": plan.keys, "items": items}  # fmt: skip
+    return json.dumps(body, indent=1).encode()
+
+
+def parse_manifest(raw: bytes, where: str) -> dict[str, Any]:
+    try:
+        body: dict[str, Any] = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise InvalidTensor(f"{where}: not a data set manifest ({exc})") from exc
+    if not isinstance(body, dict) or body.get("format") != FORMAT:
+        raise InvalidTensor(f"{where}: not a {FORMAT} manifest")
+    return body

@@ -1,0 +1,281 @@
+"""Send the shards of a data set to the nodes that will train on them: in parallel, verified, resumable.
+
+Shard k goes to node ``k % len(urls)``; each node is served by its own thread, event loop and
+connections. For every item of a shard, in order:
+
+1. read it from the source and hash it (xxh3-64);
+2. if the node already holds it with the same dtype, shape and hash (``DIGEST``, answered by the
+   server from the bytes it holds), skip it;
+3. else send it (``put``: per-chunk checksums; large items resume after a broken connection).
+
+Then the node hashes every item of the shard again and each must match its source (an
+end-to-end check of the bytes at rest, not of the transfer); names under the shard's prefix that
+the plan does not have are deleted; the manifest is written last, and checked the same way. A
+node holding a shard's manifest therefore holds all of it, verified; before the first item of a
+shard that differs from what the node holds, its old manifest is deleted.
+
+What a re-run after an interruption sends: only items the node does not hold, verified. An item
+in flight when the sender died is not visible on the node (a put becomes visible only once all
+of it is verified), so it is sent again in full: per node, at most the item in flight at the
+interruption is sent twice; no item that landed is.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tensorwire import transport as transports
+from tensorwire._loop import run
+from tensorwire.client import CHECKSUMS, AsyncClient, ClientOptions
+from tensorwire.dataset.digest import Digest, fetch_digests
+from tensorwire.dataset.plan import Expected, Item, Plan, Shard, Split, make_plan, manifest
+from tensorwire.errors import TensorwireError, VerificationFailed
+from tensorwire.transport.framed import FramedTransport
+from tensorwire.types import Address, MiB
+from tensorwire.wire.checksum import ChecksumKind, checksum
+from tensorwire.wire.tensors import byte_view
+
+Advance = Callable[[int, int], None]  # (node index, bytes done)
+FRAME_SCHEMES = ("tcp", "tls", "memory")
+
+
+@dataclass(slots=True)
+class NodeReport:
+    """What one node got: ``sent_*`` crossed the network in this run, ``skipped_*`` were already there."""
+
+    url: str
+    shards: list[int]
+    items: int = 0
+    bytes: int = 0
+    sent_items: int = 0
+    sent_bytes: int = 0
+    skipped_items: int = 0
+    skipped_bytes: int = 0
+    pruned: int = 0  # names under the shards' prefixes that the plan does not have, deleted
+    verified: bool = False  # every item and manifest hashed on the node and matched its source
+    seconds: float = 0.0
+    error: str | None = None
+
+
+@dataclass(slots=True)
+class ScatterReport:
+    dataset: str
+    by: str
+    shards: int
+    nodes: list[NodeReport] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return all(node.verified for node in self.nodes)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"dataset": self.dataset, "by": self.by, "shards": self.shards, "ok": self.ok,
+                "items": sum(n.items for n in self.nodes), "bytes": sum(n.bytes for n in self.nodes),
+                "nodes": [asdict(n) for n in self.nodes]}  # fmt: skip
+
+
+def scatter(
+    src: Path,
+    urls: Sequence[str],
+    *,
+    shards: int | None = None,
+    by: Split = "files",
+    dataset: str | None = None,
+    block_bytes: int = 64 * MiB,
+    max_rate: float | None = None,
+    options: ClientOptions | None = None,
+    advance: Advance | None = None,
+    on_plan: Callable[[Plan, list[NodeReport]], None] | None = None,
+) -> ScatterReport:
+    """Scatter ``src`` over the servers at ``urls`` (``shards`` defaults to one per node).
+
+    ``max_rate`` caps each node's sending in bytes/s (to leave a training job its network).
+    Failures of one node do not stop the others; they are recorded in its ``NodeReport.error``.
+    """
+    if not urls:
+        raise ValueError("scatter needs at least one node URL")
+    for url in urls:
+        check_node(url)
+    plan = make_plan(src, shards or len(urls), by, dataset, block_bytes)
+    report = ScatterReport(plan.dataset, plan.by, len(plan.shards))
+    for i, url in enumerate(urls):
+        owned = [s for s in plan.shards if s.index % len(urls) == i]
+        node = NodeReport(url, [s.index for s in owned], sum(len(s.items) for s in owned))
+        node.bytes = sum(s.nbytes for s in owned)
+        report.nodes.append(node)
+    if on_plan is not None:
+        on_plan(plan, report.nodes)
+    opts = options or ClientOptions()
+
+    def serve_node(i: int) -> None:
+        node = report.nodes[i]
+        start = time.monotonic()
+        owned = [plan.shards[k] for k in node.shards]
+        progress = (lambda n: advance(i, n)) if advance else None
+        try:
+            run(_NodeSender(plan, node, opts, max_rate, progress).send(owned))
+        except Exception as exc:  # the thread's boundary: one node's failure is that node's report
+            node.error = f"{type(exc).__name__}: {exc}"
+        node.seconds = time.monotonic() - start
+
+    threads = [threading.Thread(target=serve_node, args=(i,), name=f"scatter-{i}") for i in range(len(urls))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()  # each node's calls are bounded by the client's timeouts and retries
+    return report
+
+
+class _NodeSender:
+    """Sends one node its shards, on one event loop: a client for puts, a connection for DIGEST."""
+
+    def __init__(
+        self, plan: Plan, node: NodeReport, options: ClientOptions, max_rate: float | None,
+        advance: Callable[[int], None] | None,
+    ) -> None:  # fmt: skip
+        self.plan = plan
+        self.node = node
+        self.max_rate = max_rate
+        self.advance = advance or (lambda n: None)
+        self.client = AsyncClient(node.url, options)
+        self.digests = _Digests(node.url, options)
+        self._started = time.monotonic()
+        self._paced_bytes = 0
+
+    async def send(self, shards: Sequence[Shard]) -> None:
+        try:
+            for shard in shards:
+                await self._send_shard(shard)
+        finally:
+            await self.digests.close()
+            await self.client.close()
+        self.node.verified = True
+
+    async def _send_shard(self, shard: Shard) -> None:
+        held = await self.digests.get([*(i.name for i in shard.items), shard.manifest_name])
+        sources: dict[str, Expected] = {}
+        manifest_valid = shard.manifest_name in held
+        for item in shard.items:
+            tensor = await asyncio.to_thread(item.load)
+            value = checksum(ChecksumKind.XXH3_64, byte_view(tensor))
+            sources[item.name] = (tensor.dtype, tuple(tensor.shape), value)
+            if _matches(held.get(item.name), sources[item.name]):
+                self.node.skipped_items += 1
+                self.node.skipped_bytes += item.nbytes
+                self.advance(item.nbytes)
+                continue
+            if manifest_valid:  # the shard is about to change: it is not complete until re-verified
+                await self.client.delete(shard.manifest_name)
+                manifest_valid = False
+            await self.client.put(item.name, tensor, progress=self.advance)
+            self.node.sent_items += 1
+            self.node.sent_bytes += item.nbytes
+            await self._pace(item.nbytes)
+        await self._verify(shard.items, sources)
+        await self._prune(shard)
+        await self._write_manifest(shard, sources)
+
+    async def _verify(self, items: Sequence[Item], sources: dict[str, Expected]) -> None:
+        held = await self.digests.get([item.name for item in items])
+        bad = [item.name for item in items if not _matches(held.get(item.name), sources[item.name])]
+        if bad:
+            raise VerificationFailed(
+                f"{self.node.url} holds {len(bad)} item(s) that differ from their source after sending: "
+                f"{', '.join(bad[:3])}"
+            )
+
+    async def _prune(self, shard: Shard) -> None:
+        wanted = {item.name for item in shard.items} | {shard.manifest_name}
+        stale = [m.name for m in await self.client.list(shard.prefix) if m.name not in wanted]
+        if stale:
+            await self.client.delete_many(stale)
+            self.node.pruned += len(stale)
+
+    async def _write_manifest(self, shard: Shard, sources: dict[str, Expected]) -> None:
+        raw = manifest(self.plan, shard, sources)
+        expected = (torch.uint8, (len(raw),), checksum(ChecksumKind.XXH3_64, raw))
+        held = await self.digests.get([shard.manifest_name])
+        if not _matches(held.get(shard.manifest_name), expected):
+            await self.client.put(shard.manifest_name, torch.frombuffer(bytearray(raw), dtype=torch.uint8))
+        written = Item(shard.manifest_name, len(raw), Path())
+        await self._verify([written], {shard.manifest_name: expected})
+
+    async def _pace(self, nbytes: int) -> None:
+        """Sleep so this node's sending stays under ``max_rate`` bytes/s on average."""
+        if not self.max_rate:
+            return
+        self._paced_bytes += nbytes
+        ahead = self._paced_bytes / self.max_rate - (time.monotonic() - self._started)
+        if ahead > 0:
+            await asyncio.sleep(ahead)
+
+
+def check_node(url: str) -> str:
+    """``url`` if scatter can send to it: DIGEST is an opcode of the frame protocol (not gRPC)."""
+    scheme = Address.parse(url).scheme
+    if scheme not in FRAME_SCHEMES:
+        raise ValueError(
+            f"dataset scatter speaks {', '.join(s + '://' for s in FRAME_SCHEMES)}, not {scheme}://"
+        )
+    return url
+
+
+def _matches(held: Digest | None, source: Expected) -> bool:
+    if held is None:
+        return False
+    dtype, shape, value = source
+    return held.meta.dtype == dtype and tuple(held.meta.shape) == shape and held.value == value
+
+
+class _Digests:
+    """DIGEST requests to one server (an extension opcode: the client API has no call for it), on
+    a connection of their own, retried like the client's reads: a digest changes nothing."""
+
+    def __init__(self, url: str, options: ClientOptions) -> None:
+        self.address = Address.parse(url)
+        self.options = options
+        self._conn: FramedTransport | None = None
+
+    async def get(self, names: Sequence[str]) -> dict[str, Digest]:
+        for attempt in itertools.count():
+            try:
+                return await fetch_digests(await self._open(), names)
+            except TensorwireError as exc:
+                if not exc.retryable or attempt >= self.options.retries:
+                    raise
+                await self.close()
+            await asyncio.sleep(self.options.delay(attempt + 1))
+        raise AssertionError("unreachable")
+
+    async def _open(self) -> FramedTransport:
+        if self._conn is not None and not self._conn.closed:
+            return self._conn
+        opts = self.options
+        topts = transports.TransportOptions(
+            opts.connect_timeout, opts.timeout, CHECKSUMS[opts.checksum], opts.chunk_size, opts.security()
+        )
+        conn = await transports.open_transport(self.address, topts)
+        if not isinstance(conn, FramedTransport):
+            with contextlib.suppress(TensorwireError):
+                await conn.close()
+            raise ValueError(
+                f"dataset scatter speaks tcp://, tls:// or memory://, not {self.address.scheme}://"
+            )
+        self._conn = conn
+        return conn
+
+    async def close(self) -> None:
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            with contextlib.suppress(TensorwireError):
+                await conn.close()
