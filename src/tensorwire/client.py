@@ -29,6 +29,7 @@ from tensorwire.security import Security, TlsFiles, client_token
 from tensorwire.store.names import validate_name, validate_prefix
 from tensorwire.transport.base import Transport
 from tensorwire.transport.framed import FramedTransport
+from tensorwire.transport.shm import view as shm_view
 from tensorwire.types import Address, TensorMeta
 from tensorwire.wire import meta as wm
 from tensorwire.wire.checksum import ChecksumKind
@@ -105,7 +106,8 @@ class AsyncClient:
         """Store ``tensor`` under ``name``; return its new version. A large one (``resumable_bytes``)
         survives broken connections: each retry sends only what the server has not verified."""
         size = tensor.numel() * tensor.element_size()
-        if self.options.resumable_bytes and size >= self.options.resumable_bytes and self.transport != "grpc":
+        resumable = self.transport not in ("grpc", "shm")  # shm: the bytes never cross the socket
+        if self.options.resumable_bytes and size >= self.options.resumable_bytes and resumable:
             return await self._put_resumable(name, tensor, progress)
         return await self.put_many([(name, tensor)], progress=progress)
 
@@ -153,12 +155,24 @@ class AsyncClient:
         return await self._run(lambda t: t.put(batch, progress))
 
     async def get(
-        self, name: str, out: torch.Tensor | None = None, progress: Progress | None = None
+        self,
+        name: str,
+        out: torch.Tensor | None = None,
+        progress: Progress | None = None,
+        *,
+        view: bool = False,
     ) -> torch.Tensor:
         """Fetch ``name``. With ``out``, the bytes land in ``out`` in place and ``out`` is returned.
 
         If the call raises, ``out`` may hold part of the transfer (its contents are unspecified).
+        ``view=True`` (``shm://`` only) returns a read-only tensor over the server's shared pages,
+        with no copy: a snapshot of the version read, held for as long as the tensor lives (README,
+        "Shared memory").
         """
+        if view:
+            if out is not None:
+                raise InvalidTensor("get(view=True) returns the server's pages; it takes no out=")
+            return await self._run(lambda t: shm_view(t, name))
         outs = {name: out} if out is not None else {}
         landing = _Landing([name], outs)
 
@@ -387,9 +401,14 @@ class Client:
         return self._call(self._async.put_many(items, progress))
 
     def get(
-        self, name: str, out: torch.Tensor | None = None, progress: Progress | None = None
+        self,
+        name: str,
+        out: torch.Tensor | None = None,
+        progress: Progress | None = None,
+        *,
+        view: bool = False,
     ) -> torch.Tensor:
-        return self._call(self._async.get(name, out, progress))
+        return self._call(self._async.get(name, out, progress, view=view))
 
     def get_many(
         self,
@@ -446,7 +465,7 @@ def _options(kwargs: dict[str, Any]) -> ClientOptions | None:
 
 
 def connect(url: str, **options: Any) -> Client:
-    """A blocking client of the server at ``url`` (``tcp://host:port`` or ``memory://name``),
+    """A blocking client of the server at ``url`` (``tcp://host:port``, ``shm://127.0.0.1:port``, ...),
     connected now so that a wrong address fails here. ``options`` are ``ClientOptions`` fields."""
     client = Client(url, _options(options))
     try:

@@ -48,6 +48,12 @@ class Opcode(enum.IntEnum):
     PS_ROLLBACK = 18
     PS_REPLICATE = 19
     PUT_RESUMABLE = 20  # a put that survives a broken connection (docs/protocol.md §11.6)
+    # Same-host shared memory (shm://, docs/protocol.md §12; served by server_shm.py).
+    SHM_ATTACH = 32
+    SHM_GET = 33
+    SHM_PUT = 34
+    SHM_COMMIT = 35
+    SHM_RELEASE = 36
 
 
 class Flags(enum.IntFlag):
