@@ -24,6 +24,11 @@ KEYS = [
     "tls_get_gbps",
     "tls_put_ratio",
     "tls_get_ratio",
+    "shm_put_gbps",
+    "shm_get_gbps",
+    "memcpy_gbps",
+    "shm_put_ratio",
+    "shm_get_ratio",
     "size_bytes",
     "iters",
 ]
