@@ -115,7 +115,7 @@ def test_a_copy_from_a_reused_segment_is_caught(served: ServerThread) -> None:
             await writer.put("r", torch.zeros(1 << 18))
             t = await reader._open()
             assert isinstance(t, ShmTransport)
-            metas, _, (ref,), _ = await t._locate(["r"], lease=False)
+            _, _, (ref,), _ = await t._locate(["r"], lease=False)
             await writer.put("r", torch.ones(1 << 18))
             await writer.put("r", torch.full((1 << 18,), 2.0))  # lands in the segment ref points to
             out = torch.empty(1 << 18)
@@ -168,9 +168,9 @@ def test_shm_needs_shared_pages_or_says_so(tmp_path: Path, monkeypatch: pytest.M
 
 def test_a_data_dir_reloads_into_segments(tmp_path: Path) -> None:
     x = torch.randn(1 << 18)
-    with ServerThread(["shm://127.0.0.1:0"], store=TensorStore(256 * MiB, tmp_path)) as srv:
-        with connect(srv.url) as c:
-            c.put("p", x)
+    store = TensorStore(256 * MiB, tmp_path)
+    with ServerThread(["shm://127.0.0.1:0"], store=store) as srv, connect(srv.url) as c:
+        c.put("p", x)
     with ServerThread(["shm://127.0.0.1:0"], store=TensorStore(256 * MiB, tmp_path)) as srv:
         (entry,) = srv.server.store.acquire(["p"])
         srv.server.store.release([entry])
