@@ -91,6 +91,7 @@ class SegmentPool:
         self.limit = limit
         self.min_size = min_size
         self.held = 0
+        self.closed = False  # after close, new buffers are private memory: nobody would unlink them
         pid = os.getpid()
         self.prefix = f"{ws.PREFIX}{pid}-{process_start(pid)}-{secrets.token_hex(4)}-"
         self._numbers = itertools.count(1)
@@ -99,7 +100,7 @@ class SegmentPool:
 
     # -- the BufferPool interface ----------------------------------------------------------------
     def allocate(self, nbytes: int) -> memoryview:
-        if nbytes < self.min_size:
+        if nbytes < self.min_size or self.closed:
             return allocate_private(nbytes)
         segment = Segment(self.directory / f"{self.prefix}{next(self._numbers)}", size_class(nbytes))
         self._live[id(segment.map)] = segment
@@ -140,6 +141,7 @@ class SegmentPool:
 
     def close(self) -> None:
         """Unlink every segment (the server stops). Mappings already made stay readable."""
+        self.closed = True
         for segment in list(self._live.values()):
             segment.unlink()
         self._live.clear()

@@ -39,12 +39,21 @@ from tensorwire.errors import (
     TensorwireError,
 )
 from tensorwire.transport import tcp
-from tensorwire.transport.base import Listener, Progress, PutBatch, Sink, StreamHandler, Transport
+from tensorwire.transport.base import (
+    ByteStream,
+    Listener,
+    Progress,
+    PutBatch,
+    Sink,
+    StreamHandler,
+    Transport,
+)
 from tensorwire.transport.framed import FramedTransport
 from tensorwire.types import Address, TensorMeta
 from tensorwire.wire import meta as wm
 from tensorwire.wire import shm as ws
-from tensorwire.wire.frame import Opcode
+from tensorwire.wire.checksum import ChecksumKind
+from tensorwire.wire.frame import DEFAULT_CHUNK_BYTES, Opcode
 
 MAPPINGS = 64  # segments a client keeps mapped (least recently used ones are unmapped first)
 COPY_TRIES = 8  # a get whose segment keeps being rewritten under it gives up after this many copies
@@ -110,8 +119,15 @@ class Mappings:
 class ShmTransport(FramedTransport):
     """A client's connection to a server that serves ``shm://`` (see the module docstring)."""
 
-    def __init__(self, *args: object, **kwargs: object) -> None:
-        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+    def __init__(
+        self,
+        address: Address,
+        stream: ByteStream,
+        checksum: ChecksumKind = ChecksumKind.XXH3_64,
+        chunk_size: int = DEFAULT_CHUNK_BYTES,
+        timeout: float = 60.0,
+    ) -> None:
+        super().__init__(address, stream, checksum, chunk_size, timeout)
         self.directory = ws.shm_dir()
         self.maps = Mappings(self.directory)
         self._releases: list[int] = []
@@ -191,6 +207,8 @@ class ShmTransport(FramedTransport):
                 continue
             for i, data in inline.items():
                 buffers[i][:] = data
+            if progress is not None and inline:
+                progress(sum(d.nbytes for d in inline.values()))
             return metas
         raise CorruptFrame(f"the segments of {names[0]!r} were rewritten under {COPY_TRIES} copies in a row")
 
