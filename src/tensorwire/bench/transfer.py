@@ -465,9 +465,7 @@ def run(size: int, iters: int, small_iters: int, many: int, pin: bool = True) ->
         with tensorwire.connect(tls_url, tls_ca=str(certs["ca"])) as client:
             tls_put_gbps, tls_get_gbps = _bulk(client, data, iters, name="bench/tls")
         with tensorwire.connect(shm_bound[0]) as client:
-            shm = shm_bench.fields(
-                *_bulk(client, data, iters, "bench/shm"), shm_bench.memcpy_gbps(data, iters)
-            )
+            shm = shm_bench.measure(client, data, iters)
         small_us = _on_loop(_async_small_us(url, small_iters))
         echo_us = _on_loop(_echo_us(echo_port, small_iters))
     return {
