@@ -177,7 +177,7 @@ def clean_stale(directory: Path) -> list[str]:
         pid, start = int(match[1]), int(match[2])
         if process_start(pid) == start:
             continue  # its owner lives
-        with contextlib.suppress(FileNotFoundError):
+        with contextlib.suppress(OSError):  # gone already, or another user's (sticky /dev/shm)
             os.unlink(directory / name)
             removed.append(name)
     if removed:
