@@ -16,12 +16,13 @@ from click.testing import CliRunner
 from tensorwire import cli, connect, server_shm
 from tensorwire._loop import run
 from tensorwire.client import AsyncClient
-from tensorwire.errors import SharedMemoryUnavailable
+from tensorwire.errors import InvalidName, ProtocolError, SharedMemoryUnavailable
 from tensorwire.server import ServerThread
 from tensorwire.server_shm import ShmSession
 from tensorwire.store import TensorStore
 from tensorwire.store.shm import SegmentPool
 from tensorwire.testing.process import ServerProcess, wait_for
+from tensorwire.transport.framed import FramedTransport
 from tensorwire.transport.shm import ShmTransport, _Stale
 from tensorwire.types import MiB, TensorMeta
 from tensorwire.wire import meta as wm
@@ -191,3 +192,40 @@ def test_cli_serves_shm(tmp_path: Path) -> None:
         assert result.exit_code == 0, result.output
         assert np.array_equal(np.load(tmp_path / "y.npy"), np.load(source))
         assert files(f"tensorwire-{srv.pid}-")  # the tensor lives in a segment of that server
+
+
+def test_hostile_shm_requests_are_refused_and_the_session_goes_on(served: ServerThread) -> None:
+    async def hostile() -> None:
+        url = served.url.replace("shm://", "tcp://")  # the same listener, without SHM_ATTACH
+        plain = AsyncClient(url)
+        try:
+            t = await plain._open()
+            assert isinstance(t, FramedTransport)
+            with pytest.raises(ProtocolError, match="SHM_ATTACH must come"):
+                await t.call(Opcode.SHM_GET, b"\0" + wm.encode_names(["x"]), what="an early get")
+            await t.ping()
+        finally:
+            await plain.close()
+        client = AsyncClient(served.url)
+        try:
+            t = await client._open()
+            big = TensorMeta("b", torch.float32, (1 << 16,), 1 << 18)
+            with pytest.raises(ProtocolError, match="does not hold open"):
+                await t.call(Opcode.SHM_COMMIT, wm.encode_u64(12345) + wm.encode_records([]), what="commit")
+            with pytest.raises(InvalidName):
+                bad = TensorMeta("../b", torch.float32, (1 << 16,), 1 << 18)
+                await t.call(Opcode.SHM_PUT, wm.encode_records([bad]), what="a bad name")
+            reader = await t.call(Opcode.SHM_PUT, wm.encode_records([big]), what="a put")
+            put_id = reader.u64()
+            lying = wm.encode_u64(put_id) + wm.encode_records([big])  # not an inline tensor of that put
+            with pytest.raises(ProtocolError, match="inline records"):
+                await t.call(Opcode.SHM_COMMIT, lying, [memoryview(bytes(1 << 18))], what="a lying commit")
+            await t.call(Opcode.SHM_RELEASE, ws.encode_release([777], [put_id]), what="unknown ids")
+            await t.ping()
+        finally:
+            await client.close()
+
+    run(hostile())
+    wait_for(lambda: served.server.store.used == 0, 10, "every refused put to be freed")
+    with connect(served.url) as c:
+        assert c.list() == []
