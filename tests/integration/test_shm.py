@@ -21,6 +21,7 @@ from tensorwire.server import ServerThread
 from tensorwire.server_shm import ShmSession
 from tensorwire.store import TensorStore
 from tensorwire.store.shm import SegmentPool
+from tensorwire.testing.conformance import STREAM_CASES, Case, corrupt_get_response_is_retried, run_case
 from tensorwire.testing.process import ServerProcess, wait_for
 from tensorwire.transport.framed import FramedTransport
 from tensorwire.transport.shm import ShmTransport, _Stale
@@ -229,3 +230,13 @@ def test_hostile_shm_requests_are_refused_and_the_session_goes_on(served: Server
     wait_for(lambda: served.server.store.used == 0, 10, "every refused put to be freed")
     with connect(served.url) as c:
         assert c.list() == []
+
+
+# The shm:// control listener is the frame protocol's: every hostile-frame case that talks to a
+# real server runs on it too (the one left out stands in for a server with a hand-written peer).
+SERVER_STREAM_CASES = [c for c in STREAM_CASES if c is not corrupt_get_response_is_retried]
+
+
+@pytest.mark.parametrize("case", SERVER_STREAM_CASES, ids=lambda c: c.__name__)
+def test_frame_protocol_on_the_control_connection(case: Case) -> None:
+    run_case(case, "shm")
