@@ -31,6 +31,7 @@ from tensorwire.security import Security, TlsFiles, client_token
 from tensorwire.store.names import validate_name, validate_prefix
 from tensorwire.transport.base import Transport
 from tensorwire.transport.framed import FramedTransport
+from tensorwire.transport.shm import view as shm_view
 from tensorwire.types import Address, TensorMeta
 from tensorwire.wire import lossless
 from tensorwire.wire import meta as wm
@@ -138,7 +139,8 @@ class AsyncClient:
         k = self._stripe_count(size)
         if k > 1:
             return await self._put_striped(name, tensor, k)
-        if self.options.resumable_bytes and size >= self.options.resumable_bytes and self.transport != "grpc":
+        resumable = self.transport not in ("grpc", "shm")  # shm: the bytes never cross the socket
+        if self.options.resumable_bytes and size >= self.options.resumable_bytes and resumable:
             return await self._put_resumable(name, tensor, progress)
         return await self.put_many([(name, tensor)], progress=progress)
 
@@ -188,13 +190,25 @@ class AsyncClient:
         return await self._run(lambda t: t.put(batch, progress))
 
     async def get(
-        self, name: str, out: torch.Tensor | None = None, progress: Progress | None = None
+        self,
+        name: str,
+        out: torch.Tensor | None = None,
+        progress: Progress | None = None,
+        *,
+        view: bool = False,
     ) -> torch.Tensor:
         """Fetch ``name``. With ``out``, the bytes land in ``out`` in place and ``out`` is returned.
 
         If the call raises, ``out`` may hold part of the transfer (its contents are unspecified).
         With a cache (``cache_bytes``), an unchanged tensor costs one STAT (or nothing in its lease).
+        ``view=True`` (``shm://`` only) returns a read-only tensor over the server's shared pages,
+        with no copy: a snapshot of the version read, held for as long as the tensor lives (README,
+        "Shared memory").
         """
+        if view:
+            if out is not None:
+                raise InvalidTensor("get(view=True) returns the server's pages; it takes no out=")
+            return await self._run(lambda t: shm_view(t, name))
         if not self.cache.enabled:
             return (await self._get(name, out, progress))[0]
         entry = self.cache.lookup(name)
@@ -543,9 +557,14 @@ class Client:
         return self._call(self._async.put_many(items, progress))
 
     def get(
-        self, name: str, out: torch.Tensor | None = None, progress: Progress | None = None
+        self,
+        name: str,
+        out: torch.Tensor | None = None,
+        progress: Progress | None = None,
+        *,
+        view: bool = False,
     ) -> torch.Tensor:
-        return self._call(self._async.get(name, out, progress))
+        return self._call(self._async.get(name, out, progress, view=view))
 
     def get_many(
         self,
@@ -602,7 +621,7 @@ def _options(kwargs: dict[str, Any]) -> ClientOptions | None:
 
 
 def connect(url: str, **options: Any) -> Client:
-    """A blocking client of the server at ``url`` (``tcp://host:port`` or ``memory://name``),
+    """A blocking client of the server at ``url`` (``tcp://host:port``, ``shm://127.0.0.1:port``, ...),
     connected now so that a wrong address fails here. ``options`` are ``ClientOptions`` fields."""
     client = Client(url, _options(options))
     try:

@@ -12,7 +12,8 @@ of these. Each class says whether retrying the same call can help.
     │   ├── ConnectionLost             the connection broke mid-request
     │   ├── TransferTimeout            (also TimeoutError) a wait ran out
     │   │   └── WaitTimeout            the server waited for other workers and gave up; no retry
-    │   └── NotPrimary                 a parameter-server replica that does not serve now: try another
+    │   ├── NotPrimary                 a parameter-server replica that does not serve now: try another
+    │   └── SharedMemoryUnavailable    shm:// asked for, but client and server share no memory; no retry
     ├── ProtocolError                  a peer broke the wire protocol
     │   ├── CorruptFrame               a checksum failed / bytes damaged; retry can help
     │   ├── UnsupportedVersion         no common protocol version
@@ -72,6 +73,14 @@ class WaitTimeout(TransferTimeout):
 class NotPrimary(TransportError):
     """This replica of a parameter server does not serve workers now (it is a backup whose primary
     is alive, or a primary a backup took over from): the client moves to another replica."""
+
+
+class SharedMemoryUnavailable(TransportError):
+    """``shm://`` was asked for but cannot be had: the server is on another host (or in another
+    shared-memory namespace), it does not serve shared memory, or the segment directory is missing.
+    tensorwire never falls back to a socket on its own; retrying the same address will not help."""
+
+    retryable = False
 
 
 class ProtocolError(TensorwireError):

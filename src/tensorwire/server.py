@@ -19,7 +19,7 @@ import threading
 import time
 from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import torch
 
@@ -66,6 +66,7 @@ from tensorwire.wire.frame import (
 )
 
 log = logging.getLogger("tensorwire.server")
+S = TypeVar("S")
 _RID = struct.Struct("<Q")
 _HELLO_MAX_META = 4 + MAX_TOKEN_BYTES  # two version bytes, a u16 length, the token
 
@@ -88,6 +89,14 @@ class Request:
     @property
     def peer(self) -> str:
         return self._session.stream.peer
+
+    def session_state(self, key: type[S]) -> S:
+        """This connection's instance of ``key`` (made with ``key()`` on first use): an extension's
+        per-connection state. Its ``close()``, if it has one, runs when the connection ends."""
+        state = self._session.states.get(key)
+        if state is None:
+            state = self._session.states[key] = key()
+        return state
 
     async def receive(self, buffers: Sequence[memoryview]) -> None:
         """Read the data section into ``buffers`` (their sizes must add up to its length)."""
@@ -236,6 +245,10 @@ class Server:
         finally:
             self._sessions.discard(session)
             session.abort_batch()
+            for state in session.states.values():
+                close = getattr(state, "close", None)
+                if close is not None:
+                    close()
 
 
 @dataclass(eq=False, slots=True)
@@ -274,6 +287,12 @@ def _tls_files(server: Server, address: Address) -> TlsFiles:
     return files
 
 
+async def _listen_shm(server: Server, address: Address) -> Listener:
+    from tensorwire import server_shm  # segments are set up only when shared memory is served
+
+    return await server_shm.listen(server, address)
+
+
 # The server's table of listeners, by scheme (the clients' table is tensorwire.transport.TRANSPORTS).
 LISTENERS: dict[str, Callable[[Server, Address], Awaitable[Listener]]] = {
     "tcp": _listen_frames,
@@ -281,6 +300,7 @@ LISTENERS: dict[str, Callable[[Server, Address], Awaitable[Listener]]] = {
     "tls": _listen_frames,
     "grpc": _listen_rpc,
     "grpcs": _listen_rpc,
+    "shm": _listen_shm,
 }
 
 
@@ -300,6 +320,7 @@ class _Session:
         self.authenticated = self.token is None
         self.working = False  # the server, not the peer, is what a request waits on (a disk write)
         self.encoder: lossless.Encoder | None = None  # how answers are compressed (HELLO; §5.5)
+        self.states: dict[type, Any] = {}  # extensions' per-connection state (Request.session_state)
 
     @property
     def busy(self) -> bool:
@@ -366,6 +387,8 @@ class _Session:
                 await skip_data(self.reader, header)
                 self.data_read = True
             return
+        if op >= Opcode.SHM_ATTACH:
+            raise ProtocolError(f"this server serves no shared memory (no shm:// listener): {_opname(op)}")
         if op >= Opcode.PS_INIT:
             raise ProtocolError(f"this server does not serve {_opname(op)} (`tensorwire ps serve` does)")
         if op in (Opcode.PUT, Opcode.PUT_MANY):

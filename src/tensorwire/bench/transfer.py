@@ -9,6 +9,7 @@ the absolute numbers.
 * small: p50 latency of a 1 KiB ``get`` (asyncio and blocking clients) against a 1 KiB asyncio
   echo round trip on the same kind of event loop.
 * many: tensors per second of one ``put_many`` / ``get_many`` of thousands of 1 KiB tensors.
+* shm: ``put`` / ``get(out=...)`` over ``shm://`` against a memcpy of the same size (bench/shm.py).
 
 Servers always run in child processes (``spawn``), so client and server never share an
 interpreter; children report readiness through a pipe and stop when that pipe tells them to (or
@@ -53,6 +54,7 @@ import torch
 import tensorwire
 from tensorwire import _loop
 from tensorwire.bench import fastpaths
+from tensorwire.bench import shm as shm_bench
 from tensorwire.security import Security, TlsFiles, write_dev_certs
 from tensorwire.server import Server
 from tensorwire.store import TensorStore
@@ -448,8 +450,11 @@ def run(size: int, iters: int, small_iters: int, many: int, pin: bool = True) ->
         children.append(_Child(_serve_tensorwire, capacity, urls, certs, cpus=server_cpus))
         children.append(_Child(_socket_sink, size, cpus=server_cpus))
         children.append(_Child(_echo_server, cpus=server_cpus))
-        bound, sink_port, echo_port = (child.ready() for child in children)
+        shm_capacity = 4 * size + 64 * MiB  # a server of its own: its tensors live in /dev/shm
+        children.append(_Child(_serve_tensorwire, shm_capacity, ["shm://127.0.0.1:0"], cpus=server_cpus))
+        bound, sink_port, echo_port, shm_bound = (child.ready() for child in children)
         assert isinstance(bound, list) and isinstance(sink_port, int) and isinstance(echo_port, int)
+        assert isinstance(shm_bound, list)
         url, tls_url = bound
         stack.enter_context(_pinned(client_cpus))
 
@@ -461,6 +466,8 @@ def run(size: int, iters: int, small_iters: int, many: int, pin: bool = True) ->
             many_put, many_get = _many(client, many)
         with tensorwire.connect(tls_url, tls_ca=str(certs["ca"])) as client:
             tls_put_gbps, tls_get_gbps = _bulk(client, data, iters, name="bench/tls")
+        with tensorwire.connect(shm_bound[0]) as client:
+            shm = shm_bench.measure(client, data, iters)
         small_us = _on_loop(_async_small_us(url, small_iters))
         echo_us = _on_loop(_echo_us(echo_port, small_iters))
         fast = fastpaths.measure(url, data, iters, small_iters)  # striping, compression, cache, iperf3
@@ -481,6 +488,7 @@ def run(size: int, iters: int, small_iters: int, many: int, pin: bool = True) ->
         "tls_get_gbps": tls_get_gbps,
         "tls_put_ratio": _ratio(tls_put_gbps, put_gbps),  # what TLS costs: tls:// over tcp://
         "tls_get_ratio": _ratio(tls_get_gbps, get_gbps),
+        **shm,
         "size_bytes": size,
         "iters": iters,
         "small_iters": small_iters,
@@ -545,6 +553,7 @@ def format_table(r: Result) -> str:
         ("cached 1 KiB get p50", f"{_fmt(r['cache_hit_get_us'], '.1f')} us", "one STAT"),
         ("leased 1 KiB get p50", f"{_fmt(r['cache_leased_get_us'], '.1f')} us", "no request"),
     ]
+    rows += shm_bench.rows(r, _fmt)
     head = (
         f"tensorwire transfer benchmark: {mib:g} MiB float32, median of {r['iters']} "
         f"(after warm-up), loop {r['loop']}, {'pinned' if r['pinned'] else 'unpinned'}; GB/s = 1e9 bytes/s"

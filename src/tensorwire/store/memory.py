@@ -23,13 +23,15 @@ import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-
-import numpy as np
+from typing import TYPE_CHECKING
 
 from tensorwire.errors import CapacityExceeded, InvalidName, KeyNotFound
 from tensorwire.store.names import validate_name, validate_prefix
 from tensorwire.store.pool import BufferPool
 from tensorwire.types import GiB, MiB, TensorMeta
+
+if TYPE_CHECKING:
+    from tensorwire.store.shm import SegmentPool
 
 
 @dataclass(eq=False, slots=True)
@@ -65,7 +67,7 @@ class TensorStore:
         self.revision = 0  # the last version handed out; versions come from this one counter
         self._lock = threading.Lock()
         self._disk_lock = threading.Lock()  # orders disk writes the same way as versions
-        self._pool = BufferPool(limit=min(capacity // 4, 2 * GiB), min_size=MiB)
+        self._pool: BufferPool | SegmentPool = BufferPool(limit=self.pool_limit, min_size=MiB)
         self._disk = None
         if data_dir is not None:
             from tensorwire.store.persist import DataDir
@@ -74,6 +76,28 @@ class TensorStore:
             self._load()
 
     # -- introspection -------------------------------------------------------------------------
+    @property
+    def pool_limit(self) -> int:
+        """Most bytes of freed buffers kept for reuse."""
+        return min(self.capacity // 4, 2 * GiB)
+
+    @property
+    def pool(self) -> BufferPool | SegmentPool:
+        return self._pool
+
+    def use_pool(self, pool: SegmentPool) -> None:
+        """From now on keep tensors in ``pool``'s memory (shared-memory segments, for ``shm://``);
+        the tensors stored so far are copied there once, so every tensor is served the same way."""
+        with self._lock:
+            if self._pool is pool:
+                return
+            self._pool = pool
+            for entry in self._entries.values():
+                if entry.data.nbytes >= pool.min_size and pool.segment_of(entry.data) is None:
+                    fresh = pool.allocate(entry.data.nbytes)
+                    fresh[:] = entry.data
+                    entry.data = fresh
+
     @property
     def persistent(self) -> bool:
         return self._disk is not None
@@ -113,8 +137,16 @@ class TensorStore:
             self._pool.trim(self.capacity - self.used)
             floor = self._pool.min_size
             pooled = [self._pool.take(m.nbytes) if m.nbytes >= floor else None for m in metas]
-        pairs = zip(pooled, metas, strict=True)
-        buffers = [buf if buf is not None else _allocate(m.nbytes) for buf, m in pairs]
+        try:
+            pairs = zip(pooled, metas, strict=True)
+            buffers = [buf if buf is not None else self._pool.allocate(m.nbytes) for buf, m in pairs]
+        except BaseException:  # no room for a new segment, say: the reservation never happened
+            with self._lock:
+                self._reserved -= total
+                for buf in pooled:
+                    if buf is not None:
+                        self._pool.give(buf)
+            raise
         if extend is None:
             return Reservation(list(metas), buffers, total, seen)
         extend.metas += metas
@@ -244,10 +276,3 @@ class TensorStore:
             raise CapacityExceeded(
                 f"data directory holds {self._stored} bytes, more than the capacity {self.capacity}"
             )
-
-
-def _allocate(nbytes: int) -> memoryview:
-    if nbytes < 1 << 16:
-        return memoryview(bytearray(nbytes))  # cheapest for small tensors; the zero fill is tiny
-    # numpy.empty maps large buffers lazily (no zero fill, unlike bytearray) and is 64-byte aligned.
-    return np.empty(nbytes, dtype=np.uint8).data.cast("B")

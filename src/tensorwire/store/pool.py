@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from collections import defaultdict
 
+import numpy as np
+
 
 class BufferPool:
     """Free buffers by exact byte size, at most ``limit`` bytes in all."""
@@ -20,6 +22,10 @@ class BufferPool:
         self.min_size = min_size
         self.held = 0
         self._free: defaultdict[int, list[memoryview]] = defaultdict(list)
+
+    def allocate(self, nbytes: int) -> memoryview:
+        """A new buffer, for a put the pool had none for."""
+        return allocate_private(nbytes)
 
     def take(self, nbytes: int) -> memoryview | None:
         """A free buffer of exactly ``nbytes``, or None."""
@@ -45,3 +51,11 @@ class BufferPool:
         while self.held > max(room, 0) and self._free:
             size = max(self._free)
             self.take(size)
+
+
+def allocate_private(nbytes: int) -> memoryview:
+    """A new writable buffer of this process's own memory."""
+    if nbytes < 1 << 16:
+        return memoryview(bytearray(nbytes))  # cheapest for small tensors; the zero fill is tiny
+    # numpy.empty maps large buffers lazily (no zero fill, unlike bytearray) and is 64-byte aligned.
+    return np.empty(nbytes, dtype=np.uint8).data.cast("B")

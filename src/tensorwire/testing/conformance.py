@@ -41,7 +41,7 @@ from tensorwire.wire.dtypes import SUPPORTED_DTYPES
 from tensorwire.wire.frame import HEADER_BYTES, Flags, Header, Opcode, decode_header, encode_frame_head
 from tensorwire.wire.tensors import byte_view
 
-SCHEMES = ("memory", "tcp", "tls", "grpc", "grpcs")
+SCHEMES = ("memory", "tcp", "tls", "grpc", "grpcs", "shm")
 _names = itertools.count()
 Case = Callable[["Harness"], Coroutine[Any, Any, None]]
 

@@ -2,7 +2,8 @@
 
 Only this module names the concrete client transports. ``TRANSPORTS`` maps a scheme to the
 function that opens a client ``Transport``: the frame protocol (``FramedTransport``) over a
-``ByteStream`` for ``tcp://``, ``tls://`` (the same inside TLS) and ``memory://``, and gRPC for
+``ByteStream`` for ``tcp://``, ``tls://`` (the same inside TLS) and ``memory://``, the same on
+loopback plus shared-memory segments for ``shm://`` (``transport/shm.py``), and gRPC for
 ``grpc://`` and ``grpcs://`` (gRPC over TLS). ``STREAMS`` holds the
 byte-stream kinds (``connect`` and ``listen``); the server's own table of listeners is in
 ``tensorwire.server``. The scheme a client asked for is the one it gets: no silent fallback.
@@ -16,7 +17,7 @@ from typing import NamedTuple
 from tensorwire._timeouts import asyncio_timeout
 from tensorwire.errors import ConnectionLost
 from tensorwire.security import Security, TlsFiles, client_ssl_context
-from tensorwire.transport import memory, tcp, tls
+from tensorwire.transport import memory, shm, tcp, tls
 from tensorwire.transport.base import ByteStream, Listener, StreamHandler, Transport
 from tensorwire.transport.framed import FramedTransport
 from tensorwire.types import Address
@@ -32,6 +33,7 @@ class StreamKind(NamedTuple):
 STREAMS: dict[str, StreamKind] = {
     "tcp": StreamKind(tcp.connect, tcp.listen),
     "memory": StreamKind(memory.connect, memory.listen),
+    "shm": StreamKind(tcp.connect, shm.listen_stream),  # the control connection of shm://
 }
 
 
@@ -44,7 +46,9 @@ class TransportOptions(NamedTuple):
     compression: str = "none"  # lossless chunk codec asked for in HELLO (wire/lossless.py)
 
 
-async def _open_framed(address: Address, options: TransportOptions) -> Transport:
+async def _open_framed(
+    address: Address, options: TransportOptions, kind: type[FramedTransport] = FramedTransport
+) -> FramedTransport:
     """The frame protocol over a byte stream: connect (TLS handshake for tls://), then agree on a
     version and authenticate (HELLO)."""
     if address.scheme == "tls":
@@ -53,7 +57,7 @@ async def _open_framed(address: Address, options: TransportOptions) -> Transport
     else:
         stream = await connect_stream(address, options.connect_timeout)
     chunk = options.chunk_size if options.chunk_size is not None else DEFAULT_CHUNK_BYTES
-    transport = FramedTransport(
+    transport = kind(
         address, stream, options.checksum, chunk, options.request_timeout, compression=options.compression
     )
     try:
@@ -63,6 +67,20 @@ async def _open_framed(address: Address, options: TransportOptions) -> Transport
         await transport.close()
         hint = "" if address.scheme == "tls" else " (is it a tls:// server?)"
         raise ConnectionLost(f"{address} closed the connection before answering HELLO{hint}") from exc
+    except BaseException:
+        await transport.close()
+        raise
+    return transport
+
+
+async def _open_shm(address: Address, options: TransportOptions) -> Transport:
+    """shm://: the frame protocol on loopback for control, then SHM_ATTACH proves that this process
+    maps the server's segments (SharedMemoryUnavailable if not: never a silent fallback)."""
+    transport = await _open_framed(address, options, shm.ShmTransport)
+    assert isinstance(transport, shm.ShmTransport)
+    try:
+        async with asyncio_timeout(options.connect_timeout, f"the SHM_ATTACH answer from {address}"):
+            await transport.attach()
     except BaseException:
         await transport.close()
         raise
@@ -81,6 +99,7 @@ TRANSPORTS: dict[str, Callable[[Address, TransportOptions], Awaitable[Transport]
     "memory": _open_framed,
     "grpc": _open_rpc,
     "grpcs": _open_rpc,
+    "shm": _open_shm,
 }
 
 

@@ -1,0 +1,262 @@
+"""The server side of ``shm://``: the store's tensors in shared-memory segments that clients map.
+
+Serving ``shm://HOST:PORT`` (HOST a loopback address) starts a TCP listener for the control
+connection (the frame protocol, with the SHM_* opcodes of docs/protocol.md §12 on top of the
+usual ones) and switches the server's store to a ``SegmentPool``: from then on every tensor of 64
+KiB or more lives in a segment of its own. The control messages carry names, records and segment
+references; the bytes of a segment never cross the socket.
+
+Per connection (``ShmSession``) the server keeps the puts it handed segments out for and not yet
+committed, and the leases of views. When the connection ends, open puts are aborted (nothing of
+them was ever visible) and leased segments are released *tainted*: the client may still read them
+through a view, so they are never reused, only unlinked once the store frees them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import os
+import struct
+import weakref
+from collections.abc import Sequence
+from ipaddress import ip_address
+from pathlib import Path
+
+from tensorwire import transport
+from tensorwire.errors import InvalidTensor, LimitExceeded, ProtocolError, SharedMemoryUnavailable
+from tensorwire.server import Handler, Request, Server
+from tensorwire.store import Reservation, TensorStore
+from tensorwire.store.memory import Entry
+from tensorwire.store.shm import SegmentPool, clean_stale
+from tensorwire.transport.base import Listener
+from tensorwire.types import Address
+from tensorwire.wire import meta as wm
+from tensorwire.wire import shm as ws
+from tensorwire.wire.frame import Opcode
+
+MAX_OPEN_PUTS = 64  # per connection: puts handed segments and not yet committed
+MAX_LEASES = 65536  # per connection: tensors pinned by views
+_U64 = struct.Struct("<Q")
+_services: weakref.WeakKeyDictionary[Server, ShmService] = weakref.WeakKeyDictionary()
+_ids = itertools.count(1)
+
+
+class ShmSession:
+    """One control connection's open puts and leases."""
+
+    def __init__(self) -> None:
+        self.attached = False
+        self.service: ShmService | None = None
+        self.puts: dict[int, Reservation] = {}
+        self.leases: dict[int, list[Entry]] = {}
+        self.leased = 0
+
+    def close(self) -> None:
+        service = self.service
+        if service is None:
+            return
+        for res in self.puts.values():
+            service.store.abort(res)
+        for entries in self.leases.values():
+            for entry in entries:  # a view may outlive its lease: never reuse what it reads
+                segment = service.pool.segment_of(entry.data)
+                if segment is not None:
+                    segment.tainted = True
+            service.store.release(entries)
+        self.puts.clear()
+        self.leases.clear()
+
+
+class ShmService:
+    """The segments, the probe and the SHM_* handlers of one server."""
+
+    def __init__(self, server: Server, directory: Path) -> None:
+        if not directory.is_dir() or not os.access(directory, os.W_OK):
+            raise SharedMemoryUnavailable(f"cannot serve shm://: {directory} is not a writable directory")
+        clean_stale(directory)  # what servers killed before their cleanup left behind
+        self.store: TensorStore = server.store
+        self.pool = SegmentPool(directory, self.store.pool_limit)
+        self.token = int.from_bytes(os.urandom(8), "little")
+        self.probe = directory / f"{self.pool.prefix}probe"
+        fd = os.open(self.probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with contextlib.closing(os.fdopen(fd, "wb")) as f:
+            f.write(_U64.pack(self.token))
+        self.store.use_pool(self.pool)
+        self.listeners = 0
+        self._server = server
+        server.handlers.update(self.handlers())
+
+    def handlers(self) -> dict[int, Handler]:
+        return {
+            Opcode.SHM_ATTACH: self.attach,
+            Opcode.SHM_GET: self.get,
+            Opcode.SHM_PUT: self.put,
+            Opcode.SHM_COMMIT: self.commit,
+            Opcode.SHM_RELEASE: self.release,
+        }
+
+    def close(self) -> None:
+        for opcode in self.handlers():
+            self._server.handlers.pop(opcode, None)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.probe)
+        self.pool.close()
+
+    def session(self, req: Request) -> ShmSession:
+        session = req.session_state(ShmSession)
+        if not session.attached:
+            raise ProtocolError("SHM_ATTACH must come before the other SHM_* requests")
+        return session
+
+    # -- handlers ----------------------------------------------------------------------------------
+    async def attach(self, req: Request) -> None:
+        req.meta.done()
+        session = req.session_state(ShmSession)
+        session.attached, session.service = True, self
+        await req.reply(wm.encode_names([self.probe.name])[4:] + _U64.pack(self.token))
+
+    async def get(self, req: Request) -> None:
+        session = self.session(req)
+        flags = req.meta.u8()
+        names = wm.decode_names(req.meta)
+        req.meta.done()
+        if not names or len(set(names)) != len(names):
+            raise ProtocolError("SHM_GET names no tensor, or one tensor twice")
+        entries = self.store.acquire(names)
+        keep: list[Entry] = []  # pinned by a lease, past this request
+        try:
+            inline, refs = self._split(entries)
+            lease = 0
+            if flags & ws.GET_LEASE and refs:
+                if session.leased + len(refs) > MAX_LEASES:
+                    raise LimitExceeded(f"this connection holds {session.leased} leases already")
+                keep = [entries[ref.item] for ref in refs]
+                lease = next(_ids)
+                session.leases[lease] = keep
+                session.leased += len(keep)
+            meta = wm.encode_records([e.meta for e in inline]) + ws.encode_refs(refs) + _U64.pack(lease)
+            await req.reply(meta, [e.data for e in inline])
+        finally:
+            kept = {id(e) for e in keep}
+            self.store.release([e for e in entries if id(e) not in kept])
+
+    def _split(self, entries: Sequence[Entry]) -> tuple[list[Entry], list[ws.SegmentRef]]:
+        """The entries whose bytes travel inline, and references to those in segments."""
+        inline, refs = [], []
+        for i, entry in enumerate(entries):
+            segment = self.pool.segment_of(entry.data)
+            if segment is None:
+                inline.append(entry)
+            else:
+                refs.append(ws.SegmentRef(i, entry.meta, segment.name, segment.generation))
+        return inline, refs
+
+    async def put(self, req: Request) -> None:
+        session = self.session(req)
+        metas = wm.decode_records(req.meta)
+        req.meta.done()
+        if not metas:
+            raise ProtocolError("SHM_PUT carries no tensors")
+        if len(session.puts) >= MAX_OPEN_PUTS:
+            raise LimitExceeded(f"{MAX_OPEN_PUTS} puts are open on this connection already")
+        res = self.store.reserve(metas)
+        refs = []
+        for i, (meta, buf) in enumerate(zip(res.metas, res.buffers, strict=True)):
+            segment = self.pool.segment_of(buf)
+            if segment is not None:
+                refs.append(ws.SegmentRef(i, meta, segment.name, segment.generation))
+        put_id = next(_ids)
+        session.puts[put_id] = res
+        await req.reply(_U64.pack(put_id) + ws.encode_refs(refs))
+
+    async def commit(self, req: Request) -> None:
+        session = self.session(req)
+        put_id = req.meta.u64()
+        inline = wm.decode_records(req.meta)
+        req.meta.done()
+        res = session.puts.pop(put_id, None)
+        if res is None:
+            raise ProtocolError(f"SHM_COMMIT of put {put_id}, which this connection does not hold open")
+        try:
+            buffers = self._inline_buffers(res, inline)
+            if sum(b.nbytes for b in buffers) != req.header.data_len:
+                raise InvalidTensor("the inline records' sizes do not add up to the frame's data length")
+            await req.receive(buffers)  # every chunk verified
+            version = await self._commit(req, res)
+        except BaseException:
+            self.store.abort(res)  # a no-op once the commit has begun
+            raise
+        await req.reply(_U64.pack(version))
+
+    def _inline_buffers(self, res: Reservation, inline: Sequence[object]) -> list[memoryview]:
+        """The reservation's private buffers, which the commit's records must describe in order."""
+        pairs = [
+            (m, b) for m, b in zip(res.metas, res.buffers, strict=True) if self.pool.segment_of(b) is None
+        ]
+        if [m for m, _ in pairs] != list(inline):
+            raise ProtocolError("SHM_COMMIT's inline records are not those of the put it commits")
+        return [b for _, b in pairs]
+
+    async def _commit(self, req: Request, res: Reservation) -> int:
+        if not self.store.persistent:
+            return self.store.commit(res)
+        with req.waiting():  # the disk write blocks: keep the loop serving the others
+            return await asyncio.get_running_loop().run_in_executor(None, self.store.commit, res)
+
+    async def release(self, req: Request) -> None:
+        session = self.session(req)
+        leases, puts = ws.decode_release(req.meta)
+        for lease in leases:
+            entries = session.leases.pop(lease, [])
+            session.leased -= len(entries)
+            self.store.release(entries)
+        for put_id in puts:
+            res = session.puts.pop(put_id, None)
+            if res is not None:
+                self.store.abort(res)
+        await req.reply(b"")
+
+
+class ShmListener(Listener):
+    """The control connections' TCP listener; the last one to close stops the segments."""
+
+    def __init__(self, inner: Listener, service: ShmService) -> None:
+        self._inner = inner
+        self._service = service
+        self.address = inner.address
+
+    async def close(self) -> None:
+        await self._inner.close()
+        self._service.listeners -= 1
+        if self._service.listeners == 0:
+            _services.pop(self._service._server, None)
+            self._service.close()
+
+
+async def listen(server: Server, address: Address) -> Listener:
+    """Serve ``shm://HOST:PORT``: HOST must be a loopback address (only this host can map)."""
+    if not _loopback(address.host):
+        raise ValueError(f"cannot serve {address}: shared memory serves only this host; use 127.0.0.1")
+    service = _services.get(server)
+    if service is None:
+        service = _services[server] = ShmService(server, ws.shm_dir())
+    try:
+        inner = await transport.listen(address, server.handle)
+    except BaseException:
+        if service.listeners == 0:
+            _services.pop(server, None)
+            service.close()
+        raise
+    service.listeners += 1
+    return ShmListener(inner, service)
+
+
+def _loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ip_address(host).is_loopback
+    except ValueError:
+        return False

@@ -1,0 +1,319 @@
+"""The client side of ``shm://``: the frame protocol for control, shared-memory segments for bytes.
+
+``ShmTransport`` is a ``FramedTransport`` on a loopback TCP connection that, after HELLO, proves
+it shares the server's segment directory (SHM_ATTACH: it reads a probe file the server wrote;
+``SharedMemoryUnavailable`` if it cannot) and then moves tensors like this (docs/protocol.md §12):
+
+* ``put``: SHM_PUT asks for segments (the server reserves them), the client copies each tensor
+  into its segment once, SHM_COMMIT publishes them all at once. Tensors under 64 KiB travel inside
+  SHM_COMMIT's data section instead, checksummed like any frame.
+* ``get``: SHM_GET answers with where each tensor lives; the client copies it from the mapped
+  segment into the caller's buffer (one memcpy) and checks that the segment's generation did not
+  change during the copy (else it copies again: the key was overwritten and its old segment reused).
+* ``view``: SHM_GET with a lease: a read-only tensor over the mapped pages; the server pins the
+  segment until the tensor's memory is freed (then the client sends SHM_RELEASE).
+
+Mappings are cached (segments are reused, so a warm put or get maps nothing and faults no page).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import mmap
+import os
+import warnings
+import weakref
+from collections import OrderedDict
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from tensorwire.errors import (
+    ConnectionLost,
+    CorruptFrame,
+    ProtocolError,
+    SharedMemoryUnavailable,
+    TensorwireError,
+)
+from tensorwire.transport import tcp
+from tensorwire.transport.base import (
+    ByteStream,
+    Listener,
+    Progress,
+    PutBatch,
+    Sink,
+    StreamHandler,
+    Transport,
+)
+from tensorwire.transport.framed import FramedTransport
+from tensorwire.types import Address, TensorMeta
+from tensorwire.wire import meta as wm
+from tensorwire.wire import shm as ws
+from tensorwire.wire.checksum import ChecksumKind
+from tensorwire.wire.frame import DEFAULT_CHUNK_BYTES, Opcode
+
+MAPPINGS = 64  # segments a client keeps mapped (least recently used ones are unmapped first)
+COPY_TRIES = 8  # a get whose segment keeps being rewritten under it gives up after this many copies
+
+
+class _Stale(Exception):
+    """A segment changed or vanished under a copy: the key was overwritten; ask again."""
+
+
+class Mappings:
+    """Segments this client mapped, by name and access, least recently used first."""
+
+    def __init__(self, directory: Path, limit: int = MAPPINGS) -> None:
+        self.directory = directory
+        self.limit = limit
+        self._maps: OrderedDict[tuple[str, bool], tuple[mmap.mmap, memoryview]] = OrderedDict()
+
+    def get(self, name: str, writable: bool) -> memoryview:
+        """The whole segment (header and data), mapped; _Stale if the file is gone."""
+        key = (name, writable)
+        hit = self._maps.get(key)
+        if hit is not None:
+            self._maps.move_to_end(key)
+            return hit[1]
+        self._forget_unlinked()
+        mapped = self._map(name, writable)
+        self._maps[key] = mapped
+        while len(self._maps) > self.limit:
+            self._maps.popitem(last=False)  # unmapped once no view uses it any more
+        return mapped[1]
+
+    def _map(self, name: str, writable: bool) -> tuple[mmap.mmap, memoryview]:
+        path = self.directory / ws.check_name(name)
+        try:
+            fd = os.open(path, os.O_RDWR if writable else os.O_RDONLY)
+        except FileNotFoundError:
+            raise _Stale(name) from None
+        except OSError as exc:
+            raise SharedMemoryUnavailable(f"cannot open segment {path}: {exc}") from exc
+        try:
+            size = os.fstat(fd).st_size
+            prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
+            # MAP_POPULATE: fault every page in now, in one go, rather than one by one in the copy.
+            segment = mmap.mmap(fd, size, mmap.MAP_SHARED | mmap.MAP_POPULATE, prot)
+        except (OSError, ValueError) as exc:
+            raise SharedMemoryUnavailable(f"cannot map segment {path}: {exc}") from exc
+        finally:
+            os.close(fd)
+        view = memoryview(segment)
+        if size < ws.HEADER_BYTES or ws.unpack_head(view)[1] > size - ws.HEADER_BYTES:
+            raise ProtocolError(f"{path} is not a whole tensorwire segment")
+        return segment, view
+
+    def _forget_unlinked(self) -> None:
+        """Unmap segments the server removed (their memory is freed once nothing maps them)."""
+        for key in [k for k in self._maps if not (self.directory / k[0]).exists()]:
+            del self._maps[key]
+
+    def clear(self) -> None:
+        self._maps.clear()
+
+
+class ShmTransport(FramedTransport):
+    """A client's connection to a server that serves ``shm://`` (see the module docstring)."""
+
+    def __init__(
+        self,
+        address: Address,
+        stream: ByteStream,
+        checksum: ChecksumKind = ChecksumKind.XXH3_64,
+        chunk_size: int = DEFAULT_CHUNK_BYTES,
+        timeout: float = 60.0,
+        *,
+        compression: str = "none",
+    ) -> None:
+        super().__init__(address, stream, checksum, chunk_size, timeout, compression=compression)
+        self.directory = ws.shm_dir()
+        self.maps = Mappings(self.directory)
+        self._releases: list[int] = []
+        self._aborts: list[int] = []
+        self._flushing: asyncio.Task[None] | None = None
+
+    async def attach(self) -> None:
+        """Prove that this process sees the server's segment directory: SharedMemoryUnavailable if not."""
+        try:
+            reader = await self.call(Opcode.SHM_ATTACH, b"", what="SHM_ATTACH")
+        except ProtocolError as exc:
+            raise SharedMemoryUnavailable(f"{self.address} does not serve shared memory: {exc}") from exc
+        probe, token = ws.check_name(reader.text(255)), reader.u64()
+        reader.done()
+        try:
+            seen = (self.directory / probe).read_bytes()[:8]
+        except OSError:
+            seen = b""
+        if seen != token.to_bytes(8, "little"):
+            raise SharedMemoryUnavailable(
+                f"{self.address} keeps its segments where this process cannot see them (another host, "
+                f"or another {self.directory}): use tcp:// to reach it"
+            )
+
+    # -- put -----------------------------------------------------------------------------------------
+    async def put(self, batch: PutBatch, progress: Progress | None = None) -> int:
+        metas: list[TensorMeta] = []
+        views: list[memoryview] = []
+        for i in range(batch.parts):
+            part_metas, part_views = batch.part(i)
+            metas += part_metas
+            views += part_views
+        what = f"segments for a put of {len(metas)} tensors"
+        reader = await self.call(Opcode.SHM_PUT, wm.encode_records(metas), what=what)
+        put_id = reader.u64()
+        refs = ws.decode_refs(reader, len(metas))
+        reader.done()
+        try:
+            for ref in refs:
+                if ref.meta[:4] != metas[ref.item][:4]:
+                    raise ProtocolError(f"{self.address} handed out a segment for another tensor")
+                segment = self._segment(ref, writable=True)
+                segment[ws.HEADER_BYTES : ws.HEADER_BYTES + ref.meta.nbytes] = views[ref.item]  # the copy
+                if progress is not None:
+                    progress(ref.meta.nbytes)
+        except BaseException:
+            self._later(aborts=[put_id])
+            raise
+        in_segments = {ref.item for ref in refs}
+        inline = [i for i in range(len(metas)) if i not in in_segments]
+        body = wm.encode_u64(put_id) + wm.encode_records([metas[i] for i in inline])
+        data = [views[i] for i in inline]
+        reader = await self.call(Opcode.SHM_COMMIT, body, data, what=f"commit of {what}", progress=progress)
+        version = reader.u64()
+        reader.done()
+        return version
+
+    def _segment(self, ref: ws.SegmentRef, writable: bool) -> memoryview:
+        try:
+            return self.maps.get(ref.segment, writable)
+        except _Stale:
+            raise SharedMemoryUnavailable(f"segment {ref.segment} vanished: the server stopped?") from None
+
+    # -- get -----------------------------------------------------------------------------------------
+    async def get(
+        self, names: Sequence[str], sink: Sink, progress: Progress | None = None
+    ) -> list[TensorMeta]:
+        for _ in range(COPY_TRIES):
+            metas, inline, refs, _ = await self._locate(names, lease=False)
+            buffers = sink(metas)
+            try:
+                for ref in refs:
+                    self._copy_out(ref, buffers[ref.item])
+                    if progress is not None:
+                        progress(ref.meta.nbytes)
+            except _Stale:
+                continue
+            for i, data in inline.items():
+                buffers[i][:] = data
+            if progress is not None and inline:
+                progress(sum(d.nbytes for d in inline.values()))
+            return metas
+        raise CorruptFrame(f"the segments of {names[0]!r} were rewritten under {COPY_TRIES} copies in a row")
+
+    def _copy_out(self, ref: ws.SegmentRef, dest: memoryview) -> None:
+        """One memcpy from the segment; _Stale if the segment is another tensor's by then."""
+        segment = self.maps.get(ref.segment, writable=False)
+        if ws.generation(segment) != ref.generation:
+            raise _Stale(ref.segment)
+        dest[:] = segment[ws.HEADER_BYTES : ws.HEADER_BYTES + ref.meta.nbytes]
+        if ws.generation(segment) != ref.generation:  # reused mid-copy: what we copied may be mixed
+            raise _Stale(ref.segment)
+
+    async def _locate(
+        self, names: Sequence[str], lease: bool
+    ) -> tuple[list[TensorMeta], dict[int, memoryview], list[ws.SegmentRef], int]:
+        """SHM_GET: every tensor's record in request order, the bytes of those sent inline (by
+        index), references to those in segments, and the lease id (0 without a lease)."""
+        landed: list[memoryview] = []
+        inline_metas: list[TensorMeta] = []
+
+        def land(metas: list[TensorMeta]) -> list[memoryview]:
+            inline_metas.extend(metas)
+            landed.extend(memoryview(bytearray(m.nbytes)) for m in metas)  # small tensors only
+            return landed
+
+        body = bytes([ws.GET_LEASE if lease else 0]) + wm.encode_names(names)
+        what = f"the segments of {names[0]!r}" + (f" and {len(names) - 1} more" if len(names) > 1 else "")
+        reader = await self.call(Opcode.SHM_GET, body, sink=land, what=what)
+        refs = ws.decode_refs(reader, len(names))
+        lease_id = reader.u64()
+        reader.done()
+        slots = [i for i in range(len(names)) if i not in {ref.item for ref in refs}]
+        if len(slots) != len(landed):
+            raise ProtocolError(f"{self.address} answered for other tensors than the ones asked for")
+        metas: list[TensorMeta | None] = [None] * len(names)
+        for ref in refs:
+            metas[ref.item] = ref.meta
+        for slot, meta in zip(slots, inline_metas, strict=True):
+            metas[slot] = meta
+        return [m for m in metas if m is not None], dict(zip(slots, landed, strict=True)), refs, lease_id
+
+    # -- views ---------------------------------------------------------------------------------------
+    async def view(self, name: str) -> torch.Tensor:
+        """A read-only tensor over the segment that holds ``name`` (see README, "Shared memory")."""
+        metas, inline, refs, lease = await self._locate([name], lease=True)
+        if not refs:  # a small tensor, kept in the server's private memory: a private copy
+            return _tensor(np.frombuffer(inline[0], dtype=np.uint8), metas[0])
+        ref = refs[0]
+        try:
+            segment = self.maps.get(ref.segment, writable=False)
+        except BaseException:
+            self._later(releases=[lease])
+            raise
+        pages = np.frombuffer(segment, dtype=np.uint8, count=ref.meta.nbytes, offset=ws.HEADER_BYTES)
+        # The lease ends when the last tensor sharing these pages is freed: torch keeps the numpy
+        # array alive for as long as any tensor uses its memory.
+        weakref.finalize(pages, self._release_soon, asyncio.get_running_loop(), lease)
+        return _tensor(pages, ref.meta)
+
+    def _release_soon(self, loop: asyncio.AbstractEventLoop, lease: int) -> None:
+        """A view's memory was freed (on any thread): release its lease on the loop."""
+        with contextlib.suppress(RuntimeError):  # the loop is closed: so is the connection
+            loop.call_soon_threadsafe(self._later, [lease])
+
+    def _later(self, releases: Sequence[int] = (), aborts: Sequence[int] = ()) -> None:
+        """Release leases and abort puts in one SHM_RELEASE, sent in the background."""
+        if self.closed:
+            return  # the server dropped them with the connection
+        self._releases += releases
+        self._aborts += aborts
+        if self._flushing is None or self._flushing.done():
+            self._flushing = asyncio.get_running_loop().create_task(self._flush())
+
+    async def _flush(self) -> None:
+        while (self._releases or self._aborts) and not self.closed:
+            leases, self._releases = self._releases, []
+            puts, self._aborts = self._aborts, []
+            with contextlib.suppress(TensorwireError):  # a lost connection releases them all
+                await self.call(Opcode.SHM_RELEASE, ws.encode_release(leases, puts), what="SHM_RELEASE")
+
+    async def close(self) -> None:
+        await super().close()
+        if self._flushing is not None:
+            self._flushing.cancel()
+            with contextlib.suppress(asyncio.CancelledError, ConnectionLost):
+                await self._flushing
+        self.maps.clear()
+
+
+def _tensor(pages: np.ndarray, meta: TensorMeta) -> torch.Tensor:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # "not writable": that is the point
+        flat = torch.from_numpy(pages)
+    return flat.view(meta.dtype).reshape(meta.shape)
+
+
+async def view(transport: Transport, name: str) -> torch.Tensor:
+    """``Client.get(name, view=True)``: only an ``shm://`` connection has pages to view."""
+    if not isinstance(transport, ShmTransport):
+        raise SharedMemoryUnavailable(f"get(view=True) needs an shm:// client, not {transport.address}")
+    return await transport.view(name)
+
+
+async def listen_stream(address: Address, handler: StreamHandler) -> Listener:
+    """The control connections of ``shm://HOST:PORT``: TCP on loopback."""
+    return await tcp.listen(address, handler, scheme="shm")
