@@ -713,6 +713,7 @@ BENCHMARKS = {
     "grpc": "gRPC throughput against naive gRPC and Arrow Flight (--size, --json, --iters...).",
     "ps": "Parameter-server training against a torch.distributed.rpc PS and DDP (--json, --steps...).",
     "chaos": "Replicated parameter servers while processes are killed (--minutes, --interval, --json).",
+    "compression": "Lossy codecs: bytes, GB/s, digits accuracy with/without error feedback (--json, --plot).",
 }
 
 
