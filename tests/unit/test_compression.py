@@ -112,10 +112,21 @@ def test_topk_keeps_exactly_the_largest(n: int) -> None:
 def test_topk_threshold_path_matches_full_topk() -> None:
     for seed in range(5):
         x = sample(1 << 18, torch.float32, seed) * torch.linspace(0.1, 10, 1 << 18)
-        for k in (1, 100, 2621):
+        for k in (1, 100, 2621, 26214, 200_000):
             fast = set(top_indices(x, k).tolist())
             exact = set(torch.topk(x.abs(), k).indices.tolist())
             assert fast == exact
+
+
+def test_topk_ties_and_nans_still_keep_exactly_k() -> None:
+    x = torch.ones(1 << 17)
+    x[::3] = 2.0  # 43,691 twos, the rest ones: k cuts through the ones
+    for k in (10, 43_691, 50_000, 1 << 17):
+        index = top_indices(x, k)
+        assert index.numel() == k == len(set(index.tolist()))
+        assert int((x[index] == 2).sum()) == min(k, 43_691)
+    x[5] = float("nan")
+    assert top_indices(x, 100).numel() == 100
 
 
 def test_topk_composed_values_go_through_the_inner_codec() -> None:

@@ -44,7 +44,6 @@ INT8_CHUNK = 4096  # elements per int8 scale: 4 bytes of scale per 4 KiB of int8
 _U8 = torch.uint8
 _SIGN_MAGIC = 0x0102040810204080  # gathers the low bit of 8 bytes into the top byte of a u64
 _SAMPLE = 16384  # elements top-k samples to guess its threshold
-_DENSE_TOPK = 64  # below n / this many kept elements, top-k preselects candidates by a threshold
 
 
 _local = threading.local()
@@ -240,23 +239,52 @@ class TopK(Codec):
 def top_indices(flat: torch.Tensor, k: int) -> torch.Tensor:
     """The indices of the ``k`` elements of ``flat`` largest in magnitude (in no order).
 
-    ``torch.topk`` over all n elements is slow on a CPU for k in the thousands; when k is small
-    next to n, a threshold guessed from a strided sample keeps ~1.5k candidates in one pass, and the
-    exact top-k is taken among those. When the guess keeps fewer than k, the full topk runs."""
+    ``torch.topk`` over all n elements is slow on a CPU (a partial sort). Instead a threshold is
+    guessed from a strided sample so that it keeps k candidates and a few more (four standard
+    deviations of the guess), in one pass; the exact k are then chosen among those by a selection
+    (``kthvalue``), ties at the k-th value broken by position. A guess that keeps fewer than k
+    (unlucky, or NaNs) falls back to ``torch.topk`` over everything."""
     n = flat.numel()
     magnitude = torch.abs(flat, out=scratch("magnitude", n, flat.dtype))
-    if k * _DENSE_TOPK > n or n <= 4 * _SAMPLE:
+    if n <= 4 * _SAMPLE or k == n:
         return torch.topk(magnitude, k, sorted=False).indices
     # An odd stride, so that the sample of a (rows, 2^m) gradient does not keep to a few columns.
     sample = magnitude[:: n // _SAMPLE | 1]
-    rank = max(1, sample.numel() - math.ceil(1.5 * k * sample.numel() / n))  # the 1 - 1.5k/n quantile
-    threshold = torch.kthvalue(sample, rank).values
-    mask = torch.ge(magnitude, threshold, out=scratch("mask", n, torch.bool))
-    candidates = torch.nonzero(mask).squeeze(1)
-    if candidates.numel() < k:
+    m = sample.numel()
+    hits = k * m / n  # sampled elements expected among the top k
+    rank = m - math.ceil(hits + 4 * math.sqrt(hits) + 1)
+    candidates = None
+    if rank >= 1:
+        candidates = _at_least(magnitude, torch.kthvalue(sample, rank).values)
+    chosen = (
+        _exact_top(magnitude, k) if candidates is None else candidates[_exact_top(magnitude[candidates], k)]
+    )
+    if chosen.numel() != k:
         return torch.topk(magnitude, k, sorted=False).indices
-    best = torch.topk(magnitude[candidates], k, sorted=False).indices
-    return candidates[best]
+    return chosen
+
+
+def _at_least(magnitude: torch.Tensor, threshold: torch.Tensor) -> torch.Tensor:
+    """Indices (ascending) of the elements >= ``threshold``. ``nonzero`` over n bools is the slow
+    step, so it runs over the mask's u64 words (8 bools each) and then over the few hit words."""
+    n = magnitude.numel()
+    mask = scratch("mask", -(-n // 8) * 8, torch.bool)
+    torch.ge(magnitude, threshold, out=mask[:n])
+    mask[n:].zero_()
+    hit = torch.nonzero(mask.view(torch.uint8).view(torch.int64)).squeeze(1)
+    rows, cols = torch.nonzero(mask.view(-1, 8)[hit]).unbind(1)
+    return hit[rows] * 8 + cols
+
+
+def _exact_top(values: torch.Tensor, k: int) -> torch.Tensor:
+    """Positions of the k largest ``values`` (fewer when there are not k comparable ones)."""
+    m = values.numel()
+    if m <= k:
+        return torch.arange(m)
+    kth = torch.kthvalue(values, m - k + 1).values
+    above = torch.nonzero(values > kth).squeeze(1)
+    ties = torch.nonzero(values == kth).squeeze(1)[: k - above.numel()]
+    return torch.cat([above, ties])
 
 
 class Sign(Codec):
