@@ -116,11 +116,17 @@ def plot(result: dict[str, Any], path: Path) -> None:
     ):
         xs = [r["bytes_ratio"] for r in rows.values()]
         ax.scatter(xs, [100 * r[key] for r in rows.values()], marker=marker, label=label)
+    labels: dict[tuple[float, float], list[str]] = {}  # codecs on one spot share a label
     for name, r in rows.items():
-        ax.annotate(name, (r["bytes_ratio"], 100 * r["accuracy_ef"]), fontsize=8, xytext=(4, 4),
-                    textcoords="offset points")  # fmt: skip
+        labels.setdefault((round(r["bytes_ratio"], 3), round(100 * r["accuracy_ef"], 2)), []).append(name)
+    for i, ((x, y), names) in enumerate(sorted(labels.items())):  # above and below in turn: no overlap
+        offset = (4, 6) if i % 2 == 0 else (4, -12)
+        ax.annotate(", ".join(names), (x, y), fontsize=8, xytext=offset, textcoords="offset points")
     ax.axhline(100 * result["baseline_accuracy"], color="grey", linestyle="--", label="uncompressed (fp32)")
     ax.set_xscale("log")
+    ticks = [1 / 2**i for i in range(7)]
+    ax.set_xticks(ticks, ["1" if t == 1 else f"1/{round(1 / t)}" for t in ticks])
+    ax.minorticks_off()
     ax.set_xlabel("bytes pushed / uncompressed (log)")
     ax.set_ylabel("digits test accuracy (%)")
     ax.set_title(f"gradient compression: digits MLP, {result['epochs']} epochs")
@@ -138,7 +144,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--codecs", default=",".join(CODECS), help="comma-separated codec names")
     parser.add_argument("--epochs", type=int, default=CONFIG.epochs, help="digits epochs per run")
     parser.add_argument("--size", type=int, default=16 << 20, help="bytes of the float32 tensor timed")
-    parser.add_argument("--repeats", type=int, default=5, help="timed encodes and decodes (the best counts)")
+    parser.add_argument("--repeats", type=int, default=20, help="timed encodes and decodes (the best counts)")
     parser.add_argument("--plot", default="compression.png", help="PNG path ('' for none)")
     args = parser.parse_args(argv)
     codecs = [c.strip() for c in args.codecs.split(",") if c.strip()]
