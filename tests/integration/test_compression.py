@@ -172,3 +172,25 @@ def test_exchange_averages_compressed_gradients_over_tcp_and_grpc() -> None:
                for r, c in ((0, "int8"), (1, "fp16"))]  # fmt: skip
     want = (decoded[0] + decoded[1]) / 2
     assert torch.allclose(got[0], want, atol=1e-6) and torch.equal(got[0], got[1])
+
+
+def test_sync_job_with_the_exact_codec_matches_an_uncompressed_one_bit_for_bit() -> None:
+    """fp32 is a codec too (no feedback: it loses nothing): two sync workers through it end with
+    the same bits as two workers pushing raw gradients."""
+    finals = []
+    for codec in (None, "fp32"):
+        models = [digits.make_model() for _ in range(2)]
+        with servers(2) as urls:
+
+            def work(rank: int, models: list[torch.nn.Module] = models, codec: str | None = codec) -> None:
+                with Worker(models[rank], urls, "sync", SGD(lr=0.1, momentum=0.9), rank=rank, world_size=2,
+                            push_codec=codec, heartbeat=0) as worker:  # fmt: skip
+                    assert worker.feedback is None
+                    for step in range(5):
+                        x, y = batch(10 * step + rank)
+                        F.cross_entropy(models[rank](x), y).backward()  # type: ignore[no-untyped-call]
+                        worker.step()
+
+            run_threads(work, 2, 60)
+        finals.append([p.detach() for p in models[0].parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*finals, strict=True))
