@@ -434,7 +434,10 @@ class Worker:
         return PushResult(clock, max(versions), max(staleness))
 
     async def _push_to(
-        self, server: int, grads: dict[str, torch.Tensor | None], payloads: dict[str, torch.Tensor]
+        self,
+        server: int,
+        grads: dict[str, torch.Tensor | None],
+        payloads: dict[str, torch.Tensor] | None = None,
     ) -> tuple[int, int]:
         """One push, exactly once: a resend after a broken connection carries the same sequence
         number, and a server that applied it already only answers again. A parameter without a
@@ -448,7 +451,7 @@ class Worker:
                 metas.append(TensorMeta(shard.key, self._params[shard.param].dtype, (0,), 0))
             else:
                 metas.append(self._meta(shard))
-                payload = payloads.get(shard.key)
+                payload = payloads.get(shard.key) if payloads else None
                 data.append(byte_view(self._view(grad, shard) if payload is None else payload))
         seq = self._seqs[server] + 1
         body = wm.encode_records(metas) + wps.encode_codec(self.push_codec.name if self.push_codec else None)
