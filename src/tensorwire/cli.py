@@ -725,6 +725,7 @@ BENCHMARKS = {
     "ps": "Parameter-server training against a torch.distributed.rpc PS and DDP (--json, --steps...).",
     "chaos": "Replicated parameter servers while processes are killed (--minutes, --interval, --json).",
     "scaling": "PS bytes per step across network namespaces vs the model (--json, --jobs, --table).",
+    "compression": "Lossy codecs: bytes, GB/s, digits accuracy with/without error feedback (--json, --plot).",
 }
 
 

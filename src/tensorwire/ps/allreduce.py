@@ -12,6 +12,10 @@ Each call sends this worker's tensors for one step (the client counts steps) in 
 writes the mean over the live workers into the same tensors, in place. Leaving (``close``, or the
 end of the ``with``) tells the server not to wait for this worker any more. Clients generated from
 ``train.GradientService`` (gRPC) take part in the same rounds (see ``tensorwire.ps.exchange``).
+
+``ExchangeClient(url, codec="topk:0.01+fp16")`` sends the gradients compressed, with error
+feedback (``error_feedback=False`` turns it off; it keeps one residual per tensor, the gradients'
+size again); the means come back in full precision.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import torch
 
 from tensorwire import transport as transports
 from tensorwire._loop import LoopThread
+from tensorwire.compression import Codec, ErrorFeedback, resolve
 from tensorwire.errors import ProtocolError
 from tensorwire.ps.worker import check_trainable, env_int
 from tensorwire.security import Security, client_token
@@ -48,8 +53,15 @@ class ExchangeClient:
         timeout: float = 120.0,
         connect_timeout: float = 10.0,
         token: str | None = None,
+        codec: Codec | str | None = None,
+        error_feedback: bool | None = None,
     ) -> None:
         self.address = Address.parse(server)
+        self.codec = resolve(codec)
+        if error_feedback is None:
+            error_feedback = self.codec is not None and self.codec.lossy
+        self.feedback = ErrorFeedback(self.codec) if error_feedback and self.codec is not None else None
+        self.bytes_sent = 0
         self.rank = env_int("RANK", rank, 0)
         self.world_size = env_int("WORLD_SIZE", world_size, 1)
         if not 0 <= self.rank < self.world_size:
@@ -73,9 +85,11 @@ class ExchangeClient:
         items = list(tensors.items())
         for name, tensor in items:
             check_trainable(name, tensor)
+        payloads = [self._encode(name, tensor) for name, tensor in items] if self.codec else []
         step, self.step = self.step, self.step + 1
         wait = self.timeout + 2 * _MARGIN
-        count: int = self._thread.call(self._allreduce(items, step), wait, f"the allreduce of step {step}")
+        coro = self._allreduce(items, payloads, step)
+        count: int = self._thread.call(coro, wait, f"the allreduce of step {step}")
         return count
 
     def average_gradients(self, model: torch.nn.Module) -> int:
@@ -118,7 +132,15 @@ class ExchangeClient:
     def _head(self, step: int) -> bytes:
         return wps.PsHead(self.rank, self.world_size, step, 0, int(self.timeout * 1000)).encode()
 
-    async def _allreduce(self, items: list[tuple[str, torch.Tensor]], step: int) -> int:
+    def _encode(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        assert self.codec is not None
+        if self.feedback is not None:  # the tensor is overwritten with what was sent: the mean replaces it
+            return self.feedback.encode(name, tensor.view(-1))
+        return self.codec.encode(tensor)
+
+    async def _allreduce(
+        self, items: list[tuple[str, torch.Tensor]], payloads: list[torch.Tensor], step: int
+    ) -> int:
         if self._conn is None:
             raise ProtocolError("the exchange client is closed")
         metas = [TensorMeta(n, t.dtype, tuple(t.shape), t.numel() * t.element_size()) for n, t in items]
@@ -129,9 +151,14 @@ class ExchangeClient:
                 raise ProtocolError("the exchange answered with other tensors than were sent")
             return [byte_view(t) for _, t in items]  # the means land in the caller's tensors
 
-        data = [byte_view(t) for _, t in items]
+        data = [byte_view(t) for t in payloads] if self.codec else [byte_view(t) for _, t in items]
+        self.bytes_sent += sum(len(d) for d in data)
         what = f"the mean of step {step} from {self.address}"
-        body = self._head(step) + wm.encode_records(metas)
+        body = (
+            self._head(step)
+            + wm.encode_records(metas)
+            + wps.encode_codec(self.codec.name if self.codec else None)
+        )
         reader = await self._conn.call(Opcode.ALLREDUCE, body, data, land, what=what)
         count = wps.decode_u32(reader)
         reader.done()

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from tensorwire.ps.optim import Adam
-from tensorwire.ps.worker import Worker, env_int
+from tensorwire.ps.worker import Worker, env_int, pull_parameters
 
 SEED = 0
 
@@ -41,6 +41,9 @@ class TrainConfig:
     batch: int = 32
     lr: float = 3e-3
     timeout: float = 120.0
+    push_codec: str | None = None  # e.g. "topk:0.01+fp16" (tensorwire.compression)
+    pull_codec: str | None = None  # "int8", "bf16" or "fp16"
+    error_feedback: bool | None = None  # None: on for a lossy push codec
 
 
 @dataclass
@@ -85,6 +88,14 @@ def accuracy(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
         return float((model(x).argmax(1) == y).float().mean())
 
 
+def evaluate(servers: list[str] | str, timeout: float = 60.0) -> float:
+    """Test accuracy of the servers' parameters (full precision, whatever the workers pulled)."""
+    model = make_model()
+    pull_parameters(model, servers, timeout=timeout)
+    data = load()
+    return accuracy(model, data.x_test, data.y_test)
+
+
 def train_worker(
     servers: list[str] | str | None,
     config: TrainConfig,
@@ -98,7 +109,8 @@ def train_worker(
     model = make_model()
     optimizer = Adam(lr=config.lr)
     with Worker(model, servers, config.mode, optimizer, rank=rank, world_size=world_size,
-                timeout=config.timeout) as worker:  # fmt: skip
+                timeout=config.timeout, push_codec=config.push_codec, pull_codec=config.pull_codec,
+                error_feedback=config.error_feedback) as worker:  # fmt: skip
         x, y = data.x_train[worker.rank :: worker.world_size], data.y_train[worker.rank :: worker.world_size]
         batches = -(-len(x) // config.batch)
         total, steps, staleness = config.epochs * batches, 0, 0
@@ -127,11 +139,16 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=TrainConfig.epochs)
     parser.add_argument("--batch", type=int, default=TrainConfig.batch)
     parser.add_argument("--lr", type=float, default=TrainConfig.lr)
+    parser.add_argument("--push-codec", help="compress gradients: fp16, bf16, int8, topk:0.01+fp16, sign ...")
+    parser.add_argument("--pull-codec", help="pull the weights quantised: int8, bf16 or fp16")
+    parser.add_argument("--no-error-feedback", action="store_true", help="with a lossy --push-codec")
     parser.add_argument("--report", help="write this worker's report here (JSON; {rank} is replaced)")
     parser.add_argument("--progress", action="store_true", help="show a progress bar (on rank 0)")
     args = parser.parse_args()
     torch.set_num_threads(1)  # several processes share a few cores
-    config = TrainConfig(args.mode, args.epochs, args.batch, args.lr)
+    feedback = False if args.no_error_feedback else None
+    config = TrainConfig(args.mode, args.epochs, args.batch, args.lr, push_codec=args.push_codec,
+                         pull_codec=args.pull_codec, error_feedback=feedback)  # fmt: skip
     rank = env_int("RANK", None, 0)
     run = _with_progress if args.progress and rank == 0 else train_worker
     report = run(args.servers, config)

@@ -13,6 +13,11 @@ Served two ways by every parameter server (``tensorwire ps serve``):
   any client generated from that schema speaks: float32 bytes in and out, the worker id, step,
   tensor name (and optionally the world size) in call metadata.
 
+Either way a worker may send its gradient compressed (tensorwire.compression): ALLREDUCE names
+the codec after its records, gRPC callers add ``codec`` and ``numel`` to the call metadata. The
+server decodes each gradient once, on arrival; the means go back in full precision (float32 on
+gRPC), so every worker still gets the same bits.
+
 "Live": a worker that leaves (``PS_LEAVE``, sent by ``ExchangeClient.close``) no longer counts,
 so workers with uneven amounts of data finish without waiting for each other.
 """
@@ -28,6 +33,7 @@ from typing import Any
 import grpc
 import torch
 
+from tensorwire.compression import decode_all, from_wire, payload_total
 from tensorwire.errors import (
     CapacityExceeded,
     InvalidTensor,
@@ -153,8 +159,12 @@ class GradientExchange:
     async def on_allreduce(self, request: Request) -> None:
         head = wps.PsHead.decode(request.meta)
         metas = wm.decode_records(request.meta)
+        codec = from_wire(wps.decode_codec(request.meta))
         request.meta.done()
-        if sum(m.nbytes for m in metas) != request.header.data_len:
+        sent = (
+            sum(m.nbytes for m in metas) if codec is None else payload_total(codec, (m.numel for m in metas))
+        )
+        if sent != request.header.data_len:
             raise InvalidTensor("the records' sizes do not add up to the frame's data length")
         if self.held + request.header.data_len > self.capacity:  # refused before a byte is read
             raise CapacityExceeded(f"{request.header.data_len} more gradient bytes exceed {self.capacity}")
@@ -165,7 +175,12 @@ class GradientExchange:
             if not meta.dtype.is_floating_point:
                 raise InvalidTensor(f"{meta.name!r}: only floating-point gradients can be averaged")
         grads = [empty_for(m) for m in metas]
-        await request.receive([byte_view(g) for g in grads])
+        if codec is None:
+            await request.receive([byte_view(g) for g in grads])
+        else:
+            payloads = [torch.empty(codec.payload_bytes(m.numel), dtype=torch.uint8) for m in metas]
+            await request.receive([byte_view(p) for p in payloads])
+            decode_all(codec, payloads, grads)
         wait = head.wait_ms / 1000 if head.wait_ms else None
         with request.waiting():
             results = await asyncio.gather(
@@ -190,11 +205,9 @@ class GradientExchange:
 
     async def _update_gradient(self, request: pb.GradientRequest, context: Any) -> pb.GradientResponse:
         try:
-            worker, world, step, name = _call_metadata(context.invocation_metadata() or ())
-            raw = request.gradient
-            if len(raw) % 4:
-                raise InvalidTensor(f"gradient of {len(raw)} bytes is not float32 data")
-            grad = torch.frombuffer(bytearray(raw), dtype=torch.float32) if raw else torch.empty(0)
+            metadata = context.invocation_metadata() or ()
+            worker, world, step, name = _call_metadata(metadata)
+            grad = _gradient_of(request.gradient, metadata)
             remaining = context.time_remaining()
             wait = (
                 self.wait_timeout if remaining is None else min(self.wait_timeout, max(remaining - 0.05, 0))
@@ -222,6 +235,26 @@ def _call_metadata(metadata: Sequence[tuple[str, Any]]) -> tuple[int, int, int, 
     name = values["tensor-name"]
     validate_name(name)
     return worker, world, step, name
+
+
+def _gradient_of(raw: bytes, metadata: Sequence[tuple[str, Any]]) -> torch.Tensor:
+    """The float32 gradient a gRPC call carries: raw, or in the codec its metadata names (with
+    ``numel``, which a payload's size does not always tell)."""
+    values = {key: value for key, value in metadata if isinstance(value, str)}
+    codec = from_wire(values.get("codec"))
+    if codec is None:
+        if len(raw) % 4:
+            raise InvalidTensor(f"gradient of {len(raw)} bytes is not float32 data")
+        return torch.frombuffer(bytearray(raw), dtype=torch.float32) if raw else torch.empty(0)
+    numel = values.get("numel", "")
+    if not numel.isdigit():
+        raise ProtocolError("a compressed gradient needs the call metadata numel (its element count)")
+    if codec.payload_bytes(int(numel)) != len(raw):
+        raise InvalidTensor(f"a {codec.name} gradient of {numel} elements is not {len(raw)} bytes")
+    payload = (
+        torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
+    )
+    return codec.decode(payload, torch.empty(int(numel)))
 
 
 def _check_rank(worker: int, world: int) -> None:

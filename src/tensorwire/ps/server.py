@@ -41,6 +41,7 @@ from typing import Any, TypeVar
 
 import torch
 
+from tensorwire.compression import Codec, decode_all, from_wire, payload_total
 from tensorwire.errors import (
     CapacityExceeded,
     InvalidTensor,
@@ -152,6 +153,7 @@ class _Snapshot:
     metas: dict[str, TensorMeta]
     tensors: dict[str, torch.Tensor]
     readers: int = 0  # pulls sending from it right now
+    encoded: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)  # by codec: payloads
 
 
 @dataclass(eq=False)
@@ -456,6 +458,7 @@ class ParamServer:
         self._serving()
         head = wps.PsHead.decode(request.meta)
         metas = wm.decode_records(request.meta)
+        codec = from_wire(wps.decode_codec(request.meta))
         request.meta.done()
         state = self._member(head)
         if state.pushing:  # a resend racing the original (the client timed out): let it finish first
@@ -469,20 +472,37 @@ class ParamServer:
             await request.reply(state.last_reply if head.seq == state.seq else stale)
             return
         self._check_push(head, state)
-        shards, present = self._shards_for(metas, request.header.data_len)
+        shards, present = self._shards_for(metas, request.header.data_len, codec)
         buffers = self._take_buffers(shards)
         grads = [b if p else None for b, p in zip(buffers, present, strict=True)]
         state.pushing = True  # one push per worker at a time: a second one is refused, not merged
         try:
-            data = [byte_view(g) for g in grads if g is not None]
-            await request.receive(data)
+            data = await self._receive_grads(request, codec, grads)
+            body = wm.encode_records(metas) + wps.encode_codec(codec.name if codec else None)
             async with self._in_order():
-                await self._replicate(replication.Change.PUSH, head, wm.encode_records(metas), data)
+                # Backups get the payloads as they came and decode them with the same code, so
+                # they hold the same bits (and replication moves the compressed bytes).
+                await self._replicate(replication.Change.PUSH, head, body, data)
                 await self._accept(head, state, buffers, grads)
         finally:
             state.pushing = False
             self._notify()
         await request.reply(state.last_reply)
+
+    async def _receive_grads(self, request: Request, codec: Codec | None, grads: _Grads) -> list[memoryview]:
+        """Receive a push's data into ``grads``: raw bytes straight in, or a codec's payloads,
+        decoded (once, on the optimizer's thread) before anything is replicated or applied, so a
+        payload that does not decode changes nothing. Returns the data as received."""
+        present = [g for g in grads if g is not None]
+        if codec is None:
+            data = [byte_view(g) for g in present]
+            await request.receive(data)
+            return data
+        payloads = [torch.empty(codec.payload_bytes(g.numel()), dtype=torch.uint8) for g in present]
+        data = [byte_view(p) for p in payloads]
+        await request.receive(data)
+        await self._run(decode_all, codec, payloads, present)
+        return data
 
     async def _accept(self, head: wps.PsHead, state: _Worker, buffers: _Grads, grads: _Grads) -> None:
         """Record (sync) or apply (async, ssp) a received push; then the worker's clock moves on,
@@ -518,7 +538,10 @@ class ParamServer:
         self._serving()
         head = wps.PsHead.decode(request.meta)
         names = wm.decode_names(request.meta)
+        codec = from_wire(wps.decode_codec(request.meta))
         request.meta.done()
+        if codec is not None and codec.sparse:
+            raise ProtocolError(f"{codec.name} drops elements: parameters cannot be pulled in it")
         with request.waiting():
             await self._wait(lambda: self.config is not None, head, "the job's parameters to be initialised")
         for name in names:
@@ -539,8 +562,14 @@ class ParamServer:
         snapshot.readers += 1
         try:
             metas = [snapshot.metas[name] for name in names]
-            data = [byte_view(snapshot.tensors[name]) for name in names]
-            await request.reply(wm.encode_records(metas) + wps.encode_u64(snapshot.version), data)
+            tensors = snapshot.tensors
+            if codec is not None:  # the records describe the payloads (clients land data by records)
+                tensors = await self._encoded(snapshot, codec)
+                metas = [TensorMeta(m.name, torch.uint8, (tensors[m.name].numel(),), tensors[m.name].numel(),
+                                    m.version) for m in metas]  # fmt: skip
+            data = [byte_view(tensors[name]) for name in names]
+            tail = wps.encode_u64(snapshot.version) + wps.encode_codec(codec.name if codec else None)
+            await request.reply(wm.encode_records(metas) + tail, data)
         finally:
             snapshot.readers -= 1
             self._notify()
@@ -566,10 +595,24 @@ class ParamServer:
                 await self._run(_copy_shards, fresh, self.shards)
                 fresh.version = self.version
                 fresh.metas = {key: shard.meta for key, shard in self.shards.items()}
+                fresh.encoded = {}
             if current is not None:
                 self._retired.append(current)
             self._current = fresh
             return fresh
+
+    async def _encoded(self, snapshot: _Snapshot, codec: Codec) -> dict[str, torch.Tensor]:
+        """The snapshot's shards in ``codec`` (a worker pulling int8 or bf16 weights), encoded once
+        per version and codec and shared by the pulls that follow; the server keeps full precision."""
+        cached = snapshot.encoded.get(codec.name)
+        if cached is None:
+            assert self._publishing is not None  # made by the _published call before this one
+            async with self._publishing:
+                cached = snapshot.encoded.get(codec.name)
+                if cached is None:
+                    cached = await self._run(_encode_all, codec, snapshot.tensors)
+                    snapshot.encoded[codec.name] = cached
+        return cached
 
     def _spare_snapshot(self) -> _Snapshot:
         """A retired copy nobody is sending from any more (its buffers are reused: fresh pages
@@ -735,11 +778,12 @@ class ParamServer:
 
     async def _apply_replicated_push(self, request: Request, head: wps.PsHead) -> None:
         metas = wm.decode_records(request.meta)
+        codec = from_wire(wps.decode_codec(request.meta))
         state = self.workers[head.worker]
-        shards, present = self._shards_for(metas, request.header.data_len)
+        shards, present = self._shards_for(metas, request.header.data_len, codec)
         buffers = self._take_buffers(shards)
         grads = [b if p else None for b, p in zip(buffers, present, strict=True)]
-        await request.receive([byte_view(g) for g in grads if g is not None])
+        await self._receive_grads(request, codec, grads)
         await self._accept(head, state, buffers, grads)
 
     # -- membership -----------------------------------------------------------------------------
@@ -1012,11 +1056,16 @@ class ParamServer:
             raise ProtocolError(f"this server holds no shard {name!r}")
         return shard
 
-    def _shards_for(self, metas: Sequence[TensorMeta], data_len: int) -> tuple[list[_Shard], list[bool]]:
+    def _shards_for(
+        self, metas: Sequence[TensorMeta], data_len: int, codec: Codec | None = None
+    ) -> tuple[list[_Shard], list[bool]]:
         """A push carries one record for each shard here, in the shards' order: its gradient, or
         an empty one (``shape (0,)``) where the worker has no gradient (a parameter it did not use,
-        which torch.optim would skip). Returns the shards and which of them have a gradient."""
-        _check_records(metas, data_len)
+        which torch.optim would skip). Returns the shards and which of them have a gradient.
+        With a codec the records describe the gradients as decoded, and the data holds payloads."""
+        _check_records(metas, data_len if codec is None else None)
+        if codec is not None and payload_total(codec, (m.numel for m in metas if m.nbytes)) != data_len:
+            raise InvalidTensor(f"the {codec.name} payloads of the records do not add up to the frame's data")
         shards = list(self.shards.values())
         if [m.name for m in metas] != [s.key for s in shards]:
             raise ProtocolError("a push must carry a record for every shard of this server, in its order")
@@ -1068,6 +1117,10 @@ def _mean(pushes: Sequence[_Grads]) -> _Grads:
             total.div_(len(pushes))
         mean.append(total)
     return mean
+
+
+def _encode_all(codec: Codec, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {key: codec.encode(tensor) for key, tensor in tensors.items()}
 
 
 def _copy_shards(snapshot: _Snapshot, shards: Mapping[str, _Shard]) -> None:

@@ -21,6 +21,13 @@ waiting for this worker: workers with uneven amounts of data finish cleanly.
   flight never sees them change.
 * ``step()`` is ``push()`` then ``pull()``.
 
+Compression (tensorwire.compression): ``push_codec="topk:0.01+fp16"`` (or ``int8``, ``fp16``,
+``sign``, ...) sends each gradient shard in that codec, with error feedback on (the part a codec
+drops is added to the next step's gradient; ``error_feedback=False`` turns it off). Error feedback
+keeps one residual per parameter: one more copy of the gradients, the model's size again.
+``pull_codec="int8"`` or ``"bf16"`` pulls the parameters quantised (the servers keep them, and
+their optimizer state, in full precision); a lossy pull is for workers that tolerate it.
+
 Where the servers are: ``servers=`` (URLs, or one comma-separated string), else
 ``$TENSORWIRE_SERVERS``, else (under ``torchrun``) what rank 0 published in torchrun's rendezvous
 store. Rank and world size: ``rank=``/``world_size=``, else ``$RANK``/``$WORLD_SIZE`` (set by
@@ -50,6 +57,7 @@ import torch
 
 from tensorwire import transport as transports
 from tensorwire._loop import LoopThread, wait
+from tensorwire.compression import Codec, ErrorFeedback, decode_all, resolve
 from tensorwire.errors import (
     ConnectError,
     ConnectionLost,
@@ -108,6 +116,9 @@ class Worker:
         token: str | None = None,
         observer: bool = False,
         heartbeat: float = 1.0,
+        push_codec: Codec | str | None = None,
+        pull_codec: Codec | str | None = None,
+        error_feedback: bool | None = None,
     ) -> None:
         self.model = model
         self.mode = Mode.parse(mode)
@@ -121,6 +132,15 @@ class Worker:
         self.observer = observer  # pulls only, without joining (evaluation, checkpoints)
         self.servers = resolve_servers(servers, self.rank, timeout)
         self._params = _check_params(model)
+        self.push_codec, self.pull_codec = resolve(push_codec), resolve(pull_codec)
+        if self.pull_codec is not None and self.pull_codec.sparse:
+            raise ValueError(f"pull_codec {self.pull_codec.name} drops elements: use int8, bf16 or fp16")
+        if error_feedback is None:  # on by default wherever the codec loses something
+            error_feedback = self.push_codec is not None and self.push_codec.lossy
+        if error_feedback and self.push_codec is None:
+            raise ValueError("error_feedback needs a push_codec")
+        self.feedback = ErrorFeedback(self.push_codec) if error_feedback and self.push_codec else None
+        self._pull_buffers: dict[str, torch.Tensor] = {}  # a compressed pull lands here first
         self.placement: Placement = plan(ParamSpec.of(model), len(self.servers), split_bytes)
         self._shards = [self.placement.on_server(i) for i in range(len(self.servers))]
         self._security = Security(None, client_token(token))
@@ -199,8 +219,9 @@ class Worker:
             raise ProtocolError("an observer worker does not push")
         self._finish_push()
         grads = self._take_grads()
+        payloads = self._encode(grads)
         clock, self.clock = self.clock, self.clock + 1
-        self._pending = self._loop().submit(self._push(grads, clock))
+        self._pending = self._loop().submit(self._push(grads, payloads, clock))
         return self._pending
 
     def step(self) -> PushResult:
@@ -355,6 +376,9 @@ class Worker:
                 raise ProtocolError(f"{self.servers[server]} answered a pull with other shards than asked")
             return [byte_view(self._view(self._params[s.param].data, s)) for s in shards]
 
+        codec = self.pull_codec
+        if codec is not None:
+            return await self._pull_encoded(server, codec)
         names = wm.encode_names([s.key for s in shards])
         reader = await self._request(server, Opcode.PS_PULL, names, sink=land)
         self.bytes_pulled += sum(m[3] for m in expected)
@@ -362,19 +386,73 @@ class Worker:
         reader.done()
         return version
 
-    async def _push(self, grads: dict[str, torch.Tensor | None], clock: int) -> PushResult:
+    async def _pull_encoded(self, server: int, codec: Codec) -> int:
+        """A pull in ``pull_codec``: the payloads land in buffers kept per shard, then are decoded
+        into the parameters in place."""
+        shards = self._shards[server]
+        payloads = [self._pull_buffer(s.key, codec.payload_bytes(s.numel)) for s in shards]
+        expected = [(s.key, torch.uint8, (p.numel(),)) for s, p in zip(shards, payloads, strict=True)]
+
+        def land(metas: list[TensorMeta]) -> list[memoryview]:  # records of the payloads, as uint8
+            if [m[:3] for m in metas] != expected:
+                raise ProtocolError(f"{self.servers[server]} answered a pull with other shards than asked")
+            return [byte_view(p) for p in payloads]
+
+        names = wm.encode_names([s.key for s in shards]) + wps.encode_codec(codec.name)
+        reader = await self._request(server, Opcode.PS_PULL, names, sink=land)
+        version = wps.decode_u64(reader)
+        if wps.decode_codec(reader) != codec.name:
+            raise ProtocolError(f"{self.servers[server]} answered a {codec.name} pull in another codec")
+        reader.done()
+        params = [self._view(self._params[s.param].data, s) for s in shards]
+        decode_all(codec, payloads, params)
+        self.bytes_pulled += sum(p.numel() for p in payloads)
+        return version
+
+    def _pull_buffer(self, key: str, nbytes: int) -> torch.Tensor:
+        buffer = self._pull_buffers.get(key)
+        if buffer is None or buffer.numel() != nbytes:
+            buffer = self._pull_buffers[key] = torch.empty(nbytes, dtype=torch.uint8)
+        return buffer
+
+    def _encode(self, grads: dict[str, torch.Tensor | None]) -> dict[str, torch.Tensor]:
+        """Each shard's gradient in ``push_codec`` (none without one), through error feedback
+        when it is on; done here, in the caller's thread, before the push goes out."""
+        codec = self.push_codec
+        if codec is None:
+            return {}
+        payloads = {}
+        for shard in self.placement.shards:
+            grad = grads[shard.param]
+            if grad is None:
+                continue  # its residual waits for the next gradient
+            view = self._view(grad, shard)
+            payloads[shard.key] = (
+                self.feedback.encode(shard.key, view) if self.feedback else codec.encode(view)
+            )
+        return payloads
+
+    async def _push(
+        self, grads: dict[str, torch.Tensor | None], payloads: dict[str, torch.Tensor], clock: int
+    ) -> PushResult:
         try:
-            replies = await _gather_all(self._push_to(i, grads) for i in self._servers())
+            replies = await _gather_all(self._push_to(i, grads, payloads) for i in self._servers())
         except WorkerDropped:
             await self._recover()  # the push is lost: it was computed on parameters now gone
             return PushResult(clock, self.version, 0, rejoined=True)
         versions, staleness = zip(*replies, strict=True) if replies else ((0,), (0,))
         return PushResult(clock, max(versions), max(staleness))
 
-    async def _push_to(self, server: int, grads: dict[str, torch.Tensor | None]) -> tuple[int, int]:
+    async def _push_to(
+        self,
+        server: int,
+        grads: dict[str, torch.Tensor | None],
+        payloads: dict[str, torch.Tensor] | None = None,
+    ) -> tuple[int, int]:
         """One push, exactly once: a resend after a broken connection carries the same sequence
         number, and a server that applied it already only answers again. A parameter without a
-        gradient travels as an empty record."""
+        gradient travels as an empty record. With a codec the records still describe the
+        gradients; the data is their payloads."""
         shards = self._shards[server]
         metas, data = [], []
         for shard in shards:
@@ -383,13 +461,14 @@ class Worker:
                 metas.append(TensorMeta(shard.key, self._params[shard.param].dtype, (0,), 0))
             else:
                 metas.append(self._meta(shard))
-                data.append(byte_view(self._view(grad, shard)))
+                payload = payloads.get(shard.key) if payloads else None
+                data.append(byte_view(self._view(grad, shard) if payload is None else payload))
         seq = self._seqs[server] + 1
-        body = wm.encode_records(metas)
+        body = wm.encode_records(metas) + wps.encode_codec(self.push_codec.name if self.push_codec else None)
         reader = await self._request(server, Opcode.PS_PUSH, body, data, clock=self._clocks[server], seq=seq)
         self._seqs[server] = seq
         self._clocks[server] += 1
-        self.bytes_pushed += sum(m.nbytes for m in metas)
+        self.bytes_pushed += sum(len(d) for d in data)
         reply = wps.decode_push_reply(reader)
         reader.done()
         return reply

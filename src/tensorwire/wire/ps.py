@@ -17,6 +17,11 @@ HEARTBEAT  (nothing)                                        u32 live (0: dropped
 ROLLBACK   (nothing; ``clock`` = the version to go back to)  u64 version
 =========  ===============================================  =========================================
 
+PS_PUSH, PS_PULL (request and response) and ALLREDUCE may end with a codec name (``u16 length |
+ASCII``, e.g. ``topk:0.01+fp16``): the data section then holds each tensor's payload in that
+codec (tensorwire.compression; docs/protocol.md §13.6), and the records still describe the
+tensors as decoded. Without it the data is the tensors' raw bytes, as before.
+
 ``worker`` is the worker's rank (``OBSERVER`` for a reader that takes no part in training);
 ``world`` the number of workers the job was started with; ``clock`` the worker's step count
 (pushes done so far); ``seq`` the push's sequence number (1, 2, ... per worker; a push the server
@@ -30,15 +35,17 @@ from __future__ import annotations
 import struct
 from typing import NamedTuple
 
-from tensorwire.errors import LimitExceeded, ProtocolError
+from tensorwire.errors import LimitExceeded, ProtocolError, TensorwireError
 from tensorwire.wire.meta import MetaReader
 
 OBSERVER = 0xFFFFFFFF  # the worker id of a reader that is not a worker (pulls without waiting)
 MAX_CONFIG_BYTES = 0xFFFF
 MAX_STATS_BYTES = 16 << 20
+MAX_CODEC_BYTES = 64
 
 _HEAD = struct.Struct("<IIQQI")
 _U8 = struct.Struct("<B")
+_U16 = struct.Struct("<H")
 _U32 = struct.Struct("<I")
 _U64 = struct.Struct("<Q")
 _JOIN_REPLY = struct.Struct("<QBQ")
@@ -112,6 +119,31 @@ def encode_u32(value: int) -> bytes:
 
 def decode_u32(reader: MetaReader) -> int:
     return int(reader.take(_U32)[0])
+
+
+def encode_codec(name: str | None) -> bytes:
+    """The optional codec trailer: nothing for raw data, else ``u16 length | ASCII name``."""
+    if not name:
+        return b""
+    raw = name.encode("ascii")
+    if len(raw) > MAX_CODEC_BYTES:
+        raise LimitExceeded(f"codec name of {len(raw)} bytes exceeds {MAX_CODEC_BYTES}")
+    return _U16.pack(len(raw)) + raw
+
+
+def decode_codec(reader: MetaReader) -> str | None:
+    """The codec trailer's name, or None when the block ends here (raw data)."""
+    if not reader.remaining:
+        return None
+    try:
+        name = reader.text(MAX_CODEC_BYTES)
+    except LimitExceeded:
+        raise
+    except TensorwireError as exc:  # bad UTF-8 is InvalidName there: here it is a broken frame
+        raise ProtocolError(f"unreadable codec name: {exc}") from exc
+    if not name or not name.isascii():
+        raise ProtocolError(f"codec name {name!r} is empty or not ASCII")
+    return name
 
 
 def encode_stats(text: str) -> bytes:
