@@ -33,7 +33,7 @@ from rich.console import Console
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
 from rich.table import Table
 
-from tensorwire import __version__
+from tensorwire import __version__, logs
 from tensorwire import transport as transports
 from tensorwire._loop import run
 from tensorwire.client import Client, connect
@@ -168,8 +168,17 @@ class _Group(click.Group):
 
 @click.group("tensorwire", cls=_Group)
 @click.version_option(__version__, prog_name="tensorwire")
-def main() -> None:
+@click.option(
+    "--log-level", type=click.Choice(logs.LEVELS, case_sensitive=False), default="warning",
+    envvar=logs.LEVEL_ENV, show_default=True, help=f"Log events at this level and up (env {logs.LEVEL_ENV}).",
+)  # fmt: skip
+@click.option(
+    "--log-format", type=click.Choice(logs.FORMATS), default="text", envvar=logs.FORMAT_ENV,
+    show_default=True, help=f"One line per event: key=value text, or JSON (env {logs.FORMAT_ENV}).",
+)  # fmt: skip
+def main(log_level: str, log_format: str) -> None:
     """Move and keep PyTorch tensors across processes and machines."""
+    logs.configure(log_level.lower(), log_format)
 
 
 # -- serve -----------------------------------------------------------------------------------------
@@ -251,8 +260,15 @@ def main() -> None:
     help="Parameter server: torch threads for the optimizer [default: half the cores, at most 4].",
 )  # fmt: skip
 @click.option(
-    "--log-level", type=click.Choice(["debug", "info", "warning", "error"], case_sensitive=False),
-    default="warning", show_default=True,
+    "--metrics-port", type=click.IntRange(min=0, max=65535), default=None,
+    help="Serve Prometheus metrics on http://HOST:PORT/metrics (0: a free port; STATUS reports it).",
+)  # fmt: skip
+@click.option(
+    "--metrics-host", metavar="HOST", default=None, help="Bind metrics here [default: the --listen host]."
+)
+@click.option(
+    "--log-level", type=click.Choice(logs.LEVELS, case_sensitive=False), default=None,
+    help="The same as `tensorwire --log-level` (kept for existing scripts).",
 )  # fmt: skip
 def serve(
     *,
@@ -278,7 +294,9 @@ def serve(
     standby: bool,
     failover_timeout: float,
     threads: int | None,
-    log_level: str,
+    metrics_port: int | None,
+    metrics_host: str | None,
+    log_level: str | None,
 ) -> None:
     """Serve a tensor store, which is also a parameter server, until SIGINT or SIGTERM."""
     from tensorwire.ps import CheckpointPolicy, ParamServer
@@ -286,7 +304,8 @@ def serve(
     # The optimizer's element-wise steps are memory-bound: a few threads get most of the speed, and
     # more (spinning OpenMP threads) take cores from the workers that often share the host.
     torch.set_num_threads(threads or max(1, min(4, (os.cpu_count() or 2) // 2)))
-    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if log_level is not None:
+        logging.getLogger().setLevel(log_level.upper())
     tls = TlsFiles(tls_cert, tls_key, tls_client_ca) if tls_cert or tls_key or tls_client_ca else None
     security = Security(tls, load_token(token_file) if token_file else None)
     store = TensorStore(capacity, data_dir)
@@ -312,6 +331,8 @@ def serve(
         max_connections=max_connections,
         idle_timeout=idle_timeout,
         extensions=[ps_server],
+        metrics_port=metrics_port,
+        metrics_host=metrics_host,
     )
     run(_serve(server, listen + grpc_listen, ready_file))
 
@@ -343,6 +364,8 @@ async def _serve(server: Server, urls: tuple[str, ...], ready_file: Path | None)
         addresses = await server.start(*urls)
         for address in addresses:
             click.echo(f"tensorwire serving on {address}")  # click.echo flushes: a pipe reader sees it now
+        if server.exporter is not None:
+            click.echo(f"tensorwire metrics on {server.exporter.url}")
         if ready_file is not None:
             _write_atomic(ready_file, "".join(f"{a}\n" for a in addresses).encode())
         await stop.wait()
@@ -650,6 +673,41 @@ def ps_stats(servers: tuple[str, ...]) -> None:
     from tensorwire.ps.worker import server_stats
 
     click.echo(json.dumps(server_stats(list(servers)), indent=2))
+
+
+@main.command("status")
+@click.argument("servers", nargs=-1, required=True)
+@click.option(
+    "--metrics", "metrics_urls", metavar="URL", multiple=True,
+    help="Also scrape this metrics endpoint (http://host:port/metrics), e.g. of a gRPC-only server.",
+)  # fmt: skip
+@click.option(
+    "--timeout", type=click.FloatRange(min=0.05), default=2.0, show_default=True,
+    help="Seconds to wait for each server; one that does not answer in time is shown as down.",
+)  # fmt: skip
+@click.option("--json", "as_json", is_flag=True, help="Print JSON: each server's STATUS, metrics summary.")
+@click.option("--tls-ca", type=_FILE, help="CA of the servers' certificates (tls://).")
+@click.option("--token", metavar="TOKEN", help=f"The servers' shared token (default: ${TOKEN_ENV}).")
+def status(
+    *, servers: tuple[str, ...], metrics_urls: tuple[str, ...], timeout: float, as_json: bool,
+    tls_ca: Path | None, token: str | None,
+) -> None:  # fmt: skip
+    """A one-screen summary of a cluster: which SERVERS are up, their role, shards, load and lag.
+
+    SERVERS are URLs (HOST:PORT means tcp://); `a|b` names the replicas of one slot. Each is asked
+    STATUS, and its metrics (serve --metrics-port) are scraped. Exits 1 if any server is down."""
+    from tensorwire import status as cluster
+
+    urls = [u if "://" in u or "|" in u or "," in u else f"tcp://{u}" for u in servers]
+    nodes = cluster.collect([*urls, *metrics_urls], timeout, tls_ca=str(tls_ca) if tls_ca else None,
+                            token=token)  # fmt: skip
+    if as_json:
+        click.echo(json.dumps([n.to_dict() for n in nodes], indent=2, default=str))
+    else:
+        console = Console()
+        Console(width=None if console.is_terminal else 160).print(cluster.render(nodes))
+    if not all(n.up for n in nodes):
+        raise SystemExit(1)
 
 
 @ps.command("plan")

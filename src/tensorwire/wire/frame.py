@@ -48,6 +48,7 @@ class Opcode(enum.IntEnum):
     PS_ROLLBACK = 18
     PS_REPLICATE = 19
     PUT_RESUMABLE = 20  # a put that survives a broken connection (docs/protocol.md §11.6)
+    STATUS = 21  # the server's state as JSON: addresses, store, metrics endpoint, extensions (§11.7)
 
 
 class Flags(enum.IntFlag):
