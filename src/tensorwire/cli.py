@@ -36,6 +36,7 @@ from rich.table import Table
 from tensorwire import __version__, logs
 from tensorwire import transport as transports
 from tensorwire._loop import run
+from tensorwire.bench import BENCHMARKS
 from tensorwire.client import Client, connect
 from tensorwire.errors import TensorwireError
 from tensorwire.security import TOKEN_ENV, Security, TlsFiles, load_token, write_dev_certs
@@ -765,16 +766,9 @@ def _bench_module(name: str) -> Any:
         raise CliError(f"the {name} benchmark (tensorwire.bench.{name}) is not installed") from exc
 
 
-# Each benchmark parses its own options (--help goes to it): name -> one-line help.
-BENCHMARKS = {
-    "transfer": "Transfer throughput against plain sockets (--size, --json, --iters, --many...).",
-    "grpc": "gRPC throughput against naive gRPC and Arrow Flight (--size, --json, --iters...).",
-    "ps": "Parameter-server training against a torch.distributed.rpc PS and DDP (--json, --steps...).",
-    "chaos": "Replicated parameter servers while processes are killed (--minutes, --interval, --json).",
-}
-
-
 def _add_benchmark(name: str, summary: str) -> None:
+    """``tensorwire bench NAME ARGS...``: each benchmark parses its own options (--help goes to it)."""
+
     def command(ctx: click.Context) -> None:
         _bench_module(name).main(list(ctx.args))
 
@@ -783,8 +777,10 @@ def _add_benchmark(name: str, summary: str) -> None:
     bench.command(name, context_settings=settings, add_help_option=False)(click.pass_context(command))
 
 
-for _name, _summary in BENCHMARKS.items():
-    _add_benchmark(_name, _summary)
+# The table of benchmarks is tensorwire.bench.BENCHMARKS; `bench all` runs them all into a report.
+for _benchmark in BENCHMARKS.values():
+    _add_benchmark(_benchmark.name, _benchmark.summary)
+_add_benchmark("all", "Every benchmark, then report.json, report.md and plots (--out DIR, --quick).")
 
 
 if __name__ == "__main__":
