@@ -114,7 +114,10 @@ def _sweep(r: dict[str, Any]) -> list[Row]:
         rows.append(Row("sweep", f"{t} CPU per GB (client + server)", _cpu(r, t), "CPU s/GB", "plain socket",
                         _cpu(r, "socket"), lower_is_better=True))  # fmt: skip
         rss = r["peak_rss_bytes"][t]
-        rows.append(Row("sweep", f"{t} server peak RSS", rss["server"] / MiB, "MiB"))
+        if rss["server"] is None:  # memory://: one process
+            rows.append(Row("sweep", f"{t} peak RSS (one process)", rss["client"] / MiB, "MiB"))
+        else:
+            rows.append(Row("sweep", f"{t} server peak RSS", rss["server"] / MiB, "MiB"))
     return rows
 
 
@@ -256,10 +259,10 @@ def _rss(ax: Any, s: dict[str, Any]) -> None:
     width = 0.4
     for i, side in enumerate(("client", "server")):
         xs = [j + (i - 0.5) * width for j in range(len(names))]
-        ax.bar(xs, [s["peak_rss_bytes"][n][side] / MiB for n in names], width, label=f"{side} process")
+        ax.bar(xs, [(s["peak_rss_bytes"][n][side] or 0) / MiB for n in names], width, label=f"{side} process")
     ax.set_xticks(range(len(names)), names)
     ax.set_ylabel("MiB")
-    ax.set_title("peak resident memory (VmHWM)")
+    ax.set_title("peak resident memory, VmHWM (memory: one process)")
     ax.legend(fontsize=8)
 
 

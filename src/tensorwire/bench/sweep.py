@@ -198,7 +198,10 @@ def _measure(client: tensorwire.Client, plan: Plan, server_pid: int) -> Result:
         "get_gbps": get,
         "latency_us": _percentiles(samples),
         "cpu_s_per_gb": {"client": cpu[0], "server": cpu[1] if len(cpu) > 1 else None},
-        "peak_rss_bytes": {"client": peak_rss(os.getpid()), "server": peak_rss(server_pid)},
+        "peak_rss_bytes": {
+            "client": peak_rss(os.getpid()),
+            "server": peak_rss(server_pid) if len(pids) > 1 else None,
+        },
     }
 
 
@@ -401,9 +404,8 @@ def format_table(r: Result) -> str:
         server = "in-process" if c["server"] is None else f"{c['server']:.2f}"
         lines.append(f"{name:<12} CPU s/GB client {c['client']:.2f}  server {server}")
     for name, m in r["peak_rss_bytes"].items():
-        lines.append(
-            f"{name:<12} peak RSS client {m['client'] / MiB:.0f} MiB  server {m['server'] / MiB:.0f} MiB"
-        )
+        server = "in-process" if m["server"] is None else f"{m['server'] / MiB:.0f} MiB"
+        lines.append(f"{name:<12} peak RSS client {m['client'] / MiB:.0f} MiB  server {server}")
     return "GB/s by tensor size (1e9 bytes/s)\n" + "\n".join([head, *lines])
 
 
