@@ -699,8 +699,7 @@ def status(
     STATUS, and its metrics (serve --metrics-port) are scraped. Exits 1 if any server is down."""
     from tensorwire import status as cluster
 
-    urls = [u if "://" in u or "|" in u or "," in u else f"tcp://{u}" for u in servers]
-    nodes = cluster.collect([*urls, *metrics_urls], timeout, tls_ca=str(tls_ca) if tls_ca else None,
+    nodes = cluster.collect([*servers, *metrics_urls], timeout, tls_ca=str(tls_ca) if tls_ca else None,
                             token=token)  # fmt: skip
     if as_json:
         click.echo(json.dumps([n.to_dict() for n in nodes], indent=2, default=str))

@@ -60,12 +60,12 @@ class Node:
 
 
 def split_urls(urls: Sequence[str]) -> list[str]:
-    """``tcp://a|tcp://b,tcp://c`` -> each URL once, in order."""
+    """``tcp://a|b:7070,tcp://c`` -> each URL once, in order (``HOST:PORT`` means tcp://)."""
     seen: dict[str, None] = {}
     for text in urls:
-        for url in text.replace("|", ",").split(","):
-            if url.strip():
-                seen.setdefault(url.strip(), None)
+        for url in (u.strip() for u in text.replace("|", ",").split(",")):
+            if url:
+                seen.setdefault(url if "://" in url else f"tcp://{url}", None)
     return list(seen)
 
 
