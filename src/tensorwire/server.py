@@ -120,7 +120,10 @@ Handler = Callable[[Request], Awaitable[None]]
 
 
 class Extension(Protocol):
-    """More operations on the same listeners: the parameter server is one (``tensorwire.ps``)."""
+    """More operations on the same listeners: the parameter server is one (``tensorwire.ps``).
+
+    One that also has ``collectors()`` and ``status()`` (``metrics.Observed``) adds Prometheus
+    families to the server's registry and a part to its STATUS answer."""
 
     def frame_handlers(self) -> Mapping[int, Handler]:
         """Opcode -> handler, for the frame protocol (tcp://, tls://, memory://)."""
