@@ -75,6 +75,23 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(_fields(record), default=str)
 
 
+class _Stderr(logging.StreamHandler):  # type: ignore[type-arg]
+    """Writes to whatever ``sys.stderr`` is when a record comes (as logging's last-resort handler
+    does): a command run in-process by a test runner that swaps stderr leaves no handler on a
+    closed stream behind."""
+
+    def __init__(self) -> None:
+        super().__init__()
+
+    @property
+    def stream(self) -> TextIO:
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value: TextIO) -> None:
+        pass  # always sys.stderr
+
+
 def configure(level: str = "warning", fmt: str = "text", stream: TextIO | None = None) -> logging.Handler:
     """Send tensorwire's (and every library's) log records at ``level`` or above to ``stream``
     (stderr), one line each, in format ``fmt``. Calling it again replaces the handler."""
@@ -82,7 +99,7 @@ def configure(level: str = "warning", fmt: str = "text", stream: TextIO | None =
         raise ValueError(f"log level must be one of {', '.join(LEVELS)}, not {level!r}")
     if fmt not in FORMATS:
         raise ValueError(f"log format must be one of {', '.join(FORMATS)}, not {fmt!r}")
-    handler = logging.StreamHandler(stream if stream is not None else sys.stderr)
+    handler = logging.StreamHandler(stream) if stream is not None else _Stderr()
     handler.set_name(_HANDLER)
     handler.setFormatter(JsonFormatter() if fmt == "json" else KeyValueFormatter())
     root = logging.getLogger()

@@ -74,3 +74,18 @@ def test_the_cli_group_sets_level_and_format(restore_logging: None) -> None:
     assert isinstance(handler.formatter, logs.JsonFormatter)
     result = CliRunner().invoke(main, ["--log-format", "yaml", "ps", "--help"])
     assert result.exit_code == 2 and "yaml" in result.output
+
+
+def test_the_default_handler_follows_sys_stderr(
+    restore_logging: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A CLI command run in-process (a test runner swapping stderr) leaves no handler bound to a
+    stream that is closed afterwards: records go to whatever sys.stderr is when they come."""
+    logs.configure("info", "text")
+    first, second = io.StringIO(), io.StringIO()
+    monkeypatch.setattr("sys.stderr", first)
+    logging.getLogger("tensorwire.test").info("one")
+    first.close()
+    monkeypatch.setattr("sys.stderr", second)
+    logging.getLogger("tensorwire.test").info("two")
+    assert "event=two" in second.getvalue()
