@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 TORCH := torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test test-unit test-integration test-fault bench lint format proto fuzz clean
+.PHONY: install demo test test-unit test-integration test-fault bench bench-all lint format proto fuzz clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -35,6 +35,10 @@ test-fault: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/tensorwire bench transfer --json
+
+# Every benchmark into bench-report/report.md, report.json and plots (~10 min on 2 cores).
+bench-all: $(STAMP)
+	$(BIN)/tensorwire bench all --out bench-report
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests fuzz

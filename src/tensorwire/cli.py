@@ -33,9 +33,10 @@ from rich.console import Console
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
 from rich.table import Table
 
-from tensorwire import __version__
+from tensorwire import __version__, logs
 from tensorwire import transport as transports
 from tensorwire._loop import run
+from tensorwire.bench import BENCHMARKS
 from tensorwire.client import Client, connect
 from tensorwire.errors import TensorwireError
 from tensorwire.security import TOKEN_ENV, Security, TlsFiles, load_token, write_dev_certs
@@ -178,8 +179,17 @@ class _Group(click.Group):
 
 @click.group("tensorwire", cls=_Group)
 @click.version_option(__version__, prog_name="tensorwire")
-def main() -> None:
+@click.option(
+    "--log-level", type=click.Choice(logs.LEVELS, case_sensitive=False), default="warning",
+    envvar=logs.LEVEL_ENV, show_default=True, help=f"Log events at this level and up (env {logs.LEVEL_ENV}).",
+)  # fmt: skip
+@click.option(
+    "--log-format", type=click.Choice(logs.FORMATS), default="text", envvar=logs.FORMAT_ENV,
+    show_default=True, help=f"One line per event: key=value text, or JSON (env {logs.FORMAT_ENV}).",
+)  # fmt: skip
+def main(log_level: str, log_format: str) -> None:
     """Move and keep PyTorch tensors across processes and machines."""
+    logs.configure(log_level.lower(), log_format)
 
 
 # -- serve -----------------------------------------------------------------------------------------
@@ -261,8 +271,15 @@ def main() -> None:
     help="Parameter server: torch threads for the optimizer [default: half the cores, at most 4].",
 )  # fmt: skip
 @click.option(
-    "--log-level", type=click.Choice(["debug", "info", "warning", "error"], case_sensitive=False),
-    default="warning", show_default=True,
+    "--metrics-port", type=click.IntRange(min=0, max=65535), default=None,
+    help="Serve Prometheus metrics on http://HOST:PORT/metrics (0: a free port; STATUS reports it).",
+)  # fmt: skip
+@click.option(
+    "--metrics-host", metavar="HOST", default=None, help="Bind metrics here [default: the --listen host]."
+)
+@click.option(
+    "--log-level", type=click.Choice(logs.LEVELS, case_sensitive=False), default=None,
+    help="The same as `tensorwire --log-level` (kept for existing scripts).",
 )  # fmt: skip
 def serve(
     *,
@@ -288,7 +305,9 @@ def serve(
     standby: bool,
     failover_timeout: float,
     threads: int | None,
-    log_level: str,
+    metrics_port: int | None,
+    metrics_host: str | None,
+    log_level: str | None,
 ) -> None:
     """Serve a tensor store, which is also a parameter server, until SIGINT or SIGTERM."""
     from tensorwire.dataset.digest import DigestService
@@ -297,7 +316,8 @@ def serve(
     # The optimizer's element-wise steps are memory-bound: a few threads get most of the speed, and
     # more (spinning OpenMP threads) take cores from the workers that often share the host.
     torch.set_num_threads(threads or max(1, min(4, (os.cpu_count() or 2) // 2)))
-    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if log_level is not None:
+        logging.getLogger().setLevel(log_level.upper())
     tls = TlsFiles(tls_cert, tls_key, tls_client_ca) if tls_cert or tls_key or tls_client_ca else None
     security = Security(tls, load_token(token_file) if token_file else None)
     store = TensorStore(capacity, data_dir)
@@ -323,6 +343,8 @@ def serve(
         max_connections=max_connections,
         idle_timeout=idle_timeout,
         extensions=[ps_server, DigestService(store)],
+        metrics_port=metrics_port,
+        metrics_host=metrics_host,
     )
     run(_serve(server, listen + grpc_listen, ready_file))
 
@@ -354,6 +376,8 @@ async def _serve(server: Server, urls: tuple[str, ...], ready_file: Path | None)
         addresses = await server.start(*urls)
         for address in addresses:
             click.echo(f"tensorwire serving on {address}")  # click.echo flushes: a pipe reader sees it now
+        if server.exporter is not None:
+            click.echo(f"tensorwire metrics on {server.exporter.url}")
         if ready_file is not None:
             _write_atomic(ready_file, "".join(f"{a}\n" for a in addresses).encode())
         await stop.wait()
@@ -663,6 +687,40 @@ def ps_stats(servers: tuple[str, ...]) -> None:
     click.echo(json.dumps(server_stats(list(servers)), indent=2))
 
 
+@main.command("status")
+@click.argument("servers", nargs=-1, required=True)
+@click.option(
+    "--metrics", "metrics_urls", metavar="URL", multiple=True,
+    help="Also scrape this metrics endpoint (http://host:port/metrics), e.g. of a gRPC-only server.",
+)  # fmt: skip
+@click.option(
+    "--timeout", type=click.FloatRange(min=0.05), default=2.0, show_default=True,
+    help="Seconds to wait for each server; one that does not answer in time is shown as down.",
+)  # fmt: skip
+@click.option("--json", "as_json", is_flag=True, help="Print JSON: each server's STATUS, metrics summary.")
+@click.option("--tls-ca", type=_FILE, help="CA of the servers' certificates (tls://).")
+@click.option("--token", metavar="TOKEN", help=f"The servers' shared token (default: ${TOKEN_ENV}).")
+def status(
+    *, servers: tuple[str, ...], metrics_urls: tuple[str, ...], timeout: float, as_json: bool,
+    tls_ca: Path | None, token: str | None,
+) -> None:  # fmt: skip
+    """A one-screen summary of a cluster: which SERVERS are up, their role, shards, load and lag.
+
+    SERVERS are URLs (HOST:PORT means tcp://); `a|b` names the replicas of one slot. Each is asked
+    STATUS, and its metrics (serve --metrics-port) are scraped. Exits 1 if any server is down."""
+    from tensorwire import status as cluster
+
+    nodes = cluster.collect([*servers, *metrics_urls], timeout, tls_ca=str(tls_ca) if tls_ca else None,
+                            token=token)  # fmt: skip
+    if as_json:
+        click.echo(json.dumps([n.to_dict() for n in nodes], indent=2, default=str))
+    else:
+        console = Console()
+        Console(width=None if console.is_terminal else 160).print(cluster.render(nodes))
+    if not all(n.up for n in nodes):
+        raise SystemExit(1)
+
+
 @ps.command("plan")
 @click.argument("model", type=_FILE)
 @click.option("--servers", type=click.IntRange(min=1), required=True, help="How many servers.")
@@ -718,18 +776,9 @@ def _bench_module(name: str) -> Any:
         raise CliError(f"the {name} benchmark (tensorwire.bench.{name}) is not installed") from exc
 
 
-# Each benchmark parses its own options (--help goes to it): name -> one-line help.
-BENCHMARKS = {
-    "transfer": "Transfer throughput against plain sockets (--size, --json, --iters, --many...).",
-    "grpc": "gRPC throughput against naive gRPC and Arrow Flight (--size, --json, --iters...).",
-    "ps": "Parameter-server training against a torch.distributed.rpc PS and DDP (--json, --steps...).",
-    "chaos": "Replicated parameter servers while processes are killed (--minutes, --interval, --json).",
-    "scaling": "PS bytes per step across network namespaces vs the model (--json, --jobs, --table).",
-    "compression": "Lossy codecs: bytes, GB/s, digits accuracy with/without error feedback (--json, --plot).",
-}
-
-
 def _add_benchmark(name: str, summary: str) -> None:
+    """``tensorwire bench NAME ARGS...``: each benchmark parses its own options (--help goes to it)."""
+
     def command(ctx: click.Context) -> None:
         _bench_module(name).main(list(ctx.args))
 
@@ -738,8 +787,10 @@ def _add_benchmark(name: str, summary: str) -> None:
     bench.command(name, context_settings=settings, add_help_option=False)(click.pass_context(command))
 
 
-for _name, _summary in BENCHMARKS.items():
-    _add_benchmark(_name, _summary)
+# The table of benchmarks is tensorwire.bench.BENCHMARKS; `bench all` runs them all into a report.
+for _benchmark in BENCHMARKS.values():
+    _add_benchmark(_benchmark.name, _benchmark.summary)
+_add_benchmark("all", "Every benchmark, then report.json, report.md and plots (--out DIR, --quick).")
 
 
 def _add_dataset() -> None:

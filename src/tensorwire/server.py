@@ -13,7 +13,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
+import json
 import logging
+import os
 import struct
 import threading
 import time
@@ -23,11 +26,12 @@ from typing import Any, Protocol, TypeVar
 
 import torch
 
-from tensorwire import transport
+from tensorwire import metrics, transport
 from tensorwire._gc import gc_paused
 from tensorwire.errors import (
     AuthenticationError,
     ConnectionLost,
+    CorruptFrame,
     InvalidTensor,
     LimitExceeded,
     ProtocolError,
@@ -36,6 +40,7 @@ from tensorwire.errors import (
     VersionChanged,
     code_for_error,
 )
+from tensorwire.logs import event
 from tensorwire.security import (
     MAX_TOKEN_BYTES,
     Security,
@@ -52,6 +57,7 @@ from tensorwire.types import Address, Limits, TensorMeta
 from tensorwire.uploads import Uploads
 from tensorwire.wire import lossless
 from tensorwire.wire import meta as wm
+from tensorwire.wire import ps as wps
 from tensorwire.wire.checksum import ChecksumKind
 from tensorwire.wire.frame import (
     CHECKSUM_KINDS,
@@ -127,7 +133,10 @@ Handler = Callable[[Request], Awaitable[None]]
 
 
 class Extension(Protocol):
-    """More operations on the same listeners: the parameter server is one (``tensorwire.ps``)."""
+    """More operations on the same listeners: the parameter server is one (``tensorwire.ps``).
+
+    One that also has ``collectors()`` and ``status()`` (``metrics.Observed``) adds Prometheus
+    families to the server's registry and a part to its STATUS answer."""
 
     def frame_handlers(self) -> Mapping[int, Handler]:
         """Opcode -> handler, for the frame protocol (tcp://, tls://, memory://)."""
@@ -155,6 +164,8 @@ class Server:
         max_connections: int = 1024,
         idle_timeout: float = 900.0,
         extensions: Sequence[Extension] = (),
+        metrics_port: int | None = None,
+        metrics_host: str | None = None,
     ) -> None:
         self.store = store if store is not None else TensorStore()
         self.extensions = list(extensions)
@@ -175,6 +186,14 @@ class Server:
         self._sessions: set[_Session] = set()
         self.uploads = Uploads(self.store, max_connections, stall_timeout)
         self._watchdog: asyncio.Task[None] | None = None
+        # Metrics (metrics.py): plain counts always; the HTTP endpoint when a port is given
+        # (0 picks a free one, which the STATUS answer reports).
+        self.counts = metrics.RequestCounts()
+        self.metrics_port = metrics_port
+        self.metrics_host = metrics_host
+        self.exporter: metrics.Exporter | None = None
+        self._registry: Any = None
+        self._started = time.time()
 
     @property
     def addresses(self) -> list[Address]:
@@ -196,7 +215,50 @@ class Server:
                 log.warning("%s: %s", address, warning)
         if self._watchdog is None:
             self._watchdog = asyncio.get_running_loop().create_task(self._watch())
+        if self.metrics_port is not None and self.exporter is None:
+            self.exporter = metrics.Exporter(self.registry, self._metrics_host(), self.metrics_port)
+        event(log, logging.INFO, "server started", addresses=[str(a) for a in self.addresses],
+              metrics=self.exporter.url if self.exporter else None, pid=os.getpid())  # fmt: skip
         return self.addresses
+
+    @property
+    def registry(self) -> Any:
+        """This server's own ``prometheus_client.CollectorRegistry`` (built when first asked for)."""
+        if self._registry is None:
+            extra = [c for e in self.extensions if isinstance(e, metrics.Observed) for c in e.collectors()]
+            self._registry = metrics.build_registry(self, extra)
+        return self._registry
+
+    def _metrics_host(self) -> str:
+        """Where metrics are served: --metrics-host, else the host of the first network address."""
+        if self.metrics_host:
+            return self.metrics_host
+        hosts = [a.host for a in self.addresses if a.scheme != "memory"]
+        return hosts[0] if hosts else "127.0.0.1"
+
+    def status(self) -> dict[str, Any]:
+        """What the STATUS request answers (docs/protocol.md §11.9; ``tensorwire status`` shows it)."""
+        store, counts = self.store, self.counts
+        doc: dict[str, Any] = {
+            "version": metrics._version(),
+            "pid": os.getpid(),
+            "uptime_s": time.time() - self._started,
+            "addresses": [str(a) for a in self.addresses],
+            "metrics": self.exporter.url if self.exporter else None,
+            "store": {
+                "tensors": len(store),
+                "bytes": store.stored,
+                "reserved": store.reserved,
+                "capacity": store.capacity,
+            },
+            "connections": counts.connections,
+            "in_flight": counts.in_flight,
+            "requests": sum(row.requests for row in list(counts.rows.values())),
+        }
+        for extension in self.extensions:
+            if isinstance(extension, metrics.Observed):
+                doc.update(extension.status())
+        return doc
 
     async def close(self) -> None:
         listeners, self._listeners = self._listeners, []
@@ -210,6 +272,10 @@ class Server:
         for extension in self.extensions:
             await extension.close()
         self.uploads.close()
+        if self.exporter is not None:
+            self.exporter.close()
+            self.exporter = None
+        event(log, logging.INFO, "server stopped", pid=os.getpid())
 
     async def _watch(self) -> None:
         """Cut off sessions stalled mid-request (``stall_timeout``) or idle (``idle_timeout``)."""
@@ -227,15 +293,18 @@ class Server:
                     log.info("closing %s: idle for %.3gs", session.stream.peer, quiet)
                     await session.stream.close()
 
-    async def handle(self, stream: ByteStream) -> None:
+    async def handle(self, stream: ByteStream, transport: str = "tcp") -> None:
         """Serve one connection until the peer leaves or its bytes stop making frames."""
-        session = _Session(self, stream)
+        session = _Session(self, stream, transport)
         if len(self._sessions) >= self.max_connections:
-            log.warning("refusing %s: %d connections already", stream.peer, len(self._sessions))
+            self.counts.refuse("limit")
+            event(log, logging.WARNING, "connection refused", peer=stream.peer, reason="limit",
+                  connections=len(self._sessions))  # fmt: skip
             refusal = LimitExceeded(f"the server has {self.max_connections} connections already")
             await session.send_error(0, refusal)
             return
         self._sessions.add(session)
+        self.counts.connections += 1
         try:
             await session.run()
         except ConnectionLost as exc:
@@ -243,6 +312,7 @@ class Server:
         except Exception:
             log.exception("session with %s failed", stream.peer)
         finally:
+            self.counts.connections -= 1
             self._sessions.discard(session)
             session.abort_batch()
             for state in session.states.values():
@@ -261,8 +331,8 @@ class _Batch:
 async def _listen_frames(server: Server, address: Address) -> Listener:
     if address.scheme == "tls":
         context = server_ssl_context(_tls_files(server, address))
-        return await tls.listen(address, server.handle, context)
-    return await transport.listen(address, server.handle)
+        return await tls.listen(address, functools.partial(server.handle, transport="tls"), context)
+    return await transport.listen(address, functools.partial(server.handle, transport=address.scheme))
 
 
 async def _listen_rpc(server: Server, address: Address) -> Listener:
@@ -277,6 +347,7 @@ async def _listen_rpc(server: Server, address: Address) -> Listener:
         token=server.security.token,
         stall_timeout=server.stall_timeout,
         extra_handlers=[h for extension in server.extensions for h in extension.rpc_handlers()],
+        counts=server.counts,
     )
 
 
@@ -305,7 +376,12 @@ LISTENERS: dict[str, Callable[[Server, Address], Awaitable[Listener]]] = {
 
 
 class _Session:
-    def __init__(self, server: Server, stream: ByteStream) -> None:
+    def __init__(self, server: Server, stream: ByteStream, transport: str) -> None:
+        self.server = server
+        self.transport = transport
+        self.counts = server.counts
+        self.sent = 0  # the current request's response data bytes, and whether it failed (metrics)
+        self.failed = False
         self.store = server.store
         self.limits = server.limits
         self.stream = stream
@@ -347,7 +423,12 @@ class _Session:
                 return
             if not self.authenticated and not await self._authenticate(header, meta):
                 return
-            await self._run_one(header, meta)
+            row = self.counts.begin(metrics.op_name(header.opcode), self.transport)
+            self.sent, self.failed = 0, False
+            try:
+                await self._run_one(header, meta)
+            finally:
+                self.counts.end(row, header.data_len, self.sent, self.failed)
             self.in_request = False
 
     async def _run_one(self, header: Header, meta: bytes) -> None:
@@ -379,6 +460,14 @@ class _Session:
             return
         if op in _STRIPED:
             await _STRIPED[op](self, header, reader)
+            return
+        if op == Opcode.STATUS:
+            reader.done()
+            if header.data_len:
+                raise ProtocolError(f"STATUS carries no data, but the frame has {header.data_len} bytes")
+            doc = self.server.status()
+            doc["in_flight"] -= 1  # not counting the asker's own request
+            await self.reply(header, wps.encode_stats(json.dumps(doc, sort_keys=True)))
             return
         handler = self.handlers.get(op)
         if handler is not None:
@@ -426,7 +515,8 @@ class _Session:
             self.authenticated = True
             return True
         why = "no token was offered" if offered is None else "the token is wrong"
-        log.warning("refused %s: %s", self.stream.peer, why)
+        self.counts.refuse("auth")
+        event(log, logging.WARNING, "connection refused", peer=self.stream.peer, reason=why)
         error = AuthenticationError(f"authentication failed: {why}")
         await self.send_error(header.request_id, error, header.opcode)
         return False
@@ -510,6 +600,7 @@ class _Session:
             raise ProtocolError(f"PUT_RESUMABLE carries one tensor, not {len(metas)}")
         meta = metas[0]
         if offset == wm.RESUME_QUERY and not header.data_len:
+            self.counts.upload_resumes += 1  # a client asks where to resume: it is retrying
             await self.reply(header, _RID.pack(self.uploads.resume_point(upload_id, meta)))
             return
         if offset + header.data_len != meta.nbytes or not header.data_len:
@@ -606,6 +697,7 @@ class _Session:
 
     async def reply(self, req: Header, meta: bytes, data: Sequence[memoryview] = ()) -> None:
         data_len = sum(d.nbytes for d in data)
+        self.sent += data_len
         # Answer in the client's checksum kind and chunk size when the server accepts them.
         kind = req.checksum if req.checksum in CHECKSUM_KINDS else ChecksumKind.XXH3_64
         lo, hi = self.limits.min_chunk_bytes, self.limits.max_chunk_bytes
@@ -617,6 +709,11 @@ class _Session:
         await send_frame(self.stream, header, meta, data, encoder=self.encoder)
 
     async def send_error(self, request_id: int, exc: BaseException, opcode: int = 0) -> None:
+        self.failed = True
+        if isinstance(exc, CorruptFrame):
+            self.counts.checksum_failed(self.transport)
+            event(log, logging.WARNING, "checksum failure", peer=self.stream.peer, op=_opname(opcode),
+                  transport=self.transport, error=str(exc))  # fmt: skip
         message = str(exc) if isinstance(exc, TensorwireError) else f"internal error: {type(exc).__name__}"
         meta = wm.encode_error(code_for_error(exc), message)
         header = Header(self.version, opcode, Flags.RESPONSE | Flags.ERROR, 0, request_id, len(meta), 0, 0)
@@ -677,10 +774,13 @@ class ServerThread:
         security: Security | None = None,
         *,
         extensions: Sequence[Extension] = (),
+        metrics_port: int | None = None,
     ) -> None:
         from tensorwire._loop import new_event_loop
 
-        self.server = Server(store, limits, security=security, extensions=extensions)
+        self.server = Server(
+            store, limits, security=security, extensions=extensions, metrics_port=metrics_port
+        )
         self._loop = new_event_loop()
         self._started = threading.Event()
         self._error: BaseException | None = None

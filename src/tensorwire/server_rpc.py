@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
@@ -30,6 +31,7 @@ from tensorwire.errors import (
     TransferTimeout,
     code_for_error,
 )
+from tensorwire.metrics import RequestCounts
 from tensorwire.security import TlsFiles, grpc_server_credentials, tokens_match
 from tensorwire.store import Reservation, TensorStore
 from tensorwire.store.names import validate_prefix
@@ -347,6 +349,72 @@ class TokenGate(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         return _refusal(f"authentication failed: {why}")
 
 
+# gRPC methods -> the operation names the frame protocol's metrics use.
+_RPC_OPS = {"UploadTensor": "put", "DownloadTensor": "get", "UpdateGradient": "allreduce"}
+
+
+class Counting(grpc.aio.ServerInterceptor):  # type: ignore[misc]
+    """Counts every call in the server's ``RequestCounts`` (metrics.py): the request, its bytes
+    each way (as the messages' lengths), whether it ended in an error, and calls in flight."""
+
+    def __init__(self, counts: RequestCounts, transport: str) -> None:
+        self._counts = counts
+        self._transport = transport
+
+    async def intercept_service(self, continuation: Any, details: Any) -> Any:
+        handler = await continuation(details)
+        if handler is None:
+            return None
+        method = str(details.method).rsplit("/", 1)[-1]
+        return _counted(handler, self._counts, self._transport, _RPC_OPS.get(method, method.lower()))
+
+
+def _counted(handler: Any, counts: RequestCounts, transport: str, op: str) -> Any:
+    """``handler`` with its behaviour wrapped to count the call, and its (de)serializers to count bytes."""
+    kind = "stream_unary" if handler.request_streaming else "unary_unary"
+    if handler.response_streaming:
+        kind = "stream_stream" if handler.request_streaming else "unary_stream"
+    behaviour = getattr(handler, kind)
+    row = counts.row(op, transport)  # bytes are counted as messages pass, calls in the behaviour
+
+    def received(raw: bytes) -> Any:
+        row.received += len(raw)
+        return handler.request_deserializer(raw) if handler.request_deserializer else raw
+
+    def sent(message: Any) -> bytes:
+        raw: bytes = handler.response_serializer(message) if handler.response_serializer else message
+        row.sent += len(raw)
+        return raw
+
+    if inspect.isasyncgenfunction(behaviour):
+
+        async def streamed(request: Any, context: Any) -> Any:
+            counts.begin(op, transport)
+            failed = True
+            try:
+                async for item in behaviour(request, context):
+                    yield item
+                failed = False
+            finally:
+                counts.end(row, 0, 0, failed)
+
+        wrapped: Any = streamed
+    else:
+
+        async def called(request: Any, context: Any) -> Any:
+            counts.begin(op, transport)
+            failed = True
+            try:
+                result = await behaviour(request, context)
+                failed = False
+                return result
+            finally:
+                counts.end(row, 0, 0, failed)
+
+        wrapped = called
+    return handler._replace(**{kind: wrapped, "request_deserializer": received, "response_serializer": sent})
+
+
 def _refusal(message: str) -> Any:
     async def refuse(request: Any, context: Any) -> None:
         context.set_trailing_metadata(((ERROR_KEY, str(int(ErrorCode.UNAUTHENTICATED))),))
@@ -365,10 +433,13 @@ async def listen(
     token: str | None = None,
     stall_timeout: float = 60.0,
     extra_handlers: Sequence[grpc.GenericRpcHandler] = (),
+    counts: RequestCounts | None = None,
 ) -> RpcListener:
     """Serve ``TensorService`` for ``store`` on ``address`` (``grpc://host:0`` picks a free port;
     ``grpcs://`` serves TLS with ``tls``' files; a ``token`` is then required on every call)."""
-    interceptors = [TokenGate(token)] if token is not None else []
+    interceptors: list[Any] = [Counting(counts, address.scheme)] if counts is not None else []
+    if token is not None:
+        interceptors.append(TokenGate(token))
     # so_reuseport off: a port in use is an error, not silently shared with another server.
     options = [
         *message_options(limits.max_chunk_bytes),

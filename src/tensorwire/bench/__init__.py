@@ -1,5 +1,94 @@
-"""Benchmarks of tensorwire against plain-socket and plain-asyncio baselines.
+"""Benchmarks of tensorwire against the baselines it should be judged against.
 
-``python -m tensorwire.bench.transfer --json`` measures bulk put/get throughput, small round-trip
-latency and many-small-tensor rates, each next to the baseline it should be judged against.
+Each benchmark is a module ``tensorwire.bench.<name>`` with ``main(argv) -> dict`` (its own options;
+``--json`` prints the dict as one line). ``BENCHMARKS`` is the one table of them: the CLI makes a
+``tensorwire bench <name>`` command of each entry, and ``tensorwire bench all`` runs every entry,
+with its ``report_args`` (short enough that the whole report takes under 15 minutes on a 2-core
+machine) or, with ``--quick``, its ``quick_args`` (None: left out of a quick run). A new benchmark
+is one module and one entry here.
 """
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Benchmark:
+    name: str
+    summary: str  # the one-line help of ``tensorwire bench <name>``
+    # What ``bench all`` runs it with (None: left out; "{out}" stands for the report's folder).
+    report_args: tuple[str, ...] | None = ()
+    quick_args: tuple[str, ...] | None = None  # what ``bench all --quick`` runs it with (None: skip)
+
+
+BENCHMARKS: dict[str, Benchmark] = {
+    b.name: b
+    for b in (
+        Benchmark(
+            "transfer",
+            "Transfer throughput against plain sockets (--size, --json, --iters, --many...).",
+            ("--size", "256MiB", "--iters", "3", "--small-iters", "1000", "--many", "2000"),
+            ("--size", "1MiB", "--iters", "1", "--small-iters", "20", "--many", "100"),
+        ),
+        Benchmark(
+            "grpc",
+            "gRPC throughput against naive gRPC and Arrow Flight (--size, --json, --iters...).",
+            ("--size", "64MiB", "--iters", "3"),
+            ("--size", "1MiB", "--iters", "1"),
+        ),
+        Benchmark(
+            "ps",
+            "Parameter-server training against a torch.distributed.rpc PS and DDP (--json, --steps...).",
+            ("--steps", "10", "--warmup", "2"),
+            ("--sizes", "32,64,10", "--batch", "16", "--steps", "3", "--warmup", "1"),
+        ),
+        Benchmark(
+            "chaos",
+            "Replicated parameter servers while processes are killed (--minutes, --interval, --json).",
+            ("--minutes", "0.4", "--interval", "8"),
+        ),
+        Benchmark(
+            "compression",
+            "Lossy codecs: bytes, GB/s, digits accuracy with/without error feedback (--json, --plot).",
+            ("--plot", "{out}/compression.png"),
+            (
+                "--codecs",
+                "int8,topk:0.01",
+                "--epochs",
+                "2",
+                "--size",
+                "1048576",
+                "--repeats",
+                "2",
+                "--plot",
+                "{out}/compression.png",
+            ),
+        ),
+        Benchmark(
+            "scaling",
+            "PS bytes per step across network namespaces vs the model (--json, --jobs, --table).",
+            None,  # needs root for network namespaces and ~2 minutes: docs/scaling.md has its table
+        ),
+        Benchmark(
+            "sweep",
+            "Bandwidth by tensor size (4 KiB to 256 MiB), latency percentiles, CPU s/GB and peak RSS "
+            "per transport and peer (--max-size, --json).",
+            (),
+            (
+                "--max-size",
+                "64KiB",
+                "--budget",
+                "1MiB",
+                "--latency-iters",
+                "50",
+                "--cpu-size",
+                "1MiB",
+                "--transports",
+                "tcp",
+            ),
+        ),
+    )
+}
+
+__all__ = ["BENCHMARKS", "Benchmark"]

@@ -124,6 +124,12 @@ class _Child:
         finally:
             child_conn.close()  # only the child's copy may stay open, or the child never sees EOF
 
+    @property
+    def pid(self) -> int:
+        """The child's process id (to measure its CPU time and memory)."""
+        assert self._proc.pid is not None
+        return self._proc.pid
+
     def ready(self, timeout: float = START_TIMEOUT) -> object:
         """What the child sent with "ready"; raises if it failed, died or took too long."""
         # Waiting on the sentinel too means a crashed child is noticed at once, not at the timeout.

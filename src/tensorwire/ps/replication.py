@@ -28,6 +28,7 @@ import asyncio
 import enum
 import logging
 import struct
+import time
 from collections.abc import Callable, Sequence
 
 from tensorwire import transport as transports
@@ -80,6 +81,9 @@ class Backups:
         self._conns: dict[str, FramedTransport] = {}
         self.lost: set[str] = set()  # backups that stopped answering: no longer waited for
         self._synced: set[str] = set()  # backups holding the job (after a state transfer)
+        # For metrics: when each backup last applied a change, and how many changes a lost one missed.
+        self.acked: dict[str, float] = {}
+        self.behind: dict[str, int] = dict.fromkeys(self.urls, 0)
 
     def reset(self) -> None:
         """Forget every backup's state (this server just became the primary)."""
@@ -91,6 +95,8 @@ class Backups:
         """Apply a change on every live backup (``retry_lost``: also on those lost, which get the
         whole job first, from ``sync``); NotPrimary if one of them has a newer epoch."""
         live = [url for url in self.urls if retry_lost or url not in self.lost]
+        for url in self.lost.difference(live):
+            self.behind[url] += 1
         sends = (self._send_one(url, meta, data, sync) for url in live)
         results = await asyncio.gather(*sends, return_exceptions=True)
         for result in results:
@@ -116,6 +122,7 @@ class Backups:
             reader = await conn.call(Opcode.PS_REPLICATE, meta, data, what=f"a replicated change to {url}")
             reader.done()
             self.lost.discard(url)
+            self.acked[url], self.behind[url] = time.monotonic(), 0  # a state transfer caught it up
         except NotPrimary:
             raise
         except TensorwireError as exc:
@@ -124,6 +131,7 @@ class Backups:
                 log.warning("backup %s lost (%s): going on without it", url, exc)
             self.lost.add(url)
             self._synced.discard(url)
+            self.behind[url] += 1
 
     async def close(self) -> None:
         for conn in self._conns.values():

@@ -50,7 +50,9 @@ from tensorwire.errors import (
     WaitTimeout,
     WorkerDropped,
 )
+from tensorwire.logs import event
 from tensorwire.ps import checkpoint, replication
+from tensorwire.ps import metrics as ps_metrics
 from tensorwire.ps.exchange import GradientExchange
 from tensorwire.ps.optim import OptimizerSpec, from_dict
 from tensorwire.server import Handler, Request
@@ -278,6 +280,25 @@ class ParamServer:
 
     def rpc_handlers(self) -> Sequence[Any]:
         return (self.exchange.rpc_handler(),)
+
+    def collectors(self) -> list[Any]:
+        """Its Prometheus families (ps/metrics.py), for the server's registry."""
+        return [ps_metrics.PsCollector(self)]
+
+    def status(self) -> dict[str, Any]:
+        """Its part of the server's STATUS answer (``tensorwire status``)."""
+        doc = {**self.stats(), "live": self.live(), **ps_metrics.replication_status(self)}
+        doc["shard_keys"] = list(self.shards)[:64]  # a sample: the count is in "shards"
+        return {"ps": doc}
+
+    @property
+    def backups(self) -> replication.Backups | None:
+        return self._backups
+
+    @property
+    def primary_seen(self) -> float | None:
+        """When (monotonic) a backup last heard from its primary."""
+        return self._primary_seen
 
     async def close(self) -> None:
         """The server is stopping (SIGTERM): stop watching heartbeats, write a last checkpoint."""
@@ -685,8 +706,8 @@ class ParamServer:
         if self._backups is not None and self._pinging is None:  # its peers become its backups
             self._backups.reset()
             self._pinging = asyncio.get_running_loop().create_task(self._ping_backups())
-        log.warning("the primary is silent: this backup takes over at epoch %d (step %d, version %d)",
-                    self.epoch, self.step, self.version)  # fmt: skip
+        event(log, logging.WARNING, "failover: this backup takes over", epoch=self.epoch, step=self.step,
+              version=self.version, silent_s=round(now - (self._primary_seen or now), 3))  # fmt: skip
 
     async def _replicate(
         self, change: replication.Change, head: wps.PsHead, body: bytes = b"", data: Sequence[memoryview] = ()
@@ -702,7 +723,7 @@ class ParamServer:
             )
         except NotPrimary:
             self.role = "fenced"
-            log.error("a backup took over from this primary: stepping down")
+            event(log, logging.ERROR, "fenced: a backup took over from this primary", epoch=self.epoch)
             raise NotPrimary("this primary was fenced: a backup took over; ask another replica") from None
 
     def _state_transfer(self) -> tuple[bytes, list[memoryview]] | None:

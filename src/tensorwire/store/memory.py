@@ -107,6 +107,16 @@ class TensorStore:
         """Bytes of stored tensors plus bytes reserved by puts in flight."""
         return self._stored + self._reserved
 
+    @property
+    def stored(self) -> int:
+        """Bytes of committed tensors."""
+        return self._stored
+
+    @property
+    def reserved(self) -> int:
+        """Bytes reserved by puts in flight."""
+        return self._reserved
+
     def __len__(self) -> int:
         return len(self._entries)
 

@@ -49,6 +49,7 @@ class Opcode(enum.IntEnum):
     PS_REPLICATE = 19
     PUT_RESUMABLE = 20  # a put that survives a broken connection (docs/protocol.md §11.6)
     DIGEST = 21  # checksums of stored tensors (tensorwire.dataset.digest; docs/protocol.md §11.8)
+    STATUS = 22  # the server's state as JSON: addresses, store, metrics endpoint, extensions (§11.9)
     # Striping (§11.7): one tensor over several connections, published by one commit.
     PUT_RANGE = 24
     PUT_COMMIT = 25

@@ -1,0 +1,269 @@
+"""The benchmark report: ``report.json``, ``report.md`` (one table) and PNG plots.
+
+``report.md``'s table has one row per path measured: its figure, the ceiling or peer measured in
+the same run, and the ratio of the two (for latencies and costs, lower is better, and the table
+says so). Each benchmark's rows come from a function in ``ROWS``; a benchmark without one (a new
+module in ``tensorwire.bench.BENCHMARKS``) still gets a row for each of its ``*ratio*`` and
+``*_vs_*`` figures. The plots come from the sweep benchmark (``sweep.py``): bandwidth by tensor
+size for each transport and peer, latency percentiles, CPU seconds per GB and peak RSS.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tensorwire.types import KiB, MiB
+
+PLOTS = ("bandwidth.png", "latency.png", "cpu.png", "rss.png")
+SUMMARY_PLOT = "summary.png"  # the four in one figure (the README shows it)
+
+
+@dataclass(frozen=True)
+class Row:
+    benchmark: str
+    path: str
+    figure: float | None
+    unit: str
+    peer: str = ""
+    peer_figure: float | None = None
+    lower_is_better: bool = False
+
+    @property
+    def ratio(self) -> float | None:
+        if self.figure is None or not self.peer_figure:
+            return None
+        return self.figure / self.peer_figure
+
+    def cells(self) -> list[str]:
+        better = " (lower is better)" if self.lower_is_better else ""
+        ratio = "" if self.ratio is None else f"{self.ratio:.2f}x{better}"
+        peer = f"{self.peer}: {_num(self.peer_figure)} {self.unit}" if self.peer else ""
+        return [self.benchmark, self.path, f"{_num(self.figure)} {self.unit}", peer, ratio]
+
+
+def _num(value: float | None) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "n/a"
+    return f"{value:,.0f}" if abs(value) >= 1000 else f"{value:.3g}"
+
+
+def _get(r: dict[str, Any], key: str) -> float | None:
+    value = r.get(key)
+    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
+
+
+# -- rows of each benchmark -------------------------------------------------------------------------
+def _transfer(r: dict[str, Any]) -> list[Row]:
+    size, socket = f"{int(r.get('size_bytes', 0)) // MiB} MiB", _get(r, "socket_gbps")
+    return [
+        Row("transfer", f"tcp put {size}", _get(r, "put_gbps"), "GB/s", "plain socket", socket),
+        Row("transfer", f"tcp get(out=) {size}", _get(r, "get_gbps"), "GB/s", "plain socket", socket),
+        Row("transfer", f"tls put {size}", _get(r, "tls_put_gbps"), "GB/s", "tcp put", _get(r, "put_gbps")),
+        Row("transfer", "1 KiB get p50 (asyncio client)", _get(r, "small_get_us"), "us", "asyncio echo",
+            _get(r, "echo_us"), lower_is_better=True),
+        Row("transfer", f"put_many of {r.get('many')} x 1 KiB", _get(r, "many_small_per_s"), "tensors/s"),
+    ]  # fmt: skip
+
+
+def _grpc(r: dict[str, Any]) -> list[Row]:
+    size = f"{int(r.get('size_bytes', 0)) // MiB} MiB"
+    rows = []
+    for op, verb in (("put", "do_put"), ("get", "do_get")):
+        ours, path = _get(r, f"grpc_{op}_gbps"), f"grpc {op} {size}"
+        rows.append(Row("grpc", path, ours, "GB/s", f"Arrow Flight {verb}", _get(r, f"flight_{op}_gbps")))
+        rows.append(Row("grpc", path, ours, "GB/s", "naive unary gRPC", _get(r, f"naive_{op}_gbps")))
+    return rows
+
+
+def _ps(r: dict[str, Any]) -> list[Row]:
+    return [
+        Row("ps", "PS async, 2 servers", _get(r, "ps_async_samples_per_s"), "samples/s",
+            "torch.distributed.rpc PS", _get(r, "rpc_ps_samples_per_s")),
+        Row("ps", "PS sync, 2 servers", _get(r, "ps_sync_samples_per_s"), "samples/s",
+            "DDP over gloo", _get(r, "ddp_samples_per_s")),
+    ]  # fmt: skip
+
+
+def _chaos(r: dict[str, Any]) -> list[Row]:
+    faults = r.get("faults_injected")
+    return [
+        Row("chaos", f"training throughput, {faults} processes killed", _get(r, "throughput_ratio"),
+            "x calm", "the same job without faults", 1.0),
+        Row("chaos", "failover p50 (kill to next step)", _get(r, "failover_p50_s"), "s"),
+        Row("chaos", "updates lost / applied twice",
+            _get(r, "lost_updates"), f"lost ({r.get('duplicate_updates')} twice)"),
+    ]  # fmt: skip
+
+
+def _sweep(r: dict[str, Any]) -> list[Row]:
+    gbps, sizes = r["gbps"], r["sizes"]
+    top = f"{_size(sizes[-1])}"
+    socket, memcpy = gbps["socket send"][-1], gbps["memcpy"][-1]
+    rows = []
+    for t in r["transports"]:
+        peer, peer_figure = ("memcpy", memcpy) if t == "memory" else ("plain socket", socket)
+        for op in ("put", "get"):
+            rows.append(Row("sweep", f"{t} {op} {top}", gbps[f"{t} {op}"][-1], "GB/s", peer, peer_figure))
+        p50, echo = r["latency_us"][t]["p50"], r["latency_us"]["socket echo"]["p50"]
+        rows.append(Row("sweep", f"{t} 4 KiB get p50", p50, "us", "socket echo", echo, lower_is_better=True))
+        rows.append(Row("sweep", f"{t} CPU per GB (client + server)", _cpu(r, t), "CPU s/GB", "plain socket",
+                        _cpu(r, "socket"), lower_is_better=True))  # fmt: skip
+        rss = r["peak_rss_bytes"][t]
+        if rss["server"] is None:  # memory://: one process
+            rows.append(Row("sweep", f"{t} peak RSS (one process)", rss["client"] / MiB, "MiB"))
+        else:
+            rows.append(Row("sweep", f"{t} server peak RSS", rss["server"] / MiB, "MiB"))
+    return rows
+
+
+def _cpu(r: dict[str, Any], name: str) -> float:
+    c = r["cpu_s_per_gb"][name]
+    return float(c["client"] + (c["server"] or 0.0))
+
+
+def _size(n: int) -> str:
+    return f"{n // MiB} MiB" if n >= MiB else f"{n // KiB} KiB"
+
+
+def _generic(name: str, r: dict[str, Any]) -> list[Row]:
+    """A benchmark without its own rows: each ratio it reports."""
+    keys = [k for k in r if ("ratio" in k or "_vs_" in k) and _get(r, k) is not None]
+    return [Row(name, k, _get(r, k), "x") for k in keys]
+
+
+ROWS: dict[str, Callable[[dict[str, Any]], list[Row]]] = {
+    "transfer": _transfer,
+    "grpc": _grpc,
+    "ps": _ps,
+    "chaos": _chaos,
+    "sweep": _sweep,
+}
+
+
+def rows(doc: dict[str, Any]) -> list[Row]:
+    table: list[Row] = []
+    for name, run in doc["benchmarks"].items():
+        result = run.get("result")
+        if result:
+            table.extend(ROWS[name](result) if name in ROWS else _generic(name, result))
+    return table
+
+
+# -- writing ---------------------------------------------------------------------------------------
+def markdown(doc: dict[str, Any], plots: list[str]) -> str:
+    m = doc["machine"]
+    lines = [
+        "# tensorwire benchmark report",
+        "",
+        f"{doc['started']}, {doc['seconds']:.0f} s in all{' (--quick)' if doc['quick'] else ''}. "
+        f"Machine: {m['cpus']} CPUs ({m['cpu_model']}), {m['memory_bytes'] / (1 << 30):.1f} GiB, "
+        f"load average {m['load_average'][0]:.2f} at the start; Python {m['python']}, torch {m['torch']}, "
+        f"tensorwire {m['tensorwire']}.",
+        "",
+        "Every ratio compares two figures measured in the same run: compare ratios between runs, "
+        "not absolute numbers. GB/s are 1e9 bytes per second.",
+        "",
+        "| benchmark | path | figure | ceiling or peer (same run) | ratio |",
+        "|---|---|---:|---|---:|",
+    ]
+    lines += ["| " + " | ".join(row.cells()) + " |" for row in rows(doc)]
+    notes = [f"- {name}: {run['error'].splitlines()[-1] if run.get('error') else 'skipped'}"
+             for name, run in doc["benchmarks"].items() if not run.get("result")]  # fmt: skip
+    if notes:
+        lines += ["", "Not measured:", "", *notes]
+    lines += ["", *[f"![{Path(p).stem}]({p})" for p in plots]]
+    return "\n".join(lines) + "\n"
+
+
+def write(out: Path, doc: dict[str, Any]) -> list[Path]:
+    """Write report.json, the plots (when there is a sweep) and report.md into ``out``."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "report.json").write_text(json.dumps(doc, indent=2, default=str) + "\n")
+    sweep = (doc["benchmarks"].get("sweep") or {}).get("result")
+    plots = plot(sweep, out) if sweep else []
+    (out / "report.md").write_text(markdown(doc, [p.name for p in plots]))
+    return [out / "report.json", out / "report.md", *plots]
+
+
+# -- plots -----------------------------------------------------------------------------------------
+def plot(sweep: dict[str, Any], out: Path) -> list[Path]:
+    """The sweep's four plots, each on its own and all four in ``summary.png``."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only: no display needed
+    import matplotlib.pyplot as plt
+
+    drawers = (_bandwidth, _latency, _cpu_plot, _rss)
+    written = []
+    for name, draw in zip(PLOTS, drawers, strict=True):
+        fig, ax = plt.subplots(figsize=(7, 4.5), layout="constrained")
+        draw(ax, sweep)
+        fig.savefig(out / name, dpi=110)
+        plt.close(fig)
+        written.append(out / name)
+    fig, axes = plt.subplots(2, 2, figsize=(13, 8.5), layout="constrained")
+    for ax, draw in zip(axes.flat, drawers, strict=True):
+        draw(ax, sweep)
+    fig.suptitle("tensorwire: transports and peers measured in one run (tensorwire bench all)")
+    fig.savefig(out / SUMMARY_PLOT, dpi=90)
+    plt.close(fig)
+    return [*written, out / SUMMARY_PLOT]
+
+
+def _bandwidth(ax: Any, s: dict[str, Any]) -> None:
+    for name, series in s["gbps"].items():
+        peer = name in ("socket send", "memcpy")
+        ax.plot(s["sizes"], series, marker="o", markersize=3, linestyle="--" if peer else "-", label=name)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xticks(s["sizes"], [_size(n) for n in s["sizes"]], rotation=45, fontsize=7)
+    ax.set_xlabel("tensor size")
+    ax.set_ylabel("GB/s (1e9 bytes/s)")
+    ax.set_title("bandwidth by tensor size (dashed: peers)")
+    ax.legend(fontsize=7, ncol=2)
+    ax.grid(True, which="both", alpha=0.3)
+
+
+def _latency(ax: Any, s: dict[str, Any]) -> None:
+    names = list(s["latency_us"])
+    width = 0.27
+    for i, q in enumerate(("p50", "p90", "p99")):
+        xs = [j + (i - 1) * width for j in range(len(names))]
+        ax.bar(xs, [s["latency_us"][n][q] for n in names], width, label=q)
+    ax.set_xticks(range(len(names)), names)
+    ax.set_yscale("log")
+    ax.set_ylabel("microseconds")
+    ax.set_title(f"{s['latency_bytes'] // KiB} KiB get latency (socket: echo)")
+    ax.legend(fontsize=8)
+    ax.grid(True, axis="y", which="both", alpha=0.3)
+
+
+def _cpu_plot(ax: Any, s: dict[str, Any]) -> None:
+    names = list(s["cpu_s_per_gb"])
+    client = [s["cpu_s_per_gb"][n]["client"] for n in names]
+    server = [s["cpu_s_per_gb"][n]["server"] or 0.0 for n in names]
+    ax.bar(names, client, label="client process")
+    ax.bar(names, server, bottom=client, label="server process")
+    ax.set_ylabel("CPU seconds per GB moved")
+    ax.set_title(f"CPU per GB, {_size(s['cpu_bytes'])} puts + gets (memory: one process)")
+    ax.legend(fontsize=8)
+
+
+def _rss(ax: Any, s: dict[str, Any]) -> None:
+    names = list(s["peak_rss_bytes"])
+    width = 0.4
+    for i, side in enumerate(("client", "server")):
+        xs = [j + (i - 0.5) * width for j in range(len(names))]
+        ax.bar(xs, [(s["peak_rss_bytes"][n][side] or 0) / MiB for n in names], width, label=f"{side} process")
+    ax.set_xticks(range(len(names)), names)
+    ax.set_ylabel("MiB")
+    ax.set_title("peak resident memory, VmHWM (memory: one process)")
+    ax.legend(fontsize=8)
+
+
+__all__ = ["PLOTS", "ROWS", "SUMMARY_PLOT", "Row", "markdown", "plot", "rows", "write"]

@@ -1,0 +1,217 @@
+"""Prometheus metrics of a server (``tensorwire serve --metrics-port PORT``).
+
+The hot path only bumps plain integers (``RequestCounts``: one dict lookup and a few adds per
+request, never per chunk, no lock: a server's requests all run on its event loop thread); the
+numbers become Prometheus families when they are scraped (``ServerCollector``), in the exporter's
+HTTP thread. Each server has its own ``CollectorRegistry``, so several servers in one process
+(tests, ``ServerThread``) never share or clash over a metric.
+
+Exported (counters end in ``_total``; ``op`` is the operation: put, get, ps_push, ...):
+
+* ``tensorwire_requests_total``, ``tensorwire_received_bytes_total`` (request data),
+  ``tensorwire_sent_bytes_total`` (response data), ``tensorwire_request_errors_total``: by ``op``
+  and ``transport`` (tcp, tls, memory, grpc, ...).
+* ``tensorwire_requests_in_flight``, ``tensorwire_connections`` (gauges);
+  ``tensorwire_connections_refused_total`` by ``reason`` (limit, auth).
+* ``tensorwire_checksum_failures_total`` by ``transport``: data chunks that failed their checksum.
+* ``tensorwire_upload_resumes_total``: resumable puts resumed after a break (client retries the
+  server sees; resent parameter-server pushes are ``tensorwire_ps_duplicate_pushes_total``).
+* ``tensorwire_store_bytes``, ``tensorwire_store_reserved_bytes`` (puts in flight),
+  ``tensorwire_store_capacity_bytes``, ``tensorwire_store_tensors`` (gauges).
+* ``tensorwire_server_info`` (1, labelled ``version`` and ``addresses``), and prometheus-client's
+  ``process_*`` families (CPU seconds, resident memory, open files).
+
+A parameter server adds the ``tensorwire_ps_*`` families of ``tensorwire.ps.metrics``.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+from tensorwire.wire.frame import Opcode
+
+if TYPE_CHECKING:
+    from wsgiref.simple_server import WSGIServer
+
+    from prometheus_client.registry import Collector, CollectorRegistry
+
+    from tensorwire.server import Server
+
+METRICS_PATH = "/metrics"
+_OPS = {int(op): op.name.lower() for op in Opcode}
+
+
+def op_name(opcode: int) -> str:
+    return _OPS.get(opcode, "unknown")
+
+
+@dataclass(slots=True)
+class Row:
+    """The counts of one (operation, transport)."""
+
+    requests: int = 0
+    received: int = 0
+    sent: int = 0
+    errors: int = 0
+
+
+@dataclass(eq=False)
+class RequestCounts:
+    """What the serving code counts, as plain integers (read when scraped)."""
+
+    rows: dict[tuple[str, str], Row] = field(default_factory=dict)
+    in_flight: int = 0
+    connections: int = 0
+    refused: dict[str, int] = field(default_factory=dict)
+    checksum_failures: dict[str, int] = field(default_factory=dict)
+    upload_resumes: int = 0
+
+    def row(self, op: str, transport: str) -> Row:
+        row = self.rows.get((op, transport))
+        if row is None:
+            row = self.rows[(op, transport)] = Row()
+        return row
+
+    def begin(self, op: str, transport: str) -> Row:
+        """A request starts: counted, and in flight until ``end``."""
+        row = self.rows.get((op, transport)) or self.row(op, transport)
+        row.requests += 1
+        self.in_flight += 1
+        return row
+
+    def end(self, row: Row, received: int, sent: int, failed: bool) -> None:
+        row.received += received
+        row.sent += sent
+        row.errors += failed
+        self.in_flight -= 1
+
+    def refuse(self, reason: str) -> None:
+        self.refused[reason] = self.refused.get(reason, 0) + 1
+
+    def checksum_failed(self, transport: str) -> None:
+        self.checksum_failures[transport] = self.checksum_failures.get(transport, 0) + 1
+
+
+@runtime_checkable
+class Observed(Protocol):
+    """An extension (the parameter server) that adds metrics and a part to the STATUS answer."""
+
+    def collectors(self) -> list[Collector]: ...
+
+    def status(self) -> dict[str, Any]: ...
+
+
+class ServerCollector:
+    """The server's counts, store and identity as Prometheus families, built at each scrape."""
+
+    def __init__(self, server: Server) -> None:
+        self._server = server
+
+    def collect(self) -> Iterator[Any]:
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        server = self._server
+        counts = server.counts
+        rows = list(counts.rows.items())  # a copy: the loop thread may add a row meanwhile
+        for name, doc, attr in (
+            ("requests", "Requests served, by operation and transport.", "requests"),
+            ("received_bytes", "Request data bytes received.", "received"),
+            ("sent_bytes", "Response data bytes sent.", "sent"),
+            ("request_errors", "Requests answered with an error.", "errors"),
+        ):
+            family = CounterMetricFamily(f"tensorwire_{name}", doc, labels=["op", "transport"])
+            for (op, transport), row in rows:
+                family.add_metric([op, transport], getattr(row, attr))
+            yield family
+        refused, corrupt = counts.refused, counts.checksum_failures
+        yield _labelled("tensorwire_connections_refused", "Connections refused.", "reason", refused)
+        yield _labelled("tensorwire_checksum_failures", "Corrupt chunks.", "transport", corrupt)
+        yield CounterMetricFamily(
+            "tensorwire_upload_resumes", "Resumable puts resumed after a break.", value=counts.upload_resumes
+        )
+        yield GaugeMetricFamily("tensorwire_requests_in_flight", "Requests being served.", counts.in_flight)
+        yield GaugeMetricFamily("tensorwire_connections", "Open connections.", counts.connections)
+        store = server.store
+        yield GaugeMetricFamily("tensorwire_store_bytes", "Bytes stored.", store.stored)
+        yield GaugeMetricFamily("tensorwire_store_reserved_bytes", "Bytes of puts in flight.", store.reserved)
+        yield GaugeMetricFamily("tensorwire_store_capacity_bytes", "The store's capacity.", store.capacity)
+        yield GaugeMetricFamily("tensorwire_store_tensors", "Tensors stored.", len(store))
+        info = GaugeMetricFamily("tensorwire_server_info", "This server.", labels=["version", "addresses"])
+        info.add_metric([_version(), ",".join(str(a) for a in server.addresses)], 1)
+        yield info
+
+
+def _labelled(name: str, doc: str, label: str, values: dict[str, int]) -> Any:
+    from prometheus_client.core import CounterMetricFamily
+
+    family = CounterMetricFamily(name, doc, labels=[label])
+    for key, value in list(values.items()):
+        family.add_metric([key], value)
+    return family
+
+
+def _version() -> str:
+    from tensorwire import __version__
+
+    return __version__
+
+
+def build_registry(server: Server, extra: Iterable[Collector] = ()) -> CollectorRegistry:
+    """A registry of its own for ``server``: its collector, the process's, and ``extra``."""
+    from prometheus_client import CollectorRegistry, ProcessCollector
+
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(ServerCollector(server))
+    ProcessCollector(registry=registry)
+    for collector in extra:
+        registry.register(collector)
+    return registry
+
+
+class Exporter:
+    """The HTTP endpoint Prometheus scrapes (``http://host:port/metrics``), in a daemon thread."""
+
+    def __init__(self, registry: CollectorRegistry, host: str, port: int) -> None:
+        from prometheus_client import start_http_server
+
+        self.host = host
+        server, thread = start_http_server(port, host, registry)
+        self._server: WSGIServer = server
+        self._thread: threading.Thread = thread
+        self.port: int = server.server_port
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}{METRICS_PATH}"
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+        self._thread.join(5.0)
+
+
+def parse(text: str) -> dict[str, list[tuple[dict[str, str], float]]]:
+    """A scraped page, by sample name: [(labels, value), ...] (``tensorwire status`` reads it)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    samples: dict[str, list[tuple[dict[str, str], float]]] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            samples.setdefault(sample.name, []).append((dict(sample.labels), sample.value))
+    return samples
+
+
+__all__ = [
+    "Exporter",
+    "Observed",
+    "RequestCounts",
+    "Row",
+    "ServerCollector",
+    "build_registry",
+    "op_name",
+    "parse",
+]

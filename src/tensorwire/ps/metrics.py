@@ -1,0 +1,124 @@
+"""The parameter server's Prometheus families (added to its server's registry, ``tensorwire.metrics``).
+
+Read from the ``ParamServer``'s own state when scraped, so the serving path pays nothing for them:
+
+* ``tensorwire_ps_steps_total`` (sync steps taken), ``tensorwire_ps_updates_total`` (optimizer
+  updates, any mode), ``tensorwire_ps_pushes_applied_total``, ``tensorwire_ps_duplicate_pushes_total``
+  (resent pushes answered without being applied again: the workers' retries).
+* ``tensorwire_ps_staleness``: histogram of the staleness of applied pushes (in clocks).
+* ``tensorwire_ps_live_workers``, ``tensorwire_ps_world``, ``tensorwire_ps_workers_dropped_total``.
+* ``tensorwire_ps_shards``, ``tensorwire_ps_shard_bytes``: what this server holds of the job.
+* ``tensorwire_ps_role{role}`` (1 for this replica's role: primary, backup or fenced),
+  ``tensorwire_ps_epoch``, ``tensorwire_ps_failovers_total`` (times this replica took over).
+* Replication lag, on a primary for each ``backup``: ``tensorwire_ps_backup_up`` (0 once lost),
+  ``tensorwire_ps_replication_lag_seconds`` (since it last applied a change; pings go every 0.5 s)
+  and ``tensorwire_ps_replication_behind_changes`` (changes it missed while lost); on a backup,
+  ``tensorwire_ps_primary_silence_seconds`` (since its primary's last change or ping).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from tensorwire.ps.server import ParamServer
+
+STALENESS_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+
+class PsCollector:
+    """A ``ParamServer``'s state as Prometheus families (the module doc lists them)."""
+
+    def __init__(self, ps: ParamServer) -> None:
+        self._ps = ps
+
+    def collect(self) -> Iterator[Any]:
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        ps = self._ps
+        workers = list(ps.workers.values())  # copies: the loop thread changes them meanwhile
+        shards = list(ps.shards.values())
+        for name, doc, value in (
+            ("steps", "Synchronous steps taken.", ps.step),
+            ("updates", "Optimizer updates applied (any mode).", ps.version),
+            ("pushes_applied", "Pushed gradients applied.", ps.pushes),
+            ("duplicate_pushes", "Resent pushes answered without applying them again.", ps.duplicates),
+            ("workers_dropped", "Workers dropped for missed heartbeats.", ps.dropped),
+            ("failovers", "Times this replica took over from its primary.", ps.failovers),
+        ):
+            yield CounterMetricFamily(f"tensorwire_ps_{name}", doc, value=value)
+        yield _staleness(dict(ps.staleness))
+        for name, doc, value in (
+            ("live_workers", "Workers live in the job.", sum(w.live for w in workers)),
+            ("world", "The job's number of workers.", ps.world),
+            ("shards", "Shards held here.", len(shards)),
+            ("shard_bytes", "Bytes of the shards held here.", sum(s.meta.nbytes for s in shards)),
+            ("epoch", "The replica set's epoch this replica is at.", ps.epoch),
+        ):
+            yield GaugeMetricFamily(f"tensorwire_ps_{name}", doc, value=value)
+        role = GaugeMetricFamily("tensorwire_ps_role", "This replica's role (1).", labels=["role"])
+        role.add_metric([ps.role], 1)
+        yield role
+        yield from _replication(ps)
+
+
+def _staleness(counts: dict[int, int]) -> Any:
+    from prometheus_client.core import HistogramMetricFamily
+
+    buckets = [(str(bound), sum(n for s, n in counts.items() if s <= bound)) for bound in STALENESS_BUCKETS]
+    buckets.append(("+Inf", sum(counts.values())))
+    total = sum(s * n for s, n in counts.items())
+    return HistogramMetricFamily(
+        "tensorwire_ps_staleness", "Staleness of applied pushes, in clocks.", buckets=buckets, sum_value=total
+    )
+
+
+def _replication(ps: ParamServer) -> Iterator[Any]:
+    from prometheus_client.core import GaugeMetricFamily
+
+    now = time.monotonic()
+    backups = ps.backups
+    if backups is not None:
+        up = GaugeMetricFamily("tensorwire_ps_backup_up", "A backup is applying changes.", labels=["backup"])
+        lag = GaugeMetricFamily(
+            "tensorwire_ps_replication_lag_seconds",
+            "Since a backup last applied a change.",
+            labels=["backup"],
+        )
+        behind = GaugeMetricFamily(
+            "tensorwire_ps_replication_behind_changes", "Changes a lost backup missed.", labels=["backup"]
+        )
+        lost, acked, missed = set(backups.lost), dict(backups.acked), dict(backups.behind)
+        for url in backups.urls:
+            up.add_metric([url], float(url not in lost))
+            lag.add_metric([url], now - acked[url] if url in acked else math.nan)
+            behind.add_metric([url], missed.get(url, 0))
+        yield from (up, lag, behind)
+    seen = ps.primary_seen
+    if ps.role == "backup":
+        silence = now - seen if seen is not None else math.nan
+        yield GaugeMetricFamily(
+            "tensorwire_ps_primary_silence_seconds", "Since the primary's last change or ping.", value=silence
+        )
+
+
+def replication_status(ps: ParamServer) -> dict[str, Any]:
+    """The replication part of the STATUS answer: each backup's state, or the primary's silence."""
+    now = time.monotonic()
+    doc: dict[str, Any] = {}
+    if ps.backups is not None:
+        acked = dict(ps.backups.acked)
+        doc["backups"] = {
+            url: {
+                "up": url not in ps.backups.lost,
+                "lag_s": now - acked[url] if url in acked else None,
+                "behind": ps.backups.behind.get(url, 0),
+            }
+            for url in ps.backups.urls
+        }
+    if ps.role == "backup" and ps.primary_seen is not None:
+        doc["primary_silence_s"] = now - ps.primary_seen
+    return doc

@@ -1,0 +1,273 @@
+"""``tensorwire status URL...``: one screen about a cluster, from its servers' STATUS answers and metrics.
+
+For every server URL (``tcp://``, ``tls://``, ``memory://``; ``a|b`` lists the replicas of one
+slot, each shown) the command asks STATUS (docs/protocol.md §11.9) and then scrapes the metrics
+endpoint that answer names (``--metrics-port`` of the server). A URL ``http://host:port/metrics``
+is scraped alone (a gRPC-only server, or a server reached only through its metrics). Everything
+runs at once, each wait bounded by ``timeout``: a server that is down shows as down, with why,
+within that time; it never holds up the others.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import urllib.error
+import urllib.request
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from tensorwire import metrics
+from tensorwire import transport as transports
+from tensorwire.client import AsyncClient, ClientOptions
+from tensorwire.errors import TensorwireError
+from tensorwire.transport.framed import FramedTransport
+from tensorwire.types import Address
+from tensorwire.wire import ps as wps
+from tensorwire.wire.frame import Opcode
+
+DEFAULT_TIMEOUT = 2.0
+Samples = dict[str, list[tuple[dict[str, str], float]]]
+
+
+@dataclass
+class Node:
+    """What is known about one server: its STATUS answer and its scraped metrics, or why not."""
+
+    url: str
+    status: dict[str, Any] | None = None
+    error: str | None = None
+    metrics_url: str | None = None
+    samples: Samples = field(default_factory=dict)
+    metrics_error: str | None = None
+    answered: bool = False  # a gRPC server answered a ping (it has no STATUS call)
+
+    @property
+    def up(self) -> bool:
+        return self.status is not None or self.answered or (self.error is None and bool(self.samples))
+
+    def value(self, name: str, **labels: str) -> float | None:
+        """The sum of the samples of ``name`` whose labels include ``labels`` (None: no sample)."""
+        found = [v for have, v in self.samples.get(name, []) if labels.items() <= have.items()]
+        return sum(found) if found else None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"url": self.url, "up": self.up, "error": self.error, "status": self.status,
+                "metrics_url": self.metrics_url, "metrics_error": self.metrics_error,
+                "summary": summary(self)}  # fmt: skip
+
+
+def split_urls(urls: Sequence[str]) -> list[str]:
+    """``tcp://a|b:7070,tcp://c`` -> each URL once, in order (``HOST:PORT`` means tcp://)."""
+    seen: dict[str, None] = {}
+    for text in urls:
+        for url in (u.strip() for u in text.replace("|", ",").split(",")):
+            if url:
+                seen.setdefault(url if "://" in url else f"tcp://{url}", None)
+    return list(seen)
+
+
+async def ask_status(url: str, options: ClientOptions) -> dict[str, Any]:
+    """The server's STATUS answer (TensorwireError when it cannot be had within the timeouts)."""
+    address = Address.parse(url)
+    transport_options = transports.TransportOptions(
+        options.connect_timeout, options.timeout, security=options.security()
+    )
+    conn = await transports.open_transport(address, transport_options)
+    try:
+        assert isinstance(conn, FramedTransport)
+        reader = await conn.call(Opcode.STATUS, b"", what=f"STATUS of {url}")
+        doc: dict[str, Any] = json.loads(wps.decode_stats(reader))
+        return doc
+    finally:
+        await conn.close()
+
+
+def scrape(url: str, timeout: float) -> Samples:
+    """GET a metrics page and parse it (OSError / ValueError when that fails)."""
+    with urllib.request.urlopen(url, timeout=timeout) as answer:
+        return metrics.parse(answer.read().decode())
+
+
+async def ping(url: str, options: ClientOptions) -> None:
+    """A gRPC server has no STATUS call: whether it answers a ping is what there is to know."""
+    client = AsyncClient(url, replace(options, retries=0))
+    try:
+        await client.ping()
+    finally:
+        await client.close()
+
+
+async def probe(url: str, options: ClientOptions) -> Node:
+    node = Node(url)
+    if url.startswith(("http://", "https://")):
+        node.metrics_url = url
+    elif url.startswith(("grpc://", "grpcs://")):
+        try:
+            await asyncio.wait_for(ping(url, options), options.timeout * 2)
+            node.answered = True
+        except (TensorwireError, OSError, TimeoutError) as exc:
+            node.error = str(exc) or type(exc).__name__
+        return node
+    else:
+        try:
+            node.status = await asyncio.wait_for(ask_status(url, options), options.timeout * 2)
+        except (TensorwireError, OSError, TimeoutError, ValueError) as exc:
+            node.error = str(exc) or type(exc).__name__
+            return node
+        node.metrics_url = node.status.get("metrics")
+    if node.metrics_url:
+        try:
+            node.samples = await asyncio.to_thread(scrape, node.metrics_url, options.timeout)
+        except (OSError, ValueError) as exc:
+            node.metrics_error = str(exc) or type(exc).__name__
+            if node.status is None:
+                node.error = f"metrics: {node.metrics_error}"
+    return node
+
+
+def collect(urls: Sequence[str], timeout: float = DEFAULT_TIMEOUT, **client: Any) -> list[Node]:
+    """Every server's ``Node``, asked in parallel; ``client`` are ClientOptions (tls_ca, token...)."""
+    from tensorwire._loop import run
+
+    options = ClientOptions(timeout=timeout, connect_timeout=timeout, **client)
+
+    async def every() -> list[Node]:
+        return list(await asyncio.gather(*(probe(url, options) for url in split_urls(urls))))
+
+    return _merge(run(every()))
+
+
+def _merge(nodes: list[Node]) -> list[Node]:
+    """A scraped metrics page that belongs to a server also listed (by the addresses its
+    ``tensorwire_server_info`` names, e.g. a gRPC-only server's) goes into that server's row."""
+    by_url = {n.url: n for n in nodes}
+    kept = []
+    for node in nodes:
+        owner = None
+        if node.status is None and node.samples and node.url.startswith(("http://", "https://")):
+            addresses = (_label(node, "tensorwire_server_info", "addresses") or "").split(",")
+            owner = next((by_url[a] for a in addresses if a in by_url and not by_url[a].samples), None)
+        if owner is None:
+            kept.append(node)
+        else:
+            owner.samples, owner.metrics_url = node.samples, node.url
+    return kept
+
+
+# -- what the screen shows -------------------------------------------------------------------------
+def summary(node: Node) -> dict[str, Any]:
+    """The columns of the node's row, from STATUS where it answered, else from its metrics."""
+    status = node.status or {}
+    store = status.get("store", {})
+    ps = status.get("ps", {})
+    role = ps.get("role") or _label(node, "tensorwire_ps_role", "role")
+    if (
+        role == "primary"
+        and not ps.get("mode")
+        and not ps.get("backups")
+        and not node.value("tensorwire_ps_shards")
+    ):
+        role = None  # a plain store: a parameter server with no job and no replicas
+    return {
+        "role": f"{role} @{ps.get('epoch', _int(node.value('tensorwire_ps_epoch')))}" if role else "",
+        "shards": ps.get("shards", _int(node.value("tensorwire_ps_shards"))),
+        "step": ps.get("step", _int(node.value("tensorwire_ps_steps_total"))),
+        "workers": _workers(ps, node),
+        "stored": store.get("bytes", _int(node.value("tensorwire_store_bytes"))),
+        "capacity": store.get("capacity", _int(node.value("tensorwire_store_capacity_bytes"))),
+        "connections": status.get("connections", _int(node.value("tensorwire_connections"))),
+        "in_flight": status.get("in_flight", _int(node.value("tensorwire_requests_in_flight"))),
+        "requests": status.get("requests", _int(node.value("tensorwire_requests_total"))),
+        "cpu_s": node.value("process_cpu_seconds_total"),
+        "rss": _int(node.value("process_resident_memory_bytes")),
+        "lag": _lag(ps, node),
+    }
+
+
+def _label(node: Node, name: str, label: str) -> str | None:
+    for labels, value in node.samples.get(name, []):
+        if value:
+            return labels.get(label)
+    return None
+
+
+def _int(value: float | None) -> int | None:
+    return None if value is None or math.isnan(value) else int(value)
+
+
+def _workers(ps: dict[str, Any], node: Node) -> str | None:
+    live = len(ps["live"]) if "live" in ps else _int(node.value("tensorwire_ps_live_workers"))
+    world = ps.get("world", _int(node.value("tensorwire_ps_world")))
+    return None if live is None else f"{live}/{world}"
+
+
+def _lag(ps: dict[str, Any], node: Node) -> str | None:
+    """A primary: its backups (each up with seconds since its last change, or lost and how many
+    changes behind). A backup: seconds since its primary was last heard."""
+    if "backups" in ps:
+        parts = []
+        for url, b in ps["backups"].items():
+            host = url.split("://", 1)[-1]
+            lag = f"{b['lag_s']:.1f}s" if b["lag_s"] is not None else "-"
+            parts.append(f"{host} {lag}" if b["up"] else f"{host} LOST, {b['behind']} behind")
+        return "; ".join(parts)
+    if "primary_silence_s" in ps:
+        return f"primary {ps['primary_silence_s']:.1f}s ago"
+    silence = node.value("tensorwire_ps_primary_silence_seconds")
+    return None if silence is None or math.isnan(silence) else f"primary {silence:.1f}s ago"
+
+
+def render(nodes: Sequence[Node]) -> Any:
+    """A rich table, one row per server."""
+    from rich.table import Table
+
+    up = sum(n.up for n in nodes)
+    table = Table(title=f"tensorwire cluster: {up} of {len(nodes)} servers up", title_justify="left")
+    table.add_column("server", overflow="fold")
+    for column in ("state", "role", "shards", "step", "workers", "stored / capacity", "requests", "cpu, rss"):
+        table.add_column(column, no_wrap=True)
+    table.add_column("lag", overflow="fold")
+    for node in nodes:
+        if not node.up:
+            table.add_row(node.url, "[red]down[/red]", *[""] * 6, "", node.error or "")
+            continue
+        s = summary(node)
+        state = "[green]up[/green]" + (" [yellow](no metrics)[/yellow]" if node.metrics_error else "")
+        table.add_row(
+            node.url, state, s["role"], _text(s["shards"]), _text(s["step"]), s["workers"] or "",
+            f"{_bytes(s['stored'])} / {_bytes(s['capacity'])}", _requests(s), _cpu(s), s["lag"] or "",
+        )  # fmt: skip
+    return table
+
+
+def _text(value: object) -> str:
+    return "" if value is None else str(value)
+
+
+def _bytes(n: int | None) -> str:
+    if n is None:
+        return "?"
+    size = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if size < 1024 or unit == "TiB":
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    raise AssertionError("unreachable")
+
+
+def _requests(s: dict[str, Any]) -> str:
+    if s["requests"] is None:
+        return ""
+    busy = f", {s['in_flight']} now" if s["in_flight"] else ""
+    return f"{s['requests']}{busy} ({s['connections']} conn)"
+
+
+def _cpu(s: dict[str, Any]) -> str:
+    cpu = f"{s['cpu_s']:.1f}s" if s["cpu_s"] is not None else "?"
+    return f"{cpu}, {_bytes(s['rss'])}" if s["rss"] is not None else ("" if s["cpu_s"] is None else cpu)
+
+
+__all__ = ["Node", "ask_status", "collect", "render", "scrape", "split_urls", "summary"]
