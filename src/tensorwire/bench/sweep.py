@@ -72,6 +72,7 @@ class Transport:
 TRANSPORTS: list[Transport] = [
     Transport("tcp", "tcp://127.0.0.1:0"),
     Transport("grpc", "grpc://127.0.0.1:0"),
+    Transport("shm", "shm://127.0.0.1:0"),
     Transport("memory", "memory://bench-sweep", in_process=True),
 ]
 
