@@ -41,7 +41,7 @@ SLOTS = WORKERS = 2
 BATCH = 32
 NOISE = 0.2
 EVAL_SIZE = 8192
-SERVER_FLAGS = ["--heartbeat-timeout", "2", "--failover-timeout", "1"]
+SERVER_FLAGS = ["--heartbeat-timeout", "1", "--failover-timeout", "1"]  # workers beat every 0.25 s
 
 
 def model() -> torch.nn.Module:
@@ -76,7 +76,7 @@ def worker_main(servers: str, steps: int, out: Path) -> None:
     rank = int(os.environ["RANK"])
     net = model()
     acked = 0
-    with Worker(net, servers, "sync", SGD(lr=0.05, momentum=0.9), timeout=120, heartbeat=0.5) as worker:
+    with Worker(net, servers, "sync", SGD(lr=0.05, momentum=0.9), timeout=120, heartbeat=0.25) as worker:
         step = worker.clock
         while step < steps:
             x, y = batch(rank, step)
