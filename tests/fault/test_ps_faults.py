@@ -394,3 +394,73 @@ def test_a_stopped_primary_that_comes_back_follows_the_backup_that_took_over() -
             steps(worker, model, 6, 3)  # and back: the old primary takes over at epoch 3
             assert role(first.url) == ("primary", 3, 9)
     assert same_state(model.state_dict(), expected.state_dict())
+
+
+def _raw(url: str, opcode: int, head: bytes, timeout: float = 30.0) -> None:
+    """One hand-made request on a connection of its own (its typed error raised)."""
+    from tensorwire import transport as transports
+    from tensorwire._loop import run
+    from tensorwire.transport.framed import FramedTransport
+    from tensorwire.types import Address
+
+    async def call() -> None:
+        conn = await transports.open_transport(Address.parse(url), transports.TransportOptions(5.0, timeout))
+        try:
+            assert isinstance(conn, FramedTransport)
+            await conn.call(opcode, head, [], what="a hand-made request")
+        finally:
+            await conn.close()
+
+    run(call())
+
+
+def test_changes_waiting_behind_the_fencing_one_are_refused_too() -> None:
+    """The primary's link to its backup stalls past the failover timeout: the backup takes over.
+    When the link comes back, the first change the old primary forwards is refused (it is fenced);
+    the changes that waited behind that one must be refused too, not made and acknowledged by a
+    replica that is no longer the primary (a worker joined there only, at another step than on the
+    new primary, shifted the whole run by a step)."""
+    from tensorwire.errors import NotPrimary
+    from tensorwire.wire import ps as wps
+    from tensorwire.wire.frame import Opcode
+
+    world = 3
+    backup_ps = ParamServer(standby=True, failover_timeout=0.5)
+    with ServerThread(extensions=[backup_ps]) as backup, FaultyProxy(backup.url) as link:
+        primary_ps = ParamServer(backups=[link.url])
+        with (
+            ServerThread(extensions=[primary_ps]) as primary,
+            Worker(ps_job.model(), primary.url, "sync", rank=0, world_size=world, heartbeat=0),
+        ):
+            link.pause()  # the primary's next ping (or change) waits in the link, holding the order
+            wait_for(lambda: link.held >= 1, 10, "a replicated change to be held in the link")
+            answers: dict[int, BaseException | None] = {}
+
+            def join(rank: int) -> None:
+                try:
+                    _raw(primary.url, Opcode.PS_JOIN, wps.PsHead(rank, world, 0, 100 + rank).encode())
+                    answers[rank] = None
+                except BaseException as exc:
+                    answers[rank] = exc
+
+            joins = [threading.Thread(target=join, args=(rank,), daemon=True) for rank in (1, 2)]
+            for thread in joins:
+                thread.start()
+
+            def took_over() -> bool:
+                with_head = wps.PsHead(0, world, 0, 1).encode()
+                try:
+                    _raw(backup.url, Opcode.PS_HEARTBEAT, with_head, timeout=5)
+                except NotPrimary:
+                    return False
+                return True
+
+            wait_for(took_over, 30, "the backup to take over", interval=0.1)
+            link.resume()  # the held change reaches the new primary: refused, the old one is fenced
+            for thread in joins:
+                thread.join(30)
+            assert primary_ps.role == "fenced" and backup_ps.role == "primary"
+            assert sorted(answers) == [1, 2]
+            assert all(isinstance(answer, NotPrimary) for answer in answers.values()), answers
+            assert sorted(primary_ps.workers) == [0]  # nothing the new primary does not have
+            assert sorted(backup_ps.workers) == [0]

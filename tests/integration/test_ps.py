@@ -209,6 +209,31 @@ def test_uneven_data_finishes_without_a_hang() -> None:
         assert not any(w["live"] for w in s["workers"].values())
 
 
+def test_a_worker_starting_after_the_others_pushed_joins_the_first_step() -> None:
+    """No sync step is taken before every rank joined, so a rank joining for the first time after
+    the others pushed for step 0 (a process that started later) is in step 0: the run is not
+    shifted by a step. (A worker that rejoins after a drop starts at the next one instead.)"""
+    models = [small_model() for _ in range(W)]
+    x, y = torch.randn(B, 20), torch.randint(0, 5, (B,))
+    with (
+        cluster(2) as urls,
+        Worker(models[0], urls, "sync", SGD(lr=0.1), rank=0, world_size=W, heartbeat=0, timeout=30) as first,
+    ):
+        loss_of(models[0], x, y).backward()  # type: ignore[no-untyped-call]
+        first.push().result(DEADLINE)  # recorded for step 0, which waits for rank 1 to join
+        with Worker(
+            models[1], urls, "sync", SGD(lr=0.1), rank=1, world_size=W, heartbeat=0, timeout=30
+        ) as late:
+            assert late.clock == 0
+            loss_of(models[1], x, y).backward()  # type: ignore[no-untyped-call]
+            late.step()
+        first.pull()
+        stats = server_stats(urls)
+    assert all(s["step"] == 1 and s["pushes_applied"] == 2 for s in stats)
+    for a, b in zip(models[0].parameters(), models[1].parameters(), strict=True):
+        assert torch.equal(a, b)
+
+
 def test_a_missing_worker_times_out_naming_whom_it_waited_for() -> None:
     model = small_model()
     with cluster(1) as urls, Worker(model, urls, "sync", SGD(), rank=0, world_size=2, timeout=0.5) as worker:

@@ -426,14 +426,18 @@ class ParamServer:
         before = self.workers.get(head.worker)
         return before is None or not before.live or before.incarnation == head.seq or not self._alive(before)
 
-    def _joining_clock(self) -> int:
+    def _joining_clock(self, worker: int) -> int:
         """Where a joining worker starts. Sync: the current step, or the next one when pushes for
         the current one are in already (that step goes on without the newcomer: its workers need
-        not wait, and servers that are a step apart agree on where the newcomer starts)."""
+        not wait, and servers that are a step apart agree on where the newcomer starts). A rank
+        joining for the first time always starts at the current step: no step is taken before
+        every rank joined, so that step waits for it anyway, and a worker started a little later
+        than the others (a slow machine) must not shift the whole run by a step."""
         if not self.mode or self.mode.kind != "sync":
             return self.slowest()
         pending = self._pending.get(self.step)
-        return self.step + 1 if pending is not None and pending.grads else self.step
+        rejoin = worker in self.workers
+        return self.step + 1 if rejoin and pending is not None and pending.grads else self.step
 
     def _check_rank_free(self, head: wps.PsHead) -> None:
         if not self._rank_free(head):
@@ -445,8 +449,13 @@ class ParamServer:
     def _admit(self, head: wps.PsHead) -> bytes:
         """Make ``head.worker`` live at the current step (sync) or the slowest clock; the answer."""
         self._note_world(head.world)
-        clock = self._joining_clock()
         before = self.workers.get(head.worker)  # a rejoin keeps its push marks: resends stay duplicates
+        if before is not None and before.live and before.incarnation == head.seq:
+            # The same process, live here: a resent join (its answer was lost with a primary that
+            # made the change on its backup first). Answer as the first time, change nothing.
+            before.heard = time.monotonic()
+            return wps.encode_join_reply(before.clock, self.config is not None, before.seq)
+        clock = self._joining_clock(head.worker)
         seq, reply = (before.seq, before.last_reply) if before else (0, b"")
         self.workers[head.worker] = _Worker(
             clock, read_clock=clock, seq=seq, last_reply=reply, incarnation=head.seq
@@ -714,7 +723,11 @@ class ParamServer:
     ) -> None:
         """Apply a change on every backup before making it here (inside ``_in_order``). A backup
         that is new, or back, first gets the whole job (a state transfer)."""
-        if self._backups is None or self.role != "primary":
+        if self.role != "primary":
+            # It stepped down (fenced, or following a newer primary) while this request waited
+            # for its turn: the change must not be made or acknowledged here, only by the primary.
+            raise NotPrimary(f"this replica became a {self.role} at epoch {self.epoch}: ask another one")
+        if self._backups is None:
             return
         meta = replication.encode(change, self.epoch, head, body)
         try:
@@ -830,8 +843,9 @@ class ParamServer:
                 self.exchange.leave(worker)
                 self.dropped += 1
                 async with self._in_order():
-                    await self._replicate(replication.Change.DROP, wps.PsHead(worker))
-                    await self._leave(worker, f"dropped (no heartbeat for {self.heartbeat_timeout:.3g}s)")
+                    with contextlib.suppress(NotPrimary):  # stepped down meanwhile: its primary decides
+                        await self._replicate(replication.Change.DROP, wps.PsHead(worker))
+                        await self._leave(worker, f"dropped (no heartbeat for {self.heartbeat_timeout:.3g}s)")
 
     # -- checkpoints ----------------------------------------------------------------------------
     async def _maybe_checkpoint(self) -> None:

@@ -148,6 +148,8 @@ class FaultyProxy:
         self._delay = 0.0
         self._corrupt_next = False
         self._partitioned = False
+        self._flowing: asyncio.Event | None = None  # cleared while paused (made on the proxy's loop)
+        self.held = 0  # chunks waiting for ``resume`` right now
         self.dropped = self.corrupted = 0
         self.bytes_up = 0  # bytes relayed towards the server
         self._server: asyncio.Server = self._thread.call(self._listen(), 10, "the proxy to listen")
@@ -160,6 +162,14 @@ class FaultyProxy:
 
     def delay(self, seconds: float) -> None:
         self._delay = seconds
+
+    def pause(self) -> None:
+        """Hold every byte in both directions (connections stay open) until ``resume``: a link
+        that stalls, deterministically, where ``delay`` only slows each chunk."""
+        self._thread.call(self._set_flowing(False), 10, "the proxy to pause")
+
+    def resume(self) -> None:
+        self._thread.call(self._set_flowing(True), 10, "the proxy to resume")
 
     def corrupt(self) -> None:
         """Flip one byte of the next chunk a client sends."""
@@ -210,6 +220,12 @@ class FaultyProxy:
             while chunk := await reader.read(1 << 16):
                 if self._delay:
                     await asyncio.sleep(self._delay)
+                if self._flowing is not None and not self._flowing.is_set():
+                    self.held += 1
+                    try:
+                        await self._flowing.wait()
+                    finally:
+                        self.held -= 1
                 if upstream and self._corrupt_next and len(chunk) > 64:
                     self._corrupt_next = False
                     self.corrupted += 1
@@ -220,6 +236,14 @@ class FaultyProxy:
                 writer.write(chunk)
                 await writer.drain()
         writer.close()
+
+    async def _set_flowing(self, flowing: bool) -> None:
+        if self._flowing is None:
+            self._flowing = asyncio.Event()
+        if flowing:
+            self._flowing.set()
+        else:
+            self._flowing.clear()
 
     async def _drop(self) -> None:
         for pair in list(self._pairs):
