@@ -450,11 +450,6 @@ class ParamServer:
         """Make ``head.worker`` live at the current step (sync) or the slowest clock; the answer."""
         self._note_world(head.world)
         before = self.workers.get(head.worker)  # a rejoin keeps its push marks: resends stay duplicates
-        if before is not None and before.live and before.incarnation == head.seq:
-            # The same process, live here: a resent join (its answer was lost with a primary that
-            # made the change on its backup first). Answer as the first time, change nothing.
-            before.heard = time.monotonic()
-            return wps.encode_join_reply(before.clock, self.config is not None, before.seq)
         clock = self._joining_clock(head.worker)
         seq, reply = (before.seq, before.last_reply) if before else (0, b"")
         self.workers[head.worker] = _Worker(
