@@ -49,11 +49,11 @@ def test_report_rows_pair_each_figure_with_its_peer() -> None:
         "benchmarks": {
             "transfer": {"result": {"put_gbps": 2.0, "get_gbps": 1.0, "socket_gbps": 4.0, "tls_put_gbps": 1.0,
                                     "small_get_us": 90.0, "echo_us": 60.0, "size_bytes": 1 << 20, "many": 10,
-                                    "many_small_per_s": 5.0}},
+                                    "many_small_per_s": 5.0, "shm_get_gbps": 9.0, "memcpy_gbps": 10.0}},
             "ps": {"result": {"ps_async_samples_per_s": 300.0, "rpc_ps_samples_per_s": 100.0,
                               "ps_sync_samples_per_s": 90.0, "ddp_samples_per_s": 100.0}},
             "grpc": {"result": None, "error": "Traceback ...\nRuntimeError: no port"},
-            "compression": {"result": {"topk_ratio": 0.01, "int8_vs_fp32": 0.25, "seconds": 3.0}},
+            "newbench": {"result": {"topk_ratio": 0.01, "int8_vs_fp32": 0.25, "seconds": 3.0}},
         }
     }  # fmt: skip
     by_path = {(r.benchmark, r.path, r.peer): r for r in report.rows(doc)}
@@ -61,8 +61,10 @@ def test_report_rows_pair_each_figure_with_its_peer() -> None:
     latency = by_path[("transfer", "1 KiB get p50 (asyncio client)", "asyncio echo")]
     assert latency.ratio == 1.5 and latency.lower_is_better
     assert by_path[("ps", "PS async, 2 servers", "torch.distributed.rpc PS")].ratio == 3.0
+    assert by_path[("transfer", "shm get(out=) 1 MiB", "memcpy")].ratio == 0.9
+    assert not any(p.startswith("striped") for _, p, _ in by_path)  # fields it lacks: no rows
     # a benchmark the report has no rows for (a new module in the table) still shows its ratios
-    assert {p for b, p, _ in by_path if b == "compression"} == {"topk_ratio", "int8_vs_fp32"}
+    assert {p for b, p, _ in by_path if b == "newbench"} == {"topk_ratio", "int8_vs_fp32"}
     doc["machine"] = {"cpus": 2, "cpu_model": "x", "memory_bytes": 1 << 30, "load_average": [1.0, 1.0, 1.0],
                       "python": "3.11", "torch": "2", "tensorwire": "0.1.0"}  # fmt: skip
     doc.update(started="now", seconds=1.0, quick=False)

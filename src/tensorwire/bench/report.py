@@ -67,7 +67,59 @@ def _transfer(r: dict[str, Any]) -> list[Row]:
         Row("transfer", "1 KiB get p50 (asyncio client)", _get(r, "small_get_us"), "us", "asyncio echo",
             _get(r, "echo_us"), lower_is_better=True),
         Row("transfer", f"put_many of {r.get('many')} x 1 KiB", _get(r, "many_small_per_s"), "tensors/s"),
+        *_fast_paths(r, size),
     ]  # fmt: skip
+
+
+def _fast_paths(r: dict[str, Any], size: str) -> list[Row]:
+    """shm://, striping, lossless compression and the client cache (absent fields: no rows)."""
+    memcpy, raw = _get(r, "memcpy_gbps"), _get(r, "raw_compressible_gbps")
+    rows = [
+        Row("transfer", f"shm put {size}", _get(r, "shm_put_gbps"), "GB/s", "memcpy", memcpy),
+        Row("transfer", f"shm get(out=) {size}", _get(r, "shm_get_gbps"), "GB/s", "memcpy", memcpy),
+        Row(
+            "transfer",
+            f"striped tcp put ({r.get('stripes')} lanes)",
+            _get(r, "striped_gbps"),
+            "GB/s",
+            "one stream",
+            _get(r, "one_stream_gbps"),
+        ),
+        Row("transfer", "lz4 put, sparse tensor", _get(r, "lz4_gbps"), "GB/s", "raw", raw),
+        Row("transfer", "zstd put, sparse tensor", _get(r, "zstd_gbps"), "GB/s", "raw", raw),
+        Row(
+            "transfer",
+            "auto compression put, random floats",
+            _get(r, "auto_incompressible_gbps"),
+            "GB/s",
+            "raw",
+            _get(r, "raw_incompressible_gbps"),
+        ),
+        Row(
+            "transfer",
+            "cache hit get (one STAT)",
+            _get(r, "cache_hit_get_us"),
+            "us",
+            "cache miss",
+            _get(r, "cache_miss_get_us"),
+            lower_is_better=True,
+        ),
+        Row("transfer", "iperf3 (loopback)", _get(r, "iperf_gbps"), "GB/s"),
+    ]
+    return [row for row in rows if row.figure is not None]
+
+
+def _compression(r: dict[str, Any]) -> list[Row]:
+    base = _get(r, "baseline_accuracy")
+    rows = []
+    for name, c in r.get("codecs", {}).items():
+        rows.append(Row("compression", f"{name}: bytes on the wire", _get(c, "compression"), "x fewer"))
+        rows.append(Row("compression", f"{name}: accuracy, error feedback", _get(c, "accuracy_ef"), "",
+                        "fp32", base))  # fmt: skip
+        decode = _num(_get(c, "decode_gbps"))
+        rows.append(Row("compression", f"{name}: encode (decode: {decode} GB/s)", _get(c, "encode_gbps"),
+                        "GB/s", "target", 1.0))  # fmt: skip
+    return rows
 
 
 def _grpc(r: dict[str, Any]) -> list[Row]:
@@ -141,6 +193,7 @@ ROWS: dict[str, Callable[[dict[str, Any]], list[Row]]] = {
     "grpc": _grpc,
     "ps": _ps,
     "chaos": _chaos,
+    "compression": _compression,
     "sweep": _sweep,
 }
 

@@ -63,6 +63,31 @@ def scratch(slot: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
     return buffer[:need].view(dtype)
 
 
+NOISE_ELEMENTS = 1 << 20  # stochastic rounding's table of U[0, 1) noise (4 MiB, made once per thread)
+
+
+def _add_uniform_noise(y: torch.Tensor) -> None:
+    """Add U[0, 1) noise to each element of the contiguous 1-D ``y``, at memory speed.
+
+    Drawing a random number per element (``torch.rand``) costs more than the rest of the int8
+    encode together. Stochastic rounding needs each element's noise uniform, which keeps it
+    unbiased (E[floor(v + u)] = v); it does not need the elements independent of each other. So
+    the noise comes from a per-thread table of 2^20 draws, rotated by a fresh random offset each
+    call and repeated over the tensor: elements 2^20 apart get the same noise within one call."""
+    table: torch.Tensor | None = _local.__dict__.get("noise")
+    if table is None:
+        table = _local.__dict__["noise"] = torch.rand(2 * NOISE_ELEMENTS)[:NOISE_ELEMENTS].clone()
+    start = int(torch.randint(NOISE_ELEMENTS, ()).item())
+    window = scratch("noise", NOISE_ELEMENTS, torch.float32)
+    window[: NOISE_ELEMENTS - start].copy_(table[start:])
+    window[NOISE_ELEMENTS - start :].copy_(table[:start])
+    n = y.numel()
+    whole = n // NOISE_ELEMENTS * NOISE_ELEMENTS
+    if whole:
+        y[:whole].view(-1, NOISE_ELEMENTS).add_(window)
+    y[whole:].add_(window[: n - whole])
+
+
 class Codec(ABC):
     """One way of turning a float tensor into bytes and back (see the module doc).
 
@@ -169,7 +194,7 @@ class Int8(Codec):
             y = scratch("int8", x.numel(), torch.float32).view(x.shape)
             torch.mul(x, inv[:, None], out=y)
             if self.stochastic:
-                y.add_(torch.rand(y.shape, out=scratch("noise", x.numel(), torch.float32).view(x.shape)))
+                _add_uniform_noise(y.view(-1))
                 y.floor_()
             else:
                 y.round_()
@@ -255,7 +280,7 @@ def top_indices(flat: torch.Tensor, k: int) -> torch.Tensor:
     rank = m - math.ceil(hits + 4 * math.sqrt(hits) + 1)
     candidates = None
     if rank >= 1:
-        candidates = _at_least(magnitude, torch.kthvalue(sample, rank).values)
+        candidates = _at_least(magnitude, torch.kthvalue(sample, rank).values, dense=32 * k > n)
     chosen = (
         _exact_top(magnitude, k) if candidates is None else candidates[_exact_top(magnitude[candidates], k)]
     )
@@ -264,12 +289,15 @@ def top_indices(flat: torch.Tensor, k: int) -> torch.Tensor:
     return chosen
 
 
-def _at_least(magnitude: torch.Tensor, threshold: torch.Tensor) -> torch.Tensor:
+def _at_least(magnitude: torch.Tensor, threshold: torch.Tensor, dense: bool = False) -> torch.Tensor:
     """Indices (ascending) of the elements >= ``threshold``. ``nonzero`` over n bools is the slow
-    step, so it runs over the mask's u64 words (8 bools each) and then over the few hit words."""
+    step, so when hits are sparse it runs over the mask's u64 words (8 bools each) and then over
+    the few hit words; ``dense`` (more than ~1 in 32 elements expected) goes straight over n."""
     n = magnitude.numel()
     mask = scratch("mask", -(-n // 8) * 8, torch.bool)
     torch.ge(magnitude, threshold, out=mask[:n])
+    if dense:  # most words hold a hit: the word pass would only add a second full pass
+        return torch.nonzero(mask[:n]).squeeze(1)
     mask[n:].zero_()
     hit = torch.nonzero(mask.view(torch.uint8).view(torch.int64)).squeeze(1)
     rows, cols = torch.nonzero(mask.view(-1, 8)[hit]).unbind(1)
