@@ -309,22 +309,30 @@ def test_a_primary_a_backup_took_over_from_is_fenced() -> None:
         assert old.role == "fenced"
 
 
-def test_a_restarted_backup_gets_the_job_and_can_take_over() -> None:
-    """The backup dies and comes back empty on its port: the primary sends it the whole job, and
-    when the primary dies in turn, the new backup takes over with the same bits."""
+def async_steps(worker: Worker, model: torch.nn.Module, first: int, count: int) -> None:
+    """Steps ``first`` .. ``first + count - 1`` of worker 0 of ps_job, in async mode."""
+    for step in range(first, first + count):
+        x, y = ps_job.batch(0, step)
+        torch.nn.functional.cross_entropy(model(x), y).backward()  # type: ignore[no-untyped-call]
+        worker.step()
 
-    def steps(worker: Worker, model: torch.nn.Module, first: int, count: int) -> None:
-        for step in range(first, first + count):
-            x, y = ps_job.batch(0, step)
-            torch.nn.functional.cross_entropy(model(x), y).backward()  # type: ignore[no-untyped-call]
-            worker.step()
 
+def async_reference(count: int) -> torch.nn.Module:
+    """The model after ``count`` async steps of one worker on one server, without faults."""
     expected = ps_job.model()
     with (
         ServerThread(extensions=[ParamServer()]) as plain,
         Worker(expected, plain.url, "async", rank=0) as worker,
     ):
-        steps(worker, expected, 0, 9)
+        async_steps(worker, expected, 0, count)
+    return expected
+
+
+def test_a_restarted_backup_gets_the_job_and_can_take_over() -> None:
+    """The backup dies and comes back empty on its port: the primary sends it the whole job, and
+    when the primary dies in turn, the new backup takes over with the same bits."""
+
+    expected = async_reference(9)
 
     model = ps_job.model()
     first_backup = ServerThread(extensions=[ParamServer(standby=True, failover_timeout=0.3)])
@@ -333,14 +341,14 @@ def test_a_restarted_backup_gets_the_job_and_can_take_over() -> None:
     second_backup: ServerThread | None = None
     try:
         with Worker(model, f"{primary.url}|{backup_url}", "async", rank=0, heartbeat=0) as worker:
-            steps(worker, model, 0, 3)
+            async_steps(worker, model, 0, 3)
             first_backup.close()  # the backup dies; training goes on without a copy
-            steps(worker, model, 3, 3)
+            async_steps(worker, model, 3, 3)
             revived = ParamServer(standby=True, failover_timeout=0.3)
             second_backup = ServerThread([backup_url], extensions=[revived])  # back, empty, same port
             wait_for(lambda: revived.version == 6, 30, "the state transfer to the restarted backup")
             primary.close()  # now the primary dies: the restarted backup takes over
-            steps(worker, model, 6, 3)
+            async_steps(worker, model, 6, 3)
             assert revived.role == "primary" and revived.version == 9
     finally:
         primary.close()
@@ -357,18 +365,7 @@ def test_a_stopped_primary_that_comes_back_follows_the_backup_that_took_over() -
     without faults. (Refusing the newer epoch would fence both replicas: no primary at all.)"""
     from tensorwire.ps.launch import free_port, replica_flags
 
-    def steps(worker: Worker, model: torch.nn.Module, first: int, count: int) -> None:
-        for step in range(first, first + count):
-            x, y = ps_job.batch(0, step)
-            torch.nn.functional.cross_entropy(model(x), y).backward()  # type: ignore[no-untyped-call]
-            worker.step()
-
-    expected = ps_job.model()
-    with (
-        ServerThread(extensions=[ParamServer()]) as plain,
-        Worker(expected, plain.url, "async", rank=0) as worker,
-    ):
-        steps(worker, expected, 0, 9)
+    expected = async_reference(9)
 
     def role(url: str) -> tuple[str, int, int]:
         (doc,) = server_stats([url], timeout=5)
@@ -382,16 +379,16 @@ def test_a_stopped_primary_that_comes_back_follows_the_backup_that_took_over() -
     ):
         model = ps_job.model()
         with Worker(model, "|".join(urls), "async", rank=0, heartbeat=0.25, timeout=30) as worker:
-            steps(worker, model, 0, 3)
+            async_steps(worker, model, 0, 3)
             sigstop(first.proc)()
             try:
-                steps(worker, model, 3, 3)  # the worker gives up on it; the backup takes over
+                async_steps(worker, model, 3, 3)  # the worker gives up on it; the backup takes over
                 assert role(second.url) == ("primary", 2, 6)
             finally:
                 sigcont(first.proc)()
             wait_for(lambda: role(first.url) == ("backup", 2, 6), 30, "the old primary to follow the new")
             kill9(second.proc)()
-            steps(worker, model, 6, 3)  # and back: the old primary takes over at epoch 3
+            async_steps(worker, model, 6, 3)  # and back: the old primary takes over at epoch 3
             assert role(first.url) == ("primary", 3, 9)
     assert same_state(model.state_dict(), expected.state_dict())
 

@@ -39,23 +39,23 @@ def test_incompressible_chunks_are_detected_by_a_probe_and_sent_raw() -> None:
     frame = encoder.frame()
     noise = byte_view(torch.randn(CHUNK // 4))
     for _ in range(1 + lossless.SKIP_AFTER_MISS):
-        codec, payload = frame.encode(noise)
-        assert codec == lossless.Codec.RAW and payload is noise  # raw, and not copied
+        codec, payload = frame.encode([noise])
+        assert codec == lossless.Codec.RAW and payload[0] is noise  # raw, and not copied
     assert encoder.stats.compressed == 0
-    codec, payload = frame.encode(_sparse())  # probed again after the skip: compressible now
-    assert codec == lossless.Codec.LZ4 and len(payload) < CHUNK / 2
+    codec, payload = frame.encode([_sparse()])  # probed again after the skip: compressible now
+    assert codec == lossless.Codec.LZ4 and len(payload[0]) < CHUNK / 2
     assert encoder.stats.compressed == 1 and encoder.stats.wire_bytes < encoder.stats.raw_bytes
 
 
 def test_auto_compresses_only_when_the_codec_beats_the_link() -> None:
     slow = lossless.Encoder("auto", lossless.LinkMeter(bps=50e6))  # a 400 Mbit/s link
     frame = slow.frame()
-    assert all(frame.encode(_sparse())[0] == lossless.Codec.LZ4 for _ in range(3))
+    assert all(frame.encode([_sparse()])[0] == lossless.Codec.LZ4 for _ in range(3))
     fast = lossless.Encoder("auto", lossless.LinkMeter(bps=1e13))  # faster than any codec
     frame = fast.frame()
-    assert frame.encode(_sparse())[0] == lossless.Codec.LZ4  # measured once, already paid for
-    assert frame.encode(_sparse())[0] == lossless.Codec.RAW
-    assert fast.frame().encode(_sparse())[0] == lossless.Codec.RAW  # the next frames too, for a while
+    assert frame.encode([_sparse()])[0] == lossless.Codec.LZ4  # measured once, already paid for
+    assert frame.encode([_sparse()])[0] == lossless.Codec.RAW
+    assert fast.frame().encode([_sparse()])[0] == lossless.Codec.RAW  # the next frames too, for a while
     assert fast.auto_skip == lossless.AUTO_RECHECK - 1
 
 
@@ -64,7 +64,7 @@ def test_auto_sends_in_the_plain_framing_while_compression_does_not_pay() -> Non
     heads, no probes) until AUTO_RECHECK chunks have gone by: then it costs what "none" does."""
     encoder = lossless.Encoder("auto", lossless.LinkMeter(bps=50e6))
     assert not encoder.plain(32)  # nothing learned yet: the first frame is probed
-    assert encoder.frame().encode(byte_view(torch.randn(CHUNK // 4)))[0] == lossless.Codec.RAW
+    assert encoder.frame().encode([byte_view(torch.randn(CHUNK // 4))])[0] == lossless.Codec.RAW
     frames = lossless.AUTO_RECHECK // 32
     assert all(encoder.plain(32) for _ in range(frames))
     assert not encoder.plain(32)  # and then it looks again

@@ -493,6 +493,13 @@ async def assert_alive_and_empty(srv: Server, h: Harness) -> None:
         assert await c.list() == []
 
 
+async def still_serves(stream: ByteStream, reader: FrameReader) -> None:
+    """The same connection keeps working after an error: a small put on it is stored."""
+    await stream.send([put_frame([TensorMeta("ok", torch.uint8, (3,), 3)], b"abc", rid=8)])
+    header, _ = await read_reply(reader)
+    assert not header.is_error and header.request_id == 8
+
+
 async def corrupt_chunk_is_never_stored(h: Harness) -> None:
     async with h.server() as srv, raw(srv) as (stream, reader):
         data = bytes(range(256)) * 40
@@ -500,9 +507,7 @@ async def corrupt_chunk_is_never_stored(h: Harness) -> None:
         frame[-100] ^= 0x40  # a flipped bit in the last chunk
         await stream.send([frame])
         await expect_error(reader, errors.ErrorCode.CORRUPT_FRAME)
-        await stream.send([put_frame([TensorMeta("ok", torch.uint8, (3,), 3)], b"abc", rid=8)])
-        header, _ = await read_reply(reader)  # the same connection keeps working
-        assert not header.is_error and header.request_id == 8
+        await still_serves(stream, reader)
         async with h.client(srv) as c:
             assert [m.name for m in await c.list()] == ["ok"]
 
@@ -518,9 +523,7 @@ async def corrupt_compressed_chunk_is_never_stored(h: Harness) -> None:
         frame[-12] ^= 0x40  # a flipped bit in the last chunk's compressed bytes
         await stream.send([frame])
         await expect_error(reader, errors.ErrorCode.CORRUPT_FRAME)
-        await stream.send([put_frame([TensorMeta("ok", torch.uint8, (3,), 3)], b"abc", rid=8)])
-        header, _ = await read_reply(reader)  # the same connection keeps working
-        assert not header.is_error and header.request_id == 8
+        await still_serves(stream, reader)
         async with h.client(srv) as c:
             assert [m.name for m in await c.list()] == ["ok", "victim"]
             assert bytes(byte_view(await c.get("victim"))) == data

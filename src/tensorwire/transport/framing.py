@@ -204,69 +204,56 @@ async def send_frame(
     ``lossless.MIN_FRAME_BYTES`` goes out with flag COMPRESSED, each chunk compressed or raw.
     """
     chunks = -(-header.data_len // header.chunk_size) if header.chunk_size else 0
-    if encoder is not None and header.data_len >= lossless.MIN_FRAME_BYTES and not encoder.plain(chunks):
+    compressed = (
+        encoder is not None and header.data_len >= lossless.MIN_FRAME_BYTES and not encoder.plain(chunks)
+    )
+    if compressed:
         header.flags |= _COMPRESSED
-        await _send_compressed(
-            stream, encode_frame_head(header, meta), header, segments, progress, encoder=encoder
-        )
-        return
     head = encode_frame_head(header, meta)
     if not header.data_len:
         await stream.send([head])
         return
-    if header.data_len < _COALESCE and header.data_len <= header.chunk_size:
+    if not compressed and header.data_len < _COALESCE and header.data_len <= header.chunk_size:
         # One small chunk (a 1 KiB get answer, say): one buffer, one checksum, one syscall.
         data = b"".join(segments)
         await stream.send([head + data + _TRAILER.pack(checksum(header.checksum, data))])
         if progress is not None:
             progress(len(data))
         return
-    views = _coalesced(
-        (s if isinstance(s, memoryview) else memoryview(s).cast("B") for s in segments), header.chunk_size
-    )
-    out: list[Buffer] = [head]
-    pending = 0
-    for pieces in _pieces(views, header.chunk_size):
-        out += pieces
-        out.append(_TRAILER.pack(_digest(header.checksum, pieces)))
-        pending += sum(p.nbytes for p in pieces)
-        if len(out) >= _MAX_IOV or pending >= header.chunk_size:
-            await stream.send(out)
-            if progress is not None:
-                progress(pending)
-            out, pending = [], 0
-    if out:
-        await stream.send(out)
-    if progress is not None and pending:
-        progress(pending)
+    await _send_chunks(stream, head, header, segments, progress, encoder=encoder if compressed else None)
 
 
-async def _send_compressed(
+async def _send_chunks(
     stream: ByteStream,
     head: bytes,
     header: Header,
     segments: Sequence[Buffer],
     progress: Callable[[int], None] | None,
     *,
-    encoder: lossless.Encoder,
+    encoder: lossless.Encoder | None,
 ) -> None:
-    """The data section as chunk head, payload (compressed or raw), trailer of the raw bytes."""
+    """The data section chunk by chunk, each followed by its checksum trailer; with an ``encoder``
+    each chunk is preceded by a chunk head and sent compressed or raw (the trailer is always over
+    the raw bytes)."""
     views = _coalesced(
         (s if isinstance(s, memoryview) else memoryview(s).cast("B") for s in segments), header.chunk_size
     )
-    chunks = encoder.frame()
+    chunks = encoder.frame() if encoder is not None else None
     out: list[Buffer] = [head]
     pending = wire = 0
     spent = 0.0  # seconds in the stream's send, for the link meter that auto weighs codecs against
     for pieces in _pieces(views, header.chunk_size):
-        size = sum(p.nbytes for p in pieces)
         digest = _TRAILER.pack(_digest(header.checksum, pieces))
-        codec, payload = chunks.encode(pieces[0] if len(pieces) == 1 else b"".join(pieces))
-        out.append(lossless.CHUNK_HEAD.pack(codec, len(payload)))
-        out += pieces if codec == lossless.Codec.RAW else [payload]
+        if chunks is None:
+            out += pieces
+        else:
+            codec, body = chunks.encode(pieces)
+            length = sum(memoryview(b).nbytes for b in body)
+            out.append(lossless.CHUNK_HEAD.pack(codec, length))
+            out += body
+            wire += length
         out.append(digest)
-        pending += size
-        wire += len(payload)
+        pending += sum(p.nbytes for p in pieces)
         if len(out) >= _MAX_IOV or pending >= header.chunk_size:
             start = time.perf_counter()
             await stream.send(out)
@@ -278,7 +265,8 @@ async def _send_compressed(
         await stream.send(out)
     if progress is not None and pending:
         progress(pending)
-    encoder.link.observe(wire, spent)
+    if encoder is not None:
+        encoder.link.observe(wire, spent)
 
 
 async def recv_data(

@@ -24,6 +24,7 @@ from __future__ import annotations
 import enum
 import struct
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import lz4.block
@@ -141,6 +142,19 @@ class Encoder:
         return True
 
 
+def _prefix(pieces: Sequence[memoryview], n: int) -> bytes | memoryview:
+    """The first ``n`` bytes of a chunk given as pieces (a copy only when they span pieces)."""
+    if pieces[0].nbytes >= n:
+        return pieces[0][:n]
+    parts, got = [], 0
+    for piece in pieces:
+        parts.append(piece[: n - got])
+        got += parts[-1].nbytes
+        if got >= n:
+            break
+    return b"".join(parts)
+
+
 class FrameEncoder:
     """The per-chunk choices for one frame's data section."""
 
@@ -152,20 +166,23 @@ class FrameEncoder:
         self._skip = 0  # chunks left to send raw without a probe
         self._auto_off = False  # auto found the codec slower than the link, for this frame
 
-    def encode(self, chunk: bytes | memoryview) -> tuple[int, bytes | memoryview]:
-        """``(codec, payload)`` for one chunk: compressed if that is smaller (and, for auto, faster)."""
+    def encode(self, pieces: Sequence[memoryview]) -> tuple[int, list[bytes | memoryview]]:
+        """``(codec, what to send)`` for one chunk, given as its pieces: the pieces themselves (no
+        copy) when it goes raw, else its compressed bytes (compressed if that is smaller and, for
+        auto, faster). A chunk of several pieces is joined only to be compressed."""
+        size = sum(p.nbytes for p in pieces)
         stats = self._enc.stats
         stats.chunks += 1
-        stats.raw_bytes += len(chunk)
-        payload = self._try(chunk)
+        stats.raw_bytes += size
+        payload = self._try(pieces, size)
         if payload is None:
-            stats.wire_bytes += len(chunk)
-            return Codec.RAW, chunk
+            stats.wire_bytes += size
+            return Codec.RAW, list(pieces)
         stats.compressed += 1
         stats.wire_bytes += len(payload)
-        return self._codec, payload
+        return self._codec, [payload]
 
-    def _try(self, chunk: bytes | memoryview) -> bytes | None:
+    def _try(self, pieces: Sequence[memoryview], size: int) -> bytes | None:
         if self._auto_off:
             return None
         if self._enc.auto_skip:
@@ -174,12 +191,11 @@ class FrameEncoder:
         if self._skip:
             self._skip -= 1
             return None
-        size = len(chunk)
-        if size > 2 * SAMPLE_BYTES:
-            sample = memoryview(chunk)[:SAMPLE_BYTES]
-            if len(compress(Codec.LZ4, sample)) > SAMPLE_GAIN * SAMPLE_BYTES:
-                self._miss()
-                return None
+        probe = size > 2 * SAMPLE_BYTES  # a sample first: incompressible data costs one small probe
+        if probe and len(compress(Codec.LZ4, _prefix(pieces, SAMPLE_BYTES))) > SAMPLE_GAIN * SAMPLE_BYTES:
+            self._miss()
+            return None
+        chunk = pieces[0] if len(pieces) == 1 else b"".join(pieces)
         start = time.perf_counter()
         payload = compress(self._codec, chunk)
         spent = time.perf_counter() - start
