@@ -31,6 +31,7 @@ from tensorwire.errors import (
     TransferTimeout,
     code_for_error,
 )
+from tensorwire.logs import event
 from tensorwire.metrics import RequestCounts
 from tensorwire.security import TlsFiles, grpc_server_credentials, tokens_match
 from tensorwire.store import Reservation, TensorStore
@@ -333,10 +334,16 @@ def _serialize(message: Any) -> bytes:
 class TokenGate(grpc.aio.ServerInterceptor):  # type: ignore[misc]
     """Refuses every call that does not carry ``authorization: Bearer <token>`` (compared in
     constant time), with UNAUTHENTICATED and the tensorwire code in the trailers, before any
-    handler (and so any store operation) runs."""
+    handler (and so any store operation) runs.
 
-    def __init__(self, token: str) -> None:
+    The gate sees a call's method and metadata before grpcio reads its request message, and the
+    refusal it answers with reads no message at all: a token-less call of any size costs the
+    server no more than its headers (grpcio buffers no more of the body than HTTP/2 flow control
+    lets the client send before the refusal ends the stream)."""
+
+    def __init__(self, token: str, counts: RequestCounts | None = None) -> None:
         self._token = token
+        self._counts = counts
 
     async def intercept_service(self, continuation: Any, details: Any) -> Any:
         offered = None
@@ -346,16 +353,34 @@ class TokenGate(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         if tokens_match(self._token, offered):
             return await continuation(details)
         why = "no token was offered" if offered is None else "the token is wrong"
+        if self._counts is not None:
+            self._counts.refuse("auth")
+        event(
+            log, logging.WARNING, "call refused", method=op_of(details.method), reason=why, transport="grpc"
+        )
         return _refusal(f"authentication failed: {why}")
 
 
-# gRPC methods -> the operation names the frame protocol's metrics use.
-_RPC_OPS = {"UploadTensor": "put", "DownloadTensor": "get", "UpdateGradient": "allreduce"}
+# The methods served, by path -> the operation names the frame protocol's metrics use. A metric
+# label never takes a value a peer chose: any other path counts as "unknown".
+_RPC_OPS = {
+    **{f"/{SERVICE}/{method}": op for method, op in (
+        ("UploadTensor", "put"), ("DownloadTensor", "get"), ("Put", "put"), ("Get", "get"),
+        ("Delete", "delete"), ("Stat", "stat"), ("List", "list"), ("Ping", "ping"),
+    )},
+    "/train.GradientService/UpdateGradient": "allreduce",
+}  # fmt: skip
+
+
+def op_of(method: object) -> str:
+    """The metric label (and log field) of a gRPC method path: one of a fixed set."""
+    return _RPC_OPS.get(method, "unknown") if isinstance(method, str) else "unknown"
 
 
 class Counting(grpc.aio.ServerInterceptor):  # type: ignore[misc]
     """Counts every call in the server's ``RequestCounts`` (metrics.py): the request, its bytes
-    each way (as the messages' lengths), whether it ended in an error, and calls in flight."""
+    each way (as the messages' lengths), whether it ended in an error, and calls in flight. A call
+    to a method the server does not serve is counted as one failed "unknown" request."""
 
     def __init__(self, counts: RequestCounts, transport: str) -> None:
         self._counts = counts
@@ -363,10 +388,12 @@ class Counting(grpc.aio.ServerInterceptor):  # type: ignore[misc]
 
     async def intercept_service(self, continuation: Any, details: Any) -> Any:
         handler = await continuation(details)
+        op = op_of(details.method)
         if handler is None:
+            row = self._counts.begin(op, self._transport)
+            self._counts.end(row, 0, 0, True)
             return None
-        method = str(details.method).rsplit("/", 1)[-1]
-        return _counted(handler, self._counts, self._transport, _RPC_OPS.get(method, method.lower()))
+        return _counted(handler, self._counts, self._transport, op)
 
 
 def _counted(handler: Any, counts: RequestCounts, transport: str, op: str) -> Any:
@@ -416,12 +443,15 @@ def _counted(handler: Any, counts: RequestCounts, transport: str, op: str) -> An
 
 
 def _refusal(message: str) -> Any:
-    async def refuse(request: Any, context: Any) -> None:
+    """A handler that answers UNAUTHENTICATED without reading the request. It is a stream handler
+    whatever the method is: grpcio reads a unary call's whole message (up to the largest message
+    the server accepts) before the handler runs, and a stream's only when the handler asks."""
+
+    async def refuse(requests: Any, context: Any) -> None:
         context.set_trailing_metadata(((ERROR_KEY, str(int(ErrorCode.UNAUTHENTICATED))),))
         await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
 
-    # The request is not parsed: whatever its shape, the answer is the same refusal.
-    return grpc.unary_unary_rpc_method_handler(refuse, None, None)
+    return grpc.stream_unary_rpc_method_handler(refuse, None, None)
 
 
 async def listen(
@@ -434,18 +464,31 @@ async def listen(
     stall_timeout: float = 60.0,
     extra_handlers: Sequence[grpc.GenericRpcHandler] = (),
     counts: RequestCounts | None = None,
+    max_connections: int = 1024,
+    auth_timeout: float = 5.0,
+    idle_timeout: float = 900.0,
 ) -> RpcListener:
     """Serve ``TensorService`` for ``store`` on ``address`` (``grpc://host:0`` picks a free port;
-    ``grpcs://`` serves TLS with ``tls``' files; a ``token`` is then required on every call)."""
-    interceptors: list[Any] = [Counting(counts, address.scheme)] if counts is not None else []
-    if token is not None:
-        interceptors.append(TokenGate(token))
+    ``grpcs://`` serves TLS with ``tls``' files; a ``token`` is then required on every call).
+
+    Connections are bounded as on the frame protocol's listeners: at most ``max_connections``
+    (counted from accept, TLS handshakes included); one that has not finished its TLS handshake
+    and HTTP/2 preface within ``auth_timeout`` is closed; one with no call in flight is closed
+    after ``idle_timeout``, or after ``auth_timeout`` when a token is required, since a gRPC
+    server cannot tell a connection whose calls were refused from one whose calls were let in
+    (clients reconnect on their next call without noticing)."""
+    interceptors: list[Any] = [TokenGate(token, counts)] if token is not None else []
+    if counts is not None:  # after the gate: a refused call runs no handler, so it is no request
+        interceptors.append(Counting(counts, address.scheme))
+    idle = idle_timeout if token is None else min(idle_timeout, auth_timeout)
     # so_reuseport off: a port in use is an error, not silently shared with another server.
     options = [
         *message_options(limits.max_chunk_bytes),
         ("grpc.so_reuseport", 0),
         ("grpc.max_concurrent_streams", limits.max_inflight),  # per connection
-        ("grpc.max_connection_idle_ms", 900_000),
+        ("grpc.max_allowed_incoming_connections", max_connections),
+        ("grpc.server_handshake_timeout_ms", max(int(auth_timeout * 1000), 1)),
+        ("grpc.max_connection_idle_ms", max(int(idle * 1000), 1)),
     ]
     server = grpc.aio.server(options=options, interceptors=interceptors)
     server.add_generic_rpc_handlers((handlers(TensorServicer(store, limits, stall_timeout)), *extra_handlers))
