@@ -19,6 +19,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
 import grpc
+from google.protobuf.message import DecodeError
 
 from tensorwire.errors import (
     ConnectError,
@@ -83,8 +84,12 @@ class TensorServicer(pb_grpc.TensorServiceServicer):
         self.stall_timeout = stall_timeout
 
     # -- the interface existing clients speak -------------------------------------------------
-    async def UploadTensor(self, request: pb.TensorRequest, context: Any) -> pb.TensorResponse:
+    # Their messages hold a whole tensor: they arrive and leave as raw bytes (see ``handlers``) and
+    # are parsed, copied and serialized in a worker thread, not on the loop that serves the others.
+    async def UploadTensor(self, raw: bytes, context: Any) -> pb.TensorResponse:
+        res: Reservation | None = None
         try:
+            request = await _off_loop(len(raw), _parse, pb.TensorRequest, raw)
             meta = TensorMeta(
                 request.tensor_name, dtype_from_name(request.dtype), tuple(request.shape), len(request.data)
             )
@@ -93,25 +98,26 @@ class TensorServicer(pb_grpc.TensorServiceServicer):
             except InvalidTensor as exc:
                 raise InvalidTensor(f"shape/data size mismatch: {exc}") from None
             res = self.store.reserve([meta])
-            res.buffers[0][:] = request.data
+            await _off_loop(meta.nbytes, res.buffers[0].__setitem__, slice(None), request.data)
             version = await self._commit(res)
         except TensorwireError as exc:
             return pb.TensorResponse(success=False, message=str(exc))
+        finally:
+            if res is not None:
+                self.store.abort(res)  # a no-op once committed
         return pb.TensorResponse(success=True, message=f"stored {meta.name!r} at version {version}")
 
-    async def DownloadTensor(self, request: pb.TensorRequest, context: Any) -> pb.TensorResponse:
+    async def DownloadTensor(self, request: pb.TensorRequest, context: Any) -> bytes:
         try:
             (entry,) = self.store.acquire([request.tensor_name])
         except TensorwireError as exc:
-            return pb.TensorResponse(success=False, message=str(exc))
+            return _serialize(pb.TensorResponse(success=False, message=str(exc)))
         try:
             meta = entry.meta
             if meta.nbytes > UNARY_MAX_BYTES:
                 message = f"{meta.name!r} has {meta.nbytes} bytes: too large for DownloadTensor, use Get"
-                return pb.TensorResponse(success=False, message=message)
-            return pb.TensorResponse(
-                success=True, data=bytes(entry.data), shape=meta.shape, dtype=dtype_name(meta.dtype)
-            )
+                return _serialize(pb.TensorResponse(success=False, message=message))
+            return await _off_loop(meta.nbytes, _tensor_response, entry.data, meta)
         finally:
             self.store.release([entry])
 
@@ -167,14 +173,20 @@ class TensorServicer(pb_grpc.TensorServiceServicer):
             self.store.release(entries)
 
     async def Delete(self, request: pb.NamesRequest, context: Any) -> pb.DeleteReply:
-        names = list(request.names)
+        names = await self._names(request, context)
         return await _answer(context, lambda: _ready(pb.DeleteReply(deleted=self.store.delete(names))))
 
     async def Stat(self, request: pb.NamesRequest, context: Any) -> pb.TensorList:
-        names = list(request.names)
+        names = await self._names(request, context)
         return await _answer(
             context, lambda: _ready(pb.TensorList(tensors=map(info_of, self.store.stat(names))))
         )
+
+    async def _names(self, request: pb.NamesRequest, context: Any) -> list[str]:
+        """The names a request lists, at most ``max_batch`` of them (as the frame protocol's)."""
+        if len(request.names) > self.limits.max_batch:
+            await _abort(context, LimitExceeded(f"{len(request.names)} names exceed {self.limits.max_batch}"))
+        return list(request.names)
 
     async def List(self, request: pb.ListRequest, context: Any) -> pb.TensorList:
         limit = min(request.limit or self.limits.max_batch, self.limits.max_batch)
@@ -282,6 +294,32 @@ async def _ready(value: T) -> T:
     return value
 
 
+# A message or copy at least this large is handled in a worker thread (xxhash, memcpy and protobuf
+# release the GIL); below it, the hop to the thread costs more than the work.
+_OFF_LOOP_BYTES = 1 << 20
+
+
+async def _off_loop(size: int, work: Callable[..., T], *args: Any) -> T:
+    if size < _OFF_LOOP_BYTES:
+        return work(*args)
+    return await asyncio.to_thread(work, *args)
+
+
+def _parse(message: Any, raw: bytes) -> Any:
+    try:
+        return message.FromString(raw)
+    except DecodeError as exc:
+        raise ProtocolError(f"a malformed {message.DESCRIPTOR.name}: {exc}") from None
+
+
+def _tensor_response(data: memoryview, meta: TensorMeta) -> bytes:
+    """The wire bytes of a DownloadTensor answer, built in a worker thread for a large tensor."""
+    response = pb.TensorResponse(
+        success=True, data=bytes(data), shape=meta.shape, dtype=dtype_name(meta.dtype)
+    )
+    return _serialize(response)
+
+
 async def _answer(context: Any, run: Callable[[], Awaitable[T]]) -> T:
     """Run an operation; a tensorwire error becomes a gRPC error with its code in the trailers."""
     try:
@@ -312,11 +350,13 @@ class RpcListener(Listener):
 def handlers(servicer: TensorServicer) -> Any:
     """The method table of ``TensorService`` (what the generated ``add_..._to_server`` builds),
     except that Put's requests and Get's answers pass as raw bytes: ``wire.rpc`` encodes and
-    parses their chunks without the copies the generated message class would make."""
+    parses their chunks without the copies the generated message class would make; and the
+    whole-tensor messages of UploadTensor and DownloadTensor pass as raw bytes so that they are
+    parsed and built off the event loop."""
     unary = grpc.unary_unary_rpc_method_handler
     methods = {
-        "UploadTensor": unary(servicer.UploadTensor, pb.TensorRequest.FromString, _serialize),
-        "DownloadTensor": unary(servicer.DownloadTensor, pb.TensorRequest.FromString, _serialize),
+        "UploadTensor": unary(servicer.UploadTensor, None, _serialize),
+        "DownloadTensor": unary(servicer.DownloadTensor, pb.TensorRequest.FromString, None),
         "Put": grpc.stream_unary_rpc_method_handler(servicer.Put, None, _serialize),
         "Get": grpc.unary_stream_rpc_method_handler(servicer.Get, pb.GetRequest.FromString, None),
         "Delete": unary(servicer.Delete, pb.NamesRequest.FromString, _serialize),
