@@ -167,7 +167,7 @@ class TensorServicer(pb_grpc.TensorServiceServicer):
                 for start in range(0, entry.meta.nbytes, chunk):
                     watchdog.progress()
                     data = entry.data[start : start + chunk]
-                    yield encode_chunk(data, kind, checksum(kind, data))  # the one copy grpcio needs
+                    yield await _off_loop(len(data), _checked_chunk, data, kind)  # the one copy grpcio needs
         finally:
             watchdog.close()
             self.store.release(entries)
@@ -255,7 +255,7 @@ class _StreamedPut:
             if chunk.tensor is not None:
                 self._start(chunk.tensor)
             if chunk.data or chunk.checksum:
-                self._take(chunk)
+                await self._take(chunk)
         self._end_of_tensor()
         if not self.batch.metas:
             raise ProtocolError("Put carried no tensors")
@@ -271,7 +271,7 @@ class _StreamedPut:
         part = self.store.reserve([meta.with_version(0)], self.batch)
         self.current, self.filled = part.buffers[0], 0
 
-    def _take(self, chunk: RawChunk) -> None:
+    async def _take(self, chunk: RawChunk) -> None:
         data = chunk.data
         if self.current is None:
             raise ProtocolError("tensor bytes before any tensor header")
@@ -279,9 +279,8 @@ class _StreamedPut:
             raise InvalidTensor("more bytes than the tensor's shape and dtype hold")
         if chunk.kind not in CHECKSUM_KINDS:
             raise ProtocolError(f"unknown checksum kind {chunk.kind}")
-        if checksum(chunk.kind, data) != chunk.checksum:
-            raise CorruptFrame("a chunk's checksum does not match its data; nothing was kept")
-        self.current[self.filled : self.filled + len(data)] = data
+        target = self.current[self.filled : self.filled + len(data)]
+        await _off_loop(len(data), _verified_copy, chunk, target)  # a large chunk: in a worker thread
         self.filled += len(data)
 
     def _end_of_tensor(self) -> None:
@@ -302,7 +301,14 @@ _OFF_LOOP_BYTES = 1 << 20
 async def _off_loop(size: int, work: Callable[..., T], *args: Any) -> T:
     if size < _OFF_LOOP_BYTES:
         return work(*args)
-    return await asyncio.to_thread(work, *args)
+    job = asyncio.ensure_future(asyncio.to_thread(work, *args))
+    try:
+        return await asyncio.shield(job)
+    except asyncio.CancelledError:
+        # The thread writes into (or reads) store buffers that the caller gives back as it unwinds:
+        # a cancelled call waits for it to finish first, or a buffer could be reused under it.
+        await asyncio.wait([job])
+        raise
 
 
 def _parse(message: Any, raw: bytes) -> Any:
@@ -310,6 +316,17 @@ def _parse(message: Any, raw: bytes) -> Any:
         return message.FromString(raw)
     except DecodeError as exc:
         raise ProtocolError(f"a malformed {message.DESCRIPTOR.name}: {exc}") from None
+
+
+def _checked_chunk(data: memoryview, kind: int) -> bytes:
+    return encode_chunk(data, kind, checksum(kind, data))
+
+
+def _verified_copy(chunk: RawChunk, target: memoryview) -> None:
+    """Copy a chunk's data into its place once its checksum matches (nothing is kept otherwise)."""
+    if checksum(chunk.kind, chunk.data) != chunk.checksum:
+        raise CorruptFrame("a chunk's checksum does not match its data; nothing was kept")
+    target[:] = chunk.data
 
 
 def _tensor_response(data: memoryview, meta: TensorMeta) -> bytes:
