@@ -49,9 +49,12 @@ format: $(STAMP)
 	$(BIN)/ruff check --fix src tests fuzz
 	$(BIN)/ruff format src tests fuzz
 
-# Regenerate the gRPC modules from the schema (tests/unit/test_proto.py fails when they are stale).
+# Regenerate the gRPC modules from the schema (tests/unit/test_proto.py fails when they are stale):
+# the schema as a FileDescriptorSet (tensorwire/v1/_pool.py builds the message classes from it, in a
+# descriptor pool of tensorwire's own), the classes' types (.pyi) and the service stubs.
 proto: $(STAMP)
-	$(BIN)/python -m grpc_tools.protoc -I proto --python_out=src --pyi_out=src --grpc_python_out=src \
+	$(BIN)/python -m grpc_tools.protoc -I proto --include_imports \
+		--descriptor_set_out=src/tensorwire/v1/schema.binpb --pyi_out=src --grpc_python_out=src \
 		proto/tensorwire/v1/tensor_service.proto proto/tensorwire/v1/gradient_service.proto
 
 # Coverage-guided fuzzing of the frame decoders and a live server session (fuzz/README.md).

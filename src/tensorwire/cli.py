@@ -226,13 +226,19 @@ def main(log_level: str, log_format: str) -> None:
     "--idle-timeout", type=click.FloatRange(min=0.01), default=900.0, show_default=True,
     help="Close connections idle this many seconds (clients reconnect on their next call).",
 )  # fmt: skip
+@click.option(
+    "--auth-timeout", type=click.FloatRange(min=0.01), default=5.0, show_default=True,
+    help="Close a connection whose TLS handshake and first frame (its HELLO with the token) are not "
+    "in within this many seconds.",
+)  # fmt: skip
 @click.option("--tls-cert", type=_FILE, help="Server certificate (PEM) for tls:// and grpcs:// addresses.")
 @click.option("--tls-key", type=_FILE, help="Its private key (PEM).")
 @click.option("--tls-client-ca", type=_FILE, help="Require client certificates signed by this CA (mTLS).")
 @click.option("--token-file", type=_FILE, help="Require this shared token from every client.")
 @click.option(
-    "--workers", type=click.IntRange(min=0), default=0, show_default=True,
-    help="Parameter server: the world size gRPC GradientService callers get when they send none.",
+    "--workers", type=click.IntRange(min=0), default=1, show_default=True,
+    help="Parameter server: the world size gRPC GradientService callers get when they send none "
+    "(1: a call without metadata gets its own gradient back; 0: callers must send world-size).",
 )  # fmt: skip
 @click.option(
     "--wait-timeout", type=click.FloatRange(min=0.01), default=120.0, show_default=True,
@@ -278,6 +284,10 @@ def main(log_level: str, log_format: str) -> None:
     "--metrics-host", metavar="HOST", default=None, help="Bind metrics here [default: the --listen host]."
 )
 @click.option(
+    "--metrics-connections", type=click.IntRange(min=1), default=16, show_default=True,
+    help="Most scrapes of the metrics endpoint served at once; more are closed at once.",
+)  # fmt: skip
+@click.option(
     "--log-level", type=click.Choice(logs.LEVELS, case_sensitive=False), default=None,
     help="The same as `tensorwire --log-level` (kept for existing scripts).",
 )  # fmt: skip
@@ -291,6 +301,7 @@ def serve(
     stall_timeout: float,
     max_connections: int,
     idle_timeout: float,
+    auth_timeout: float,
     tls_cert: Path | None,
     tls_key: Path | None,
     tls_client_ca: Path | None,
@@ -307,6 +318,7 @@ def serve(
     threads: int | None,
     metrics_port: int | None,
     metrics_host: str | None,
+    metrics_connections: int,
     log_level: str | None,
 ) -> None:
     """Serve a tensor store, which is also a parameter server, until SIGINT or SIGTERM."""
@@ -342,9 +354,11 @@ def serve(
         security=security,
         max_connections=max_connections,
         idle_timeout=idle_timeout,
+        auth_timeout=auth_timeout,
         extensions=[ps_server, DigestService(store)],
         metrics_port=metrics_port,
         metrics_host=metrics_host,
+        metrics_connections=metrics_connections,
     )
     run(_serve(server, listen + grpc_listen, ready_file))
 

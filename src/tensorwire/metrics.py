@@ -12,7 +12,9 @@ Exported (counters end in ``_total``; ``op`` is the operation: put, get, ps_push
   ``tensorwire_sent_bytes_total`` (response data), ``tensorwire_request_errors_total``: by ``op``
   and ``transport`` (tcp, tls, memory, grpc, ...).
 * ``tensorwire_requests_in_flight``, ``tensorwire_connections`` (gauges);
-  ``tensorwire_connections_refused_total`` by ``reason`` (limit, auth).
+  ``tensorwire_connections_refused_total`` by ``reason``: limit (``--max-connections``), auth (a
+  missing or wrong token, on a connection or a gRPC call), auth_timeout (no authenticated first
+  frame within ``--auth-timeout``), metrics_limit (a scrape over ``--metrics-connections``).
 * ``tensorwire_checksum_failures_total`` by ``transport``: data chunks that failed their checksum.
 * ``tensorwire_upload_resumes_total``: resumable puts resumed after a break (client retries the
   server sees; resent parameter-server pushes are ``tensorwire_ps_duplicate_pushes_total``).
@@ -22,20 +24,30 @@ Exported (counters end in ``_total``; ``op`` is the operation: put, get, ps_push
   ``process_*`` families (CPU seconds, resident memory, open files).
 
 A parameter server adds the ``tensorwire_ps_*`` families of ``tensorwire.ps.metrics``.
+
+No label takes a value a peer chose: ``op`` is the name of a known operation or "unknown" (a
+made-up opcode or gRPC method), and ``transport``, ``reason`` and ``role`` come from fixed sets,
+so a peer cannot add series. The HTTP endpoint serves at most ``max_connections`` scrapes at a
+time (one thread each) and drops a connection that does not send its request, or take its answer,
+within ``timeout`` seconds.
 """
 
 from __future__ import annotations
 
+import logging
+import socket
 import threading
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
+from socketserver import ThreadingMixIn
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer
 
 from tensorwire.wire.frame import Opcode
 
-if TYPE_CHECKING:
-    from wsgiref.simple_server import WSGIServer
+log = logging.getLogger("tensorwire.metrics")
 
+if TYPE_CHECKING:
     from prometheus_client.registry import Collector, CollectorRegistry
 
     from tensorwire.server import Server
@@ -126,7 +138,9 @@ class ServerCollector:
             for (op, transport), row in rows:
                 family.add_metric([op, transport], getattr(row, attr))
             yield family
-        refused, corrupt = counts.refused, counts.checksum_failures
+        refused, corrupt = dict(counts.refused), counts.checksum_failures
+        if server.exporter is not None and server.exporter.refused:
+            refused["metrics_limit"] = server.exporter.refused
         yield _labelled("tensorwire_connections_refused", "Connections refused.", "reason", refused)
         yield _labelled("tensorwire_checksum_failures", "Corrupt chunks.", "transport", corrupt)
         yield CounterMetricFamily(
@@ -171,17 +185,84 @@ def build_registry(server: Server, extra: Iterable[Collector] = ()) -> Collector
     return registry
 
 
-class Exporter:
-    """The HTTP endpoint Prometheus scrapes (``http://host:port/metrics``), in a daemon thread."""
+class _Handler(WSGIRequestHandler):
+    """One scrape, whose socket times out; it logs nothing."""
 
-    def __init__(self, registry: CollectorRegistry, host: str, port: int) -> None:
-        from prometheus_client import start_http_server
+    server: _BoundedServer
+
+    def setup(self) -> None:
+        super().setup()
+        self.connection.settimeout(self.server.read_timeout)
+
+    def log_message(self, format: str, *args: Any) -> None:
+        return None
+
+
+class _BoundedServer(ThreadingMixIn, WSGIServer):
+    """A thread per connection, as prometheus-client's own server, but at most ``slots`` of them:
+    a connection beyond that is closed at once (and counted in ``refused``)."""
+
+    daemon_threads = True
+    request_queue_size = 128  # the listen backlog: connections over the limit are closed, not left queued
+
+    def __init__(self, address: tuple[str, int], family: int, slots: int, timeout: float) -> None:
+        self.address_family = family
+        self.read_timeout = timeout
+        self.refused = 0
+        self._slots = threading.BoundedSemaphore(slots)
+        super().__init__(address, _Handler)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if not self._slots.acquire(blocking=False):
+            self.refused += 1  # one accept thread: no race
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self._slots.release()
+            raise
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        """A scrape that timed out or went away: not worth the traceback socketserver prints."""
+        log.debug("metrics request from %s failed", client_address, exc_info=True)
+
+
+class Exporter:
+    """The HTTP endpoint Prometheus scrapes (``http://host:port/metrics``), in a daemon thread:
+    at most ``max_connections`` at a time, each dropped if silent or unread for ``timeout`` s."""
+
+    def __init__(
+        self,
+        registry: CollectorRegistry,
+        host: str,
+        port: int,
+        max_connections: int = 16,
+        timeout: float = 5.0,
+    ) -> None:
+        from prometheus_client import make_wsgi_app
 
         self.host = host
-        server, thread = start_http_server(port, host, registry)
-        self._server: WSGIServer = server
-        self._thread: threading.Thread = thread
+        family, _, _, _, sockaddr = socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )[0]
+        server = _BoundedServer((str(sockaddr[0]), port), family, max_connections, timeout)
+        server.set_app(make_wsgi_app(registry))
+        self._server = server
+        self._thread = threading.Thread(target=server.serve_forever, name="tensorwire-metrics", daemon=True)
+        self._thread.start()
         self.port: int = server.server_port
+
+    @property
+    def refused(self) -> int:
+        """Connections closed at once because ``max_connections`` were open."""
+        return self._server.refused
 
     @property
     def url(self) -> str:

@@ -163,9 +163,11 @@ class Server:
         security: Security | None = None,
         max_connections: int = 1024,
         idle_timeout: float = 900.0,
+        auth_timeout: float = 5.0,
         extensions: Sequence[Extension] = (),
         metrics_port: int | None = None,
         metrics_host: str | None = None,
+        metrics_connections: int = 16,
     ) -> None:
         self.store = store if store is not None else TensorStore()
         self.extensions = list(extensions)
@@ -182,6 +184,9 @@ class Server:
         # for idle_timeout seconds (a client reconnects on its next call without noticing).
         self.max_connections = max_connections
         self.idle_timeout = idle_timeout
+        # A connection holds its slot unauthenticated for at most this long: its TLS handshake and
+        # its first frame (a HELLO with the token, when one is required) must be in by then.
+        self.auth_timeout = auth_timeout
         self._listeners: list[Listener] = []
         self._sessions: set[_Session] = set()
         self.uploads = Uploads(self.store, max_connections, stall_timeout)
@@ -191,6 +196,8 @@ class Server:
         self.counts = metrics.RequestCounts()
         self.metrics_port = metrics_port
         self.metrics_host = metrics_host
+        # Scrapes served at once (a thread each); each must send its request within auth_timeout.
+        self.metrics_connections = metrics_connections
         self.exporter: metrics.Exporter | None = None
         self._registry: Any = None
         self._started = time.time()
@@ -216,7 +223,13 @@ class Server:
         if self._watchdog is None:
             self._watchdog = asyncio.get_running_loop().create_task(self._watch())
         if self.metrics_port is not None and self.exporter is None:
-            self.exporter = metrics.Exporter(self.registry, self._metrics_host(), self.metrics_port)
+            self.exporter = metrics.Exporter(
+                self.registry,
+                self._metrics_host(),
+                self.metrics_port,
+                max_connections=self.metrics_connections,
+                timeout=self.auth_timeout,
+            )
         event(log, logging.INFO, "server started", addresses=[str(a) for a in self.addresses],
               metrics=self.exporter.url if self.exporter else None, pid=os.getpid())  # fmt: skip
         return self.addresses
@@ -278,20 +291,31 @@ class Server:
         event(log, logging.INFO, "server stopped", pid=os.getpid())
 
     async def _watch(self) -> None:
-        """Cut off sessions stalled mid-request (``stall_timeout``) or idle (``idle_timeout``)."""
-        period = max(min(self.stall_timeout / 4, self.idle_timeout / 4, 5.0), 0.01)
+        """Cut off sessions not admitted in time (``auth_timeout``), stalled mid-request
+        (``stall_timeout``) or idle (``idle_timeout``)."""
+        period = max(min(self.stall_timeout / 4, self.idle_timeout / 4, self.auth_timeout / 4, 5.0), 0.01)
         while True:
             await asyncio.sleep(period)
             now = time.monotonic()
             self.uploads.expire(now)
             for session in list(self._sessions):
                 quiet = now - session.stream.last_active
-                if session.busy and quiet > self.stall_timeout:
+                if not session.admitted and now - session.opened > self.auth_timeout:
+                    await self._close_unadmitted(session)
+                elif session.busy and quiet > self.stall_timeout:
                     log.warning("closing %s: no progress for %.3gs mid-request", session.stream.peer, quiet)
                     await session.stream.close()
                 elif not session.busy and quiet > self.idle_timeout:
                     log.info("closing %s: idle for %.3gs", session.stream.peer, quiet)
                     await session.stream.close()
+
+    async def _close_unadmitted(self, session: _Session) -> None:
+        """A connection did not finish its TLS handshake and send its first frame (authenticated,
+        when a token is required) within ``auth_timeout``: its slot goes to someone else."""
+        self.counts.refuse("auth_timeout")
+        reason = f"not authenticated within {self.auth_timeout:.3g}s (--auth-timeout)"
+        event(log, logging.WARNING, "connection closed", peer=session.stream.peer, reason=reason)
+        await session.stream.close()
 
     async def handle(self, stream: ByteStream, transport: str = "tcp") -> None:
         """Serve one connection until the peer leaves or its bytes stop making frames."""
@@ -300,8 +324,12 @@ class Server:
             self.counts.refuse("limit")
             event(log, logging.WARNING, "connection refused", peer=stream.peer, reason="limit",
                   connections=len(self._sessions))  # fmt: skip
-            refusal = LimitExceeded(f"the server has {self.max_connections} connections already")
-            await session.send_error(0, refusal)
+            refusal = LimitExceeded(
+                f"the server has {self.max_connections} connections already (--max-connections)"
+            )
+            # Within the auth deadline: over TLS the answer needs the peer's handshake first.
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(session.send_error(0, refusal), self.auth_timeout)
             return
         self._sessions.add(session)
         self.counts.connections += 1
@@ -348,6 +376,9 @@ async def _listen_rpc(server: Server, address: Address) -> Listener:
         stall_timeout=server.stall_timeout,
         extra_handlers=[h for extension in server.extensions for h in extension.rpc_handlers()],
         counts=server.counts,
+        max_connections=server.max_connections,
+        auth_timeout=server.auth_timeout,
+        idle_timeout=server.idle_timeout,
     )
 
 
@@ -394,6 +425,11 @@ class _Session:
         self.in_request = False
         self.token = server.security.token
         self.authenticated = self.token is None
+        # Until its first frame is in (and authenticated, where a token is required), a connection
+        # has until ``opened + auth_timeout``: with a token or without, a peer that says nothing
+        # (a stalled TLS handshake, a silent socket) does not keep its slot for the idle timeout.
+        self.opened = time.monotonic()
+        self.admitted = False
         self.working = False  # the server, not the peer, is what a request waits on (a disk write)
         self.encoder: lossless.Encoder | None = None  # how answers are compressed (HELLO; §5.5)
         self.states: dict[type, Any] = {}  # extensions' per-connection state (Request.session_state)
@@ -423,6 +459,7 @@ class _Session:
                 return
             if not self.authenticated and not await self._authenticate(header, meta):
                 return
+            self.admitted = True
             row = self.counts.begin(metrics.op_name(header.opcode), self.transport)
             self.sent, self.failed = 0, False
             try:

@@ -19,6 +19,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
 import grpc
+from google.protobuf.message import DecodeError
 
 from tensorwire.errors import (
     ConnectError,
@@ -31,6 +32,7 @@ from tensorwire.errors import (
     TransferTimeout,
     code_for_error,
 )
+from tensorwire.logs import event
 from tensorwire.metrics import RequestCounts
 from tensorwire.security import TlsFiles, grpc_server_credentials, tokens_match
 from tensorwire.store import Reservation, TensorStore
@@ -82,8 +84,12 @@ class TensorServicer(pb_grpc.TensorServiceServicer):
         self.stall_timeout = stall_timeout
 
     # -- the interface existing clients speak -------------------------------------------------
-    async def UploadTensor(self, request: pb.TensorRequest, context: Any) -> pb.TensorResponse:
+    # Their messages hold a whole tensor: they arrive and leave as raw bytes (see ``handlers``) and
+    # are parsed, copied and serialized in a worker thread, not on the loop that serves the others.
+    async def UploadTensor(self, raw: bytes, context: Any) -> pb.TensorResponse:
+        res: Reservation | None = None
         try:
+            request = await _off_loop(len(raw), _parse, pb.TensorRequest, raw)
             meta = TensorMeta(
                 request.tensor_name, dtype_from_name(request.dtype), tuple(request.shape), len(request.data)
             )
@@ -92,25 +98,26 @@ class TensorServicer(pb_grpc.TensorServiceServicer):
             except InvalidTensor as exc:
                 raise InvalidTensor(f"shape/data size mismatch: {exc}") from None
             res = self.store.reserve([meta])
-            res.buffers[0][:] = request.data
+            await _off_loop(meta.nbytes, res.buffers[0].__setitem__, slice(None), request.data)
             version = await self._commit(res)
         except TensorwireError as exc:
             return pb.TensorResponse(success=False, message=str(exc))
+        finally:
+            if res is not None:
+                self.store.abort(res)  # a no-op once committed
         return pb.TensorResponse(success=True, message=f"stored {meta.name!r} at version {version}")
 
-    async def DownloadTensor(self, request: pb.TensorRequest, context: Any) -> pb.TensorResponse:
+    async def DownloadTensor(self, request: pb.TensorRequest, context: Any) -> bytes:
         try:
             (entry,) = self.store.acquire([request.tensor_name])
         except TensorwireError as exc:
-            return pb.TensorResponse(success=False, message=str(exc))
+            return _serialize(pb.TensorResponse(success=False, message=str(exc)))
         try:
             meta = entry.meta
             if meta.nbytes > UNARY_MAX_BYTES:
                 message = f"{meta.name!r} has {meta.nbytes} bytes: too large for DownloadTensor, use Get"
-                return pb.TensorResponse(success=False, message=message)
-            return pb.TensorResponse(
-                success=True, data=bytes(entry.data), shape=meta.shape, dtype=dtype_name(meta.dtype)
-            )
+                return _serialize(pb.TensorResponse(success=False, message=message))
+            return await _off_loop(meta.nbytes, _tensor_response, entry.data, meta)
         finally:
             self.store.release([entry])
 
@@ -160,20 +167,26 @@ class TensorServicer(pb_grpc.TensorServiceServicer):
                 for start in range(0, entry.meta.nbytes, chunk):
                     watchdog.progress()
                     data = entry.data[start : start + chunk]
-                    yield encode_chunk(data, kind, checksum(kind, data))  # the one copy grpcio needs
+                    yield await _off_loop(len(data), _checked_chunk, data, kind)  # the one copy grpcio needs
         finally:
             watchdog.close()
             self.store.release(entries)
 
     async def Delete(self, request: pb.NamesRequest, context: Any) -> pb.DeleteReply:
-        names = list(request.names)
+        names = await self._names(request, context)
         return await _answer(context, lambda: _ready(pb.DeleteReply(deleted=self.store.delete(names))))
 
     async def Stat(self, request: pb.NamesRequest, context: Any) -> pb.TensorList:
-        names = list(request.names)
+        names = await self._names(request, context)
         return await _answer(
             context, lambda: _ready(pb.TensorList(tensors=map(info_of, self.store.stat(names))))
         )
+
+    async def _names(self, request: pb.NamesRequest, context: Any) -> list[str]:
+        """The names a request lists, at most ``max_batch`` of them (as the frame protocol's)."""
+        if len(request.names) > self.limits.max_batch:
+            await _abort(context, LimitExceeded(f"{len(request.names)} names exceed {self.limits.max_batch}"))
+        return list(request.names)
 
     async def List(self, request: pb.ListRequest, context: Any) -> pb.TensorList:
         limit = min(request.limit or self.limits.max_batch, self.limits.max_batch)
@@ -242,7 +255,7 @@ class _StreamedPut:
             if chunk.tensor is not None:
                 self._start(chunk.tensor)
             if chunk.data or chunk.checksum:
-                self._take(chunk)
+                await self._take(chunk)
         self._end_of_tensor()
         if not self.batch.metas:
             raise ProtocolError("Put carried no tensors")
@@ -258,7 +271,7 @@ class _StreamedPut:
         part = self.store.reserve([meta.with_version(0)], self.batch)
         self.current, self.filled = part.buffers[0], 0
 
-    def _take(self, chunk: RawChunk) -> None:
+    async def _take(self, chunk: RawChunk) -> None:
         data = chunk.data
         if self.current is None:
             raise ProtocolError("tensor bytes before any tensor header")
@@ -266,9 +279,8 @@ class _StreamedPut:
             raise InvalidTensor("more bytes than the tensor's shape and dtype hold")
         if chunk.kind not in CHECKSUM_KINDS:
             raise ProtocolError(f"unknown checksum kind {chunk.kind}")
-        if checksum(chunk.kind, data) != chunk.checksum:
-            raise CorruptFrame("a chunk's checksum does not match its data; nothing was kept")
-        self.current[self.filled : self.filled + len(data)] = data
+        target = self.current[self.filled : self.filled + len(data)]
+        await _off_loop(len(data), _verified_copy, chunk, target)  # a large chunk: in a worker thread
         self.filled += len(data)
 
     def _end_of_tensor(self) -> None:
@@ -279,6 +291,50 @@ class _StreamedPut:
 
 async def _ready(value: T) -> T:
     return value
+
+
+# A message or copy at least this large is handled in a worker thread (xxhash, memcpy and protobuf
+# release the GIL); below it, the hop to the thread costs more than the work.
+_OFF_LOOP_BYTES = 1 << 20
+
+
+async def _off_loop(size: int, work: Callable[..., T], *args: Any) -> T:
+    if size < _OFF_LOOP_BYTES:
+        return work(*args)
+    job = asyncio.ensure_future(asyncio.to_thread(work, *args))
+    try:
+        return await asyncio.shield(job)
+    except asyncio.CancelledError:
+        # The thread writes into (or reads) store buffers that the caller gives back as it unwinds:
+        # a cancelled call waits for it to finish first, or a buffer could be reused under it.
+        await asyncio.wait([job])
+        raise
+
+
+def _parse(message: Any, raw: bytes) -> Any:
+    try:
+        return message.FromString(raw)
+    except DecodeError as exc:
+        raise ProtocolError(f"a malformed {message.DESCRIPTOR.name}: {exc}") from None
+
+
+def _checked_chunk(data: memoryview, kind: int) -> bytes:
+    return encode_chunk(data, kind, checksum(kind, data))
+
+
+def _verified_copy(chunk: RawChunk, target: memoryview) -> None:
+    """Copy a chunk's data into its place once its checksum matches (nothing is kept otherwise)."""
+    if checksum(chunk.kind, chunk.data) != chunk.checksum:
+        raise CorruptFrame("a chunk's checksum does not match its data; nothing was kept")
+    target[:] = chunk.data
+
+
+def _tensor_response(data: memoryview, meta: TensorMeta) -> bytes:
+    """The wire bytes of a DownloadTensor answer, built in a worker thread for a large tensor."""
+    response = pb.TensorResponse(
+        success=True, data=bytes(data), shape=meta.shape, dtype=dtype_name(meta.dtype)
+    )
+    return _serialize(response)
 
 
 async def _answer(context: Any, run: Callable[[], Awaitable[T]]) -> T:
@@ -311,11 +367,13 @@ class RpcListener(Listener):
 def handlers(servicer: TensorServicer) -> Any:
     """The method table of ``TensorService`` (what the generated ``add_..._to_server`` builds),
     except that Put's requests and Get's answers pass as raw bytes: ``wire.rpc`` encodes and
-    parses their chunks without the copies the generated message class would make."""
+    parses their chunks without the copies the generated message class would make; and the
+    whole-tensor messages of UploadTensor and DownloadTensor pass as raw bytes so that they are
+    parsed and built off the event loop."""
     unary = grpc.unary_unary_rpc_method_handler
     methods = {
-        "UploadTensor": unary(servicer.UploadTensor, pb.TensorRequest.FromString, _serialize),
-        "DownloadTensor": unary(servicer.DownloadTensor, pb.TensorRequest.FromString, _serialize),
+        "UploadTensor": unary(servicer.UploadTensor, None, _serialize),
+        "DownloadTensor": unary(servicer.DownloadTensor, pb.TensorRequest.FromString, None),
         "Put": grpc.stream_unary_rpc_method_handler(servicer.Put, None, _serialize),
         "Get": grpc.unary_stream_rpc_method_handler(servicer.Get, pb.GetRequest.FromString, None),
         "Delete": unary(servicer.Delete, pb.NamesRequest.FromString, _serialize),
@@ -333,10 +391,16 @@ def _serialize(message: Any) -> bytes:
 class TokenGate(grpc.aio.ServerInterceptor):  # type: ignore[misc]
     """Refuses every call that does not carry ``authorization: Bearer <token>`` (compared in
     constant time), with UNAUTHENTICATED and the tensorwire code in the trailers, before any
-    handler (and so any store operation) runs."""
+    handler (and so any store operation) runs.
 
-    def __init__(self, token: str) -> None:
+    The gate sees a call's method and metadata before grpcio reads its request message, and the
+    refusal it answers with reads no message at all: a token-less call of any size costs the
+    server no more than its headers (grpcio buffers no more of the body than HTTP/2 flow control
+    lets the client send before the refusal ends the stream)."""
+
+    def __init__(self, token: str, counts: RequestCounts | None = None) -> None:
         self._token = token
+        self._counts = counts
 
     async def intercept_service(self, continuation: Any, details: Any) -> Any:
         offered = None
@@ -346,16 +410,34 @@ class TokenGate(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         if tokens_match(self._token, offered):
             return await continuation(details)
         why = "no token was offered" if offered is None else "the token is wrong"
+        if self._counts is not None:
+            self._counts.refuse("auth")
+        event(
+            log, logging.WARNING, "call refused", method=op_of(details.method), reason=why, transport="grpc"
+        )
         return _refusal(f"authentication failed: {why}")
 
 
-# gRPC methods -> the operation names the frame protocol's metrics use.
-_RPC_OPS = {"UploadTensor": "put", "DownloadTensor": "get", "UpdateGradient": "allreduce"}
+# The methods served, by path -> the operation names the frame protocol's metrics use. A metric
+# label never takes a value a peer chose: any other path counts as "unknown".
+_RPC_OPS = {
+    **{f"/{SERVICE}/{method}": op for method, op in (
+        ("UploadTensor", "put"), ("DownloadTensor", "get"), ("Put", "put"), ("Get", "get"),
+        ("Delete", "delete"), ("Stat", "stat"), ("List", "list"), ("Ping", "ping"),
+    )},
+    "/train.GradientService/UpdateGradient": "allreduce",
+}  # fmt: skip
+
+
+def op_of(method: object) -> str:
+    """The metric label (and log field) of a gRPC method path: one of a fixed set."""
+    return _RPC_OPS.get(method, "unknown") if isinstance(method, str) else "unknown"
 
 
 class Counting(grpc.aio.ServerInterceptor):  # type: ignore[misc]
     """Counts every call in the server's ``RequestCounts`` (metrics.py): the request, its bytes
-    each way (as the messages' lengths), whether it ended in an error, and calls in flight."""
+    each way (as the messages' lengths), whether it ended in an error, and calls in flight. A call
+    to a method the server does not serve is counted as one failed "unknown" request."""
 
     def __init__(self, counts: RequestCounts, transport: str) -> None:
         self._counts = counts
@@ -363,10 +445,12 @@ class Counting(grpc.aio.ServerInterceptor):  # type: ignore[misc]
 
     async def intercept_service(self, continuation: Any, details: Any) -> Any:
         handler = await continuation(details)
+        op = op_of(details.method)
         if handler is None:
+            row = self._counts.begin(op, self._transport)
+            self._counts.end(row, 0, 0, True)
             return None
-        method = str(details.method).rsplit("/", 1)[-1]
-        return _counted(handler, self._counts, self._transport, _RPC_OPS.get(method, method.lower()))
+        return _counted(handler, self._counts, self._transport, op)
 
 
 def _counted(handler: Any, counts: RequestCounts, transport: str, op: str) -> Any:
@@ -416,12 +500,15 @@ def _counted(handler: Any, counts: RequestCounts, transport: str, op: str) -> An
 
 
 def _refusal(message: str) -> Any:
-    async def refuse(request: Any, context: Any) -> None:
+    """A handler that answers UNAUTHENTICATED without reading the request. It is a stream handler
+    whatever the method is: grpcio reads a unary call's whole message (up to the largest message
+    the server accepts) before the handler runs, and a stream's only when the handler asks."""
+
+    async def refuse(requests: Any, context: Any) -> None:
         context.set_trailing_metadata(((ERROR_KEY, str(int(ErrorCode.UNAUTHENTICATED))),))
         await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
 
-    # The request is not parsed: whatever its shape, the answer is the same refusal.
-    return grpc.unary_unary_rpc_method_handler(refuse, None, None)
+    return grpc.stream_unary_rpc_method_handler(refuse, None, None)
 
 
 async def listen(
@@ -434,18 +521,31 @@ async def listen(
     stall_timeout: float = 60.0,
     extra_handlers: Sequence[grpc.GenericRpcHandler] = (),
     counts: RequestCounts | None = None,
+    max_connections: int = 1024,
+    auth_timeout: float = 5.0,
+    idle_timeout: float = 900.0,
 ) -> RpcListener:
     """Serve ``TensorService`` for ``store`` on ``address`` (``grpc://host:0`` picks a free port;
-    ``grpcs://`` serves TLS with ``tls``' files; a ``token`` is then required on every call)."""
-    interceptors: list[Any] = [Counting(counts, address.scheme)] if counts is not None else []
-    if token is not None:
-        interceptors.append(TokenGate(token))
+    ``grpcs://`` serves TLS with ``tls``' files; a ``token`` is then required on every call).
+
+    Connections are bounded as on the frame protocol's listeners: at most ``max_connections``
+    (counted from accept, TLS handshakes included); one that has not finished its TLS handshake
+    and HTTP/2 preface within ``auth_timeout`` is closed; one with no call in flight is closed
+    after ``idle_timeout``, or after ``auth_timeout`` when a token is required, since a gRPC
+    server cannot tell a connection whose calls were refused from one whose calls were let in
+    (clients reconnect on their next call without noticing)."""
+    interceptors: list[Any] = [TokenGate(token, counts)] if token is not None else []
+    if counts is not None:  # after the gate: a refused call runs no handler, so it is no request
+        interceptors.append(Counting(counts, address.scheme))
+    idle = idle_timeout if token is None else min(idle_timeout, auth_timeout)
     # so_reuseport off: a port in use is an error, not silently shared with another server.
     options = [
         *message_options(limits.max_chunk_bytes),
         ("grpc.so_reuseport", 0),
         ("grpc.max_concurrent_streams", limits.max_inflight),  # per connection
-        ("grpc.max_connection_idle_ms", 900_000),
+        ("grpc.max_allowed_incoming_connections", max_connections),
+        ("grpc.server_handshake_timeout_ms", max(int(auth_timeout * 1000), 1)),
+        ("grpc.max_connection_idle_ms", max(int(idle * 1000), 1)),
     ]
     server = grpc.aio.server(options=options, interceptors=interceptors)
     server.add_generic_rpc_handlers((handlers(TensorServicer(store, limits, stall_timeout)), *extra_handlers))

@@ -11,12 +11,21 @@ Served two ways by every parameter server (``tensorwire ps serve``):
   ``ExchangeClient`` speaks over tcp://, tls:// and memory://;
 * gRPC ``train.GradientService/UpdateGradient`` (proto/tensorwire/v1/gradient_service.proto), which
   any client generated from that schema speaks: float32 bytes in and out, the worker id, step,
-  tensor name (and optionally the world size) in call metadata.
+  tensor name (and optionally the world size) in call metadata. A call with none of them is a
+  one-worker exchange when the server's world is 1 (``--workers``, the default): its answer is
+  its own gradient, which is what a training loop written for one worker expects.
 
 Either way a worker may send its gradient compressed (tensorwire.compression): ALLREDUCE names
 the codec after its records, gRPC callers add ``codec`` and ``numel`` to the call metadata. The
-server decodes each gradient once, on arrival; the means go back in full precision (float32 on
-gRPC), so every worker still gets the same bits.
+server decodes each gradient once, on arrival, in a worker thread; the means go back in full
+precision (float32 on gRPC), so every worker still gets the same bits.
+
+What a peer can make the exchange hold is bounded by its ``capacity``, checked before anything is
+allocated: the decoded size of every gradient (a compressed one declares its element count, and
+may decode to 32 times its payload), the payloads while they are decoded, and a fixed cost per
+open round and per tensor name remembered as averaged, so that empty gradients under fresh names
+or steps cannot grow the tables for free. Open rounds expire with their callers' waits. Who a
+request says it is (rank, world size, step) is checked before anything changes.
 
 "Live": a worker that leaves (``PS_LEAVE``, sent by ``ExchangeClient.close``) no longer counts,
 so workers with uneven amounts of data finish without waiting for each other.
@@ -33,10 +42,11 @@ from typing import Any
 import grpc
 import torch
 
-from tensorwire.compression import decode_all, from_wire, payload_total
+from tensorwire.compression import Codec, decode_all, from_wire, payload_total
 from tensorwire.errors import (
     CapacityExceeded,
     InvalidTensor,
+    LimitExceeded,
     ProtocolError,
     TensorwireError,
     TransferTimeout,
@@ -48,10 +58,17 @@ from tensorwire.types import TensorMeta
 from tensorwire.v1 import gradient_service_pb2 as pb
 from tensorwire.wire import meta as wm
 from tensorwire.wire import ps as wps
+from tensorwire.wire.rpc import UNARY_MAX_BYTES
 from tensorwire.wire.tensors import byte_view, empty_for
 
 log = logging.getLogger("tensorwire.ps.exchange")
 MAX_WORLD = 1 << 16
+# What an open round and a remembered tensor name cost against the capacity besides gradient
+# bytes: about what their Python objects take (a round's future, dict and key; a dict entry).
+ROUND_COST = 1024
+NAME_COST = 256
+# The call metadata that places a gRPC gradient in a round (world-size is optional).
+IDENTITY_KEYS = ("worker-id", "step", "tensor-name")
 
 
 @dataclass(eq=False)
@@ -59,7 +76,9 @@ class _Round:
     """One (step, tensor) being averaged."""
 
     world: int
+    cost: int
     grads: dict[int, torch.Tensor] = field(default_factory=dict)
+    settled: bool = False  # its mean is being taken: nobody can join or leave it any more
     result: asyncio.Future[tuple[torch.Tensor, int]] = field(
         default_factory=lambda: asyncio.get_running_loop().create_future()
     )
@@ -68,40 +87,64 @@ class _Round:
 class GradientExchange:
     """The server side: rounds keyed by (step, tensor name); see the module doc."""
 
-    def __init__(self, workers: int = 0, wait_timeout: float = 120.0, capacity: int = 1 << 62) -> None:
-        self.default_world = workers  # for gRPC callers that send no world-size
+    def __init__(self, workers: int = 1, wait_timeout: float = 120.0, capacity: int = 1 << 62) -> None:
+        self.default_world = workers  # for gRPC callers that send no world-size (0: they must)
         self.wait_timeout = wait_timeout
-        self.capacity = capacity  # most bytes of gradients open rounds may hold
+        self.capacity = capacity  # most bytes open rounds and the exchange's tables may hold
         self.held = 0
         self.left: set[int] = set()
         self.rounds_done = 0
         self._rounds: dict[tuple[int, str], _Round] = {}
         self._done: dict[str, int] = {}  # the last step averaged, per tensor
         self._last_world = 0
+        self._means: set[asyncio.Task[torch.Tensor]] = set()  # means being taken (kept from the GC)
 
     async def contribute(
         self, worker: int, world: int, step: int, name: str, grad: torch.Tensor, *, wait: float | None = None
     ) -> tuple[torch.Tensor, int]:
         """Add ``grad`` to its round; return (the mean, how many workers it averages)."""
         world = world or self.default_world
-        _check_rank(worker, world)
-        if not 0 <= step < 1 << 63:
-            raise ProtocolError(f"step {step} is out of range")
+        round_ = self._add(worker, world, step, name, grad)
+        return await self._wait((step, name), round_, worker, wait)
+
+    def _add(self, worker: int, world: int, step: int, name: str, grad: torch.Tensor) -> _Round:
+        """Check everything, then put ``grad`` in its round (nothing changes if a check fails)."""
+        self._charge(self._cost(worker, world, step, name, grad), f"{name!r} of step {step}")
+        return self._put(worker, world, step, name, grad)
+
+    def _cost(self, worker: int, world: int, step: int, name: str, grad: torch.Tensor) -> int:
+        """What adding ``grad`` would cost; raises (changing nothing) if it cannot be added."""
+        _check_identity(worker, world, step, name)
         if step <= self._done.get(name, -1):
             raise ProtocolError(f"step {step} of {name!r} was already averaged without worker {worker}")
+        round_ = self._rounds.get((step, name))
+        if round_ is None:
+            return _nbytes(grad) + ROUND_COST + len(name)
+        _check_like(round_, worker, world, grad, name)
+        return _nbytes(grad)
+
+    def _put(self, worker: int, world: int, step: int, name: str, grad: torch.Tensor) -> _Round:
+        """Add a checked and paid-for ``grad`` to its round (settling it if it is complete)."""
         self.left.discard(worker)  # sending again is rejoining
         key = (step, name)
         round_ = self._rounds.get(key)
         if round_ is None:
-            round_ = self._rounds[key] = _Round(world)
-        _check_like(round_, worker, world, grad, name)
-        nbytes = grad.numel() * grad.element_size()
-        if self.held + nbytes > self.capacity:
-            raise CapacityExceeded(f"open allreduce rounds hold {self.held} bytes; {nbytes} more exceed "
-                                   f"{self.capacity}")  # fmt: skip
+            round_ = self._rounds[key] = _Round(world, ROUND_COST + len(name))
         round_.grads[worker] = grad
-        self.held += nbytes
         self._settle(key, round_)
+        return round_
+
+    def _charge(self, nbytes: int, what: str) -> None:
+        if self.held + nbytes > self.capacity:
+            raise CapacityExceeded(
+                f"the gradient exchange holds {self.held} bytes; {nbytes} more for {what} exceed its "
+                f"{self.capacity} (the server's --capacity)"
+            )
+        self.held += nbytes
+
+    async def _wait(
+        self, key: tuple[int, str], round_: _Round, worker: int, wait: float | None
+    ) -> tuple[torch.Tensor, int]:
         # The caller may ask for a shorter wait, never a longer one than the server's own.
         seconds = self.wait_timeout if wait is None else min(wait, self.wait_timeout)
         try:
@@ -109,6 +152,7 @@ class GradientExchange:
         except TimeoutError:
             self._withdraw(key, round_, worker)
             missing = sorted(set(range(round_.world)) - set(round_.grads) - self.left - {worker})[:16]
+            step, name = key
             raise WaitTimeout(
                 f"waited {seconds:.3g}s for the gradients of step {step} of {name!r} from worker(s) "
                 f"{', '.join(map(str, missing))}"
@@ -119,23 +163,27 @@ class GradientExchange:
 
     def _withdraw(self, key: tuple[int, str], round_: _Round, worker: int) -> None:
         """The worker gets an error, so its gradient does not count: take it out of the round."""
-        if round_.result.done():
+        if round_.settled:
             return
         grad = round_.grads.pop(worker, None)
         if grad is not None:
-            self.held -= grad.numel() * grad.element_size()
+            self.held -= _nbytes(grad)
         if not round_.grads and self._rounds.get(key) is round_:
             del self._rounds[key]
+            self.held -= round_.cost
 
     def leave(self, worker: int) -> None:
         """``worker`` is done: rounds stop waiting for it. Once every worker of a world has left,
         the exchange forgets the run (the next one starts again at step 0)."""
+        if not 0 <= worker < MAX_WORLD:
+            return  # no round can wait for a rank no world has
         self.left.add(worker)
         for key, round_ in list(self._rounds.items()):
             self._settle(key, round_)
         world = max((r.world for r in self._rounds.values()), default=self._last_world)
         if not self._rounds and world and set(range(world)) <= self.left:
             self.left.clear()
+            self.held -= sum(NAME_COST + len(name) for name in self._done)
             self._done.clear()
 
     def _settle(self, key: tuple[int, str], round_: _Round) -> None:
@@ -143,17 +191,30 @@ class GradientExchange:
         if not round_.grads or not expected <= set(round_.grads):
             return
         del self._rounds[key]
+        round_.settled = True
         step, name = key
+        if name not in self._done:  # the name outlives its round: its cost moves over
+            self.held += NAME_COST + len(name)
         self._done[name] = max(step, self._done.get(name, -1))
         self._last_world = round_.world
-        self.held -= sum(g.numel() * g.element_size() for g in round_.grads.values())
         grads = [round_.grads[w] for w in sorted(round_.grads)]
-        mean = grads[0].clone() if len(grads) > 1 else grads[0]
-        for grad in grads[1:]:
-            mean.add_(grad)
-        mean.div_(len(grads))
+        released = round_.cost + sum(_nbytes(g) for g in grads)
         self.rounds_done += 1
-        round_.result.set_result((mean, len(grads)))
+        task = asyncio.ensure_future(asyncio.to_thread(_mean, grads))  # off the loop: N x size adds
+        self._means.add(task)
+        task.add_done_callback(lambda done: self._deliver(round_, done, released))
+
+    def _deliver(self, round_: _Round, done: asyncio.Task[torch.Tensor], released: int) -> None:
+        self._means.discard(done)
+        self.held -= released
+        if round_.result.done():
+            return
+        if done.cancelled():
+            round_.result.cancel()
+        elif done.exception() is not None:
+            round_.result.set_exception(done.exception())  # type: ignore[arg-type]
+        else:
+            round_.result.set_result((done.result(), len(round_.grads)))
 
     # -- the frame protocol ---------------------------------------------------------------------
     async def on_allreduce(self, request: Request) -> None:
@@ -161,32 +222,31 @@ class GradientExchange:
         metas = wm.decode_records(request.meta)
         codec = from_wire(wps.decode_codec(request.meta))
         request.meta.done()
+        world = head.world or self.default_world
+        if len({m.name for m in metas}) != len(metas):
+            raise ProtocolError("ALLREDUCE names the same tensor twice")
+        for meta in metas:  # who is asking, and for what, before a byte is read
+            _check_identity(head.worker, world, head.clock, meta.name)
+            if not meta.dtype.is_floating_point:
+                raise InvalidTensor(f"{meta.name!r}: only floating-point gradients can be averaged")
         sent = (
             sum(m.nbytes for m in metas) if codec is None else payload_total(codec, (m.numel for m in metas))
         )
         if sent != request.header.data_len:
             raise InvalidTensor("the records' sizes do not add up to the frame's data length")
-        if self.held + request.header.data_len > self.capacity:  # refused before a byte is read
-            raise CapacityExceeded(f"{request.header.data_len} more gradient bytes exceed {self.capacity}")
-        if len({m.name for m in metas}) != len(metas):
-            raise ProtocolError("ALLREDUCE names the same tensor twice")
-        for meta in metas:
-            validate_name(meta.name)
-            if not meta.dtype.is_floating_point:
-                raise InvalidTensor(f"{meta.name!r}: only floating-point gradients can be averaged")
-        grads = [empty_for(m) for m in metas]
-        if codec is None:
-            await request.receive([byte_view(g) for g in grads])
-        else:
-            payloads = [torch.empty(codec.payload_bytes(m.numel), dtype=torch.uint8) for m in metas]
-            await request.receive([byte_view(p) for p in payloads])
-            decode_all(codec, payloads, grads)
+        decoded = sum(m.nbytes for m in metas)
+        grads = await self._received(request, metas, codec, decoded)
+        # All of the request's tensors join their rounds, or none: every check first.
+        pairs = list(zip(metas, grads, strict=True))
+        cost = sum(self._cost(head.worker, world, head.clock, m.name, g) for m, g in pairs)
+        self._charge(cost, f"an ALLREDUCE of {len(metas)} tensors")
+        rounds = [self._put(head.worker, world, head.clock, m.name, g) for m, g in pairs]
         wait = head.wait_ms / 1000 if head.wait_ms else None
         with request.waiting():
             results = await asyncio.gather(
                 *(
-                    self.contribute(head.worker, head.world, head.clock, m.name, g, wait=wait)
-                    for m, g in zip(metas, grads, strict=True)
+                    self._wait((head.clock, m.name), r, head.worker, wait)
+                    for m, r in zip(metas, rounds, strict=True)
                 )
             )
         means = [mean for mean, _ in results]
@@ -194,74 +254,134 @@ class GradientExchange:
         out = [TensorMeta(m.name, m.dtype, m.shape, m.nbytes) for m in metas]
         await request.reply(wm.encode_records(out) + wps.encode_u32(count), [byte_view(t) for t in means])
 
+    async def _received(
+        self, request: Request, metas: Sequence[TensorMeta], codec: Codec | None, decoded: int
+    ) -> list[torch.Tensor]:
+        """The request's gradients, read (and decoded, in a worker thread) into tensors whose
+        bytes, and the payloads' while they are decoded, are held against the capacity first."""
+        scratch = request.header.data_len if codec is not None else 0
+        self._charge(decoded + scratch, f"an ALLREDUCE of {len(metas)} tensors")
+        try:
+            grads = [empty_for(m) for m in metas]
+            if codec is None:
+                await request.receive([byte_view(g) for g in grads])
+                return grads
+            payloads = [torch.empty(codec.payload_bytes(m.numel), dtype=torch.uint8) for m in metas]
+            await request.receive([byte_view(p) for p in payloads])
+            await asyncio.to_thread(decode_all, codec, payloads, grads)
+            return grads
+        finally:
+            self.held -= decoded + scratch  # ``_add`` charges each gradient it keeps
+
     # -- gRPC -----------------------------------------------------------------------------------
     def rpc_handler(self) -> grpc.GenericRpcHandler:
+        # The request arrives as raw bytes and is parsed in a worker thread (``_gradient_of``).
         method = grpc.unary_unary_rpc_method_handler(
             self._update_gradient,
-            request_deserializer=pb.GradientRequest.FromString,
+            request_deserializer=None,
             response_serializer=pb.GradientResponse.SerializeToString,
         )
         return grpc.method_handlers_generic_handler("train.GradientService", {"UpdateGradient": method})
 
-    async def _update_gradient(self, request: pb.GradientRequest, context: Any) -> pb.GradientResponse:
+    async def _update_gradient(self, raw: bytes, context: Any) -> pb.GradientResponse:
         try:
             metadata = context.invocation_metadata() or ()
-            worker, world, step, name = _call_metadata(metadata)
-            grad = _gradient_of(request.gradient, metadata)
+            identity = _call_metadata(metadata, self.default_world)
+            grad = await self._gradient_of(raw, metadata)
+            if identity is None:  # a one-worker exchange: the mean is the gradient
+                return pb.GradientResponse(updated_gradient=grad.numpy().tobytes())
             remaining = context.time_remaining()
             wait = (
                 self.wait_timeout if remaining is None else min(self.wait_timeout, max(remaining - 0.05, 0))
             )
-            mean, _ = await self.contribute(worker, world, step, name, grad, wait=wait)
+            mean, _ = await self.contribute(*identity, grad, wait=wait)
         except TensorwireError as exc:
             await context.abort(_grpc_code(exc), str(exc))
             raise AssertionError("unreachable: abort raises") from exc
         return pb.GradientResponse(updated_gradient=mean.numpy().tobytes())
 
+    async def _gradient_of(self, raw: bytes, metadata: Sequence[tuple[str, Any]]) -> torch.Tensor:
+        """The float32 gradient a gRPC call carries: raw, or in the codec its metadata names (with
+        ``numel``, which a payload's size does not always tell). Its decoded size is checked
+        against the capacity (and the largest answer a message can carry) before it is made."""
+        values = {key: value for key, value in metadata if isinstance(value, str)}
+        codec = from_wire(values.get("codec"))
+        numel = len(raw) // 4  # at most: the message also has its field's key and length
+        if codec is not None:
+            text = values.get("numel", "")
+            if not (text.isascii() and text.isdigit()) or len(text) > 19:
+                raise ProtocolError("a compressed gradient needs the call metadata numel (its element count)")
+            numel = int(text)
+        if 4 * numel > UNARY_MAX_BYTES:
+            raise LimitExceeded(
+                f"a gradient of {numel} elements: its float32 answer would exceed the {UNARY_MAX_BYTES}-byte "
+                "gRPC message limit"
+            )
+        size = 4 * numel + len(raw)  # the tensor, and the parsed copy of the payload
+        self._charge(size, "a gRPC gradient")
+        try:
+            return await asyncio.to_thread(_decode_request, raw, codec, numel)
+        finally:
+            self.held -= size  # ``_add`` charges the gradient if it joins a round
 
-def _call_metadata(metadata: Sequence[tuple[str, Any]]) -> tuple[int, int, int, str]:
-    """(worker-id, world-size or 0, step, tensor-name) from a call's metadata, checked."""
+
+def _decode_request(raw: bytes, codec: Codec | None, numel: int) -> torch.Tensor:
+    """Parse a ``GradientRequest`` and decode its gradient (in a worker thread)."""
+    try:
+        data: bytes = pb.GradientRequest.FromString(raw).gradient
+    except Exception as exc:  # protobuf's DecodeError
+        raise ProtocolError(f"a malformed GradientRequest: {exc}") from None
+    if codec is None:
+        if len(data) % 4:
+            raise InvalidTensor(f"gradient of {len(data)} bytes is not float32 data")
+        return torch.frombuffer(bytearray(data), dtype=torch.float32) if data else torch.empty(0)
+    if codec.payload_bytes(numel) != len(data):
+        raise InvalidTensor(f"a {codec.name} gradient of {numel} elements is not {len(data)} bytes")
+    payload = (
+        torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
+    )
+    return codec.decode(payload, torch.empty(numel))
+
+
+def _call_metadata(
+    metadata: Sequence[tuple[str, Any]], default_world: int
+) -> tuple[int, int, int, str] | None:
+    """(worker-id, world-size, step, tensor-name) from a call's metadata, checked; None for a call
+    that sends none of worker-id, step and tensor-name to a one-worker world."""
     values = {key: value for key, value in metadata if isinstance(value, str)}
-    missing = [k for k in ("worker-id", "step", "tensor-name") if k not in values]
+    try:
+        world = int(values.get("world-size", "0") or "0") or default_world
+    except ValueError:
+        raise ProtocolError(f"world-size must be a whole number, not {values['world-size'][:32]!r}") from None
+    missing = [k for k in IDENTITY_KEYS if k not in values]
+    if len(missing) == len(IDENTITY_KEYS):
+        if world == 1:
+            return None
+        raise ProtocolError(
+            f"UpdateGradient without call metadata is a one-worker exchange, but this one has "
+            f"{world or 'no default'} workers (world-size, or the server's --workers): send the call "
+            f"metadata {', '.join(IDENTITY_KEYS)} (and world-size) with each gradient"
+        )
     if missing:
         raise ProtocolError(f"UpdateGradient needs call metadata {', '.join(missing)}")
     try:
         worker, step = int(values["worker-id"]), int(values["step"])
-        world = int(values.get("world-size", "0"))
     except ValueError as exc:
-        raise ProtocolError(f"worker-id, step and world-size must be whole numbers: {exc}") from None
-    if step < 0 or worker < 0 or world < 0:
-        raise ProtocolError("worker-id, step and world-size cannot be negative")
+        raise ProtocolError(f"worker-id and step must be whole numbers: {str(exc)[:80]}") from None
     name = values["tensor-name"]
-    validate_name(name)
+    _check_identity(worker, world, step, name)
     return worker, world, step, name
 
 
-def _gradient_of(raw: bytes, metadata: Sequence[tuple[str, Any]]) -> torch.Tensor:
-    """The float32 gradient a gRPC call carries: raw, or in the codec its metadata names (with
-    ``numel``, which a payload's size does not always tell)."""
-    values = {key: value for key, value in metadata if isinstance(value, str)}
-    codec = from_wire(values.get("codec"))
-    if codec is None:
-        if len(raw) % 4:
-            raise InvalidTensor(f"gradient of {len(raw)} bytes is not float32 data")
-        return torch.frombuffer(bytearray(raw), dtype=torch.float32) if raw else torch.empty(0)
-    numel = values.get("numel", "")
-    if not numel.isdigit():
-        raise ProtocolError("a compressed gradient needs the call metadata numel (its element count)")
-    if codec.payload_bytes(int(numel)) != len(raw):
-        raise InvalidTensor(f"a {codec.name} gradient of {numel} elements is not {len(raw)} bytes")
-    payload = (
-        torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
-    )
-    return codec.decode(payload, torch.empty(int(numel)))
-
-
-def _check_rank(worker: int, world: int) -> None:
+def _check_identity(worker: int, world: int, step: int, name: str) -> None:
+    """Who a gradient says it is from, and for what: checked before anything changes."""
     if not 0 < world <= MAX_WORLD:
         raise ProtocolError(f"a world of {world} workers (set world-size, or serve with --workers)")
     if not 0 <= worker < world:
         raise ProtocolError(f"worker {worker} is not a rank of a world of {world}")
+    if not 0 <= step < 1 << 63:
+        raise ProtocolError(f"step {step} is out of range")
+    validate_name(name)
 
 
 def _check_like(round_: _Round, worker: int, world: int, grad: torch.Tensor, name: str) -> None:
@@ -279,9 +399,23 @@ def _check_like(round_: _Round, worker: int, world: int, grad: torch.Tensor, nam
         )
 
 
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+def _mean(grads: list[torch.Tensor]) -> torch.Tensor:
+    """The mean of ``grads``, summed in the order given (every worker gets the same bits)."""
+    mean = grads[0].clone() if len(grads) > 1 else grads[0]
+    for grad in grads[1:]:
+        mean.add_(grad)
+    return mean.div_(len(grads))
+
+
 def _grpc_code(exc: TensorwireError) -> grpc.StatusCode:
     if isinstance(exc, TransferTimeout):
         return grpc.StatusCode.DEADLINE_EXCEEDED
+    if isinstance(exc, (LimitExceeded, CapacityExceeded)):
+        return grpc.StatusCode.RESOURCE_EXHAUSTED
     if isinstance(exc, (ProtocolError, InvalidTensor, ValueError)):
         return grpc.StatusCode.INVALID_ARGUMENT
     return grpc.StatusCode.INTERNAL

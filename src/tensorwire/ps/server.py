@@ -209,7 +209,7 @@ class ParamServer:
     def __init__(
         self,
         wait_timeout: float = 120.0,
-        workers: int = 0,
+        workers: int = 1,
         capacity: int = 1 << 62,
         *,
         heartbeat_timeout: float = 0.0,

@@ -1,7 +1,11 @@
 """TLS over TCP: ``tls://host:port``, the frame protocol inside TLS 1.2+ (security.py builds the
 contexts). The stream is a ``TcpStream`` whose socket is an ``ssl.SSLSocket``: the same readiness
 machinery, plus the two waits TLS adds (a read that needs the peer to speak first, a write that
-must wait for room) and no ``sendmsg`` (TLS writes record by record)."""
+must wait for room) and no ``sendmsg`` (TLS writes record by record).
+
+A server's stream shakes hands on its first read or write, not in the accept loop: the handshake
+runs inside the connection's session, so it counts against the server's connection limit and
+falls under its deadline for a connection to authenticate (``Server.auth_timeout``)."""
 
 from __future__ import annotations
 
@@ -24,6 +28,12 @@ HANDSHAKE_TIMEOUT = 10.0  # a peer that does not finish its TLS handshake in thi
 class TlsStream(tcp.TcpStream):
     _sock: ssl.SSLSocket
 
+    def __init__(self, sock: ssl.SSLSocket, *, shake_on_first_use: bool = False) -> None:
+        super().__init__(sock)
+        # Set on a server's streams. The session that owns one reads or writes, never both at
+        # once, before its first frame is in, so one handshake runs at a time.
+        self._unshaken = shake_on_first_use
+
     async def handshake(self, timeout: float) -> None:
         """Run the TLS handshake; TransferTimeout or ConnectError (naming the reason) on failure."""
         try:
@@ -31,8 +41,19 @@ class TlsStream(tcp.TcpStream):
         except TimeoutError as exc:
             raise TransferTimeout(f"waited {timeout:.3g}s for the TLS handshake with {self.peer}") from exc
 
+    async def _first_use(self) -> None:
+        """The deferred handshake of a server's stream; a failed one ends the connection."""
+        try:
+            await self.handshake(HANDSHAKE_TIMEOUT)
+        except (ConnectError, TransferTimeout) as exc:
+            log.info("refused %s: %s", self.peer, exc)
+            raise ConnectionLost(str(exc)) from exc
+        self._unshaken = False
+
     async def _handshake(self) -> None:
         while True:
+            if self._closed:
+                raise ConnectionLost(f"connection to {self.peer} was closed during its TLS handshake")
             try:
                 self._sock.do_handshake()
                 return
@@ -44,6 +65,8 @@ class TlsStream(tcp.TcpStream):
                 raise ConnectError(f"TLS handshake with {self.peer} failed: {exc}") from exc
 
     async def recv_into(self, buf: memoryview) -> int:
+        if self._unshaken:
+            await self._first_use()
         while True:
             if self._closed:
                 raise ConnectionLost(f"connection to {self.peer} is closed")
@@ -63,6 +86,8 @@ class TlsStream(tcp.TcpStream):
             return got
 
     async def send(self, buffers: Sequence[Buffer]) -> None:
+        if self._unshaken:
+            await self._first_use()
         for buffer in buffers:
             view = memoryview(buffer).cast("B")
             while view.nbytes:
@@ -100,17 +125,12 @@ async def connect(address: Address, timeout: float, context: ssl.SSLContext) -> 
 
 
 async def listen(address: Address, handler: StreamHandler, context: ssl.SSLContext) -> tcp.TcpListener:
-    """Serve TLS on ``address``: each connection's handshake runs before ``handler`` sees it."""
+    """Serve TLS on ``address``: ``handler`` gets each connection at once; its handshake runs on
+    the stream's first read or write (ConnectionLost if it fails or takes ``HANDSHAKE_TIMEOUT``)."""
 
     async def accept(sock: socket.socket) -> tcp.TcpStream | None:
         sock.setblocking(False)
-        stream = TlsStream(context.wrap_socket(sock, server_side=True, do_handshake_on_connect=False))
-        try:
-            await stream.handshake(HANDSHAKE_TIMEOUT)
-        except (ConnectError, TransferTimeout) as exc:
-            log.info("refused %s: %s", stream.peer, exc)
-            await stream.close()
-            return None
-        return stream
+        wrapped = context.wrap_socket(sock, server_side=True, do_handshake_on_connect=False)
+        return TlsStream(wrapped, shake_on_first_use=True)
 
     return await tcp.listen(address, handler, accept, scheme="tls")
