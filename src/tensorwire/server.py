@@ -96,6 +96,12 @@ class Request:
     def peer(self) -> str:
         return self._session.stream.peer
 
+    @property
+    def transport(self) -> str:
+        """The kind of listener the request came in on ("tcp", "tls", "shm", "memory"): an opcode
+        that belongs to one transport checks it before anything else."""
+        return self._session.transport
+
     def session_state(self, key: type[S]) -> S:
         """This connection's instance of ``key`` (made with ``key()`` on first use): an extension's
         per-connection state. Its ``close()``, if it has one, runs when the connection ends."""
