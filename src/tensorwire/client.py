@@ -10,10 +10,13 @@ same value, at a later version); ``delete`` is retried only when the request nev
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
+import os
 import random
 import secrets
 import time
+import weakref
 from collections.abc import Awaitable, Callable, Coroutine, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,8 +28,16 @@ from tensorwire import staging, stripe
 from tensorwire import transport as transports
 from tensorwire._gc import gc_paused
 from tensorwire._loop import LoopThread
+from tensorwire._timeouts import Deadline
 from tensorwire.cache import TensorCache
-from tensorwire.errors import ConnectError, InvalidTensor, ProtocolError, TensorwireError, VersionChanged
+from tensorwire.errors import (
+    ConnectError,
+    InvalidTensor,
+    ProtocolError,
+    TensorwireError,
+    TransferTimeout,
+    VersionChanged,
+)
 from tensorwire.security import Security, TlsFiles, client_token
 from tensorwire.store.names import validate_name, validate_prefix
 from tensorwire.transport.base import Transport
@@ -79,6 +90,9 @@ class ClientOptions:
     # or nothing within cache_lease seconds of the last confirmation (cache.py).
     cache_bytes: int = 0
     cache_lease: float = 0.0
+    # A whole command's deadline (`dataset fetch --deadline`): every call of a blocking Client gives
+    # up at it with TransferTimeout, whatever its own timeouts and retries would still allow.
+    deadline: Deadline | None = None
 
     def security(self) -> Security:
         files = [self.tls_cert, self.tls_key, self.tls_ca]
@@ -517,6 +531,7 @@ class Client:
 
     def __init__(self, url: str, options: ClientOptions | None = None) -> None:
         self._worst_case = (options or ClientOptions()).worst_case
+        self._deadline = (options or ClientOptions()).deadline
         self._url = url
         self._thread = LoopThread("tensorwire-client")
         self._loop = self._thread.loop
@@ -525,6 +540,9 @@ class Client:
         except BaseException:
             self._stop()
             raise
+        # A client dropped without close(), or still open at exit, closes its connection (its read
+        # loop ends) and stops its loop all the same: nothing is left pending to be destroyed.
+        self._finalizer = weakref.finalize(self, _shut, self._thread, self._async, os.getpid())
 
     @property
     def transport(self) -> str:
@@ -544,7 +562,20 @@ class Client:
 
     def _call(self, coro: Coroutine[Any, Any, T]) -> T:
         # The worst case is a backstop: the client's own timers should have fired long before.
-        return self._thread.call(coro, self._worst_case, f"a call to {self._url}")
+        deadline = self._deadline
+        if deadline is None:
+            return self._thread.call(coro, self._worst_case, f"a call to {self._url}")
+        if deadline.remaining() <= 0:
+            coro.close()
+            raise deadline.expired()
+        try:  # cut short at the deadline: the call is cancelled, and its connection dropped
+            return self._thread.call(
+                coro, min(self._worst_case, deadline.remaining()), f"a call to {self._url}"
+            )
+        except TransferTimeout as exc:
+            if deadline.remaining() > 0:
+                raise
+            raise deadline.expired() from exc
 
     def connect(self) -> Client:
         self._call(self._async.connect())
@@ -590,12 +621,8 @@ class Client:
         return self._call(self._async.ping())
 
     def close(self) -> None:
-        if self._loop.is_closed():
-            return
-        try:
-            self._call(self._async.close())
-        finally:
-            self._stop()
+        """Close the connection and stop the client's loop (once; later calls do nothing)."""
+        self._finalizer()
 
     def _stop(self) -> None:
         self._thread.stop()
@@ -606,10 +633,23 @@ class Client:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def __del__(self) -> None:
-        loop = getattr(self, "_loop", None)
-        if loop is not None and not loop.is_closed() and loop.is_running():
-            loop.call_soon_threadsafe(loop.stop)
+
+CLOSE_TIMEOUT = 10.0  # closing cancels the read loop and closes a socket: it takes milliseconds
+
+
+def _shut(thread: LoopThread, client: AsyncClient, pid: int) -> None:
+    """``Client.close``, also run when a client is garbage or the interpreter exits (finalize)."""
+    if os.getpid() != pid or thread.loop.is_closed():
+        return  # a forked child: the loop's thread exists only in the parent
+    if thread.on_loop():  # dropped by code running on its own loop: close there, then stop it
+        task = thread.loop.create_task(client.close())
+        task.add_done_callback(lambda _: thread.loop.stop())
+        return
+    try:
+        with contextlib.suppress(TensorwireError):  # a broken connection closes all the same
+            thread.call(client.close(), CLOSE_TIMEOUT, f"closing the client of {client.url}")
+    finally:
+        thread.stop()
 
 
 async def _make_async(url: str, options: ClientOptions | None) -> AsyncClient:
