@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import logging
 import os
 import random
 import secrets
@@ -38,6 +39,7 @@ from tensorwire.errors import (
     TransferTimeout,
     VersionChanged,
 )
+from tensorwire.logs import event
 from tensorwire.security import Security, TlsFiles, client_token
 from tensorwire.store.names import validate_name, validate_prefix
 from tensorwire.transport.base import Transport
@@ -51,6 +53,7 @@ from tensorwire.wire.frame import Opcode
 from tensorwire.wire.tensors import byte_view, check_out, empty_for, sendable
 
 T = TypeVar("T")
+log = logging.getLogger("tensorwire.client")
 Progress = Callable[[int], None]
 TensorItems = Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
 
@@ -87,7 +90,8 @@ class ClientOptions:
     stripe_bytes: int = 64 << 20
     stripes: int = 1
     # Cached copies of what `get` read, up to cache_bytes (0: no cache). A cached get costs one STAT,
-    # or nothing within cache_lease seconds of the last confirmation (cache.py).
+    # or nothing within cache_lease seconds of the last confirmation (cache.py); copies are keyed by
+    # the store that answered (HELLO store_id), so a gRPC server (which gives none) caches nothing.
     cache_bytes: int = 0
     cache_lease: float = 0.0
     # A whole command's deadline (`dataset fetch --deadline`): every call of a blocking Client gives
@@ -128,6 +132,7 @@ class AsyncClient:
         self._sizes: dict[str, int] = {}  # bytes of tensors this client moved: may a get be striped?
         self.resumed_at: list[int] = []  # where each resumed put went on from (bytes already verified)
         self._closed = False
+        self._warned_unverifiable = False
 
     @property
     def transport(self) -> str:
@@ -227,17 +232,39 @@ class AsyncClient:
             return (await self._get(name, out, progress))[0]
         entry = self.cache.lookup(name)
         if entry is not None:
-            if self.cache.leased(entry):
+            if self.cache.leased(entry, self._connected_store()):
                 self.cache.hits += 1
                 return entry.hand_out(out)
-            if entry.matches(await self.stat(name)):
+            if entry.matches(*await self._stat_with_store(name)):
                 self.cache.confirm(entry)
                 self.cache.hits += 1
                 self.cache.checks += 1
                 return entry.hand_out(out)
+        before = self._connected_store()
         tensor, version = await self._get(name, out, progress)
-        self.cache.store(name, version, tensor)
+        after = self._connected_store()
+        # Cached only if one store answered throughout (a reconnect mid-get may have reached another).
+        self.cache.store(name, version, tensor, after if after == before or not before else 0)
+        if after == 0 and not self._warned_unverifiable:
+            self._warned_unverifiable = True
+            why = "the server does not say which store answers (gRPC, or an older server)"
+            event(log, logging.INFO, "client cache off", server=self.url, reason=why)
         return tensor
+
+    def _connected_store(self) -> int:
+        """The store_id of the server this client is connected to now (0: not connected, or a
+        server that does not say)."""
+        t = self._transport
+        return t.info.store_id if t is not None and not t.closed else 0
+
+    async def _stat_with_store(self, name: str) -> tuple[TensorMeta, int]:
+        """STAT, and the store_id of the connection that answered it."""
+
+        async def op(t: Transport) -> tuple[TensorMeta, int]:
+            metas = await t.stat([name])
+            return metas[0], t.info.store_id
+
+        return await self._run(op)
 
     async def _get(
         self, name: str, out: torch.Tensor | None, progress: Progress | None
@@ -418,7 +445,10 @@ class AsyncClient:
         async with self._open_lock:
             if self._transport is None or self._transport.closed:
                 options = self._transport_options()
+                previous = self._transport.info.store_id if self._transport is not None else 0
                 self._transport = await transports.open_transport(self.address, options)
+                if previous and self._transport.info.store_id != previous:
+                    self.cache.clear()  # another store now answers here: no copy can be confirmed
             return self._transport
 
     def _transport_options(self) -> transports.TransportOptions:
