@@ -751,7 +751,9 @@ def status(
     """A one-screen summary of a cluster: which SERVERS are up, their role, shards, load and lag.
 
     SERVERS are URLs (HOST:PORT means tcp://); `a|b` names the replicas of one slot. Each is asked
-    STATUS, and its metrics (serve --metrics-port) are scraped. Exits 1 if any server is down."""
+    STATUS, and its metrics (serve --metrics-port) are scraped: only http(s) URLs, at most 16 MiB.
+    Each server's whole probe ends within 3 x --timeout, however slowly it answers. Exits 1 if any
+    server is down."""
     from tensorwire import status as cluster
 
     nodes = cluster.collect([*servers, *metrics_urls], timeout, tls_ca=str(tls_ca) if tls_ca else None,
