@@ -321,9 +321,11 @@ def write_dev_certs(
     paths = {name: directory / filename for name, filename in _DEV_FILES.items()}
     if not overwrite:
         # Check all six before writing any, so a refusal leaves no half-written set behind.
-        existing = [str(p) for p in paths.values() if p.exists()]
+        existing = [str(p) for p in paths.values() if os.path.lexists(p)]  # a dangling link counts
         if existing:
-            raise FileExistsError(f"refusing to overwrite {', '.join(existing)} (pass overwrite=True)")
+            raise FileExistsError(
+                f"refusing to overwrite {', '.join(existing)} (certs --overwrite; overwrite=True)"
+            )
     directory.mkdir(parents=True, exist_ok=True)
     pems = _dev_cert_pems([check_cert_host(h) for h in hosts], days)
     for name, path in paths.items():
