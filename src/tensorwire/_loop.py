@@ -49,6 +49,10 @@ class LoopThread:
         (a backstop: the coroutine's own timers should fire first)."""
         return wait(self.submit(coro), timeout, what)
 
+    def on_loop(self) -> bool:
+        """Whether the caller runs on this loop's own thread (where ``call`` would wait for itself)."""
+        return threading.current_thread() is self._thread
+
     def stop(self) -> None:
         if self.loop.is_closed():
             return

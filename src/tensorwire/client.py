@@ -10,10 +10,14 @@ same value, at a later version); ``delete`` is retried only when the request nev
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
+import logging
+import os
 import random
 import secrets
 import time
+import weakref
 from collections.abc import Awaitable, Callable, Coroutine, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,8 +29,17 @@ from tensorwire import staging, stripe
 from tensorwire import transport as transports
 from tensorwire._gc import gc_paused
 from tensorwire._loop import LoopThread
+from tensorwire._timeouts import Deadline
 from tensorwire.cache import TensorCache
-from tensorwire.errors import ConnectError, InvalidTensor, ProtocolError, TensorwireError, VersionChanged
+from tensorwire.errors import (
+    ConnectError,
+    InvalidTensor,
+    ProtocolError,
+    TensorwireError,
+    TransferTimeout,
+    VersionChanged,
+)
+from tensorwire.logs import event
 from tensorwire.security import Security, TlsFiles, client_token
 from tensorwire.store.names import validate_name, validate_prefix
 from tensorwire.transport.base import Transport
@@ -40,6 +53,7 @@ from tensorwire.wire.frame import Opcode
 from tensorwire.wire.tensors import byte_view, check_out, empty_for, sendable
 
 T = TypeVar("T")
+log = logging.getLogger("tensorwire.client")
 Progress = Callable[[int], None]
 TensorItems = Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
 
@@ -76,9 +90,13 @@ class ClientOptions:
     stripe_bytes: int = 64 << 20
     stripes: int = 1
     # Cached copies of what `get` read, up to cache_bytes (0: no cache). A cached get costs one STAT,
-    # or nothing within cache_lease seconds of the last confirmation (cache.py).
+    # or nothing within cache_lease seconds of the last confirmation (cache.py); copies are keyed by
+    # the store that answered (HELLO store_id), so a gRPC server (which gives none) caches nothing.
     cache_bytes: int = 0
     cache_lease: float = 0.0
+    # A whole command's deadline (`dataset fetch --deadline`): every call of a blocking Client gives
+    # up at it with TransferTimeout, whatever its own timeouts and retries would still allow.
+    deadline: Deadline | None = None
 
     def security(self) -> Security:
         files = [self.tls_cert, self.tls_key, self.tls_ca]
@@ -114,6 +132,7 @@ class AsyncClient:
         self._sizes: dict[str, int] = {}  # bytes of tensors this client moved: may a get be striped?
         self.resumed_at: list[int] = []  # where each resumed put went on from (bytes already verified)
         self._closed = False
+        self._warned_unverifiable = False
 
     @property
     def transport(self) -> str:
@@ -213,17 +232,39 @@ class AsyncClient:
             return (await self._get(name, out, progress))[0]
         entry = self.cache.lookup(name)
         if entry is not None:
-            if self.cache.leased(entry):
+            if self.cache.leased(entry, self._connected_store()):
                 self.cache.hits += 1
                 return entry.hand_out(out)
-            if entry.matches(await self.stat(name)):
+            if entry.matches(*await self._stat_with_store(name)):
                 self.cache.confirm(entry)
                 self.cache.hits += 1
                 self.cache.checks += 1
                 return entry.hand_out(out)
+        before = self._connected_store()
         tensor, version = await self._get(name, out, progress)
-        self.cache.store(name, version, tensor)
+        after = self._connected_store()
+        # Cached only if one store answered throughout (a reconnect mid-get may have reached another).
+        self.cache.store(name, version, tensor, after if after == before or not before else 0)
+        if after == 0 and not self._warned_unverifiable:
+            self._warned_unverifiable = True
+            why = "the server does not say which store answers (gRPC, or an older server)"
+            event(log, logging.INFO, "client cache off", server=self.url, reason=why)
         return tensor
+
+    def _connected_store(self) -> int:
+        """The store_id of the server this client is connected to now (0: not connected, or a
+        server that does not say)."""
+        t = self._transport
+        return t.info.store_id if t is not None and not t.closed else 0
+
+    async def _stat_with_store(self, name: str) -> tuple[TensorMeta, int]:
+        """STAT, and the store_id of the connection that answered it."""
+
+        async def op(t: Transport) -> tuple[TensorMeta, int]:
+            metas = await t.stat([name])
+            return metas[0], t.info.store_id
+
+        return await self._run(op)
 
     async def _get(
         self, name: str, out: torch.Tensor | None, progress: Progress | None
@@ -404,7 +445,10 @@ class AsyncClient:
         async with self._open_lock:
             if self._transport is None or self._transport.closed:
                 options = self._transport_options()
+                previous = self._transport.info.store_id if self._transport is not None else 0
                 self._transport = await transports.open_transport(self.address, options)
+                if previous and self._transport.info.store_id != previous:
+                    self.cache.clear()  # another store now answers here: no copy can be confirmed
             return self._transport
 
     def _transport_options(self) -> transports.TransportOptions:
@@ -517,6 +561,7 @@ class Client:
 
     def __init__(self, url: str, options: ClientOptions | None = None) -> None:
         self._worst_case = (options or ClientOptions()).worst_case
+        self._deadline = (options or ClientOptions()).deadline
         self._url = url
         self._thread = LoopThread("tensorwire-client")
         self._loop = self._thread.loop
@@ -525,6 +570,9 @@ class Client:
         except BaseException:
             self._stop()
             raise
+        # A client dropped without close(), or still open at exit, closes its connection (its read
+        # loop ends) and stops its loop all the same: nothing is left pending to be destroyed.
+        self._finalizer = weakref.finalize(self, _shut, self._thread, self._async, os.getpid())
 
     @property
     def transport(self) -> str:
@@ -544,7 +592,20 @@ class Client:
 
     def _call(self, coro: Coroutine[Any, Any, T]) -> T:
         # The worst case is a backstop: the client's own timers should have fired long before.
-        return self._thread.call(coro, self._worst_case, f"a call to {self._url}")
+        deadline = self._deadline
+        if deadline is None:
+            return self._thread.call(coro, self._worst_case, f"a call to {self._url}")
+        if deadline.remaining() <= 0:
+            coro.close()
+            raise deadline.expired()
+        try:  # cut short at the deadline: the call is cancelled, and its connection dropped
+            return self._thread.call(
+                coro, min(self._worst_case, deadline.remaining()), f"a call to {self._url}"
+            )
+        except TransferTimeout as exc:
+            if deadline.remaining() > 0:
+                raise
+            raise deadline.expired() from exc
 
     def connect(self) -> Client:
         self._call(self._async.connect())
@@ -590,12 +651,8 @@ class Client:
         return self._call(self._async.ping())
 
     def close(self) -> None:
-        if self._loop.is_closed():
-            return
-        try:
-            self._call(self._async.close())
-        finally:
-            self._stop()
+        """Close the connection and stop the client's loop (once; later calls do nothing)."""
+        self._finalizer()
 
     def _stop(self) -> None:
         self._thread.stop()
@@ -606,10 +663,23 @@ class Client:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def __del__(self) -> None:
-        loop = getattr(self, "_loop", None)
-        if loop is not None and not loop.is_closed() and loop.is_running():
-            loop.call_soon_threadsafe(loop.stop)
+
+CLOSE_TIMEOUT = 10.0  # closing cancels the read loop and closes a socket: it takes milliseconds
+
+
+def _shut(thread: LoopThread, client: AsyncClient, pid: int) -> None:
+    """``Client.close``, also run when a client is garbage or the interpreter exits (finalize)."""
+    if os.getpid() != pid or thread.loop.is_closed():
+        return  # a forked child: the loop's thread exists only in the parent
+    if thread.on_loop():  # dropped by code running on its own loop: close there, then stop it
+        task = thread.loop.create_task(client.close())
+        task.add_done_callback(lambda _: thread.loop.stop())
+        return
+    try:
+        with contextlib.suppress(TensorwireError):  # a broken connection closes all the same
+            thread.call(client.close(), CLOSE_TIMEOUT, f"closing the client of {client.url}")
+    finally:
+        thread.stop()
 
 
 async def _make_async(url: str, options: ClientOptions | None) -> AsyncClient:

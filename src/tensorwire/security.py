@@ -24,18 +24,22 @@ take about 0.2 s to import, which a socket-only server or a short CLI command sh
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import errno
 import hmac
 import ipaddress
 import logging
 import os
+import re
 import ssl
 import stat
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+from tensorwire._fs import create_file, write_file
 
 if TYPE_CHECKING:
     import grpc
@@ -55,6 +59,8 @@ __all__ = [
     "client_token",
     "tokens_match",
     "write_dev_certs",
+    "DEV_CERT_HOSTS",
+    "check_cert_host",
     "is_loopback",
     "exposure_warning",
 ]
@@ -275,9 +281,25 @@ _DEV_FILES = {
 }
 
 
+DEV_CERT_HOSTS = ("localhost", "127.0.0.1", "::1")  # `tensorwire certs` always names these
+_DNS_LABEL = re.compile(r"(?!-)[A-Za-z0-9-]{1,63}(?<!-)")
+
+
+def check_cert_host(host: str) -> str:
+    """``host`` if a certificate can name it: an IP address, or a DNS name (letters, digits and
+    hyphens in dot-separated labels, optionally ``*.`` first); ValueError otherwise."""
+    text = host.strip().strip("[]")
+    with contextlib.suppress(ValueError):
+        return str(ipaddress.ip_address(text))
+    labels = text.removeprefix("*.").removesuffix(".").split(".")
+    if not text or len(text) > 253 or not all(_DNS_LABEL.fullmatch(label) for label in labels):
+        raise ValueError(f"{host!r} is neither an IP address nor a DNS name")
+    return text
+
+
 def write_dev_certs(
     directory: Path,
-    hosts: Sequence[str] = ("localhost", "127.0.0.1", "::1"),
+    hosts: Sequence[str] = DEV_CERT_HOSTS,
     days: int = 365,
     *,
     overwrite: bool = False,
@@ -299,11 +321,13 @@ def write_dev_certs(
     paths = {name: directory / filename for name, filename in _DEV_FILES.items()}
     if not overwrite:
         # Check all six before writing any, so a refusal leaves no half-written set behind.
-        existing = [str(p) for p in paths.values() if p.exists()]
+        existing = [str(p) for p in paths.values() if os.path.lexists(p)]  # a dangling link counts
         if existing:
-            raise FileExistsError(f"refusing to overwrite {', '.join(existing)} (pass overwrite=True)")
+            raise FileExistsError(
+                f"refusing to overwrite {', '.join(existing)} (certs --overwrite; overwrite=True)"
+            )
     directory.mkdir(parents=True, exist_ok=True)
-    pems = _dev_cert_pems(list(hosts), days)
+    pems = _dev_cert_pems([check_cert_host(h) for h in hosts], days)
     for name, path in paths.items():
         _write_pem(path, pems[name], private=name.endswith("_key"), overwrite=overwrite)
     return paths
@@ -446,14 +470,11 @@ def _key_pem(key: ec.EllipticCurvePrivateKey) -> bytes:
 
 
 def _write_pem(path: Path, data: bytes, *, private: bool, overwrite: bool) -> None:
-    # O_EXCL closes the race between the existence check and the write; a key file is created
-    # 0o600 from the start, never written first and chmod-ed after.
-    flags = os.O_WRONLY | os.O_CREAT | (os.O_TRUNC if overwrite else os.O_EXCL)
-    fd = os.open(path, flags, 0o600 if private else 0o644)
-    with os.fdopen(fd, "wb") as f:
-        if private and os.name != "nt":
-            os.fchmod(f.fileno(), 0o600)  # an overwritten file keeps its old mode otherwise
-        f.write(data)
+    # Never through a link planted in the directory: a new file is created O_EXCL | O_NOFOLLOW
+    # (closing the race between the existence check and the write), an overwrite goes to a fresh
+    # temporary file renamed over the old one. A key file is 0o600 from its first byte.
+    mode = 0o600 if private else 0o644
+    (write_file if overwrite else create_file)(path, lambda f: f.write(data), mode)
 
 
 # --- exposure -------------------------------------------------------------------------------------

@@ -17,6 +17,7 @@ import functools
 import json
 import logging
 import os
+import secrets
 import struct
 import threading
 import time
@@ -74,7 +75,8 @@ from tensorwire.wire.frame import (
 log = logging.getLogger("tensorwire.server")
 S = TypeVar("S")
 _RID = struct.Struct("<Q")
-_HELLO_MAX_META = 4 + MAX_TOKEN_BYTES  # two version bytes, a u16 length, the token
+# Two version bytes, a u16 length, the token, the compression field (2), wants (1).
+_HELLO_MAX_META = 7 + MAX_TOKEN_BYTES
 
 
 class Request:
@@ -95,6 +97,12 @@ class Request:
     @property
     def peer(self) -> str:
         return self._session.stream.peer
+
+    @property
+    def transport(self) -> str:
+        """The kind of listener the request came in on ("tcp", "tls", "shm", "memory"): an opcode
+        that belongs to one transport checks it before anything else."""
+        return self._session.transport
 
     def session_state(self, key: type[S]) -> S:
         """This connection's instance of ``key`` (made with ``key()`` on first use): an extension's
@@ -170,6 +178,9 @@ class Server:
         metrics_connections: int = 16,
     ) -> None:
         self.store = store if store is not None else TensorStore()
+        # Who this store is, for clients that cache by version (HELLO, docs/protocol.md §4.5): a
+        # restarted in-memory server counts versions from 1 again, so a version alone names nothing.
+        self.store_id = secrets.randbits(64) or 1
         self.extensions = list(extensions)
         self.handlers: dict[int, Handler] = {}
         for extension in self.extensions:
@@ -560,6 +571,7 @@ class _Session:
 
     async def _hello(self, header: Header, reader: wm.MetaReader) -> None:
         lo, hi, _, compression = wm.decode_hello_request(reader)
+        wants = wm.decode_hello_wants(reader)
         reader.done()
         common = [v for v in PROTOCOL_VERSIONS if lo <= v <= hi]
         if not common:
@@ -567,8 +579,10 @@ class _Session:
         self.version = common[-1]
         self.encoder = _answer_encoder(compression)
         codecs = lossless.SUPPORTED_MASK
-        info = wm.ServerInfo(self.version, self.limits, self.store.capacity, self.store.used, codecs)
-        await self.reply(header, wm.encode_hello_response(info, with_codecs=compression is not None))
+        info = wm.ServerInfo(self.version, self.limits, self.store.capacity, self.store.used, codecs,
+                             store_id=self.server.store_id)  # fmt: skip
+        answer = wm.encode_hello_response(info, with_codecs=compression is not None, wants=wants)
+        await self.reply(header, answer)
 
     async def _put(self, header: Header, reader: wm.MetaReader) -> None:
         """A PUT, or one part of a PUT_MANY that arrives in several frames (flag MORE on all parts

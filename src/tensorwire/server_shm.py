@@ -80,23 +80,23 @@ class ShmService:
         self.store: TensorStore = server.store
         self.pool = SegmentPool(directory, self.store.pool_limit)
         self.token = int.from_bytes(os.urandom(8), "little")
-        self.probe = directory / f"{self.pool.prefix}probe"
-        fd = os.open(self.probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with contextlib.closing(os.fdopen(fd, "wb")) as f:
-            f.write(_U64.pack(self.token))
+        self.probe = self.pool.create_probe(_U64.pack(self.token))
         self.store.use_pool(self.pool)
         self.listeners = 0
         self._server = server
         server.handlers.update(self.handlers())
 
     def handlers(self) -> dict[int, Handler]:
-        return {
+        """The SHM_* handlers, each served only on the shm:// listener's connections (a tcp://
+        listener of the same server answers them PROTOCOL_ERROR before anything happens)."""
+        table: dict[int, Handler] = {
             Opcode.SHM_ATTACH: self.attach,
             Opcode.SHM_GET: self.get,
             Opcode.SHM_PUT: self.put,
             Opcode.SHM_COMMIT: self.commit,
             Opcode.SHM_RELEASE: self.release,
         }
+        return {op: _shm_only(Opcode(op).name, handler) for op, handler in table.items()}
 
     def close(self) -> None:
         for opcode in self.handlers():
@@ -218,6 +218,19 @@ class ShmService:
             if res is not None:
                 self.store.abort(res)
         await req.reply(b"")
+
+
+def _shm_only(name: str, handler: Handler) -> Handler:
+    """``handler``, refusing requests that did not come in on an shm:// listener: segments are for
+    this host's clients, and a tcp:// (or tls://) connection of the same server may come from
+    anywhere, so it may not reserve segments, pin them or learn the probe's token."""
+
+    async def guarded(req: Request) -> None:
+        if req.transport != "shm":
+            raise ProtocolError(f"{name} is served only on the shm:// listener, not on {req.transport}://")
+        await handler(req)
+
+    return guarded
 
 
 class ShmListener(Listener):

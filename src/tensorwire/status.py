@@ -4,23 +4,32 @@ For every server URL (``tcp://``, ``tls://``, ``memory://``; ``a|b`` lists the r
 slot, each shown) the command asks STATUS (docs/protocol.md §11.9) and then scrapes the metrics
 endpoint that answer names (``--metrics-port`` of the server). A URL ``http://host:port/metrics``
 is scraped alone (a gRPC-only server, or a server reached only through its metrics). Everything
-runs at once, each wait bounded by ``timeout``: a server that is down shows as down, with why,
-within that time; it never holds up the others.
+runs at once, each wait bounded by ``timeout`` and each server's whole probe by ``DEADLINE_FACTOR``
+times it (a server that answers each read just in time cannot stretch it): a server that is down
+shows as down, with why, within that time; it never holds up the others.
+
+What a server answers is untrusted: the metrics URL it reports is scraped only if it is plain
+``http(s)://host:port/...`` (never ``file://`` or another scheme; redirects are not followed), the
+page is read up to ``MAX_METRICS_BYTES``, every STATUS field is type-checked before it is shown,
+and every string from a server is escaped before it reaches the terminal (``tensorwire._text``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import math
+import threading
 import urllib.error
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 from tensorwire import metrics
 from tensorwire import transport as transports
+from tensorwire._text import markup, printable
 from tensorwire.client import AsyncClient, ClientOptions
 from tensorwire.errors import TensorwireError
 from tensorwire.transport.framed import FramedTransport
@@ -29,6 +38,9 @@ from tensorwire.wire import ps as wps
 from tensorwire.wire.frame import Opcode
 
 DEFAULT_TIMEOUT = 2.0
+DEADLINE_FACTOR = 3  # one server's whole probe (connect, STATUS, scrape) ends within this x timeout
+MAX_METRICS_BYTES = 16 << 20  # a metrics page read beyond this is refused, not held in memory
+METRICS_SCHEMES = ("http", "https")
 Samples = dict[str, list[tuple[dict[str, str], float]]]
 
 
@@ -79,16 +91,78 @@ async def ask_status(url: str, options: ClientOptions) -> dict[str, Any]:
     try:
         assert isinstance(conn, FramedTransport)
         reader = await conn.call(Opcode.STATUS, b"", what=f"STATUS of {url}")
-        doc: dict[str, Any] = json.loads(wps.decode_stats(reader))
+        doc = json.loads(wps.decode_stats(reader))
+        if not isinstance(doc, dict):
+            raise ValueError(f"the STATUS answer of {url} is not a JSON object")
         return doc
     finally:
         await conn.close()
 
 
+def check_metrics_url(url: object) -> str:
+    """``url`` if it is one to scrape: ``http(s)://host[:port]/path``, no credentials, no control
+    characters; ValueError otherwise (a server reports it: it must not make us open a file)."""
+    from urllib.parse import urlsplit
+
+    if not isinstance(url, str) or not url.isprintable() or " " in url or len(url) > 2048:
+        raise ValueError(f"{printable(url, 200)!r} is not a metrics URL")
+    parts = urlsplit(url)
+    try:
+        parts.port  # noqa: B018 - raises ValueError for a port that is not a number in range
+    except ValueError as exc:
+        raise ValueError(f"{url!r} has a bad port: {exc}") from None
+    if parts.scheme not in METRICS_SCHEMES or not parts.hostname or "@" in parts.netloc:
+        raise ValueError(f"{url!r} is not a plain http(s)://host:port/... metrics URL")
+    return url
+
+
+class _NoRedirects(urllib.request.HTTPRedirectHandler):
+    """A metrics endpoint answers its own URL: a redirect (maybe to ftp:// or elsewhere) is an error."""
+
+    def redirect_request(self, *args: Any, **kwargs: Any) -> None:
+        return None
+
+
 def scrape(url: str, timeout: float) -> Samples:
-    """GET a metrics page and parse it (OSError / ValueError when that fails)."""
-    with urllib.request.urlopen(url, timeout=timeout) as answer:
-        return metrics.parse(answer.read().decode())
+    """GET a metrics page and parse it (OSError / ValueError when that fails); only http(s) URLs,
+    no redirects, at most MAX_METRICS_BYTES."""
+    opener = urllib.request.build_opener(_NoRedirects)
+    with opener.open(check_metrics_url(url), timeout=timeout) as answer:
+        body = answer.read(MAX_METRICS_BYTES + 1)
+    if len(body) > MAX_METRICS_BYTES:
+        raise ValueError(f"the metrics page at {url} is larger than {MAX_METRICS_BYTES} bytes")
+    try:
+        return metrics.parse(body.decode())
+    except Exception as exc:  # the parser's own errors, for any malformed page
+        raise ValueError(f"{url} is not a Prometheus metrics page ({type(exc).__name__}: {exc})") from exc
+
+
+async def _in_daemon_thread(fn: Callable[[], Samples]) -> Samples:
+    """``fn()`` on a daemon thread: urllib cannot be cancelled, so a scrape that outlives the
+    deadline is abandoned (it cannot hold up the command, nor its exit) rather than awaited."""
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future[Samples] = loop.create_future()
+
+    def settle(result: Samples | None, error: BaseException | None) -> None:
+        if future.done():
+            return
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result or {})
+
+    def target() -> None:
+        result: Samples | None = None
+        error: BaseException | None = None
+        try:
+            result = fn()
+        except BaseException as exc:
+            error = exc
+        with contextlib.suppress(RuntimeError):  # the loop is gone: nobody waits for this scrape
+            loop.call_soon_threadsafe(settle, result, error)
+
+    threading.Thread(target=target, name="tensorwire-scrape", daemon=True).start()
+    return await future
 
 
 async def ping(url: str, options: ClientOptions) -> None:
@@ -101,9 +175,24 @@ async def ping(url: str, options: ClientOptions) -> None:
 
 
 async def probe(url: str, options: ClientOptions) -> Node:
+    """The node of ``url``, within ``DEADLINE_FACTOR`` x the timeout whatever the server does."""
     node = Node(url)
+    deadline = DEADLINE_FACTOR * options.timeout
+    try:
+        await asyncio.wait_for(_probe(node, options), deadline)
+    except TimeoutError:
+        why = f"no complete answer within {deadline:.3g}s (--timeout {options.timeout:g} x {DEADLINE_FACTOR})"
+        if node.status is None and not node.answered:
+            node.error = why
+        else:
+            node.metrics_error = why
+    return node
+
+
+async def _probe(node: Node, options: ClientOptions) -> Node:
+    url = node.url
     if url.startswith(("http://", "https://")):
-        node.metrics_url = url
+        node.metrics_url = url  # given by the user, but checked the same way below
     elif url.startswith(("grpc://", "grpcs://")):
         try:
             await asyncio.wait_for(ping(url, options), options.timeout * 2)
@@ -117,10 +206,16 @@ async def probe(url: str, options: ClientOptions) -> Node:
         except (TensorwireError, OSError, TimeoutError, ValueError) as exc:
             node.error = str(exc) or type(exc).__name__
             return node
-        node.metrics_url = node.status.get("metrics")
+        reported = node.status.get("metrics")
+        if reported is not None:
+            try:
+                node.metrics_url = check_metrics_url(reported)
+            except ValueError as exc:
+                node.metrics_error = f"not scraped: {exc}"
     if node.metrics_url:
+        target = node.metrics_url
         try:
-            node.samples = await asyncio.to_thread(scrape, node.metrics_url, options.timeout)
+            node.samples = await _in_daemon_thread(lambda: scrape(target, options.timeout))
         except (OSError, ValueError) as exc:
             node.metrics_error = str(exc) or type(exc).__name__
             if node.status is None:
@@ -159,11 +254,11 @@ def _merge(nodes: list[Node]) -> list[Node]:
 
 # -- what the screen shows -------------------------------------------------------------------------
 def summary(node: Node) -> dict[str, Any]:
-    """The columns of the node's row, from STATUS where it answered, else from its metrics."""
-    status = node.status or {}
-    store = status.get("store", {})
-    ps = status.get("ps", {})
-    role = ps.get("role") or _label(node, "tensorwire_ps_role", "role")
+    """The columns of the node's row, from STATUS where it answered, else from its metrics. Every
+    field is taken only if it has the type it should (a server may answer anything)."""
+    status = _obj(node.status)
+    store, ps = _obj(status.get("store")), _obj(status.get("ps"))
+    role = _str(ps.get("role")) or _label(node, "tensorwire_ps_role", "role")
     if (
         role == "primary"
         and not ps.get("mode")
@@ -171,20 +266,40 @@ def summary(node: Node) -> dict[str, Any]:
         and not node.value("tensorwire_ps_shards")
     ):
         role = None  # a plain store: a parameter server with no job and no replicas
+    epoch = _num(ps.get("epoch"), _int(node.value("tensorwire_ps_epoch")))
     return {
-        "role": f"{role} @{ps.get('epoch', _int(node.value('tensorwire_ps_epoch')))}" if role else "",
-        "shards": ps.get("shards", _int(node.value("tensorwire_ps_shards"))),
-        "step": ps.get("step", _int(node.value("tensorwire_ps_steps_total"))),
+        "role": f"{role} @{epoch}" if role else "",
+        "shards": _num(ps.get("shards"), _int(node.value("tensorwire_ps_shards"))),
+        "step": _num(ps.get("step"), _int(node.value("tensorwire_ps_steps_total"))),
         "workers": _workers(ps, node),
-        "stored": store.get("bytes", _int(node.value("tensorwire_store_bytes"))),
-        "capacity": store.get("capacity", _int(node.value("tensorwire_store_capacity_bytes"))),
-        "connections": status.get("connections", _int(node.value("tensorwire_connections"))),
-        "in_flight": status.get("in_flight", _int(node.value("tensorwire_requests_in_flight"))),
-        "requests": status.get("requests", _int(node.value("tensorwire_requests_total"))),
-        "cpu_s": node.value("process_cpu_seconds_total"),
+        "stored": _num(store.get("bytes"), _int(node.value("tensorwire_store_bytes"))),
+        "capacity": _num(store.get("capacity"), _int(node.value("tensorwire_store_capacity_bytes"))),
+        "connections": _num(status.get("connections"), _int(node.value("tensorwire_connections"))),
+        "in_flight": _num(status.get("in_flight"), _int(node.value("tensorwire_requests_in_flight"))),
+        "requests": _num(status.get("requests"), _int(node.value("tensorwire_requests_total"))),
+        "cpu_s": _finite(node.value("process_cpu_seconds_total")),
         "rss": _int(node.value("process_resident_memory_bytes")),
         "lag": _lag(ps, node),
     }
+
+
+def _obj(value: object) -> dict[str, Any]:
+    return value if isinstance(value, dict) else {}
+
+
+def _str(value: object) -> str | None:
+    return value if isinstance(value, str) else None
+
+
+def _num(value: object, default: int | None = None) -> int | None:
+    """An integer field of a STATUS answer (anything else: ``default``)."""
+    ok = isinstance(value, int) and not isinstance(value, bool) and -(1 << 63) <= value < 1 << 64
+    return value if ok else default  # type: ignore[return-value]
+
+
+def _finite(value: object) -> float | None:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    return float(value) if ok else None  # type: ignore[arg-type]
 
 
 def _label(node: Node, name: str, label: str) -> str | None:
@@ -195,33 +310,38 @@ def _label(node: Node, name: str, label: str) -> str | None:
 
 
 def _int(value: float | None) -> int | None:
-    return None if value is None or math.isnan(value) else int(value)
+    finite = _finite(value)
+    return None if finite is None else int(finite)
 
 
 def _workers(ps: dict[str, Any], node: Node) -> str | None:
-    live = len(ps["live"]) if "live" in ps else _int(node.value("tensorwire_ps_live_workers"))
-    world = ps.get("world", _int(node.value("tensorwire_ps_world")))
+    live_list = ps.get("live")
+    live = len(live_list) if isinstance(live_list, list) else _int(node.value("tensorwire_ps_live_workers"))
+    world = _num(ps.get("world"), _int(node.value("tensorwire_ps_world")))
     return None if live is None else f"{live}/{world}"
 
 
 def _lag(ps: dict[str, Any], node: Node) -> str | None:
     """A primary: its backups (each up with seconds since its last change, or lost and how many
     changes behind). A backup: seconds since its primary was last heard."""
-    if "backups" in ps:
+    backups = ps.get("backups")
+    if isinstance(backups, dict):
         parts = []
-        for url, b in ps["backups"].items():
-            host = url.split("://", 1)[-1]
-            lag = f"{b['lag_s']:.1f}s" if b["lag_s"] is not None else "-"
-            parts.append(f"{host} {lag}" if b["up"] else f"{host} LOST, {b['behind']} behind")
+        for url, entry in backups.items():
+            b = _obj(entry)
+            host = str(url).split("://", 1)[-1]
+            lag_s = _finite(b.get("lag_s"))
+            lag = f"{lag_s:.1f}s" if lag_s is not None else "-"
+            parts.append(f"{host} {lag}" if b.get("up") else f"{host} LOST, {_num(b.get('behind'))} behind")
         return "; ".join(parts)
-    if "primary_silence_s" in ps:
-        return f"primary {ps['primary_silence_s']:.1f}s ago"
-    silence = node.value("tensorwire_ps_primary_silence_seconds")
-    return None if silence is None or math.isnan(silence) else f"primary {silence:.1f}s ago"
+    silence = _finite(ps.get("primary_silence_s"))
+    if silence is None:
+        silence = _finite(node.value("tensorwire_ps_primary_silence_seconds"))
+    return None if silence is None else f"primary {silence:.1f}s ago"
 
 
 def render(nodes: Sequence[Node]) -> Any:
-    """A rich table, one row per server."""
+    """A rich table, one row per server; every string a server chose is escaped (``markup``)."""
     from rich.table import Table
 
     up = sum(n.up for n in nodes)
@@ -232,13 +352,14 @@ def render(nodes: Sequence[Node]) -> Any:
     table.add_column("lag", overflow="fold")
     for node in nodes:
         if not node.up:
-            table.add_row(node.url, "[red]down[/red]", *[""] * 6, "", node.error or "")
+            table.add_row(markup(node.url), "[red]down[/red]", *[""] * 6, "", markup(node.error or ""))
             continue
         s = summary(node)
         state = "[green]up[/green]" + (" [yellow](no metrics)[/yellow]" if node.metrics_error else "")
         table.add_row(
-            node.url, state, s["role"], _text(s["shards"]), _text(s["step"]), s["workers"] or "",
-            f"{_bytes(s['stored'])} / {_bytes(s['capacity'])}", _requests(s), _cpu(s), s["lag"] or "",
+            markup(node.url), state, markup(s["role"], 80), _text(s["shards"]), _text(s["step"]),
+            s["workers"] or "", f"{_bytes(s['stored'])} / {_bytes(s['capacity'])}", _requests(s), _cpu(s),
+            markup(s["lag"] or ""),
         )  # fmt: skip
     return table
 

@@ -210,4 +210,5 @@ def test_a_server_from_before_compression_gets_raw_chunks() -> None:
                 await client.close()
 
     asyncio.run(go())
-    assert hellos == [True, False]
+    # compression + wants (store id), then compression alone, both refused; then a plain HELLO
+    assert hellos == [True, True, False]

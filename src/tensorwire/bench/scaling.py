@@ -1,8 +1,11 @@
 """Bytes moved per training step by the parameter server, as a model and as measured (docs/scaling.md).
 
 The model (``traffic`` and ``step_time``): a job of P parameters on S servers (each a primary with
-R backups) and W workers, synchronous, whose pushes carry ``push`` bytes per element (the gradient
-codec: fp32 4, bf16 2, int8 ~1, ...) and whose pulls carry ``pull`` bytes per element (fp32 4):
+R backups) and W workers, synchronous, whose pushes carry ``push`` bytes per element (the worker's
+``push_codec``: none sends the gradient's dtype, fp32 4; fp16/bf16 2; int8 1 + 4/4096; ...) and
+whose pulls carry ``pull`` bytes per element (the ``pull_codec``: none sends fp32, 4; int8, bf16 or
+fp16 less). ``CODECS`` takes those sizes from ``tensorwire.compression`` itself, so the model
+cannot drift from what the codecs put on the wire:
 
 - each worker sends P*push and receives P*pull per step;
 - each primary receives W*P*push/S, sends W*P*pull/S to workers and R*W*P*push/S to its backups
@@ -18,7 +21,7 @@ joined to a bridge by a veth link shaped to ``--rate`` (tc tbf, both directions)
 ~``--params`` parameters for ``--steps`` sync steps, and reads each link's byte counters
 (/sys/class/net/<veth>/statistics) around those steps. Skipped, with the reason, where namespaces
 cannot be made. ``python -m tensorwire.bench.scaling --json`` (< 2 minutes); ``--table`` prints
-the model's table for docs/scaling.md.
+the model's table for docs/scaling.md (``--pull int8`` with quantised pulls).
 """
 
 from __future__ import annotations
@@ -39,17 +42,31 @@ from typing import Any
 import torch
 
 from tensorwire.bench.netns import Fabric, Unavailable
+from tensorwire.compression.codecs import codec_for
 from tensorwire.ps.launch import replica_flags, stop_all
 from tensorwire.testing.process import ServerProcess, run_threads, wait_for
 
-# Bytes per element on the wire for each gradient codec (what a push carries).
-CODECS: dict[str, float] = {
-    "fp32": 4.0,
-    "fp16/bf16": 2.0,
-    "int8 (+fp32 scale per 1024)": 1.0 + 4 / 1024,
-    "topk 1% (fp32 value + int32 index)": 0.01 * 8,
-    "sign (+fp32 scale per 1024)": 1 / 8 + 4 / 1024,
+# A parameter shard of this many elements (4 MiB of fp32) is what one codec payload covers: the
+# per-payload parts (int8's scale per 4096 elements, sign's one scale) are spread over it.
+SHARD_ELEMENTS = 1 << 20
+# Each gradient codec of the table (its label says what travels) and its wire name.
+CODEC_NAMES: dict[str, str] = {
+    "fp32": "fp32",  # no codec: the gradient in its own dtype
+    "fp16/bf16": "fp16",
+    "int8 (+fp32 scale per 4096)": "int8",
+    "topk 1% (int32 index + fp32 value)": "topk:0.01",
+    "topk 1% + fp16 values": "topk:0.01+fp16",
+    "sign (+one fp32 scale per shard)": "sign",
 }
+
+
+def bytes_per_element(codec: str, elements: int = SHARD_ELEMENTS) -> float:
+    """What ``codec`` (a wire name) puts on the wire per element of a shard of ``elements``."""
+    return codec_for(codec).payload_bytes(elements) / elements
+
+
+# Bytes per element on the wire for each gradient codec (what a push carries), from the codecs.
+CODECS: dict[str, float] = {label: bytes_per_element(name) for label, name in CODEC_NAMES.items()}
 PORT = 7070  # each server has a namespace, so an address, of its own
 TCP_OVERHEAD = 66 / 1448  # Ethernet + IP + TCP (timestamps) headers per full 1500-byte frame
 
@@ -90,15 +107,16 @@ def step_time(job: Job, link_bytes_per_s: float, compute_s: float = 0.0) -> dict
     return {"push_s": push, "pull_s": pull, "step_s": compute_s + push + pull, "bound": bound}
 
 
-def markdown_table(params: int, workers: int, gbits: float) -> str:
-    """The model's step times for a grid of servers, replicas and codecs (docs/scaling.md)."""
+def markdown_table(params: int, workers: int, gbits: float, pull: float = 4.0) -> str:
+    """The model's step times for a grid of servers, replicas and push codecs, with pulls of
+    ``pull`` bytes per element (docs/scaling.md)."""
     rate = gbits * 1e9 / 8
     rows = [f"| codec (push) | B/elem | S | R | worker sends/step | server sends/step | network/step "
             f"| comm s/step @ {gbits:g} Gb/s | bound |",
             "|---|---:|---:|---:|---:|---:|---:|---:|---|"]  # fmt: skip
     for codec, per in CODECS.items():
         for servers, replicas in ((1, 0), (4, 0), (16, 0), (4, 1)):
-            job = Job(params, servers, workers, replicas, push=per)
+            job = Job(params, servers, workers, replicas, push=per, pull=pull)
             t, st = traffic(job), step_time(job, rate)
             rows.append(f"| {codec} | {per:.3g} | {servers} | {replicas} | {_mb(t['worker_sent'])} "
                         f"| {_mb(t['server_sent'])} | {_mb(t['network_total'])} | {st['step_s']:.3f} "
@@ -293,6 +311,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--json", action="store_true", help="print one JSON line")
     parser.add_argument("--table", nargs=3, type=float, metavar=("PARAMS", "WORKERS", "GBITS"),
                         help="print the model's markdown table and exit")  # fmt: skip
+    parser.add_argument("--pull", default="fp32", metavar="CODEC",
+                        help="--table: the pulls' codec (fp32: none; int8, bf16, fp16)")  # fmt: skip
     parser.add_argument("--markdown", action="store_true", help="also print the measured markdown table")
     parser.add_argument("--worker", nargs=6, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -301,7 +321,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         worker_main(int(rank), int(world), servers, steps=int(steps), params=int(params), folder=Path(folder))
         return {}
     if args.table:
-        print(markdown_table(int(args.table[0]), int(args.table[1]), args.table[2]))
+        pull = bytes_per_element(args.pull)
+        print(markdown_table(int(args.table[0]), int(args.table[1]), args.table[2], pull))
         return {}
     rate = int(args.rate * 1e9) if args.rate else None
     result: dict[str, Any] = {"rate_gbit": args.rate, "steps": args.steps, "tcp_overhead": TCP_OVERHEAD}

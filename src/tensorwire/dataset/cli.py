@@ -7,7 +7,7 @@ helpers (URL and size parsing, security options, the error line) are defined.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -16,7 +16,11 @@ import click
 from rich.console import Console
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
 
+from tensorwire._text import printable
+from tensorwire._timeouts import Deadline
 from tensorwire.dataset.scatter import Advance, NodeReport, ScatterReport, check_node
+
+DEFAULT_DEADLINE = 3600.0  # seconds a whole scatter or fetch may take (--deadline)
 
 
 def build() -> click.Group:
@@ -41,6 +45,13 @@ def build() -> click.Group:
 
     def parse_rate(ctx: click.Context, param: click.Parameter, value: str | None) -> int | None:
         return None if value is None else int(cli._size_param(ctx, param, value))
+
+    def deadline_option(what: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+        return click.option(
+            "--deadline", type=click.FloatRange(min=1), default=DEFAULT_DEADLINE, show_default=True,
+            metavar="SECONDS", help=f"Give up {what} after this many seconds in all, however slowly "
+            "the servers answer (a re-run goes on from what is already there).",
+        )  # fmt: skip
 
     @click.group("dataset")
     def dataset() -> None:
@@ -90,17 +101,20 @@ def build() -> click.Group:
     @click.option(
         "--json", "as_json", is_flag=True, help="Print the summary as JSON (sent and skipped per node)."
     )
+    @deadline_option("the scatter")
     @cli.security_options
     def scatter(
         *, src: Path, nodes: list[str], shards: int | None, by: str, name: str | None, block_size: int,
-        max_rate: int | None, as_json: bool,
+        max_rate: int | None, as_json: bool, deadline: float,
     ) -> None:  # fmt: skip
         """Split SRC into shards and send each to a node, verified; a re-run sends only what is missing."""
         options = ClientOptions(**cli.client_options())
+        until = Deadline.after(deadline, f"dataset scatter (--deadline {deadline:g}s)")
         with _bars(len(nodes)) as (advance, on_plan):
             report = scatter_shards(src, nodes, shards=shards, by=by,  # type: ignore[arg-type]
                                     dataset=name, block_bytes=block_size, max_rate=max_rate,
-                                    options=options, advance=advance, on_plan=on_plan)  # fmt: skip
+                                    options=options, advance=advance, on_plan=on_plan,
+                                    deadline=until)  # fmt: skip
         _print_report(report, as_json)
         failed = [node for node in report.nodes if node.error]
         if failed:
@@ -113,17 +127,22 @@ def build() -> click.Group:
     )
     @click.option("--name", "name", default=None, help="Which data set [default: the only one there].")
     @click.option("--json", "as_json", is_flag=True)
+    @deadline_option("the fetch")
     @cli.security_options
-    def fetch(*, source: str, out: Path, name: str | None, as_json: bool) -> None:
-        """Write the shards a node holds (from its server, or its data dir) back to files under --out."""
-        report = fetch_shards(source, out, name, ClientOptions(**cli.client_options()))
+    def fetch(*, source: str, out: Path, name: str | None, as_json: bool, deadline: float) -> None:
+        """Write the shards a node holds (from its server, or its data dir) back to files under --out.
+
+        Paths come from the node's manifests: each must be a plain relative path, and nothing is
+        written outside --out or through a link found under it."""
+        until = Deadline.after(deadline, f"dataset fetch (--deadline {deadline:g}s)")
+        options = ClientOptions(**cli.client_options(), deadline=until)
+        report = fetch_shards(source, out, name, options, deadline=until)
         if as_json:
             click.echo(json.dumps(report.as_dict()))
         else:
             done = f"{len(report.written)} written, {len(report.unchanged)} already there"
-            click.echo(
-                f"{report.dataset}: shards {report.shards} ({report.by}), {report.bytes} B: {done} -> {out}"
-            )
+            click.echo(f"{printable(report.dataset, 200)}: shards {report.shards} ({report.by}), "
+                       f"{report.bytes} B: {done} -> {out}")  # fmt: skip
 
     return dataset
 
@@ -132,13 +151,16 @@ def build() -> click.Group:
 def _bars(nodes: int) -> Iterator[tuple[Advance, Any]]:
     """One rich bar per node on stderr (only on a terminal); yields (advance, on_plan) callbacks."""
     console = Console(stderr=True)
-    columns = (TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn())
+    columns = (TextColumn("{task.description}", markup=False), BarColumn(), DownloadColumn(),
+               TransferSpeedColumn())  # fmt: skip
     with Progress(*columns, console=console, disable=not console.is_terminal) as bar:
         tasks: list[Any] = []
 
         def on_plan(plan: Any, reports: list[NodeReport]) -> None:
             for node in reports:
-                tasks.append(bar.add_task(f"{node.url} shards {node.shards}", total=node.bytes))
+                tasks.append(
+                    bar.add_task(printable(f"{node.url} shards {node.shards}", 200), total=node.bytes)
+                )
 
         def advance(i: int, n: int) -> None:  # from the nodes' threads; Progress takes its own lock
             if tasks:
@@ -152,7 +174,7 @@ def _print_report(report: ScatterReport, as_json: bool) -> None:
         click.echo(json.dumps(report.as_dict()))
         return
     for node in report.nodes:
-        state = "verified" if node.verified else f"FAILED ({node.error})"
+        state = "verified" if node.verified else f"FAILED ({printable(node.error)})"
         click.echo(f"{node.url}  shards {node.shards}  sent {node.sent_items} items / {node.sent_bytes} B, "
                    f"already there {node.skipped_items} / {node.skipped_bytes} B, "
                    f"pruned {node.pruned}, {node.seconds:.2f}s  {state}")  # fmt: skip

@@ -3,22 +3,26 @@
 ``--by files`` data sets come back as the same files, byte for byte, under their relative paths;
 ``--by rows`` ones as one ``<dataset>-shard-<k>.safetensors`` per shard holding its rows of every
 tensor. Files are written to a temporary name and renamed, and a file already there with the
-right bytes is left alone, so an interrupted fetch can be re-run.
+right bytes is left alone, so an interrupted fetch can be re-run. Paths come from the server's
+manifest: each is checked to be plain components under ``--out``, and nothing below ``--out`` is
+reached through a symlink (``tensorwire._fs``).
 """
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from tensorwire._fs import SafeDir, relative_parts
+from tensorwire._timeouts import Deadline
 from tensorwire.client import ClientOptions
 from tensorwire.dataset.reader import LocalShards, ShardInfo
 from tensorwire.errors import InvalidName
 from tensorwire.wire.checksum import ChecksumKind, checksum
+from tensorwire.wire.tensors import byte_view
 
 
 @dataclass(slots=True)
@@ -36,64 +40,69 @@ class FetchReport:
 
 
 def fetch(
-    source: str | Path, out: Path, dataset: str | None = None, options: ClientOptions | None = None
+    source: str | Path,
+    out: Path,
+    dataset: str | None = None,
+    options: ClientOptions | None = None,
+    deadline: Deadline | None = None,
 ) -> FetchReport:
-    """Write the complete shards of ``dataset`` held at ``source`` (URL or data dir) under ``out``."""
+    """Write the complete shards of ``dataset`` held at ``source`` (URL or data dir) under ``out``.
+
+    Every path a manifest names is checked to be plain components under ``out``, and written
+    without following any symlink below ``out`` (``tensorwire._fs``). ``deadline`` bounds the whole
+    fetch (the client's calls too, when ``options`` carries it): TransferTimeout past it.
+    """
     shards = LocalShards(source, dataset, options)
     report = FetchReport(shards.dataset, shards.by, [s.index for s in shards.shards])
     try:
-        out.mkdir(parents=True, exist_ok=True)
-        for shard in shards.shards:
-            if shards.by == "files":
-                _fetch_files(shards, shard, out, report)
-            else:
-                _fetch_rows(shards, shard, out, report)
+        with SafeDir(out) as root:
+            for shard in shards.shards:
+                if shards.by == "files":
+                    _fetch_files(shards, shard, root, report, deadline)
+                else:
+                    _fetch_rows(shards, shard, root, report)
     finally:
         shards.close()
     return report
 
 
-def _fetch_files(shards: LocalShards, shard: ShardInfo, out: Path, report: FetchReport) -> None:
-    root = out.resolve()
+def _fetch_files(
+    shards: LocalShards, shard: ShardInfo, root: SafeDir, report: FetchReport, deadline: Deadline | None
+) -> None:
     for item in shard.items:
-        target = (out / item["path"]).resolve()
-        if not target.is_relative_to(root):  # a manifest is data from the network: no path escapes
-            raise InvalidName(f"{item['path']!r} would be written outside {out}")
+        if deadline is not None:
+            deadline.check()
+        # A manifest is data from the network: "", ".", "sub/..", "/etc/x" never name a file here.
+        parts = relative_parts(item["path"], f"{shards.dataset} shard {shard.index} (--out {root.root})")
         report.bytes += item["nbytes"]
-        if target.exists() and _same_file(target, item):
+        if _same_file(root, parts, item):
             report.unchanged.append(item["path"])
             continue
-        data = shards.read(item)
-        _write_atomically(target, data.numpy().tobytes())
+        data = byte_view(shards.read(item).contiguous())
+        root.write(parts, data)
         report.written.append(item["path"])
 
 
-def _fetch_rows(shards: LocalShards, shard: ShardInfo, out: Path, report: FetchReport) -> None:
-    from safetensors.torch import save_file
+def _fetch_rows(shards: LocalShards, shard: ShardInfo, root: SafeDir, report: FetchReport) -> None:
+    from safetensors.torch import save
 
     parts: dict[str, list[torch.Tensor]] = {key: [] for key in shards.keys}
     for item in shard.items:
         parts[item["key"]].append(shards.read(item))
         report.bytes += item["nbytes"]
     name = f"{shards.dataset.replace('/', '-')}-shard-{shard.index:05d}.safetensors"
+    target = relative_parts(name, f"the file for shard {shard.index} (--out {root.root})")
+    if len(target) != 1:
+        raise InvalidName(f"{name!r} is not a plain file name")
     tensors = {key: torch.cat(blocks) for key, blocks in parts.items() if blocks}
-    temp = out / f".{name}.tmp"
-    save_file(tensors, str(temp))
-    os.replace(temp, out / name)
+    data = save(tensors)
+    root.write(target, data)
     report.written.append(name)
 
 
-def _same_file(path: Path, item: dict[str, Any]) -> bool:
-    if path.stat().st_size != item["nbytes"]:
+def _same_file(root: SafeDir, parts: list[str], item: dict[str, Any]) -> bool:
+    """Whether a regular file with the item's bytes is there already (a link never counts)."""
+    if root.size_of(parts) != item["nbytes"]:
         return False
-    return f"{checksum(ChecksumKind.XXH3_64, path.read_bytes()):016x}" == str(item["xxh3"])
-
-
-def _write_atomically(path: Path, data: bytes) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    temp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(temp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(temp, path)
+    held = root.read_regular(parts)
+    return held is not None and f"{checksum(ChecksumKind.XXH3_64, held):016x}" == str(item["xxh3"])

@@ -229,10 +229,46 @@ def manifest(plan: Plan, shard: Shard, digests: dict[str, Expected]) -> bytes:
 
 
 def parse_manifest(raw: bytes, where: str) -> dict[str, Any]:
+    """The manifest stored under ``where``, every field checked: it comes from a server, and what
+    readers do with it (name files, size buffers, count rows) must not depend on trusting it."""
     try:
         body: dict[str, Any] = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
         raise InvalidTensor(f"{where}: not a data set manifest ({exc})") from exc
     if not isinstance(body, dict) or body.get("format") != FORMAT:
         raise InvalidTensor(f"{where}: not a {FORMAT} manifest")
+    by, keys, items = body.get("by"), body.get("keys"), body.get("items")
+    if by not in ("files", "rows"):
+        raise InvalidTensor(f"{where}: 'by' is {by!r}, not 'files' or 'rows'")
+    if not isinstance(keys, list) or not all(isinstance(k, str) for k in keys):
+        raise InvalidTensor(f"{where}: 'keys' is not a list of strings")
+    if not isinstance(items, list):
+        raise InvalidTensor(f"{where}: 'items' is not a list")
+    prefix = where.removesuffix("manifest")
+    for i, item in enumerate(items):
+        _check_item(item, by, set(keys), prefix, f"{where}: item {i}")
     return body
+
+
+def _check_item(item: object, by: str, keys: set[str], prefix: str, where: str) -> None:
+    if not isinstance(item, dict):
+        raise InvalidTensor(f"{where} is not an object")
+    name, shape, nbytes = item.get("name"), item.get("shape"), item.get("nbytes")
+    if not isinstance(name, str) or not name.startswith(prefix):
+        raise InvalidTensor(f"{where}: its name {name!r} is not under {prefix!r}")
+    if not isinstance(shape, list) or not all(_count(n) for n in shape) or not _count(nbytes):
+        raise InvalidTensor(f"{where}: its shape or size is not made of non-negative integers")
+    if not isinstance(item.get("xxh3"), str) or not isinstance(item.get("dtype"), str):
+        raise InvalidTensor(f"{where}: its xxh3 or dtype is not a string")
+    if by == "files":
+        if not isinstance(item.get("path"), str) or item["dtype"] != "uint8" or shape != [nbytes]:
+            raise InvalidTensor(f"{where}: a file item needs a path and uint8 bytes")
+    elif item.get("key") not in keys or not _count(item.get("start")) or not _count(item.get("stop")):
+        raise InvalidTensor(f"{where}: a rows item needs a key of the data set and a start and stop row")
+    elif item["start"] > item["stop"] or not shape or shape[0] != item["stop"] - item["start"]:
+        raise InvalidTensor(f"{where}: its rows [{item['start']}, {item['stop']}) do not match its shape")
+
+
+def _count(value: object) -> bool:
+    """A JSON non-negative integer (bool is an int in Python, not in JSON)."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0

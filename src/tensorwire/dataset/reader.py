@@ -21,6 +21,7 @@ from tensorwire.dataset.plan import parse_manifest
 from tensorwire.errors import InvalidTensor, KeyNotFound, VerificationFailed
 from tensorwire.store.persist import SUFFIX, file_name, read_file
 from tensorwire.wire.checksum import ChecksumKind, checksum
+from tensorwire.wire.dtypes import dtype_name
 from tensorwire.wire.tensors import byte_view
 
 _MANIFEST = re.compile(r"^(?P<dataset>.+)/shard-(?P<shard>\d{5,})/manifest$")
@@ -135,7 +136,7 @@ class LocalShards:
 
     def _manifest(self, name: str) -> dict[str, Any]:
         raw = self.store.read(name)
-        return parse_manifest(raw.numpy().tobytes(), name)
+        return parse_manifest(bytes(byte_view(raw.contiguous())), name)
 
     def close(self) -> None:
         self.store.close()
@@ -144,6 +145,7 @@ class LocalShards:
         """One item's tensor, checked against the manifest; VerificationFailed if it differs."""
         tensor = self.store.read(item["name"])
         value = checksum(ChecksumKind.XXH3_64, byte_view(tensor.contiguous()))
-        if f"{value:016x}" != item["xxh3"] or list(tensor.shape) != item["shape"]:
-            raise VerificationFailed(f"{item['name']} differs from its manifest (hash or shape)")
+        same = list(tensor.shape) == item["shape"] and dtype_name(tensor.dtype) == item["dtype"]
+        if f"{value:016x}" != item["xxh3"] or not same:
+            raise VerificationFailed(f"{item['name']} differs from its manifest (hash, dtype or shape)")
         return tensor

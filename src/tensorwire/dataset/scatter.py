@@ -27,7 +27,7 @@ import contextlib
 import itertools
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -36,6 +36,7 @@ import torch
 
 from tensorwire import transport as transports
 from tensorwire._loop import run
+from tensorwire._timeouts import Deadline, asyncio_timeout
 from tensorwire.client import CHECKSUMS, AsyncClient, ClientOptions
 from tensorwire.dataset.digest import Digest, fetch_digests
 from tensorwire.dataset.plan import Expected, Item, Plan, Shard, Split, make_plan, manifest
@@ -96,11 +97,14 @@ def scatter(
     options: ClientOptions | None = None,
     advance: Advance | None = None,
     on_plan: Callable[[Plan, list[NodeReport]], None] | None = None,
+    deadline: Deadline | None = None,
 ) -> ScatterReport:
     """Scatter ``src`` over the servers at ``urls`` (``shards`` defaults to one per node).
 
     ``max_rate`` caps each node's sending in bytes/s (to leave a training job its network).
     Failures of one node do not stop the others; they are recorded in its ``NodeReport.error``.
+    ``deadline`` bounds the whole scatter: a node not done by then is cut off (its connections
+    closed) and reported as failed; a re-run resumes it.
     """
     if not urls:
         raise ValueError("scatter needs at least one node URL")
@@ -123,17 +127,39 @@ def scatter(
         owned = [plan.shards[k] for k in node.shards]
         progress = (lambda n: advance(i, n)) if advance else None
         try:
-            run(_NodeSender(plan, node, opts, max_rate, progress).send(owned))
+            run(_bounded(_NodeSender(plan, node, opts, max_rate, progress).send(owned), deadline))
         except Exception as exc:  # the thread's boundary: one node's failure is that node's report
             node.error = f"{type(exc).__name__}: {exc}"
         node.seconds = time.monotonic() - start
 
-    threads = [threading.Thread(target=serve_node, args=(i,), name=f"scatter-{i}") for i in range(len(urls))]
+    threads = [
+        threading.Thread(target=serve_node, args=(i,), name=f"scatter-{i}", daemon=True)
+        for i in range(len(urls))
+    ]
     for t in threads:
         t.start()
-    for t in threads:
-        t.join()  # each node's calls are bounded by the client's timeouts and retries
+    for i, t in enumerate(threads):
+        # Each node's calls are bounded by the client's timeouts and its loop by the deadline;
+        # this join is the backstop for a thread stuck outside both (reading a source file).
+        t.join(None if deadline is None else deadline.remaining() + JOIN_GRACE)
+        if t.is_alive():
+            report.nodes[
+                i
+            ].error = f"TransferTimeout: {deadline.what if deadline else 'scatter'} ran out of time"
     return report
+
+
+JOIN_GRACE = 10.0  # seconds past the deadline a node's thread has to close its connections
+
+
+async def _bounded(coro: Coroutine[Any, Any, None], deadline: Deadline | None) -> None:
+    """``coro``, cancelled at ``deadline`` (TransferTimeout naming it): the sender's finally closes
+    its connections."""
+    if deadline is None:
+        await coro
+        return
+    async with asyncio_timeout(deadline.remaining(), deadline.what):
+        await coro
 
 
 class _NodeSender:

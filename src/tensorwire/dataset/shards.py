@@ -54,6 +54,12 @@ class ShardDataset(Dataset[Any]):
         """Close the connection to the node's server (if reading from one)."""
         self.shards.close()
 
+    def __enter__(self) -> ShardDataset:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     def __len__(self) -> int:
         return self._rows if self.by == "rows" else len(self.items)
 

@@ -160,7 +160,7 @@ def _with_progress(servers: str | None, config: TrainConfig) -> WorkerReport:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     columns = (
-        TextColumn("training ({task.description})"),
+        TextColumn("training ({task.description})", markup=False),  # the mode is the user's text
         BarColumn(),
         MofNCompleteColumn(),
         TimeElapsedColumn(),

@@ -13,6 +13,12 @@ connection holding the lease ended) is *tainted*: it is never reused, only unlin
 
 Names carry the owner's pid and start time; ``clean_stale`` removes the segments of owners that
 are gone (a server killed with SIGKILL), and ``close`` unlinks every segment of a server that stops.
+
+Names are predictable (a counter after the prefix), and the shared-memory directory is writable by
+every local user, so a name may be taken already: each file is created with ``O_EXCL`` (which also
+refuses a planted symlink), and on a collision the pool logs it and tries a random number instead,
+up to ``NAME_TRIES`` names, before it gives up with ``SharedMemoryUnavailable``. A planted file
+costs one retry; it never fails a put.
 """
 
 from __future__ import annotations
@@ -28,12 +34,16 @@ from collections import defaultdict
 from pathlib import Path
 
 from tensorwire.errors import CapacityExceeded, SharedMemoryUnavailable
+from tensorwire.logs import event
 from tensorwire.store.pool import allocate_private
 from tensorwire.types import KiB
 from tensorwire.wire import shm as ws
 
 log = logging.getLogger("tensorwire.shm")
 SEGMENT_MIN_BYTES = 64 * KiB  # smaller tensors: a segment (a file, a mapping) costs more than a copy
+# Names tried for one segment (the next of the counter, then random ones) before giving up: a
+# random 48-bit number is taken only if someone planted that very file, so a few tries suffice.
+NAME_TRIES = 16
 _PAGE = mmap.PAGESIZE
 
 
@@ -92,8 +102,8 @@ class SegmentPool:
         self.min_size = min_size
         self.held = 0
         self.closed = False  # after close, new buffers are private memory: nobody would unlink them
-        pid = os.getpid()
-        self.prefix = f"{ws.PREFIX}{pid}-{process_start(pid)}-{secrets.token_hex(4)}-"
+        self.prefix = _new_prefix()
+        self.collisions = 0  # names found taken by a file this pool did not make (see the module doc)
         self._numbers = itertools.count(1)
         self._live: dict[int, Segment] = {}  # id of the mmap -> its segment, for every segment not unlinked
         self._free: defaultdict[int, list[Segment]] = defaultdict(list)
@@ -102,9 +112,46 @@ class SegmentPool:
     def allocate(self, nbytes: int) -> memoryview:
         if nbytes < self.min_size or self.closed:
             return allocate_private(nbytes)
-        segment = Segment(self.directory / f"{self.prefix}{next(self._numbers)}", size_class(nbytes))
+        segment = self._create(size_class(nbytes))
         self._live[id(segment.map)] = segment
         return segment.data(nbytes)
+
+    def _create(self, capacity: int) -> Segment:
+        """A new segment under a name nobody holds: the counter's next, then random numbers."""
+        for attempt in range(NAME_TRIES):
+            number = next(self._numbers) if attempt == 0 else secrets.randbits(48)
+            path = self.directory / f"{self.prefix}{number}"
+            try:
+                return Segment(path, capacity)
+            except FileExistsError:
+                self._collided(path)
+        raise SharedMemoryUnavailable(
+            f"{NAME_TRIES} segment names in {self.directory} were all taken by files this server did not "
+            f"make (another local user is planting them): cannot create a segment"
+        )
+
+    def create_probe(self, token: bytes) -> Path:
+        """Write the probe file (SHM_ATTACH) under this pool's prefix; a prefix whose probe name is
+        taken is replaced by a fresh one (only before any segment exists, so nothing is renamed)."""
+        if self._live:
+            raise RuntimeError("the probe is made before the first segment")
+        for _ in range(NAME_TRIES):
+            path = self.directory / f"{self.prefix}probe"
+            try:
+                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+            except FileExistsError:
+                self._collided(path)
+                self.prefix = _new_prefix()
+                continue
+            with contextlib.closing(os.fdopen(fd, "wb")) as f:
+                f.write(token)
+            return path
+        raise SharedMemoryUnavailable(f"{NAME_TRIES} probe names in {self.directory} were all taken")
+
+    def _collided(self, path: Path) -> None:
+        self.collisions += 1
+        event(log, logging.WARNING, "shared-memory name taken", path=str(path),
+              detail="a file this server did not make; trying another name")  # fmt: skip
 
     def take(self, nbytes: int) -> memoryview | None:
         free = self._free.get(size_class(nbytes))
@@ -151,6 +198,12 @@ class SegmentPool:
     def _retire(self, segment: Segment) -> None:
         segment.unlink()
         self._live.pop(id(segment.map), None)
+
+
+def _new_prefix() -> str:
+    """``tensorwire-<pid>-<start>-<random instance>-``: the names of one pool's files."""
+    pid = os.getpid()
+    return f"{ws.PREFIX}{pid}-{process_start(pid)}-{secrets.token_hex(4)}-"
 
 
 def process_start(pid: int) -> int:

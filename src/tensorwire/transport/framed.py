@@ -90,8 +90,9 @@ class FramedTransport(Transport):
         return self._closed
 
     async def hello(self, token: str | None = None) -> wm.ServerInfo:
-        """Agree on a protocol version, authenticate with ``token``, learn the server's limits."""
-        info = await self._hello(token, self.compression != "none")
+        """Agree on a protocol version, authenticate with ``token``, learn the server's limits and
+        its store's identity (``info.store_id``; 0 from a server that predates it)."""
+        info = await self._hello(token, self.compression != "none", wm.HELLO_WANTS_STORE_ID)
         if info.codecs & (1 << lossless.Encoder(self.compression).codec) and self.compression != "none":
             self.encoder = lossless.Encoder(self.compression)
         if info.version not in PROTOCOL_VERSIONS:
@@ -104,16 +105,18 @@ class FramedTransport(Transport):
         self._max_inflight = info.limits.max_inflight
         return info
 
-    async def _hello(self, token: str | None, compress: bool) -> wm.ServerInfo:
+    async def _hello(self, token: str | None, compress: bool, wants: int = 0) -> wm.ServerInfo:
         versions = PROTOCOL_VERSIONS[0], PROTOCOL_VERSIONS[-1]
         asked = lossless.MODE_CODES[self.compression]
         compression = wm.Compression(lossless.SUPPORTED_MASK, asked) if compress else None
-        hello = wm.encode_hello_request(*versions, token, compression)
+        hello = wm.encode_hello_request(*versions, token, compression, wants)
         try:
             _, reader = await self._call(Opcode.HELLO, hello, what="HELLO")
         except ProtocolError as exc:
-            if not compress or isinstance(exc, UnsupportedVersion):
+            if isinstance(exc, UnsupportedVersion) or not (compress or wants):
                 raise
+            if wants:  # a server from before the wants field: ask as it understands
+                return await self._hello(token, compress)
             return await self._hello(token, False)  # a server from before compression: raw it is
         return _finish(reader, wm.decode_hello_response(reader))
 

@@ -88,7 +88,8 @@ class Mappings:
     def _map(self, name: str, writable: bool) -> tuple[mmap.mmap, memoryview]:
         path = self.directory / ws.check_name(name)
         try:
-            fd = os.open(path, os.O_RDWR if writable else os.O_RDONLY)
+            # O_NOFOLLOW: the server made this name with O_EXCL; a link in its place is not its segment.
+            fd = os.open(path, (os.O_RDWR if writable else os.O_RDONLY) | os.O_NOFOLLOW | os.O_CLOEXEC)
         except FileNotFoundError:
             raise _Stale(name) from None
         except OSError as exc:
@@ -145,7 +146,9 @@ class ShmTransport(FramedTransport):
         probe, token = ws.check_name(reader.text(255)), reader.u64()
         reader.done()
         try:
-            seen = (self.directory / probe).read_bytes()[:8]
+            fd = os.open(self.directory / probe, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+            with os.fdopen(fd, "rb") as f:
+                seen = f.read(8)
         except OSError:
             seen = b""
         if seen != token.to_bytes(8, "little"):

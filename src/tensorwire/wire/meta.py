@@ -210,6 +210,9 @@ class ServerInfo:
     capacity: int
     used: int
     codecs: int = 0  # bit c set: the server decodes chunks of codec c (0: it did not say; §5.5)
+    # The identity of the server's store (random, drawn when the server starts; 0: it did not say):
+    # one version number means the same bytes only within one store_id (a client cache keys by both).
+    store_id: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -224,15 +227,31 @@ class Compression:
 _COMPRESSION = struct.Struct("<BB")
 
 
+HELLO_WANTS_STORE_ID = 1  # HELLO request ``wants`` bit 0: answer with the store's identity (§4.5)
+
+
 def encode_hello_request(
-    min_version: int, max_version: int, token: str | None = None, compression: Compression | None = None
+    min_version: int,
+    max_version: int,
+    token: str | None = None,
+    compression: Compression | None = None,
+    wants: int = 0,
 ) -> bytes:
     """The version range a client speaks, then (optional) the shared token it authenticates with,
-    then (optional, after a token or an empty string) the compression it asks for."""
+    then (optional, after a token or an empty string) the compression it asks for, then (optional,
+    after a compression field) ``u8 wants``: what else the answer should carry."""
     head = _HELLO_REQ.pack(min_version, max_version)
+    if wants and compression is None:
+        compression = Compression(0, 0)  # decodes nothing, answers raw: a placeholder before wants
     if compression is not None:
-        return head + _text(token or "") + _COMPRESSION.pack(compression.accepts, compression.answers)
+        tail = _U8.pack(wants) if wants else b""
+        return head + _text(token or "") + _COMPRESSION.pack(compression.accepts, compression.answers) + tail
     return head + _text(token) if token else head
+
+
+def decode_hello_wants(reader: MetaReader) -> int:
+    """The optional ``u8 wants`` after a HELLO request's compression field (0 if absent)."""
+    return reader.u8() if reader.remaining else 0
 
 
 def decode_hello_request(reader: MetaReader) -> tuple[int, int, str | None, Compression | None]:
@@ -242,11 +261,14 @@ def decode_hello_request(reader: MetaReader) -> tuple[int, int, str | None, Comp
     return lo, hi, token or None, compression
 
 
-def encode_hello_response(info: ServerInfo, with_codecs: bool = False) -> bytes:
+def encode_hello_response(info: ServerInfo, with_codecs: bool = False, wants: int = 0) -> bytes:
     """The 48-byte answer; ``with_codecs`` (the request asked about compression) appends
-    ``u8 codecs``, the mask of chunk codecs the server decodes."""
+    ``u8 codecs``, the mask of chunk codecs the server decodes, and ``wants`` bit 0 (which only a
+    request with a compression field can carry) then ``u64 store_id``."""
     lim = info.limits
     tail = _U8.pack(info.codecs) if with_codecs else b""
+    if wants & HELLO_WANTS_STORE_ID:
+        tail += _U64.pack(info.store_id)
     body = _HELLO_RESP.pack(
         info.version,
         lim.max_meta_bytes,
@@ -270,4 +292,5 @@ def decode_hello_response(reader: MetaReader) -> ServerInfo:
     except ValueError as exc:  # a broken or hostile server's numbers
         raise ProtocolError(f"the server announced impossible limits: {exc}") from exc
     codecs = reader.u8() if reader.remaining else 0
-    return ServerInfo(version, limits, capacity, used, codecs)
+    store_id = reader.u64() if reader.remaining else 0  # only when asked for (HELLO_WANTS_STORE_ID)
+    return ServerInfo(version, limits, capacity, used, codecs, store_id)

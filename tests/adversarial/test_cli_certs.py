@@ -1,0 +1,80 @@
+"""``tensorwire certs --host``: certificates for the names other hosts use (the README's multi-host
+TLS example), localhost always included; and certificate files are never written through a link
+planted in the directory."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+import tensorwire
+from tensorwire import cli, errors
+from tensorwire.security import Security, TlsFiles
+from tensorwire.server import ServerThread
+
+OTHER_HOST = "127.0.0.2"  # a loopback address that is not 127.0.0.1: "another host's" address here
+
+
+def _certs(directory: Path, *hosts: str) -> None:
+    args = ["certs", str(directory)] + [a for h in hosts for a in ("--host", h)]
+    result = CliRunner().invoke(cli.main, args)
+    assert result.exit_code == 0, result.output
+
+
+def _serve(directory: Path) -> ServerThread:
+    files = TlsFiles(directory / "server.pem", directory / "server-key.pem")
+    return ServerThread([f"tls://{OTHER_HOST}:0"], security=Security(files))
+
+
+def test_a_certificate_for_another_address_is_accepted_there(tmp_path: Path) -> None:
+    _certs(tmp_path, OTHER_HOST, "trainer-0")
+    with _serve(tmp_path) as srv:
+        assert srv.url.startswith(f"tls://{OTHER_HOST}:")
+        with tensorwire.connect(srv.url, tls_ca=str(tmp_path / "ca.pem"), retries=0) as c:
+            c.ping()
+
+
+def test_without_host_the_other_address_is_a_mismatch(tmp_path: Path) -> None:
+    _certs(tmp_path)
+    with _serve(tmp_path) as srv, pytest.raises(errors.TransportError, match=r"mismatch|match"):
+        tensorwire.connect(srv.url, tls_ca=str(tmp_path / "ca.pem"), retries=0, connect_timeout=5)
+
+
+def test_localhost_is_always_in_the_certificate(tmp_path: Path) -> None:
+    _certs(tmp_path, OTHER_HOST)
+    files = TlsFiles(tmp_path / "server.pem", tmp_path / "server-key.pem")
+    with (
+        ServerThread(["tls://127.0.0.1:0"], security=Security(files)) as srv,
+        tensorwire.connect(srv.url, tls_ca=str(tmp_path / "ca.pem"), retries=0) as c,
+    ):
+        c.ping()
+
+
+@pytest.mark.parametrize("host", ["", "a b", "-x.example", "x" * 64 + ".example", "é.example"])
+def test_a_bad_host_is_a_usage_error(tmp_path: Path, host: str) -> None:
+    result = CliRunner().invoke(cli.main, ["certs", str(tmp_path), "--host", host])
+    assert result.exit_code == 2 and "--host" in result.output and "Traceback" not in result.output
+
+
+def test_overwrite_never_writes_a_key_through_a_planted_link(tmp_path: Path) -> None:
+    victim = tmp_path / "victim"
+    victim.write_text("keep me")
+    certs = tmp_path / "certs"
+    _certs(certs)
+    (certs / "server-key.pem").unlink()
+    os.symlink(victim, certs / "server-key.pem")
+    result = CliRunner().invoke(cli.main, ["certs", str(certs), "--overwrite"])
+    assert result.exit_code == 0, result.output
+    assert victim.read_text() == "keep me"
+    key = certs / "server-key.pem"
+    assert not key.is_symlink() and key.stat().st_mode & 0o777 == 0o600
+
+
+def test_without_overwrite_a_planted_link_is_refused(tmp_path: Path) -> None:
+    os.symlink(tmp_path / "nowhere", tmp_path / "ca.pem")  # dangling: exists() says no
+    result = CliRunner().invoke(cli.main, ["certs", str(tmp_path)])
+    assert result.exit_code == 1 and result.output.startswith("error: ")
+    assert not (tmp_path / "nowhere").exists()
