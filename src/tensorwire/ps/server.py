@@ -220,6 +220,8 @@ class ParamServer:
     ) -> None:
         self.wait_timeout = wait_timeout
         self.capacity = capacity  # most bytes of parameters a job may place here
+        self.checkpoints_skipped = 0  # newer checkpoints passed over at a restore: not complete
+        self.restored_from: str | None = None  # the checkpoint this server's job came from
         # A live worker not heard from (request or heartbeat) for this long is dropped from the
         # job, so that sync steps go on without it; 0 turns it off.
         self.heartbeat_timeout = heartbeat_timeout
@@ -350,6 +352,7 @@ class ParamServer:
             "failovers": self.failovers,
             "pulls_sending": sum(s.readers for s in [*self._retired, *filter(None, [self._current])]),
             "workers_dropped": self.dropped,
+            "checkpoint": {"restored": self.restored_from, "skipped": self.checkpoints_skipped},
             "staleness": {str(k): v for k, v in sorted(self.staleness.items())},
             "max_staleness": max(self.staleness, default=0),
         }
@@ -668,11 +671,14 @@ class ParamServer:
         request.meta.done()
         if self.live():
             raise ProtocolError(f"cannot roll back while workers {self.live()} are live")
-        if self.checkpoints is None or head.clock not in checkpoint.available(self.checkpoints.directory):
+        directory = self.checkpoints.directory if self.checkpoints is not None else None
+        # Read first (off the loop): a checkpoint that is not complete changes nothing, here or on a backup.
+        snapshot = await self._run(checkpoint.load, directory, head.clock) if directory else None
+        if snapshot is None:
             raise WorkerDropped(f"no checkpoint of version {head.clock} here to roll back to")
         async with self._in_order():
             await self._replicate(replication.Change.ROLLBACK, head)
-            self.restore(self.checkpoints.directory, head.clock)
+            self._restored(snapshot)
         await request.reply(wps.encode_u64(self.version))
 
     async def _on_stats(self, request: Request) -> None:
@@ -893,14 +899,26 @@ class ParamServer:
         return checkpoint.Snapshot(state, params, tensors)
 
     def restore(self, directory: Path, version: int | None = None) -> bool:
-        """Load checkpoint ``version`` (default: the newest) of ``directory``, if there is one.
-        Its workers come back as not live: each rejoins (``ps.Worker`` does it by itself)."""
+        """Load the newest complete checkpoint (of ``version``, if given) of ``directory``, if there
+        is one; newer ones that are not complete (torn by a crash) are skipped, and that is said in
+        the log and in ``stats()["checkpoint"]``. Its workers come back as not live: each rejoins
+        (``ps.Worker`` does it by itself)."""
         snapshot = checkpoint.load(directory, version)
         if snapshot is None:
             return False
-        self._load(snapshot)
-        log.info("restored checkpoint %d of %s (step %d)", self.version, directory, self.step)
+        self._restored(snapshot)
         return True
+
+    def _restored(self, snapshot: checkpoint.Snapshot) -> None:
+        """Make a checkpoint read by ``checkpoint.load`` the job, and say where it came from."""
+        self._load(snapshot)
+        assert snapshot.path is not None
+        self.restored_from = snapshot.path.name
+        self.checkpoints_skipped += len(snapshot.skipped)
+        if snapshot.skipped:
+            event(log, logging.WARNING, "restored an older checkpoint: the newer ones are not complete",
+                  restored=str(snapshot.path), skipped=len(snapshot.skipped), step=self.step)  # fmt: skip
+        log.info("restored checkpoint %d of %s (step %d)", self.version, snapshot.path.parent, self.step)
 
     def _load(self, snapshot: checkpoint.Snapshot) -> None:
         """Make ``snapshot`` this server's job (a checkpoint: its workers not live; a backup's
