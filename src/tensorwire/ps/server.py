@@ -20,6 +20,12 @@ never more than s (its pull gate is what guarantees it), ``async`` whatever happ
 Every wait (a pull for a step, a gate, initialisation) is bounded by the request's ``wait_ms`` or
 the server's ``wait_timeout``, and ends in a TIMEOUT error that names what was waited for and who.
 
+Who may act as a rank: the session (worker process) that joined with it, named by its random
+incarnation, which every push, pull, heartbeat and leave of the rank carries; a request under a
+rank with another (or no) incarnation is refused before it changes anything (``_member``). One job
+per server: a worker whose model, mode, optimizer or world differs is refused at its join, naming
+the differences.
+
 All state is changed on the event loop; optimizer steps and gradient sums run in one worker thread
 (torch releases the GIL), so the loop keeps receiving the next push meanwhile. Pulls read the
 parameters under a shared lock that a step takes exclusively, so a pull never sees half a step.
@@ -31,6 +37,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import re
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
@@ -67,6 +74,8 @@ T = TypeVar("T")
 MAX_STALENESS_BUCKET = 1000  # the histogram's last bucket holds everything above
 MAX_WORLD = 1 << 16
 MAX_SNAPSHOTS = 4  # older copies of the parameters that slow pulls may still be sending from
+MAX_SSP_BOUND = 1 << 30
+_MODEL = re.compile(r"\d{1,9}:[0-9a-f]{16,64}")  # JobConfig.model: "<parameters>:<digest>"
 
 
 @dataclass(frozen=True)
@@ -80,12 +89,15 @@ class Mode:
     def parse(text: str | Mode) -> Mode:
         if isinstance(text, Mode):
             return text
+        if not isinstance(text, str):  # from a peer's JSON
+            raise ValueError(f"mode must be a string, not {type(text).__name__}")
         kind, _, bound = text.partition(":")
         if kind in ("sync", "async") and not bound:
             return Mode(kind)
-        if kind == "ssp" and bound.isdigit():
+        if kind == "ssp" and bound.isascii() and bound.isdigit() and int(bound) <= MAX_SSP_BOUND:
             return Mode("ssp", int(bound))
-        raise ValueError(f"mode must be sync, async or ssp:<s> (s a whole number), not {text!r}")
+        raise ValueError(f"mode must be sync, async or ssp:<s> (s a whole number up to {MAX_SSP_BOUND}), "
+                         f"not {text[:40]!r}")  # fmt: skip
 
     def __str__(self) -> str:
         return f"ssp:{self.staleness}" if self.kind == "ssp" else self.kind
@@ -93,21 +105,52 @@ class Mode:
 
 @dataclass(frozen=True)
 class JobConfig:
-    """What every worker of a job must agree on; the first ``PS_INIT`` sets it."""
+    """What every worker of a job must agree on; the first ``PS_INIT`` sets it. ``model`` says
+    which model: ``"<parameters>:<digest>"`` of its parameters' names, shapes and dtypes (``""``:
+    not said, by an older worker; the shards are compared in any case)."""
 
     mode: Mode
     optimizer: OptimizerSpec
+    model: str = ""
 
     def to_json(self) -> str:
-        return json.dumps({"mode": str(self.mode), "optimizer": self.optimizer.to_dict()}, sort_keys=True)
+        doc = {"mode": str(self.mode), "optimizer": self.optimizer.to_dict()}
+        if self.model:
+            doc["model"] = self.model
+        return json.dumps(doc, sort_keys=True)
 
     @staticmethod
     def from_json(text: str) -> JobConfig:
+        """The config a peer sent, checked completely: known keys only, every setting of a known
+        type and in range (ProtocolError naming what is wrong)."""
         try:
             doc = json.loads(text)
-            return JobConfig(Mode.parse(doc["mode"]), from_dict(doc["optimizer"]))
-        except (ValueError, KeyError, TypeError) as exc:
+            if not isinstance(doc, dict):
+                raise TypeError(f"a config is a JSON object, not {type(doc).__name__}")
+            unknown = sorted(set(doc) - {"mode", "optimizer", "model"})
+            if unknown:
+                raise ValueError(f"unknown key(s) {', '.join(repr(k[:40]) for k in unknown[:8])}")
+            model = doc.get("model", "")
+            if not isinstance(model, str) or (model and not _MODEL.fullmatch(model)):
+                raise ValueError("model must be '<parameters>:<hex digest>'")
+            return JobConfig(Mode.parse(doc["mode"]), from_dict(doc["optimizer"]), model)
+        except (ValueError, KeyError, TypeError, RecursionError) as exc:
             raise ProtocolError(f"unusable parameter-server config: {exc}") from exc
+
+    def differences(self, asked: JobConfig) -> list[str]:
+        """How the job ``asked`` for differs from this one, one phrase per setting."""
+        diffs = [f"mode {self.mode} here, {asked.mode} asked"] if self.mode != asked.mode else []
+        mine, theirs = self.optimizer.to_dict(), asked.optimizer.to_dict()
+        if mine["kind"] != theirs["kind"]:
+            diffs.append(f"optimizer {mine['kind']} here, {theirs['kind']} asked")
+        else:
+            diffs += [f"optimizer {k} {mine[k]} here, {theirs[k]} asked" for k in sorted(mine)
+                      if mine[k] != theirs[k]]  # fmt: skip
+        if self.model and asked.model and self.model != asked.model:
+            (n, digest), (m, other) = self.model.split(":"), asked.model.split(":")
+            diffs.append(f"the model's parameters (names, shapes or dtypes) differ: {n} here (digest "
+                         f"{digest[:12]}), {m} asked (digest {other[:12]})")  # fmt: skip
+        return diffs
 
 
 @dataclass(frozen=True)
@@ -220,6 +263,8 @@ class ParamServer:
     ) -> None:
         self.wait_timeout = wait_timeout
         self.capacity = capacity  # most bytes of parameters a job may place here
+        self.identity_refused = 0  # requests under a rank that another session holds
+        self.jobs_refused = 0  # joins and inits of another job (model, mode, optimizer, world)
         self.checkpoints_skipped = 0  # newer checkpoints passed over at a restore: not complete
         self.restored_from: str | None = None  # the checkpoint this server's job came from
         # A live worker not heard from (request or heartbeat) for this long is dropped from the
@@ -352,6 +397,8 @@ class ParamServer:
             "failovers": self.failovers,
             "pulls_sending": sum(s.readers for s in [*self._retired, *filter(None, [self._current])]),
             "workers_dropped": self.dropped,
+            "identity_refused": self.identity_refused,
+            "jobs_refused": self.jobs_refused,
             "checkpoint": {"restored": self.restored_from, "skipped": self.checkpoints_skipped},
             "staleness": {str(k): v for k, v in sorted(self.staleness.items())},
             "max_staleness": max(self.staleness, default=0),
@@ -413,17 +460,36 @@ class ParamServer:
     async def _on_join(self, request: Request) -> None:
         self._serving()
         head = wps.PsHead.decode(request.meta)
+        job = self._described_job(request.meta)
         request.meta.done()
         self._check_worker(head)
+        if not head.seq:
+            raise ProtocolError("PS_JOIN needs the worker process's incarnation (random, not 0) in seq")
+        self._check_joining_job(job)  # a worker of another job changes nothing, not even by waiting
         with request.waiting():  # a restarted worker: its old process is dropped after its heartbeats
             await self._wait(lambda: self._rank_free(head), head, f"rank {head.worker} to be freed")
         async with self._in_order():
             async with self._step_lock():  # a step being taken does not count it
                 self._check_rank_free(head)
+                self._check_joining_job(job)  # the job may have been created meanwhile
                 await self._replicate(replication.Change.JOIN, head)
                 reply = self._admit(head)
             await self._apply_ready_steps()  # a rejoin for the next step may complete this one
         await request.reply(reply)
+
+    @staticmethod
+    def _described_job(reader: wm.MetaReader) -> tuple[JobConfig, list[TensorMeta]] | None:
+        """The job a PS_JOIN says its worker belongs to (PS_INIT's config and records), if it does."""
+        if not reader.remaining:
+            return None  # an older worker: its PS_INIT checks the job
+        config = JobConfig.from_json(wps.decode_config(reader))
+        metas = wm.decode_records(reader)
+        _check_records(metas, None)
+        return config, metas
+
+    def _check_joining_job(self, job: tuple[JobConfig, list[TensorMeta]] | None) -> None:
+        if job is not None and self.config is not None:
+            self._check_same_job(*job)
 
     def _rank_free(self, head: wps.PsHead) -> bool:
         before = self.workers.get(head.worker)
@@ -467,8 +533,10 @@ class ParamServer:
         self._serving()
         head = wps.PsHead.decode(request.meta)
         request.meta.done()
-        self.exchange.leave(head.worker)
         state = self.workers.get(head.worker)
+        if state is not None and state.live and head.seq and state.incarnation != head.seq:
+            self._refuse_identity(request, head, head.seq)  # another session's rank: nothing changes
+        self.exchange.leave(head.worker)  # (an ExchangeClient's leave: seq 0, the exchange only)
         if state is not None and state.live and state.incarnation == head.seq:  # not another process's
             async with self._in_order():
                 await self._replicate(replication.Change.LEAVE, head)
@@ -486,12 +554,15 @@ class ParamServer:
         self._serving()
         head = wps.PsHead.decode(request.meta)
         metas = wm.decode_records(request.meta)
-        codec = from_wire(wps.decode_codec(request.meta))
+        codec_name, incarnation = wps.decode_push_tail(request.meta)
+        codec = from_wire(codec_name)
         request.meta.done()
-        state = self._member(head)
+        state = self._member(request, head, incarnation)
         if state.pushing:  # a resend racing the original (the client timed out): let it finish first
             with request.waiting():
                 await self._wait(lambda: not state.pushing, head, f"worker {head.worker}'s push in flight")
+            if self.workers.get(head.worker) is not state or not state.live:
+                raise WorkerDropped(f"worker {head.worker} left or rejoined while its push waited: rejoin")
         if head.seq <= state.seq:  # applied already: answer as the first time, apply nothing
             await request.skip()
             self.duplicates += 1
@@ -576,7 +647,7 @@ class ParamServer:
             self._shard(name)  # ProtocolError for a shard this server does not hold
         if len(set(names)) != len(names):
             raise ProtocolError("PS_PULL names the same shard twice")
-        state = self._member(head) if head.worker != wps.OBSERVER else None
+        state = self._member(request, head, head.seq) if head.worker != wps.OBSERVER else None
         if state is not None:
             with request.waiting():
                 await self._gate(head, state)
@@ -1054,18 +1125,39 @@ class ParamServer:
             )
 
     def _check_same_job(self, config: JobConfig, metas: Sequence[TensorMeta]) -> None:
-        if config != self.config:
-            raise ProtocolError(f"this job runs {self._describe()}; a worker asked for {config.to_json()}")
-        mine = sorted((s.meta.name, s.meta.dtype, s.meta.shape) for s in self.shards.values())
-        theirs = sorted((m.name, m.dtype, m.shape) for m in metas)
-        if mine != theirs:
-            raise InvalidTensor("a worker's shards differ from this job's (another model or placement?)")
+        """ProtocolError naming every difference between the job here and the one a worker runs
+        (until jobs are first-class, a server holds one job: a second one needs its own servers)."""
+        assert self.config is not None
+        diffs = self.config.differences(config) + self._shard_differences(metas)
+        if diffs:
+            self.jobs_refused += 1
+            said = "; ".join(diffs[:8])
+            event(log, logging.WARNING, "a worker of another job was refused", differences=said)
+            raise ProtocolError(
+                f"this job runs {self._describe()}; a worker asked for another job: {said} "
+                "(a second job needs parameter servers of its own)"
+            )
+
+    def _shard_differences(self, metas: Sequence[TensorMeta]) -> list[str]:
+        """How a worker's shards (its model, placed over the servers) differ from this job's."""
+        mine = {s.key: (s.param.dtype, s.param.numel()) for s in self.shards.values()}
+        theirs = {m.name: (m.dtype, m.numel) for m in metas}
+        diffs = []
+        if extra := [k for k in theirs if k not in mine]:
+            diffs.append(f"shard(s) {_few(extra)} of the worker's model are not in this job")
+        if missing := [k for k in mine if k not in theirs]:
+            diffs.append(f"this job's shard(s) {_few(missing)} are not in the worker's model")
+        for key in [k for k in mine if k in theirs and mine[k] != theirs[k]][:4]:
+            (dtype, n), (other, m) = mine[key], theirs[key]
+            diffs.append(f"shard {key[:60]!r} is {n} x {dtype} here, {m} x {other} asked")
+        return diffs
 
     def _describe(self) -> str:
         return self.config.to_json() if self.config else "nothing yet"
 
-    def _member(self, head: wps.PsHead) -> _Worker:
-        """The live worker sending ``head``; WorkerDropped (rejoin) if it is not one."""
+    def _member(self, request: Request, head: wps.PsHead, incarnation: int) -> _Worker:
+        """The live worker sending ``head``, checked to be the session that joined with that rank
+        (``incarnation``) before anything changes; WorkerDropped (rejoin) if it is not one."""
         state = self.workers.get(head.worker)
         if state is None or not state.live:
             why = (
@@ -1074,8 +1166,29 @@ class ParamServer:
                 else "it has not joined since this server started"
             )
             raise WorkerDropped(f"worker {head.worker} is not part of this job ({why}): rejoin")
+        if incarnation != state.incarnation:
+            self._refuse_identity(request, head, incarnation)
         state.heard = time.monotonic()
         return state
+
+    def _refuse_identity(self, request: Request, head: wps.PsHead, incarnation: int) -> None:
+        """A request under a rank that another session (worker process) joined with: a second
+        process with the same RANK, an old one that was replaced, or a forgery. Refused, counted,
+        logged (the first time and then at every power of two, so a flood does not flood the log)."""
+        self.identity_refused += 1
+        what = Opcode(request.header.opcode).name
+        if self.identity_refused & (self.identity_refused - 1) == 0:
+            event(log, logging.WARNING, "refused a request under a rank another session holds", request=what,
+                  worker=head.worker, peer=request.peer, refused_so_far=self.identity_refused)  # fmt: skip
+        if not incarnation:
+            raise ProtocolError(
+                f"{what} as worker {head.worker} carries no incarnation (the session that joined "
+                "with that rank): a worker older than this server? Use the same tensorwire on both"
+            )
+        raise WorkerDropped(
+            f"{what} as worker {head.worker} refused: that rank belongs to another session (a worker "
+            "process that joined with it); this one is not part of the job: rejoin"
+        )
 
     def _check_push(self, head: wps.PsHead, state: _Worker) -> None:
         if self.config is None:
@@ -1138,6 +1251,12 @@ class ParamServer:
 
     def _record(self, staleness: int) -> None:
         self.staleness[min(staleness, MAX_STALENESS_BUCKET)] += 1
+
+
+def _few(names: Sequence[str]) -> str:
+    """A few of ``names``, for an error message (a peer chose them: bounded)."""
+    shown = ", ".join(repr(name[:60]) for name in names[:4])
+    return shown + (f" and {len(names) - 4} more" if len(names) > 4 else "")
 
 
 def _check_records(metas: Sequence[TensorMeta], data_len: int | None) -> None:
