@@ -24,7 +24,8 @@ Who may act as a rank: the session (worker process) that joined with it, named b
 incarnation, which every push, pull, heartbeat and leave of the rank carries; a request under a
 rank with another (or no) incarnation is refused before it changes anything (``_member``). One job
 per server: a worker whose model, mode, optimizer or world differs is refused at its join, naming
-the differences.
+the differences. What the job holds beyond its parameters (gradient buffers, copies for pulls,
+their encodings, compressed payloads being decoded) is counted against ``capacity`` (budget.py).
 
 All state is changed on the event loop; optimizer steps and gradient sums run in one worker thread
 (torch releases the GIL), so the loop keeps receiving the next push meanwhile. Pulls read the
@@ -50,8 +51,8 @@ import torch
 
 from tensorwire.compression import Codec, decode_all, from_wire, payload_total
 from tensorwire.errors import (
-    CapacityExceeded,
     InvalidTensor,
+    LimitExceeded,
     NotPrimary,
     ProtocolError,
     WaitTimeout,
@@ -60,6 +61,7 @@ from tensorwire.errors import (
 from tensorwire.logs import event
 from tensorwire.ps import checkpoint, replication
 from tensorwire.ps import metrics as ps_metrics
+from tensorwire.ps.budget import Budget
 from tensorwire.ps.exchange import GradientExchange
 from tensorwire.ps.optim import OptimizerSpec, from_dict
 from tensorwire.server import Handler, Request
@@ -74,6 +76,7 @@ T = TypeVar("T")
 MAX_STALENESS_BUCKET = 1000  # the histogram's last bucket holds everything above
 MAX_WORLD = 1 << 16
 MAX_SNAPSHOTS = 4  # older copies of the parameters that slow pulls may still be sending from
+MAX_PULL_CODECS = 4  # codecs one version of the parameters is kept encoded in for pulls
 MAX_SSP_BOUND = 1 << 30
 _MODEL = re.compile(r"\d{1,9}:[0-9a-f]{16,64}")  # JobConfig.model: "<parameters>:<digest>"
 
@@ -199,6 +202,7 @@ class _Snapshot:
     tensors: dict[str, torch.Tensor]
     readers: int = 0  # pulls sending from it right now
     encoded: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)  # by codec: payloads
+    held: int = 0  # bytes of its tensors and encodings, counted in the server's budget
 
 
 @dataclass(eq=False)
@@ -247,7 +251,11 @@ class _SharedLock:
 
 
 class ParamServer:
-    """One server's shards of a job's parameters, with their optimizer (see the module doc)."""
+    """One server's shards of a job's parameters, with their optimizer (see the module doc).
+
+    ``capacity``: the most bytes the job may hold here, its parameters and what pushes and pulls
+    keep (budget.py); ``tensorwire serve`` passes its ``--capacity``.
+    """
 
     def __init__(
         self,
@@ -262,7 +270,9 @@ class ParamServer:
         failover_timeout: float = 2.0,
     ) -> None:
         self.wait_timeout = wait_timeout
-        self.capacity = capacity  # most bytes of parameters a job may place here
+        # Most bytes the job may hold here: its parameters and what pushes and pulls keep (budget.py).
+        self.capacity = capacity
+        self.budget = Budget(capacity)
         self.identity_refused = 0  # requests under a rank that another session holds
         self.jobs_refused = 0  # joins and inits of another job (model, mode, optimizer, world)
         self.checkpoints_skipped = 0  # newer checkpoints passed over at a restore: not complete
@@ -399,6 +409,9 @@ class ParamServer:
             "workers_dropped": self.dropped,
             "identity_refused": self.identity_refused,
             "jobs_refused": self.jobs_refused,
+            "capacity": self.capacity,
+            "held_bytes": dict(self.budget.held),
+            "capacity_refused": self.budget.refused,
             "checkpoint": {"restored": self.restored_from, "skipped": self.checkpoints_skipped},
             "staleness": {str(k): v for k, v in sorted(self.staleness.items())},
             "max_staleness": max(self.staleness, default=0),
@@ -416,9 +429,9 @@ class ParamServer:
         _check_records(metas, None if check_only else request.header.data_len)
         if check_only and self.config is None and not self._initializing:
             raise ProtocolError("PS_INIT without values, but this server has no job yet")
-        if request.header.data_len > self.capacity:
-            raise CapacityExceeded(f"{request.header.data_len} bytes of parameters exceed {self.capacity}")
         self._check_worker(head)
+        if self.config is None and not self._initializing:
+            self.budget.check(request.header.data_len, "the job's parameters")
         if self.config is None and not self._initializing:
             await self._create(request, head, config, metas)
             await request.reply(wps.encode_init_reply(True, self.step))
@@ -453,6 +466,7 @@ class ParamServer:
         shards = {m.name: _Shard(m.name, torch.nn.Parameter(v)) for m, v in zip(metas, values, strict=True)}
         self.optimizer = config.optimizer.build(s.param for s in shards.values())
         self.shards, self.config = shards, config
+        self.budget.set("params", sum(s.meta.nbytes for s in shards.values()))
         self._generation += 1
         self._note_world(head.world)
         log.info("job initialised: %d shards, mode %s, %s", len(shards), config.mode, config.optimizer)
@@ -575,15 +589,20 @@ class ParamServer:
         buffers = self._take_buffers(shards)
         grads = [b if p else None for b, p in zip(buffers, present, strict=True)]
         state.pushing = True  # one push per worker at a time: a second one is refused, not merged
+        accepted = False
         try:
             data = await self._receive_grads(request, codec, grads)
+            # The backups' body is the one older releases sent (no incarnation: the primary vouches).
             body = wm.encode_records(metas) + wps.encode_codec(codec.name if codec else None)
             async with self._in_order():
                 # Backups get the payloads as they came and decode them with the same code, so
                 # they hold the same bits (and replication moves the compressed bytes).
                 await self._replicate(replication.Change.PUSH, head, body, data)
+                accepted = True
                 await self._accept(head, state, buffers, grads)
         finally:
+            if not accepted:  # refused or broken: its buffers are kept (and counted) for the next push
+                self._free.append(buffers)
             state.pushing = False
             self._notify()
         await request.reply(state.last_reply)
@@ -597,10 +616,18 @@ class ParamServer:
             data = [byte_view(g) for g in present]
             await request.receive(data)
             return data
-        payloads = [torch.empty(codec.payload_bytes(g.numel()), dtype=torch.uint8) for g in present]
-        data = [byte_view(p) for p in payloads]
-        await request.receive(data)
-        await self._run(decode_all, codec, payloads, present)
+        # Sizes from this server's own shards (``_shards_for`` checked the records against them),
+        # counted before they are allocated; the decode runs on the optimizer's thread.
+        sizes = [codec.payload_bytes(g.numel()) for g in present]
+        self.budget.reserve("payloads", sum(sizes), f"the {codec.name} payloads of a push")
+        try:
+            payloads = [torch.empty(n, dtype=torch.uint8) for n in sizes]
+            data = [byte_view(p) for p in payloads]
+            await request.receive(data)
+            await self._run(decode_all, codec, payloads, present)
+        finally:
+            # Decoded: what is left of them is the replication that follows (one push per worker).
+            self.budget.release("payloads", sum(sizes))
         return data
 
     async def _accept(self, head: wps.PsHead, state: _Worker, buffers: _Grads, grads: _Grads) -> None:
@@ -694,7 +721,7 @@ class ParamServer:
                 await self._run(_copy_shards, fresh, self.shards)
                 fresh.version = self.version
                 fresh.metas = {key: shard.meta for key, shard in self.shards.items()}
-                fresh.encoded = {}
+                self._drop_encodings(fresh)
             if current is not None:
                 self._retired.append(current)
             self._current = fresh
@@ -709,19 +736,40 @@ class ParamServer:
             async with self._publishing:
                 cached = snapshot.encoded.get(codec.name)
                 if cached is None:
+                    # Codec names are the peers' choice: a bounded number per version, each counted.
+                    if len(snapshot.encoded) >= MAX_PULL_CODECS:
+                        raise LimitExceeded(
+                            f"pulls of one version are kept in at most {MAX_PULL_CODECS} codecs "
+                            f"({', '.join(snapshot.encoded)}): pull in one of those"
+                        )
+                    nbytes = sum(codec.payload_bytes(t.numel()) for t in snapshot.tensors.values())
+                    self._make_room(nbytes)
+                    self.budget.reserve("snapshots", nbytes, f"the parameters encoded in {codec.name}")
+                    snapshot.held += nbytes
                     cached = await self._run(_encode_all, codec, snapshot.tensors)
                     snapshot.encoded[codec.name] = cached
         return cached
+
+    def _drop_encodings(self, snapshot: _Snapshot) -> None:
+        nbytes = sum(map(_nbytes, (list(e.values()) for e in snapshot.encoded.values())))
+        snapshot.encoded = {}
+        snapshot.held -= nbytes
+        self.budget.release("snapshots", nbytes)
 
     def _spare_snapshot(self) -> _Snapshot:
         """A retired copy nobody is sending from any more (its buffers are reused: fresh pages
         cost more than the copy), or a new one."""
         idle = [s for s in self._retired if s.readers == 0 and s.generation == self._generation]
+        for gone in [s for s in self._retired if s.readers == 0 and s is not (idle[0] if idle else None)]:
+            self.budget.release("snapshots", gone.held)
         self._retired = [s for s in self._retired if s.readers > 0]
         if idle:
             return idle[0]
+        nbytes = sum(shard.meta.nbytes for shard in self.shards.values())
+        self._make_room(nbytes)
+        self.budget.reserve("snapshots", nbytes, "a copy of the parameters for pulls")
         tensors = {key: torch.empty_like(shard.param.data) for key, shard in self.shards.items()}
-        return _Snapshot(self._generation, -1, {}, tensors)
+        return _Snapshot(self._generation, -1, {}, tensors, held=nbytes)
 
     async def _on_heartbeat(self, request: Request) -> None:
         self._serving()
@@ -1013,6 +1061,9 @@ class ParamServer:
         for w, (live, read_clock, incarnation) in state.get("live", {}).items():
             worker = self.workers[int(w)]
             worker.live, worker.read_clock, worker.incarnation = live, read_clock, incarnation
+        dropped = [b for b, _ in (g for p in self._pending.values() for g in p.grads.values())] + self._free
+        self.budget.release("gradients", sum(map(_nbytes, dropped)))
+        self.budget.set("params", sum(s.meta.nbytes for s in shards.values()))
         self._pending.clear()
         self._free.clear()
         keys = list(shards)
@@ -1024,6 +1075,7 @@ class ParamServer:
                 buffers: _Grads = [g if g is not None else torch.empty_like(shards[k].param.data)
                                    for g, k in zip(grads, keys, strict=True)]  # fmt: skip
                 self._pending.setdefault(int(clock), _Pending()).grads[int(w)] = (buffers, grads)
+                self.budget.add("gradients", _nbytes(buffers))  # the primary's, as it counted them
 
     # -- waiting --------------------------------------------------------------------------------
     async def _gate(self, head: wps.PsHead, state: _Worker) -> None:
@@ -1244,10 +1296,25 @@ class ParamServer:
         return shards, present
 
     def _take_buffers(self, shards: Sequence[_Shard]) -> _Grads:
-        if self._free:
-            return self._free.pop()
+        """A set of gradient buffers for a push: a free one of the current shards, or a new one
+        counted against the capacity first (CapacityExceeded, nothing changed, if it cannot be)."""
+        like = [(s.param.numel(), s.param.dtype) for s in shards]
+        while self._free:
+            buffers = self._free.pop()
+            if [(b.numel(), b.dtype) for b in buffers if b is not None] == like:
+                return buffers
+            self.budget.release("gradients", _nbytes(buffers))  # of shards since replaced
+        nbytes = sum(s.meta.nbytes for s in shards)
+        self._make_room(nbytes)
+        self.budget.reserve("gradients", nbytes, "a push's gradient buffers")
         fresh: _Grads = [torch.empty_like(s.param.data) for s in shards]
         return fresh
+
+    def _make_room(self, nbytes: int) -> None:
+        """Let go of free gradient buffers (kept only to save page faults) while ``nbytes`` more do
+        not fit in the capacity."""
+        while self._free and not self.budget.fits(nbytes):
+            self.budget.release("gradients", _nbytes(self._free.pop()))
 
     def _record(self, staleness: int) -> None:
         self.staleness[min(staleness, MAX_STALENESS_BUCKET)] += 1
@@ -1257,6 +1324,10 @@ def _few(names: Sequence[str]) -> str:
     """A few of ``names``, for an error message (a peer chose them: bounded)."""
     shown = ", ".join(repr(name[:60]) for name in names[:4])
     return shown + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+
+
+def _nbytes(tensors: Sequence[torch.Tensor | None]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
 
 def _check_records(metas: Sequence[TensorMeta], data_len: int | None) -> None:
