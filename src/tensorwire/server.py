@@ -160,7 +160,14 @@ class Extension(Protocol):
 
 
 class Server:
-    """Serves one store on any number of addresses (``tcp://host:0`` binds a free port)."""
+    """Serves one store on any number of addresses (``tcp://host:0`` binds a free port).
+
+    It is a tensor store only: the parameter server (``PS_*`` opcodes, ALLREDUCE, gRPC
+    ``GradientService``) is an extension, ``Server(extensions=[ps.ParamServer()])``, which
+    ``tensorwire serve`` always adds. Without it, a ``ps.Worker`` gets PROTOCOL_ERROR (unknown
+    opcode). It is not a default here on purpose: ``tensorwire.ps`` builds on this module, not the
+    other way round.
+    """
 
     def __init__(
         self,
@@ -814,6 +821,9 @@ class ServerThread:
     """A server running on its own event loop in a background thread (tests, embedding, demo).
 
     ``with ServerThread(["tcp://127.0.0.1:0"]) as srv: connect(srv.url)``.
+
+    Like ``Server``, it is a tensor store only; a parameter server (what ``tensorwire serve`` runs)
+    needs the extension: ``ServerThread(extensions=[ps.ParamServer()])``.
     """
 
     def __init__(

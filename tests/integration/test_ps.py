@@ -253,7 +253,8 @@ def test_bad_pushes_are_refused_and_the_server_keeps_serving() -> None:
 
         async def push(metas: list[TensorMeta], data: list[memoryview], clock: int = 0) -> None:
             head = wps.PsHead(0, 1, clock, 1, 1000).encode()
-            await conn.call(Opcode.PS_PUSH, head + wm.encode_records(metas), data, what="a bad push")
+            tail = wps.encode_push_tail(None, worker.incarnation)  # as this worker's session
+            await conn.call(Opcode.PS_PUSH, head + wm.encode_records(metas) + tail, data, what="a bad push")
 
         shard = worker.placement.on_server(0)[0]
         short = torch.zeros(shard.numel - 1)

@@ -11,7 +11,8 @@ A codec is named by its *wire name*, which travels with every compressed frame
   then n int8; C = 4096 elements by default. Error ≤ amax/254 per chunk with nearest rounding,
   < amax/127 with stochastic rounding, which is unbiased (E[decoded] = x).
 * ``topk:<r>[+<codec>]``: k = min(n, max(1, ceil(r·n))) int32 indices (int64 if n ≥ 2^31),
-  then the k kept values in ``<codec>`` (fp32 if none). Kept elements: the inner codec's error;
+  ascending (a receiver refuses an index named twice), then the k kept values in ``<codec>``
+  (fp32 if none). Kept elements: the inner codec's error;
   the others decode to 0, and each of them is at most the k-th largest |x|.
 * ``sign``: one float32 scale, mean |x|, then ceil(n/8) bytes of sign bits (bit i of byte j set:
   element 8j+i is negative). Decodes to ±mean |x|: signs kept, the L1 norm kept.
@@ -25,6 +26,9 @@ receiver allocates ``payload_bytes(numel)`` bytes, receives into them, and calls
 ``decode(payload, out)``, which writes into ``out`` (any float dtype, contiguous) in place.
 Both are vectorised torch code (no Python loop over elements); decode is deterministic, so every
 receiver of the same payload gets the same bits (a primary and its backups stay identical).
+Payloads come from peers: decode writes only into the ``out`` it is given (its size the
+receiver's choice, never the payload's), and refuses (InvalidTensor) a payload no encoder writes:
+a top-k index out of range or named twice, an int8 or sign scale that is negative, inf or NaN.
 """
 
 from __future__ import annotations
@@ -205,6 +209,7 @@ class Int8(Codec):
     def _decode(self, payload: torch.Tensor, out: torch.Tensor) -> None:
         chunks = -(-out.numel() // self.chunk)
         scales, q = payload[: 4 * chunks].view(torch.float32), payload[4 * chunks :].view(torch.int8)
+        _check_scales(self.name, scales)
         at = 0
         for where, o in self._rows(out):
             s = scales[at : at + o.shape[0], None]
@@ -241,7 +246,7 @@ class TopK(Codec):
 
     def _encode(self, flat: torch.Tensor) -> torch.Tensor:
         n, k = flat.numel(), self.k(flat.numel())
-        index = top_indices(flat, k)
+        index = top_indices(flat, k).sort().values  # ascending: the receiver checks them in one pass
         values = self.inner.encode(flat[index])
         isize = self._index_dtype(n).itemsize
         payload = torch.empty(k * isize + values.numel(), dtype=_U8)
@@ -256,9 +261,20 @@ class TopK(Codec):
         low, high = torch.aminmax(index)
         if low < 0 or high >= n:  # from the wire: never index outside ``out``
             raise InvalidTensor(f"a {self.name} payload indexes element {int(high)} of {n}")
+        # An element named twice would be written in an unspecified order (replicas that decode
+        # the same payload could differ): refused. Ascending indices are checked in one pass.
+        if k > 1 and not bool((index[1:] > index[:-1]).all()) and torch.unique(index).numel() != k:
+            raise InvalidTensor(f"a {self.name} payload names the same element twice")
         values = self.inner.decode(payload[k * isize :], torch.empty(k, dtype=out.dtype))
         out.zero_()
         out[index] = values
+
+
+def _check_scales(name: str, scales: torch.Tensor) -> None:
+    """A payload's scales come from a peer: a negative, infinite or NaN one (which no encoder
+    writes) would make every element of its chunk garbage, so the payload is refused."""
+    if scales.numel() and not bool(torch.isfinite(scales).all() and (scales >= 0).all()):
+        raise InvalidTensor(f"a {name} payload has a scale that is negative, infinite or NaN")
 
 
 def top_indices(flat: torch.Tensor, k: int) -> torch.Tensor:
@@ -342,6 +358,7 @@ class Sign(Codec):
 
     def _decode(self, payload: torch.Tensor, out: torch.Tensor) -> None:
         n = out.numel()
+        _check_scales(self.name, payload[:4].view(torch.float32))
         scale = payload[:4].view(torch.float32)[0].to(out.dtype)
         bits = torch.arange(8, dtype=_U8)
         # One row per byte value: its 8 elements, -scale where the bit is set, +scale elsewhere.

@@ -10,6 +10,11 @@ Read from the ``ParamServer``'s own state when scraped, so the serving path pays
 * ``tensorwire_ps_shards``, ``tensorwire_ps_shard_bytes``: what this server holds of the job.
 * ``tensorwire_ps_role{role}`` (1 for this replica's role: primary, backup or fenced),
   ``tensorwire_ps_epoch``, ``tensorwire_ps_failovers_total`` (times this replica took over).
+* ``tensorwire_ps_identity_refused_total`` (requests under a rank another session holds),
+  ``tensorwire_ps_jobs_refused_total`` (joins of another job), ``tensorwire_ps_checkpoints_skipped_total``
+  (newer checkpoints passed over at a restore: not complete), ``tensorwire_ps_held_bytes{kind}``
+  (params, gradients, payloads, snapshots: what the job holds) against ``tensorwire_ps_capacity_bytes``,
+  ``tensorwire_ps_capacity_refused_total``.
 * Replication lag, on a primary for each ``backup``: ``tensorwire_ps_backup_up`` (0 once lost),
   ``tensorwire_ps_replication_lag_seconds`` (since it last applied a change; pings go every 0.5 s)
   and ``tensorwire_ps_replication_behind_changes`` (changes it missed while lost); on a backup,
@@ -62,7 +67,26 @@ class PsCollector:
         role = GaugeMetricFamily("tensorwire_ps_role", "This replica's role (1).", labels=["role"])
         role.add_metric([ps.role], 1)
         yield role
+        yield from _guards(ps)
         yield from _replication(ps)
+
+
+def _guards(ps: ParamServer) -> Iterator[Any]:
+    """What the server refused or fell back on, and what its job holds against its capacity."""
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+    for name, doc, value in (
+        ("identity_refused", "Requests under a rank that another session joined with.", ps.identity_refused),
+        ("jobs_refused", "Joins and inits of another job (model, mode, optimizer, world).", ps.jobs_refused),
+        ("checkpoints_skipped", "Checkpoints skipped at a restore: not complete.", ps.checkpoints_skipped),
+        ("capacity_refused", "Pushes, pulls and jobs refused: the capacity was full.", ps.budget.refused),
+    ):
+        yield CounterMetricFamily(f"tensorwire_ps_{name}", doc, value=value)
+    held = GaugeMetricFamily("tensorwire_ps_held_bytes", "Bytes the job holds, by kind.", labels=["kind"])
+    for kind, nbytes in dict(ps.budget.held).items():
+        held.add_metric([kind], nbytes)
+    yield held
+    yield GaugeMetricFamily("tensorwire_ps_capacity_bytes", "The server's capacity.", value=ps.capacity)
 
 
 def _staleness(counts: dict[int, int]) -> Any:

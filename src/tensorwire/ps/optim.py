@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -34,12 +35,15 @@ class OptimizerSpec:
         return self.TORCH(params, **dataclasses.asdict(self))
 
     def __post_init__(self) -> None:
-        # torch checks the settings when it builds the optimizer: do it now, on a dummy, so that
-        # a bad lr or betas is a ValueError here, not an internal error on a server.
+        # Settings travel from peers (PS_INIT): each is checked for its type and range here, and
+        # then torch checks them too, on a dummy, so that a bad lr or betas is a ValueError here,
+        # never an internal error (or NaN parameters) on a server.
         try:
+            for f in dataclasses.fields(self):
+                object.__setattr__(self, f.name, _checked(f.name, getattr(self, f.name)))
             self.build([torch.nn.Parameter(torch.zeros(1))])
         except (ValueError, TypeError, IndexError, RuntimeError) as exc:
-            raise ValueError(f"unusable {self.KIND} settings {dataclasses.asdict(self)}: {exc}") from None
+            raise ValueError(f"unusable {self.KIND} settings {_shown(self)}: {exc}") from None
 
     def to_dict(self) -> dict[str, Any]:
         return {"kind": self.KIND, **dataclasses.asdict(self)}
@@ -105,17 +109,73 @@ def spec_of(optimizer: OptimizerSpec | torch.optim.Optimizer | str) -> Optimizer
 
 
 def from_dict(doc: dict[str, Any]) -> OptimizerSpec:
+    """The spec a JSON document describes (a peer's PS_INIT): known kinds and keys only, each
+    setting checked for its type and range (``OptimizerSpec.__post_init__``)."""
+    if not isinstance(doc, dict):
+        raise ValueError(f"an optimizer is a JSON object, not {type(doc).__name__}")
     doc = dict(doc)
     kind = doc.pop("kind", None)
-    spec_type = KINDS.get(str(kind))
+    spec_type = KINDS.get(kind) if isinstance(kind, str) else None
     if spec_type is None:
-        raise ValueError(f"unknown optimizer {kind!r}; known: {', '.join(KINDS)}")
+        raise ValueError(f"unknown optimizer {str(kind)[:40]!r}; known: {', '.join(KINDS)}")
     unknown = set(doc) - {f.name for f in dataclasses.fields(spec_type)}
     if unknown:
-        raise ValueError(f"unknown {kind} option(s): {', '.join(sorted(unknown))}")
-    if "betas" in doc:
-        doc["betas"] = tuple(doc["betas"])
+        shown = ", ".join(repr(str(k)[:40]) for k in sorted(unknown)[:8])
+        raise ValueError(f"unknown {kind} option(s): {shown}")
     return spec_type(**doc)
+
+
+# Each setting's range: (lowest, highest, whether the highest is allowed). Every one is also finite.
+_RANGES: dict[str, tuple[float, float, bool]] = {
+    "lr": (0.0, math.inf, True),
+    "momentum": (0.0, 1.0, True),
+    "dampening": (0.0, 1.0, True),
+    "weight_decay": (0.0, math.inf, True),
+    "eps": (0.0, math.inf, True),
+    "beta": (0.0, 1.0, False),
+}
+_FLAGS = ("nesterov", "amsgrad")
+
+
+def _checked(name: str, value: Any) -> Any:
+    """``value`` as the setting ``name`` takes it (numbers as floats), or ValueError saying why."""
+    if name in _FLAGS:
+        if not isinstance(value, bool):
+            raise ValueError(f"{name} must be true or false, not {_short(value)}")
+        return value
+    if name == "betas":
+        if not isinstance(value, (tuple, list)) or len(value) != 2:
+            raise ValueError(f"betas must be two numbers, not {_short(value)}")
+        return tuple(_number("beta", v) for v in value)
+    if name not in _RANGES:
+        raise ValueError(f"unknown setting {name!r}")
+    return _number(name, value)
+
+
+def _number(name: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{name} must be a number, not {_short(value)}")
+    low, high, closed = _RANGES[name]
+    try:
+        number = float(value)
+    except OverflowError:  # a whole number too large for a float
+        number = math.inf
+    if not math.isfinite(number) or number < low or number > high or (number == high and not closed):
+        bound = f"at least {low:g}" if high == math.inf else f"from {low:g} to {high:g}"
+        raise ValueError(f"{name} must be a finite number {bound}{'' if closed else ' (exclusive)'}, "
+                         f"not {_short(value)}")  # fmt: skip
+    return number
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:60] + "..."
+
+
+def _shown(spec: OptimizerSpec) -> str:
+    """The settings, for an error message (bounded: a peer chose them)."""
+    text = repr({f.name: getattr(spec, f.name) for f in dataclasses.fields(spec)})
+    return text if len(text) <= 200 else text[:200] + "..."
 
 
 def _refuse_unsupported(defaults: dict[str, Any]) -> None:

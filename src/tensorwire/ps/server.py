@@ -20,6 +20,13 @@ never more than s (its pull gate is what guarantees it), ``async`` whatever happ
 Every wait (a pull for a step, a gate, initialisation) is bounded by the request's ``wait_ms`` or
 the server's ``wait_timeout``, and ends in a TIMEOUT error that names what was waited for and who.
 
+Who may act as a rank: the session (worker process) that joined with it, named by its random
+incarnation, which every push, pull, heartbeat and leave of the rank carries; a request under a
+rank with another (or no) incarnation is refused before it changes anything (``_member``). One job
+per server: a worker whose model, mode, optimizer or world differs is refused at its join, naming
+the differences. What the job holds beyond its parameters (gradient buffers, copies for pulls,
+their encodings, compressed payloads being decoded) is counted against ``capacity`` (budget.py).
+
 All state is changed on the event loop; optimizer steps and gradient sums run in one worker thread
 (torch releases the GIL), so the loop keeps receiving the next push meanwhile. Pulls read the
 parameters under a shared lock that a step takes exclusively, so a pull never sees half a step.
@@ -31,6 +38,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import re
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
@@ -43,8 +51,8 @@ import torch
 
 from tensorwire.compression import Codec, decode_all, from_wire, payload_total
 from tensorwire.errors import (
-    CapacityExceeded,
     InvalidTensor,
+    LimitExceeded,
     NotPrimary,
     ProtocolError,
     WaitTimeout,
@@ -53,6 +61,7 @@ from tensorwire.errors import (
 from tensorwire.logs import event
 from tensorwire.ps import checkpoint, replication
 from tensorwire.ps import metrics as ps_metrics
+from tensorwire.ps.budget import Budget
 from tensorwire.ps.exchange import GradientExchange
 from tensorwire.ps.optim import OptimizerSpec, from_dict
 from tensorwire.server import Handler, Request
@@ -67,6 +76,9 @@ T = TypeVar("T")
 MAX_STALENESS_BUCKET = 1000  # the histogram's last bucket holds everything above
 MAX_WORLD = 1 << 16
 MAX_SNAPSHOTS = 4  # older copies of the parameters that slow pulls may still be sending from
+MAX_PULL_CODECS = 4  # codecs one version of the parameters is kept encoded in for pulls
+MAX_SSP_BOUND = 1 << 30
+_MODEL = re.compile(r"\d{1,9}:[0-9a-f]{16,64}")  # JobConfig.model: "<parameters>:<digest>"
 
 
 @dataclass(frozen=True)
@@ -80,12 +92,15 @@ class Mode:
     def parse(text: str | Mode) -> Mode:
         if isinstance(text, Mode):
             return text
+        if not isinstance(text, str):  # from a peer's JSON
+            raise ValueError(f"mode must be a string, not {type(text).__name__}")
         kind, _, bound = text.partition(":")
         if kind in ("sync", "async") and not bound:
             return Mode(kind)
-        if kind == "ssp" and bound.isdigit():
+        if kind == "ssp" and bound.isascii() and bound.isdigit() and int(bound) <= MAX_SSP_BOUND:
             return Mode("ssp", int(bound))
-        raise ValueError(f"mode must be sync, async or ssp:<s> (s a whole number), not {text!r}")
+        raise ValueError(f"mode must be sync, async or ssp:<s> (s a whole number up to {MAX_SSP_BOUND}), "
+                         f"not {text[:40]!r}")  # fmt: skip
 
     def __str__(self) -> str:
         return f"ssp:{self.staleness}" if self.kind == "ssp" else self.kind
@@ -93,21 +108,52 @@ class Mode:
 
 @dataclass(frozen=True)
 class JobConfig:
-    """What every worker of a job must agree on; the first ``PS_INIT`` sets it."""
+    """What every worker of a job must agree on; the first ``PS_INIT`` sets it. ``model`` says
+    which model: ``"<parameters>:<digest>"`` of its parameters' names, shapes and dtypes (``""``:
+    not said, by an older worker; the shards are compared in any case)."""
 
     mode: Mode
     optimizer: OptimizerSpec
+    model: str = ""
 
     def to_json(self) -> str:
-        return json.dumps({"mode": str(self.mode), "optimizer": self.optimizer.to_dict()}, sort_keys=True)
+        doc = {"mode": str(self.mode), "optimizer": self.optimizer.to_dict()}
+        if self.model:
+            doc["model"] = self.model
+        return json.dumps(doc, sort_keys=True)
 
     @staticmethod
     def from_json(text: str) -> JobConfig:
+        """The config a peer sent, checked completely: known keys only, every setting of a known
+        type and in range (ProtocolError naming what is wrong)."""
         try:
             doc = json.loads(text)
-            return JobConfig(Mode.parse(doc["mode"]), from_dict(doc["optimizer"]))
-        except (ValueError, KeyError, TypeError) as exc:
+            if not isinstance(doc, dict):
+                raise TypeError(f"a config is a JSON object, not {type(doc).__name__}")
+            unknown = sorted(set(doc) - {"mode", "optimizer", "model"})
+            if unknown:
+                raise ValueError(f"unknown key(s) {', '.join(repr(k[:40]) for k in unknown[:8])}")
+            model = doc.get("model", "")
+            if not isinstance(model, str) or (model and not _MODEL.fullmatch(model)):
+                raise ValueError("model must be '<parameters>:<hex digest>'")
+            return JobConfig(Mode.parse(doc["mode"]), from_dict(doc["optimizer"]), model)
+        except (ValueError, KeyError, TypeError, RecursionError) as exc:
             raise ProtocolError(f"unusable parameter-server config: {exc}") from exc
+
+    def differences(self, asked: JobConfig) -> list[str]:
+        """How the job ``asked`` for differs from this one, one phrase per setting."""
+        diffs = [f"mode {self.mode} here, {asked.mode} asked"] if self.mode != asked.mode else []
+        mine, theirs = self.optimizer.to_dict(), asked.optimizer.to_dict()
+        if mine["kind"] != theirs["kind"]:
+            diffs.append(f"optimizer {mine['kind']} here, {theirs['kind']} asked")
+        else:
+            diffs += [f"optimizer {k} {mine[k]} here, {theirs[k]} asked" for k in sorted(mine)
+                      if mine[k] != theirs[k]]  # fmt: skip
+        if self.model and asked.model and self.model != asked.model:
+            (n, digest), (m, other) = self.model.split(":"), asked.model.split(":")
+            diffs.append(f"the model's parameters (names, shapes or dtypes) differ: {n} here (digest "
+                         f"{digest[:12]}), {m} asked (digest {other[:12]})")  # fmt: skip
+        return diffs
 
 
 @dataclass(frozen=True)
@@ -156,6 +202,7 @@ class _Snapshot:
     tensors: dict[str, torch.Tensor]
     readers: int = 0  # pulls sending from it right now
     encoded: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)  # by codec: payloads
+    held: int = 0  # bytes of its tensors and encodings, counted in the server's budget
 
 
 @dataclass(eq=False)
@@ -204,7 +251,11 @@ class _SharedLock:
 
 
 class ParamServer:
-    """One server's shards of a job's parameters, with their optimizer (see the module doc)."""
+    """One server's shards of a job's parameters, with their optimizer (see the module doc).
+
+    ``capacity``: the most bytes the job may hold here, its parameters and what pushes and pulls
+    keep (budget.py); ``tensorwire serve`` passes its ``--capacity``.
+    """
 
     def __init__(
         self,
@@ -219,7 +270,13 @@ class ParamServer:
         failover_timeout: float = 2.0,
     ) -> None:
         self.wait_timeout = wait_timeout
-        self.capacity = capacity  # most bytes of parameters a job may place here
+        # Most bytes the job may hold here: its parameters and what pushes and pulls keep (budget.py).
+        self.capacity = capacity
+        self.budget = Budget(capacity)
+        self.identity_refused = 0  # requests under a rank that another session holds
+        self.jobs_refused = 0  # joins and inits of another job (model, mode, optimizer, world)
+        self.checkpoints_skipped = 0  # newer checkpoints passed over at a restore: not complete
+        self.restored_from: str | None = None  # the checkpoint this server's job came from
         # A live worker not heard from (request or heartbeat) for this long is dropped from the
         # job, so that sync steps go on without it; 0 turns it off.
         self.heartbeat_timeout = heartbeat_timeout
@@ -350,6 +407,12 @@ class ParamServer:
             "failovers": self.failovers,
             "pulls_sending": sum(s.readers for s in [*self._retired, *filter(None, [self._current])]),
             "workers_dropped": self.dropped,
+            "identity_refused": self.identity_refused,
+            "jobs_refused": self.jobs_refused,
+            "capacity": self.capacity,
+            "held_bytes": dict(self.budget.held),
+            "capacity_refused": self.budget.refused,
+            "checkpoint": {"restored": self.restored_from, "skipped": self.checkpoints_skipped},
             "staleness": {str(k): v for k, v in sorted(self.staleness.items())},
             "max_staleness": max(self.staleness, default=0),
         }
@@ -366,9 +429,9 @@ class ParamServer:
         _check_records(metas, None if check_only else request.header.data_len)
         if check_only and self.config is None and not self._initializing:
             raise ProtocolError("PS_INIT without values, but this server has no job yet")
-        if request.header.data_len > self.capacity:
-            raise CapacityExceeded(f"{request.header.data_len} bytes of parameters exceed {self.capacity}")
         self._check_worker(head)
+        if self.config is None and not self._initializing:
+            self.budget.check(request.header.data_len, "the job's parameters")
         if self.config is None and not self._initializing:
             await self._create(request, head, config, metas)
             await request.reply(wps.encode_init_reply(True, self.step))
@@ -403,6 +466,7 @@ class ParamServer:
         shards = {m.name: _Shard(m.name, torch.nn.Parameter(v)) for m, v in zip(metas, values, strict=True)}
         self.optimizer = config.optimizer.build(s.param for s in shards.values())
         self.shards, self.config = shards, config
+        self.budget.set("params", sum(s.meta.nbytes for s in shards.values()))
         self._generation += 1
         self._note_world(head.world)
         log.info("job initialised: %d shards, mode %s, %s", len(shards), config.mode, config.optimizer)
@@ -410,17 +474,36 @@ class ParamServer:
     async def _on_join(self, request: Request) -> None:
         self._serving()
         head = wps.PsHead.decode(request.meta)
+        job = self._described_job(request.meta)
         request.meta.done()
         self._check_worker(head)
+        if not head.seq:
+            raise ProtocolError("PS_JOIN needs the worker process's incarnation (random, not 0) in seq")
+        self._check_joining_job(job)  # a worker of another job changes nothing, not even by waiting
         with request.waiting():  # a restarted worker: its old process is dropped after its heartbeats
             await self._wait(lambda: self._rank_free(head), head, f"rank {head.worker} to be freed")
         async with self._in_order():
             async with self._step_lock():  # a step being taken does not count it
                 self._check_rank_free(head)
+                self._check_joining_job(job)  # the job may have been created meanwhile
                 await self._replicate(replication.Change.JOIN, head)
                 reply = self._admit(head)
             await self._apply_ready_steps()  # a rejoin for the next step may complete this one
         await request.reply(reply)
+
+    @staticmethod
+    def _described_job(reader: wm.MetaReader) -> tuple[JobConfig, list[TensorMeta]] | None:
+        """The job a PS_JOIN says its worker belongs to (PS_INIT's config and records), if it does."""
+        if not reader.remaining:
+            return None  # an older worker: its PS_INIT checks the job
+        config = JobConfig.from_json(wps.decode_config(reader))
+        metas = wm.decode_records(reader)
+        _check_records(metas, None)
+        return config, metas
+
+    def _check_joining_job(self, job: tuple[JobConfig, list[TensorMeta]] | None) -> None:
+        if job is not None and self.config is not None:
+            self._check_same_job(*job)
 
     def _rank_free(self, head: wps.PsHead) -> bool:
         before = self.workers.get(head.worker)
@@ -464,8 +547,10 @@ class ParamServer:
         self._serving()
         head = wps.PsHead.decode(request.meta)
         request.meta.done()
-        self.exchange.leave(head.worker)
         state = self.workers.get(head.worker)
+        if state is not None and state.live and head.seq and state.incarnation != head.seq:
+            self._refuse_identity(request, head, head.seq)  # another session's rank: nothing changes
+        self.exchange.leave(head.worker)  # (an ExchangeClient's leave: seq 0, the exchange only)
         if state is not None and state.live and state.incarnation == head.seq:  # not another process's
             async with self._in_order():
                 await self._replicate(replication.Change.LEAVE, head)
@@ -483,12 +568,15 @@ class ParamServer:
         self._serving()
         head = wps.PsHead.decode(request.meta)
         metas = wm.decode_records(request.meta)
-        codec = from_wire(wps.decode_codec(request.meta))
+        codec_name, incarnation = wps.decode_push_tail(request.meta)
+        codec = from_wire(codec_name)
         request.meta.done()
-        state = self._member(head)
+        state = self._member(request, head, incarnation)
         if state.pushing:  # a resend racing the original (the client timed out): let it finish first
             with request.waiting():
                 await self._wait(lambda: not state.pushing, head, f"worker {head.worker}'s push in flight")
+            if self.workers.get(head.worker) is not state or not state.live:
+                raise WorkerDropped(f"worker {head.worker} left or rejoined while its push waited: rejoin")
         if head.seq <= state.seq:  # applied already: answer as the first time, apply nothing
             await request.skip()
             self.duplicates += 1
@@ -501,15 +589,20 @@ class ParamServer:
         buffers = self._take_buffers(shards)
         grads = [b if p else None for b, p in zip(buffers, present, strict=True)]
         state.pushing = True  # one push per worker at a time: a second one is refused, not merged
+        accepted = False
         try:
             data = await self._receive_grads(request, codec, grads)
+            # The backups' body is the one older releases sent (no incarnation: the primary vouches).
             body = wm.encode_records(metas) + wps.encode_codec(codec.name if codec else None)
             async with self._in_order():
                 # Backups get the payloads as they came and decode them with the same code, so
                 # they hold the same bits (and replication moves the compressed bytes).
                 await self._replicate(replication.Change.PUSH, head, body, data)
+                accepted = True
                 await self._accept(head, state, buffers, grads)
         finally:
+            if not accepted:  # refused or broken: its buffers are kept (and counted) for the next push
+                self._free.append(buffers)
             state.pushing = False
             self._notify()
         await request.reply(state.last_reply)
@@ -523,10 +616,18 @@ class ParamServer:
             data = [byte_view(g) for g in present]
             await request.receive(data)
             return data
-        payloads = [torch.empty(codec.payload_bytes(g.numel()), dtype=torch.uint8) for g in present]
-        data = [byte_view(p) for p in payloads]
-        await request.receive(data)
-        await self._run(decode_all, codec, payloads, present)
+        # Sizes from this server's own shards (``_shards_for`` checked the records against them),
+        # counted before they are allocated; the decode runs on the optimizer's thread.
+        sizes = [codec.payload_bytes(g.numel()) for g in present]
+        self.budget.reserve("payloads", sum(sizes), f"the {codec.name} payloads of a push")
+        try:
+            payloads = [torch.empty(n, dtype=torch.uint8) for n in sizes]
+            data = [byte_view(p) for p in payloads]
+            await request.receive(data)
+            await self._run(decode_all, codec, payloads, present)
+        finally:
+            # Decoded: what is left of them is the replication that follows (one push per worker).
+            self.budget.release("payloads", sum(sizes))
         return data
 
     async def _accept(self, head: wps.PsHead, state: _Worker, buffers: _Grads, grads: _Grads) -> None:
@@ -573,7 +674,7 @@ class ParamServer:
             self._shard(name)  # ProtocolError for a shard this server does not hold
         if len(set(names)) != len(names):
             raise ProtocolError("PS_PULL names the same shard twice")
-        state = self._member(head) if head.worker != wps.OBSERVER else None
+        state = self._member(request, head, head.seq) if head.worker != wps.OBSERVER else None
         if state is not None:
             with request.waiting():
                 await self._gate(head, state)
@@ -620,7 +721,7 @@ class ParamServer:
                 await self._run(_copy_shards, fresh, self.shards)
                 fresh.version = self.version
                 fresh.metas = {key: shard.meta for key, shard in self.shards.items()}
-                fresh.encoded = {}
+                self._drop_encodings(fresh)
             if current is not None:
                 self._retired.append(current)
             self._current = fresh
@@ -635,19 +736,40 @@ class ParamServer:
             async with self._publishing:
                 cached = snapshot.encoded.get(codec.name)
                 if cached is None:
+                    # Codec names are the peers' choice: a bounded number per version, each counted.
+                    if len(snapshot.encoded) >= MAX_PULL_CODECS:
+                        raise LimitExceeded(
+                            f"pulls of one version are kept in at most {MAX_PULL_CODECS} codecs "
+                            f"({', '.join(snapshot.encoded)}): pull in one of those"
+                        )
+                    nbytes = sum(codec.payload_bytes(t.numel()) for t in snapshot.tensors.values())
+                    self._make_room(nbytes)
+                    self.budget.reserve("snapshots", nbytes, f"the parameters encoded in {codec.name}")
+                    snapshot.held += nbytes
                     cached = await self._run(_encode_all, codec, snapshot.tensors)
                     snapshot.encoded[codec.name] = cached
         return cached
+
+    def _drop_encodings(self, snapshot: _Snapshot) -> None:
+        nbytes = sum(map(_nbytes, (list(e.values()) for e in snapshot.encoded.values())))
+        snapshot.encoded = {}
+        snapshot.held -= nbytes
+        self.budget.release("snapshots", nbytes)
 
     def _spare_snapshot(self) -> _Snapshot:
         """A retired copy nobody is sending from any more (its buffers are reused: fresh pages
         cost more than the copy), or a new one."""
         idle = [s for s in self._retired if s.readers == 0 and s.generation == self._generation]
+        for gone in [s for s in self._retired if s.readers == 0 and s is not (idle[0] if idle else None)]:
+            self.budget.release("snapshots", gone.held)
         self._retired = [s for s in self._retired if s.readers > 0]
         if idle:
             return idle[0]
+        nbytes = sum(shard.meta.nbytes for shard in self.shards.values())
+        self._make_room(nbytes)
+        self.budget.reserve("snapshots", nbytes, "a copy of the parameters for pulls")
         tensors = {key: torch.empty_like(shard.param.data) for key, shard in self.shards.items()}
-        return _Snapshot(self._generation, -1, {}, tensors)
+        return _Snapshot(self._generation, -1, {}, tensors, held=nbytes)
 
     async def _on_heartbeat(self, request: Request) -> None:
         self._serving()
@@ -668,11 +790,14 @@ class ParamServer:
         request.meta.done()
         if self.live():
             raise ProtocolError(f"cannot roll back while workers {self.live()} are live")
-        if self.checkpoints is None or head.clock not in checkpoint.available(self.checkpoints.directory):
+        directory = self.checkpoints.directory if self.checkpoints is not None else None
+        # Read first (off the loop): a checkpoint that is not complete changes nothing, here or on a backup.
+        snapshot = await self._run(checkpoint.load, directory, head.clock) if directory else None
+        if snapshot is None:
             raise WorkerDropped(f"no checkpoint of version {head.clock} here to roll back to")
         async with self._in_order():
             await self._replicate(replication.Change.ROLLBACK, head)
-            self.restore(self.checkpoints.directory, head.clock)
+            self._restored(snapshot)
         await request.reply(wps.encode_u64(self.version))
 
     async def _on_stats(self, request: Request) -> None:
@@ -893,14 +1018,26 @@ class ParamServer:
         return checkpoint.Snapshot(state, params, tensors)
 
     def restore(self, directory: Path, version: int | None = None) -> bool:
-        """Load checkpoint ``version`` (default: the newest) of ``directory``, if there is one.
-        Its workers come back as not live: each rejoins (``ps.Worker`` does it by itself)."""
+        """Load the newest complete checkpoint (of ``version``, if given) of ``directory``, if there
+        is one; newer ones that are not complete (torn by a crash) are skipped, and that is said in
+        the log and in ``stats()["checkpoint"]``. Its workers come back as not live: each rejoins
+        (``ps.Worker`` does it by itself)."""
         snapshot = checkpoint.load(directory, version)
         if snapshot is None:
             return False
-        self._load(snapshot)
-        log.info("restored checkpoint %d of %s (step %d)", self.version, directory, self.step)
+        self._restored(snapshot)
         return True
+
+    def _restored(self, snapshot: checkpoint.Snapshot) -> None:
+        """Make a checkpoint read by ``checkpoint.load`` the job, and say where it came from."""
+        self._load(snapshot)
+        assert snapshot.path is not None
+        self.restored_from = snapshot.path.name
+        self.checkpoints_skipped += len(snapshot.skipped)
+        if snapshot.skipped:
+            event(log, logging.WARNING, "restored an older checkpoint: the newer ones are not complete",
+                  restored=str(snapshot.path), skipped=len(snapshot.skipped), step=self.step)  # fmt: skip
+        log.info("restored checkpoint %d of %s (step %d)", self.version, snapshot.path.parent, self.step)
 
     def _load(self, snapshot: checkpoint.Snapshot) -> None:
         """Make ``snapshot`` this server's job (a checkpoint: its workers not live; a backup's
@@ -924,6 +1061,9 @@ class ParamServer:
         for w, (live, read_clock, incarnation) in state.get("live", {}).items():
             worker = self.workers[int(w)]
             worker.live, worker.read_clock, worker.incarnation = live, read_clock, incarnation
+        dropped = [b for b, _ in (g for p in self._pending.values() for g in p.grads.values())] + self._free
+        self.budget.release("gradients", sum(map(_nbytes, dropped)))
+        self.budget.set("params", sum(s.meta.nbytes for s in shards.values()))
         self._pending.clear()
         self._free.clear()
         keys = list(shards)
@@ -935,6 +1075,7 @@ class ParamServer:
                 buffers: _Grads = [g if g is not None else torch.empty_like(shards[k].param.data)
                                    for g, k in zip(grads, keys, strict=True)]  # fmt: skip
                 self._pending.setdefault(int(clock), _Pending()).grads[int(w)] = (buffers, grads)
+                self.budget.add("gradients", _nbytes(buffers))  # the primary's, as it counted them
 
     # -- waiting --------------------------------------------------------------------------------
     async def _gate(self, head: wps.PsHead, state: _Worker) -> None:
@@ -1036,18 +1177,39 @@ class ParamServer:
             )
 
     def _check_same_job(self, config: JobConfig, metas: Sequence[TensorMeta]) -> None:
-        if config != self.config:
-            raise ProtocolError(f"this job runs {self._describe()}; a worker asked for {config.to_json()}")
-        mine = sorted((s.meta.name, s.meta.dtype, s.meta.shape) for s in self.shards.values())
-        theirs = sorted((m.name, m.dtype, m.shape) for m in metas)
-        if mine != theirs:
-            raise InvalidTensor("a worker's shards differ from this job's (another model or placement?)")
+        """ProtocolError naming every difference between the job here and the one a worker runs
+        (until jobs are first-class, a server holds one job: a second one needs its own servers)."""
+        assert self.config is not None
+        diffs = self.config.differences(config) + self._shard_differences(metas)
+        if diffs:
+            self.jobs_refused += 1
+            said = "; ".join(diffs[:8])
+            event(log, logging.WARNING, "a worker of another job was refused", differences=said)
+            raise ProtocolError(
+                f"this job runs {self._describe()}; a worker asked for another job: {said} "
+                "(a second job needs parameter servers of its own)"
+            )
+
+    def _shard_differences(self, metas: Sequence[TensorMeta]) -> list[str]:
+        """How a worker's shards (its model, placed over the servers) differ from this job's."""
+        mine = {s.key: (s.param.dtype, s.param.numel()) for s in self.shards.values()}
+        theirs = {m.name: (m.dtype, m.numel) for m in metas}
+        diffs = []
+        if extra := [k for k in theirs if k not in mine]:
+            diffs.append(f"shard(s) {_few(extra)} of the worker's model are not in this job")
+        if missing := [k for k in mine if k not in theirs]:
+            diffs.append(f"this job's shard(s) {_few(missing)} are not in the worker's model")
+        for key in [k for k in mine if k in theirs and mine[k] != theirs[k]][:4]:
+            (dtype, n), (other, m) = mine[key], theirs[key]
+            diffs.append(f"shard {key[:60]!r} is {n} x {dtype} here, {m} x {other} asked")
+        return diffs
 
     def _describe(self) -> str:
         return self.config.to_json() if self.config else "nothing yet"
 
-    def _member(self, head: wps.PsHead) -> _Worker:
-        """The live worker sending ``head``; WorkerDropped (rejoin) if it is not one."""
+    def _member(self, request: Request, head: wps.PsHead, incarnation: int) -> _Worker:
+        """The live worker sending ``head``, checked to be the session that joined with that rank
+        (``incarnation``) before anything changes; WorkerDropped (rejoin) if it is not one."""
         state = self.workers.get(head.worker)
         if state is None or not state.live:
             why = (
@@ -1056,8 +1218,29 @@ class ParamServer:
                 else "it has not joined since this server started"
             )
             raise WorkerDropped(f"worker {head.worker} is not part of this job ({why}): rejoin")
+        if incarnation != state.incarnation:
+            self._refuse_identity(request, head, incarnation)
         state.heard = time.monotonic()
         return state
+
+    def _refuse_identity(self, request: Request, head: wps.PsHead, incarnation: int) -> None:
+        """A request under a rank that another session (worker process) joined with: a second
+        process with the same RANK, an old one that was replaced, or a forgery. Refused, counted,
+        logged (the first time and then at every power of two, so a flood does not flood the log)."""
+        self.identity_refused += 1
+        what = Opcode(request.header.opcode).name
+        if self.identity_refused & (self.identity_refused - 1) == 0:
+            event(log, logging.WARNING, "refused a request under a rank another session holds", request=what,
+                  worker=head.worker, peer=request.peer, refused_so_far=self.identity_refused)  # fmt: skip
+        if not incarnation:
+            raise ProtocolError(
+                f"{what} as worker {head.worker} carries no incarnation (the session that joined "
+                "with that rank): a worker older than this server? Use the same tensorwire on both"
+            )
+        raise WorkerDropped(
+            f"{what} as worker {head.worker} refused: that rank belongs to another session (a worker "
+            "process that joined with it); this one is not part of the job: rejoin"
+        )
 
     def _check_push(self, head: wps.PsHead, state: _Worker) -> None:
         if self.config is None:
@@ -1113,13 +1296,38 @@ class ParamServer:
         return shards, present
 
     def _take_buffers(self, shards: Sequence[_Shard]) -> _Grads:
-        if self._free:
-            return self._free.pop()
+        """A set of gradient buffers for a push: a free one of the current shards, or a new one
+        counted against the capacity first (CapacityExceeded, nothing changed, if it cannot be)."""
+        like = [(s.param.numel(), s.param.dtype) for s in shards]
+        while self._free:
+            buffers = self._free.pop()
+            if [(b.numel(), b.dtype) for b in buffers if b is not None] == like:
+                return buffers
+            self.budget.release("gradients", _nbytes(buffers))  # of shards since replaced
+        nbytes = sum(s.meta.nbytes for s in shards)
+        self._make_room(nbytes)
+        self.budget.reserve("gradients", nbytes, "a push's gradient buffers")
         fresh: _Grads = [torch.empty_like(s.param.data) for s in shards]
         return fresh
 
+    def _make_room(self, nbytes: int) -> None:
+        """Let go of free gradient buffers (kept only to save page faults) while ``nbytes`` more do
+        not fit in the capacity."""
+        while self._free and not self.budget.fits(nbytes):
+            self.budget.release("gradients", _nbytes(self._free.pop()))
+
     def _record(self, staleness: int) -> None:
         self.staleness[min(staleness, MAX_STALENESS_BUCKET)] += 1
+
+
+def _few(names: Sequence[str]) -> str:
+    """A few of ``names``, for an error message (a peer chose them: bounded)."""
+    shown = ", ".join(repr(name[:60]) for name in names[:4])
+    return shown + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+
+
+def _nbytes(tensors: Sequence[torch.Tensor | None]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
 
 def _check_records(metas: Sequence[TensorMeta], data_len: int | None) -> None:

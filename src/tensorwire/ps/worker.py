@@ -42,6 +42,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import hashlib
 import itertools
 import json
 import logging
@@ -150,7 +151,9 @@ class Worker:
         self.bytes_pushed = 0
         self.bytes_pulled = 0
         self.rejoins = 0
-        # Which process holds this rank: a second process with the same RANK is refused.
+        # This process's session: the servers bind the rank to it at PS_JOIN, and every request that
+        # acts as the rank carries it (a second process with the same RANK, or a forged request
+        # under it, is refused). A secret of this process: never logged, never shown by a server.
         self.incarnation = secrets.randbits(63) or 1
         self._options = transports.TransportOptions(
             connect_timeout, timeout + _MARGIN, security=self._security
@@ -252,7 +255,7 @@ class Worker:
         finish that step without it, and joins again. Servers restored from checkpoints written a
         step apart do not move by themselves: after a while they are rolled back to the older one,
         which each of them keeps."""
-        config = JobConfig(self.mode, self.optimizer).to_json()
+        config = JobConfig(self.mode, self.optimizer, model_digest(self._params)).to_json()
         servers = self._servers()
         clocks: list[int] = []
         for attempt in range(CATCH_UP_TRIES + 3):
@@ -276,8 +279,10 @@ class Worker:
         raise ProtocolError(f"the servers could not be brought to one step: {clocks}")
 
     async def _join(self, server: int, config: str, first: bool) -> tuple[int, int]:
+        # The job as this worker sees it: a server running another one refuses before admitting it.
+        job = wps.encode_config(config) + wm.encode_records([self._meta(s) for s in self._shards[server]])
         for attempt in itertools.count(1):
-            reader = await self._request(server, Opcode.PS_JOIN, b"", seq=self.incarnation)
+            reader = await self._request(server, Opcode.PS_JOIN, job, seq=self.incarnation)
             clock, initialized, seq = wps.decode_join_reply(reader)
             reader.done()
             if not first and initialized:
@@ -380,7 +385,7 @@ class Worker:
         if codec is not None:
             return await self._pull_encoded(server, codec)
         names = wm.encode_names([s.key for s in shards])
-        reader = await self._request(server, Opcode.PS_PULL, names, sink=land)
+        reader = await self._request(server, Opcode.PS_PULL, names, sink=land, seq=self._session())
         self.bytes_pulled += sum(m[3] for m in expected)
         version = wps.decode_u64(reader)
         reader.done()
@@ -399,7 +404,7 @@ class Worker:
             return [byte_view(p) for p in payloads]
 
         names = wm.encode_names([s.key for s in shards]) + wps.encode_codec(codec.name)
-        reader = await self._request(server, Opcode.PS_PULL, names, sink=land)
+        reader = await self._request(server, Opcode.PS_PULL, names, sink=land, seq=self._session())
         version = wps.decode_u64(reader)
         if wps.decode_codec(reader) != codec.name:
             raise ProtocolError(f"{self.servers[server]} answered a {codec.name} pull in another codec")
@@ -464,7 +469,8 @@ class Worker:
                 payload = payloads.get(shard.key) if payloads else None
                 data.append(byte_view(self._view(grad, shard) if payload is None else payload))
         seq = self._seqs[server] + 1
-        body = wm.encode_records(metas) + wps.encode_codec(self.push_codec.name if self.push_codec else None)
+        codec = self.push_codec.name if self.push_codec else None
+        body = wm.encode_records(metas) + wps.encode_push_tail(codec, self.incarnation)
         reader = await self._request(server, Opcode.PS_PUSH, body, data, clock=self._clocks[server], seq=seq)
         self._seqs[server] = seq
         self._clocks[server] += 1
@@ -573,6 +579,11 @@ class Worker:
         raise AssertionError("unreachable")
 
     # -- helpers --------------------------------------------------------------------------------
+    def _session(self) -> int:
+        """What a request's ``seq`` says of who sends it: this process's incarnation, or 0 for an
+        observer (which acts as no rank)."""
+        return 0 if self.observer else self.incarnation
+
     def _servers(self) -> list[int]:
         """The servers this worker talks to: those the placement gives a shard (a model with
         fewer elements than there are servers leaves some without)."""
@@ -699,6 +710,13 @@ def env_int(name: str, given: int | None, default: int) -> int:
         return int(raw)
     except ValueError:
         raise ValueError(f"${name} must be a whole number, not {raw!r}") from None
+
+
+def model_digest(params: dict[str, torch.nn.Parameter]) -> str:
+    """``"<parameters>:<digest>"`` of the model's parameters' names, shapes and dtypes, in order:
+    the servers refuse a worker whose model is not the job's (JobConfig.model)."""
+    described = json.dumps([[name, list(p.shape), str(p.dtype)] for name, p in params.items()])
+    return f"{len(params)}:{hashlib.sha256(described.encode()).hexdigest()[:32]}"
 
 
 def _check_params(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:

@@ -7,13 +7,13 @@ u64 clock | u64 seq | u32 wait_ms``, then an opcode's own fields:
 opcode     request after the head                           response
 =========  ===============================================  =========================================
 PS_INIT    config (string, JSON) | records; data: values    u8 created | u64 step
-PS_JOIN    (nothing; ``seq`` = incarnation)                 u64 clock | u8 initialized | u64 seq
-PS_LEAVE   (nothing)                                        (nothing)
-PS_PUSH    records; data: gradients                         u64 version | u32 staleness
-PS_PULL    names                                            records | u64 version; data: values
+PS_JOIN    [config | records] (``seq`` = incarnation)       u64 clock | u8 initialized | u64 seq
+PS_LEAVE   (nothing; ``seq`` = incarnation)                 (nothing)
+PS_PUSH    records | [codec] | [u64 incarnation]; data      u64 version | u32 staleness
+PS_PULL    names | [codec] (``seq`` = incarnation)          records | u64 version; data: values
 PS_STATS   (nothing)                                        u32 length | UTF-8 JSON
 ALLREDUCE  records; data: gradients (``clock`` = step)      records | u32 contributors; data: means
-HEARTBEAT  (nothing)                                        u32 live (0: dropped, rejoin)
+HEARTBEAT  (nothing; ``seq`` = incarnation)                 u32 live (0: dropped, rejoin)
 ROLLBACK   (nothing; ``clock`` = the version to go back to)  u64 version
 =========  ===============================================  =========================================
 
@@ -22,10 +22,18 @@ ASCII``, e.g. ``topk:0.01+fp16``): the data section then holds each tensor's pay
 codec (tensorwire.compression; docs/protocol.md §13.6), and the records still describe the
 tensors as decoded. Without it the data is the tensors' raw bytes, as before.
 
+A rank belongs to the session that joined with it: the worker process's *incarnation*, a random
+non-zero 63-bit number it sends as PS_JOIN's ``seq``. Every request that acts as that rank carries
+it (PS_PULL, PS_LEAVE, PS_HEARTBEAT in ``seq``; PS_PUSH, whose ``seq`` is the push's number, after
+its codec: ``encode_push_tail``, an empty codec name then meaning raw data), and the server refuses
+one whose incarnation is not the live worker's before it changes anything (docs/protocol.md §13.2).
+It is a secret of the worker's: the server never shows it. PS_JOIN may carry the job as the worker
+sees it (PS_INIT's config and records), so a worker of another job is refused before it joins.
+
 ``worker`` is the worker's rank (``OBSERVER`` for a reader that takes no part in training);
 ``world`` the number of workers the job was started with; ``clock`` the worker's step count
 (pushes done so far); ``seq`` the push's sequence number (1, 2, ... per worker; a push the server
-applied already is answered again, not applied again); ``wait_ms``
+applied already is answered again, not applied again), or the incarnation (above); ``wait_ms``
 how long the server may wait on other workers before it answers TIMEOUT (0: the server's default).
 Answers that carry tensors put their records first, as GET_MANY does.
 """
@@ -144,6 +152,34 @@ def decode_codec(reader: MetaReader) -> str | None:
     if not name or not name.isascii():
         raise ProtocolError(f"codec name {name!r} is empty or not ASCII")
     return name
+
+
+def encode_push_tail(codec: str | None, incarnation: int) -> bytes:
+    """PS_PUSH's trailer: the codec name (empty for raw data), then ``u64 incarnation``. Without an
+    incarnation it is the plain codec trailer of older workers (``encode_codec``)."""
+    if not incarnation:
+        return encode_codec(codec)
+    raw = (codec or "").encode("ascii")
+    if len(raw) > MAX_CODEC_BYTES:
+        raise LimitExceeded(f"codec name of {len(raw)} bytes exceeds {MAX_CODEC_BYTES}")
+    return _U16.pack(len(raw)) + raw + _U64.pack(incarnation)
+
+
+def decode_push_tail(reader: MetaReader) -> tuple[str | None, int]:
+    """(codec or None, incarnation or 0) of PS_PUSH's trailer; see ``encode_push_tail``."""
+    if not reader.remaining:
+        return None, 0
+    (n,) = reader.take(_U16)
+    if n > MAX_CODEC_BYTES:
+        raise LimitExceeded(f"codec name of {n} bytes exceeds {MAX_CODEC_BYTES}")
+    raw = reader.raw(n)
+    name = raw.decode("ascii") if raw.isascii() else ""
+    if len(name) != n or not name.isprintable():
+        raise ProtocolError(f"codec name {raw!r} is not printable ASCII")
+    incarnation = decode_u64(reader) if reader.remaining else 0
+    if not name and not incarnation:
+        raise ProtocolError("an empty codec name without an incarnation")
+    return name or None, incarnation
 
 
 def encode_stats(text: str) -> bytes:
