@@ -20,6 +20,7 @@ size again); the means come back in full precision.
 
 from __future__ import annotations
 
+import secrets
 from collections.abc import Mapping
 from types import TracebackType
 
@@ -68,6 +69,9 @@ class ExchangeClient:
             raise ValueError(f"rank {self.rank} is not in a world of {self.world_size}")
         self.timeout = timeout
         self.step = 0  # the step the next allreduce is for
+        # This client's session: the exchange binds the rank to it (another client cannot send
+        # under the rank meanwhile), as a parameter server binds a worker's rank to its incarnation.
+        self.session = secrets.randbits(63) or 1
         self._options = transports.TransportOptions(
             connect_timeout, timeout + _MARGIN, security=Security(None, client_token(token))
         )
@@ -130,7 +134,7 @@ class ExchangeClient:
         return conn
 
     def _head(self, step: int) -> bytes:
-        return wps.PsHead(self.rank, self.world_size, step, 0, int(self.timeout * 1000)).encode()
+        return wps.PsHead(self.rank, self.world_size, step, self.session, int(self.timeout * 1000)).encode()
 
     def _encode(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         assert self.codec is not None

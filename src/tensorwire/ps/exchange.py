@@ -27,6 +27,14 @@ open round and per tensor name remembered as averaged, so that empty gradients u
 or steps cannot grow the tables for free. Open rounds expire with their callers' waits. Who a
 request says it is (rank, world size, step) is checked before anything changes.
 
+A rank belongs to the client that last sent under it (its session: the random number an
+``ExchangeClient`` sends in ``seq``; else, for a gRPC call, the ``session`` call metadata or the
+caller's connection, and for an older frame client its connection). Gradients or a leave under
+that rank from another session are refused before they change anything, until the owner leaves or
+has been silent for twice the wait timeout (a restarted worker takes its rank back then): without
+it, anyone could send a gradient under another worker's rank, and the real worker's would be
+refused as a second one for that step.
+
 "Live": a worker that leaves (``PS_LEAVE``, sent by ``ExchangeClient.close``) no longer counts,
 so workers with uneven amounts of data finish without waiting for each other.
 """
@@ -35,7 +43,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Sequence
+import time
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -52,6 +61,7 @@ from tensorwire.errors import (
     TransferTimeout,
     WaitTimeout,
 )
+from tensorwire.logs import event
 from tensorwire.server import Request
 from tensorwire.store.names import validate_name
 from tensorwire.types import TensorMeta
@@ -69,6 +79,15 @@ ROUND_COST = 1024
 NAME_COST = 256
 # The call metadata that places a gRPC gradient in a round (world-size is optional).
 IDENTITY_KEYS = ("worker-id", "step", "tensor-name")
+SESSION_KEY = "session"  # optional call metadata: the caller's session (else its connection)
+
+
+@dataclass(eq=False)
+class _Owner:
+    """The session a rank belongs to, and when it last sent under it."""
+
+    session: Hashable
+    seen: float
 
 
 @dataclass(eq=False)
@@ -98,19 +117,55 @@ class GradientExchange:
         self._done: dict[str, int] = {}  # the last step averaged, per tensor
         self._last_world = 0
         self._means: set[asyncio.Task[torch.Tensor]] = set()  # means being taken (kept from the GC)
+        self._owners: dict[int, _Owner] = {}  # rank -> its session (bounded: ranks < MAX_WORLD)
+        self.identity_refused = 0
 
     async def contribute(
-        self, worker: int, world: int, step: int, name: str, grad: torch.Tensor, *, wait: float | None = None
+        self,
+        worker: int,
+        world: int,
+        step: int,
+        name: str,
+        grad: torch.Tensor,
+        *,
+        wait: float | None = None,
+        session: Hashable = None,
     ) -> tuple[torch.Tensor, int]:
-        """Add ``grad`` to its round; return (the mean, how many workers it averages)."""
+        """Add ``grad`` to its round; return (the mean, how many workers it averages).
+        ``session`` is who sends it (see the module doc); None: an in-process caller."""
         world = world or self.default_world
-        round_ = self._add(worker, world, step, name, grad)
+        round_ = self._add(worker, world, step, name, grad, session=session)
         return await self._wait((step, name), round_, worker, wait)
 
-    def _add(self, worker: int, world: int, step: int, name: str, grad: torch.Tensor) -> _Round:
+    def _add(
+        self, worker: int, world: int, step: int, name: str, grad: torch.Tensor, *, session: Hashable
+    ) -> _Round:
         """Check everything, then put ``grad`` in its round (nothing changes if a check fails)."""
+        self.check_owner(worker, session)
         self._charge(self._cost(worker, world, step, name, grad), f"{name!r} of step {step}")
+        self._own(worker, session)
         return self._put(worker, world, step, name, grad)
+
+    def check_owner(self, worker: int, session: Hashable) -> None:
+        """ProtocolError (counted, logged) if ``worker`` belongs to a session other than
+        ``session`` that left no more than twice the wait timeout ago."""
+        owner = self._owners.get(worker)
+        if owner is None or session is None or owner.session == session:
+            return
+        if time.monotonic() - owner.seen > 2 * self.wait_timeout:
+            return  # its owner went silent (a worker that died): the rank may be taken again
+        self.identity_refused += 1
+        if self.identity_refused & (self.identity_refused - 1) == 0:  # the first, then powers of two
+            event(log, logging.WARNING, "exchange: refused a request under a rank another session holds",
+                  rank=worker, refused=self.identity_refused)  # fmt: skip
+        raise ProtocolError(
+            f"rank {worker} of the gradient exchange belongs to another client (a second worker with "
+            f"the same RANK?); it is freed when that one leaves or is silent for {2 * self.wait_timeout:.3g}s"
+        )
+
+    def _own(self, worker: int, session: Hashable) -> None:
+        if session is not None:
+            self._owners[worker] = _Owner(session, time.monotonic())
 
     def _cost(self, worker: int, world: int, step: int, name: str, grad: torch.Tensor) -> int:
         """What adding ``grad`` would cost; raises (changing nothing) if it cannot be added."""
@@ -172,17 +227,21 @@ class GradientExchange:
             del self._rounds[key]
             self.held -= round_.cost
 
-    def leave(self, worker: int) -> None:
+    def leave(self, worker: int, session: Hashable = None) -> None:
         """``worker`` is done: rounds stop waiting for it. Once every worker of a world has left,
-        the exchange forgets the run (the next one starts again at step 0)."""
+        the exchange forgets the run (the next one starts again at step 0). ``session``: who asks
+        (ProtocolError if the rank is another's); None: the server itself (a dropped worker)."""
         if not 0 <= worker < MAX_WORLD:
             return  # no round can wait for a rank no world has
+        self.check_owner(worker, session)
+        self._owners.pop(worker, None)
         self.left.add(worker)
         for key, round_ in list(self._rounds.items()):
             self._settle(key, round_)
         world = max((r.world for r in self._rounds.values()), default=self._last_world)
         if not self._rounds and world and set(range(world)) <= self.left:
             self.left.clear()
+            self._owners.clear()
             self.held -= sum(NAME_COST + len(name) for name in self._done)
             self._done.clear()
 
@@ -223,8 +282,10 @@ class GradientExchange:
         codec = from_wire(wps.decode_codec(request.meta))
         request.meta.done()
         world = head.world or self.default_world
+        session = frame_session(request, head)
         if len({m.name for m in metas}) != len(metas):
             raise ProtocolError("ALLREDUCE names the same tensor twice")
+        self.check_owner(head.worker, session)
         for meta in metas:  # who is asking, and for what, before a byte is read
             _check_identity(head.worker, world, head.clock, meta.name)
             if not meta.dtype.is_floating_point:
@@ -238,8 +299,10 @@ class GradientExchange:
         grads = await self._received(request, metas, codec, decoded)
         # All of the request's tensors join their rounds, or none: every check first.
         pairs = list(zip(metas, grads, strict=True))
+        self.check_owner(head.worker, session)  # again: another session may have taken it meanwhile
         cost = sum(self._cost(head.worker, world, head.clock, m.name, g) for m, g in pairs)
         self._charge(cost, f"an ALLREDUCE of {len(metas)} tensors")
+        self._own(head.worker, session)
         rounds = [self._put(head.worker, world, head.clock, m.name, g) for m, g in pairs]
         wait = head.wait_ms / 1000 if head.wait_ms else None
         with request.waiting():
@@ -287,6 +350,9 @@ class GradientExchange:
         try:
             metadata = context.invocation_metadata() or ()
             identity = _call_metadata(metadata, self.default_world)
+            session = _rpc_session(metadata, context)
+            if identity is not None:
+                self.check_owner(identity[0], session)
             grad = await self._gradient_of(raw, metadata)
             if identity is None:  # a one-worker exchange: the mean is the gradient
                 return pb.GradientResponse(updated_gradient=grad.numpy().tobytes())
@@ -294,7 +360,7 @@ class GradientExchange:
             wait = (
                 self.wait_timeout if remaining is None else min(self.wait_timeout, max(remaining - 0.05, 0))
             )
-            mean, _ = await self.contribute(*identity, grad, wait=wait)
+            mean, _ = await self.contribute(*identity, grad, wait=wait, session=session)
         except TensorwireError as exc:
             await context.abort(_grpc_code(exc), str(exc))
             raise AssertionError("unreachable: abort raises") from exc
@@ -323,6 +389,20 @@ class GradientExchange:
             return await asyncio.to_thread(_decode_request, raw, codec, numel)
         finally:
             self.held -= size  # ``_add`` charges the gradient if it joins a round
+
+
+def frame_session(request: Request, head: wps.PsHead) -> Hashable:
+    """Who sends a frame-protocol request: the session number in ``seq`` (an ExchangeClient's, or
+    a parameter-server worker's incarnation), else the connection it came on (older clients)."""
+    return ("seq", head.seq) if head.seq else ("peer", request.peer)
+
+
+def _rpc_session(metadata: Sequence[tuple[str, Any]], context: Any) -> Hashable:
+    """Who makes a gRPC call: its ``session`` metadata, else its connection (one channel)."""
+    for key, value in metadata:
+        if key == SESSION_KEY and isinstance(value, str) and value:
+            return ("session", value[:128])
+    return ("peer", str(context.peer()))
 
 
 def _decode_request(raw: bytes, codec: Codec | None, numel: int) -> torch.Tensor:

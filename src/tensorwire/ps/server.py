@@ -62,7 +62,7 @@ from tensorwire.logs import event
 from tensorwire.ps import checkpoint, replication
 from tensorwire.ps import metrics as ps_metrics
 from tensorwire.ps.budget import Budget
-from tensorwire.ps.exchange import GradientExchange
+from tensorwire.ps.exchange import GradientExchange, frame_session
 from tensorwire.ps.optim import OptimizerSpec, from_dict
 from tensorwire.server import Handler, Request
 from tensorwire.types import TensorMeta
@@ -550,7 +550,7 @@ class ParamServer:
         state = self.workers.get(head.worker)
         if state is not None and state.live and head.seq and state.incarnation != head.seq:
             self._refuse_identity(request, head, head.seq)  # another session's rank: nothing changes
-        self.exchange.leave(head.worker)  # (an ExchangeClient's leave: seq 0, the exchange only)
+        self.exchange.leave(head.worker, frame_session(request, head))  # an ExchangeClient's, or a worker's
         if state is not None and state.live and state.incarnation == head.seq:  # not another process's
             async with self._in_order():
                 await self._replicate(replication.Change.LEAVE, head)
