@@ -91,3 +91,48 @@ def test_a_grpc_call_under_a_rank_a_frame_client_holds_is_refused() -> None:
             assert "belongs to another client" in (info.value.details() or "")
             means = both_step([a, b], (2.0, 4.0))
         assert all(torch.equal(m, torch.full((16,), 3.0)) for m in means)
+
+
+def test_grpc_callers_with_sessions_keep_their_ranks_across_channels() -> None:
+    """Rank 1's session holds the rank on a new channel (a reconnect); another session may not."""
+    with exchange() as (server, _):
+        url, rpc = server.url, str(server.addresses[1]).removeprefix("grpc://")
+
+        def call(session: str, step: int, value: float) -> torch.Tensor:
+            metadata = (("worker-id", "1"), ("step", str(step)), ("tensor-name", "w"),
+                        ("world-size", "2"), ("session", session))  # fmt: skip
+            request = pb.GradientRequest(gradient=torch.full((16,), value).numpy().tobytes())
+            with grpc.insecure_channel(rpc) as channel:  # a new connection each time
+                reply = pb_grpc.GradientServiceStub(channel).UpdateGradient(
+                    request, metadata=metadata, timeout=20
+                )
+            return torch.frombuffer(bytearray(reply.updated_gradient), dtype=torch.float32)
+
+        with ExchangeClient(url, rank=0, world_size=2) as a:
+            means: dict[int, torch.Tensor] = {}
+
+            def work(index: int) -> None:
+                if index == 0:
+                    tensors = grad(1.0)
+                    a.allreduce(tensors)
+                    means[0] = tensors["w"]
+                else:
+                    means[1] = call("rank-one", 0, 3.0)
+
+            run_threads(work, 2, 60)
+            assert torch.equal(means[1], torch.full((16,), 2.0))
+            with pytest.raises(grpc.RpcError) as info:
+                call("someone-else", 1, 100.0)
+            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            means.clear()
+
+            def step_one(index: int) -> None:
+                if index == 0:
+                    tensors = grad(5.0)
+                    a.allreduce(tensors)
+                    means[0] = tensors["w"]
+                else:
+                    means[1] = call("rank-one", 1, 7.0)
+
+            run_threads(step_one, 2, 60)
+        assert torch.equal(means[0], torch.full((16,), 6.0)) and torch.equal(means[1], means[0])

@@ -28,8 +28,8 @@ or steps cannot grow the tables for free. Open rounds expire with their callers'
 request says it is (rank, world size, step) is checked before anything changes.
 
 A rank belongs to the client that last sent under it (its session: the random number an
-``ExchangeClient`` sends in ``seq``; else, for a gRPC call, the ``session`` call metadata or the
-caller's connection, and for an older frame client its connection). Gradients or a leave under
+``ExchangeClient`` sends in ``seq``; for a gRPC call, its ``session`` call metadata; else the host
+it comes from, which keeps other hosts out but not another process on the same host). Gradients or a leave under
 that rank from another session are refused before they change anything, until the owner leaves or
 has been silent for twice the wait timeout (a restarted worker takes its rank back then): without
 it, anyone could send a gradient under another worker's rank, and the real worker's would be
@@ -393,16 +393,22 @@ class GradientExchange:
 
 def frame_session(request: Request, head: wps.PsHead) -> Hashable:
     """Who sends a frame-protocol request: the session number in ``seq`` (an ExchangeClient's, or
-    a parameter-server worker's incarnation), else the connection it came on (older clients)."""
-    return ("seq", head.seq) if head.seq else ("peer", request.peer)
+    a parameter-server worker's incarnation), else (an older client) the host it comes from."""
+    return ("seq", head.seq) if head.seq else ("host", _host_of(request.peer))
 
 
 def _rpc_session(metadata: Sequence[tuple[str, Any]], context: Any) -> Hashable:
-    """Who makes a gRPC call: its ``session`` metadata, else its connection (one channel)."""
+    """Who makes a gRPC call: its ``session`` metadata, else the host it comes from (not its
+    connection: a channel reconnects when the server closes an idle connection)."""
     for key, value in metadata:
         if key == SESSION_KEY and isinstance(value, str) and value:
             return ("session", value[:128])
-    return ("peer", str(context.peer()))
+    return ("host", _host_of(str(context.peer())))
+
+
+def _host_of(peer: str) -> str:
+    """``tcp://10.0.0.5:4321``, ``ipv4:10.0.0.5:4321`` or ``ipv6:[::1]:4321`` without the port."""
+    return peer.rpartition(":")[0] or peer
 
 
 def _decode_request(raw: bytes, codec: Codec | None, numel: int) -> torch.Tensor:
