@@ -29,11 +29,11 @@ request says it is (rank, world size, step) is checked before anything changes.
 
 A rank belongs to the client that last sent under it (its session: the random number an
 ``ExchangeClient`` sends in ``seq``; for a gRPC call, its ``session`` call metadata; else the host
-it comes from, which keeps other hosts out but not another process on the same host). Gradients or a leave under
-that rank from another session are refused before they change anything, until the owner leaves or
-has been silent for twice the wait timeout (a restarted worker takes its rank back then): without
-it, anyone could send a gradient under another worker's rank, and the real worker's would be
-refused as a second one for that step.
+it comes from, which keeps other hosts out but not another process on the same host). Gradients
+or a leave under that rank from another session are refused before they change anything, until
+the owner leaves or has been silent for twice the wait timeout (a restarted worker takes its rank
+back then): without it, anyone could send a gradient under another worker's rank, and the real
+worker's would be refused as a second one for that step.
 
 "Live": a worker that leaves (``PS_LEAVE``, sent by ``ExchangeClient.close``) no longer counts,
 so workers with uneven amounts of data finish without waiting for each other.
