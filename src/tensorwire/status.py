@@ -205,14 +205,18 @@ def _workers(ps: dict[str, Any], node: Node) -> str | None:
 
 
 def _lag(ps: dict[str, Any], node: Node) -> str | None:
-    """A primary: its backups (each up with seconds since its last change, or lost and how many
-    changes behind). A backup: seconds since its primary was last heard."""
+    """A primary: its backups (each up with seconds since its last change, lost and how many
+    changes behind, or refusing the primary's peer credentials: changes are refused). A backup:
+    seconds since its primary was last heard."""
     if "backups" in ps:
         parts = []
         for url, b in ps["backups"].items():
             host = url.split("://", 1)[-1]
             lag = f"{b['lag_s']:.1f}s" if b["lag_s"] is not None else "-"
-            parts.append(f"{host} {lag}" if b["up"] else f"{host} LOST, {b['behind']} behind")
+            if b.get("refused"):  # the reason is in --json; the row stays one line
+                parts.append(f"{host} REFUSED peer credentials (changes refused)")
+            else:
+                parts.append(f"{host} {lag}" if b["up"] else f"{host} LOST, {b['behind']} behind")
         return "; ".join(parts)
     if "primary_silence_s" in ps:
         return f"primary {ps['primary_silence_s']:.1f}s ago"
