@@ -255,7 +255,7 @@ def main(log_level: str, log_format: str) -> None:
     help="Parameter server: a checkpoint at the first update this long after the last (0: not by time).",
 )  # fmt: skip
 @click.option(
-    "--backup", "backups", metavar="URL", multiple=True,
+    "--backup", "backups", metavar="URL", multiple=True, callback=_url_param,
     help="Parameter server: a backup (started with --standby) each change goes to first (repeatable).",
 )  # fmt: skip
 @click.option(

@@ -6,6 +6,8 @@ metrics and `tensorwire status` show, never a silent acknowledgement with fewer 
 from __future__ import annotations
 
 import logging
+import socket
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -168,4 +170,27 @@ def test_a_backup_that_is_down_is_shown_lost_while_training_goes_on(caplog: pyte
         assert primary.server.registry.get_sample_value("tensorwire_ps_backup_up", {"backup": nowhere}) == 0
         (node,) = collect([primary.url], timeout=5)
     assert "LOST" in summary(node)["lag"]
+    assert any("backup lost" in r.getMessage() for r in caplog.records)
+
+
+def test_a_silent_backup_host_does_not_stall_every_change(caplog: pytest.LogCaptureFixture) -> None:
+    """A backup host that accepts connections and never answers (a hung host): once it is lost,
+    retrying it (each ping) happens in the background, not inside the order of changes, where each
+    try held every push for the connect timeout (5 s)."""
+    caplog.set_level(logging.WARNING)
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(64)  # the kernel completes handshakes; nobody ever answers HELLO
+        url = f"tcp://127.0.0.1:{silent.getsockname()[1]}"
+        primary_ps = ParamServer(backups=[url], peer=Security(token=PEER))
+        with ServerThread(extensions=[primary_ps]) as primary:
+            net = model()
+            with Worker(net, primary.url, "async", SGD(lr=0.1), rank=0, heartbeat=0, timeout=30) as worker:
+                assert primary_ps.status()["ps"]["backups"][url]["up"] is False  # given up on at the start
+                slowest, started, step = 0.0, time.monotonic(), 0
+                while time.monotonic() - started < 2:  # spans several pings (every 0.5 s)
+                    before = time.monotonic()
+                    steps(worker, net, step, 1)
+                    slowest, step = max(slowest, time.monotonic() - before), step + 1
+    assert slowest < 2.5, f"a push waited {slowest:.1f}s behind a retry of the silent backup"
     assert any("backup lost" in r.getMessage() for r in caplog.records)

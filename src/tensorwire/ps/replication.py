@@ -19,7 +19,9 @@ A backup that is new, restarted or was lost gets the whole job first (SYNC), at 
 next change or ping. A replica that hears from a primary of a newer epoch follows it: an old
 primary that was only slow or stopped becomes that primary's backup (refusing would fence both).
 A backup that stops answering is given up on after the primary's replication timeout (the larger
-of 5 s and 4 x ``failover_timeout``) and retried at each ping; until then it holds up the changes.
+of 5 s and 4 x ``failover_timeout``); until then it holds up the changes. A lost backup is
+reconnected in the background, outside the order of changes (a silent host costs a connect
+timeout there, not a stall of every change), and the next ping sends it the job and takes it back.
 
 Who may replicate: the replicas of one slot share a peer token (``serve --peer-token-file``,
 distinct from the clients' token). A primary opens its connections to its backups with it (and
@@ -43,6 +45,7 @@ What a primary does when it cannot replicate to a backup:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import enum
 import logging
 import struct
@@ -121,6 +124,11 @@ class Backup:
     refused: str | None = None  # why it refuses this primary's peer credentials (a config error)
     acked: float | None = None  # when (monotonic) it last applied a change
     behind: int = 0  # changes it missed while lost
+    reconnecting: asyncio.Task[None] | None = None  # while lost: a connection being opened
+
+    @property
+    def connected(self) -> bool:
+        return self.conn is not None and not self.conn.closed
 
 
 class Backups:
@@ -151,15 +159,20 @@ class Backups:
     async def send(
         self, meta: bytes, data: Sequence[memoryview] = (), sync: Sync | None = None, *, ping: bool = False
     ) -> None:
-        """Apply a change on every live backup (a ``ping`` changes nothing and also tries the lost
-        ones, which get the whole job first, from ``sync``). NotPrimary if one of them has a newer
-        epoch; ReplicationRefused if one refuses this primary's peer credentials: the change is
-        then not made here, so the backups that applied it get the whole job again first."""
-        live = [b for b in self.backups.values() if ping or not b.lost]
+        """Apply a change on every live backup (a ``ping`` changes nothing; it also takes back the
+        lost ones reconnected meanwhile, which get the whole job first, from ``sync``, and starts
+        reconnecting the others). NotPrimary if one of them has a newer epoch; ReplicationRefused
+        if one refuses this primary's peer credentials: the change is then not made here, so the
+        backups that applied it get the whole job again first."""
+        live = [b for b in self.backups.values() if not b.lost or (ping and b.connected)]
         for backup in self.backups.values():
-            if backup not in live:
+            if backup in live:
+                continue
+            if ping:
+                self._reconnect(backup)
+            else:
                 backup.behind += 1
-        sends = (self._send_one(backup, meta, data, sync) for backup in live)
+        sends = (self._send_one(backup, meta, data, sync, ping) for backup in live)
         results = await asyncio.gather(*sends, return_exceptions=True)
         errors = [r for r in results if isinstance(r, BaseException)]
         if not errors:
@@ -170,16 +183,14 @@ class Backups:
         raise next((e for e in errors if isinstance(e, NotPrimary)), errors[0])
 
     async def _send_one(
-        self, backup: Backup, meta: bytes, data: Sequence[memoryview], sync: Sync | None
+        self, backup: Backup, meta: bytes, data: Sequence[memoryview], sync: Sync | None, ping: bool
     ) -> None:
         url = backup.url
         try:
             conn = backup.conn
             if conn is None or conn.closed:
                 backup.synced = False  # a new connection may be a restarted, empty backup
-                opened = await transports.open_transport(Address.parse(url), self._options)
-                assert isinstance(opened, FramedTransport)
-                conn = backup.conn = opened
+                conn = backup.conn = await self._open(backup)
             if not backup.synced:
                 transfer = sync() if sync is not None else None
                 if transfer is not None:
@@ -195,28 +206,57 @@ class Backups:
         except AuthenticationError as exc:
             raise await self._refused(backup, exc) from exc
         except TensorwireError as exc:
-            self._lost(backup, exc)
+            self._lost(backup, exc, missed=not ping)
             return
         if backup.lost or backup.refused:
             event(log, logging.WARNING, "backup back", backup=url, missed=backup.behind)
         backup.lost, backup.refused = False, None
         backup.acked, backup.behind = time.monotonic(), 0  # a state transfer caught it up
 
-    def _lost(self, backup: Backup, exc: TensorwireError) -> None:
+    async def _open(self, backup: Backup) -> FramedTransport:
+        opened = await transports.open_transport(Address.parse(backup.url), self._options)
+        if not isinstance(opened, FramedTransport):
+            await opened.close()
+            raise AuthenticationError(f"{backup.url} is no address of the frame protocol (tcp://, tls://)")
+        return opened
+
+    def _reconnect(self, backup: Backup) -> None:
+        """Open a lost backup's connection in the background; the next ping takes it back."""
+        if backup.reconnecting is None or backup.reconnecting.done():
+            backup.reconnecting = asyncio.get_running_loop().create_task(self._reconnecting(backup))
+
+    async def _reconnecting(self, backup: Backup) -> None:
+        try:
+            conn = await self._open(backup)
+        except AuthenticationError as exc:  # back, but refusing us: changes will try it (and fail)
+            self._note_refusal(backup, str(exc))
+            backup.lost = False
+        except TensorwireError:
+            pass  # still down: the next ping tries again
+        else:
+            if backup.connected or not backup.lost:  # taken back meanwhile (reset): keep the one it has
+                await conn.close()
+                return
+            backup.conn, backup.synced = conn, False
+
+    def _lost(self, backup: Backup, exc: TensorwireError, *, missed: bool) -> None:
         """A dead backup must not stop training: go on with the others (fewer copies), visibly."""
         if not backup.lost:
             event(log, logging.WARNING, "backup lost: going on with fewer copies", backup=backup.url,
                   error=str(exc))  # fmt: skip
         backup.lost, backup.synced = True, False
-        backup.behind += 1
+        backup.behind += missed
 
-    async def _refused(self, backup: Backup, exc: AuthenticationError) -> ReplicationRefused:
-        """The backup refuses this primary's credentials: an error, for the worker and the operator."""
-        why = str(exc)
+    def _note_refusal(self, backup: Backup, why: str) -> None:
         if backup.refused != why:
             event(log, logging.ERROR, "backup refuses this primary's peer credentials: changes refused",
                   backup=backup.url, error=why)  # fmt: skip
         backup.refused, backup.synced = why, False
+
+    async def _refused(self, backup: Backup, exc: AuthenticationError) -> ReplicationRefused:
+        """The backup refuses this primary's credentials: an error, for the worker and the operator."""
+        why = str(exc)
+        self._note_refusal(backup, why)
         self.refusals += 1
         if backup.conn is not None:  # the next try opens a new one (the backup may be fixed by then)
             await backup.conn.close()
@@ -229,6 +269,11 @@ class Backups:
 
     async def close(self) -> None:
         for backup in self.backups.values():
+            if backup.reconnecting is not None:
+                backup.reconnecting.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await backup.reconnecting
+                backup.reconnecting = None
             if backup.conn is not None:
                 await backup.conn.close()
                 backup.conn = None
