@@ -146,11 +146,6 @@ class Backups:
         self._options = transports.TransportOptions(connect_timeout, timeout, security=peer)
         self.refusals = 0  # changes not made because a backup refused the peer credentials
 
-    @property
-    def lost(self) -> set[str]:
-        """Backups that stopped answering (no longer waited for)."""
-        return {b.url for b in self.backups.values() if b.lost}
-
     def reset(self) -> None:
         """Forget every backup's state (this server just became the primary)."""
         for backup in self.backups.values():
