@@ -282,7 +282,7 @@ def main(log_level: str, log_format: str) -> None:
     help="Parameter server: a checkpoint at the first update this long after the last (0: not by time).",
 )  # fmt: skip
 @click.option(
-    "--backup", "backups", metavar="URL", multiple=True,
+    "--backup", "backups", metavar="URL", multiple=True, callback=_url_param,
     help="Parameter server: a backup (started with --standby) each change goes to first (repeatable).",
 )  # fmt: skip
 @click.option(
@@ -293,6 +293,20 @@ def main(log_level: str, log_format: str) -> None:
     "--failover-timeout", type=click.FloatRange(min=0.1), default=2.0, show_default=True,
     help="Parameter server (--standby): seconds without a word from the primary before taking over.",
 )  # fmt: skip
+@click.option(
+    "--peer-token-file", type=_FILE,
+    help="Parameter server: the secret the replicas of one slot share (not the clients' token); "
+    "required with --backup/--standby. Only a connection that offers it may replicate.",
+)  # fmt: skip
+@click.option(
+    "--peer-tls-ca", type=_FILE, help="Parameter server: CA of the tls:// --backup servers' certificates."
+)
+@click.option(
+    "--peer-tls-cert",
+    type=_FILE,
+    help="Parameter server: client certificate for tls:// backups that require one.",
+)
+@click.option("--peer-tls-key", type=_FILE, help="The private key of --peer-tls-cert.")
 @click.option(
     "--threads", type=click.IntRange(min=1), default=None,
     help="Parameter server: torch threads for the optimizer [default: half the cores, at most 4].",
@@ -336,6 +350,10 @@ def serve(
     backups: tuple[str, ...],
     standby: bool,
     failover_timeout: float,
+    peer_token_file: Path | None,
+    peer_tls_ca: Path | None,
+    peer_tls_cert: Path | None,
+    peer_tls_key: Path | None,
     threads: int | None,
     metrics_port: int | None,
     metrics_host: str | None,
@@ -353,6 +371,11 @@ def serve(
         logging.getLogger().setLevel(log_level.upper())
     tls = TlsFiles(tls_cert, tls_key, tls_client_ca) if tls_cert or tls_key or tls_client_ca else None
     security = Security(tls, load_token(token_file) if token_file else None)
+    peer = _peer_security(
+        bool(backups) or standby, peer_token_file, TlsFiles(peer_tls_cert, peer_tls_key, peer_tls_ca)
+    )
+    if peer.token is not None and peer.token == security.token:
+        raise click.UsageError("--peer-token-file must hold another secret than --token-file")
     store = TensorStore(capacity, data_dir)
     policy = (
         CheckpointPolicy(checkpoint_dir, checkpoint_every, checkpoint_seconds) if checkpoint_dir else None
@@ -366,6 +389,7 @@ def serve(
         backups=backups,
         standby=standby,
         failover_timeout=failover_timeout,
+        peer=peer,
     )
     if policy is not None and ps_server.restore(policy.directory):
         click.echo(f"resumed from a checkpoint in {policy.directory}: step {ps_server.step}")
@@ -389,6 +413,18 @@ def _host_param(ctx: click.Context, param: click.Parameter, value: tuple[str, ..
         return tuple(check_cert_host(v) for v in value)
     except ValueError as exc:
         raise click.BadParameter(str(exc), ctx, param) from exc
+
+
+def _peer_security(replicated: bool, token_file: Path | None, tls: TlsFiles) -> Security:
+    """How a parameter-server replica reaches and admits the others of its slot (``--peer-*``)."""
+    if replicated and token_file is None:
+        raise click.UsageError(
+            "--backup and --standby need --peer-token-file: a secret the replicas of the slot share, "
+            "without which any client could demote or fence a primary (e.g. `head -c 32 /dev/urandom "
+            "| base64 > peer.token; chmod 600 peer.token`)"
+        )
+    has_tls = tls.ca is not None or tls.cert is not None or tls.key is not None
+    return Security(tls if has_tls else None, load_token(token_file) if token_file else None)
 
 
 @main.command()

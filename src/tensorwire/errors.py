@@ -27,8 +27,11 @@ of these. Each class says whether retrying the same call can help.
     │   └── VerificationFailed         what a server holds differs from its source; resending can help
     ├── InvalidTensor                  (also ValueError) dtype/shape/size unusable or inconsistent
     ├── AuthenticationError            the server refused the token or client certificate
+    │   └── CertificateRefused         (also ConnectError) a TLS handshake failed on certificates; no retry
     ├── WorkerDropped                  the server does not count this worker in the job: rejoin
     └── ServerError                    an unexpected failure inside the server
+        └── ReplicationRefused         a backup refused the primary's peer credentials: change not made
+                                       (server side only; a client receives it as ServerError)
 
 Every error a server reports travels as a numeric code (``ErrorCode``) and is raised on the
 client as the same class.
@@ -149,6 +152,15 @@ class AuthenticationError(TensorwireError):
     Retrying with the same credentials will not help; the connection was closed."""
 
 
+class CertificateRefused(AuthenticationError, ConnectError):
+    """A TLS handshake failed on credentials: the server's certificate does not verify against the
+    CA this side trusts (or names another host), or the server refused this side's certificate
+    (or its lack of one). A ``ConnectError`` too (the connection never opened), but retrying with
+    the same files will not help."""
+
+    retryable = False
+
+
 class WorkerDropped(TensorwireError):
     """The parameter server does not count this worker in its job: it missed its heartbeats, left,
     or the server restarted from a checkpoint. ``ps.Worker`` rejoins and carries on."""
@@ -156,6 +168,13 @@ class WorkerDropped(TensorwireError):
 
 class ServerError(TensorwireError):
     """Something unexpected failed inside the server; the server keeps serving."""
+
+
+class ReplicationRefused(ServerError):
+    """A parameter server's backup refused the primary's peer credentials (peer token, TLS
+    certificate): a configuration error, so the change was not made rather than acknowledged with
+    fewer copies than configured. The message names the backup and why; retrying will not help
+    until the replicas of the slot share one ``--peer-token-file`` (and TLS files that verify)."""
 
 
 class ErrorCode(enum.IntEnum):

@@ -32,6 +32,7 @@ import ipaddress
 import logging
 import os
 import re
+import secrets
 import ssl
 import stat
 from collections.abc import Sequence
@@ -56,6 +57,7 @@ __all__ = [
     "grpc_server_credentials",
     "grpc_channel_credentials",
     "load_token",
+    "write_token_file",
     "client_token",
     "tokens_match",
     "write_dev_certs",
@@ -249,6 +251,16 @@ def _warn_if_shared(path: Path, mode: int) -> None:
         log.warning(
             "token file %s is readable by group or others (mode %o); chmod 600 it", path, mode & 0o777
         )
+
+
+def write_token_file(path: Path) -> Path:
+    """A fresh random token (256 bits, printable) in a new file ``path``, mode 0600 from the
+    start; never an existing file or a symlink (FileExistsError). For scripts and tests that
+    start servers: ``serve --token-file``, ``--peer-token-file``."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0)
+    with os.fdopen(os.open(path, flags, 0o600), "w") as f:
+        f.write(secrets.token_urlsafe(32))
+    return Path(path)
 
 
 def client_token(token: str | None) -> str | None:

@@ -23,7 +23,7 @@ import threading
 import time
 from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol, TypeVar
+from typing import Any, Protocol, TypeVar, runtime_checkable
 
 import torch
 
@@ -104,6 +104,12 @@ class Request:
         that belongs to one transport checks it before anything else."""
         return self._session.transport
 
+    @property
+    def from_peer(self) -> bool:
+        """Whether the connection is a peer session: its HELLO offered the server's peer token (a
+        replica of the same slot), so it may send replication requests."""
+        return self._session.peer
+
     def session_state(self, key: type[S]) -> S:
         """This connection's instance of ``key`` (made with ``key()`` on first use): an extension's
         per-connection state. Its ``close()``, if it has one, runs when the connection ends."""
@@ -159,6 +165,23 @@ class Extension(Protocol):
         ...
 
 
+@runtime_checkable
+class Replicated(Protocol):
+    """An extension whose replicas talk to each other (the parameter server). A HELLO offering its
+    ``peer_token`` opens a peer session (``Request.from_peer``), also on a server whose clients
+    need the client token: the replicas of a slot share this secret, not the clients'."""
+
+    @property
+    def peer_token(self) -> str | None: ...
+
+
+def _peer_token(extensions: Sequence[Extension]) -> str | None:
+    tokens = {e.peer_token for e in extensions if isinstance(e, Replicated) and e.peer_token}
+    if len(tokens) > 1:
+        raise ValueError("the server's extensions name different peer tokens; a server has one")
+    return tokens.pop() if tokens else None
+
+
 class Server:
     """Serves one store on any number of addresses (``tcp://host:0`` binds a free port).
 
@@ -195,6 +218,9 @@ class Server:
         self.limits = limits or Limits()
         # TLS files serve tls:// and grpcs:// addresses; a token is required on every connection.
         self.security = security or Security()
+        self.peer_token = _peer_token(self.extensions)  # opens peer sessions (Replicated)
+        if self.peer_token is not None and self.peer_token == self.security.token:
+            raise ValueError("the peer token must differ from the clients' token: any client could replicate")
         # A peer that stops sending or reading in the middle of a request is cut off after this
         # many seconds without progress, and what it reserved is freed.
         self.stall_timeout = stall_timeout
@@ -448,6 +474,7 @@ class _Session:
         # (a stalled TLS handshake, a silent socket) does not keep its slot for the idle timeout.
         self.opened = time.monotonic()
         self.admitted = False
+        self.peer = False  # a replica of this server's slot (its HELLO offered the peer token)
         self.working = False  # the server, not the peer, is what a request waits on (a disk write)
         self.encoder: lossless.Encoder | None = None  # how answers are compressed (HELLO; §5.5)
         self.states: dict[type, Any] = {}  # extensions' per-connection state (Request.session_state)
@@ -560,13 +587,13 @@ class _Session:
 
     async def _authenticate(self, header: Header, meta: bytes) -> bool:
         """The first frame of a connection to a server with a token must be a HELLO that carries
-        it. Anything else gets one UNAUTHENTICATED error and the connection is closed, before any
-        store operation runs."""
+        it (or the peer token: a replica of its slot). Anything else gets one UNAUTHENTICATED error
+        and the connection is closed, before any store operation runs."""
         offered = None
         if header.opcode == Opcode.HELLO:
             with contextlib.suppress(TensorwireError):
                 offered = wm.decode_hello_request(wm.MetaReader(meta, self.limits))[2]
-        if self.token is not None and tokens_match(self.token, offered):
+        if self.token is not None and (tokens_match(self.token, offered) or self._is_peer(offered)):
             self.authenticated = True
             return True
         why = "no token was offered" if offered is None else "the token is wrong"
@@ -576,10 +603,16 @@ class _Session:
         await self.send_error(header.request_id, error, header.opcode)
         return False
 
+    def _is_peer(self, offered: str | None) -> bool:
+        """Whether ``offered`` is the server's peer token (constant time; never without one)."""
+        peer_token = self.server.peer_token
+        return peer_token is not None and tokens_match(peer_token, offered)
+
     async def _hello(self, header: Header, reader: wm.MetaReader) -> None:
-        lo, hi, _, compression = wm.decode_hello_request(reader)
+        lo, hi, offered, compression = wm.decode_hello_request(reader)
         wants = wm.decode_hello_wants(reader)
         reader.done()
+        self.peer = self._is_peer(offered)  # each HELLO renegotiates, the session's role too
         common = [v for v in PROTOCOL_VERSIONS if lo <= v <= hi]
         if not common:
             raise UnsupportedVersion(f"client speaks versions {lo}..{hi}; server speaks {PROTOCOL_VERSIONS}")

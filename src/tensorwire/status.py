@@ -322,8 +322,9 @@ def _workers(ps: dict[str, Any], node: Node) -> str | None:
 
 
 def _lag(ps: dict[str, Any], node: Node) -> str | None:
-    """A primary: its backups (each up with seconds since its last change, or lost and how many
-    changes behind). A backup: seconds since its primary was last heard."""
+    """A primary: its backups (each up with seconds since its last change, lost and how many
+    changes behind, or refusing the primary's peer credentials: changes are refused). A backup:
+    seconds since its primary was last heard."""
     backups = ps.get("backups")
     if isinstance(backups, dict):
         parts = []
@@ -332,7 +333,12 @@ def _lag(ps: dict[str, Any], node: Node) -> str | None:
             host = str(url).split("://", 1)[-1]
             lag_s = _finite(b.get("lag_s"))
             lag = f"{lag_s:.1f}s" if lag_s is not None else "-"
-            parts.append(f"{host} {lag}" if b.get("up") else f"{host} LOST, {_num(b.get('behind'))} behind")
+            if b.get("refused"):  # the reason is in --json; the row stays one line
+                parts.append(f"{host} REFUSED peer credentials (changes refused)")
+            elif b.get("up"):
+                parts.append(f"{host} {lag}")
+            else:
+                parts.append(f"{host} LOST, {_num(b.get('behind'))} behind")
         return "; ".join(parts)
     silence = _finite(ps.get("primary_silence_s"))
     if silence is None:

@@ -9,6 +9,7 @@ import os
 import subprocess
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import ps_job
 import pytest
@@ -17,6 +18,7 @@ import torch
 from tensorwire.errors import TensorwireError
 from tensorwire.ps import ParamServer, Worker
 from tensorwire.ps.worker import server_stats
+from tensorwire.security import Security, load_token, write_token_file
 from tensorwire.server import ServerThread
 from tensorwire.testing.process import ServerProcess
 
@@ -78,13 +80,14 @@ def test_a_cut_off_server_fails_with_a_clear_error_within_the_timeout() -> None:
             server.stop()
 
 
-def test_workers_fail_over_from_a_cut_off_primary() -> None:
+def test_workers_fail_over_from_a_cut_off_primary(tmp_path: Path) -> None:
+    peer = write_token_file(tmp_path / "peer.token")  # the slot's
     with namespace(1) as (ns, host, address):
-        backup_ps = ParamServer(standby=True, failover_timeout=1.0)
+        backup_ps = ParamServer(standby=True, failover_timeout=1.0, peer=Security(token=load_token(peer)))
         with ServerThread(["tcp://0.0.0.0:0"], extensions=[backup_ps]) as backup:
             backup_url = f"tcp://{address.rsplit('.', 1)[0]}.1:{backup.addresses[0].port}"
-            primary = ServerProcess(f"tcp://{address}:0", extra=["--backup", backup_url],
-                                    wrapper=["ip", "netns", "exec", ns])  # fmt: skip
+            flags = ["--backup", backup_url, "--peer-token-file", str(peer)]
+            primary = ServerProcess(f"tcp://{address}:0", extra=flags, wrapper=["ip", "netns", "exec", ns])
             try:
                 model = ps_job.model()
                 slot = f"{primary.url}|{backup.url}"

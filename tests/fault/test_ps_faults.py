@@ -17,12 +17,14 @@ import torch
 
 from tensorwire.ps import Adam, CheckpointPolicy, ParamServer, Worker, pull_parameters
 from tensorwire.ps.worker import server_stats
+from tensorwire.security import Security, write_token_file
 from tensorwire.server import ServerThread
 from tensorwire.testing.faults import Fault, FaultSchedule, FaultyProxy, kill9, sigcont, sigstop
 from tensorwire.testing.process import ServerProcess, run_threads, wait_for
 
 JOB = Path(ps_job.__file__)
 DEADLINE = 120.0
+PEER = Security(token="the-peer-token-of-this-slot")  # what the replicas of a slot share
 
 
 def same_state(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
@@ -246,8 +248,9 @@ def test_killing_the_primary_fails_over_to_its_backup_bit_identically(tmp_path: 
     out = tmp_path / "faulty"
     out.mkdir()
     progress = out / "rank0.progress"
-    with ServerProcess(extra=["--standby", "--failover-timeout", "1"]) as backup:
-        primary = ServerProcess(extra=["--backup", backup.url])
+    peer = ["--peer-token-file", str(write_token_file(tmp_path / "peer.token"))]
+    with ServerProcess(extra=["--standby", "--failover-timeout", "1", *peer]) as backup:
+        primary = ServerProcess(extra=["--backup", backup.url, *peer])
         try:
             procs = start_workers([f"{primary.url}|{backup.url}"], "sync", steps, out, world)
             try:
@@ -283,9 +286,9 @@ def test_a_primary_a_backup_took_over_from_is_fenced() -> None:
     from tensorwire.errors import NotPrimary
 
     model = ps_job.model()
-    backup_ps = ParamServer(standby=True, failover_timeout=0.2)
+    backup_ps = ParamServer(standby=True, failover_timeout=0.2, peer=PEER)
     with ServerThread(extensions=[backup_ps]) as backup:
-        with ServerThread(extensions=[ParamServer(backups=[backup.url])]) as primary:
+        with ServerThread(extensions=[ParamServer(backups=[backup.url], peer=PEER)]) as primary:
             slot = f"{primary.url}|{backup.url}"
             with Worker(model, slot, "async", rank=0, heartbeat=0) as worker:
                 x, y = ps_job.batch(0, 0)
@@ -296,7 +299,7 @@ def test_a_primary_a_backup_took_over_from_is_fenced() -> None:
                 worker.step()
         assert backup_ps.role == "primary" and backup_ps.epoch == 2 and backup_ps.version == 2
         # The old primary comes back (at epoch 1) and serves a worker: its first change is refused.
-        old = ParamServer(backups=[backup.url])
+        old = ParamServer(backups=[backup.url], peer=PEER)
         with ServerThread(extensions=[old]) as returned:
             late = Worker(ps_job.model(), returned.url, "async", rank=0, timeout=2, heartbeat=0)
             try:
@@ -335,16 +338,16 @@ def test_a_restarted_backup_gets_the_job_and_can_take_over() -> None:
     expected = async_reference(9)
 
     model = ps_job.model()
-    first_backup = ServerThread(extensions=[ParamServer(standby=True, failover_timeout=0.3)])
+    first_backup = ServerThread(extensions=[ParamServer(standby=True, failover_timeout=0.3, peer=PEER)])
     backup_url = first_backup.url
-    primary = ServerThread(extensions=[ParamServer(backups=[backup_url])])
+    primary = ServerThread(extensions=[ParamServer(backups=[backup_url], peer=PEER)])
     second_backup: ServerThread | None = None
     try:
         with Worker(model, f"{primary.url}|{backup_url}", "async", rank=0, heartbeat=0) as worker:
             async_steps(worker, model, 0, 3)
             first_backup.close()  # the backup dies; training goes on without a copy
             async_steps(worker, model, 3, 3)
-            revived = ParamServer(standby=True, failover_timeout=0.3)
+            revived = ParamServer(standby=True, failover_timeout=0.3, peer=PEER)
             second_backup = ServerThread([backup_url], extensions=[revived])  # back, empty, same port
             wait_for(lambda: revived.version == 6, 30, "the state transfer to the restarted backup")
             primary.close()  # now the primary dies: the restarted backup takes over
@@ -358,7 +361,7 @@ def test_a_restarted_backup_gets_the_job_and_can_take_over() -> None:
     assert same_state(model.state_dict(), expected.state_dict())
 
 
-def test_a_stopped_primary_that_comes_back_follows_the_backup_that_took_over() -> None:
+def test_a_stopped_primary_that_comes_back_follows_the_backup_that_took_over(tmp_path: Path) -> None:
     """SIGSTOP the primary past the failover timeout: the backup takes over (epoch 2) and goes on
     without it. SIGCONT: the old primary learns of the newer epoch and follows it as its backup
     (a state transfer), so the slot can fail over again, back to it, with the bits of a run
@@ -372,10 +375,11 @@ def test_a_stopped_primary_that_comes_back_follows_the_backup_that_took_over() -
         return doc["role"], doc["epoch"], doc["version"]
 
     urls = [f"tcp://127.0.0.1:{free_port()}" for _ in range(2)]
+    peer = write_token_file(tmp_path / "peer.token")
     flags = ["--failover-timeout", "0.5"]
     with (
-        ServerProcess(urls[0], extra=[*replica_flags(urls, 0), *flags]) as first,
-        ServerProcess(urls[1], extra=[*replica_flags(urls, 1), *flags]) as second,
+        ServerProcess(urls[0], extra=[*replica_flags(urls, 0, peer), *flags]) as first,
+        ServerProcess(urls[1], extra=[*replica_flags(urls, 1, peer), *flags]) as second,
     ):
         model = ps_job.model()
         with Worker(model, "|".join(urls), "async", rank=0, heartbeat=0.25, timeout=30) as worker:
@@ -422,9 +426,9 @@ def test_changes_waiting_behind_the_fencing_one_are_refused_too() -> None:
     from tensorwire.wire.frame import Opcode
 
     world = 3
-    backup_ps = ParamServer(standby=True, failover_timeout=0.5)
+    backup_ps = ParamServer(standby=True, failover_timeout=0.5, peer=PEER)
     with ServerThread(extensions=[backup_ps]) as backup, FaultyProxy(backup.url) as link:
-        primary_ps = ParamServer(backups=[link.url])
+        primary_ps = ParamServer(backups=[link.url], peer=PEER)
         with (
             ServerThread(extensions=[primary_ps]) as primary,
             Worker(ps_job.model(), primary.url, "sync", rank=0, world_size=world, heartbeat=0),

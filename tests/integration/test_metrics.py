@@ -15,6 +15,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from pathlib import Path
 
 import pytest
 import torch
@@ -25,6 +26,7 @@ import tensorwire
 from tensorwire import metrics
 from tensorwire.cli import main
 from tensorwire.ps import SGD, Worker
+from tensorwire.security import write_token_file
 from tensorwire.status import collect
 from tensorwire.testing.process import ServerProcess
 
@@ -119,10 +121,11 @@ def test_parameter_server_families_move_with_steps() -> None:
     assert value(after, "tensorwire_requests_total", op="ps_push", transport="tcp") == steps
 
 
-def test_status_shows_primary_backup_and_a_down_server() -> None:
+def test_status_shows_primary_backup_and_a_down_server(tmp_path: Path) -> None:
     down = f"tcp://127.0.0.1:{free_port()}"  # nothing listens there
-    standby = ServerProcess(extra=[*METRICS, "--standby", "--failover-timeout", "30"])
-    with standby as backup, ServerProcess(extra=[*METRICS, "--backup", backup.url]) as primary:
+    peer = ["--peer-token-file", str(write_token_file(tmp_path / "peer.token"))]
+    standby = ServerProcess(extra=[*METRICS, "--standby", "--failover-timeout", "30", *peer])
+    with standby as backup, ServerProcess(extra=[*METRICS, "--backup", backup.url, *peer]) as primary:
         model = torch.nn.Linear(4, 2)
         replicas = [f"{primary.url}|{backup.url}"]
         with Worker(model, replicas, "async", SGD(lr=0.1), rank=0, world_size=1) as worker:

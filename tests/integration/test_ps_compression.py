@@ -16,6 +16,7 @@ from tensorwire.compression import TopK, codec_for
 from tensorwire.errors import InvalidTensor, ProtocolError
 from tensorwire.ps import SGD, ParamServer, Worker, digits, pull_parameters
 from tensorwire.ps.allreduce import ExchangeClient
+from tensorwire.security import Security
 from tensorwire.server import ServerThread
 from tensorwire.testing.process import run_threads
 from tensorwire.v1 import gradient_service_pb2 as pb
@@ -72,9 +73,9 @@ def steps(worker: Worker, model: torch.nn.Module, count: int) -> None:
 
 
 def test_compressed_pushes_reach_the_backup_bit_identical() -> None:
-    backup_ps = ParamServer(standby=True)
+    backup_ps = ParamServer(standby=True, peer=Security(token="peer"))
     with ServerThread(extensions=[backup_ps]) as backup:
-        primary_ps = ParamServer(backups=[backup.url])
+        primary_ps = ParamServer(backups=[backup.url], peer=Security(token="peer"))
         with ServerThread(extensions=[primary_ps]) as primary:
             model = digits.make_model()
             with Worker(model, f"{primary.url}|{backup.url}", "async", SGD(lr=0.1, momentum=0.9),

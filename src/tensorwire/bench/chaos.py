@@ -1,18 +1,23 @@
 """Chaos benchmark: training through replicated parameter servers while processes are killed.
 
-Two server slots, each a primary and a backup process (``--backup``/``--standby`` of each other),
-and two worker processes train a small MLP in ``sync`` mode on data that depends only on (rank,
-step). Every ``--interval`` seconds (default 20) a random server or worker is killed with SIGKILL
-and started again (a server as a standby on its port, which the slot's primary brings up to date;
-a worker with its rank, which rejoins at the job's step). The same job runs once without faults.
+Two server slots, each a primary and a backup process (``--backup``/``--standby`` of each other,
+sharing a peer token per slot), and two worker processes train a small MLP in ``sync`` mode on
+data that depends only on (rank, step): one fixed rule with 20% of the labels random, the same at
+every step. Every ``--interval`` seconds (default 20) a random server or worker is killed with
+SIGKILL and started again (a server as a standby on its port, which the slot's primary brings up
+to date; a worker with its rank, which rejoins at the job's step). The same job runs once without
+faults. ``--token``: every server also requires a client token (``--token-file``), so that the
+replicas must authenticate to each other with their peer token (a primary that could not would
+lose acknowledged updates at the next failover, which ``lost_updates`` counts).
 
 Reported (``--json``): ``faults_injected``; ``throughput_ratio`` (samples/s with faults over
-without); ``final_loss_delta`` (relative difference of the final loss on a fixed batch);
+without); ``final_loss_delta`` (relative difference of the final loss, each the mean over
+``EVAL_BATCHES`` held-out batches of data no worker trains on);
 ``failover_p50_s`` / ``failover_max_s`` (from killing a slot's primary to that slot's next step on
 its backup); ``lost_updates`` (pushes a worker saw acknowledged that its slot does not hold) and
 ``duplicate_updates`` (pushes applied more than once: applied minus distinct sequence numbers).
 
-Run: ``tensorwire bench chaos --minutes 3 [--json]``.
+Run: ``tensorwire bench chaos --minutes 3 [--token] [--json]``.
 """
 
 from __future__ import annotations
@@ -35,12 +40,15 @@ import torch
 import torch.nn.functional as F
 
 from tensorwire.ps.launch import free_port, replica_flags
+from tensorwire.security import TOKEN_ENV, load_token, write_token_file
 from tensorwire.testing.process import ServerProcess, wait_for
 
 SLOTS = WORKERS = 2
 BATCH = 32
 NOISE = 0.2
-EVAL_SIZE = 8192
+EVAL_BATCHES = 8  # held-out batches the final loss averages over (ranks that never train)
+EVAL_SIZE = 1024
+HELD_OUT_RANK = 10_000
 SERVER_FLAGS = ["--heartbeat-timeout", "1", "--failover-timeout", "1"]  # workers beat every 0.25 s
 
 
@@ -61,10 +69,14 @@ def batch(rank: int, step: int, size: int = BATCH) -> tuple[torch.Tensor, torch.
 
 
 def eval_loss(net: torch.nn.Module) -> float:
-    """Mean loss on a held-out set (rank 10 000 never trains) large enough to be steady."""
-    x, y = batch(10_000, 0, EVAL_SIZE)
+    """The mean of the losses on ``EVAL_BATCHES`` held-out batches (of ranks that never train):
+    8,192 samples of the same rule, so the figure is the model's loss, not one batch's luck."""
+    losses = []
     with torch.no_grad():
-        return float(F.cross_entropy(net(x), y))
+        for i in range(EVAL_BATCHES):
+            x, y = batch(HELD_OUT_RANK + i, 0, EVAL_SIZE)
+            losses.append(float(F.cross_entropy(net(x), y)))
+    return statistics.mean(losses)
 
 
 # -- the worker process ----------------------------------------------------------------------------
@@ -102,16 +114,25 @@ class Cluster:
     """Server slots (primary, backup) and worker processes, restartable on their addresses."""
 
     steps: int
-    out: Path
+    out: Path  # a private temporary directory (0700): the token files are written there too
+    token: bool = False  # every server requires a client token as well (--token-file)
     slots: list[list[ServerProcess]] = field(default_factory=list)
     workers: dict[int, subprocess.Popen[bytes]] = field(default_factory=dict)
+    client_token: str | None = None  # what workers and the controller offer (with ``token``)
+    flags: list[str] = field(default_factory=list)  # every server's
 
     def start(self) -> None:
-        for _ in range(SLOTS):
+        self.flags = list(SERVER_FLAGS)
+        if self.token:
+            path = write_token_file(self.out / "client.token")
+            self.client_token = load_token(path)
+            self.flags += ["--token-file", str(path)]
+        for number in range(SLOTS):
             # Each knows the other: the backup replicates to its old primary once it takes over.
             urls = [f"tcp://127.0.0.1:{free_port()}" for _ in range(2)]
-            backup = ServerProcess(urls[1], extra=[*replica_flags(urls, 1), *SERVER_FLAGS])
-            primary = ServerProcess(urls[0], extra=[*replica_flags(urls, 0), *SERVER_FLAGS])
+            peer = write_token_file(self.out / f"slot{number}.peer")
+            backup = ServerProcess(urls[1], extra=[*replica_flags(urls, 1, peer), *self.flags])
+            primary = ServerProcess(urls[0], extra=[*replica_flags(urls, 0, peer), *self.flags])
             self.slots.append([primary, backup])
         for rank in range(WORKERS):
             self.start_worker(rank)
@@ -122,6 +143,9 @@ class Cluster:
 
     def start_worker(self, rank: int) -> None:
         env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(WORKERS)}
+        token = self.client_token
+        if token is not None:
+            env[TOKEN_ENV] = token  # ps.Worker reads it
         cmd = [sys.executable, "-m", "tensorwire.bench.chaos", "--worker", self.servers, str(self.steps),
                str(self.out)]  # fmt: skip
         self.workers[rank] = subprocess.Popen(cmd, env=env)
@@ -130,7 +154,17 @@ class Cluster:
         old = self.slots[slot][index]
         peer = self.slots[slot][1 - index].url
         old.stop(5)
-        self.slots[slot][index] = ServerProcess(old.url, extra=["--standby", "--backup", peer, *SERVER_FLAGS])
+        flags = ["--standby", "--backup", peer, "--peer-token-file", str(self.out / f"slot{slot}.peer")]
+        self.slots[slot][index] = ServerProcess(old.url, extra=[*flags, *self.flags])
+
+    def stats(self, url: str) -> dict[str, Any] | None:
+        """A server's PS_STATS answer, or None if it does not answer (killed, starting)."""
+        from tensorwire.ps.worker import server_stats
+
+        try:
+            return server_stats([url], timeout=2, token=self.client_token)[0]
+        except Exception:
+            return None
 
     def done(self) -> bool:
         return all((self.out / f"rank{r}.done").exists() for r in range(WORKERS))
@@ -145,20 +179,15 @@ class Cluster:
                 server.stop(5)
 
 
-def stats(url: str) -> dict[str, Any] | None:
-    from tensorwire.ps.worker import server_stats
-
-    try:
-        return server_stats([url], timeout=2)[0]
-    except Exception:
-        return None
-
-
-def run(steps: int, interval: float | None, seed: int = 0) -> dict[str, Any]:
-    """One training run; with ``interval``, a fault every ``interval`` seconds."""
+def run(
+    steps: int, interval: float | None, seed: int = 0, *, token: bool = False, primaries: bool = False
+) -> dict[str, Any]:
+    """One training run; with ``interval``, a fault every ``interval`` seconds (``primaries``: each
+    kills a slot's primary, so that every fault is a failover); ``token``: every server requires
+    a client token too."""
     rng = random.Random(seed)
     with tempfile.TemporaryDirectory(prefix="tensorwire-chaos-") as tmp:
-        cluster = Cluster(steps, Path(tmp))
+        cluster = Cluster(steps, Path(tmp), token)
         failovers: list[float] = []
         faults = 0
         try:
@@ -172,7 +201,11 @@ def run(steps: int, interval: float | None, seed: int = 0) -> dict[str, Any]:
             while not cluster.done():
                 _check_workers(cluster)
                 if interval is not None and time.monotonic() >= next_fault:
-                    failover = _inject(cluster, rng)
+                    targets = _targets(cluster, primaries)
+                    if not targets:  # none may fail now (a slot is catching up): try again shortly
+                        next_fault = time.monotonic() + 0.2
+                        continue
+                    failover = _inject(cluster, rng.choice(targets))
                     faults += 1
                     if failover is not None:
                         failovers.append(failover)
@@ -203,15 +236,28 @@ def _check_workers(cluster: Cluster) -> None:
             raise RuntimeError(f"worker {rank} failed with exit code {proc.returncode}")
 
 
-def _inject(cluster: Cluster, rng: random.Random) -> float | None:
-    """Kill -9 a random server or worker, start it again; the failover time if a primary died."""
-    targets = [("worker", r, 0) for r, p in cluster.workers.items() if p.poll() is None]
-    # One failure at a time per slot, as one replica promises: a server only while its peer holds
-    # the job (a restarted peer that has not had its state transfer yet would lose it).
-    targets += [
-        ("server", slot, i) for slot in range(SLOTS) for i in range(2) if _peer_ready(cluster, slot, i)
-    ]
-    kind, a, b = rng.choice(targets)
+Target = tuple[str, int, int]  # ("worker", rank, 0) or ("server", slot, index)
+
+
+def _targets(cluster: Cluster, primaries: bool) -> list[Target]:
+    """What may be killed now: any worker (not with ``primaries``), and a server only while its
+    peer holds the job (one failure at a time per slot, as one replica promises: a restarted peer
+    that has not had its state transfer yet would lose it)."""
+    targets: list[Target] = []
+    if not primaries:
+        targets += [("worker", r, 0) for r, p in cluster.workers.items() if p.poll() is None]
+    for slot in range(SLOTS):
+        for i in range(2):
+            if primaries and (cluster.stats(cluster.slots[slot][i].url) or {}).get("role") != "primary":
+                continue
+            if _peer_ready(cluster, slot, i):
+                targets.append(("server", slot, i))
+    return targets
+
+
+def _inject(cluster: Cluster, target: Target) -> float | None:
+    """Kill -9 ``target``, start it again; the failover time if a primary died."""
+    kind, a, b = target
     if kind == "worker":
         proc = cluster.workers[a]
         proc.kill()
@@ -220,9 +266,10 @@ def _inject(cluster: Cluster, rng: random.Random) -> float | None:
             cluster.start_worker(a)
         return None
     server = cluster.slots[a][b]
-    before = stats(server.url)
+    before = cluster.stats(server.url)
     was_primary = before is not None and before["role"] == "primary"
-    step_at_kill = max((s["step"] for s in map(stats, (x.url for x in cluster.slots[a])) if s), default=0)
+    step_at_kill = max((s["step"] for s in map(cluster.stats, (x.url for x in cluster.slots[a])) if s),
+                       default=0)  # fmt: skip
     killed = time.monotonic()
     server.proc.kill()
     cluster.restart_server(a, b)
@@ -231,7 +278,7 @@ def _inject(cluster: Cluster, rng: random.Random) -> float | None:
     peer = cluster.slots[a][1 - b].url
 
     def stepped() -> bool:
-        doc = stats(peer)
+        doc = cluster.stats(peer)
         return doc is not None and doc["role"] == "primary" and doc["step"] > step_at_kill
 
     wait_for(lambda: stepped() or cluster.done(), 120, f"slot {a}'s backup to take over")
@@ -239,7 +286,10 @@ def _inject(cluster: Cluster, rng: random.Random) -> float | None:
 
 
 def _peer_ready(cluster: Cluster, slot: int, index: int) -> bool:
-    mine, peer = stats(cluster.slots[slot][index].url), stats(cluster.slots[slot][1 - index].url)
+    mine, peer = (
+        cluster.stats(cluster.slots[slot][index].url),
+        cluster.stats(cluster.slots[slot][1 - index].url),
+    )
     if mine is None or peer is None or not peer["shards"]:
         return False
     return bool(peer["role"] == "primary" or peer["version"] >= mine["version"] - 5)
@@ -250,7 +300,8 @@ def _account(cluster: Cluster, seconds: float, faults: int, failovers: list[floa
     losses = [json.loads((cluster.out / f"rank{r}.done").read_text())["loss"] for r in range(WORKERS)]
     lost = duplicates = 0
     for slot_index, slot in enumerate(cluster.slots):
-        primaries = [doc for doc in map(stats, (s.url for s in slot)) if doc and doc["role"] == "primary"]
+        docs = map(cluster.stats, (s.url for s in slot))
+        primaries = [doc for doc in docs if doc and doc["role"] == "primary"]
         if not primaries:
             raise RuntimeError(f"slot {slot_index} has no primary at the end")
         doc = max(primaries, key=lambda d: d["epoch"])
@@ -272,19 +323,25 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--minutes", type=float, default=3.0, help="length of the run with faults")
     parser.add_argument("--interval", type=float, default=20.0, help="seconds between faults")
     parser.add_argument("--json", action="store_true", help="print one JSON line")
+    parser.add_argument(
+        "--token",
+        action="store_true",
+        help="every server requires a client token (and replicas a peer token)",
+    )
     parser.add_argument("--worker", nargs=3, metavar=("SERVERS", "STEPS", "OUT"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
         servers, steps, out = args.worker
         worker_main(servers, int(steps), Path(out))
         return {}
-    probe = run(300, None)  # how fast the job runs here, to size the runs to --minutes
+    probe = run(300, None, token=args.token)  # how fast the job runs here, to size the runs to --minutes
     steps = max(100, int(probe["samples_per_s"] / (WORKERS * BATCH) * args.minutes * 60))
-    calm = run(steps, None)
-    chaos = run(steps, args.interval)
+    calm = run(steps, None, token=args.token)
+    chaos = run(steps, args.interval, token=args.token)
     failovers = sorted(chaos["failovers"])
     result = {
         "minutes": args.minutes,
+        "token": args.token,
         "steps": steps,
         "faults_injected": chaos["faults_injected"],
         "throughput_ratio": chaos["samples_per_s"] / calm["samples_per_s"],

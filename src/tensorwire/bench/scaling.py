@@ -44,6 +44,7 @@ import torch
 from tensorwire.bench.netns import Fabric, Unavailable
 from tensorwire.compression.codecs import codec_for
 from tensorwire.ps.launch import replica_flags, stop_all
+from tensorwire.security import write_token_file
 from tensorwire.testing.process import ServerProcess, run_threads, wait_for
 
 # A parameter shard of this many elements (4 MiB of fp32) is what one codec payload covers: the
@@ -192,7 +193,7 @@ def measure(job: Job, steps: int, rate_bits: int | None) -> dict[str, Any]:
         urls = [f"tcp://{fabric.addresses[i]}:{PORT}" for i in range(slots)]
         servers: list[ServerProcess | None] = [None] * slots
         try:
-            _start_servers(job, urls, fabric, servers)
+            _start_servers(job, urls, fabric, servers, folder)
             size = 1 + job.replicas
             replica_sets = ",".join("|".join(urls[i : i + size]) for i in range(0, slots, size))
             procs = [
@@ -220,10 +221,15 @@ def measure(job: Job, steps: int, rate_bits: int | None) -> dict[str, Any]:
                     server.stop()
 
 
-def _start_servers(job: Job, urls: list[str], fabric: Fabric, servers: list[ServerProcess | None]) -> None:
+def _start_servers(
+    job: Job, urls: list[str], fabric: Fabric, servers: list[ServerProcess | None], folder: Path
+) -> None:
     """Every backup, then every primary (a primary sends to its backups from the start), each
-    phase in parallel: a server's start is mostly importing torch."""
+    phase in parallel: a server's start is mostly importing torch. The replicas of a slot share
+    a peer token (in ``folder``)."""
     size = 1 + job.replicas
+    slots = range(len(urls) // size) if job.replicas else range(0)
+    tokens = [write_token_file(folder / f"slot{i}.token") for i in slots]
     for phase in ([i for i in range(len(urls)) if i % size], list(range(0, len(urls), size))):
         if not phase:
             continue
@@ -231,7 +237,7 @@ def _start_servers(job: Job, urls: list[str], fabric: Fabric, servers: list[Serv
         def start(k: int, phase: list[int] = phase) -> None:
             i = phase[k]
             slot = urls[i - i % size : i - i % size + size]
-            flags = replica_flags(slot, i % size) if job.replicas else []
+            flags = replica_flags(slot, i % size, tokens[i // size]) if job.replicas else []
             servers[i] = ServerProcess(urls[i], capacity="2GiB", extra=flags, wrapper=fabric.wrapper(i),
                                        start_timeout=90)  # fmt: skip
 

@@ -163,6 +163,11 @@ class GradientExchange:
             f"the same RANK?); it is freed when that one leaves or is silent for {2 * self.wait_timeout:.3g}s"
         )
 
+    def held_by(self, worker: int, session: Hashable) -> bool:
+        """Whether ``worker``'s rank in the exchange belongs to ``session``."""
+        owner = self._owners.get(worker)
+        return owner is not None and owner.session == session
+
     def _own(self, worker: int, session: Hashable) -> None:
         if session is not None:
             self._owners[worker] = _Owner(session, time.monotonic())
@@ -227,12 +232,16 @@ class GradientExchange:
             del self._rounds[key]
             self.held -= round_.cost
 
-    def leave(self, worker: int, session: Hashable = None) -> None:
+    def leave(self, worker: int, session: Hashable = None, *, strict: bool = True) -> None:
         """``worker`` is done: rounds stop waiting for it. Once every worker of a world has left,
-        the exchange forgets the run (the next one starts again at step 0). ``session``: who asks
-        (ProtocolError if the rank is another's); None: the server itself (a dropped worker)."""
+        the exchange forgets the run (the next one starts again at step 0). ``session``: who asks;
+        None: the server itself (a dropped worker). If the rank is another session's: ProtocolError
+        (``strict``), else nothing changes (a job's worker leaving, whose rank in the exchange is
+        another client's)."""
         if not 0 <= worker < MAX_WORLD:
             return  # no round can wait for a rank no world has
+        if not strict and not self.held_by(worker, session) and worker in self._owners:
+            return
         self.check_owner(worker, session)
         self._owners.pop(worker, None)
         self.left.add(worker)

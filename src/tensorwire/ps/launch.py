@@ -15,10 +15,13 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
 
 from tensorwire.ps.worker import SERVERS_ENV
+from tensorwire.security import write_token_file
 from tensorwire.testing.process import ServerProcess
 
 STOP_GRACE = 5.0  # seconds a process gets to exit after SIGTERM before SIGKILL
@@ -26,30 +29,34 @@ STOP_GRACE = 5.0  # seconds a process gets to exit after SIGTERM before SIGKILL
 
 @contextlib.contextmanager
 def local_servers(count: int, extra: Sequence[str] = (), replicas: int = 0) -> Iterator[list[str]]:
-    """``count`` parameter servers on loopback, each a primary with ``replicas`` standby backups;
-    yields each server's address (``primary|backup|...``, as ``ps.Worker`` takes them), stops all
-    of them after."""
+    """``count`` parameter servers on loopback, each a primary with ``replicas`` standby backups
+    (the replicas of each slot share a fresh peer token, in a 0600 file removed after); yields each
+    server's address (``primary|backup|...``, as ``ps.Worker`` takes them), stops all of them after."""
     servers: list[ServerProcess] = []
+    peers = tempfile.TemporaryDirectory(prefix="tensorwire-peers-")  # 0700
     try:
-        for _ in range(count):
+        for number in range(count):
             if not replicas:
                 servers.append(ServerProcess("tcp://127.0.0.1:0", capacity="16GiB", extra=extra))
                 continue
             slot = [f"tcp://127.0.0.1:{free_port()}" for _ in range(replicas + 1)]
+            token = write_token_file(Path(peers.name) / f"slot{number}.token")
             for index in reversed(range(len(slot))):  # the backups first: the primary sends to them
-                flags = [*replica_flags(slot, index), *extra]
+                flags = [*replica_flags(slot, index, token), *extra]
                 servers.append(ServerProcess(slot[index], capacity="16GiB", extra=flags))
         yield _addresses(servers, replicas)
     finally:
         for server in servers:
             server.stop(STOP_GRACE)
+        peers.cleanup()
 
 
-def replica_flags(slot: Sequence[str], index: int) -> list[str]:
+def replica_flags(slot: Sequence[str], index: int, peer_token: Path) -> list[str]:
     """``tensorwire ps serve`` flags of replica ``index`` of a replica set: the first is the
     primary, the others standbys, and each names all the others as its backups (a standby that
-    takes over replicates to the rest, its old primary included once it is back)."""
-    flags = [] if index == 0 else ["--standby"]
+    takes over replicates to the rest, its old primary included once it is back). ``peer_token``:
+    the slot's peer-token file (``security.write_token_file``), the same for every replica of the slot."""
+    flags = ["--peer-token-file", str(peer_token)] + ([] if index == 0 else ["--standby"])
     for other, url in enumerate(slot):
         if other != index:
             flags += ["--backup", url]

@@ -15,10 +15,15 @@ Read from the ``ParamServer``'s own state when scraped, so the serving path pays
   (newer checkpoints passed over at a restore: not complete), ``tensorwire_ps_held_bytes{kind}``
   (params, gradients, payloads, snapshots: what the job holds) against ``tensorwire_ps_capacity_bytes``,
   ``tensorwire_ps_capacity_refused_total``.
-* Replication lag, on a primary for each ``backup``: ``tensorwire_ps_backup_up`` (0 once lost),
-  ``tensorwire_ps_replication_lag_seconds`` (since it last applied a change; pings go every 0.5 s)
-  and ``tensorwire_ps_replication_behind_changes`` (changes it missed while lost); on a backup,
-  ``tensorwire_ps_primary_silence_seconds`` (since its primary's last change or ping).
+* Replication lag, on a primary for each ``backup``: ``tensorwire_ps_backup_up`` (0 once lost or
+  refusing), ``tensorwire_ps_replication_lag_seconds`` (since it last applied a change; pings go
+  every 0.5 s) and ``tensorwire_ps_replication_behind_changes`` (changes it missed while lost);
+  on a backup, ``tensorwire_ps_primary_silence_seconds`` (since its primary's last change or ping).
+* Replication refused: ``tensorwire_ps_backup_refused{backup}`` (1 while a backup refuses this
+  primary's peer credentials: a configuration error, changes are refused meanwhile),
+  ``tensorwire_ps_replication_refusals_total`` (changes not made because of it), and
+  ``tensorwire_ps_replicate_refused_total{reason}`` (PS_REPLICATE frames this replica refused:
+  ``not_peer``, from a connection without the peer token; ``malformed``, e.g. an epoch out of range).
 """
 
 from __future__ import annotations
@@ -101,9 +106,15 @@ def _staleness(counts: dict[int, int]) -> Any:
 
 
 def _replication(ps: ParamServer) -> Iterator[Any]:
-    from prometheus_client.core import GaugeMetricFamily
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
     now = time.monotonic()
+    refused_frames = CounterMetricFamily(
+        "tensorwire_ps_replicate_refused", "PS_REPLICATE frames refused, by reason.", labels=["reason"]
+    )
+    for reason in ("not_peer", "malformed"):  # a fixed set: labels never take a peer's values
+        refused_frames.add_metric([reason], ps.replicate_refused.get(reason, 0))
+    yield refused_frames
     backups = ps.backups
     if backups is not None:
         up = GaugeMetricFamily("tensorwire_ps_backup_up", "A backup is applying changes.", labels=["backup"])
@@ -115,12 +126,22 @@ def _replication(ps: ParamServer) -> Iterator[Any]:
         behind = GaugeMetricFamily(
             "tensorwire_ps_replication_behind_changes", "Changes a lost backup missed.", labels=["backup"]
         )
-        lost, acked, missed = set(backups.lost), dict(backups.acked), dict(backups.behind)
-        for url in backups.urls:
-            up.add_metric([url], float(url not in lost))
-            lag.add_metric([url], now - acked[url] if url in acked else math.nan)
-            behind.add_metric([url], missed.get(url, 0))
-        yield from (up, lag, behind)
+        refused = GaugeMetricFamily(
+            "tensorwire_ps_backup_refused",
+            "A backup refuses this primary's peer credentials (changes are refused).",
+            labels=["backup"],
+        )
+        for b in list(backups.backups.values()):  # the URLs are this server's configuration
+            up.add_metric([b.url], float(not b.lost and not b.refused))
+            lag.add_metric([b.url], now - b.acked if b.acked is not None else math.nan)
+            behind.add_metric([b.url], b.behind)
+            refused.add_metric([b.url], float(b.refused is not None))
+        yield from (up, lag, behind, refused)
+        yield CounterMetricFamily(
+            "tensorwire_ps_replication_refusals",
+            "Changes not made because a backup refused this primary's peer credentials.",
+            value=backups.refusals,
+        )
     seen = ps.primary_seen
     if ps.role == "backup":
         silence = now - seen if seen is not None else math.nan
@@ -134,15 +155,18 @@ def replication_status(ps: ParamServer) -> dict[str, Any]:
     now = time.monotonic()
     doc: dict[str, Any] = {}
     if ps.backups is not None:
-        acked = dict(ps.backups.acked)
         doc["backups"] = {
-            url: {
-                "up": url not in ps.backups.lost,
-                "lag_s": now - acked[url] if url in acked else None,
-                "behind": ps.backups.behind.get(url, 0),
+            b.url: {
+                "up": not b.lost and not b.refused,
+                "lag_s": now - b.acked if b.acked is not None else None,
+                "behind": b.behind,
+                "refused": b.refused,  # why it refuses this primary's peer credentials, or None
             }
-            for url in ps.backups.urls
+            for b in list(ps.backups.backups.values())
         }
+        doc["replication_refusals"] = ps.backups.refusals
+    if ps.replicate_refused:
+        doc["replicate_refused"] = dict(ps.replicate_refused)
     if ps.role == "backup" and ps.primary_seen is not None:
         doc["primary_silence_s"] = now - ps.primary_seen
     return doc

@@ -19,20 +19,50 @@ A backup that is new, restarted or was lost gets the whole job first (SYNC), at 
 next change or ping. A replica that hears from a primary of a newer epoch follows it: an old
 primary that was only slow or stopped becomes that primary's backup (refusing would fence both).
 A backup that stops answering is given up on after the primary's replication timeout (the larger
-of 5 s and 4 x ``failover_timeout``) and retried at each ping; until then it holds up the changes.
+of 5 s and 4 x ``failover_timeout``); until then it holds up the changes. A lost backup is
+reconnected in the background, outside the order of changes (a silent host costs a connect
+timeout there, not a stall of every change), and the next ping sends it the job and takes it back.
+
+Who may replicate: the replicas of one slot share a peer token (``serve --peer-token-file``,
+distinct from the clients' token). A primary opens its connections to its backups with it (and
+with its peer TLS files for ``tls://`` backups); a server serves PS_REPLICATE only on a connection
+whose HELLO offered it (a peer session), so an ordinary client can neither demote nor fence a
+primary. Epochs are in ``1 .. MAX_EPOCH - 1``; anything else is refused before a state changes.
+
+What a primary does when it cannot replicate to a backup:
+
+* the backup is down (refused connection, broken link, timeout): today's trade, training goes on
+  with fewer copies, but never silently: a warning when it is lost, ``tensorwire_ps_backup_up``
+  0 and ``..._behind_changes`` counting, ``LOST`` in ``tensorwire status``; it is retried at each
+  ping and brought back by a state transfer;
+* the backup refuses the primary's peer credentials (AuthenticationError: a wrong peer token, a
+  TLS certificate that does not verify): a configuration error, which no wait cures. The change
+  is not made and the worker gets ``ReplicationRefused`` naming the backup and why, an error is
+  logged, ``tensorwire_ps_backup_refused`` is 1 and status shows ``REFUSED``. Acknowledging with
+  fewer copies would hide, until the next failover loses the job, that the backup never had one.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import enum
 import logging
 import struct
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 from tensorwire import transport as transports
-from tensorwire.errors import NotPrimary, TensorwireError
+from tensorwire.errors import (
+    AuthenticationError,
+    NotPrimary,
+    ProtocolError,
+    ReplicationRefused,
+    TensorwireError,
+)
+from tensorwire.logs import event
+from tensorwire.security import Security
 from tensorwire.transport.framed import FramedTransport
 from tensorwire.types import Address
 from tensorwire.wire import meta as wm
@@ -42,6 +72,9 @@ from tensorwire.wire.frame import Opcode
 log = logging.getLogger("tensorwire.ps.replication")
 Sync = Callable[[], "tuple[bytes, list[memoryview]] | None"]  # the state transfer, or None (no job)
 PING_SECONDS = 0.5
+# Epochs a replica accepts: a u64 on the wire, bounded far below its top so that a promotion
+# (epoch + 1) can never overflow, whatever a peer sent.
+MAX_EPOCH = 1 << 62
 _KIND = struct.Struct("<BQ")  # kind, epoch
 
 
@@ -64,76 +97,178 @@ def encode(change: Change, epoch: int, head: wps.PsHead, body: bytes = b"") -> b
 
 
 def decode(reader: wm.MetaReader) -> tuple[wps.PsHead, Change, int]:
+    """The head, change and epoch of a PS_REPLICATE frame; ProtocolError for an unknown change or
+    an epoch out of range (never NotPrimary: that answer fences the sender)."""
     head = wps.PsHead.decode(reader)
     kind, epoch = reader.take(_KIND)
+    check_epoch(epoch)
     try:
         return head, Change(kind), epoch
     except ValueError:
-        raise NotPrimary(f"unknown replication change {kind}") from None
+        raise ProtocolError(f"unknown replication change {kind}") from None
+
+
+def check_epoch(epoch: int) -> None:
+    if not 1 <= epoch < MAX_EPOCH:
+        raise ProtocolError(f"epoch {epoch} is out of range (1 .. {MAX_EPOCH - 1})")
+
+
+@dataclass(eq=False)
+class Backup:
+    """What the primary knows of one backup."""
+
+    url: str
+    conn: FramedTransport | None = None
+    synced: bool = False  # holds the job (after a state transfer)
+    lost: bool = False  # stopped answering: no longer waited for
+    refused: str | None = None  # why it refuses this primary's peer credentials (a config error)
+    acked: float | None = None  # when (monotonic) it last applied a change
+    behind: int = 0  # changes it missed while lost
+    reconnecting: asyncio.Task[None] | None = None  # while lost: a connection being opened
+
+    @property
+    def connected(self) -> bool:
+        return self.conn is not None and not self.conn.closed
 
 
 class Backups:
     """The primary's side: one connection per backup, changes sent to all, in order."""
 
-    def __init__(self, urls: Sequence[str], connect_timeout: float = 5.0, timeout: float = 60.0) -> None:
+    def __init__(
+        self, urls: Sequence[str], peer: Security, connect_timeout: float = 5.0, timeout: float = 60.0
+    ) -> None:
+        if not peer.token:
+            raise ValueError("replication needs a peer token (serve --peer-token-file)")
         self.urls = list(urls)
-        self._options = transports.TransportOptions(connect_timeout, timeout)
-        self._conns: dict[str, FramedTransport] = {}
-        self.lost: set[str] = set()  # backups that stopped answering: no longer waited for
-        self._synced: set[str] = set()  # backups holding the job (after a state transfer)
-        # For metrics: when each backup last applied a change, and how many changes a lost one missed.
-        self.acked: dict[str, float] = {}
-        self.behind: dict[str, int] = dict.fromkeys(self.urls, 0)
+        self.backups = {url: Backup(url) for url in self.urls}
+        # The peer token (and peer TLS files) open the connections: a backup serves PS_REPLICATE
+        # only to a session whose HELLO offered the slot's peer token.
+        self._options = transports.TransportOptions(connect_timeout, timeout, security=peer)
+        self.refusals = 0  # changes not made because a backup refused the peer credentials
 
     def reset(self) -> None:
         """Forget every backup's state (this server just became the primary)."""
-        self.lost.clear()
-        self._synced.clear()
+        for backup in self.backups.values():
+            backup.lost = backup.synced = False
 
-    async def send(self, meta: bytes, data: Sequence[memoryview] = (), sync: Sync | None = None, *,
-                   retry_lost: bool = False) -> None:  # fmt: skip
-        """Apply a change on every live backup (``retry_lost``: also on those lost, which get the
-        whole job first, from ``sync``); NotPrimary if one of them has a newer epoch."""
-        live = [url for url in self.urls if retry_lost or url not in self.lost]
-        for url in self.lost.difference(live):
-            self.behind[url] += 1
-        sends = (self._send_one(url, meta, data, sync) for url in live)
+    async def send(
+        self, meta: bytes, data: Sequence[memoryview] = (), sync: Sync | None = None, *, ping: bool = False
+    ) -> None:
+        """Apply a change on every live backup (a ``ping`` changes nothing; it also takes back the
+        lost ones reconnected meanwhile, which get the whole job first, from ``sync``, and starts
+        reconnecting the others). NotPrimary if one of them has a newer epoch; ReplicationRefused
+        if one refuses this primary's peer credentials: the change is then not made here, so the
+        backups that applied it get the whole job again first."""
+        live = [b for b in self.backups.values() if not b.lost or (ping and b.connected)]
+        for backup in self.backups.values():
+            if backup in live:
+                continue
+            if ping:
+                self._reconnect(backup)
+            else:
+                backup.behind += 1
+        sends = (self._send_one(backup, meta, data, sync, ping) for backup in live)
         results = await asyncio.gather(*sends, return_exceptions=True)
-        for result in results:
-            if isinstance(result, BaseException):
-                raise result
+        errors = [r for r in results if isinstance(r, BaseException)]
+        if not errors:
+            return
+        if not ping:  # some backups may hold a change that is not made here: bring them back in step
+            for backup in live:
+                backup.synced = False
+        raise next((e for e in errors if isinstance(e, NotPrimary)), errors[0])
 
-    async def _send_one(self, url: str, meta: bytes, data: Sequence[memoryview], sync: Sync | None) -> None:
+    async def _send_one(
+        self, backup: Backup, meta: bytes, data: Sequence[memoryview], sync: Sync | None, ping: bool
+    ) -> None:
+        url = backup.url
         try:
-            conn = self._conns.get(url)
+            conn = backup.conn
             if conn is None or conn.closed:
-                self._synced.discard(url)  # a new connection may be a restarted, empty backup
-                opened = await transports.open_transport(Address.parse(url), self._options)
-                assert isinstance(opened, FramedTransport)
-                conn = self._conns[url] = opened
-            if url not in self._synced:
+                backup.synced = False  # a new connection may be a restarted, empty backup
+                conn = backup.conn = await self._open(backup)
+            if not backup.synced:
                 transfer = sync() if sync is not None else None
                 if transfer is not None:
                     (
                         await conn.call(Opcode.PS_REPLICATE, *transfer, what=f"the state transfer to {url}")
                     ).done()
                     log.info("backup %s has the job (state transfer)", url)
-                self._synced.add(url)
+                backup.synced = True
             reader = await conn.call(Opcode.PS_REPLICATE, meta, data, what=f"a replicated change to {url}")
             reader.done()
-            self.lost.discard(url)
-            self.acked[url], self.behind[url] = time.monotonic(), 0  # a state transfer caught it up
         except NotPrimary:
             raise
+        except AuthenticationError as exc:
+            raise await self._refused(backup, exc) from exc
         except TensorwireError as exc:
-            # A dead backup must not stop training: go on with the others (fewer copies).
-            if url not in self.lost:
-                log.warning("backup %s lost (%s): going on without it", url, exc)
-            self.lost.add(url)
-            self._synced.discard(url)
-            self.behind[url] += 1
+            self._lost(backup, exc, missed=not ping)
+            return
+        if backup.lost or backup.refused:
+            event(log, logging.WARNING, "backup back", backup=url, missed=backup.behind)
+        backup.lost, backup.refused = False, None
+        backup.acked, backup.behind = time.monotonic(), 0  # a state transfer caught it up
+
+    async def _open(self, backup: Backup) -> FramedTransport:
+        opened = await transports.open_transport(Address.parse(backup.url), self._options)
+        if not isinstance(opened, FramedTransport):
+            await opened.close()
+            raise AuthenticationError(f"{backup.url} is no address of the frame protocol (tcp://, tls://)")
+        return opened
+
+    def _reconnect(self, backup: Backup) -> None:
+        """Open a lost backup's connection in the background; the next ping takes it back."""
+        if backup.reconnecting is None or backup.reconnecting.done():
+            backup.reconnecting = asyncio.get_running_loop().create_task(self._reconnecting(backup))
+
+    async def _reconnecting(self, backup: Backup) -> None:
+        try:
+            conn = await self._open(backup)
+        except AuthenticationError as exc:  # back, but refusing us: changes will try it (and fail)
+            self._note_refusal(backup, str(exc))
+            backup.lost = False
+        except TensorwireError:
+            pass  # still down: the next ping tries again
+        else:
+            if backup.connected or not backup.lost:  # taken back meanwhile (reset): keep the one it has
+                await conn.close()
+                return
+            backup.conn, backup.synced = conn, False
+
+    def _lost(self, backup: Backup, exc: TensorwireError, *, missed: bool) -> None:
+        """A dead backup must not stop training: go on with the others (fewer copies), visibly."""
+        if not backup.lost:
+            event(log, logging.WARNING, "backup lost: going on with fewer copies", backup=backup.url,
+                  error=str(exc))  # fmt: skip
+        backup.lost, backup.synced = True, False
+        backup.behind += missed
+
+    def _note_refusal(self, backup: Backup, why: str) -> None:
+        if backup.refused != why:
+            event(log, logging.ERROR, "backup refuses this primary's peer credentials: changes refused",
+                  backup=backup.url, error=why)  # fmt: skip
+        backup.refused, backup.synced = why, False
+
+    async def _refused(self, backup: Backup, exc: AuthenticationError) -> ReplicationRefused:
+        """The backup refuses this primary's credentials: an error, for the worker and the operator."""
+        why = str(exc)
+        self._note_refusal(backup, why)
+        self.refusals += 1
+        if backup.conn is not None:  # the next try opens a new one (the backup may be fixed by then)
+            await backup.conn.close()
+            backup.conn = None
+        return ReplicationRefused(
+            f"backup {backup.url} refuses this primary's peer credentials ({why}), so the change was "
+            "not made: give every replica of the slot the same --peer-token-file (and, for tls:// "
+            "backups, --peer-tls-ca/--peer-tls-cert that it accepts)"
+        )
 
     async def close(self) -> None:
-        for conn in self._conns.values():
-            await conn.close()
-        self._conns.clear()
+        for backup in self.backups.values():
+            if backup.reconnecting is not None:
+                backup.reconnecting.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await backup.reconnecting
+                backup.reconnecting = None
+            if backup.conn is not None:
+                await backup.conn.close()
+                backup.conn = None

@@ -51,10 +51,13 @@ import torch
 
 from tensorwire.compression import Codec, decode_all, from_wire, payload_total
 from tensorwire.errors import (
+    AuthenticationError,
+    CapacityExceeded,
     InvalidTensor,
     LimitExceeded,
     NotPrimary,
     ProtocolError,
+    ReplicationRefused,
     WaitTimeout,
     WorkerDropped,
 )
@@ -64,6 +67,7 @@ from tensorwire.ps import metrics as ps_metrics
 from tensorwire.ps.budget import Budget
 from tensorwire.ps.exchange import GradientExchange, frame_session
 from tensorwire.ps.optim import OptimizerSpec, from_dict
+from tensorwire.security import Security
 from tensorwire.server import Handler, Request
 from tensorwire.types import TensorMeta
 from tensorwire.wire import meta as wm
@@ -268,6 +272,7 @@ class ParamServer:
         backups: Sequence[str] = (),
         standby: bool = False,
         failover_timeout: float = 2.0,
+        peer: Security | None = None,
     ) -> None:
         self.wait_timeout = wait_timeout
         # Most bytes the job may hold here: its parameters and what pushes and pulls keep (budget.py).
@@ -290,10 +295,21 @@ class ParamServer:
         self.epoch = 0 if standby else 1
         self.failover_timeout = failover_timeout
         self.failovers = 0
+        # How this replica reaches the others of its slot, and what they must offer it: the peer
+        # token (and TLS files for tls:// peers). Without one any client could demote or fence it.
+        self.peer = peer or Security()
+        if (backups or standby) and not self.peer.token:
+            raise ValueError(
+                "a replicated parameter server (backups or standby) needs a peer token shared by "
+                "its slot's replicas (serve --peer-token-file; ParamServer(peer=Security(token=...)))"
+            )
+        self.replicate_refused: Counter[str] = Counter()  # PS_REPLICATE frames refused, by reason
         # A backup that stops answering (stopped, cut off) holds up every change until it is given
         # up on; long enough for a state transfer, short next to a worker's timeout.
         replicate_timeout = max(5.0, 4 * failover_timeout)
-        self._backups = replication.Backups(backups, timeout=replicate_timeout) if backups else None
+        self._backups = (
+            replication.Backups(backups, self.peer, timeout=replicate_timeout) if backups else None
+        )
         self._ordered: asyncio.Lock | None = None  # changes are made (and replicated) one at a time
         self._primary_seen: float | None = None
         self._pinging: asyncio.Task[None] | None = None
@@ -351,6 +367,11 @@ class ParamServer:
     @property
     def backups(self) -> replication.Backups | None:
         return self._backups
+
+    @property
+    def peer_token(self) -> str | None:
+        """The slot's peer token: the server opens a peer session for a HELLO that offers it."""
+        return self.peer.token
 
     @property
     def primary_seen(self) -> float | None:
@@ -548,10 +569,15 @@ class ParamServer:
         head = wps.PsHead.decode(request.meta)
         request.meta.done()
         state = self.workers.get(head.worker)
-        if state is not None and state.live and head.seq and state.incarnation != head.seq:
-            self._refuse_identity(request, head, head.seq)  # another session's rank: nothing changes
-        self.exchange.leave(head.worker, frame_session(request, head))  # an ExchangeClient's, or a worker's
-        if state is not None and state.live and state.incarnation == head.seq:  # not another process's
+        member = state is not None and state.live and state.incarnation == head.seq
+        session = frame_session(request, head)
+        # The job's worker of that rank, or the exchange client that holds it in the exchange (a
+        # program may use both under one rank); anyone else changes nothing.
+        held = self.exchange.held_by(head.worker, session)
+        if state is not None and state.live and head.seq and not member and not held:
+            self._refuse_identity(request, head, head.seq)
+        self.exchange.leave(head.worker, session, strict=not member)
+        if member:
             async with self._in_order():
                 await self._replicate(replication.Change.LEAVE, head)
                 await self._leave(head.worker, "left")
@@ -825,6 +851,8 @@ class ParamServer:
         raise NotPrimary(f"this replica is a {self.role} at epoch {self.epoch}: ask another one")
 
     def _promote(self) -> None:
+        if self.epoch + 1 >= replication.MAX_EPOCH:  # cannot happen: epochs are checked on receipt
+            raise NotPrimary(f"this backup is at the last epoch ({self.epoch}) and cannot take over")
         self.role = "primary"
         self.epoch += 1
         self.failovers += 1
@@ -851,9 +879,7 @@ class ParamServer:
             return
         meta = replication.encode(change, self.epoch, head, body)
         try:
-            await self._backups.send(
-                meta, data, self._state_transfer, retry_lost=change == replication.Change.PING
-            )
+            await self._backups.send(meta, data, self._state_transfer, ping=change == replication.Change.PING)
         except NotPrimary:
             self.role = "fenced"
             event(log, logging.ERROR, "fenced: a backup took over from this primary", epoch=self.epoch)
@@ -876,13 +902,27 @@ class ParamServer:
     async def _ping_backups(self) -> None:
         while self.role == "primary":
             async with self._in_order():
-                with contextlib.suppress(NotPrimary):
+                # Fenced: the loop ends. A backup refusing the credentials: logged and shown by
+                # Backups; the next ping tries again (it may have been fixed).
+                with contextlib.suppress(NotPrimary, ReplicationRefused):
                     await self._replicate(replication.Change.PING, wps.PsHead(wps.OBSERVER))
             await asyncio.sleep(replication.PING_SECONDS)
 
     async def _on_replicate(self, request: Request) -> None:
-        """A backup applies its primary's change, exactly as the primary did."""
-        head, change, epoch = replication.decode(request.meta)
+        """A backup applies its primary's change, exactly as the primary did. Only a replica of this
+        slot may send one (a peer session: its HELLO offered the peer token), with an epoch in
+        range; anything else is refused before any state changes."""
+        if not request.from_peer:
+            self._refuse_replicate(request, "not_peer")
+            raise AuthenticationError(
+                "PS_REPLICATE is served only to the replicas of this server's slot (a connection "
+                "whose HELLO offered the peer token of serve --peer-token-file)"
+            )
+        try:
+            head, change, epoch = replication.decode(request.meta)
+        except ProtocolError:
+            self._refuse_replicate(request, "malformed")
+            raise
         if epoch < self.epoch or (epoch == self.epoch and self.role != "backup"):
             await request.skip()
             raise NotPrimary(f"epoch {epoch} is over: this replica is a {self.role} at epoch {self.epoch}")
@@ -899,6 +939,7 @@ class ParamServer:
         elif change == replication.Change.CREATE:
             config = JobConfig.from_json(wps.decode_config(request.meta))
             metas = wm.decode_records(request.meta)
+            _check_replicated(metas, request.header.data_len, self.capacity)  # before allocating
             values = [torch.empty(m.numel, dtype=m.dtype) for m in metas]
             await request.receive([byte_view(v) for v in values])
             self._install(head, config, metas, values)
@@ -917,9 +958,16 @@ class ParamServer:
         request.meta.done()
         await request.reply(b"")
 
+    def _refuse_replicate(self, request: Request, reason: str) -> None:
+        self.replicate_refused[reason] += 1
+        event(log, logging.WARNING, "replication request refused", peer=request.peer, reason=reason,
+              role=self.role, epoch=self.epoch)  # fmt: skip
+
     async def _receive_state(self, request: Request) -> None:
         state = json.loads(wps.decode_stats(request.meta))
         metas = wm.decode_records(request.meta)
+        if sum(m.nbytes for m in metas) != request.header.data_len:  # what is allocated is what is sent
+            raise InvalidTensor("the state transfer's records do not add up to its data length")
         tensors = {m.name: torch.empty(m.shape, dtype=m.dtype) for m in metas}
         await request.receive([byte_view(t) for t in tensors.values()])
         optimizer = {
@@ -963,7 +1011,9 @@ class ParamServer:
                 self.exchange.leave(worker)
                 self.dropped += 1
                 async with self._in_order():
-                    with contextlib.suppress(NotPrimary):  # stepped down meanwhile: its primary decides
+                    # Stepped down meanwhile: its primary decides. A backup refusing the credentials:
+                    # the drop is not made (the worker stays live); the next round tries again.
+                    with contextlib.suppress(NotPrimary, ReplicationRefused):
                         await self._replicate(replication.Change.DROP, wps.PsHead(worker))
                         await self._leave(worker, f"dropped (no heartbeat for {self.heartbeat_timeout:.3g}s)")
 
@@ -1336,6 +1386,13 @@ def _check_records(metas: Sequence[TensorMeta], data_len: int | None) -> None:
     for meta in metas:
         if len(meta.shape) != 1 or not meta.dtype.is_floating_point:
             raise InvalidTensor(f"shard {meta.name!r} must be a flat floating-point range")
+
+
+def _check_replicated(metas: Sequence[TensorMeta], data_len: int, capacity: int) -> None:
+    """A replicated job's values: as a worker's PS_INIT is checked, before a byte is allocated."""
+    _check_records(metas, data_len)
+    if data_len > capacity:
+        raise CapacityExceeded(f"{data_len} bytes of parameters exceed {capacity}")
 
 
 def _mean(pushes: Sequence[_Grads]) -> _Grads:

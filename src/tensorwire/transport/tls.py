@@ -16,13 +16,20 @@ import ssl
 import time
 from collections.abc import Sequence
 
-from tensorwire.errors import ConnectError, ConnectionLost, TransferTimeout
+from tensorwire.errors import CertificateRefused, ConnectError, ConnectionLost, TransferTimeout
 from tensorwire.transport import tcp
 from tensorwire.transport.base import Buffer, StreamHandler
 from tensorwire.types import Address
 
 log = logging.getLogger("tensorwire.server")
 HANDSHAKE_TIMEOUT = 10.0  # a peer that does not finish its TLS handshake in this time is dropped
+# TLS alerts by which a server says it refuses this client's certificate (or its lack of one);
+# with TLS 1.3 they arrive after the client's side of the handshake, at its first read.
+_REFUSED_CERTIFICATE = frozenset({
+    "SSLV3_ALERT_BAD_CERTIFICATE", "SSLV3_ALERT_UNSUPPORTED_CERTIFICATE", "SSLV3_ALERT_CERTIFICATE_REVOKED",
+    "SSLV3_ALERT_CERTIFICATE_EXPIRED", "SSLV3_ALERT_CERTIFICATE_UNKNOWN", "TLSV1_ALERT_UNKNOWN_CA",
+    "TLSV1_ALERT_ACCESS_DENIED", "TLSV13_ALERT_CERTIFICATE_REQUIRED",
+})  # fmt: skip
 
 
 class TlsStream(tcp.TcpStream):
@@ -62,7 +69,19 @@ class TlsStream(tcp.TcpStream):
             except ssl.SSLWantWriteError:
                 await self._writable()
             except (ssl.SSLError, OSError) as exc:
+                self._check_refusal(exc)
                 raise ConnectError(f"TLS handshake with {self.peer} failed: {exc}") from exc
+
+    def _check_refusal(self, exc: BaseException) -> None:
+        """On a client: CertificateRefused when the failure is one of credentials (the server's
+        certificate does not verify, or the server refuses ours), which no retry cures, rather
+        than a plain transport error (the peer is down or the link broke, which a retry may)."""
+        if self._sock.server_side or not isinstance(exc, ssl.SSLError):
+            return
+        if isinstance(exc, ssl.SSLCertVerificationError):
+            raise CertificateRefused(f"the TLS certificate of {self.peer} does not verify: {exc}") from exc
+        if exc.reason in _REFUSED_CERTIFICATE:
+            raise CertificateRefused(f"{self.peer} refused this client's TLS certificate: {exc}") from exc
 
     async def recv_into(self, buf: memoryview) -> int:
         if self._unshaken:
@@ -81,6 +100,7 @@ class TlsStream(tcp.TcpStream):
             except ssl.SSLZeroReturnError:
                 return 0  # the peer closed the TLS session cleanly
             except (ssl.SSLError, OSError) as exc:
+                self._check_refusal(exc)
                 raise ConnectionLost(f"receiving from {self.peer}: {exc}") from exc
             self.last_active = time.monotonic()
             return got
