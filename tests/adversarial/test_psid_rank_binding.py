@@ -11,6 +11,7 @@ from psid_kit import call, pull, push
 from tensorwire.errors import ProtocolError, WorkerDropped
 from tensorwire.ps import SGD, ParamServer, Worker
 from tensorwire.ps.worker import server_stats
+from tensorwire.security import Security
 from tensorwire.server import ServerThread
 from tensorwire.wire import ps as wps
 from tensorwire.wire.frame import Opcode
@@ -89,10 +90,11 @@ def test_a_forged_pull_does_not_keep_a_rank_alive_or_move_its_read_clock() -> No
 
 def test_after_a_failover_the_session_still_pushes_and_a_forger_still_cannot() -> None:
     net = model()
-    backup_ps = ParamServer(standby=True, failover_timeout=0.2)
+    peer = Security(token="the-slot-peer-token")  # replicas of a slot share one (issue 13, item 3)
+    backup_ps = ParamServer(standby=True, failover_timeout=0.2, peer=peer)
     with (
         ServerThread(extensions=[backup_ps]) as backup,
-        ServerThread(extensions=[ParamServer(backups=[backup.url])]) as primary,
+        ServerThread(extensions=[ParamServer(backups=[backup.url], peer=peer)]) as primary,
         Worker(net, f"{primary.url}|{backup.url}", "async", SGD(lr=0.1), rank=0, world_size=1,
                heartbeat=0) as worker,
     ):  # fmt: skip
