@@ -42,7 +42,9 @@ from tensorwire.errors import TensorwireError
 from tensorwire.security import TOKEN_ENV, Security, TlsFiles, load_token, write_dev_certs
 from tensorwire.server import Server
 from tensorwire.store import TensorStore
+from tensorwire.store.memory import DEFAULT_MAX_TENSORS
 from tensorwire.types import Address, GiB, KiB, MiB, TensorMeta
+from tensorwire.uploads import DEFAULT_MAX_UPLOADS, DEFAULT_UPLOADS_PER_CLIENT
 from tensorwire.wire.dtypes import dtype_name
 
 DEFAULT_URL = "tcp://127.0.0.1:7070"
@@ -226,6 +228,22 @@ def main(log_level: str, log_format: str) -> None:
     "--idle-timeout", type=click.FloatRange(min=0.01), default=900.0, show_default=True,
     help="Close connections idle this many seconds (clients reconnect on their next call).",
 )  # fmt: skip
+@click.option(
+    "--max-tensors", type=click.IntRange(min=1), default=DEFAULT_MAX_TENSORS, show_default=True,
+    help="Most tensors the store holds (each name also costs 1 KiB + its length of --capacity).",
+)  # fmt: skip
+@click.option(
+    "--max-uploads", type=click.IntRange(min=1), default=DEFAULT_MAX_UPLOADS, show_default=True,
+    help="Most resumable and striped uploads open at once; a new one replaces the oldest idle one.",
+)  # fmt: skip
+@click.option(
+    "--uploads-per-client", type=click.IntRange(min=1), default=DEFAULT_UPLOADS_PER_CLIENT,
+    show_default=True, help="Most uploads open per client host; a new one replaces its oldest idle one.",
+)  # fmt: skip
+@click.option(
+    "--resumable-min-bytes", metavar="SIZE", callback=_size_param, default="16MiB", show_default=True,
+    help="Smaller resumable puts keep no upload state (served as plain puts).",
+)  # fmt: skip
 @click.option("--tls-cert", type=_FILE, help="Server certificate (PEM) for tls:// and grpcs:// addresses.")
 @click.option("--tls-key", type=_FILE, help="Its private key (PEM).")
 @click.option("--tls-client-ca", type=_FILE, help="Require client certificates signed by this CA (mTLS).")
@@ -291,6 +309,10 @@ def serve(
     stall_timeout: float,
     max_connections: int,
     idle_timeout: float,
+    max_tensors: int,
+    max_uploads: int,
+    uploads_per_client: int,
+    resumable_min_bytes: int,
     tls_cert: Path | None,
     tls_key: Path | None,
     tls_client_ca: Path | None,
@@ -320,7 +342,7 @@ def serve(
         logging.getLogger().setLevel(log_level.upper())
     tls = TlsFiles(tls_cert, tls_key, tls_client_ca) if tls_cert or tls_key or tls_client_ca else None
     security = Security(tls, load_token(token_file) if token_file else None)
-    store = TensorStore(capacity, data_dir)
+    store = TensorStore(capacity, data_dir, max_tensors=max_tensors)
     policy = (
         CheckpointPolicy(checkpoint_dir, checkpoint_every, checkpoint_seconds) if checkpoint_dir else None
     )
@@ -345,6 +367,9 @@ def serve(
         extensions=[ps_server, DigestService(store)],
         metrics_port=metrics_port,
         metrics_host=metrics_host,
+        max_uploads=max_uploads,
+        uploads_per_client=uploads_per_client,
+        resumable_min_bytes=resumable_min_bytes,
     )
     run(_serve(server, listen + grpc_listen, ready_file))
 

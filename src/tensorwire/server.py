@@ -52,9 +52,22 @@ from tensorwire.security import (
 from tensorwire.store import Reservation, TensorStore
 from tensorwire.transport import tls
 from tensorwire.transport.base import ByteStream, Listener
-from tensorwire.transport.framing import FrameReader, read_head, recv_data, send_frame, skip_data
+from tensorwire.transport.framing import (
+    FrameReader,
+    compressed_scratch,
+    read_head,
+    recv_data,
+    send_frame,
+    skip_data,
+)
 from tensorwire.types import Address, Limits, TensorMeta
-from tensorwire.uploads import Uploads
+from tensorwire.uploads import (
+    DEFAULT_MAX_UPLOADS,
+    DEFAULT_RESUMABLE_MIN_BYTES,
+    DEFAULT_UPLOADS_PER_CLIENT,
+    Uploads,
+    client_of,
+)
 from tensorwire.wire import lossless
 from tensorwire.wire import meta as wm
 from tensorwire.wire import ps as wps
@@ -106,8 +119,7 @@ class Request:
 
     async def receive(self, buffers: Sequence[memoryview]) -> None:
         """Read the data section into ``buffers`` (their sizes must add up to its length)."""
-        self._session.data_read = True  # consumed whatever happens, or the stream is gone
-        await recv_data(self._session.reader, self.header, buffers)
+        await self._session.receive(self.header, buffers)
 
     async def skip(self) -> None:
         if not self._session.data_read:
@@ -166,6 +178,9 @@ class Server:
         extensions: Sequence[Extension] = (),
         metrics_port: int | None = None,
         metrics_host: str | None = None,
+        max_uploads: int = DEFAULT_MAX_UPLOADS,
+        uploads_per_client: int = DEFAULT_UPLOADS_PER_CLIENT,
+        resumable_min_bytes: int = DEFAULT_RESUMABLE_MIN_BYTES,
     ) -> None:
         self.store = store if store is not None else TensorStore()
         self.extensions = list(extensions)
@@ -184,7 +199,15 @@ class Server:
         self.idle_timeout = idle_timeout
         self._listeners: list[Listener] = []
         self._sessions: set[_Session] = set()
-        self.uploads = Uploads(self.store, max_connections, stall_timeout)
+        # Resumable and striped uploads: a bounded table, a quota per client, none for small puts
+        # (uploads.py says how a full table makes room).
+        self.uploads = Uploads(
+            self.store,
+            max_uploads,
+            stall_timeout,
+            per_client=uploads_per_client,
+            min_bytes=resumable_min_bytes,
+        )
         self._watchdog: asyncio.Task[None] | None = None
         # Metrics (metrics.py): plain counts always; the HTTP endpoint when a port is given
         # (0 picks a free one, which the STATUS answer reports).
@@ -250,6 +273,12 @@ class Server:
                 "bytes": store.stored,
                 "reserved": store.reserved,
                 "capacity": store.capacity,
+                "used": store.used,  # what counts against the capacity: all of the below
+                "metadata": store.metadata,
+                "pinned": store.pinned,
+                "scratch": store.scratch_bytes,
+                "max_tensors": store.max_tensors,
+                "uploads": len(self.uploads),
             },
             "connections": counts.connections,
             "in_flight": counts.in_flight,
@@ -494,7 +523,7 @@ class _Session:
             await self.reply(header, b"")
         elif op == Opcode.DELETE:
             names = _names(reader)
-            await self.reply(header, struct.pack("<I", self.store.delete(names)))
+            await self.reply(header, struct.pack("<I", await self._on_disk(self.store.delete, names)))
         elif op == Opcode.STAT:
             await self.reply(header, wm.encode_records(self.store.stat(_names(reader))))
         elif op == Opcode.LIST:
@@ -565,8 +594,31 @@ class _Session:
             raise InvalidTensor("the tensor records' sizes do not add up to the frame's data length")
         with gc_paused():
             part = self.store.reserve(metas, batch.reservation)
-        self.data_read = True  # recv_data consumes the section whatever happens, or the stream is gone
-        await recv_data(self.reader, header, part.buffers)
+        await self.receive(header, part.buffers)
+
+    async def receive(
+        self, header: Header, buffers: Sequence[memoryview], verified: Callable[[int], None] | None = None
+    ) -> None:
+        """Read the data section into ``buffers``, every chunk verified; the section is consumed
+        whatever happens, or the stream is gone. A compressed section's decoding scratch (sized by
+        the data declared, not the chunk size) counts in the store's ``used`` meanwhile."""
+        with self.store.scratch(compressed_scratch(header)):
+            self.data_read = True
+            await recv_data(self.reader, header, buffers, verified=verified)
+
+    async def _on_disk(self, fn: Callable[..., S], *args: object) -> S:
+        """A store call that may block on the data directory (commit, delete): on the store's disk
+        thread, so the loop serves others meanwhile; the stall watchdog leaves this request alone
+        while the server, not the peer, is what it waits on."""
+        if not self.store.persistent:
+            with gc_paused():
+                return fn(*args)
+        self.working = True
+        try:
+            return await self.store.call(fn, *args)
+        finally:
+            self.working = False
+            self.stream.last_active = time.monotonic()
 
     async def _finish_batch(self, header: Header, batch: _Batch) -> None:
         res = batch.reservation
@@ -576,16 +628,7 @@ class _Session:
             self.store.abort(res)
             raise batch.error
         try:
-            if self.store.persistent:  # the disk write blocks; keep the loop serving others
-                self.working = True
-                try:
-                    version = await asyncio.get_running_loop().run_in_executor(None, self.store.commit, res)
-                finally:
-                    self.working = False
-                    self.stream.last_active = time.monotonic()
-            else:
-                with gc_paused():
-                    version = self.store.commit(res)
+            version = await self._on_disk(self.store.commit, res)
         except BaseException:
             self.store.abort(res)
             raise
@@ -599,26 +642,43 @@ class _Session:
         if len(metas) != 1:
             raise ProtocolError(f"PUT_RESUMABLE carries one tensor, not {len(metas)}")
         meta = metas[0]
+        client = client_of(self.stream.peer)
         if offset == wm.RESUME_QUERY and not header.data_len:
             self.counts.upload_resumes += 1  # a client asks where to resume: it is retrying
-            await self.reply(header, _RID.pack(self.uploads.resume_point(upload_id, meta)))
+            await self.reply(header, _RID.pack(self.uploads.resume_point(upload_id, meta, client)))
             return
         if offset + header.data_len != meta.nbytes or not header.data_len:
             raise InvalidTensor(
                 f"bytes {offset}..{offset + header.data_len} are not the rest of {meta.name!r}"
             )
-        upload = self.uploads.claim(upload_id, meta, offset)
+        if not self.uploads.slotted(meta):
+            await self._put_unslotted(header, meta, offset)
+            return
+        upload = self.uploads.claim(upload_id, meta, offset, client)
         try:
-            self.data_read = True
 
             def verified(n: int) -> None:
                 upload.verified += n
 
-            await recv_data(self.reader, header, [upload.buffer[offset:]], verified=verified)
+            await self.receive(header, [upload.buffer[offset:]], verified=verified)
         finally:
             self.uploads.release(upload)
         self.uploads.finish(upload)
         await self._finish_batch(header, _Batch(header.request_id, upload.reservation))
+
+    async def _put_unslotted(self, header: Header, meta: TensorMeta, offset: int) -> None:
+        """A PUT_RESUMABLE of a tensor under the server's resumable threshold: a plain put, with no
+        upload state kept (a broken one is resumed from 0, which its client hears when it asks)."""
+        if offset:
+            raise ProtocolError(f"no upload here to resume {meta.name!r} at byte {offset} (start again at 0)")
+        self.uploads.counts.unslotted += 1
+        batch = _Batch(header.request_id, self.store.reserve([meta]))
+        try:
+            await self.receive(header, batch.reservation.buffers)
+        except BaseException:
+            self.store.abort(batch.reservation)
+            raise
+        await self._finish_batch(header, batch)
 
     async def _put_range(self, header: Header, reader: wm.MetaReader) -> None:
         """One byte range of a striped put (§11.7): into the upload's reservation, noted once every
@@ -627,13 +687,14 @@ class _Session:
         reader.done()
         if len(metas) != 1:
             raise ProtocolError(f"PUT_RANGE carries one tensor, not {len(metas)}")
-        upload = self.uploads.claim_range(upload_id, metas[0], offset, header.data_len)
+        client = client_of(self.stream.peer)
+        upload = self.uploads.claim_range(upload_id, metas[0], offset, header.data_len, client)
+        ok = False
         try:
-            self.data_read = True
-            await recv_data(self.reader, header, [upload.buffer[offset : offset + header.data_len]])
-            upload.ranges[offset] = header.data_len
+            await self.receive(header, [upload.buffer[offset : offset + header.data_len]])
+            ok = True
         finally:
-            self.uploads.release(upload)
+            self.uploads.range_done(upload, offset, ok)
         await self.reply(header, b"")
 
     async def _put_commit(self, header: Header, reader: wm.MetaReader) -> None:
@@ -641,7 +702,7 @@ class _Session:
         reader.done()
         if len(metas) != 1 or header.data_len:
             raise ProtocolError("PUT_COMMIT names one tensor and carries no data")
-        upload = self.uploads.complete(upload_id, metas[0])
+        upload = self.uploads.complete(upload_id, metas[0], client_of(self.stream.peer))
         await self._finish_batch(header, _Batch(header.request_id, upload.reservation))
 
     async def _get_range(self, header: Header, reader: wm.MetaReader) -> None:
