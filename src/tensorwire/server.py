@@ -49,7 +49,7 @@ from tensorwire.security import (
     server_ssl_context,
     tokens_match,
 )
-from tensorwire.store import Reservation, TensorStore
+from tensorwire.store import Entry, Reservation, TensorStore
 from tensorwire.transport import tls
 from tensorwire.transport.base import ByteStream, Listener
 from tensorwire.transport.framing import (
@@ -87,6 +87,12 @@ from tensorwire.wire.frame import (
 log = logging.getLogger("tensorwire.server")
 S = TypeVar("S")
 _RID = struct.Struct("<Q")
+# A request that names thousands of tensors costs tens to hundreds of milliseconds of Python work
+# (decoding records, checking names, installing or pinning entries, encoding the answer's records):
+# from this many metadata bytes or tensors on, that work runs on a worker thread, so the loop
+# keeps serving the others meanwhile.
+_OFF_LOOP_META = 64 << 10
+_OFF_LOOP_TENSORS = 2048
 _HELLO_MAX_META = 4 + MAX_TOKEN_BYTES  # two version bytes, a u16 length, the token
 
 
@@ -522,8 +528,9 @@ class _Session:
             reader.done()
             await self.reply(header, b"")
         elif op == Opcode.DELETE:
-            names = _names(reader)
-            await self.reply(header, struct.pack("<I", await self._on_disk(self.store.delete, names)))
+            names = await self._cpu(header.meta_len >= _OFF_LOOP_META, _names, reader)
+            deleted = await self._on_disk(self.store.delete, names, big=len(names) >= _OFF_LOOP_TENSORS)
+            await self.reply(header, struct.pack("<I", deleted))
         elif op == Opcode.STAT:
             await self.reply(header, wm.encode_records(self.store.stat(_names(reader))))
         elif op == Opcode.LIST:
@@ -585,16 +592,25 @@ class _Session:
             await self._finish_batch(header, batch)
 
     async def _put_part(self, header: Header, reader: wm.MetaReader, batch: _Batch) -> None:
-        with gc_paused():
+        def reserve() -> Reservation:
             metas = wm.decode_records(reader)
-        reader.done()
-        if header.opcode == Opcode.PUT and len(metas) != 1:
-            raise ProtocolError(f"PUT cannot carry {len(metas)} tensors")
-        if sum(m.nbytes for m in metas) != header.data_len:
-            raise InvalidTensor("the tensor records' sizes do not add up to the frame's data length")
-        with gc_paused():
-            part = self.store.reserve(metas, batch.reservation)
+            reader.done()
+            if header.opcode == Opcode.PUT and len(metas) != 1:
+                raise ProtocolError(f"PUT cannot carry {len(metas)} tensors")
+            if sum(m.nbytes for m in metas) != header.data_len:
+                raise InvalidTensor("the tensor records' sizes do not add up to the frame's data length")
+            return self.store.reserve(metas, batch.reservation)
+
+        part = await self._cpu(header.meta_len >= _OFF_LOOP_META, reserve)
         await self.receive(header, part.buffers)
+
+    async def _cpu(self, big: bool, fn: Callable[..., S], *args: object) -> S:
+        """``fn(*args)`` with the cycle collector paused: here when it is small, on a worker thread
+        when ``big`` (see _OFF_LOOP_META)."""
+        if not big:
+            with gc_paused():
+                return fn(*args)
+        return await asyncio.get_running_loop().run_in_executor(None, _paused, fn, *args)
 
     async def receive(
         self, header: Header, buffers: Sequence[memoryview], verified: Callable[[int], None] | None = None
@@ -606,13 +622,12 @@ class _Session:
             self.data_read = True
             await recv_data(self.reader, header, buffers, verified=verified)
 
-    async def _on_disk(self, fn: Callable[..., S], *args: object) -> S:
+    async def _on_disk(self, fn: Callable[..., S], *args: object, big: bool = False) -> S:
         """A store call that may block on the data directory (commit, delete): on the store's disk
         thread, so the loop serves others meanwhile; the stall watchdog leaves this request alone
-        while the server, not the peer, is what it waits on."""
+        while the server, not the peer, is what it waits on. Without a data directory, as ``_cpu``."""
         if not self.store.persistent:
-            with gc_paused():
-                return fn(*args)
+            return await self._cpu(big, fn, *args)
         self.working = True
         try:
             return await self.store.call(fn, *args)
@@ -628,7 +643,7 @@ class _Session:
             self.store.abort(res)
             raise batch.error
         try:
-            version = await self._on_disk(self.store.commit, res)
+            version = await self._on_disk(self.store.commit, res, big=len(res.metas) >= _OFF_LOOP_TENSORS)
         except BaseException:
             self.store.abort(res)
             raise
@@ -740,21 +755,38 @@ class _Session:
             self.batch = None
 
     async def _get(self, header: Header, reader: wm.MetaReader) -> None:
-        names = _names(reader)
+        big = header.meta_len >= _OFF_LOOP_META
+        names = await self._cpu(big, _names, reader)
         if not names or (header.opcode == Opcode.GET and len(names) != 1):
             raise ProtocolError(f"{_opname(header.opcode)} cannot ask for {len(names)} tensors")
         if len(set(names)) != len(names):  # one small tensor asked for 100,000 times is not a GET
             raise ProtocolError(f"{_opname(header.opcode)} names the same tensor twice")
-        entries = self.store.acquire(names)
+        entries = await self._acquire(names, big)
         try:
             total = sum(e.meta.nbytes for e in entries)
             if total > self.limits.max_request_bytes:
                 raise LimitExceeded(f"an answer of {total} bytes exceeds {self.limits.max_request_bytes}")
-            metas = [e.meta for e in entries]
-            data = [e.data for e in entries]
-            await self.reply(header, wm.encode_records(metas), data)
+            records = await self._cpu(big, wm.encode_records, [e.meta for e in entries])
+            await self.reply(header, records, [e.data for e in entries])
         finally:
             self.store.release(entries)
+
+    async def _acquire(self, names: list[str], big: bool) -> list[Entry]:
+        """Pin ``names`` (as ``_cpu``); pins taken by a worker thread after this request was
+        cancelled are released, not leaked."""
+        if not big:
+            return self.store.acquire(names)
+        pinning = asyncio.get_running_loop().run_in_executor(None, self.store.acquire, names)
+        try:
+            return await asyncio.shield(pinning)
+        except asyncio.CancelledError:
+
+            def unpin(done: asyncio.Future[list[Entry]]) -> None:
+                if not done.cancelled() and done.exception() is None:
+                    self.store.release(done.result())
+
+            pinning.add_done_callback(unpin)
+            raise
 
     async def reply(self, req: Header, meta: bytes, data: Sequence[memoryview] = ()) -> None:
         data_len = sum(d.nbytes for d in data)
@@ -805,6 +837,11 @@ def _names(reader: wm.MetaReader) -> list[str]:
     names = wm.decode_names(reader)
     reader.done()
     return names
+
+
+def _paused(fn: Callable[..., S], *args: object) -> S:
+    with gc_paused():
+        return fn(*args)
 
 
 def _request_id(raw: bytes) -> int:

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
 
-from tensorwire.errors import CapacityExceeded, InvalidName, KeyNotFound
+from tensorwire.errors import CapacityExceeded, InvalidName, KeyNotFound, StoreError
 from tensorwire.store.names import validate_name, validate_prefix
 from tensorwire.store.pool import BufferPool
 from tensorwire.types import GiB, MiB, TensorMeta
@@ -195,6 +195,8 @@ class TensorStore:
         total = sum(m.nbytes for m in metas)
         charge = total + sum(entry_cost(m.name) for m in metas)
         with self._lock:
+            if extend is not None and extend.done:  # aborted while this part was being decoded
+                raise StoreError("the batch this part belongs to was given up; nothing was stored")
             slots = sum(1 for m in metas if m.name not in self._entries)
             self._check_room(charge, slots)
             self._reserved += charge
