@@ -593,6 +593,7 @@ class _Session:
 
     async def _put_part(self, header: Header, reader: wm.MetaReader, batch: _Batch) -> None:
         def reserve() -> Reservation:
+            self.store.admit(reader.peek_count())  # before the records become objects
             metas = wm.decode_records(reader)
             reader.done()
             if header.opcode == Opcode.PUT and len(metas) != 1:

@@ -7,6 +7,7 @@ holds at most ``max_tensors`` (``serve --max-tensors``) through every way a tens
 
 from __future__ import annotations
 
+import tracemalloc
 from collections.abc import Callable
 
 import pytest
@@ -15,13 +16,15 @@ import torch
 import tensorwire
 from tensorwire._loop import run
 from tensorwire.client import Client, ClientOptions
-from tensorwire.errors import CapacityExceeded
-from tensorwire.server import ServerThread
+from tensorwire.errors import CapacityExceeded, ErrorCode
+from tensorwire.server import Server, ServerThread
 from tensorwire.status import ask_status
 from tensorwire.store import TensorStore
 from tensorwire.store.memory import entry_cost
+from tensorwire.testing.conformance import put_frame, raw, read_reply
 from tensorwire.testing.process import ServerProcess
-from tensorwire.types import MiB
+from tensorwire.types import MiB, TensorMeta
+from tensorwire.wire import meta as wm
 
 EMPTY = torch.zeros(0)
 
@@ -85,3 +88,31 @@ def test_every_way_in_counts_against_max_tensors(path: str) -> None:
             put(c, "first")  # an overwrite takes no new slot
             assert sorted(m.name for m in c.list()) == ["first", "second"]
         assert len(store) == 2 and store.used == store.stored + store.metadata
+
+
+async def a_batch_of_many_names_for_a_small_store() -> tuple[int, int]:
+    records = [TensorMeta(f"z/{i}", torch.uint8, (0,), 0) for i in range(100_000)]
+    frame = put_frame(records, b"")
+    srv = Server(TensorStore(1 * MiB))
+    await srv.start("tcp://127.0.0.1:0")
+    try:
+        async with raw(srv) as (stream, reader):
+            tracemalloc.start()
+            try:
+                await stream.send([frame])
+                header, meta = await read_reply(reader)
+                peak = tracemalloc.get_traced_memory()[1]
+            finally:
+                tracemalloc.stop()
+        assert header.is_error
+        return wm.decode_error(meta)[0], peak
+    finally:
+        await srv.close()
+
+
+def test_a_batch_is_weighed_against_the_capacity_before_its_records_are_decoded() -> None:
+    """100,000 records (3 MB of metadata) for a store with room for ~1,000 names: refused before
+    they become 100,000 Python objects (~30 MB)."""
+    code, peak = run(a_batch_of_many_names_for_a_small_store())
+    assert code == ErrorCode.CAPACITY_EXCEEDED
+    assert peak < 16 * MiB, f"refusing 100,000 records took {peak / MiB:.0f} MiB"

@@ -224,6 +224,13 @@ class TensorStore:
         extend.slots += slots
         return Reservation(list(metas), buffers, total, seen, done=True)  # owned by ``extend``
 
+    def admit(self, count: int) -> None:
+        """CapacityExceeded unless ``count`` more names could fit (``ENTRY_OVERHEAD`` each): asked
+        before a batch's records are decoded, so that a frame of 100,000 records for a store with
+        room for ten costs no more than its bytes."""
+        with self._lock:
+            self._check_room(count * ENTRY_OVERHEAD, 0)
+
     def _check_room(self, charge: int, slots: int) -> None:
         """CapacityExceeded unless ``charge`` more bytes and ``slots`` more names fit (lock held)."""
         if charge > self.capacity - self.used:

@@ -260,6 +260,7 @@ class DataDir:
 
     def _legacy_revision(self) -> int:
         path = self._path / REVISION_FILE
+        _refuse_link(path)
         try:
             return int(path.read_text(encoding="ascii"))
         except FileNotFoundError:
@@ -293,8 +294,7 @@ class DataDir:
         for entry in sorted(self._listdir()):
             if entry.endswith(SUFFIX):
                 path = self._path / entry
-                if path.is_symlink():
-                    raise PersistenceError(f"{path} is a symbolic link; tensorwire never writes one")
+                _refuse_link(path)
                 yield read_file(path)
 
     # ------------------------------------------------------------------------------ filesystem
@@ -472,8 +472,16 @@ def _sync_dir(path: pathlib.Path) -> None:
         raise PersistenceError(f"cannot fsync directory {path}: {exc}") from exc
 
 
+def _refuse_link(path: pathlib.Path) -> None:
+    """tensorwire never makes a symbolic link in a data directory; one there would be read (or
+    written) through, into a file elsewhere, so it is refused."""
+    if path.is_symlink():
+        raise PersistenceError(f"{path} is a symbolic link; tensorwire never writes one")
+
+
 def _read_journal(journal: pathlib.Path) -> list[tuple[str, str]]:
     """The (temp, final) renames of a journal; PersistenceError if it is unreadable or malformed."""
+    _refuse_link(journal)
     try:
         body = json.loads(journal.read_bytes())
         renames = [(str(temp), str(final)) for temp, final in body["renames"]]
