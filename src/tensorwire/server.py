@@ -65,6 +65,8 @@ from tensorwire.uploads import (
     DEFAULT_MAX_UPLOADS,
     DEFAULT_RESUMABLE_MIN_BYTES,
     DEFAULT_UPLOADS_PER_CLIENT,
+    Upload,
+    UploadBusy,
     Uploads,
     client_of,
 )
@@ -93,6 +95,7 @@ _RID = struct.Struct("<Q")
 # keeps serving the others meanwhile.
 _OFF_LOOP_META = 64 << 10
 _OFF_LOOP_TENSORS = 2048
+_BUSY_WAIT = 10.0  # most seconds a write waits for another connection to let go of its upload's bytes
 _HELLO_MAX_META = 4 + MAX_TOKEN_BYTES  # two version bytes, a u16 length, the token
 
 
@@ -670,7 +673,7 @@ class _Session:
         if not self.uploads.slotted(meta):
             await self._put_unslotted(header, meta, offset)
             return
-        upload = self.uploads.claim(upload_id, meta, offset, client)
+        upload = await self._claim(lambda: self.uploads.claim(upload_id, meta, offset, client))
         try:
 
             def verified(n: int) -> None:
@@ -704,7 +707,9 @@ class _Session:
         if len(metas) != 1:
             raise ProtocolError(f"PUT_RANGE carries one tensor, not {len(metas)}")
         client = client_of(self.stream.peer)
-        upload = self.uploads.claim_range(upload_id, metas[0], offset, header.data_len, client)
+        upload = await self._claim(
+            lambda: self.uploads.claim_range(upload_id, metas[0], offset, header.data_len, client)
+        )
         ok = False
         try:
             await self.receive(header, [upload.buffer[offset : offset + header.data_len]])
@@ -712,6 +717,30 @@ class _Session:
         finally:
             self.uploads.range_done(upload, offset, ok)
         await self.reply(header, b"")
+
+    async def _claim(self, claim: Callable[[], Upload]) -> Upload:
+        """``claim()``; while another connection writes the same bytes, wait for it to let go (at
+        most _BUSY_WAIT, or the stall timeout) and try again, then refuse (UploadBusy). A client
+        retrying a range after its connection broke usually arrives before the server has seen the
+        break; two live writers of the same bytes still never write at once."""
+        deadline = time.monotonic() + min(_BUSY_WAIT, self.server.stall_timeout)
+        while True:
+            try:
+                return claim()
+            except UploadBusy as busy:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise
+                released: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+                busy.upload.on_release.append(functools.partial(_settle, released))
+                self.working = True  # waiting on the server, not on the peer
+                try:
+                    await asyncio.wait_for(released, left)
+                except TimeoutError:
+                    pass
+                finally:
+                    self.working = False
+                    self.stream.last_active = time.monotonic()
 
     async def _put_commit(self, header: Header, reader: wm.MetaReader) -> None:
         upload_id, _, metas = wm.decode_resumable(reader)
@@ -838,6 +867,11 @@ def _names(reader: wm.MetaReader) -> list[str]:
     names = wm.decode_names(reader)
     reader.done()
     return names
+
+
+def _settle(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)
 
 
 def _paused(fn: Callable[..., S], *args: object) -> S:

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from tensorwire.errors import LimitExceeded, ProtocolError
@@ -52,6 +53,16 @@ RESUMABLE = "resumable"
 STRIPED = "striped"
 
 
+class UploadBusy(ProtocolError):
+    """Another connection is writing into this upload (or into these bytes of it) right now. The
+    server waits a little for it before answering with this (``Upload.on_release``): a client that
+    retries after its connection broke often arrives before the server has seen the break."""
+
+    def __init__(self, message: str, upload: Upload) -> None:
+        super().__init__(message)
+        self.upload = upload
+
+
 @dataclass(eq=False)
 class Upload:
     upload_id: int
@@ -64,6 +75,7 @@ class Upload:
     ranges: dict[int, int] = field(default_factory=dict)  # striped: offset -> length, verified
     writing: dict[int, int] = field(default_factory=dict)  # striped: offset -> length, being written
     touched: float = field(default_factory=time.monotonic)
+    on_release: list[Callable[[], None]] = field(default_factory=list)  # told when a writer lets go
 
     @property
     def busy(self) -> bool:
@@ -137,7 +149,7 @@ class Uploads:
                 )
             upload = self._open_new(upload_id, meta, client, RESUMABLE)
         elif upload.busy:
-            raise ProtocolError(f"upload {upload_id} is being sent on another connection")
+            raise UploadBusy(f"upload {upload_id} is being sent on another connection", upload)
         elif offset != upload.verified:
             raise ProtocolError(f"upload {upload_id} resumes at byte {upload.verified}, not {offset}")
         upload.writers = 1
@@ -161,9 +173,10 @@ class Uploads:
             raise ProtocolError(f"upload {upload_id} is of another tensor than {meta.name!r} or kind")
         for start, size in upload.writing.items():
             if start < end and offset < start + size:
-                raise ProtocolError(
+                raise UploadBusy(
                     f"bytes {offset}..{end} of upload {upload_id} overlap bytes {start}..{start + size},"
-                    " which another connection is writing now"
+                    " which another connection is writing now",
+                    upload,
                 )
         for start, size in list(upload.ranges.items()):
             if start < end and offset < start + size:
@@ -204,6 +217,9 @@ class Uploads:
         """The connection sending into ``upload`` is done with it (it may resume later)."""
         upload.writers = max(0, upload.writers - 1)
         upload.touched = time.monotonic()
+        waiting, upload.on_release = upload.on_release, []
+        for wake in waiting:
+            wake()
 
     def finish(self, upload: Upload) -> None:
         """Every byte is in and verified: the caller commits the reservation."""
