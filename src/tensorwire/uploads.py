@@ -51,6 +51,9 @@ DEFAULT_UPLOADS_PER_CLIENT = 64
 DEFAULT_RESUMABLE_MIN_BYTES = 16 * MiB
 RESUMABLE = "resumable"
 STRIPED = "striped"
+# A striped range shorter than this (but the last) is refused: each range is a note the server
+# keeps, and 1-byte ranges would let a client grow that table to ~100 bytes per byte it reserved.
+MIN_RANGE_BYTES = 4096
 
 
 class UploadBusy(ProtocolError):
@@ -166,6 +169,9 @@ class Uploads:
         end = offset + length
         if length <= 0 or end > meta.nbytes:
             raise ProtocolError(f"bytes {offset}..{end} are not inside {meta.name!r}")
+        if length < MIN_RANGE_BYTES and end != meta.nbytes:
+            short = f"a {length}-byte range is too short"
+            raise ProtocolError(f"{short} (all but the last need {MIN_RANGE_BYTES})")
         upload = self._open.get((client, upload_id))
         if upload is None:
             upload = self._open_new(upload_id, meta, client, STRIPED)

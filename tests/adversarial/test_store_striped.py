@@ -142,3 +142,23 @@ def test_a_second_writer_of_a_range_waits_and_its_damaged_bytes_are_never_publis
 
 def test_a_damaged_write_over_verified_ranges_blocks_the_commit_until_rewritten() -> None:
     run(a_damaged_overlap_drops_the_verified_note())
+
+
+async def tiny_ranges() -> None:
+    srv = Server(TensorStore(1 << 30))
+    await srv.start("tcp://127.0.0.1:0")
+    try:
+        async with raw(srv) as (a, a_reader):
+            tiny = range_frame(0, GOOD[:1], rid=1)
+            assert await request(a, a_reader, tiny) == errors.ErrorCode.PROTOCOL_ERROR
+            last = range_frame(SIZE - 1, GOOD[-1:], rid=2)  # the last range may be short
+            assert await request(a, a_reader, last) == 0
+            assert [len(u.ranges) for u in srv.uploads._open.values()] == [1]
+    finally:
+        await srv.close()
+
+
+def test_a_range_is_never_tiny_but_the_last() -> None:
+    """Sweep (tables a peer can grow): each verified range is a note the server keeps; 1-byte
+    ranges would grow the table by ~100 bytes per byte reserved."""
+    run(tiny_ranges())
