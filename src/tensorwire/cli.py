@@ -56,7 +56,9 @@ from tensorwire.security import (
 )
 from tensorwire.server import Server
 from tensorwire.store import TensorStore
+from tensorwire.store.memory import DEFAULT_MAX_TENSORS
 from tensorwire.types import Address, GiB, KiB, MiB, TensorMeta
+from tensorwire.uploads import DEFAULT_MAX_UPLOADS, DEFAULT_UPLOADS_PER_CLIENT
 from tensorwire.wire.dtypes import dtype_name
 
 DEFAULT_URL = "tcp://127.0.0.1:7070"
@@ -252,6 +254,22 @@ def main(log_level: str, log_format: str) -> None:
     help="Close a connection whose TLS handshake and first frame (its HELLO with the token) are not "
     "in within this many seconds.",
 )  # fmt: skip
+@click.option(
+    "--max-tensors", type=click.IntRange(min=1), default=DEFAULT_MAX_TENSORS, show_default=True,
+    help="Most tensors the store holds (each name also costs 1 KiB + its length of --capacity).",
+)  # fmt: skip
+@click.option(
+    "--max-uploads", type=click.IntRange(min=1), default=DEFAULT_MAX_UPLOADS, show_default=True,
+    help="Most resumable and striped uploads open at once; a new one replaces the oldest idle one.",
+)  # fmt: skip
+@click.option(
+    "--uploads-per-client", type=click.IntRange(min=1), default=DEFAULT_UPLOADS_PER_CLIENT,
+    show_default=True, help="Most uploads open per client host; a new one replaces its oldest idle one.",
+)  # fmt: skip
+@click.option(
+    "--resumable-min-bytes", metavar="SIZE", callback=_size_param, default="16MiB", show_default=True,
+    help="Smaller resumable puts keep no upload state (served as plain puts).",
+)  # fmt: skip
 @click.option("--tls-cert", type=_FILE, help="Server certificate (PEM) for tls:// and grpcs:// addresses.")
 @click.option("--tls-key", type=_FILE, help="Its private key (PEM).")
 @click.option("--tls-client-ca", type=_FILE, help="Require client certificates signed by this CA (mTLS).")
@@ -337,6 +355,10 @@ def serve(
     max_connections: int,
     idle_timeout: float,
     auth_timeout: float,
+    max_tensors: int,
+    max_uploads: int,
+    uploads_per_client: int,
+    resumable_min_bytes: int,
     tls_cert: Path | None,
     tls_key: Path | None,
     tls_client_ca: Path | None,
@@ -376,7 +398,7 @@ def serve(
     )
     if peer.token is not None and peer.token == security.token:
         raise click.UsageError("--peer-token-file must hold another secret than --token-file")
-    store = TensorStore(capacity, data_dir)
+    store = TensorStore(capacity, data_dir, max_tensors=max_tensors)
     policy = (
         CheckpointPolicy(checkpoint_dir, checkpoint_every, checkpoint_seconds) if checkpoint_dir else None
     )
@@ -404,6 +426,9 @@ def serve(
         metrics_port=metrics_port,
         metrics_host=metrics_host,
         metrics_connections=metrics_connections,
+        max_uploads=max_uploads,
+        uploads_per_client=uploads_per_client,
+        resumable_min_bytes=resumable_min_bytes,
     )
     run(_serve(server, listen + grpc_listen, ready_file))
 

@@ -19,7 +19,12 @@ Exported (counters end in ``_total``; ``op`` is the operation: put, get, ps_push
 * ``tensorwire_upload_resumes_total``: resumable puts resumed after a break (client retries the
   server sees; resent parameter-server pushes are ``tensorwire_ps_duplicate_pushes_total``).
 * ``tensorwire_store_bytes``, ``tensorwire_store_reserved_bytes`` (puts in flight),
-  ``tensorwire_store_capacity_bytes``, ``tensorwire_store_tensors`` (gauges).
+  ``tensorwire_store_capacity_bytes``, ``tensorwire_store_tensors`` (gauges);
+  ``tensorwire_store_used_bytes`` (what counts against the capacity), of which
+  ``tensorwire_store_metadata_bytes`` (stored names' cost), ``tensorwire_store_pinned_bytes`` (old
+  versions readers still hold) and ``tensorwire_store_scratch_bytes`` (decoding scratch).
+* ``tensorwire_uploads_open`` (gauge) and ``tensorwire_uploads_dropped_total`` by ``reason``
+  (replaced, expired, refused; unslotted: small resumable puts served without upload state).
 * ``tensorwire_server_info`` (1, labelled ``version`` and ``addresses``), and prometheus-client's
   ``process_*`` families (CPU seconds, resident memory, open files).
 
@@ -153,6 +158,14 @@ class ServerCollector:
         yield GaugeMetricFamily("tensorwire_store_reserved_bytes", "Bytes of puts in flight.", store.reserved)
         yield GaugeMetricFamily("tensorwire_store_capacity_bytes", "The store's capacity.", store.capacity)
         yield GaugeMetricFamily("tensorwire_store_tensors", "Tensors stored.", len(store))
+        yield GaugeMetricFamily("tensorwire_store_used_bytes", "What counts against capacity.", store.used)
+        yield GaugeMetricFamily("tensorwire_store_metadata_bytes", "Stored names' cost.", store.metadata)
+        yield GaugeMetricFamily("tensorwire_store_pinned_bytes", "Old versions readers hold.", store.pinned)
+        yield GaugeMetricFamily("tensorwire_store_scratch_bytes", "Decoding scratch.", store.scratch_bytes)
+        uploads = server.uploads
+        yield GaugeMetricFamily("tensorwire_uploads_open", "Open resumable or striped uploads.", len(uploads))
+        dropped = {k: getattr(uploads.counts, k) for k in ("replaced", "expired", "refused", "unslotted")}
+        yield _labelled("tensorwire_uploads_dropped", "Uploads dropped or refused.", "reason", dropped)
         info = GaugeMetricFamily("tensorwire_server_info", "This server.", labels=["version", "addresses"])
         info.add_metric([_version(), ",".join(str(a) for a in server.addresses)], 1)
         yield info

@@ -50,12 +50,27 @@ from tensorwire.security import (
     server_ssl_context,
     tokens_match,
 )
-from tensorwire.store import Reservation, TensorStore
+from tensorwire.store import Entry, Reservation, TensorStore
 from tensorwire.transport import tls
 from tensorwire.transport.base import ByteStream, Listener
-from tensorwire.transport.framing import FrameReader, read_head, recv_data, send_frame, skip_data
+from tensorwire.transport.framing import (
+    FrameReader,
+    compressed_scratch,
+    read_head,
+    recv_data,
+    send_frame,
+    skip_data,
+)
 from tensorwire.types import Address, Limits, TensorMeta
-from tensorwire.uploads import Uploads
+from tensorwire.uploads import (
+    DEFAULT_MAX_UPLOADS,
+    DEFAULT_RESUMABLE_MIN_BYTES,
+    DEFAULT_UPLOADS_PER_CLIENT,
+    Upload,
+    UploadBusy,
+    Uploads,
+    client_of,
+)
 from tensorwire.wire import lossless
 from tensorwire.wire import meta as wm
 from tensorwire.wire import ps as wps
@@ -75,6 +90,13 @@ from tensorwire.wire.frame import (
 log = logging.getLogger("tensorwire.server")
 S = TypeVar("S")
 _RID = struct.Struct("<Q")
+# A request that names thousands of tensors costs tens to hundreds of milliseconds of Python work
+# (decoding records, checking names, installing or pinning entries, encoding the answer's records):
+# from this many metadata bytes or tensors on, that work runs on a worker thread, so the loop
+# keeps serving the others meanwhile.
+_OFF_LOOP_META = 64 << 10
+_OFF_LOOP_TENSORS = 2048
+_BUSY_WAIT = 10.0  # most seconds a write waits for another connection to let go of its upload's bytes
 # Two version bytes, a u16 length, the token, the compression field (2), wants (1).
 _HELLO_MAX_META = 7 + MAX_TOKEN_BYTES
 
@@ -120,8 +142,7 @@ class Request:
 
     async def receive(self, buffers: Sequence[memoryview]) -> None:
         """Read the data section into ``buffers`` (their sizes must add up to its length)."""
-        self._session.data_read = True  # consumed whatever happens, or the stream is gone
-        await recv_data(self._session.reader, self.header, buffers)
+        await self._session.receive(self.header, buffers)
 
     async def skip(self) -> None:
         if not self._session.data_read:
@@ -206,6 +227,9 @@ class Server:
         metrics_port: int | None = None,
         metrics_host: str | None = None,
         metrics_connections: int = 16,
+        max_uploads: int = DEFAULT_MAX_UPLOADS,
+        uploads_per_client: int = DEFAULT_UPLOADS_PER_CLIENT,
+        resumable_min_bytes: int = DEFAULT_RESUMABLE_MIN_BYTES,
     ) -> None:
         self.store = store if store is not None else TensorStore()
         # Who this store is, for clients that cache by version (HELLO, docs/protocol.md §4.5): a
@@ -233,7 +257,15 @@ class Server:
         self.auth_timeout = auth_timeout
         self._listeners: list[Listener] = []
         self._sessions: set[_Session] = set()
-        self.uploads = Uploads(self.store, max_connections, stall_timeout)
+        # Resumable and striped uploads: a bounded table, a quota per client, none for small puts
+        # (uploads.py says how a full table makes room).
+        self.uploads = Uploads(
+            self.store,
+            max_uploads,
+            stall_timeout,
+            per_client=uploads_per_client,
+            min_bytes=resumable_min_bytes,
+        )
         self._watchdog: asyncio.Task[None] | None = None
         # Metrics (metrics.py): plain counts always; the HTTP endpoint when a port is given
         # (0 picks a free one, which the STATUS answer reports).
@@ -307,6 +339,12 @@ class Server:
                 "bytes": store.stored,
                 "reserved": store.reserved,
                 "capacity": store.capacity,
+                "used": store.used,  # what counts against the capacity: all of the below
+                "metadata": store.metadata,
+                "pinned": store.pinned,
+                "scratch": store.scratch_bytes,
+                "max_tensors": store.max_tensors,
+                "uploads": len(self.uploads),
             },
             "connections": counts.connections,
             "in_flight": counts.in_flight,
@@ -575,8 +613,9 @@ class _Session:
             reader.done()
             await self.reply(header, b"")
         elif op == Opcode.DELETE:
-            names = _names(reader)
-            await self.reply(header, struct.pack("<I", self.store.delete(names)))
+            names = await self._cpu(header.meta_len >= _OFF_LOOP_META, _names, reader)
+            deleted = await self._on_disk(self.store.delete, names, big=len(names) >= _OFF_LOOP_TENSORS)
+            await self.reply(header, struct.pack("<I", deleted))
         elif op == Opcode.STAT:
             await self.reply(header, wm.encode_records(self.store.stat(_names(reader))))
         elif op == Opcode.LIST:
@@ -647,17 +686,49 @@ class _Session:
             await self._finish_batch(header, batch)
 
     async def _put_part(self, header: Header, reader: wm.MetaReader, batch: _Batch) -> None:
-        with gc_paused():
+        def reserve() -> Reservation:
+            self.store.admit(reader.peek_count())  # before the records become objects
             metas = wm.decode_records(reader)
-        reader.done()
-        if header.opcode == Opcode.PUT and len(metas) != 1:
-            raise ProtocolError(f"PUT cannot carry {len(metas)} tensors")
-        if sum(m.nbytes for m in metas) != header.data_len:
-            raise InvalidTensor("the tensor records' sizes do not add up to the frame's data length")
-        with gc_paused():
-            part = self.store.reserve(metas, batch.reservation)
-        self.data_read = True  # recv_data consumes the section whatever happens, or the stream is gone
-        await recv_data(self.reader, header, part.buffers)
+            reader.done()
+            if header.opcode == Opcode.PUT and len(metas) != 1:
+                raise ProtocolError(f"PUT cannot carry {len(metas)} tensors")
+            if sum(m.nbytes for m in metas) != header.data_len:
+                raise InvalidTensor("the tensor records' sizes do not add up to the frame's data length")
+            return self.store.reserve(metas, batch.reservation)
+
+        part = await self._cpu(header.meta_len >= _OFF_LOOP_META, reserve)
+        await self.receive(header, part.buffers)
+
+    async def _cpu(self, big: bool, fn: Callable[..., S], *args: object) -> S:
+        """``fn(*args)`` with the cycle collector paused: here when it is small, on a worker thread
+        when ``big`` (see _OFF_LOOP_META)."""
+        if not big:
+            with gc_paused():
+                return fn(*args)
+        return await asyncio.get_running_loop().run_in_executor(None, _paused, fn, *args)
+
+    async def receive(
+        self, header: Header, buffers: Sequence[memoryview], verified: Callable[[int], None] | None = None
+    ) -> None:
+        """Read the data section into ``buffers``, every chunk verified; the section is consumed
+        whatever happens, or the stream is gone. A compressed section's decoding scratch (sized by
+        the data declared, not the chunk size) counts in the store's ``used`` meanwhile."""
+        with self.store.scratch(compressed_scratch(header)):
+            self.data_read = True
+            await recv_data(self.reader, header, buffers, verified=verified)
+
+    async def _on_disk(self, fn: Callable[..., S], *args: object, big: bool = False) -> S:
+        """A store call that may block on the data directory (commit, delete): on the store's disk
+        thread, so the loop serves others meanwhile; the stall watchdog leaves this request alone
+        while the server, not the peer, is what it waits on. Without a data directory, as ``_cpu``."""
+        if not self.store.persistent:
+            return await self._cpu(big, fn, *args)
+        self.working = True
+        try:
+            return await self.store.call(fn, *args)
+        finally:
+            self.working = False
+            self.stream.last_active = time.monotonic()
 
     async def _finish_batch(self, header: Header, batch: _Batch) -> None:
         res = batch.reservation
@@ -667,16 +738,7 @@ class _Session:
             self.store.abort(res)
             raise batch.error
         try:
-            if self.store.persistent:  # the disk write blocks; keep the loop serving others
-                self.working = True
-                try:
-                    version = await asyncio.get_running_loop().run_in_executor(None, self.store.commit, res)
-                finally:
-                    self.working = False
-                    self.stream.last_active = time.monotonic()
-            else:
-                with gc_paused():
-                    version = self.store.commit(res)
+            version = await self._on_disk(self.store.commit, res, big=len(res.metas) >= _OFF_LOOP_TENSORS)
         except BaseException:
             self.store.abort(res)
             raise
@@ -690,26 +752,43 @@ class _Session:
         if len(metas) != 1:
             raise ProtocolError(f"PUT_RESUMABLE carries one tensor, not {len(metas)}")
         meta = metas[0]
+        client = client_of(self.stream.peer)
         if offset == wm.RESUME_QUERY and not header.data_len:
             self.counts.upload_resumes += 1  # a client asks where to resume: it is retrying
-            await self.reply(header, _RID.pack(self.uploads.resume_point(upload_id, meta)))
+            await self.reply(header, _RID.pack(self.uploads.resume_point(upload_id, meta, client)))
             return
         if offset + header.data_len != meta.nbytes or not header.data_len:
             raise InvalidTensor(
                 f"bytes {offset}..{offset + header.data_len} are not the rest of {meta.name!r}"
             )
-        upload = self.uploads.claim(upload_id, meta, offset)
+        if not self.uploads.slotted(meta):
+            await self._put_unslotted(header, meta, offset)
+            return
+        upload = await self._claim(lambda: self.uploads.claim(upload_id, meta, offset, client))
         try:
-            self.data_read = True
 
             def verified(n: int) -> None:
                 upload.verified += n
 
-            await recv_data(self.reader, header, [upload.buffer[offset:]], verified=verified)
+            await self.receive(header, [upload.buffer[offset:]], verified=verified)
         finally:
             self.uploads.release(upload)
         self.uploads.finish(upload)
         await self._finish_batch(header, _Batch(header.request_id, upload.reservation))
+
+    async def _put_unslotted(self, header: Header, meta: TensorMeta, offset: int) -> None:
+        """A PUT_RESUMABLE of a tensor under the server's resumable threshold: a plain put, with no
+        upload state kept (a broken one is resumed from 0, which its client hears when it asks)."""
+        if offset:
+            raise ProtocolError(f"no upload here to resume {meta.name!r} at byte {offset} (start again at 0)")
+        self.uploads.counts.unslotted += 1
+        batch = _Batch(header.request_id, self.store.reserve([meta]))
+        try:
+            await self.receive(header, batch.reservation.buffers)
+        except BaseException:
+            self.store.abort(batch.reservation)
+            raise
+        await self._finish_batch(header, batch)
 
     async def _put_range(self, header: Header, reader: wm.MetaReader) -> None:
         """One byte range of a striped put (§11.7): into the upload's reservation, noted once every
@@ -718,21 +797,48 @@ class _Session:
         reader.done()
         if len(metas) != 1:
             raise ProtocolError(f"PUT_RANGE carries one tensor, not {len(metas)}")
-        upload = self.uploads.claim_range(upload_id, metas[0], offset, header.data_len)
+        client = client_of(self.stream.peer)
+        upload = await self._claim(
+            lambda: self.uploads.claim_range(upload_id, metas[0], offset, header.data_len, client)
+        )
+        ok = False
         try:
-            self.data_read = True
-            await recv_data(self.reader, header, [upload.buffer[offset : offset + header.data_len]])
-            upload.ranges[offset] = header.data_len
+            await self.receive(header, [upload.buffer[offset : offset + header.data_len]])
+            ok = True
         finally:
-            self.uploads.release(upload)
+            self.uploads.range_done(upload, offset, ok)
         await self.reply(header, b"")
+
+    async def _claim(self, claim: Callable[[], Upload]) -> Upload:
+        """``claim()``; while another connection writes the same bytes, wait for it to let go (at
+        most _BUSY_WAIT, or the stall timeout) and try again, then refuse (UploadBusy). A client
+        retrying a range after its connection broke usually arrives before the server has seen the
+        break; two live writers of the same bytes still never write at once."""
+        deadline = time.monotonic() + min(_BUSY_WAIT, self.server.stall_timeout)
+        while True:
+            try:
+                return claim()
+            except UploadBusy as busy:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise
+                released: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+                busy.upload.on_release.append(functools.partial(_settle, released))
+                self.working = True  # waiting on the server, not on the peer
+                try:
+                    await asyncio.wait_for(released, left)
+                except TimeoutError:
+                    pass
+                finally:
+                    self.working = False
+                    self.stream.last_active = time.monotonic()
 
     async def _put_commit(self, header: Header, reader: wm.MetaReader) -> None:
         upload_id, _, metas = wm.decode_resumable(reader)
         reader.done()
         if len(metas) != 1 or header.data_len:
             raise ProtocolError("PUT_COMMIT names one tensor and carries no data")
-        upload = self.uploads.complete(upload_id, metas[0])
+        upload = self.uploads.complete(upload_id, metas[0], client_of(self.stream.peer))
         await self._finish_batch(header, _Batch(header.request_id, upload.reservation))
 
     async def _get_range(self, header: Header, reader: wm.MetaReader) -> None:
@@ -770,21 +876,38 @@ class _Session:
             self.batch = None
 
     async def _get(self, header: Header, reader: wm.MetaReader) -> None:
-        names = _names(reader)
+        big = header.meta_len >= _OFF_LOOP_META
+        names = await self._cpu(big, _names, reader)
         if not names or (header.opcode == Opcode.GET and len(names) != 1):
             raise ProtocolError(f"{_opname(header.opcode)} cannot ask for {len(names)} tensors")
         if len(set(names)) != len(names):  # one small tensor asked for 100,000 times is not a GET
             raise ProtocolError(f"{_opname(header.opcode)} names the same tensor twice")
-        entries = self.store.acquire(names)
+        entries = await self._acquire(names, big)
         try:
             total = sum(e.meta.nbytes for e in entries)
             if total > self.limits.max_request_bytes:
                 raise LimitExceeded(f"an answer of {total} bytes exceeds {self.limits.max_request_bytes}")
-            metas = [e.meta for e in entries]
-            data = [e.data for e in entries]
-            await self.reply(header, wm.encode_records(metas), data)
+            records = await self._cpu(big, wm.encode_records, [e.meta for e in entries])
+            await self.reply(header, records, [e.data for e in entries])
         finally:
             self.store.release(entries)
+
+    async def _acquire(self, names: list[str], big: bool) -> list[Entry]:
+        """Pin ``names`` (as ``_cpu``); pins taken by a worker thread after this request was
+        cancelled are released, not leaked."""
+        if not big:
+            return self.store.acquire(names)
+        pinning = asyncio.get_running_loop().run_in_executor(None, self.store.acquire, names)
+        try:
+            return await asyncio.shield(pinning)
+        except asyncio.CancelledError:
+
+            def unpin(done: asyncio.Future[list[Entry]]) -> None:
+                if not done.cancelled() and done.exception() is None:
+                    self.store.release(done.result())
+
+            pinning.add_done_callback(unpin)
+            raise
 
     async def reply(self, req: Header, meta: bytes, data: Sequence[memoryview] = ()) -> None:
         data_len = sum(d.nbytes for d in data)
@@ -835,6 +958,16 @@ def _names(reader: wm.MetaReader) -> list[str]:
     names = wm.decode_names(reader)
     reader.done()
     return names
+
+
+def _settle(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)
+
+
+def _paused(fn: Callable[..., S], *args: object) -> S:
+    with gc_paused():
+        return fn(*args)
 
 
 def _request_id(raw: bytes) -> int:

@@ -174,7 +174,13 @@ class TensorServicer(pb_grpc.TensorServiceServicer):
 
     async def Delete(self, request: pb.NamesRequest, context: Any) -> pb.DeleteReply:
         names = await self._names(request, context)
-        return await _answer(context, lambda: _ready(pb.DeleteReply(deleted=self.store.delete(names))))
+
+        async def run() -> pb.DeleteReply:
+            # On the store's disk thread when it has a data directory: a delete waits there for a
+            # commit's disk write, and the loop goes on serving the others meanwhile.
+            return pb.DeleteReply(deleted=await self.store.call(self.store.delete, names))
+
+        return await _answer(context, run)
 
     async def Stat(self, request: pb.NamesRequest, context: Any) -> pb.TensorList:
         names = await self._names(request, context)

@@ -46,6 +46,7 @@ from tensorwire.errors import ErrorCode, TensorwireError
 from tensorwire.security import Security
 from tensorwire.server import Server
 from tensorwire.store import TensorStore
+from tensorwire.store.memory import entry_cost
 from tensorwire.store.names import validate_name
 from tensorwire.testing.conformance import put_frame, read_reply
 from tensorwire.transport.framing import FrameReader, skip_data
@@ -474,7 +475,8 @@ def is_valid_name(name: str) -> bool:
 
 
 def stored_bytes(store: TensorStore) -> int:
-    return sum(m.nbytes for m in store.list())
+    """What the stored tensors count against the capacity: their bytes and their names' cost."""
+    return sum(m.nbytes + entry_cost(m.name) for m in store.list())
 
 
 async def fuzz_live_server(scheme: str, seed: int, count: int, token: str | None = None) -> Counter[str]:

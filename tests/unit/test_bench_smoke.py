@@ -42,11 +42,14 @@ KEYS = [
     "auto_incompressible_ratio",
     "cache_hit_get_us",
     "cache_leased_get_us",
+    "ping_during_put_p99_ms",
+    "ping_idle_p99_ms",
 ]
 
 
 def test_transfer_bench_smoke(capsys: pytest.CaptureFixture[str]) -> None:
-    result = main(["--size", "1MiB", "--iters", "1", "--small-iters", "20", "--many", "100", "--json"])
+    tiny = ["--size", "1MiB", "--iters", "1", "--small-iters", "20", "--many", "100"]
+    result = main([*tiny, "--ping-put-size", "1MiB", "--json"])
 
     printed = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert printed == result

@@ -15,7 +15,7 @@ import torch
 
 from tensorwire.errors import InvalidTensor, PersistenceError
 from tensorwire.store import persist
-from tensorwire.store.persist import DataDir, file_name
+from tensorwire.store.persist import SLOTS_FILE, DataDir, file_name
 from tensorwire.types import TensorMeta
 from tensorwire.wire.dtypes import SUPPORTED_DTYPES
 
@@ -56,7 +56,9 @@ def loaded(d: DataDir) -> dict[str, tuple[TensorMeta, bytes]]:
 
 
 def leftovers(path: pathlib.Path) -> list[str]:
-    return sorted(p.name for p in path.iterdir() if not p.name.endswith(".safetensors"))
+    """Files besides the tensors and the revision record (made once, when the directory opens)."""
+    names = (p.name for p in path.iterdir())
+    return sorted(n for n in names if not n.endswith(".safetensors") and n != SLOTS_FILE)
 
 
 # ------------------------------------------------------------------------------------- round trip
@@ -79,7 +81,7 @@ def test_round_trip_every_dtype(tmp_path: pathlib.Path, dtype: torch.dtype, shap
 def test_file_layout(tmp_path: pathlib.Path) -> None:
     name = "dir/ünï"
     DataDir(tmp_path).write([item(name, make_tensor(torch.float32, (3,)), 5)])
-    files = list(tmp_path.iterdir())
+    files = [f for f in tmp_path.iterdir() if f.name != SLOTS_FILE]
     assert [f.name for f in files] == [file_name(name)]
     assert len(file_name(name)) == 64 + len(".safetensors")
     blob = files[0].read_bytes()
@@ -169,7 +171,7 @@ def test_write_refuses_inconsistent_items_before_touching_disk(tmp_path: pathlib
         d.write([good, (TensorMeta("__metadata__", torch.uint8, (1,), 1, 1), memoryview(b"x"))])
     with pytest.raises(InvalidTensor):
         d.write([(TensorMeta("q", torch.qint8, (1,), 1, 1), memoryview(b"x"))])
-    assert list(tmp_path.iterdir()) == []
+    assert leftovers(tmp_path) == [] and not list(tmp_path.glob("*.safetensors"))
 
 
 def test_os_errors_become_persistence_errors(tmp_path: pathlib.Path) -> None:
@@ -178,6 +180,7 @@ def test_os_errors_become_persistence_errors(tmp_path: pathlib.Path) -> None:
     with pytest.raises(PersistenceError, match="file"):
         DataDir(not_a_dir)
     d = DataDir(tmp_path / "gone")
+    (tmp_path / "gone" / SLOTS_FILE).unlink()
     (tmp_path / "gone").rmdir()
     with pytest.raises(PersistenceError, match="gone"):
         d.write([item("x", make_tensor(torch.uint8, (3,)), 1)])

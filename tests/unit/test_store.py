@@ -10,6 +10,7 @@ import torch
 
 from tensorwire.errors import CapacityExceeded, InvalidName, InvalidTensor, KeyNotFound
 from tensorwire.store import TensorStore
+from tensorwire.store.memory import entry_cost
 from tensorwire.types import MiB, TensorMeta
 
 
@@ -37,7 +38,7 @@ def test_versions_increase_and_batches_share_one() -> None:
 def test_nothing_is_visible_before_commit_and_abort_leaves_no_trace() -> None:
     store = TensorStore(capacity=1 * MiB)
     res = store.reserve([meta("x", 10)])
-    assert store.list() == [] and store.used == 10
+    assert store.list() == [] and store.used == 10 + entry_cost("x")
     store.abort(res)
     assert store.list() == [] and store.used == 0
     with pytest.raises(KeyNotFound):
@@ -45,7 +46,8 @@ def test_nothing_is_visible_before_commit_and_abort_leaves_no_trace() -> None:
 
 
 def test_capacity_counts_reservations_and_frees_on_delete() -> None:
-    store = TensorStore(capacity=100)
+    names = entry_cost("a")  # every one-letter name costs the same
+    store = TensorStore(capacity=100 + 2 * names)
     put(store, {"a": bytes(60)})
     with pytest.raises(CapacityExceeded):
         store.reserve([meta("b", 50)])
@@ -55,7 +57,7 @@ def test_capacity_counts_reservations_and_frees_on_delete() -> None:
     store.abort(res)
     store.delete(["a"])
     put(store, {"b": bytes(100)})
-    assert store.used == 100
+    assert store.used == 100 + names
 
 
 def test_refused_batches_change_nothing() -> None:
@@ -69,7 +71,7 @@ def test_refused_batches_change_nothing() -> None:
     put(store, {"keep": b"k"})
     with pytest.raises(KeyNotFound):  # deletes are all or nothing
         store.delete(["keep", "missing"])
-    assert [m.name for m in store.list()] == ["keep"] and store.used == 1
+    assert [m.name for m in store.list()] == ["keep"] and store.used == 1 + entry_cost("keep")
 
 
 def test_large_buffers_are_reused_but_never_while_pinned() -> None:
@@ -146,7 +148,7 @@ def test_abort_during_a_slow_persisted_commit_changes_nothing(
     store.abort(res)  # what a cancelled request does
     release.set()
     worker.join(10)
-    assert versions and store.used == 2 * MiB
+    assert versions and store.used == 2 * MiB + entry_cost("w")
     other = store.reserve([meta("other", 2 * MiB)])  # must not get the live tensor's buffer
     other.buffers[0][:4] = b"\x63" * 4
     (entry,) = store.acquire(["w"])

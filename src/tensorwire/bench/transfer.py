@@ -53,7 +53,7 @@ import torch
 
 import tensorwire
 from tensorwire import _loop
-from tensorwire.bench import fastpaths
+from tensorwire.bench import fastpaths, pinglag
 from tensorwire.bench import shm as shm_bench
 from tensorwire.security import Security, TlsFiles, write_dev_certs
 from tensorwire.server import Server
@@ -98,6 +98,10 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--iters", type=_positive, default=5, help="timed bulk iterations (after warm-up)")
     parser.add_argument("--small-iters", type=_positive, default=2000, help="timed 1 KiB round trips")
     parser.add_argument("--many", type=_positive, default=10_000, help="1 KiB tensors per put_many/get_many")
+    parser.add_argument(
+        "--ping-put-size", type=parse_size, default=parse_size("1GiB"),
+        help="the put that 1 KiB pings from another client run beside (ping_during_put_p99_ms)",
+    )  # fmt: skip
     parser.add_argument("--json", action="store_true", help="print one JSON object on the last line")
     parser.add_argument(
         "--no-pin", dest="pin", action="store_false", help="do not pin client and servers to separate CPUs"
@@ -439,13 +443,16 @@ def _pinned(cpus: Cpus) -> Iterator[None]:
         os.sched_setaffinity(0, before)  # main() may run inside a test process or the CLI
 
 
-def run(size: int, iters: int, small_iters: int, many: int, pin: bool = True) -> Result:
+def run(
+    size: int, iters: int, small_iters: int, many: int, pin: bool = True, *, ping_put_size: int = 1 << 30
+) -> Result:
     """Measure everything; every child process is gone when this returns or raises."""
     client_cpus, server_cpus = _placement(pin)
     data = torch.rand(size // 4)
     # Room for the stored tensor, the one being put over it and the store's reuse pool (a quarter
     # of capacity must hold one bulk buffer, or every timed put would fault in fresh pages).
     capacity = 6 * size + 4 * many * SMALL_BYTES + 64 * MiB  # tcp and tls runs each keep a copy
+    capacity += 2 * ping_put_size  # the ping run's put and the one that replaces it
     capacity += 6 * min(size, fastpaths.COMPRESSIBLE_MAX)  # the fast paths' sparse and noise tensors
     with contextlib.ExitStack() as stack:
         certs = write_dev_certs(Path(stack.enter_context(tempfile.TemporaryDirectory())))
@@ -477,8 +484,10 @@ def run(size: int, iters: int, small_iters: int, many: int, pin: bool = True) ->
         small_us = _on_loop(_async_small_us(url, small_iters))
         echo_us = _on_loop(_echo_us(echo_port, small_iters))
         fast = fastpaths.measure(url, data, iters, small_iters)  # striping, compression, cache, iperf3
+        pings = pinglag.measure(url, ping_put_size)  # how long a big put makes another client wait
     return {
         **fast,
+        **pings,
         "put_gbps": put_gbps,
         "get_gbps": get_gbps,
         "socket_gbps": socket_gbps,
@@ -560,6 +569,7 @@ def format_table(r: Result) -> str:
         ("leased 1 KiB get p50", f"{_fmt(r['cache_leased_get_us'], '.1f')} us", "no request"),
     ]
     rows += shm_bench.rows(r, _fmt)
+    rows += pinglag.rows(r, _fmt)
     head = (
         f"tensorwire transfer benchmark: {mib:g} MiB float32, median of {r['iters']} "
         f"(after warm-up), loop {r['loop']}, {'pinned' if r['pinned'] else 'unpinned'}; GB/s = 1e9 bytes/s"
@@ -576,7 +586,8 @@ def table(head: str, rows: Sequence[tuple[str, str, str]], value_width: int) -> 
 
 def main(argv: list[str] | None = None) -> Result:
     args = _parse_args(argv)
-    result = run(args.size, args.iters, args.small_iters, args.many, args.pin)
+    sizes = (args.size, args.iters, args.small_iters, args.many)
+    result = run(*sizes, args.pin, ping_put_size=args.ping_put_size)
     if args.json:
         print(json.dumps(result), flush=True)
     else:

@@ -13,25 +13,48 @@ Lifecycle of a put (what the server does, in order):
 Reads pin what they send: ``acquire(names)`` / ``release(entries)``. A buffer replaced or deleted
 while pinned goes back to the pool only when its last reader releases it.
 
-The store is thread-safe: the server's event loop calls it directly, and calls ``commit`` from a
-worker thread when a data directory makes it block on the disk.
+What counts against the capacity (``used``): the bytes of stored tensors; a fixed cost per stored
+name plus the name's bytes (``entry_cost``: a store of empty tensors is not free, it is Python
+objects); reservations of puts in flight; old versions that readers still pin after a delete or
+an overwrite (a reply nobody reads must not keep gigabytes alive outside the capacity); and the
+scratch a request decodes into (``scratch``). Besides bytes, at most ``max_tensors`` names.
+
+The store is thread-safe: the server's event loop calls it directly, and runs what may block on
+the disk (``commit`` and ``delete`` with a data directory) through ``call``, on the store's own
+disk thread, so that the loop keeps serving others meanwhile.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
-from tensorwire.errors import CapacityExceeded, InvalidName, KeyNotFound
+from tensorwire.errors import CapacityExceeded, InvalidName, KeyNotFound, StoreError
 from tensorwire.store.names import validate_name, validate_prefix
 from tensorwire.store.pool import BufferPool
 from tensorwire.types import GiB, MiB, TensorMeta
 
 if TYPE_CHECKING:
     from tensorwire.store.shm import SegmentPool
+
+T = TypeVar("T")
+
+# What one stored name costs besides its bytes: its entry, metadata and index slot take ~600 bytes
+# of Python objects (measured with tracemalloc), and the allocator's rounding more; 1 KiB keeps a
+# million empty tensors from hiding a gigabyte of memory behind "used: 0".
+ENTRY_OVERHEAD = 1024
+DEFAULT_MAX_TENSORS = 1_000_000
+
+
+def entry_cost(name: str) -> int:
+    """Bytes of capacity a stored name costs besides its tensor's bytes."""
+    return ENTRY_OVERHEAD + len(name.encode("utf-8", "surrogatepass"))
 
 
 @dataclass(eq=False, slots=True)
@@ -50,29 +73,46 @@ class Reservation:
 
     metas: list[TensorMeta] = field(default_factory=list)
     buffers: list[memoryview] = field(default_factory=list)
-    nbytes: int = 0
+    nbytes: int = 0  # the tensors' bytes
     names: set[str] = field(default_factory=set)
     done: bool = False
     committing: bool = False
+    charge: int = 0  # what it counts against the capacity: nbytes and the cost of its names
+    slots: int = 0  # names it may add (not stored when reserved), counted against max_tensors
 
 
 class TensorStore:
     """Named tensors in memory with an enforced byte capacity and per-put versions."""
 
-    def __init__(self, capacity: int = 8 * GiB, data_dir: Path | str | None = None) -> None:
+    def __init__(
+        self,
+        capacity: int = 8 * GiB,
+        data_dir: Path | str | None = None,
+        *,
+        max_tensors: int = DEFAULT_MAX_TENSORS,
+    ) -> None:
+        if max_tensors < 1:
+            raise ValueError(f"max_tensors must be at least 1, not {max_tensors}")
         self.capacity = capacity
+        self.max_tensors = max_tensors
         self._entries: dict[str, Entry] = {}
         self._stored = 0  # bytes of committed entries
-        self._reserved = 0  # bytes of open reservations
+        self._metadata = 0  # entry_cost of committed entries
+        self._reserved = 0  # charge of open reservations
+        self._slots = 0  # names open reservations may add
+        self._pinned = 0  # bytes of replaced or deleted entries that readers still pin
+        self._scratch = 0  # requests' decoding buffers (``scratch``)
         self.revision = 0  # the last version handed out; versions come from this one counter
         self._lock = threading.Lock()
         self._disk_lock = threading.Lock()  # orders disk writes the same way as versions
         self._pool: BufferPool | SegmentPool = BufferPool(limit=self.pool_limit, min_size=MiB)
         self._disk = None
+        self._disk_thread: ThreadPoolExecutor | None = None
         if data_dir is not None:
             from tensorwire.store.persist import DataDir
 
             self._disk = DataDir(Path(data_dir))
+            self._disk_thread = ThreadPoolExecutor(1, thread_name_prefix="tensorwire-disk")
             self._load()
 
     # -- introspection -------------------------------------------------------------------------
@@ -104,8 +144,9 @@ class TensorStore:
 
     @property
     def used(self) -> int:
-        """Bytes of stored tensors plus bytes reserved by puts in flight."""
-        return self._stored + self._reserved
+        """What counts against the capacity: stored tensors and their names' cost, reservations of
+        puts in flight, old versions pinned by readers, and requests' decoding scratch."""
+        return self._stored + self._metadata + self._reserved + self._pinned + self._scratch
 
     @property
     def stored(self) -> int:
@@ -113,9 +154,24 @@ class TensorStore:
         return self._stored
 
     @property
+    def metadata(self) -> int:
+        """Capacity the stored names cost (``entry_cost`` each)."""
+        return self._metadata
+
+    @property
     def reserved(self) -> int:
-        """Bytes reserved by puts in flight."""
+        """Bytes reserved by puts in flight (their tensors' bytes and names' cost)."""
         return self._reserved
+
+    @property
+    def pinned(self) -> int:
+        """Bytes of deleted or replaced versions that readers still hold (until they release)."""
+        return self._pinned
+
+    @property
+    def scratch_bytes(self) -> int:
+        """Bytes of decoding scratch that requests hold now (``scratch``)."""
+        return self._scratch
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -137,13 +193,14 @@ class TensorStore:
         if len(seen) - before != len(metas):
             raise InvalidName("a batch names the same tensor twice")
         total = sum(m.nbytes for m in metas)
+        charge = total + sum(entry_cost(m.name) for m in metas)
         with self._lock:
-            free = self.capacity - self.used
-            if total > free:
-                raise CapacityExceeded(
-                    f"{total} bytes do not fit: capacity {self.capacity}, in use {self.used}"
-                )
-            self._reserved += total
+            if extend is not None and extend.done:  # aborted while this part was being decoded
+                raise StoreError("the batch this part belongs to was given up; nothing was stored")
+            slots = sum(1 for m in metas if m.name not in self._entries)
+            self._check_room(charge, slots)
+            self._reserved += charge
+            self._slots += slots
             self._pool.trim(self.capacity - self.used)
             floor = self._pool.min_size
             pooled = [self._pool.take(m.nbytes) if m.nbytes >= floor else None for m in metas]
@@ -152,17 +209,63 @@ class TensorStore:
             buffers = [buf if buf is not None else self._pool.allocate(m.nbytes) for buf, m in pairs]
         except BaseException:  # no room for a new segment, say: the reservation never happened
             with self._lock:
-                self._reserved -= total
+                self._reserved -= charge
+                self._slots -= slots
                 for buf in pooled:
                     if buf is not None:
                         self._pool.give(buf)
             raise
         if extend is None:
-            return Reservation(list(metas), buffers, total, seen)
+            return Reservation(list(metas), buffers, total, seen, charge=charge, slots=slots)
         extend.metas += metas
         extend.buffers += buffers
         extend.nbytes += total
+        extend.charge += charge
+        extend.slots += slots
         return Reservation(list(metas), buffers, total, seen, done=True)  # owned by ``extend``
+
+    def admit(self, count: int) -> None:
+        """CapacityExceeded unless ``count`` more names could fit (``ENTRY_OVERHEAD`` each): asked
+        before a batch's records are decoded, so that a frame of 100,000 records for a store with
+        room for ten costs no more than its bytes."""
+        with self._lock:
+            self._check_room(count * ENTRY_OVERHEAD, 0)
+
+    def _check_room(self, charge: int, slots: int) -> None:
+        """CapacityExceeded unless ``charge`` more bytes and ``slots`` more names fit (lock held)."""
+        if charge > self.capacity - self.used:
+            raise CapacityExceeded(
+                f"{charge} bytes do not fit: capacity {self.capacity} (--capacity), in use {self.used}"
+                f" (tensors {self._stored}, names {self._metadata}, puts in flight {self._reserved},"
+                f" pinned by readers {self._pinned}, scratch {self._scratch})"
+            )
+        if slots and len(self._entries) + self._slots + slots > self.max_tensors:
+            raise CapacityExceeded(
+                f"{slots} more tensors do not fit: the store holds {len(self._entries)} and puts in"
+                f" flight may add {self._slots}, of at most {self.max_tensors} (--max-tensors)"
+            )
+
+    @contextlib.contextmanager
+    def scratch(self, nbytes: int) -> Iterator[None]:
+        """Count ``nbytes`` of a request's transient buffers (a compressed chunk being decoded) in
+        ``used`` while inside, so that other puts see the memory they take. Never refused: a
+        request's scratch is at most twice the chunk it receives into its own reservation, which
+        the capacity already admitted (``framing.compressed_scratch``)."""
+        with self._lock:
+            self._scratch += nbytes
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._scratch -= nbytes
+
+    async def call(self, fn: Callable[..., T], *args: object) -> T:
+        """``fn(*args)`` (``commit``, ``delete``) from the event loop: on the store's disk thread
+        when a data directory makes it block (a delete waits for the disk lock of a commit being
+        written), so the loop keeps serving others; directly otherwise."""
+        if self._disk_thread is None:
+            return fn(*args)
+        return await asyncio.wrap_future(self._disk_thread.submit(fn, *args))
 
     def commit(self, res: Reservation) -> int:
         """Make every tensor of ``res`` visible at once under a new version; return the version.
@@ -198,7 +301,8 @@ class TensorStore:
             if res.done or res.committing:
                 return
             res.done = True
-            self._reserved -= res.nbytes
+            self._reserved -= res.charge
+            self._slots -= res.slots
             for buf in res.buffers:
                 self._pool.give(buf)
 
@@ -208,21 +312,27 @@ class TensorStore:
             self.revision += 1
             version = self.revision
         res.done = True
-        self._reserved -= res.nbytes
+        self._reserved -= res.charge
+        self._slots -= res.slots
         for meta, buf in zip(res.metas, res.buffers, strict=True):
             old = self._entries.get(meta.name)
             if old is not None:
                 self._drop(old)
             self._entries[meta.name] = Entry(meta.with_version(version), buf)
             self._stored += meta.nbytes
+            self._metadata += entry_cost(meta.name)
         return version
 
     def _drop(self, entry: Entry) -> None:
-        """Forget an entry (caller holds the lock); its buffer is reused once no reader pins it."""
+        """Forget an entry (caller holds the lock); its buffer is reused once no reader pins it,
+        and counts as pinned until then."""
         self._stored -= entry.meta.nbytes
+        self._metadata -= entry_cost(entry.meta.name)
         entry.retired = True
         if entry.pins == 0:
             self._pool.give(entry.data)
+        else:
+            self._pinned += entry.data.nbytes
 
     # -- reads ---------------------------------------------------------------------------------
     def acquire(self, names: Sequence[str]) -> list[Entry]:
@@ -238,6 +348,7 @@ class TensorStore:
             for entry in entries:
                 entry.pins -= 1
                 if entry.pins == 0 and entry.retired:
+                    self._pinned -= entry.data.nbytes
                     self._pool.give(entry.data)
 
     def stat(self, names: Sequence[str]) -> list[TensorMeta]:
@@ -261,7 +372,9 @@ class TensorStore:
 
     # -- deletes -------------------------------------------------------------------------------
     def delete(self, names: Sequence[str]) -> int:
-        """Remove all of ``names`` or none (KeyNotFound); return how many were removed."""
+        """Remove all of ``names`` or none (KeyNotFound); return how many were removed. With a data
+        directory this needs no new disk space (``DataDir.save_revision``), so a full disk can be
+        freed through the server; it blocks on the disk, so call it through ``call`` on a loop."""
         with self._disk_lock:
             with self._lock:
                 for name in names:
@@ -281,8 +394,15 @@ class TensorStore:
         for meta, data in self._disk.load():
             self._entries[meta.name] = Entry(meta, data.numpy().data.cast("B"))
             self._stored += meta.nbytes
+            self._metadata += entry_cost(meta.name)
             self.revision = max(self.revision, meta.version)
-        if self._stored > self.capacity:
+        if self.used > self.capacity:
             raise CapacityExceeded(
-                f"data directory holds {self._stored} bytes, more than the capacity {self.capacity}"
+                f"data directory holds {self._stored} bytes in {len(self._entries)} tensors"
+                f" ({self.used} with their names' cost), more than the capacity {self.capacity} (--capacity)"
+            )
+        if len(self._entries) > self.max_tensors:
+            raise CapacityExceeded(
+                f"data directory holds {len(self._entries)} tensors,"
+                f" more than {self.max_tensors} (--max-tensors)"
             )

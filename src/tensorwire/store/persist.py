@@ -12,8 +12,10 @@ right tensor; the others (complex32, complex128, float8 fnuz/e8m0, float4, bits*
 ``U8`` of shape ``[nbytes]`` and restored from the metadata. Bytes are written as they are in
 memory, which is the safetensors (little-endian) layout on every platform torch ships for.
 
-Besides those files the directory may hold ``.tmp-<uuid>`` (a file being written) and
-``journal-<uuid>.json`` (a batch being committed); anything else is ignored.
+Besides those files the directory may hold ``.tmp-<uuid>`` (a file being written),
+``journal-<uuid>.json`` (a batch being committed) and ``revision.slots`` (the last version handed
+out; see "Deletes on a full disk"); anything else is ignored. A stored tensor's file that is a
+symbolic link is refused at start: tensorwire never makes one, and it would read another file.
 
 Crash safety
 ------------
@@ -34,6 +36,17 @@ Crash safety
   ``write``/``remove`` first completes it, so a stale journal can never be replayed over a newer
   value. At most one journal exists at a time.
 
+Deletes on a full disk
+----------------------
+A delete must first make the last version handed out durable (else a restart could hand out a
+deleted version again), and it must work when the disk is full, since deleting is how space is
+freed. So that version lives in ``revision.slots``, a file of one block written once when the
+directory is opened and overwritten in place afterwards, which takes no new disk space. It holds
+two slots, each ``u64 revision | u32 crc32`` at its own 512-byte sector; a save overwrites the slot
+holding the smaller revision and fsyncs, so a torn write leaves the other slot, and the files not
+yet removed, to bound the versions from below. A directory written before this file existed has
+a text file ``revision``, still read. Files are opened without following symbolic links.
+
 A ``DataDir`` is not thread-safe; its owner serializes calls.
 """
 
@@ -42,10 +55,12 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import logging
 import os
 import pathlib
 import struct
 import uuid
+import zlib
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -54,13 +69,21 @@ import safetensors.torch
 import torch
 
 from tensorwire.errors import InvalidTensor, PersistenceError
+from tensorwire.logs import event
 from tensorwire.types import TensorMeta
 from tensorwire.wire.dtypes import dtype_from_name, dtype_name
 
 SUFFIX = ".safetensors"
 TEMP_PREFIX = ".tmp-"
 JOURNAL_PREFIX = "journal-"
-REVISION_FILE = "revision"
+REVISION_FILE = "revision"  # the text file of data directories written before revision.slots
+SLOTS_FILE = "revision.slots"
+_SLOT = struct.Struct("<QI")  # revision, crc32 of its 8 bytes
+_SLOT_OFFSETS = (0, 512)  # one sector each: a torn write damages at most one
+_SLOTS_BYTES = 4096  # one block, allocated when the file is made
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+
+log = logging.getLogger("tensorwire.store")
 JOURNAL_SUFFIX = ".json"
 META_VERSION = "tensorwire.version"
 META_DTYPE = "tensorwire.dtype"
@@ -158,6 +181,7 @@ class DataDir:
         self._pending_journal: pathlib.Path | None = None
         self._create()
         self._recover()
+        self._slots_ready = self._make_slots()
 
     @property
     def path(self) -> pathlib.Path:
@@ -193,15 +217,50 @@ class DataDir:
 
     def save_revision(self, revision: int) -> None:
         """Durably record the last version handed out. Stored files alone would let a restart after
-        deletes hand out versions a client has already seen; this file bounds them from below."""
-        temp = self._new_temp()
-        self._write_durably(temp, [str(revision).encode()])
-        self._rename(temp.name, REVISION_FILE)
-        self._sync_dir()
+        deletes hand out versions a client has already seen; this record bounds them from below.
+        It is written in place, into space the file already has: no new disk space is needed."""
+        if not self._slots_ready:
+            self._slots_ready = self._make_slots(revision)
+            if self._slots_ready:
+                return
+            # No room was ever found for the slots: the old way, which needs a new block.
+            temp = self._new_temp()
+            self._write_durably(temp, [str(revision).encode()])
+            self._rename(temp.name, REVISION_FILE)
+            self._sync_dir()
+            return
+        path = self._path / SLOTS_FILE
+        try:
+            fd = os.open(path, os.O_RDWR | _NOFOLLOW)
+            try:
+                slots = _read_slots(fd)
+                older = min(range(len(_SLOT_OFFSETS)), key=lambda i: slots[i])
+                os.pwrite(fd, _encode_slot(revision), _SLOT_OFFSETS[older])
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        except OSError as exc:
+            raise PersistenceError(f"cannot record the revision in {path}: {exc}") from exc
 
     def load_revision(self) -> int:
         """The revision last saved by ``save_revision`` (0 if none)."""
+        path = self._path / SLOTS_FILE
+        try:
+            fd = os.open(path, os.O_RDONLY | _NOFOLLOW)
+        except FileNotFoundError:
+            return self._legacy_revision()
+        except OSError as exc:
+            raise PersistenceError(f"cannot read {path}: {exc}") from exc
+        try:
+            return max(*_read_slots(fd), self._legacy_revision())
+        except OSError as exc:
+            raise PersistenceError(f"cannot read {path}: {exc}") from exc
+        finally:
+            os.close(fd)
+
+    def _legacy_revision(self) -> int:
         path = self._path / REVISION_FILE
+        _refuse_link(path)
         try:
             return int(path.read_text(encoding="ascii"))
         except FileNotFoundError:
@@ -209,11 +268,34 @@ class DataDir:
         except (OSError, ValueError) as exc:
             raise PersistenceError(f"cannot read {path}: {exc}") from exc
 
+    def _make_slots(self, revision: int | None = None) -> bool:
+        """Make ``revision.slots`` (one block, written out so that later saves need no new space)
+        if it is not there; False, with a warning, if the disk has no room for it now."""
+        if (self._path / SLOTS_FILE).exists():
+            return True
+        start = max(self._legacy_revision(), revision or 0)
+        body = bytearray(_SLOTS_BYTES)
+        for offset in _SLOT_OFFSETS:
+            body[offset : offset + _SLOT.size] = _encode_slot(start)
+        temp = self._new_temp()
+        try:
+            self._write_durably(temp, [bytes(body)])
+            self._rename(temp.name, SLOTS_FILE)
+            self._sync_dir()
+        except PersistenceError as exc:
+            _unlink_quietly(temp)
+            event(log, logging.WARNING, "revision slots not made: deletes need disk space until they are",
+                  path=str(self._path), error=str(exc))  # fmt: skip
+            return False
+        return True
+
     def load(self) -> Iterator[tuple[TensorMeta, torch.Tensor]]:
         """Every stored tensor: its meta (with version) and its bytes as a 1-D uint8 tensor."""
         for entry in sorted(self._listdir()):
             if entry.endswith(SUFFIX):
-                yield read_file(self._path / entry)
+                path = self._path / entry
+                _refuse_link(path)
+                yield read_file(path)
 
     # ------------------------------------------------------------------------------ filesystem
 
@@ -242,6 +324,8 @@ class DataDir:
     def _write_durably(self, path: pathlib.Path, chunks: Sequence[bytes | memoryview]) -> None:
         """Create ``path`` holding ``chunks`` and fsync it; on failure, remove what was written."""
         try:
+            # "x" (O_CREAT | O_EXCL) never follows a symbolic link: a link planted under this
+            # name makes the open fail instead of writing through it.
             with open(path, "xb") as f:
                 for chunk in chunks:
                     f.write(chunk)  # a memoryview goes straight to the file, without a copy
@@ -361,6 +445,21 @@ class DataDir:
             raise PersistenceError(f"cannot delete {path}: {exc}") from exc
 
 
+def _encode_slot(revision: int) -> bytes:
+    raw = struct.pack("<Q", revision)
+    return _SLOT.pack(revision, zlib.crc32(raw))
+
+
+def _read_slots(fd: int) -> list[int]:
+    """The revision in each slot (0 for a slot that is torn or blank)."""
+    found = []
+    for offset in _SLOT_OFFSETS:
+        raw = os.pread(fd, _SLOT.size, offset)
+        revision, crc = _SLOT.unpack(raw) if len(raw) == _SLOT.size else (0, 1)
+        found.append(revision if zlib.crc32(struct.pack("<Q", revision)) == crc else 0)
+    return found
+
+
 def _sync_dir(path: pathlib.Path) -> None:
     """fsync a directory, which makes the creations, renames and deletions in it durable."""
     try:
@@ -373,8 +472,16 @@ def _sync_dir(path: pathlib.Path) -> None:
         raise PersistenceError(f"cannot fsync directory {path}: {exc}") from exc
 
 
+def _refuse_link(path: pathlib.Path) -> None:
+    """tensorwire never makes a symbolic link in a data directory; one there would be read (or
+    written) through, into a file elsewhere, so it is refused."""
+    if path.is_symlink():
+        raise PersistenceError(f"{path} is a symbolic link; tensorwire never writes one")
+
+
 def _read_journal(journal: pathlib.Path) -> list[tuple[str, str]]:
     """The (temp, final) renames of a journal; PersistenceError if it is unreadable or malformed."""
+    _refuse_link(journal)
     try:
         body = json.loads(journal.read_bytes())
         renames = [(str(temp), str(final)) for temp, final in body["renames"]]

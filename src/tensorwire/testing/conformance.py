@@ -31,6 +31,7 @@ from tensorwire.client import AsyncClient, ClientOptions
 from tensorwire.security import Security, TlsFiles, write_dev_certs
 from tensorwire.server import Server
 from tensorwire.store import TensorStore
+from tensorwire.store.memory import entry_cost
 from tensorwire.transport.base import ByteStream
 from tensorwire.transport.framing import FrameReader, read_head, send_frame
 from tensorwire.types import Address, Limits, TensorMeta
@@ -267,7 +268,7 @@ async def an_unfinished_batch_stores_nothing(h: Harness) -> None:
         async with raw(srv) as (stream, _):  # a batch cut off by a closed connection
             await stream.send([put_frame([part], bytes(600_000), rid=5, flags=Flags.MORE)])
         async with h.client(srv) as c:
-            await _until_stored(c, "u/full", torch.zeros(1 << 20, dtype=torch.uint8))
+            await _until_stored(c, "u/full", torch.zeros(1000_000, dtype=torch.uint8))
             assert [m.name for m in await c.list()] == ["u/full"]  # both reservations were freed
 
 
@@ -284,7 +285,7 @@ async def a_stalled_request_is_cut_off(h: Harness) -> None:
             assert time.monotonic() - idle_since > 0.8
         async with h.client(srv) as c:
             await c.delete("s/x")
-            await c.put("s/full", torch.zeros(1 << 20, dtype=torch.uint8))  # the reservation is free
+            await c.put("s/full", torch.zeros(1000_000, dtype=torch.uint8))  # the reservation is free
 
 
 async def connections_are_bounded_and_idle_ones_dropped(h: Harness) -> None:
@@ -386,7 +387,7 @@ async def capacity_is_enforced(h: Harness) -> None:
             raise AssertionError("capacity was not enforced")
         assert [m.name for m in await c.list()] == ["fits"]
         await c.delete("fits")
-        await c.put("too-big", torch.zeros(1 << 18))  # the space came back
+        await c.put("too-big", torch.zeros((1 << 18) - 1024))  # the space came back (less a name's cost)
 
 
 async def many_requests_in_flight(h: Harness) -> None:
@@ -743,10 +744,11 @@ async def rpc_a_stalled_put_is_cut_off(h: Harness) -> None:
             info = pb.TensorInfo(name="st/x", dtype="uint8", shape=[900_000], nbytes=900_000)
             first = memoryview(bytes(1000))
             await call.write(encode_chunk(first, 1, checksum(1, first), info))  # then silence
-            await _until(lambda: srv.store.used == 900_000, "the stalled Put's reservation")
+            reserved = 900_000 + entry_cost("st/x")  # the tensor and its name's cost
+            await _until(lambda: srv.store.used == reserved, "the stalled Put's reservation")
             await _until(lambda: srv.store.used == 0, "the stalled Put to be cut off and freed")
             async with h.client(srv) as c:
-                await c.put("st/full", torch.zeros(1 << 20, dtype=torch.uint8))  # the room is back
+                await c.put("st/full", torch.zeros(1000_000, dtype=torch.uint8))  # the room is back
             call.cancel()
 
 

@@ -9,10 +9,12 @@ chunk is checked as it arrives, wherever its bytes land.
 
 from __future__ import annotations
 
+import asyncio
 import struct
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 
+import numpy as np
 import xxhash
 
 from tensorwire.errors import ConnectionLost, CorruptFrame
@@ -34,12 +36,48 @@ _TRAILER = struct.Struct("<Q")
 READ_BUFFER = 256 << 10  # reads smaller than this go through the buffer; larger ones land directly
 _COALESCE = 16 << 10  # pieces smaller than this are copied together: a copy is cheaper than a syscall
 _MAX_IOV = 512  # stay well under IOV_MAX per sendmsg
+# A stream read or written while its socket keeps up never waits, so a large frame would hold the
+# event loop from its first byte to its last (a 1 GiB put froze every other connection for over a
+# second). Past YIELD_BYTES, once YIELD_SECONDS have gone by without a turn, the frame's coroutine
+# gives the loop one turn: others wait about a millisecond at most, and a slow stream, which waits
+# for its bytes anyway, is not slowed by turns it does not need.
+YIELD_BYTES = 1 << 20
+YIELD_SECONDS = 0.001
+# One receive syscall into fresh pages runs at the page-fault rate (well under 1 GB/s here): a
+# socket buffer of 8 MiB drained into a new 1 GiB tensor in one call held the loop for ~50 ms.
+# Reads into a caller's buffer go in slices of at most this much, each a short hold.
+RECV_SLICE = 1 << 20
+# Decoding a compressed chunk this large runs on a worker thread (lz4 and zstd release the GIL):
+# a 64 MiB zstd chunk takes ~60 ms to decode, which the loop's other connections must not wait for.
+DECODE_OFF_LOOP = 1 << 20
+
+
+class Turns:
+    """When a long stretch of stream work should give the event loop a turn (see YIELD_SECONDS)."""
+
+    __slots__ = ("_bytes", "_since")
+
+    def __init__(self) -> None:
+        self._bytes = 0
+        self._since = time.perf_counter()
+
+    def reset(self) -> None:
+        """The coroutine waited anyway (for a new frame, say): its stretch starts again."""
+        self._bytes = 0
+        self._since = time.perf_counter()
+
+    async def moved(self, nbytes: int) -> None:
+        """``nbytes`` more were moved; take a turn if the stretch has gone on long enough."""
+        self._bytes += nbytes
+        if self._bytes >= YIELD_BYTES and time.perf_counter() - self._since >= YIELD_SECONDS:
+            await asyncio.sleep(0)
+            self.reset()
 
 
 class FrameReader:
     """Exact-size reads from a stream; large reads go straight into the caller's buffer."""
 
-    __slots__ = ("_buf", "_end", "_pos", "_stream", "_view", "received")
+    __slots__ = ("_buf", "_end", "_pos", "_stream", "_turns", "_view", "received")
 
     def __init__(self, stream: ByteStream) -> None:
         self._stream = stream
@@ -48,6 +86,7 @@ class FrameReader:
         self._pos = 0
         self._end = 0
         self.received = 0
+        self._turns = Turns()
 
     async def readinto(self, dest: memoryview) -> None:
         """Fill ``dest`` completely; ConnectionLost if the stream ends first."""
@@ -62,7 +101,7 @@ class FrameReader:
         filled = have
         while filled < want:
             if want - filled >= READ_BUFFER:
-                filled += await self._recv(dest[filled:])
+                filled += await self._recv(dest[filled : filled + RECV_SLICE])
                 continue
             got = await self._recv(self._view)
             take = min(got, want - filled)
@@ -86,6 +125,7 @@ class FrameReader:
 
     async def at_frame_start(self) -> bool:
         """Wait for the next frame; False if the peer closed the stream cleanly between frames."""
+        self._turns.reset()
         if self._end > self._pos:
             return True
         got = await self._stream.recv_into(self._view)
@@ -98,6 +138,7 @@ class FrameReader:
         if got == 0:
             raise ConnectionLost(f"{self._stream.peer} closed the connection in the middle of a frame")
         self.received += got
+        await self._turns.moved(got)
         return got
 
 
@@ -156,7 +197,9 @@ def _runs(
             run.append(seg)
             continue
         if len(run) > 1:
-            buf = memoryview(bytearray(sum(r.nbytes for r in run)))
+            # numpy.empty: no zero fill (a bytearray of a 100 MB run of small tensors costs ~50 ms
+            # of the loop's time before the first byte arrives); every byte is received into it.
+            buf = np.empty(sum(r.nbytes for r in run), dtype=np.uint8).data.cast("B")
             staged.append((buf, run))
             out.append(buf)
         else:
@@ -242,6 +285,7 @@ async def _send_chunks(
     out: list[Buffer] = [head]
     pending = wire = 0
     spent = 0.0  # seconds in the stream's send, for the link meter that auto weighs codecs against
+    turns = Turns()
     for pieces in _pieces(views, header.chunk_size):
         digest = _TRAILER.pack(_digest(header.checksum, pieces))
         if chunks is None:
@@ -260,6 +304,7 @@ async def _send_chunks(
             spent += time.perf_counter() - start
             if progress is not None:
                 progress(pending)
+            await turns.moved(pending)
             out, pending = [], 0
     if out:
         await stream.send(out)
@@ -315,18 +360,23 @@ async def recv_data(
             verified(size)
         if progress is not None:
             progress(size)
-    _finish_recv(header, bad, staged)
+    await _finish_recv(header, bad, staged)
 
 
-def _finish_recv(header: Header, bad: int, staged: list[tuple[memoryview, list[memoryview]]]) -> None:
+async def _finish_recv(header: Header, bad: int, staged: list[tuple[memoryview, list[memoryview]]]) -> None:
+    """Raise for bad chunks, else copy staged runs out to their segments; the copy of a batch of
+    100,000 small tensors takes ~100 ms, so it gives the loop a turn every ~millisecond."""
     if bad:
         raise CorruptFrame(f"{bad} corrupt chunk(s) in request {header.request_id}; nothing was kept")
+    turns = Turns()
     for buf, run in staged:
         pos = 0
-        for dest in run:
+        for i, dest in enumerate(run, 1):
             end = pos + dest.nbytes
             dest[:] = buf[pos:end]
             pos = end
+            if not i % 512:  # an await per small tensor would cost more than the copy
+                await turns.moved(YIELD_BYTES)  # ask about the time, whatever the bytes
 
 
 async def _chunk_head(reader: FrameReader, head: memoryview, size: int) -> tuple[int, int]:
@@ -364,9 +414,11 @@ async def _recv_compressed(
             for piece in pieces:
                 await reader.readinto(piece)
         else:
-            scratch = scratch if scratch is not None else memoryview(bytearray(header.chunk_size))
+            # Sized by the largest chunk this frame can have, not by the chunk size it declares: a
+            # 4 KiB put that declares 64 MiB chunks must not cost 64 MiB (see compressed_scratch).
+            scratch = scratch if scratch is not None else memoryview(bytearray(_largest_chunk(header)))
             await reader.readinto(scratch[:wire])
-            ok = _decode_into(codec, scratch[:wire], pieces, size)
+            ok = await _decode_into(codec, scratch[:wire], pieces, size)
         await reader.readinto(tview)
         if not ok or _TRAILER.unpack(trailer)[0] != _digest(header.checksum, pieces):
             bad += 1
@@ -374,10 +426,29 @@ async def _recv_compressed(
             verified(size)
         if progress is not None:
             progress(size)
-    _finish_recv(header, bad, staged)
+    await _finish_recv(header, bad, staged)
 
 
-def _decode_into(codec: int, payload: memoryview, pieces: list[memoryview], size: int) -> bool:
+def _largest_chunk(header: Header) -> int:
+    return min(header.chunk_size, header.data_len)
+
+
+def compressed_scratch(header: Header) -> int:
+    """Bytes that receiving this frame's data section allocates besides its destination: for a
+    compressed section, one scratch buffer for a chunk's wire bytes and one chunk's decoded output,
+    each at most the largest chunk the frame can have; nothing for a plain one. A server counts
+    this in its store's ``used`` while it receives."""
+    return 2 * _largest_chunk(header) if header.data_len and header.flags & _COMPRESSED else 0
+
+
+async def _decode_into(codec: int, payload: memoryview, pieces: list[memoryview], size: int) -> bool:
+    if size >= DECODE_OFF_LOOP:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(None, _decode_now, codec, payload, pieces, size)
+    return _decode_now(codec, payload, pieces, size)
+
+
+def _decode_now(codec: int, payload: memoryview, pieces: list[memoryview], size: int) -> bool:
     try:
         raw = memoryview(lossless.decompress(codec, payload, size))
     except CorruptFrame:

@@ -74,12 +74,17 @@ def compress(codec: int, data: bytes | memoryview) -> bytes:
 
 
 def decompress(codec: int, payload: bytes | memoryview, size: int) -> bytes:
-    """The ``size`` bytes ``payload`` decodes to; CorruptFrame if it does not decode to exactly that."""
+    """The ``size`` bytes ``payload`` decodes to; CorruptFrame if it does not decode to exactly that.
+
+    Nothing larger than ``size`` is ever allocated, whatever the payload claims: a zstd frame
+    carries its own content size, which the library would allocate as given (a 6 KiB frame can
+    claim gigabytes), so that claim is checked against ``size`` first.
+    """
     try:
         if codec == Codec.LZ4:
             out = lz4.block.decompress(payload, uncompressed_size=size)
         elif codec == Codec.ZSTD:
-            out = _ZSTD_D.decompress(payload, max_output_size=size)
+            out = _zstd_decompress(payload, size)
         else:
             raise CorruptFrame(f"unknown chunk codec {codec}")
     except (lz4.block.LZ4BlockError, zstandard.ZstdError) as exc:
@@ -87,6 +92,26 @@ def decompress(codec: int, payload: bytes | memoryview, size: int) -> bytes:
     if len(out) != size:
         raise CorruptFrame(f"a compressed chunk decoded to {len(out)} bytes, not {size}")
     return bytes(out)
+
+
+def _zstd_decompress(payload: bytes | memoryview, size: int) -> bytes:
+    declared = zstandard.frame_content_size(payload)
+    if declared == size:
+        return bytes(_ZSTD_D.decompress(payload, max_output_size=size))
+    if declared != -1:
+        raise CorruptFrame(f"a compressed chunk claims {declared} bytes, not {size}")
+    # The frame does not say: decode into a buffer one byte larger than ``size`` (reader.read(n)
+    # would decode the whole frame first), so that a longer output shows without being held.
+    out = bytearray(size + 1)
+    view = memoryview(out)
+    got = 0
+    with _ZSTD_D.stream_reader(payload) as reader:
+        while got <= size:
+            n = reader.readinto(view[got:])
+            if not n:
+                break
+            got += n
+    return bytes(view[:got])
 
 
 @dataclass(slots=True)

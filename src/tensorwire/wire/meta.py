@@ -66,6 +66,15 @@ class MetaReader:
             raise LimitExceeded(f"batch of {n} items exceeds {self._limits.max_batch}")
         return n
 
+    def peek_count(self) -> int:
+        """The count the next ``count()`` will read, checked the same way, without moving on: a
+        receiver can weigh what the items will cost before it decodes them."""
+        pos = self._pos
+        try:
+            return self.count()
+        finally:
+            self._pos = pos
+
     def text(self, max_bytes: int) -> str:
         (n,) = self.take(_U16)
         if n > max_bytes:
