@@ -43,7 +43,7 @@ from tensorwire._fs import write_file
 from tensorwire._loop import run
 from tensorwire._text import markup, printable
 from tensorwire.bench import BENCHMARKS
-from tensorwire.client import Client, connect
+from tensorwire.client import Client, ClientOptions, connect
 from tensorwire.errors import TensorwireError
 from tensorwire.security import (
     DEV_CERT_HOSTS,
@@ -799,11 +799,13 @@ def ps_launch(
 
 @ps.command("stats")
 @click.argument("servers", nargs=-1, required=True, callback=_url_param)
+@security_options
 def ps_stats(servers: tuple[str, ...]) -> None:
     """Print each parameter server's view of its job (JSON): mode, step, workers, staleness."""
     from tensorwire.ps.worker import server_stats
 
-    click.echo(json.dumps(server_stats(list(servers)), indent=2))
+    security = ClientOptions(**client_options()).security()
+    click.echo(json.dumps(server_stats(list(servers), security=security), indent=2))
 
 
 @main.command("status")

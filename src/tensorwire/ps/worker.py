@@ -644,12 +644,18 @@ def pull_parameters(model: torch.nn.Module, servers: Sequence[str] | str, *, tim
 
 
 def server_stats(
-    servers: Sequence[str], *, timeout: float = 10.0, token: str | None = None
+    servers: Sequence[str],
+    *,
+    timeout: float = 10.0,
+    token: str | None = None,
+    security: Security | None = None,
 ) -> list[dict[str, Any]]:
-    """Each server's ``PS_STATS`` answer, without joining anything (``tensorwire ps stats``)."""
+    """Each server's ``PS_STATS`` answer, without joining anything (``tensorwire ps stats``).
+    ``security``: TLS files and token (default: ``token``, else ``$TENSORWIRE_TOKEN``)."""
     from tensorwire._loop import run
 
-    options = transports.TransportOptions(timeout, timeout, security=Security(None, client_token(token)))
+    security = security or Security(None, client_token(token))
+    options = transports.TransportOptions(timeout, timeout, security=security)
 
     async def one(url: str) -> dict[str, Any]:
         conn = await transports.open_transport(Address.parse(url), options)
