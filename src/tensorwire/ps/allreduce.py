@@ -31,7 +31,7 @@ from tensorwire._loop import LoopThread
 from tensorwire.compression import Codec, ErrorFeedback, resolve
 from tensorwire.errors import ProtocolError
 from tensorwire.ps.worker import check_trainable, env_int
-from tensorwire.security import Security, client_token
+from tensorwire.security import Security, TlsFiles, client_token
 from tensorwire.transport.framed import FramedTransport
 from tensorwire.types import Address, TensorMeta
 from tensorwire.wire import meta as wm
@@ -54,6 +54,7 @@ class ExchangeClient:
         timeout: float = 120.0,
         connect_timeout: float = 10.0,
         token: str | None = None,
+        tls: TlsFiles | None = None,
         codec: Codec | str | None = None,
         error_feedback: bool | None = None,
     ) -> None:
@@ -73,7 +74,7 @@ class ExchangeClient:
         # under the rank meanwhile), as a parameter server binds a worker's rank to its incarnation.
         self.session = secrets.randbits(63) or 1
         self._options = transports.TransportOptions(
-            connect_timeout, timeout + _MARGIN, security=Security(None, client_token(token))
+            connect_timeout, timeout + _MARGIN, security=Security(tls, client_token(token))
         )
         self._thread = LoopThread("tensorwire-exchange")
         self._conn: FramedTransport | None = None

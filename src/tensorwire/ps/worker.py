@@ -71,7 +71,7 @@ from tensorwire.errors import (
 from tensorwire.ps.optim import SGD, OptimizerSpec, spec_of
 from tensorwire.ps.placement import ParamSpec, Placement, Shard, plan
 from tensorwire.ps.server import JobConfig, Mode
-from tensorwire.security import Security, client_token
+from tensorwire.security import Security, TlsFiles, client_token
 from tensorwire.transport.framed import FramedTransport
 from tensorwire.types import Address, TensorMeta
 from tensorwire.wire import meta as wm
@@ -115,6 +115,7 @@ class Worker:
         connect_timeout: float = 10.0,
         split_bytes: int | None = None,
         token: str | None = None,
+        tls: TlsFiles | None = None,
         observer: bool = False,
         heartbeat: float = 1.0,
         push_codec: Codec | str | None = None,
@@ -144,7 +145,9 @@ class Worker:
         self._pull_buffers: dict[str, torch.Tensor] = {}  # a compressed pull lands here first
         self.placement: Placement = plan(ParamSpec.of(model), len(self.servers), split_bytes)
         self._shards = [self.placement.on_server(i) for i in range(len(self.servers))]
-        self._security = Security(None, client_token(token))
+        # TLS files for tls:// servers (``TlsFiles(ca=...)`` for a private CA; a client certificate
+        # where the servers require one) and the token (default: $TENSORWIRE_TOKEN).
+        self._security = Security(tls, client_token(token))
         self.heartbeat = heartbeat  # seconds between heartbeats (0: none); see ParamServer
         self.clock = 0  # pushes made since the last (re)join
         self.version = 0
@@ -637,9 +640,18 @@ async def _gather_all(coros: Iterable[Coroutine[Any, Any, T]]) -> list[T]:
     return results  # type: ignore[return-value]
 
 
-def pull_parameters(model: torch.nn.Module, servers: Sequence[str] | str, *, timeout: float = 60.0) -> int:
+def pull_parameters(
+    model: torch.nn.Module,
+    servers: Sequence[str] | str,
+    *,
+    timeout: float = 60.0,
+    token: str | None = None,
+    tls: TlsFiles | None = None,
+) -> int:
     """Write a job's current parameters into ``model`` without joining it (evaluation, export)."""
-    with Worker(model, servers, rank=0, world_size=1, timeout=timeout, observer=True) as reader:
+    with Worker(
+        model, servers, rank=0, world_size=1, timeout=timeout, token=token, tls=tls, observer=True
+    ) as reader:
         return reader.version
 
 
