@@ -37,5 +37,6 @@ def test_a_worker_and_an_exchange_client_over_tls_with_a_private_ca(tmp_path: Pa
             grads = {"g": torch.ones(4)}
             assert exchange.allreduce(grads) == 1
         # Without the CA, the server's certificate does not verify.
-        with pytest.raises(ConnectError), Worker(torch.nn.Linear(8, 2), url, rank=0, world_size=1, token=TOKEN):
+        untrusting = Worker(torch.nn.Linear(8, 2), url, rank=0, world_size=1, token=TOKEN)
+        with pytest.raises(ConnectError), untrusting:
             pass
