@@ -1,6 +1,8 @@
 """What a parameter server holds in memory for its job, counted against its capacity.
 
-A parameter server's memory is its job's parameters and what it keeps per push and per pull:
+A parameter server's memory is its job's parameters, its optimizer's state (``optimizer``:
+momentum, Adam's moments; counted when the job is made, before torch allocates it on the first
+step) and what it keeps per push and per pull:
 
 * ``gradients``: the buffers pushes land in, one set of the shards' size per push being received
   or waiting for its sync step (so at most one per live worker at a time), kept for reuse after;
@@ -18,7 +20,7 @@ from __future__ import annotations
 
 from tensorwire.errors import CapacityExceeded
 
-KINDS = ("params", "gradients", "payloads", "snapshots")
+KINDS = ("params", "optimizer", "gradients", "payloads", "snapshots")
 
 
 class Budget:

@@ -45,6 +45,12 @@ class OptimizerSpec:
         except (ValueError, TypeError, IndexError, RuntimeError) as exc:
             raise ValueError(f"unusable {self.KIND} settings {_shown(self)}: {exc}") from None
 
+    @property
+    def state_copies(self) -> int:
+        """How many tensors the size of the parameters ``torch.optim`` keeps as state (momentum,
+        moments): what a server must hold beside the parameters (ps/budget.py)."""
+        return 0
+
     def to_dict(self) -> dict[str, Any]:
         return {"kind": self.KIND, **dataclasses.asdict(self)}
 
@@ -62,6 +68,10 @@ class SGD(OptimizerSpec):
     weight_decay: float = 0.0
     nesterov: bool = False
 
+    @property
+    def state_copies(self) -> int:
+        return 1 if self.momentum else 0  # the momentum buffer
+
 
 @dataclass(frozen=True)
 class Adam(OptimizerSpec):
@@ -72,6 +82,10 @@ class Adam(OptimizerSpec):
     eps: float = 1e-8
     weight_decay: float = 0.0
     amsgrad: bool = False
+
+    @property
+    def state_copies(self) -> int:
+        return 3 if self.amsgrad else 2  # the first and second moments (and their maximum)
 
 
 @dataclass(frozen=True)

@@ -452,7 +452,8 @@ class ParamServer:
             raise ProtocolError("PS_INIT without values, but this server has no job yet")
         self._check_worker(head)
         if self.config is None and not self._initializing:
-            self.budget.check(request.header.data_len, "the job's parameters")
+            copies = 1 + config.optimizer.state_copies
+            self.budget.check(copies * request.header.data_len, "the job's parameters and optimizer state")
         if self.config is None and not self._initializing:
             await self._create(request, head, config, metas)
             await request.reply(wps.encode_init_reply(True, self.step))
@@ -487,10 +488,17 @@ class ParamServer:
         shards = {m.name: _Shard(m.name, torch.nn.Parameter(v)) for m, v in zip(metas, values, strict=True)}
         self.optimizer = config.optimizer.build(s.param for s in shards.values())
         self.shards, self.config = shards, config
-        self.budget.set("params", sum(s.meta.nbytes for s in shards.values()))
+        self._count_job()
         self._generation += 1
         self._note_world(head.world)
         log.info("job initialised: %d shards, mode %s, %s", len(shards), config.mode, config.optimizer)
+
+    def _count_job(self) -> None:
+        """The job's parameters and its optimizer's state, in the budget (made or restored)."""
+        assert self.config is not None
+        params = sum(s.meta.nbytes for s in self.shards.values())
+        self.budget.set("params", params)
+        self.budget.set("optimizer", params * self.config.optimizer.state_copies)
 
     async def _on_join(self, request: Request) -> None:
         self._serving()
@@ -1113,7 +1121,7 @@ class ParamServer:
             worker.live, worker.read_clock, worker.incarnation = live, read_clock, incarnation
         dropped = [b for b, _ in (g for p in self._pending.values() for g in p.grads.values())] + self._free
         self.budget.release("gradients", sum(map(_nbytes, dropped)))
-        self.budget.set("params", sum(s.meta.nbytes for s in shards.values()))
+        self._count_job()
         self._pending.clear()
         self._free.clear()
         keys = list(shards)
