@@ -117,7 +117,18 @@ class TensorServicer(pb_grpc.TensorServiceServicer):
             if meta.nbytes > UNARY_MAX_BYTES:
                 message = f"{meta.name!r} has {meta.nbytes} bytes: too large for DownloadTensor, use Get"
                 return _serialize(pb.TensorResponse(success=False, message=message))
-            return await _off_loop(meta.nbytes, _tensor_response, entry.data, meta)
+            # grpcio keeps the answer until the peer has read it, which a peer may never do: the
+            # copy counts against the capacity until the call is over, like a put's bytes.
+            try:
+                release = self.store.hold(meta.nbytes)
+            except TensorwireError as exc:
+                return _serialize(pb.TensorResponse(success=False, message=str(exc)))
+            context.add_done_callback(lambda _: release())
+            try:
+                return await _off_loop(meta.nbytes, _tensor_response, entry.data, meta)
+            except BaseException:
+                release()
+                raise
         finally:
             self.store.release([entry])
 

@@ -363,6 +363,7 @@ class GradientExchange:
             if identity is not None:
                 self.check_owner(identity[0], session)
             grad = await self._gradient_of(raw, metadata)
+            self._hold_answer(context, 4 * grad.numel())
             if identity is None:  # a one-worker exchange: the mean is the gradient
                 return pb.GradientResponse(updated_gradient=grad.numpy().tobytes())
             remaining = context.time_remaining()
@@ -374,6 +375,20 @@ class GradientExchange:
             await context.abort(_grpc_code(exc), str(exc))
             raise AssertionError("unreachable: abort raises") from exc
         return pb.GradientResponse(updated_gradient=mean.numpy().tobytes())
+
+    def _hold_answer(self, context: Any, nbytes: int) -> None:
+        """grpcio keeps a call's answer until the peer has read it, which a peer may never do: its
+        bytes count against the capacity until the call is over (refused up front if they cannot)."""
+        self._charge(nbytes, "a gRPC answer")
+        released = False
+
+        def release(_: object) -> None:
+            nonlocal released
+            if not released:
+                released = True
+                self.held -= nbytes
+
+        context.add_done_callback(release)
 
     async def _gradient_of(self, raw: bytes, metadata: Sequence[tuple[str, Any]]) -> torch.Tensor:
         """The float32 gradient a gRPC call carries: raw, or in the codec its metadata names (with

@@ -259,6 +259,22 @@ class TensorStore:
             with self._lock:
                 self._scratch -= nbytes
 
+    def hold(self, nbytes: int) -> Callable[[], None]:
+        """Count ``nbytes`` of an answer that stays in memory until its peer has read it (a gRPC
+        unary answer: grpcio keeps the message until it is sent, however slowly the peer reads) in
+        ``used`` (as ``scratch``); CapacityExceeded if they do not fit. Returns the release, which
+        may be called more than once."""
+        with self._lock:
+            self._check_room(nbytes, 0)
+            self._scratch += nbytes
+        held = [nbytes]
+
+        def release() -> None:
+            with self._lock:
+                self._scratch -= held.pop() if held else 0
+
+        return release
+
     async def call(self, fn: Callable[..., T], *args: object) -> T:
         """``fn(*args)`` (``commit``, ``delete``) from the event loop: on the store's disk thread
         when a data directory makes it block (a delete waits for the disk lock of a commit being
