@@ -109,30 +109,25 @@ def test_grpc_callers_with_sessions_keep_their_ranks_across_channels() -> None:
             return torch.frombuffer(bytearray(reply.updated_gradient), dtype=torch.float32)
 
         with ExchangeClient(url, rank=0, world_size=2) as a:
-            means: dict[int, torch.Tensor] = {}
 
-            def work(index: int) -> None:
-                if index == 0:
-                    tensors = grad(1.0)
-                    a.allreduce(tensors)
-                    means[0] = tensors["w"]
-                else:
-                    means[1] = call("rank-one", 0, 3.0)
+            def step(step: int, values: tuple[float, float]) -> list[torch.Tensor]:
+                """Rank 0 over the frame protocol and rank 1 (session "rank-one") over gRPC."""
+                means = [torch.empty(0), torch.empty(0)]
 
-            run_threads(work, 2, 60)
-            assert torch.equal(means[1], torch.full((16,), 2.0))
+                def work(index: int) -> None:
+                    if index == 0:
+                        tensors = grad(values[0])
+                        a.allreduce(tensors)
+                        means[0] = tensors["w"]
+                    else:
+                        means[1] = call("rank-one", step, values[1])
+
+                run_threads(work, 2, 60)
+                return means
+
+            assert torch.equal(step(0, (1.0, 3.0))[1], torch.full((16,), 2.0))
             with pytest.raises(grpc.RpcError) as info:
                 call("someone-else", 1, 100.0)
             assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-            means.clear()
-
-            def step_one(index: int) -> None:
-                if index == 0:
-                    tensors = grad(5.0)
-                    a.allreduce(tensors)
-                    means[0] = tensors["w"]
-                else:
-                    means[1] = call("rank-one", 1, 7.0)
-
-            run_threads(step_one, 2, 60)
+            means = step(1, (5.0, 7.0))
         assert torch.equal(means[0], torch.full((16,), 6.0)) and torch.equal(means[1], means[0])
