@@ -44,6 +44,7 @@ lint: $(STAMP)
 	$(BIN)/ruff check src tests fuzz
 	$(BIN)/ruff format --check src tests fuzz
 	$(BIN)/mypy
+	$(BIN)/lint-imports --no-cache
 
 format: $(STAMP)
 	$(BIN)/ruff check --fix src tests fuzz

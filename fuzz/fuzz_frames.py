@@ -43,12 +43,12 @@ import torch
 
 with atheris.instrument_imports(include=["tensorwire"]):
     from tensorwire import ServerThread, errors, transport
-    from tensorwire._loop import new_event_loop
+    from tensorwire._aio import new_event_loop
     from tensorwire.errors import ErrorCode, TensorwireError
     from tensorwire.store import TensorStore
     from tensorwire.testing.conformance import put_frame
     from tensorwire.transport.base import ByteStream
-    from tensorwire.transport.framing import FrameReader, read_head, skip_data
+    from tensorwire.transport.frame_io import FrameReader, read_head, skip_data
     from tensorwire.types import KiB, Limits, MiB, TensorMeta
     from tensorwire.wire import meta as wm
     from tensorwire.wire.checksum import ChecksumKind, checksum, header_crc

@@ -7,9 +7,9 @@
 """
 
 from tensorwire import errors
-from tensorwire.client import AsyncClient, Client, ClientOptions, aconnect, connect
+from tensorwire.client.core import AsyncClient, Client, ClientOptions, aconnect, connect
 from tensorwire.security import Security, TlsFiles
-from tensorwire.server import Server, ServerThread
+from tensorwire.server.core import Server, ServerThread
 from tensorwire.store import TensorStore
 from tensorwire.types import Address, Limits, TensorMeta
 

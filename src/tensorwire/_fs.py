@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 from tensorwire.errors import InvalidName
-from tensorwire.store.names import validate_name
+from tensorwire.wire.names import validate_name
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _NEW_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC

@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from tensorwire._fs import create_file, write_file
+from tensorwire.wire.meta import MAX_TOKEN_BYTES
 
 if TYPE_CHECKING:
     import grpc
@@ -86,7 +87,6 @@ class Security:
             raise ValueError("an empty token would let nobody in (or, read carelessly, everyone): use None")
 
 
-MAX_TOKEN_BYTES = 4096
 # A token file is read with this bound so that pointing --token-file at a large file (a log, a
 # device) fails fast instead of reading it all; the token itself must still fit MAX_TOKEN_BYTES.
 _MAX_TOKEN_FILE_BYTES = 64 * 1024

@@ -9,8 +9,8 @@ from collections.abc import Sequence
 import torch
 
 from tensorwire import transport as transports
-from tensorwire._loop import run
-from tensorwire.transport.framed import FramedTransport
+from tensorwire._aio import run
+from tensorwire.transport.frame_client import FramedTransport
 from tensorwire.types import Address, TensorMeta
 from tensorwire.wire import meta as wm
 from tensorwire.wire import ps as wps

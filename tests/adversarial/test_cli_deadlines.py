@@ -13,7 +13,7 @@ import pytest
 from click.testing import CliRunner
 
 from tensorwire import cli
-from tensorwire._timeouts import Deadline
+from tensorwire._aio import Deadline
 from tensorwire.client import ClientOptions
 from tensorwire.dataset import scatter
 from tensorwire.dataset.fetch import fetch

@@ -14,7 +14,7 @@ import pytest
 from click.testing import CliRunner
 
 from tensorwire import cli
-from tensorwire import demo as demo_module
+from tensorwire.cli import demo as demo_module
 from tensorwire.dataset import scatter
 from tensorwire.testing.process import ServerProcess
 

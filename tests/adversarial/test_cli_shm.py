@@ -13,12 +13,12 @@ import torch
 
 from tensorwire import connect
 from tensorwire import transport as transports
-from tensorwire._loop import run
+from tensorwire._aio import run
 from tensorwire.errors import ProtocolError
 from tensorwire.server import ServerThread
 from tensorwire.store import TensorStore
 from tensorwire.testing.process import ServerProcess, wait_for
-from tensorwire.transport.framed import FramedTransport
+from tensorwire.transport.frame_client import FramedTransport
 from tensorwire.types import Address, MiB, TensorMeta
 from tensorwire.wire import meta as wm
 from tensorwire.wire import shm as ws

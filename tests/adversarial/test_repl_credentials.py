@@ -15,12 +15,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tensorwire.cli.status import collect, summary
 from tensorwire.errors import ServerError
 from tensorwire.ps import SGD, ParamServer, Worker
 from tensorwire.ps.worker import server_stats
 from tensorwire.security import Security, TlsFiles, load_token, write_dev_certs, write_token_file
 from tensorwire.server import ServerThread
-from tensorwire.status import collect, summary
 from tensorwire.testing.faults import kill9
 from tensorwire.testing.process import ServerProcess
 

@@ -12,14 +12,14 @@ import torch
 import torch.nn.functional as F
 
 from tensorwire import transport as transports
-from tensorwire._loop import run
+from tensorwire._aio import run
 from tensorwire.errors import AuthenticationError, NotPrimary, ProtocolError
 from tensorwire.ps import SGD, ParamServer, Worker
 from tensorwire.ps import replication as rp
 from tensorwire.security import Security, write_token_file
 from tensorwire.server import ServerThread
 from tensorwire.testing.process import ServerProcess, wait_for
-from tensorwire.transport.framed import FramedTransport
+from tensorwire.transport.frame_client import FramedTransport
 from tensorwire.types import Address
 from tensorwire.wire import ps as wps
 from tensorwire.wire.frame import Opcode

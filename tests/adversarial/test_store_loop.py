@@ -19,14 +19,14 @@ import pytest
 import torch
 
 import tensorwire
-from tensorwire._loop import run
+from tensorwire._aio import run
 from tensorwire.errors import TransferTimeout
 from tensorwire.server import ServerThread
 from tensorwire.store import TensorStore
 from tensorwire.store.persist import DataDir
 from tensorwire.testing.process import run_threads, wait_for
 from tensorwire.transport.base import Buffer, ByteStream
-from tensorwire.transport.framing import FrameReader, read_head, recv_data, send_frame
+from tensorwire.transport.frame_io import FrameReader, read_head, recv_data, send_frame
 from tensorwire.types import Limits, MiB
 from tensorwire.wire.checksum import ChecksumKind
 from tensorwire.wire.frame import Header, Opcode, decode_header

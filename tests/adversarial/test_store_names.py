@@ -14,11 +14,11 @@ import pytest
 import torch
 
 import tensorwire
-from tensorwire._loop import run
+from tensorwire._aio import run
+from tensorwire.cli.status import ask_status
 from tensorwire.client import Client, ClientOptions
 from tensorwire.errors import CapacityExceeded, ErrorCode
 from tensorwire.server import Server, ServerThread
-from tensorwire.status import ask_status
 from tensorwire.store import TensorStore
 from tensorwire.store.memory import entry_cost
 from tensorwire.testing.conformance import put_frame, raw, read_reply

@@ -17,10 +17,10 @@ import pytest
 import torch
 
 import tensorwire
-from tensorwire._loop import run
+from tensorwire._aio import run
+from tensorwire.cli.status import ask_status
 from tensorwire.client import ClientOptions
 from tensorwire.errors import CapacityExceeded
-from tensorwire.status import ask_status
 from tensorwire.testing.process import ServerProcess, wait_for
 from tensorwire.types import Address, MiB
 from tensorwire.wire import meta as wm

@@ -17,7 +17,7 @@ import torch
 import zstandard
 
 from tensorwire import errors
-from tensorwire._loop import run
+from tensorwire._aio import run
 from tensorwire.server import Server
 from tensorwire.store import TensorStore
 from tensorwire.testing.conformance import raw, read_reply

@@ -14,12 +14,12 @@ from collections.abc import Callable
 import torch
 
 from tensorwire import errors
-from tensorwire._loop import run
+from tensorwire._aio import run
 from tensorwire.server import Server
 from tensorwire.store import TensorStore
 from tensorwire.testing.conformance import raw, read_reply
 from tensorwire.transport.base import ByteStream
-from tensorwire.transport.framing import FrameReader
+from tensorwire.transport.frame_io import FrameReader
 from tensorwire.types import TensorMeta
 from tensorwire.wire import meta as wm
 from tensorwire.wire.checksum import ChecksumKind, checksum

@@ -24,10 +24,10 @@ from tensorwire import transport as transports
 from tensorwire.compression import codec_for
 from tensorwire.errors import CapacityExceeded
 from tensorwire.ps import ParamServer
-from tensorwire.ps.allreduce import ExchangeClient
+from tensorwire.ps.exchange_client import ExchangeClient
 from tensorwire.server import ServerThread
 from tensorwire.testing.process import ServerProcess, run_threads
-from tensorwire.transport.framed import FramedTransport
+from tensorwire.transport.frame_client import FramedTransport
 from tensorwire.types import Address, TensorMeta
 from tensorwire.v1 import gradient_service_pb2 as pb
 from tensorwire.v1 import gradient_service_pb2_grpc as pb_grpc

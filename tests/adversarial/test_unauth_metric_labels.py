@@ -12,10 +12,9 @@ import urllib.request
 
 import grpc
 
-from tensorwire import metrics
 from tensorwire.ps import ParamServer
 from tensorwire.security import Security
-from tensorwire.server import ServerThread
+from tensorwire.server import ServerThread, metrics
 
 TOKEN = "metric-label-token"
 KNOWN_OPS = {"put", "get", "delete", "stat", "list", "ping", "allreduce", "unknown"}

@@ -12,8 +12,7 @@ import socket
 import threading
 import urllib.request
 
-from tensorwire import metrics
-from tensorwire.server import Server
+from tensorwire.server import Server, metrics
 from tensorwire.testing.process import wait_for
 
 

@@ -400,8 +400,8 @@ def test_a_stopped_primary_that_comes_back_follows_the_backup_that_took_over(tmp
 def _raw(url: str, opcode: int, head: bytes, timeout: float = 30.0) -> None:
     """One hand-made request on a connection of its own (its typed error raised)."""
     from tensorwire import transport as transports
-    from tensorwire._loop import run
-    from tensorwire.transport.framed import FramedTransport
+    from tensorwire._aio import run
+    from tensorwire.transport.frame_client import FramedTransport
     from tensorwire.types import Address
 
     async def call() -> None:

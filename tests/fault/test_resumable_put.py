@@ -10,9 +10,9 @@ import torch
 import tensorwire
 from tensorwire.server import ServerThread
 from tensorwire.store import TensorStore
+from tensorwire.store.uploads import Uploads
 from tensorwire.testing.faults import FaultyProxy
 from tensorwire.types import MiB, TensorMeta
-from tensorwire.uploads import Uploads
 
 SIZE = 96 * MiB
 

@@ -40,16 +40,15 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from tensorwire import errors, transport
-from tensorwire._loop import run
+from tensorwire._aio import run
 from tensorwire.client import AsyncClient, ClientOptions
 from tensorwire.errors import ErrorCode, TensorwireError
 from tensorwire.security import Security
 from tensorwire.server import Server
 from tensorwire.store import TensorStore
 from tensorwire.store.memory import entry_cost
-from tensorwire.store.names import validate_name
 from tensorwire.testing.conformance import put_frame, read_reply
-from tensorwire.transport.framing import FrameReader, skip_data
+from tensorwire.transport.frame_io import FrameReader, skip_data
 from tensorwire.types import Address, Limits, MiB, TensorMeta
 from tensorwire.wire import meta as wm
 from tensorwire.wire.checksum import ChecksumKind, checksum, header_crc
@@ -63,6 +62,7 @@ from tensorwire.wire.frame import (
     decode_header,
     encode_frame_head,
 )
+from tensorwire.wire.names import validate_name
 
 T = TypeVar("T")
 

@@ -23,7 +23,7 @@ import safetensors.torch
 import torch
 from click.testing import CliRunner, Result
 
-import tensorwire.demo
+import tensorwire.cli.demo
 from tensorwire import cli
 
 START_TIMEOUT = 60.0  # a cold start imports torch; slow CI machines need the margin
@@ -215,7 +215,7 @@ def test_file_errors(server: Served, tmp_path: Path) -> None:
 
 
 def test_progress_bar_path(server: Served, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(cli, "PROGRESS_MIN_BYTES", 0)  # every transfer takes the big-tensor path
+    monkeypatch.setattr(cli.app, "PROGRESS_MIN_BYTES", 0)  # every transfer takes the big-tensor path
     tensor = torch.rand(1 << 18)
     torch.save(tensor, tmp_path / "p.pt")
     run_cli("put", "p/x", str(tmp_path / "p.pt"), at=server)
@@ -297,7 +297,7 @@ def test_version() -> None:
 
 # -- demo and bench --------------------------------------------------------------------------------
 def test_demo_runs() -> None:
-    result = tensorwire.demo.main(size_mb=8)
+    result = tensorwire.cli.demo.main(size_mb=8)
     assert result["bit_exact"] is True
     assert int(result["tensors"]) > 5
     assert float(result["put_gbps"]) > 0 and float(result["get_gbps"]) > 0

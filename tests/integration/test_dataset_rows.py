@@ -17,7 +17,7 @@ from tensorwire.dataset import DigestService, ShardDataset, fetch, make_plan, sc
 from tensorwire.dataset.digest import fetch_digests
 from tensorwire.errors import ProtocolError, VerificationFailed
 from tensorwire.transport import TransportOptions, open_transport
-from tensorwire.transport.framed import FramedTransport
+from tensorwire.transport.frame_client import FramedTransport
 from tensorwire.types import Address
 from tensorwire.wire import meta as wm
 from tensorwire.wire.checksum import ChecksumKind, checksum

@@ -11,11 +11,11 @@ import pytest
 import torch
 
 import tensorwire
-from tensorwire import errors, staging
-from tensorwire.client import AsyncClient, Client, ClientOptions
+from tensorwire import errors
+from tensorwire.client import AsyncClient, Client, ClientOptions, staging
 from tensorwire.server import ServerThread
 from tensorwire.store import TensorStore
-from tensorwire.transport.framed import FramedTransport
+from tensorwire.transport.frame_client import FramedTransport
 
 
 @pytest.fixture
@@ -51,7 +51,7 @@ def test_striped_get_reads_again_when_the_tensor_changes(server: ServerThread) -
         c.put("moving", torch.zeros(1 << 20))
         meta = c.stat("moving")
         c.put("moving", torch.ones(1 << 20))
-        from tensorwire import stripe
+        from tensorwire.client import stripe
 
         out = torch.empty(1 << 20)
         ops = stripe.get_ops(meta, memoryview(out.numpy()).cast("B"), 2)  # pinned to the old version
@@ -178,7 +178,7 @@ def test_a_server_from_before_compression_gets_raw_chunks() -> None:
     HELLO again without it and the connection sends raw chunks."""
     from tensorwire.testing.conformance import Harness, read_reply
     from tensorwire.transport.base import ByteStream
-    from tensorwire.transport.framing import FrameReader, send_frame
+    from tensorwire.transport.frame_io import FrameReader, send_frame
     from tensorwire.types import Limits
     from tensorwire.wire import meta as wm
     from tensorwire.wire.frame import Flags, Header, Opcode

@@ -23,11 +23,11 @@ import torch.nn.functional as F
 from click.testing import CliRunner
 
 import tensorwire
-from tensorwire import metrics
 from tensorwire.cli import main
+from tensorwire.cli.status import collect
 from tensorwire.ps import SGD, Worker
 from tensorwire.security import write_token_file
-from tensorwire.status import collect
+from tensorwire.server import metrics
 from tensorwire.testing.process import ServerProcess
 
 METRICS = ["--metrics-port", "0"]

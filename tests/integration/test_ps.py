@@ -20,7 +20,7 @@ from tensorwire.ps import SGD, Adam, AdamW, OptimizerSpec, ParamServer, Worker, 
 from tensorwire.ps.worker import server_stats
 from tensorwire.server import ServerThread
 from tensorwire.testing.process import run_threads, wait_for
-from tensorwire.transport.framed import FramedTransport
+from tensorwire.transport.frame_client import FramedTransport
 
 W, B, STEPS = 2, 8, 100
 DEADLINE = 120.0
@@ -357,7 +357,7 @@ def test_parameters_without_a_gradient_are_left_alone_as_torch_does(
 def raw_call(url: str, opcode: int, body: bytes, data: list[memoryview] | None = None) -> None:
     """One hand-made request on a connection of its own."""
     from tensorwire import transport as transports
-    from tensorwire._loop import run
+    from tensorwire._aio import run
     from tensorwire.types import Address
 
     async def call() -> None:

@@ -14,7 +14,7 @@ import psutil
 import pytest
 import torch
 
-from tensorwire import demo
+from tensorwire.cli import demo
 from tensorwire.ps.launch import local_servers
 from tensorwire.ps.worker import SERVERS_ENV
 from tensorwire.testing.process import wait_for

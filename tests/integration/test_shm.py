@@ -13,17 +13,18 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from tensorwire import cli, connect, server_shm
-from tensorwire._loop import run
+from tensorwire import cli, connect
+from tensorwire._aio import run
 from tensorwire.client import AsyncClient
 from tensorwire.errors import InvalidName, ProtocolError, SharedMemoryUnavailable
 from tensorwire.server import ServerThread
-from tensorwire.server_shm import ShmSession
+from tensorwire.server import shm as server_shm
+from tensorwire.server.shm import ShmSession
 from tensorwire.store import TensorStore
 from tensorwire.store.shm import SegmentPool
 from tensorwire.testing.conformance import STREAM_CASES, Case, corrupt_get_response_is_retried, run_case
 from tensorwire.testing.process import ServerProcess, wait_for
-from tensorwire.transport.framed import FramedTransport
+from tensorwire.transport.frame_client import FramedTransport
 from tensorwire.transport.shm import ShmTransport, _Stale
 from tensorwire.types import MiB, TensorMeta
 from tensorwire.wire import meta as wm

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import tensorwire
+import tensorwire._aio
 from tensorwire.testing.conformance import random_tensor, same_bytes
 from tensorwire.testing.process import ServerProcess
 
@@ -44,7 +45,7 @@ def test_async_client(server: ServerProcess) -> None:
             assert same_bytes(await c.get("async/x"), x)
             await c.delete("async/x")
 
-    tensorwire._loop.run(main())
+    tensorwire._aio.run(main())
 
 
 @pytest.mark.slow

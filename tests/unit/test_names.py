@@ -3,7 +3,7 @@ from __future__ import annotations
 import pytest
 
 from tensorwire.errors import InvalidName
-from tensorwire.store.names import validate_name, validate_prefix
+from tensorwire.wire.names import validate_name, validate_prefix
 
 
 @pytest.mark.parametrize("name", ["w", "model/layer.0/weight", "emb/größe", "a b", "x" * 1024, "日本/語"])

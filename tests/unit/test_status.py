@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from rich.console import Console
 
-from tensorwire import metrics, status
+from tensorwire.cli import status
+from tensorwire.server import metrics
 
 
 def test_urls_are_split_normalised_and_deduplicated() -> None:

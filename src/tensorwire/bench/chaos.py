@@ -41,7 +41,7 @@ import torch.nn.functional as F
 
 from tensorwire.ps.launch import free_port, replica_flags
 from tensorwire.security import TOKEN_ENV, load_token, write_token_file
-from tensorwire.testing.process import ServerProcess, wait_for
+from tensorwire.server.process import ServerProcess, wait_for
 
 SLOTS = WORKERS = 2
 BATCH = 32

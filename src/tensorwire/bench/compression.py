@@ -32,7 +32,7 @@ import torch
 
 from tensorwire.compression import codec_for
 from tensorwire.ps import ParamServer, digits
-from tensorwire.server import ServerThread
+from tensorwire.server.core import ServerThread
 
 CODECS = ("fp16", "bf16", "int8", "int8:stochastic", "sign", "topk:0.1", "topk:0.01", "topk:0.01+fp16")
 PULL_CODECS = ("int8", "bf16")

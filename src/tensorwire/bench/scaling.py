@@ -45,7 +45,7 @@ from tensorwire.bench.netns import Fabric, Unavailable
 from tensorwire.compression.codecs import codec_for
 from tensorwire.ps.launch import replica_flags, stop_all
 from tensorwire.security import write_token_file
-from tensorwire.testing.process import ServerProcess, run_threads, wait_for
+from tensorwire.server.process import ServerProcess, run_threads, wait_for
 
 # A parameter shard of this many elements (4 MiB of fp32) is what one codec payload covers: the
 # per-payload parts (int8's scale per 4096 elements, sign's one scale) are spread over it.

@@ -52,11 +52,11 @@ from typing import Any, TypeVar
 import torch
 
 import tensorwire
-from tensorwire import _loop
+from tensorwire import _aio
 from tensorwire.bench import fastpaths, pinglag
 from tensorwire.bench import shm as shm_bench
 from tensorwire.security import Security, TlsFiles, write_dev_certs
-from tensorwire.server import Server
+from tensorwire.server.core import Server
 from tensorwire.store import TensorStore
 from tensorwire.types import KiB, MiB
 from tensorwire.wire.tensors import byte_view
@@ -214,7 +214,7 @@ def _serve_tensorwire(
 ) -> None:
     """Child: a tensorwire server on ``urls`` (free loopback ports), on the preferred event loop;
     ``certs`` serve the tls:// ones. Answers with the bound addresses."""
-    _loop.run(_serve_tensorwire_async(conn, capacity, urls, certs))
+    _aio.run(_serve_tensorwire_async(conn, capacity, urls, certs))
 
 
 async def _serve_tensorwire_async(
@@ -268,7 +268,7 @@ def _recv_exactly(sock: socket.socket, view: memoryview) -> bool:
 
 def _echo_server(conn: Connection) -> None:
     """Child: an asyncio-streams echo server, on the same kind of loop as the tensorwire server."""
-    _loop.run(_echo_server_async(conn))
+    _aio.run(_echo_server_async(conn))
 
 
 async def _echo_server_async(conn: Connection) -> None:
@@ -392,12 +392,12 @@ async def _echo_us(port: int, iters: int) -> float:
 
 def _on_loop(coro: Coroutine[Any, Any, T]) -> T:
     """Run ``coro`` on a fresh loop of the kind tensorwire prefers (uvloop when installed)."""
-    with asyncio.Runner(loop_factory=_loop.new_event_loop) as runner:
+    with asyncio.Runner(loop_factory=_aio.new_event_loop) as runner:
         return runner.run(coro)
 
 
 def _loop_name() -> str:
-    loop = _loop.new_event_loop()
+    loop = _aio.new_event_loop()
     try:
         return "uvloop" if type(loop).__module__.startswith("uvloop") else "asyncio"
     finally:

@@ -19,9 +19,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from tensorwire.errors import KeyNotFound, ProtocolError
-from tensorwire.server import Handler, Request
+from tensorwire.server.core import Handler, Request
 from tensorwire.store import TensorStore
-from tensorwire.transport.framed import FramedTransport
+from tensorwire.transport.frame_client import FramedTransport
 from tensorwire.types import TensorMeta
 from tensorwire.wire import meta as wm
 from tensorwire.wire.checksum import ChecksumKind, checksum

@@ -16,9 +16,9 @@ from typing import Any
 
 import torch
 
+from tensorwire._aio import Deadline
 from tensorwire._fs import SafeDir, relative_parts
-from tensorwire._timeouts import Deadline
-from tensorwire.client import ClientOptions
+from tensorwire.client.core import ClientOptions
 from tensorwire.dataset.reader import LocalShards, ShardInfo
 from tensorwire.errors import InvalidName
 from tensorwire.wire.checksum import ChecksumKind, checksum

@@ -28,9 +28,9 @@ import numpy as np
 import torch
 
 from tensorwire.errors import InvalidName, InvalidTensor
-from tensorwire.store.names import validate_name
 from tensorwire.types import MiB
 from tensorwire.wire.dtypes import dtype_name
+from tensorwire.wire.names import validate_name
 
 FORMAT = "tensorwire.dataset/1"
 TENSOR_SUFFIXES = (".safetensors", ".npy")

@@ -16,7 +16,7 @@ from typing import Any, Protocol
 
 import torch
 
-from tensorwire.client import Client, ClientOptions
+from tensorwire.client.core import Client, ClientOptions
 from tensorwire.dataset.plan import parse_manifest
 from tensorwire.errors import InvalidTensor, KeyNotFound, VerificationFailed
 from tensorwire.store.persist import SUFFIX, file_name, read_file

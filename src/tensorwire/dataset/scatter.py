@@ -35,13 +35,12 @@ from typing import Any
 import torch
 
 from tensorwire import transport as transports
-from tensorwire._loop import run
-from tensorwire._timeouts import Deadline, asyncio_timeout
-from tensorwire.client import CHECKSUMS, AsyncClient, ClientOptions
+from tensorwire._aio import Deadline, asyncio_timeout, run
+from tensorwire.client.core import CHECKSUMS, AsyncClient, ClientOptions
 from tensorwire.dataset.digest import Digest, fetch_digests
 from tensorwire.dataset.plan import Expected, Item, Plan, Shard, Split, make_plan, manifest
 from tensorwire.errors import TensorwireError, VerificationFailed
-from tensorwire.transport.framed import FramedTransport
+from tensorwire.transport.frame_client import FramedTransport
 from tensorwire.types import Address, MiB
 from tensorwire.wire.checksum import ChecksumKind, checksum
 from tensorwire.wire.tensors import byte_view

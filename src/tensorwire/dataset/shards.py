@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch.utils.data import Dataset
 
-from tensorwire.client import ClientOptions
+from tensorwire.client.core import ClientOptions
 from tensorwire.dataset.reader import LocalShards
 
 

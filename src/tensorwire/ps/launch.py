@@ -22,7 +22,7 @@ from pathlib import Path
 
 from tensorwire.ps.worker import SERVERS_ENV
 from tensorwire.security import write_token_file
-from tensorwire.testing.process import ServerProcess
+from tensorwire.server.process import ServerProcess
 
 STOP_GRACE = 5.0  # seconds a process gets to exit after SIGTERM before SIGKILL
 

@@ -1,4 +1,4 @@
-"""The parameter server's Prometheus families (added to its server's registry, ``tensorwire.metrics``).
+"""The parameter server's Prometheus families (added to its server's registry, ``tensorwire.server.metrics``).
 
 Read from the ``ParamServer``'s own state when scraped, so the serving path pays nothing for them:
 

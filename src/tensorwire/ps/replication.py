@@ -63,7 +63,7 @@ from tensorwire.errors import (
 )
 from tensorwire.logs import event
 from tensorwire.security import Security
-from tensorwire.transport.framed import FramedTransport
+from tensorwire.transport.frame_client import FramedTransport
 from tensorwire.types import Address
 from tensorwire.wire import meta as wm
 from tensorwire.wire import ps as wps

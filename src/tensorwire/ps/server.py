@@ -65,10 +65,10 @@ from tensorwire.logs import event
 from tensorwire.ps import checkpoint, replication
 from tensorwire.ps import metrics as ps_metrics
 from tensorwire.ps.budget import Budget
-from tensorwire.ps.exchange import GradientExchange, frame_session
+from tensorwire.ps.exchange_server import GradientExchange, frame_session
 from tensorwire.ps.optim import OptimizerSpec, from_dict
 from tensorwire.security import Security
-from tensorwire.server import Handler, Request
+from tensorwire.server.core import Handler, Request
 from tensorwire.types import TensorMeta
 from tensorwire.wire import meta as wm
 from tensorwire.wire import ps as wps

@@ -57,7 +57,7 @@ from typing import Any, TypeVar
 import torch
 
 from tensorwire import transport as transports
-from tensorwire._loop import LoopThread, wait
+from tensorwire._aio import LoopThread, wait
 from tensorwire.compression import Codec, ErrorFeedback, decode_all, resolve
 from tensorwire.errors import (
     ConnectError,
@@ -72,7 +72,7 @@ from tensorwire.ps.optim import SGD, OptimizerSpec, spec_of
 from tensorwire.ps.placement import ParamSpec, Placement, Shard, plan
 from tensorwire.ps.server import JobConfig, Mode
 from tensorwire.security import Security, TlsFiles, client_token
-from tensorwire.transport.framed import FramedTransport
+from tensorwire.transport.frame_client import FramedTransport
 from tensorwire.types import Address, TensorMeta
 from tensorwire.wire import meta as wm
 from tensorwire.wire import ps as wps
@@ -664,7 +664,7 @@ def server_stats(
 ) -> list[dict[str, Any]]:
     """Each server's ``PS_STATS`` answer, without joining anything (``tensorwire ps stats``).
     ``security``: TLS files and token (default: ``token``, else ``$TENSORWIRE_TOKEN``)."""
-    from tensorwire._loop import run
+    from tensorwire._aio import run
 
     security = security or Security(None, client_token(token))
     options = transports.TransportOptions(timeout, timeout, security=security)

@@ -1,6 +1,6 @@
 """Server-side storage: tensors in memory with capacity and versions, optionally on disk."""
 
 from tensorwire.store.memory import Entry, Reservation, TensorStore
-from tensorwire.store.names import validate_name
+from tensorwire.wire.names import validate_name
 
 __all__ = ["Entry", "Reservation", "TensorStore", "validate_name"]

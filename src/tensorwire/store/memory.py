@@ -36,9 +36,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
 
 from tensorwire.errors import CapacityExceeded, InvalidName, KeyNotFound, StoreError
-from tensorwire.store.names import validate_name, validate_prefix
 from tensorwire.store.pool import BufferPool
 from tensorwire.types import GiB, MiB, TensorMeta
+from tensorwire.wire.names import validate_name, validate_prefix
 
 if TYPE_CHECKING:
     from tensorwire.store.shm import SegmentPool

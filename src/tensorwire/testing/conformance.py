@@ -26,14 +26,14 @@ from typing import Any
 import torch
 
 from tensorwire import errors, transport
-from tensorwire._loop import run
-from tensorwire.client import AsyncClient, ClientOptions
+from tensorwire._aio import run
+from tensorwire.client.core import AsyncClient, ClientOptions
 from tensorwire.security import Security, TlsFiles, write_dev_certs
-from tensorwire.server import Server
+from tensorwire.server.core import Server
 from tensorwire.store import TensorStore
 from tensorwire.store.memory import entry_cost
 from tensorwire.transport.base import ByteStream
-from tensorwire.transport.framing import FrameReader, read_head, send_frame
+from tensorwire.transport.frame_io import FrameReader, read_head, send_frame
 from tensorwire.types import Address, Limits, TensorMeta
 from tensorwire.wire import lossless
 from tensorwire.wire import meta as wm

@@ -33,7 +33,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
-from tensorwire._loop import LoopThread
+from tensorwire._aio import LoopThread
 from tensorwire.types import Address
 
 

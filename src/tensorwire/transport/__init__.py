@@ -14,12 +14,12 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 from typing import NamedTuple
 
-from tensorwire._timeouts import asyncio_timeout
+from tensorwire._aio import asyncio_timeout
 from tensorwire.errors import ConnectionLost
 from tensorwire.security import Security, TlsFiles, client_ssl_context
 from tensorwire.transport import memory, shm, tcp, tls
 from tensorwire.transport.base import ByteStream, Listener, StreamHandler, Transport
-from tensorwire.transport.framed import FramedTransport
+from tensorwire.transport.frame_client import FramedTransport
 from tensorwire.types import Address
 from tensorwire.wire.checksum import ChecksumKind
 from tensorwire.wire.frame import DEFAULT_CHUNK_BYTES

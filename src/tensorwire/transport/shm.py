@@ -48,7 +48,7 @@ from tensorwire.transport.base import (
     StreamHandler,
     Transport,
 )
-from tensorwire.transport.framed import FramedTransport
+from tensorwire.transport.frame_client import FramedTransport
 from tensorwire.types import Address, TensorMeta
 from tensorwire.wire import meta as wm
 from tensorwire.wire import shm as ws

@@ -15,7 +15,6 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from tensorwire.errors import InvalidName, InvalidTensor, LimitExceeded, ProtocolError
-from tensorwire.security import MAX_TOKEN_BYTES
 from tensorwire.types import Limits, TensorMeta
 from tensorwire.wire.dtypes import CODE_TO_DTYPE, DTYPE_TO_CODE, dtype_code, dtype_from_code
 
@@ -29,6 +28,7 @@ _ERROR = struct.Struct("<H")
 _HELLO_REQ = struct.Struct("<BB")
 _HELLO_RESP = struct.Struct("<BIHBIQIIIQQ")
 MAX_MESSAGE_BYTES = 4096
+MAX_TOKEN_BYTES = 4096  # a HELLO's token (security.load_token refuses longer ones)
 _SHAPES = [struct.Struct(f"<{n}q") for n in range(256)]  # one compiled format per ndim
 _RECORD_TAILS = [struct.Struct(f"<{n}qQQ") for n in range(256)]  # shape, nbytes, version
 

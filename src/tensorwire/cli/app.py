@@ -11,7 +11,7 @@ Every command that talks to a server takes ``--server`` (or ``TENSORWIRE_SERVER`
 command meets ends it with one ``error: <message>`` line on stderr and exit status 1, never a
 traceback (``--log-level debug`` logs the traceback of an unexpected one). Strings a server chose
 (tensor names, error messages, status fields) are escaped before they reach the terminal
-(``tensorwire._text``), and files are written without following links planted where they go
+(``tensorwire.cli.text``), and files are written without following links planted where they go
 (``tensorwire._fs``).
 """
 
@@ -39,11 +39,11 @@ from rich.table import Table
 
 from tensorwire import __version__, logs
 from tensorwire import transport as transports
+from tensorwire._aio import run
 from tensorwire._fs import write_file
-from tensorwire._loop import run
-from tensorwire._text import markup, printable
 from tensorwire.bench import BENCHMARKS
-from tensorwire.client import Client, ClientOptions, connect
+from tensorwire.cli.text import markup, printable
+from tensorwire.client.core import Client, ClientOptions, connect
 from tensorwire.errors import TensorwireError
 from tensorwire.security import (
     DEV_CERT_HOSTS,
@@ -54,11 +54,11 @@ from tensorwire.security import (
     load_token,
     write_dev_certs,
 )
-from tensorwire.server import Server
+from tensorwire.server.core import Server
 from tensorwire.store import TensorStore
 from tensorwire.store.memory import DEFAULT_MAX_TENSORS
+from tensorwire.store.uploads import DEFAULT_MAX_UPLOADS, DEFAULT_UPLOADS_PER_CLIENT
 from tensorwire.types import Address, GiB, KiB, MiB, TensorMeta
-from tensorwire.uploads import DEFAULT_MAX_UPLOADS, DEFAULT_UPLOADS_PER_CLIENT
 from tensorwire.wire.dtypes import dtype_name
 
 DEFAULT_URL = "tcp://127.0.0.1:7070"
@@ -748,7 +748,7 @@ def demo(mode: str, epochs: int, transfer: bool, size_mb: int) -> None:
 
     Exits 1, saying why, if the test accuracy misses the demo's target (95%: the default 12
     epochs reach it; a couple of epochs do not)."""
-    from tensorwire import demo as demo_module
+    from tensorwire.cli import demo as demo_module
     from tensorwire.ps.server import Mode
 
     if transfer:
@@ -831,7 +831,7 @@ def status(
     STATUS, and its metrics (serve --metrics-port) are scraped: only http(s) URLs, at most 16 MiB.
     Each server's whole probe ends within 3 x --timeout, however slowly it answers. Exits 1 if any
     server is down."""
-    from tensorwire import status as cluster
+    from tensorwire.cli import status as cluster
 
     nodes = cluster.collect([*servers, *metrics_urls], timeout, tls_ca=str(tls_ca) if tls_ca else None,
                             token=token)  # fmt: skip
@@ -917,13 +917,9 @@ _add_benchmark("all", "Every benchmark, then report.json, report.md and plots (-
 
 
 def _add_dataset() -> None:
-    from tensorwire.dataset.cli import build  # its commands use the helpers above
+    from tensorwire.cli.dataset import build  # its commands use the helpers above
 
     main.add_command(build())
 
 
 _add_dataset()
-
-
-if __name__ == "__main__":
-    main(prog_name="tensorwire")

@@ -44,7 +44,7 @@ from tensorwire.logs import event
 from tensorwire.store import Reservation, TensorStore
 from tensorwire.types import MiB, TensorMeta
 
-log = logging.getLogger("tensorwire.uploads")
+log = logging.getLogger("tensorwire.store.uploads")
 
 DEFAULT_MAX_UPLOADS = 1024
 DEFAULT_UPLOADS_PER_CLIENT = 64

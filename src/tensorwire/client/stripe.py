@@ -18,10 +18,10 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import TypeVar
 
 from tensorwire import transport as transports
-from tensorwire._loop import LoopThread
+from tensorwire._aio import LoopThread
 from tensorwire.errors import ProtocolError, TensorwireError
 from tensorwire.transport.base import Transport
-from tensorwire.transport.framed import FramedTransport
+from tensorwire.transport.frame_client import FramedTransport
 from tensorwire.types import Address, TensorMeta
 from tensorwire.wire import meta as wm
 from tensorwire.wire.frame import Opcode

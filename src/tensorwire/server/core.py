@@ -27,7 +27,7 @@ from typing import Any, Protocol, TypeVar, runtime_checkable
 
 import torch
 
-from tensorwire import metrics, transport
+from tensorwire import transport
 from tensorwire._gc import gc_paused
 from tensorwire.errors import (
     AuthenticationError,
@@ -50,19 +50,9 @@ from tensorwire.security import (
     server_ssl_context,
     tokens_match,
 )
+from tensorwire.server import metrics
 from tensorwire.store import Entry, Reservation, TensorStore
-from tensorwire.transport import tls
-from tensorwire.transport.base import ByteStream, Listener
-from tensorwire.transport.framing import (
-    FrameReader,
-    compressed_scratch,
-    read_head,
-    recv_data,
-    send_frame,
-    skip_data,
-)
-from tensorwire.types import Address, Limits, TensorMeta
-from tensorwire.uploads import (
+from tensorwire.store.uploads import (
     DEFAULT_MAX_UPLOADS,
     DEFAULT_RESUMABLE_MIN_BYTES,
     DEFAULT_UPLOADS_PER_CLIENT,
@@ -71,6 +61,17 @@ from tensorwire.uploads import (
     Uploads,
     client_of,
 )
+from tensorwire.transport import tls
+from tensorwire.transport.base import ByteStream, Listener
+from tensorwire.transport.frame_io import (
+    FrameReader,
+    compressed_scratch,
+    read_head,
+    recv_data,
+    send_frame,
+    skip_data,
+)
+from tensorwire.types import Address, Limits, TensorMeta
 from tensorwire.wire import lossless
 from tensorwire.wire import meta as wm
 from tensorwire.wire import ps as wps
@@ -284,7 +285,7 @@ class Server:
 
     async def start(self, *urls: str) -> list[Address]:
         """Listen on every URL: ``tcp://`` and ``memory://`` speak the frame protocol, ``grpc://``
-        serves ``TensorService`` (server_rpc.py); all share this server's store."""
+        serves ``TensorService`` (rpc.py); all share this server's store."""
         for url in urls:
             address = Address.parse(url)
             listen = LISTENERS.get(address.scheme)
@@ -446,7 +447,7 @@ async def _listen_frames(server: Server, address: Address) -> Listener:
 
 
 async def _listen_rpc(server: Server, address: Address) -> Listener:
-    from tensorwire import server_rpc  # grpcio loads only when gRPC is served
+    from tensorwire.server import rpc as server_rpc  # grpcio loads only when gRPC is served
 
     files = _tls_files(server, address) if address.scheme == "grpcs" else None
     return await server_rpc.listen(
@@ -472,7 +473,7 @@ def _tls_files(server: Server, address: Address) -> TlsFiles:
 
 
 async def _listen_shm(server: Server, address: Address) -> Listener:
-    from tensorwire import server_shm  # segments are set up only when shared memory is served
+    from tensorwire.server import shm as server_shm  # segments are set up only when shared memory is served
 
     return await server_shm.listen(server, address)
 
@@ -1003,7 +1004,7 @@ class ServerThread:
         extensions: Sequence[Extension] = (),
         metrics_port: int | None = None,
     ) -> None:
-        from tensorwire._loop import new_event_loop
+        from tensorwire._aio import new_event_loop
 
         self.server = Server(
             store, limits, security=security, extensions=extensions, metrics_port=metrics_port

@@ -27,7 +27,7 @@ from pathlib import Path
 
 from tensorwire import transport
 from tensorwire.errors import InvalidTensor, LimitExceeded, ProtocolError, SharedMemoryUnavailable
-from tensorwire.server import Handler, Request, Server
+from tensorwire.server.core import Handler, Request, Server
 from tensorwire.store import Reservation, TensorStore
 from tensorwire.store.memory import Entry
 from tensorwire.store.shm import SegmentPool, clean_stale

@@ -26,8 +26,8 @@ from typing import Protocol, TypeVar
 
 import torch
 
+from tensorwire.client.stripe import framed
 from tensorwire.errors import InvalidTensor
-from tensorwire.stripe import framed
 from tensorwire.transport.base import Transport
 from tensorwire.types import TensorMeta
 from tensorwire.wire import meta as wm

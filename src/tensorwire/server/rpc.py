@@ -33,10 +33,9 @@ from tensorwire.errors import (
     code_for_error,
 )
 from tensorwire.logs import event
-from tensorwire.metrics import RequestCounts
 from tensorwire.security import TlsFiles, grpc_server_credentials, tokens_match
+from tensorwire.server.metrics import RequestCounts
 from tensorwire.store import Reservation, TensorStore
-from tensorwire.store.names import validate_prefix
 from tensorwire.transport.base import Listener
 from tensorwire.types import Address, Limits, TensorMeta
 from tensorwire.v1 import tensor_service_pb2 as pb
@@ -44,6 +43,7 @@ from tensorwire.v1 import tensor_service_pb2_grpc as pb_grpc
 from tensorwire.wire.checksum import ChecksumKind, checksum
 from tensorwire.wire.dtypes import dtype_from_name, dtype_name
 from tensorwire.wire.frame import CHECKSUM_KINDS
+from tensorwire.wire.names import validate_prefix
 from tensorwire.wire.rpc import (
     ERROR_KEY,
     RPC_GET_CHUNK_BYTES,

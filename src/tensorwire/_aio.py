@@ -1,13 +1,20 @@
-"""Event loop choice: uvloop when it is installed (the ``fast`` extra), else asyncio's own."""
+"""Asyncio plumbing shared by every layer: the event loop (uvloop when it is installed, the
+``fast`` extra), a loop on a thread under the blocking APIs, and finite waits whose errors name
+what was waited for."""
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import os
 import threading
-from collections.abc import Coroutine
+import time
+from collections.abc import AsyncIterator, Coroutine
+from dataclasses import dataclass
 from typing import Any, TypeVar
+
+from tensorwire.errors import TransferTimeout
 
 T = TypeVar("T")
 
@@ -63,8 +70,6 @@ class LoopThread:
 
 
 def wait(future: concurrent.futures.Future[T], timeout: float, what: str) -> T:
-    from tensorwire.errors import TransferTimeout
-
     try:
         return future.result(timeout=timeout)
     except TimeoutError as exc:
@@ -72,3 +77,39 @@ def wait(future: concurrent.futures.Future[T], timeout: float, what: str) -> T:
             raise
         future.cancel()
         raise TransferTimeout(f"waited {timeout:.3g}s for {what}") from exc
+
+
+@contextlib.asynccontextmanager
+async def asyncio_timeout(seconds: float, what: str) -> AsyncIterator[None]:
+    """Like ``asyncio.timeout`` but raises TransferTimeout("waited Ns for <what>")."""
+    try:
+        async with asyncio.timeout(seconds):
+            yield
+    except TimeoutError as exc:
+        if isinstance(exc, TransferTimeout):
+            raise
+        raise TransferTimeout(f"waited {seconds:.3g}s for {what}") from exc
+
+
+@dataclass(frozen=True, slots=True)
+class Deadline:
+    """The moment a whole command gives up (``dataset fetch --deadline``, ``status``): per-request
+    timeouts alone let a peer that answers each request just in time hold a command for ever."""
+
+    at: float  # time.monotonic()
+    what: str  # what gives up, and which flag sets it: "dataset fetch (--deadline 3600s)"
+
+    @classmethod
+    def after(cls, seconds: float, what: str) -> Deadline:
+        return cls(time.monotonic() + seconds, what)
+
+    def remaining(self) -> float:
+        return max(self.at - time.monotonic(), 0.0)
+
+    def expired(self) -> TransferTimeout:
+        return TransferTimeout(f"{self.what} ran out of time")
+
+    def check(self) -> None:
+        """TransferTimeout if the deadline has passed."""
+        if time.monotonic() >= self.at:
+            raise self.expired()

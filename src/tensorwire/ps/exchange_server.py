@@ -62,16 +62,16 @@ from tensorwire.errors import (
     WaitTimeout,
 )
 from tensorwire.logs import event
-from tensorwire.server import Request
-from tensorwire.store.names import validate_name
+from tensorwire.server.core import Request
 from tensorwire.types import TensorMeta
 from tensorwire.v1 import gradient_service_pb2 as pb
 from tensorwire.wire import meta as wm
 from tensorwire.wire import ps as wps
+from tensorwire.wire.names import validate_name
 from tensorwire.wire.rpc import UNARY_MAX_BYTES
 from tensorwire.wire.tensors import byte_view, empty_for
 
-log = logging.getLogger("tensorwire.ps.exchange")
+log = logging.getLogger("tensorwire.ps.exchange_server")
 MAX_WORLD = 1 << 16
 # What an open round and a remembered tensor name cost against the capacity besides gradient
 # bytes: about what their Python objects take (a round's future, dict and key; a dict entry).

@@ -50,12 +50,12 @@ from wsgiref.simple_server import WSGIRequestHandler, WSGIServer
 
 from tensorwire.wire.frame import Opcode
 
-log = logging.getLogger("tensorwire.metrics")
+log = logging.getLogger("tensorwire.server.metrics")
 
 if TYPE_CHECKING:
     from prometheus_client.registry import Collector, CollectorRegistry
 
-    from tensorwire.server import Server
+    from tensorwire.server.core import Server
 
 METRICS_PATH = "/metrics"
 _OPS = {int(op): op.name.lower() for op in Opcode}
@@ -181,9 +181,14 @@ def _labelled(name: str, doc: str, label: str, values: dict[str, int]) -> Any:
 
 
 def _version() -> str:
-    from tensorwire import __version__
+    """The installed tensorwire's version (not the package's ``__version__``: the package root
+    imports the client and the server, and this module is part of the server)."""
+    from importlib.metadata import PackageNotFoundError, version
 
-    return __version__
+    try:
+        return version("tensorwire")
+    except PackageNotFoundError:  # run from a source tree that was not installed
+        return "unknown"
 
 
 def build_registry(server: Server, extra: Iterable[Collector] = ()) -> CollectorRegistry:

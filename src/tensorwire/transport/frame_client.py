@@ -24,7 +24,7 @@ from tensorwire.errors import (
     error_for_code,
 )
 from tensorwire.transport.base import ByteStream, Progress, PutBatch, Sink, Transport
-from tensorwire.transport.framing import FrameReader, read_head, recv_data, send_frame, skip_data
+from tensorwire.transport.frame_io import FrameReader, read_head, recv_data, send_frame, skip_data
 from tensorwire.types import Address, Limits, TensorMeta
 from tensorwire.wire import lossless
 from tensorwire.wire import meta as wm

@@ -16,16 +16,16 @@ import click
 from rich.console import Console
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
 
-from tensorwire._text import printable
-from tensorwire._timeouts import Deadline
+from tensorwire._aio import Deadline
+from tensorwire.cli.text import printable
 from tensorwire.dataset.scatter import Advance, NodeReport, ScatterReport, check_node
 
 DEFAULT_DEADLINE = 3600.0  # seconds a whole scatter or fetch may take (--deadline)
 
 
 def build() -> click.Group:
-    from tensorwire import cli
-    from tensorwire.client import ClientOptions
+    from tensorwire.cli import app as cli
+    from tensorwire.client.core import ClientOptions
     from tensorwire.dataset.fetch import fetch as fetch_shards
     from tensorwire.dataset.scatter import scatter as scatter_shards
 

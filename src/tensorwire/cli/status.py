@@ -11,7 +11,7 @@ shows as down, with why, within that time; it never holds up the others.
 What a server answers is untrusted: the metrics URL it reports is scraped only if it is plain
 ``http(s)://host:port/...`` (never ``file://`` or another scheme; redirects are not followed), the
 page is read up to ``MAX_METRICS_BYTES``, every STATUS field is type-checked before it is shown,
-and every string from a server is escaped before it reaches the terminal (``tensorwire._text``).
+and every string from a server is escaped before it reaches the terminal (``tensorwire.cli.text``).
 """
 
 from __future__ import annotations
@@ -27,12 +27,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from tensorwire import metrics
 from tensorwire import transport as transports
-from tensorwire._text import markup, printable
-from tensorwire.client import AsyncClient, ClientOptions
+from tensorwire.cli.text import markup, printable
+from tensorwire.client.core import AsyncClient, ClientOptions
 from tensorwire.errors import TensorwireError
-from tensorwire.transport.framed import FramedTransport
+from tensorwire.server import metrics
+from tensorwire.transport.frame_client import FramedTransport
 from tensorwire.types import Address
 from tensorwire.wire import ps as wps
 from tensorwire.wire.frame import Opcode
@@ -225,7 +225,7 @@ async def _probe(node: Node, options: ClientOptions) -> Node:
 
 def collect(urls: Sequence[str], timeout: float = DEFAULT_TIMEOUT, **client: Any) -> list[Node]:
     """Every server's ``Node``, asked in parallel; ``client`` are ClientOptions (tls_ca, token...)."""
-    from tensorwire._loop import run
+    from tensorwire._aio import run
 
     options = ClientOptions(timeout=timeout, connect_timeout=timeout, **client)
 

@@ -25,12 +25,11 @@ from typing import Any, TypeVar
 
 import torch
 
-from tensorwire import staging, stripe
 from tensorwire import transport as transports
+from tensorwire._aio import Deadline, LoopThread
 from tensorwire._gc import gc_paused
-from tensorwire._loop import LoopThread
-from tensorwire._timeouts import Deadline
-from tensorwire.cache import TensorCache
+from tensorwire.client import staging, stripe
+from tensorwire.client.cache import TensorCache
 from tensorwire.errors import (
     ConnectError,
     InvalidTensor,
@@ -41,15 +40,15 @@ from tensorwire.errors import (
 )
 from tensorwire.logs import event
 from tensorwire.security import Security, TlsFiles, client_token
-from tensorwire.store.names import validate_name, validate_prefix
 from tensorwire.transport.base import Transport
-from tensorwire.transport.framed import FramedTransport
+from tensorwire.transport.frame_client import FramedTransport
 from tensorwire.transport.shm import view as shm_view
 from tensorwire.types import Address, TensorMeta
 from tensorwire.wire import lossless
 from tensorwire.wire import meta as wm
 from tensorwire.wire.checksum import ChecksumKind
 from tensorwire.wire.frame import Opcode
+from tensorwire.wire.names import validate_name, validate_prefix
 from tensorwire.wire.tensors import byte_view, check_out, empty_for, sendable
 
 T = TypeVar("T")

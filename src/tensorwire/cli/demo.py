@@ -22,8 +22,8 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from tensorwire.client import Client, connect
-from tensorwire.server import ServerThread
+from tensorwire.client.core import Client, connect
+from tensorwire.server.core import ServerThread
 from tensorwire.store import TensorStore
 from tensorwire.types import GiB, MiB
 

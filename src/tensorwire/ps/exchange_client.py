@@ -11,7 +11,7 @@
 Each call sends this worker's tensors for one step (the client counts steps) in one request and
 writes the mean over the live workers into the same tensors, in place. Leaving (``close``, or the
 end of the ``with``) tells the server not to wait for this worker any more. Clients generated from
-``train.GradientService`` (gRPC) take part in the same rounds (see ``tensorwire.ps.exchange``).
+``train.GradientService`` (gRPC) take part in the same rounds (see ``tensorwire.ps.exchange_server``).
 
 ``ExchangeClient(url, codec="topk:0.01+fp16")`` sends the gradients compressed, with error
 feedback (``error_feedback=False`` turns it off; it keeps one residual per tensor, the gradients'
@@ -27,12 +27,12 @@ from types import TracebackType
 import torch
 
 from tensorwire import transport as transports
-from tensorwire._loop import LoopThread
+from tensorwire._aio import LoopThread
 from tensorwire.compression import Codec, ErrorFeedback, resolve
 from tensorwire.errors import ProtocolError
 from tensorwire.ps.worker import check_trainable, env_int
 from tensorwire.security import Security, TlsFiles, client_token
-from tensorwire.transport.framed import FramedTransport
+from tensorwire.transport.frame_client import FramedTransport
 from tensorwire.types import Address, TensorMeta
 from tensorwire.wire import meta as wm
 from tensorwire.wire import ps as wps
