@@ -215,7 +215,7 @@ def test_file_errors(server: Served, tmp_path: Path) -> None:
 
 
 def test_progress_bar_path(server: Served, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(cli.app, "PROGRESS_MIN_BYTES", 0)  # every transfer takes the big-tensor path
+    monkeypatch.setattr(cli.tensors, "PROGRESS_MIN_BYTES", 0)  # every transfer takes the big-tensor path
     tensor = torch.rand(1 << 18)
     torch.save(tensor, tmp_path / "p.pt")
     run_cli("put", "p/x", str(tmp_path / "p.pt"), at=server)

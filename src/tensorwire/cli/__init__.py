@@ -1,11 +1,11 @@
-"""The ``tensorwire`` command line: ``main`` is the click group (main.py); each command group
-lives in a module of its own."""
+"""The ``tensorwire`` command line: ``main`` is the click group (app.py); ``options`` holds what the
+commands share (also imported from here); each command group lives in a module of its own."""
 
-from tensorwire.cli.app import (
+from tensorwire.cli.app import main
+from tensorwire.cli.options import (
     SERVER_ENV,
     CliError,
     client_options,
-    main,
     parse_size,
     parse_url,
     security_options,

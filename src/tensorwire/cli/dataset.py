@@ -1,8 +1,4 @@
-"""``tensorwire dataset scatter | fetch``: the command-line face of ``tensorwire.dataset``.
-
-``build()`` makes the click group; ``tensorwire.cli`` adds it to ``tensorwire`` once its own
-helpers (URL and size parsing, security options, the error line) are defined.
-"""
+"""``tensorwire dataset scatter | fetch``: the command-line face of ``tensorwire.dataset``."""
 
 from __future__ import annotations
 
@@ -17,134 +13,132 @@ from rich.console import Console
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
 
 from tensorwire._aio import Deadline
+from tensorwire.cli.options import CliError, client_options, security_options, size_param, url_param
 from tensorwire.cli.text import printable
+from tensorwire.client.core import ClientOptions
+from tensorwire.dataset.fetch import fetch as fetch_shards
 from tensorwire.dataset.scatter import Advance, NodeReport, ScatterReport, check_node
+from tensorwire.dataset.scatter import scatter as scatter_shards
 
 DEFAULT_DEADLINE = 3600.0  # seconds a whole scatter or fetch may take (--deadline)
 
 
-def build() -> click.Group:
-    from tensorwire.cli import app as cli
-    from tensorwire.client.core import ClientOptions
-    from tensorwire.dataset.fetch import fetch as fetch_shards
-    from tensorwire.dataset.scatter import scatter as scatter_shards
+def _parse_nodes(ctx: click.Context, param: click.Parameter, value: tuple[str, ...]) -> list[str]:
+    urls = [part.strip() for v in value for part in v.split(",") if part.strip()]
+    if not urls:
+        raise click.BadParameter("name at least one node", ctx, param)
+    try:
+        return [check_node(url) for url in url_param(ctx, param, tuple(urls))]
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), ctx, param) from exc
 
-    def parse_nodes(ctx: click.Context, param: click.Parameter, value: tuple[str, ...]) -> list[str]:
-        urls = [part.strip() for v in value for part in v.split(",") if part.strip()]
-        if not urls:
-            raise click.BadParameter("name at least one node", ctx, param)
-        try:
-            return [check_node(url) for url in cli._url_param(ctx, param, tuple(urls))]
-        except ValueError as exc:
-            raise click.BadParameter(str(exc), ctx, param) from exc
 
-    def parse_source(ctx: click.Context, param: click.Parameter, value: str) -> str:
-        if "://" in value or not Path(value).exists():  # HOST:PORT or a URL; else a data dir
-            return str(cli._url_param(ctx, param, value))
-        return value
+def _parse_source(ctx: click.Context, param: click.Parameter, value: str) -> str:
+    if "://" in value or not Path(value).exists():  # HOST:PORT or a URL; else a data dir
+        return str(url_param(ctx, param, value))
+    return value
 
-    def parse_rate(ctx: click.Context, param: click.Parameter, value: str | None) -> int | None:
-        return None if value is None else int(cli._size_param(ctx, param, value))
 
-    def deadline_option(what: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-        return click.option(
-            "--deadline", type=click.FloatRange(min=1), default=DEFAULT_DEADLINE, show_default=True,
-            metavar="SECONDS", help=f"Give up {what} after this many seconds in all, however slowly "
-            "the servers answer (a re-run goes on from what is already there).",
-        )  # fmt: skip
+def _parse_rate(ctx: click.Context, param: click.Parameter, value: str | None) -> int | None:
+    return None if value is None else int(size_param(ctx, param, value))
 
-    @click.group("dataset")
-    def dataset() -> None:
-        """Ship shards of a data set to the nodes that train on them, and read them there."""
 
-    @dataset.command("scatter")
-    @click.argument("src", type=click.Path(exists=True, path_type=Path))
-    @click.option(
-        "--to",
-        "nodes",
-        multiple=True,
-        required=True,
-        callback=parse_nodes,
-        metavar="URL,URL,...",
-        help="The nodes' servers (`tensorwire serve --data-dir DIR` on each); comma-separated or repeated.",
-    )
-    @click.option(
-        "--shards",
-        type=click.IntRange(min=1),
-        default=None,
-        help="How many shards [default: one per node]; shard k goes to node k mod nodes.",
-    )
-    @click.option(
-        "--by",
-        type=click.Choice(["files", "rows"]),
-        default="files",
-        show_default=True,
-        help="files: whole files to shards; rows: tensors (.safetensors/.npy) split along dim 0.",
-    )
-    @click.option(
-        "--name", "name", default=None, help="The data set's name on the nodes [default: SRC's name]."
-    )
-    @click.option(
-        "--block-size",
-        default="64MiB",
-        show_default=True,
-        callback=cli._size_param,
-        help="--by rows: the largest item sent (rows of one tensor); also what a resume redoes.",
-    )
-    @click.option(
-        "--max-rate",
-        default=None,
-        callback=parse_rate,
-        metavar="SIZE",
-        help="Cap each node's sending at SIZE bytes per second (e.g. 100MiB).",
-    )
-    @click.option(
-        "--json", "as_json", is_flag=True, help="Print the summary as JSON (sent and skipped per node)."
-    )
-    @deadline_option("the scatter")
-    @cli.security_options
-    def scatter(
-        *, src: Path, nodes: list[str], shards: int | None, by: str, name: str | None, block_size: int,
-        max_rate: int | None, as_json: bool, deadline: float,
-    ) -> None:  # fmt: skip
-        """Split SRC into shards and send each to a node, verified; a re-run sends only what is missing."""
-        options = ClientOptions(**cli.client_options())
-        until = Deadline.after(deadline, f"dataset scatter (--deadline {deadline:g}s)")
-        with _bars(len(nodes)) as (advance, on_plan):
-            report = scatter_shards(src, nodes, shards=shards, by=by,  # type: ignore[arg-type]
-                                    dataset=name, block_bytes=block_size, max_rate=max_rate,
-                                    options=options, advance=advance, on_plan=on_plan,
-                                    deadline=until)  # fmt: skip
-        _print_report(report, as_json)
-        failed = [node for node in report.nodes if node.error]
-        if failed:
-            raise cli.CliError("; ".join(f"{node.url}: {node.error}" for node in failed))
+def _deadline_option(what: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    return click.option(
+        "--deadline", type=click.FloatRange(min=1), default=DEFAULT_DEADLINE, show_default=True,
+        metavar="SECONDS", help=f"Give up {what} after this many seconds in all, however slowly "
+        "the servers answer (a re-run goes on from what is already there).",
+    )  # fmt: skip
 
-    @dataset.command("fetch")
-    @click.argument("source", metavar="URL|DATA_DIR", callback=parse_source)
-    @click.option(
-        "--out", type=click.Path(file_okay=False, path_type=Path), default=Path("."), show_default=True
-    )
-    @click.option("--name", "name", default=None, help="Which data set [default: the only one there].")
-    @click.option("--json", "as_json", is_flag=True)
-    @deadline_option("the fetch")
-    @cli.security_options
-    def fetch(*, source: str, out: Path, name: str | None, as_json: bool, deadline: float) -> None:
-        """Write the shards a node holds (from its server, or its data dir) back to files under --out.
 
-        Paths come from the node's manifests: each must be a plain relative path, and nothing is
-        written outside --out or through a link found under it."""
-        until = Deadline.after(deadline, f"dataset fetch (--deadline {deadline:g}s)")
-        options = ClientOptions(**cli.client_options(), deadline=until)
-        report = fetch_shards(source, out, name, options, deadline=until)
-        if as_json:
-            click.echo(json.dumps(report.as_dict()))
-        else:
-            done = f"{len(report.written)} written, {len(report.unchanged)} already there"
-            click.echo(f"{printable(report.dataset, 200)}: shards {report.shards} ({report.by}), "
-                       f"{report.bytes} B: {done} -> {out}")  # fmt: skip
+@click.group("dataset")
+def dataset() -> None:
+    """Ship shards of a data set to the nodes that train on them, and read them there."""
 
-    return dataset
+
+@dataset.command("scatter")
+@click.argument("src", type=click.Path(exists=True, path_type=Path))
+@click.option(
+    "--to",
+    "nodes",
+    multiple=True,
+    required=True,
+    callback=_parse_nodes,
+    metavar="URL,URL,...",
+    help="The nodes' servers (`tensorwire serve --data-dir DIR` on each); comma-separated or repeated.",
+)
+@click.option(
+    "--shards",
+    type=click.IntRange(min=1),
+    default=None,
+    help="How many shards [default: one per node]; shard k goes to node k mod nodes.",
+)
+@click.option(
+    "--by",
+    type=click.Choice(["files", "rows"]),
+    default="files",
+    show_default=True,
+    help="files: whole files to shards; rows: tensors (.safetensors/.npy) split along dim 0.",
+)
+@click.option("--name", "name", default=None, help="The data set's name on the nodes [default: SRC's name].")
+@click.option(
+    "--block-size",
+    default="64MiB",
+    show_default=True,
+    callback=size_param,
+    help="--by rows: the largest item sent (rows of one tensor); also what a resume redoes.",
+)
+@click.option(
+    "--max-rate",
+    default=None,
+    callback=_parse_rate,
+    metavar="SIZE",
+    help="Cap each node's sending at SIZE bytes per second (e.g. 100MiB).",
+)
+@click.option(
+    "--json", "as_json", is_flag=True, help="Print the summary as JSON (sent and skipped per node)."
+)
+@_deadline_option("the scatter")
+@security_options
+def scatter(
+    *, src: Path, nodes: list[str], shards: int | None, by: str, name: str | None, block_size: int,
+    max_rate: int | None, as_json: bool, deadline: float,
+) -> None:  # fmt: skip
+    """Split SRC into shards and send each to a node, verified; a re-run sends only what is missing."""
+    options = ClientOptions(**client_options())
+    until = Deadline.after(deadline, f"dataset scatter (--deadline {deadline:g}s)")
+    with _bars(len(nodes)) as (advance, on_plan):
+        report = scatter_shards(src, nodes, shards=shards, by=by,  # type: ignore[arg-type]
+                                dataset=name, block_bytes=block_size, max_rate=max_rate,
+                                options=options, advance=advance, on_plan=on_plan,
+                                deadline=until)  # fmt: skip
+    _print_report(report, as_json)
+    failed = [node for node in report.nodes if node.error]
+    if failed:
+        raise CliError("; ".join(f"{node.url}: {node.error}" for node in failed))
+
+
+@dataset.command("fetch")
+@click.argument("source", metavar="URL|DATA_DIR", callback=_parse_source)
+@click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=Path("."), show_default=True)
+@click.option("--name", "name", default=None, help="Which data set [default: the only one there].")
+@click.option("--json", "as_json", is_flag=True)
+@_deadline_option("the fetch")
+@security_options
+def fetch(*, source: str, out: Path, name: str | None, as_json: bool, deadline: float) -> None:
+    """Write the shards a node holds (from its server, or its data dir) back to files under --out.
+
+    Paths come from the node's manifests: each must be a plain relative path, and nothing is
+    written outside --out or through a link found under it."""
+    until = Deadline.after(deadline, f"dataset fetch (--deadline {deadline:g}s)")
+    options = ClientOptions(**client_options(), deadline=until)
+    report = fetch_shards(source, out, name, options, deadline=until)
+    if as_json:
+        click.echo(json.dumps(report.as_dict()))
+    else:
+        done = f"{len(report.written)} written, {len(report.unchanged)} already there"
+        click.echo(f"{printable(report.dataset, 200)}: shards {report.shards} ({report.by}), "
+                   f"{report.bytes} B: {done} -> {out}")  # fmt: skip
 
 
 @contextmanager

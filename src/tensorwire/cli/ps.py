@@ -1,0 +1,141 @@
+"""``tensorwire ps serve | launch | stats | plan`` (the parameter server) and ``tensorwire status``
+(one screen about a cluster of servers, ``tensorwire.cli.status``).
+
+The parameter server's modules are heavy and only these commands need them: each command imports
+what it runs when it runs.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import click
+import torch
+from rich.console import Console
+
+from tensorwire.cli.options import FILE, CliError, client_options, parse_size, security_options, url_param
+from tensorwire.cli.serve import serve
+from tensorwire.client.core import ClientOptions
+from tensorwire.security import TOKEN_ENV
+
+
+@click.group()
+def ps() -> None:
+    """The parameter server."""
+
+
+ps.add_command(serve, "serve")  # one process of a cluster: the same server, which runs the PS ops
+
+
+@ps.command("launch", context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
+@click.option("--servers", type=click.IntRange(min=1), default=2, show_default=True)
+@click.option("--workers", type=click.IntRange(min=1), default=2, show_default=True)
+@click.option(
+    "--replicas", type=click.IntRange(min=0), default=0, show_default=True,
+    help="Standby backups per server (each takes over when its primary dies).",
+)  # fmt: skip
+@click.option(
+    "--timeout", type=click.FloatRange(min=1), default=None, help="Stop everything after this many s."
+)
+@click.argument("script", nargs=-1, required=True, type=click.UNPROCESSED)
+def ps_launch(
+    servers: int, workers: int, replicas: int, timeout: float | None, script: tuple[str, ...]
+) -> None:
+    """Start SERVERS parameter servers and WORKERS copies of `python SCRIPT ARGS...` on this machine.
+
+    Each worker gets RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE and TENSORWIRE_SERVERS, which
+    `tensorwire.ps.Worker` reads. Exits with the first failing worker's code."""
+    from tensorwire.ps import launch
+
+    raise SystemExit(launch.run(script, servers, workers, timeout, replicas))
+
+
+@ps.command("stats")
+@click.argument("servers", nargs=-1, required=True, callback=url_param)
+@security_options
+def ps_stats(servers: tuple[str, ...]) -> None:
+    """Print each parameter server's view of its job (JSON): mode, step, workers, staleness."""
+    from tensorwire.ps.worker import server_stats
+
+    security = ClientOptions(**client_options()).security()
+    click.echo(json.dumps(server_stats(list(servers), security=security), indent=2))
+
+
+@ps.command("plan")
+@click.argument("model", type=FILE)
+@click.option("--servers", type=click.IntRange(min=1), required=True, help="How many servers.")
+@click.option("--split-bytes", metavar="SIZE", default=None, help="Split tensors above this size.")
+@click.option("--json", "as_json", is_flag=True, help="Print the placement as JSON.")
+def ps_plan(model: Path, servers: int, split_bytes: str | None, as_json: bool) -> None:
+    """Show which bytes of MODEL (.safetensors, or .pt/.pth state dict) live on which server."""
+    from tensorwire.ps import plan
+
+    bound = parse_size(split_bytes) if split_bytes is not None else None
+    placement = plan(_param_specs(model), servers, bound)
+    click.echo(placement.to_json() if as_json else placement.describe())
+
+
+def _param_specs(path: Path) -> list[Any]:
+    """Names, shapes and dtypes of a saved state dict; a safetensors file is read header only."""
+    from tensorwire.ps import ParamSpec
+
+    if path.suffix == ".safetensors":
+        from safetensors import safe_open
+
+        with safe_open(str(path), framework="pt") as f:
+            slices = {name: f.get_slice(name) for name in f.keys()}  # noqa: SIM118 - not a dict
+            return [
+                ParamSpec(name, tuple(s.get_shape()), _SAFETENSORS_DTYPES[s.get_dtype()])
+                for name, s in slices.items()
+            ]
+    state = torch.load(path, weights_only=True, map_location="cpu")
+    if not isinstance(state, Mapping) or not all(isinstance(t, torch.Tensor) for t in state.values()):
+        raise CliError(f"{path} does not hold a state dict (a mapping of names to tensors)")
+    return ParamSpec.from_tensors(state)
+
+
+_SAFETENSORS_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+}  # fmt: skip
+
+
+# -- status ----------------------------------------------------------------------------------------
+@click.command("status")
+@click.argument("servers", nargs=-1, required=True)
+@click.option(
+    "--metrics", "metrics_urls", metavar="URL", multiple=True,
+    help="Also scrape this metrics endpoint (http://host:port/metrics), e.g. of a gRPC-only server.",
+)  # fmt: skip
+@click.option(
+    "--timeout", type=click.FloatRange(min=0.05), default=2.0, show_default=True,
+    help="Seconds to wait for each server; one that does not answer in time is shown as down.",
+)  # fmt: skip
+@click.option("--json", "as_json", is_flag=True, help="Print JSON: each server's STATUS, metrics summary.")
+@click.option("--tls-ca", type=FILE, help="CA of the servers' certificates (tls://).")
+@click.option("--token", metavar="TOKEN", help=f"The servers' shared token (default: ${TOKEN_ENV}).")
+def status(
+    *, servers: tuple[str, ...], metrics_urls: tuple[str, ...], timeout: float, as_json: bool,
+    tls_ca: Path | None, token: str | None,
+) -> None:  # fmt: skip
+    """A one-screen summary of a cluster: which SERVERS are up, their role, shards, load and lag.
+
+    SERVERS are URLs (HOST:PORT means tcp://); `a|b` names the replicas of one slot. Each is asked
+    STATUS, and its metrics (serve --metrics-port) are scraped: only http(s) URLs, at most 16 MiB.
+    Each server's whole probe ends within 3 x --timeout, however slowly it answers. Exits 1 if any
+    server is down."""
+    from tensorwire.cli import status as cluster
+
+    nodes = cluster.collect([*servers, *metrics_urls], timeout, tls_ca=str(tls_ca) if tls_ca else None,
+                            token=token)  # fmt: skip
+    if as_json:
+        click.echo(json.dumps([n.to_dict() for n in nodes], indent=2, default=str))
+    else:
+        console = Console()
+        Console(width=None if console.is_terminal else 160).print(cluster.render(nodes))
+    if not all(n.up for n in nodes):
+        raise SystemExit(1)
