@@ -55,7 +55,9 @@ log = logging.getLogger("tensorwire.server.metrics")
 if TYPE_CHECKING:
     from prometheus_client.registry import Collector, CollectorRegistry
 
-    from tensorwire.server.core import Server
+    from tensorwire.store import TensorStore
+    from tensorwire.store.uploads import Uploads
+    from tensorwire.types import Address
 
 METRICS_PATH = "/metrics"
 _OPS = {int(op): op.name.lower() for op in Opcode}
@@ -121,10 +123,29 @@ class Observed(Protocol):
     def status(self) -> dict[str, Any]: ...
 
 
+class Scraped(Protocol):
+    """What a scrape reads of a server (``core.Server`` is one), from the exporter's thread."""
+
+    @property
+    def counts(self) -> RequestCounts: ...
+
+    @property
+    def store(self) -> TensorStore: ...
+
+    @property
+    def uploads(self) -> Uploads: ...
+
+    @property
+    def exporter(self) -> Exporter | None: ...
+
+    @property
+    def addresses(self) -> list[Address]: ...
+
+
 class ServerCollector:
     """The server's counts, store and identity as Prometheus families, built at each scrape."""
 
-    def __init__(self, server: Server) -> None:
+    def __init__(self, server: Scraped) -> None:
         self._server = server
 
     def collect(self) -> Iterator[Any]:
@@ -167,7 +188,7 @@ class ServerCollector:
         dropped = {k: getattr(uploads.counts, k) for k in ("replaced", "expired", "refused", "unslotted")}
         yield _labelled("tensorwire_uploads_dropped", "Uploads dropped or refused.", "reason", dropped)
         info = GaugeMetricFamily("tensorwire_server_info", "This server.", labels=["version", "addresses"])
-        info.add_metric([_version(), ",".join(str(a) for a in server.addresses)], 1)
+        info.add_metric([package_version(), ",".join(str(a) for a in server.addresses)], 1)
         yield info
 
 
@@ -180,7 +201,7 @@ def _labelled(name: str, doc: str, label: str, values: dict[str, int]) -> Any:
     return family
 
 
-def _version() -> str:
+def package_version() -> str:
     """The installed tensorwire's version (not the package's ``__version__``: the package root
     imports the client and the server, and this module is part of the server)."""
     from importlib.metadata import PackageNotFoundError, version
@@ -191,7 +212,7 @@ def _version() -> str:
         return "unknown"
 
 
-def build_registry(server: Server, extra: Iterable[Collector] = ()) -> CollectorRegistry:
+def build_registry(server: Scraped, extra: Iterable[Collector] = ()) -> CollectorRegistry:
     """A registry of its own for ``server``: its collector, the process's, and ``extra``."""
     from prometheus_client import CollectorRegistry, ProcessCollector
 
@@ -309,8 +330,10 @@ __all__ = [
     "Observed",
     "RequestCounts",
     "Row",
+    "Scraped",
     "ServerCollector",
     "build_registry",
     "op_name",
+    "package_version",
     "parse",
 ]

@@ -6,6 +6,10 @@ usual ones) and switches the server's store to a ``SegmentPool``: from then on e
 KiB or more lives in a segment of its own. The control messages carry names, records and segment
 references; the bytes of a segment never cross the socket.
 
+It is an ``Extension`` (request.py) the first shm:// listener adds to its server
+(``Server.extend``): its SHM_* handlers join the server's opcode table, each refusing requests that
+did not come in on an shm:// listener, and the server closes it when it stops.
+
 Per connection (``ShmSession``) the server keeps the puts it handed segments out for and not yet
 committed, and the leases of views. When the connection ends, open puts are aborted (nothing of
 them was ever visible) and leased segments are released *tainted*: the client may still read them
@@ -24,14 +28,15 @@ import weakref
 from collections.abc import Sequence
 from ipaddress import ip_address
 from pathlib import Path
+from typing import Any, Protocol
 
 from tensorwire import transport
 from tensorwire.errors import InvalidTensor, LimitExceeded, ProtocolError, SharedMemoryUnavailable
-from tensorwire.server.core import Handler, Request, Server
+from tensorwire.server.request import Extension, Handler, Request
 from tensorwire.store import Reservation, TensorStore
 from tensorwire.store.memory import Entry
 from tensorwire.store.shm import SegmentPool, clean_stale
-from tensorwire.transport.base import Listener
+from tensorwire.transport.base import ByteStream, Listener
 from tensorwire.types import Address
 from tensorwire.wire import meta as wm
 from tensorwire.wire import shm as ws
@@ -40,8 +45,25 @@ from tensorwire.wire.frame import Opcode
 MAX_OPEN_PUTS = 64  # per connection: puts handed segments and not yet committed
 MAX_LEASES = 65536  # per connection: tensors pinned by views
 _U64 = struct.Struct("<Q")
-_services: weakref.WeakKeyDictionary[Server, ShmService] = weakref.WeakKeyDictionary()
 _ids = itertools.count(1)
+
+
+class ShmHost(Protocol):
+    """What serving shm:// needs of the server (``core.Server`` is one)."""
+
+    @property
+    def store(self) -> TensorStore: ...
+
+    async def handle(self, stream: ByteStream, transport: str = "tcp") -> None:
+        """Serve one connection."""
+
+    def extend(self, extension: Extension) -> None:
+        """Add an extension to a starting server: its handlers join the table; it is closed with
+        the server."""
+
+
+# One service per server, made by its first shm:// listener.
+_services: weakref.WeakKeyDictionary[ShmHost, ShmService] = weakref.WeakKeyDictionary()
 
 
 class ShmSession:
@@ -71,22 +93,23 @@ class ShmSession:
 
 
 class ShmService:
-    """The segments, the probe and the SHM_* handlers of one server."""
+    """The segments, the probe and the SHM_* handlers of one server: an ``Extension``.
 
-    def __init__(self, server: Server, directory: Path) -> None:
+    Made by the first shm:// listener (it switches the store to segments), added to the server
+    once that listener is up, closed by the server when it stops (or by ``listen`` when that first
+    listener fails to start)."""
+
+    def __init__(self, store: TensorStore, directory: Path) -> None:
         if not directory.is_dir() or not os.access(directory, os.W_OK):
             raise SharedMemoryUnavailable(f"cannot serve shm://: {directory} is not a writable directory")
         clean_stale(directory)  # what servers killed before their cleanup left behind
-        self.store: TensorStore = server.store
+        self.store = store
         self.pool = SegmentPool(directory, self.store.pool_limit)
         self.token = int.from_bytes(os.urandom(8), "little")
         self.probe = self.pool.create_probe(_U64.pack(self.token))
         self.store.use_pool(self.pool)
-        self.listeners = 0
-        self._server = server
-        server.handlers.update(self.handlers())
 
-    def handlers(self) -> dict[int, Handler]:
+    def frame_handlers(self) -> dict[int, Handler]:
         """The SHM_* handlers, each served only on the shm:// listener's connections (a tcp://
         listener of the same server answers them PROTOCOL_ERROR before anything happens)."""
         table: dict[int, Handler] = {
@@ -98,9 +121,11 @@ class ShmService:
         }
         return {op: _shm_only(Opcode(op).name, handler) for op, handler in table.items()}
 
-    def close(self) -> None:
-        for opcode in self.handlers():
-            self._server.handlers.pop(opcode, None)
+    def rpc_handlers(self) -> Sequence[Any]:
+        return ()
+
+    async def close(self) -> None:
+        """The server stops (its listeners are closed): remove the probe and the segments."""
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.probe)
         self.pool.close()
@@ -233,39 +258,25 @@ def _shm_only(name: str, handler: Handler) -> Handler:
     return guarded
 
 
-class ShmListener(Listener):
-    """The control connections' TCP listener; the last one to close stops the segments."""
-
-    def __init__(self, inner: Listener, service: ShmService) -> None:
-        self._inner = inner
-        self._service = service
-        self.address = inner.address
-
-    async def close(self) -> None:
-        await self._inner.close()
-        self._service.listeners -= 1
-        if self._service.listeners == 0:
-            _services.pop(self._service._server, None)
-            self._service.close()
-
-
-async def listen(server: Server, address: Address) -> Listener:
+async def listen(server: ShmHost, address: Address) -> Listener:
     """Serve ``shm://HOST:PORT``: HOST must be a loopback address (only this host can map)."""
     if not _loopback(address.host):
         raise ValueError(f"cannot serve {address}: shared memory serves only this host; use 127.0.0.1")
     service = _services.get(server)
+    first = service is None
     if service is None:
-        service = _services[server] = ShmService(server, ws.shm_dir())
+        service = ShmService(server.store, ws.shm_dir())
     try:
         # Counted in metrics as transport="shm": each transfer's path is visible, never a silent one.
-        inner = await transport.listen(address, functools.partial(server.handle, transport="shm"))
+        listener = await transport.listen(address, functools.partial(server.handle, transport="shm"))
     except BaseException:
-        if service.listeners == 0:
-            _services.pop(server, None)
-            service.close()
+        if first:
+            await service.close()
         raise
-    service.listeners += 1
-    return ShmListener(inner, service)
+    if first:  # before any connection is served: the listener accepts once this task yields
+        _services[server] = service
+        server.extend(service)
+    return listener
 
 
 def _loopback(host: str) -> bool:

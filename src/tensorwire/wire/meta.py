@@ -210,6 +210,36 @@ def decode_error(reader: MetaReader) -> tuple[int, str]:
     return code, reader.text(MAX_MESSAGE_BYTES)
 
 
+MAX_DOCUMENT_BYTES = 16 << 20  # a JSON document (STATUS, PS_STATS)
+
+
+def encode_long_text(text: str, limit: int, what: str) -> bytes:
+    """``u32 length | UTF-8``: for texts that may outgrow a u16-length string (§4.1)."""
+    raw = text.encode("utf-8")
+    if len(raw) > limit:
+        raise LimitExceeded(f"{what} of {len(raw)} bytes exceeds {limit}")
+    return _U32.pack(len(raw)) + raw
+
+
+def decode_long_text(reader: MetaReader, limit: int, what: str) -> str:
+    (n,) = reader.take(_U32)
+    if n > limit:
+        raise LimitExceeded(f"{what} of {n} bytes exceeds {limit}")
+    try:
+        return reader.raw(n).decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ProtocolError(f"{what} is not valid UTF-8") from exc
+
+
+def encode_document(text: str) -> bytes:
+    """A JSON document as a long text: STATUS's answer (§11.9), the parameter server's stats."""
+    return encode_long_text(text, MAX_DOCUMENT_BYTES, "a stats document")
+
+
+def decode_document(reader: MetaReader) -> str:
+    return decode_long_text(reader, MAX_DOCUMENT_BYTES, "a stats document")
+
+
 @dataclass(frozen=True, slots=True)
 class ServerInfo:
     """What a server tells a client in its HELLO response."""

@@ -44,11 +44,18 @@ import struct
 from typing import NamedTuple
 
 from tensorwire.errors import LimitExceeded, ProtocolError, TensorwireError
-from tensorwire.wire.meta import MetaReader
+from tensorwire.wire.meta import (
+    MAX_DOCUMENT_BYTES,
+    MetaReader,
+    decode_document,
+    decode_long_text,
+    encode_document,
+    encode_long_text,
+)
 
 OBSERVER = 0xFFFFFFFF  # the worker id of a reader that is not a worker (pulls without waiting)
 MAX_CONFIG_BYTES = 0xFFFF
-MAX_STATS_BYTES = 16 << 20
+MAX_STATS_BYTES = MAX_DOCUMENT_BYTES
 MAX_CODEC_BYTES = 64
 
 _HEAD = struct.Struct("<IIQQI")
@@ -79,11 +86,11 @@ class PsHead(NamedTuple):
 
 
 def encode_config(config: str) -> bytes:
-    return _encode_text(config, MAX_CONFIG_BYTES, "a parameter-server config")
+    return encode_long_text(config, MAX_CONFIG_BYTES, "a parameter-server config")
 
 
 def decode_config(reader: MetaReader) -> str:
-    return _decode_text(reader, MAX_CONFIG_BYTES, "a parameter-server config")
+    return decode_long_text(reader, MAX_CONFIG_BYTES, "a parameter-server config")
 
 
 def encode_init_reply(created: bool, step: int) -> bytes:
@@ -182,27 +189,6 @@ def decode_push_tail(reader: MetaReader) -> tuple[str | None, int]:
     return name or None, incarnation
 
 
-def encode_stats(text: str) -> bytes:
-    return _encode_text(text, MAX_STATS_BYTES, "a stats document")
-
-
-def decode_stats(reader: MetaReader) -> str:
-    return _decode_text(reader, MAX_STATS_BYTES, "a stats document")
-
-
-def _encode_text(text: str, limit: int, what: str) -> bytes:
-    """``u32 length | UTF-8``: for texts that may outgrow a u16-length string (§4.1)."""
-    raw = text.encode("utf-8")
-    if len(raw) > limit:
-        raise LimitExceeded(f"{what} of {len(raw)} bytes exceeds {limit}")
-    return _U32.pack(len(raw)) + raw
-
-
-def _decode_text(reader: MetaReader, limit: int, what: str) -> str:
-    (n,) = reader.take(_U32)
-    if n > limit:
-        raise LimitExceeded(f"{what} of {n} bytes exceeds {limit}")
-    try:
-        return reader.raw(n).decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise ProtocolError(f"{what} is not valid UTF-8") from exc
+# The stats document is the wire's JSON document (wire/meta.py), which STATUS answers too.
+encode_stats = encode_document
+decode_stats = decode_document
