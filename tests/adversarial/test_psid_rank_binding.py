@@ -64,7 +64,7 @@ def test_a_forged_push_under_a_live_rank_is_refused_and_the_real_push_is_applied
         assert all(bool(p.abs().max() < 1e3) for p in net.parameters())  # no forged 1e6 in them
 
         # After a reconnect the same session goes on (the incarnation travels with every request).
-        conn = worker._conns[0]
+        conn = worker._slots[0].conn
         assert conn is not None
         worker._loop().call(conn.close(), 10, "dropping the worker's connection")
         assert train_step(net, worker) == 2

@@ -49,10 +49,11 @@ def test_a_duplicated_push_is_applied_once() -> None:
     ):
         x, y = ps_job.batch(0, 0)
         torch.nn.functional.cross_entropy(model(x), y).backward()  # type: ignore[no-untyped-call]
-        grads = worker._take_grads()
-        first = worker._loop().call(worker._push_to(0, grads), 10, "push")
-        worker._seqs[0], worker._clocks[0] = 0, 0  # the same (worker, seq) again, as a resend would
-        again = worker._loop().call(worker._push_to(0, grads), 10, "the same push")
+        grads = worker._tensors.take_grads()
+        slot = worker._slots[0]
+        first = worker._loop().call(worker._push_to(slot, grads), 10, "push")
+        slot.seq, slot.clock = 0, 0  # the same (worker, seq) again, as a resend would
+        again = worker._loop().call(worker._push_to(slot, grads), 10, "the same push")
         (stats,) = server_stats([server.url])
         assert first == again
         assert stats["version"] == stats["pushes_applied"] == 1

@@ -245,7 +245,7 @@ def test_a_missing_worker_times_out_naming_whom_it_waited_for() -> None:
 def test_bad_pushes_are_refused_and_the_server_keeps_serving() -> None:
     model = small_model()
     with cluster(1) as urls, Worker(model, urls, "async", SGD(), rank=0, world_size=1) as worker:
-        conn = worker._conns[0]
+        conn = worker._slots[0].conn
         from tensorwire.types import TensorMeta
         from tensorwire.wire import meta as wm
         from tensorwire.wire import ps as wps

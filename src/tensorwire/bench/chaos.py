@@ -97,7 +97,7 @@ def worker_main(servers: str, steps: int, out: Path) -> None:
             result = worker.step()
             acked += not result.rejoined
             step = worker.clock
-            report = {"step": step, "seqs": list(worker._seqs), "acked": acked}
+            report = {"step": step, "seqs": [slot.seq for slot in worker._slots], "acked": acked}
             _write(out / f"rank{rank}.json", report)
     _write(out / f"rank{rank}.done", {"loss": eval_loss(net)})
 

@@ -30,13 +30,12 @@ from tensorwire import transport as transports
 from tensorwire._aio import LoopThread
 from tensorwire.compression import Codec, ErrorFeedback, resolve
 from tensorwire.errors import ProtocolError
-from tensorwire.ps.worker import check_trainable, env_int
+from tensorwire.ps.rendezvous import env_int
+from tensorwire.ps.rpc import PsChannel, Sender, open_channel
+from tensorwire.ps.shards import check_trainable
 from tensorwire.security import Security, TlsFiles, client_token
 from tensorwire.transport.frame_client import FramedTransport
 from tensorwire.types import Address, TensorMeta
-from tensorwire.wire import meta as wm
-from tensorwire.wire import ps as wps
-from tensorwire.wire.frame import Opcode
 from tensorwire.wire.tensors import byte_view
 
 _MARGIN = 10.0
@@ -76,6 +75,7 @@ class ExchangeClient:
         self._options = transports.TransportOptions(
             connect_timeout, timeout + _MARGIN, security=Security(tls, client_token(token))
         )
+        self._sender = Sender(self.rank, self.world_size, int(self.timeout * 1000))
         self._thread = LoopThread("tensorwire-exchange")
         self._conn: FramedTransport | None = None
         try:
@@ -126,16 +126,7 @@ class ExchangeClient:
         self.close()
 
     async def _open(self) -> FramedTransport:
-        conn = await transports.open_transport(self.address, self._options)
-        if not isinstance(conn, FramedTransport):
-            await conn.close()
-            raise ValueError(
-                f"the exchange speaks tcp://, tls:// or memory:// here, not {self.address.scheme}://"
-            )
-        return conn
-
-    def _head(self, step: int) -> bytes:
-        return wps.PsHead(self.rank, self.world_size, step, self.session, int(self.timeout * 1000)).encode()
+        return await open_channel(self.address, self._options, what="the exchange")
 
     def _encode(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         assert self.codec is not None
@@ -159,18 +150,12 @@ class ExchangeClient:
         data = [byte_view(t) for t in payloads] if self.codec else [byte_view(t) for _, t in items]
         self.bytes_sent += sum(len(d) for d in data)
         what = f"the mean of step {step} from {self.address}"
-        body = (
-            self._head(step)
-            + wm.encode_records(metas)
-            + wps.encode_codec(self.codec.name if self.codec else None)
-        )
-        reader = await self._conn.call(Opcode.ALLREDUCE, body, data, land, what=what)
-        count = wps.decode_u32(reader)
-        reader.done()
-        return count
+        codec = self.codec.name if self.codec else None
+        rpc = PsChannel(self._conn, self._sender)
+        return await rpc.allreduce(step, self.session, metas, data, land, codec=codec, what=what)
 
     async def _leave(self, conn: FramedTransport) -> None:
         try:
-            await conn.call(Opcode.PS_LEAVE, self._head(self.step), what="leaving the exchange")
+            await PsChannel(conn, self._sender).leave(self.step, self.session, what="leaving the exchange")
         finally:
             await conn.close()

@@ -35,6 +35,13 @@ torchrun and by ``tensorwire ps launch``), else 0 and 1.
 
 Every wait is bounded by ``timeout``: a pull that waits for the other workers' step gets the
 server's TIMEOUT error, naming the workers it waited for.
+
+This module holds the job's side of the worker (joining, rejoining, the order of pushes and
+pulls). Its parts: ``slot`` (``ServerSlot``, one record per server: its replicas and connection,
+this worker's clock and pushes there, and the reconnect-and-failover loop every request goes
+through), ``rpc`` (``PsChannel``: each parameter-server request, built and decoded in one place),
+``shards`` (``ModelShards``: the tensors a push sends and a pull lands in) and ``rendezvous``
+(where the servers are, the rank and the world size).
 """
 
 from __future__ import annotations
@@ -42,15 +49,11 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
-import hashlib
 import itertools
-import json
 import logging
-import os
 import secrets
 from collections.abc import Coroutine, Iterable, Sequence
 from dataclasses import dataclass
-from datetime import timedelta
 from types import TracebackType
 from typing import Any, TypeVar
 
@@ -58,32 +61,33 @@ import torch
 
 from tensorwire import transport as transports
 from tensorwire._aio import LoopThread, wait
-from tensorwire.compression import Codec, ErrorFeedback, decode_all, resolve
-from tensorwire.errors import (
-    ConnectError,
-    ConnectionLost,
-    InvalidTensor,
-    NotPrimary,
-    ProtocolError,
-    TensorwireError,
-    WorkerDropped,
-)
+from tensorwire.compression import Codec, ErrorFeedback, resolve
+from tensorwire.errors import ProtocolError, TensorwireError, WorkerDropped
 from tensorwire.ps.optim import SGD, OptimizerSpec, spec_of
-from tensorwire.ps.placement import ParamSpec, Placement, Shard, plan
+from tensorwire.ps.placement import ParamSpec, Placement, plan
+from tensorwire.ps.rendezvous import SERVERS_ENV, STORE_KEY, env_int, resolve_servers
+from tensorwire.ps.rpc import Sender, server_stats
 from tensorwire.ps.server import JobConfig, Mode
+from tensorwire.ps.shards import ModelShards, check_params, check_trainable, model_digest
+from tensorwire.ps.slot import RETRY_CAP, ServerSlot
 from tensorwire.security import Security, TlsFiles, client_token
-from tensorwire.transport.frame_client import FramedTransport
-from tensorwire.types import Address, TensorMeta
-from tensorwire.wire import meta as wm
 from tensorwire.wire import ps as wps
-from tensorwire.wire.frame import Opcode
-from tensorwire.wire.tensors import byte_view
+
+__all__ = [
+    "SERVERS_ENV",
+    "STORE_KEY",
+    "PushResult",
+    "Worker",
+    "check_trainable",
+    "env_int",
+    "model_digest",
+    "pull_parameters",
+    "resolve_servers",
+    "server_stats",
+]
 
 log = logging.getLogger("tensorwire.ps.worker")
 T = TypeVar("T")
-SERVERS_ENV = "TENSORWIRE_SERVERS"
-STORE_KEY = "tensorwire/servers"
-RETRY_CAP = 0.25  # seconds between resends at most
 CATCH_UP_TRIES = 10  # joins that wait for servers a step behind before rolling them back
 _MARGIN = 10.0  # a request's own timer runs this much longer than the server's wait, so the
 # server's answer (naming who it waited for) arrives before the client gives up.
@@ -133,7 +137,7 @@ class Worker:
         self.connect_timeout = connect_timeout
         self.observer = observer  # pulls only, without joining (evaluation, checkpoints)
         self.servers = resolve_servers(servers, self.rank, timeout)
-        self._params = _check_params(model)
+        self._params = check_params(model)
         self.push_codec, self.pull_codec = resolve(push_codec), resolve(pull_codec)
         if self.pull_codec is not None and self.pull_codec.sparse:
             raise ValueError(f"pull_codec {self.pull_codec.name} drops elements: use int8, bf16 or fp16")
@@ -142,9 +146,10 @@ class Worker:
         if error_feedback and self.push_codec is None:
             raise ValueError("error_feedback needs a push_codec")
         self.feedback = ErrorFeedback(self.push_codec) if error_feedback and self.push_codec else None
-        self._pull_buffers: dict[str, torch.Tensor] = {}  # a compressed pull lands here first
         self.placement: Placement = plan(ParamSpec.of(model), len(self.servers), split_bytes)
-        self._shards = [self.placement.on_server(i) for i in range(len(self.servers))]
+        self._tensors = ModelShards(
+            self._params, self.placement, self.push_codec, self.pull_codec, self.feedback
+        )
         # TLS files for tls:// servers (``TlsFiles(ca=...)`` for a private CA; a client certificate
         # where the servers require one) and the token (default: $TENSORWIRE_TOKEN).
         self._security = Security(tls, client_token(token))
@@ -161,18 +166,20 @@ class Worker:
         self._options = transports.TransportOptions(
             connect_timeout, timeout + _MARGIN, security=self._security
         )
-        self._conns: list[FramedTransport | None] = [None] * len(self.servers)
-        # Each server may be a replica set, "tcp://a:1|tcp://b:2": requests go to the one that
-        # answers as primary, and move on when it breaks or says NOT_PRIMARY.
-        self._replicas = [slot.split("|") for slot in self.servers]
-        self._at = [0] * len(self.servers)
-        self._reconnecting = [asyncio.Lock() for _ in self.servers]
-        self._clocks = [0] * len(self.servers)  # this worker's clock on each server
-        self._seqs = [0] * len(self.servers)  # the last push sequence number each server applied
+        self._slots = self._make_slots()  # one per server: everything this worker keeps of it
         self._beating: asyncio.Task[None] | None = None
         self._pending: concurrent.futures.Future[PushResult] | None = None
         self._thread: LoopThread | None = None
         self._joined = False
+
+    def _make_slots(self) -> list[ServerSlot]:
+        worker = wps.OBSERVER if self.observer else self.rank
+        sender = Sender(worker, self.world_size, int(self.timeout * 1000))
+        return [
+            ServerSlot(name, self.placement.on_server(i), rank=self.rank, sender=sender,
+                       options=self._options, timeout=self.timeout)
+            for i, name in enumerate(self.servers)
+        ]  # fmt: skip
 
     # -- lifecycle ------------------------------------------------------------------------------
     def start(self) -> Worker:
@@ -224,8 +231,8 @@ class Worker:
         if self.observer:
             raise ProtocolError("an observer worker does not push")
         self._finish_push()
-        grads = self._take_grads()
-        payloads = self._encode(grads)
+        grads = self._tensors.take_grads()
+        payloads = self._tensors.encode(grads)
         clock, self.clock = self.clock, self.clock + 1
         self._pending = self._loop().submit(self._push(grads, payloads, clock))
         return self._pending
@@ -241,7 +248,7 @@ class Worker:
         stats: list[dict[str, Any]] = self._call(self._stats(), "the servers' stats")
         return stats
 
-    # -- the async side -------------------------------------------------------------------------
+    # -- joining --------------------------------------------------------------------------------
     async def _start(self) -> None:
         if self.observer:
             await self._pull_all()
@@ -259,49 +266,47 @@ class Worker:
         step apart do not move by themselves: after a while they are rolled back to the older one,
         which each of them keeps."""
         config = JobConfig(self.mode, self.optimizer, model_digest(self._params)).to_json()
-        servers = self._servers()
+        slots = self._serving()
         clocks: list[int] = []
         for attempt in range(CATCH_UP_TRIES + 3):
-            joined = await asyncio.gather(*(self._join(i, config, first) for i in servers))
+            joined = await asyncio.gather(*(self._join(slot, config, first) for slot in slots))
             self._joined = True
-            for i, (clock, seq) in zip(servers, joined, strict=True):
-                self._clocks[i], self._seqs[i] = clock, seq
-            clocks = [self._clocks[i] for i in servers]
+            for slot, (clock, seq) in zip(slots, joined, strict=True):
+                slot.joined(clock, seq)
+            clocks = [slot.clock for slot in slots]
             if self.mode.kind != "sync" or len(set(clocks)) == 1:
                 self.clock = max(clocks)
                 return
-            behind = [i for i in servers if self._clocks[i] < max(clocks)]
+            behind = [slot for slot in slots if slot.clock < max(clocks)]
             if attempt < CATCH_UP_TRIES:
-                leaving = (self._request(i, Opcode.PS_LEAVE, b"", seq=self.incarnation) for i in behind)
-                await asyncio.gather(*leaving)
+                await asyncio.gather(*(slot.rpc.leave(slot.clock, self.incarnation) for slot in behind))
                 await asyncio.sleep(0.05 * (attempt + 1))
                 continue
             target = min(clocks)
             log.warning("servers stay at steps %s: rolling back to step %d", clocks, target)
-            await asyncio.gather(*(self._rollback(i, target) for i in servers if self._clocks[i] > target))
+            await asyncio.gather(*(slot.rpc.rollback(target) for slot in slots if slot.clock > target))
         raise ProtocolError(f"the servers could not be brought to one step: {clocks}")
 
-    async def _join(self, server: int, config: str, first: bool) -> tuple[int, int]:
-        # The job as this worker sees it: a server running another one refuses before admitting it.
-        job = wps.encode_config(config) + wm.encode_records([self._meta(s) for s in self._shards[server]])
+    async def _join(self, slot: ServerSlot, config: str, first: bool) -> tuple[int, int]:
+        records = [self._tensors.meta(s) for s in slot.shards]
         for attempt in itertools.count(1):
-            reader = await self._request(server, Opcode.PS_JOIN, job, seq=self.incarnation)
-            clock, initialized, seq = wps.decode_join_reply(reader)
-            reader.done()
+            clock, initialized, seq = await slot.rpc.join(slot.clock, self.incarnation, config, records)
             if not first and initialized:
                 return clock, seq
             try:  # the first time, also to check that the server's job is this one
-                await self._init(server, config, with_values=not initialized)
+                await self._init(slot, config, with_values=not initialized)
                 return clock, seq
             except WorkerDropped:  # the worker creating the job failed: try again, ours may win
                 if attempt == 3:
                     raise
         raise AssertionError("unreachable")
 
-    async def _rollback(self, server: int, version: int) -> None:
-        reader = await self._request(server, Opcode.PS_ROLLBACK, b"", clock=version)
-        wps.decode_u64(reader)
-        reader.done()
+    async def _init(self, slot: ServerSlot, config: str, with_values: bool) -> None:
+        """Create the job with this worker's values (the first worker's win), or, without values,
+        only check that the server's job is this one (same mode, optimizer and shards)."""
+        records = [self._tensors.meta(s) for s in slot.shards]
+        data = self._tensors.values(slot.shards) if with_values else []
+        await slot.rpc.init(slot.clock, config, records, data)
 
     async def _recover(self) -> None:
         """A server no longer counts this worker (it restarted, or dropped the worker after missed
@@ -321,48 +326,7 @@ class Worker:
                 log.warning("worker %d was dropped again while rejoining: rejoining", self.rank)
                 await asyncio.sleep(RETRY_CAP)
 
-    async def _open(self, url: str, options: transports.TransportOptions) -> FramedTransport:
-        address = Address.parse(url)
-        conn = await transports.open_transport(address, options)
-        if not isinstance(conn, FramedTransport):
-            await conn.close()
-            raise ValueError(f"parameter servers speak tcp://, tls:// or memory://, not {address.scheme}://")
-        return conn
-
-    async def _connection(self, server: int) -> FramedTransport:
-        conn = self._conns[server]
-        if conn is not None and not conn.closed:
-            return conn
-        async with self._reconnecting[server]:
-            conn = self._conns[server]
-            if conn is None or conn.closed:
-                conn = self._conns[server] = await self._open(self._url(server), self._options)
-            return conn
-
-    def _url(self, server: int) -> str:
-        return self._replicas[server][self._at[server]]
-
-    async def _next_replica(self, server: int) -> None:
-        """Move to the server's next replica (a failover), if it has several."""
-        if len(self._replicas[server]) < 2:
-            return
-        conn, self._conns[server] = self._conns[server], None
-        if conn is not None:
-            await conn.close()
-        self._at[server] = (self._at[server] + 1) % len(self._replicas[server])
-        log.info("worker %d moves to replica %s", self.rank, self._url(server))
-
-    async def _init(self, server: int, config: str, with_values: bool) -> None:
-        """Create the job with this worker's values (the first worker's win), or, without values,
-        only check that the server's job is this one (same mode, optimizer and shards)."""
-        shards = self._shards[server]
-        metas = [self._meta(s) for s in shards]
-        data = [byte_view(self._view(self._params[s.param].data, s)) for s in shards] if with_values else []
-        meta = wps.encode_config(config) + wm.encode_records(metas)
-        reader = await self._request(server, Opcode.PS_INIT, meta, data)
-        wps.decode_init_reply(reader)
-        reader.done()
-
+    # -- pulls and pushes -----------------------------------------------------------------------
     async def _pull(self) -> int:
         """Pull from every server; rejoin first if one of them dropped this worker."""
         try:
@@ -372,79 +336,23 @@ class Worker:
             return self.version
 
     async def _pull_all(self) -> int:
-        versions = await _gather_all(self._pull_from(i) for i in self._servers())
+        versions = await _gather_all(self._pull_from(slot) for slot in self._serving())
         return max(versions, default=0)
 
-    async def _pull_from(self, server: int) -> int:
-        shards = self._shards[server]
-        expected = [m[:4] for m in map(self._meta, shards)]  # all but the version
-
-        def land(metas: list[TensorMeta]) -> list[memoryview]:
-            if [m[:4] for m in metas] != expected:
-                raise ProtocolError(f"{self.servers[server]} answered a pull with other shards than asked")
-            return [byte_view(self._view(self._params[s.param].data, s)) for s in shards]
-
-        codec = self.pull_codec
-        if codec is not None:
-            return await self._pull_encoded(server, codec)
-        names = wm.encode_names([s.key for s in shards])
-        reader = await self._request(server, Opcode.PS_PULL, names, sink=land, seq=self._session())
-        self.bytes_pulled += sum(m[3] for m in expected)
-        version = wps.decode_u64(reader)
-        reader.done()
+    async def _pull_from(self, slot: ServerSlot) -> int:
+        into = self._tensors.pull_into(slot.shards, slot.name)
+        codec = self.pull_codec.name if self.pull_codec else None
+        keys = [s.key for s in slot.shards]
+        version = await slot.rpc.pull(slot.clock, self._session(), keys, into.sink, codec)
+        into.finish()
+        self.bytes_pulled += into.nbytes
         return version
-
-    async def _pull_encoded(self, server: int, codec: Codec) -> int:
-        """A pull in ``pull_codec``: the payloads land in buffers kept per shard, then are decoded
-        into the parameters in place."""
-        shards = self._shards[server]
-        payloads = [self._pull_buffer(s.key, codec.payload_bytes(s.numel)) for s in shards]
-        expected = [(s.key, torch.uint8, (p.numel(),)) for s, p in zip(shards, payloads, strict=True)]
-
-        def land(metas: list[TensorMeta]) -> list[memoryview]:  # records of the payloads, as uint8
-            if [m[:3] for m in metas] != expected:
-                raise ProtocolError(f"{self.servers[server]} answered a pull with other shards than asked")
-            return [byte_view(p) for p in payloads]
-
-        names = wm.encode_names([s.key for s in shards]) + wps.encode_codec(codec.name)
-        reader = await self._request(server, Opcode.PS_PULL, names, sink=land, seq=self._session())
-        version = wps.decode_u64(reader)
-        if wps.decode_codec(reader) != codec.name:
-            raise ProtocolError(f"{self.servers[server]} answered a {codec.name} pull in another codec")
-        reader.done()
-        params = [self._view(self._params[s.param].data, s) for s in shards]
-        decode_all(codec, payloads, params)
-        self.bytes_pulled += sum(p.numel() for p in payloads)
-        return version
-
-    def _pull_buffer(self, key: str, nbytes: int) -> torch.Tensor:
-        buffer = self._pull_buffers.get(key)
-        if buffer is None or buffer.numel() != nbytes:
-            buffer = self._pull_buffers[key] = torch.empty(nbytes, dtype=torch.uint8)
-        return buffer
-
-    def _encode(self, grads: dict[str, torch.Tensor | None]) -> dict[str, torch.Tensor]:
-        """Each shard's gradient in ``push_codec`` (none without one), through error feedback
-        when it is on; done here, in the caller's thread, before the push goes out."""
-        codec = self.push_codec
-        if codec is None:
-            return {}
-        payloads = {}
-        for shard in self.placement.shards:
-            grad = grads[shard.param]
-            if grad is None:
-                continue  # its residual waits for the next gradient
-            view = self._view(grad, shard)
-            payloads[shard.key] = (
-                self.feedback.encode(shard.key, view) if self.feedback else codec.encode(view)
-            )
-        return payloads
 
     async def _push(
         self, grads: dict[str, torch.Tensor | None], payloads: dict[str, torch.Tensor], clock: int
     ) -> PushResult:
         try:
-            replies = await _gather_all(self._push_to(i, grads, payloads) for i in self._servers())
+            replies = await _gather_all(self._push_to(slot, grads, payloads) for slot in self._serving())
         except WorkerDropped:
             await self._recover()  # the push is lost: it was computed on parameters now gone
             return PushResult(clock, self.version, 0, rejoined=True)
@@ -453,82 +361,42 @@ class Worker:
 
     async def _push_to(
         self,
-        server: int,
+        slot: ServerSlot,
         grads: dict[str, torch.Tensor | None],
         payloads: dict[str, torch.Tensor] | None = None,
     ) -> tuple[int, int]:
         """One push, exactly once: a resend after a broken connection carries the same sequence
-        number, and a server that applied it already only answers again. A parameter without a
-        gradient travels as an empty record. With a codec the records still describe the
-        gradients; the data is their payloads."""
-        shards = self._shards[server]
-        metas, data = [], []
-        for shard in shards:
-            grad = grads[shard.param]
-            if grad is None:
-                metas.append(TensorMeta(shard.key, self._params[shard.param].dtype, (0,), 0))
-            else:
-                metas.append(self._meta(shard))
-                payload = payloads.get(shard.key) if payloads else None
-                data.append(byte_view(self._view(grad, shard) if payload is None else payload))
-        seq = self._seqs[server] + 1
+        number (``ServerSlot.call``), and a server that applied it already only answers again."""
+        metas, data = self._tensors.push_parts(slot.shards, grads, payloads)
+        seq = slot.seq + 1
+
+        def acked() -> None:
+            slot.acked(seq)
+            self.bytes_pushed += sum(len(d) for d in data)
+
         codec = self.push_codec.name if self.push_codec else None
-        body = wm.encode_records(metas) + wps.encode_push_tail(codec, self.incarnation)
-        reader = await self._request(server, Opcode.PS_PUSH, body, data, clock=self._clocks[server], seq=seq)
-        self._seqs[server] = seq
-        self._clocks[server] += 1
-        self.bytes_pushed += sum(len(d) for d in data)
-        reply = wps.decode_push_reply(reader)
-        reader.done()
-        return reply
+        return await slot.rpc.push(
+            slot.clock, seq, metas, data, codec=codec, incarnation=self.incarnation, acked=acked
+        )
 
     async def _stats(self) -> list[dict[str, Any]]:
-        readers = await asyncio.gather(*(self._request(i, Opcode.PS_STATS, b"") for i in self._servers()))
-        docs: list[dict[str, Any]] = [json.loads(wps.decode_stats(r)) for r in readers]
-        return docs
+        return list(await asyncio.gather(*(slot.rpc.stats(slot.clock) for slot in self._serving())))
 
+    # -- heartbeats and leaving -----------------------------------------------------------------
     async def _heartbeats(self) -> None:
-        """Tell every server this worker is alive, on connections of their own (a pull waiting
+        """Tell every server this worker is alive, each on a connection of its own (a pull waiting
         for a step must not hold up the heartbeat); a server that drops it is rejoined by the
         next push or pull."""
-        beats: list[FramedTransport | None] = [None] * len(self.servers)
-        missed = [0] * len(self.servers)
         wait = max(self.heartbeat * 4, 1.0)
         options = self._options._replace(connect_timeout=wait, request_timeout=wait)
-
-        async def beat(i: int) -> None:
-            try:
-                conn = beats[i]
-                if conn is None or conn.closed or str(conn.address) != str(Address.parse(self._url(i))):
-                    if conn is not None:
-                        await conn.close()
-                    conn = beats[i] = await self._open(self._url(i), options)
-                head = wps.PsHead(self.rank, self.world_size, self._clocks[i], self.incarnation)
-                await conn.call(Opcode.PS_HEARTBEAT, head.encode(), what="a heartbeat")
-                missed[i] = 0
-            except TensorwireError as exc:
-                log.debug("heartbeat to %s failed: %s", self._url(i), exc)
-                missed[i] += 1
-                if missed[i] == 2:  # the server is unreachable (cut off, gone without a reset)
-                    await self._abandon(i)
-
+        sender = Sender(self.rank, self.world_size)
         try:
             while True:
-                await asyncio.gather(*(beat(i) for i in self._servers()))
+                await asyncio.gather(*(s.beat(sender, self.incarnation, options) for s in self._serving()))
                 await asyncio.sleep(self.heartbeat)
         finally:
-            for conn in beats:
-                if conn is not None:
-                    await conn.close()
-
-    async def _abandon(self, server: int) -> None:
-        """Drop the connection to a server that stopped answering heartbeats: a request waiting on
-        it fails now and is resent (on the next replica, if any) instead of waiting out its timer."""
-        conn = self._conns[server]
-        if conn is not None and not conn.closed:
-            log.warning("worker %d: %s stopped answering heartbeats; dropping its connection", self.rank,
-                        self._url(server))  # fmt: skip
-            await conn.close()
+            for slot in self._slots:
+                await slot.close_beat()
 
     async def _leave(self) -> None:
         """Leave every server that can be reached now (no retries: the process may be ending)."""
@@ -538,48 +406,12 @@ class Worker:
                 await self._beating
         try:
             if self._joined:
-                head = wps.PsHead(self.rank, self.world_size, 0, self.incarnation).encode()
-                calls = [c.call(Opcode.PS_LEAVE, head, what="PS_LEAVE", timeout=self.connect_timeout)
-                         for c in self._conns if c is not None and not c.closed]  # fmt: skip
-                await asyncio.gather(*calls, return_exceptions=True)
+                sender = Sender(self.rank, self.world_size)
+                leaving = (slot.leave(sender, self.incarnation, self.connect_timeout) for slot in self._slots)
+                await asyncio.gather(*leaving, return_exceptions=True)
         finally:
-            for conn in self._conns:
-                if conn is not None:
-                    await conn.close()
-
-    async def _request(
-        self,
-        server: int,
-        opcode: Opcode,
-        body: bytes,
-        data: Sequence[memoryview] = (),
-        *,
-        sink: transports.base.Sink | None = None,
-        clock: int | None = None,
-        seq: int = 0,
-    ) -> wm.MetaReader:
-        """One request to one server, resent on a new connection while the network fails (a
-        broken connection, a server restarting), for at most ``timeout`` seconds."""
-        worker = wps.OBSERVER if self.observer else self.rank
-        tick = self._clocks[server] if clock is None else clock
-        head = wps.PsHead(worker, self.world_size, tick, seq, int(self.timeout * 1000)).encode()
-        what = f"{opcode.name} from worker {self.rank} to {self.servers[server]}"
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.timeout
-        for attempt in itertools.count(1):
-            try:
-                conn = await self._connection(server)
-                return await conn.call(opcode, head + body, data, sink, what=what)
-            except TensorwireError as exc:  # a broken connection, a corrupt chunk: resend
-                if not exc.retryable or loop.time() >= deadline:
-                    raise
-                log.info("%s failed (%s); retrying", what, exc)
-                if isinstance(exc, (ConnectError, ConnectionLost, NotPrimary)):
-                    await self._next_replica(server)
-                # Short, capped waits: during a failover the backup takes over at a moment this
-                # side cannot know, and each doubling past it would add to the pause.
-                await asyncio.sleep(min(0.05 * 2**attempt, RETRY_CAP, max(deadline - loop.time(), 0)))
-        raise AssertionError("unreachable")
+            for slot in self._slots:
+                await slot.close()
 
     # -- helpers --------------------------------------------------------------------------------
     def _session(self) -> int:
@@ -587,10 +419,10 @@ class Worker:
         observer (which acts as no rank)."""
         return 0 if self.observer else self.incarnation
 
-    def _servers(self) -> list[int]:
+    def _serving(self) -> list[ServerSlot]:
         """The servers this worker talks to: those the placement gives a shard (a model with
         fewer elements than there are servers leaves some without)."""
-        return [i for i, shards in enumerate(self._shards) if shards]
+        return [slot for slot in self._slots if slot.shards]
 
     def _loop(self) -> LoopThread:
         if self._thread is None:
@@ -608,26 +440,6 @@ class Worker:
         pending, self._pending = self._pending, None
         if pending is not None:
             wait(pending, self.timeout + 2 * _MARGIN, "the last push")
-
-    def _take_grads(self) -> dict[str, torch.Tensor | None]:
-        """Every parameter's gradient, taken from the module (None where backward made none: the
-        server then leaves that parameter alone, as torch.optim does)."""
-        grads: dict[str, torch.Tensor | None] = {}
-        for name, param in self._params.items():
-            grad = param.grad
-            if grad is not None and (grad.is_sparse or grad.dtype != param.dtype):
-                raise ProtocolError(f"the gradient of {name!r} must be dense {param.dtype}")
-            grads[name] = None if grad is None else grad.contiguous()
-            param.grad = None
-        return grads
-
-    def _meta(self, shard: Shard) -> TensorMeta:
-        dtype = self._params[shard.param].dtype
-        return TensorMeta(shard.key, dtype, (shard.numel,), shard.numel * dtype.itemsize)
-
-    @staticmethod
-    def _view(tensor: torch.Tensor, shard: Shard) -> torch.Tensor:
-        return tensor.view(-1)[shard.start : shard.stop]
 
 
 async def _gather_all(coros: Iterable[Coroutine[Any, Any, T]]) -> list[T]:
@@ -653,100 +465,3 @@ def pull_parameters(
         model, servers, rank=0, world_size=1, timeout=timeout, token=token, tls=tls, observer=True
     ) as reader:
         return reader.version
-
-
-def server_stats(
-    servers: Sequence[str],
-    *,
-    timeout: float = 10.0,
-    token: str | None = None,
-    security: Security | None = None,
-) -> list[dict[str, Any]]:
-    """Each server's ``PS_STATS`` answer, without joining anything (``tensorwire ps stats``).
-    ``security``: TLS files and token (default: ``token``, else ``$TENSORWIRE_TOKEN``)."""
-    from tensorwire._aio import run
-
-    security = security or Security(None, client_token(token))
-    options = transports.TransportOptions(timeout, timeout, security=security)
-
-    async def one(url: str) -> dict[str, Any]:
-        conn = await transports.open_transport(Address.parse(url), options)
-        try:
-            if not isinstance(conn, FramedTransport):
-                raise ValueError(f"parameter servers speak tcp://, tls:// or memory://, not {url}")
-            reader = await conn.call(Opcode.PS_STATS, wps.PsHead(wps.OBSERVER).encode(), what="PS_STATS")
-            doc: dict[str, Any] = json.loads(wps.decode_stats(reader))
-            return doc
-        finally:
-            await conn.close()
-
-    async def every() -> list[dict[str, Any]]:
-        return list(await asyncio.gather(*(one(url) for url in servers)))
-
-    return run(every())
-
-
-def resolve_servers(servers: Sequence[str] | str | None, rank: int, timeout: float) -> list[str]:
-    """The servers' URLs: given, else ``$TENSORWIRE_SERVERS``, else from torchrun's store."""
-    if servers is None:
-        servers = os.environ.get(SERVERS_ENV)
-    if isinstance(servers, str):
-        servers = [url.strip() for url in servers.split(",") if url.strip()]
-    store = _torchrun_store(timeout)
-    if servers:
-        if store is not None and rank == 0:
-            store.set(STORE_KEY, ",".join(servers))  # for ranks started without the list
-        return list(servers)
-    if store is None:
-        raise ValueError(f"no parameter servers: pass servers=, or set ${SERVERS_ENV}, or run under torchrun")
-    try:
-        published = store.get(STORE_KEY).decode()
-    except Exception as exc:  # the store raises its own timeout and connection errors
-        raise TensorwireError(
-            f"waited {timeout:.3g}s for rank 0 to publish the servers in torchrun's store ({exc})"
-        ) from exc
-    return str(published).split(",")
-
-
-def _torchrun_store(timeout: float) -> Any:
-    """A client of the store torchrun's agent hosts, when this process runs under torchrun."""
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
-        return None
-    import torch.distributed as dist
-
-    host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
-    return dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout))  # type: ignore[attr-defined]
-
-
-def env_int(name: str, given: int | None, default: int) -> int:
-    if given is not None:
-        return given
-    raw = os.environ.get(name)
-    if raw is None:
-        return default
-    try:
-        return int(raw)
-    except ValueError:
-        raise ValueError(f"${name} must be a whole number, not {raw!r}") from None
-
-
-def model_digest(params: dict[str, torch.nn.Parameter]) -> str:
-    """``"<parameters>:<digest>"`` of the model's parameters' names, shapes and dtypes, in order:
-    the servers refuse a worker whose model is not the job's (JobConfig.model)."""
-    described = json.dumps([[name, list(p.shape), str(p.dtype)] for name, p in params.items()])
-    return f"{len(params)}:{hashlib.sha256(described.encode()).hexdigest()[:32]}"
-
-
-def _check_params(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
-    params = dict(model.named_parameters())
-    if not params:
-        raise ValueError("the model has no parameters to train")
-    for name, param in params.items():
-        check_trainable(name, param)
-    return params
-
-
-def check_trainable(name: str, tensor: torch.Tensor) -> None:
-    """InvalidTensor unless ``tensor`` can be sent and landed in place: contiguous, float, CPU."""
-    if tensor.device.type != "cpu" or not tensor.is_contiguous() or not tensor.dtype.is_floating_point:
-        raise InvalidTensor(f"{name!r} must be a contiguous floating-point CPU tensor")

@@ -1,0 +1,62 @@
+"""Where a worker finds its job: the servers' URLs, its rank and the world size.
+
+Servers: given, else ``$TENSORWIRE_SERVERS``, else (under ``torchrun``) what rank 0 published in
+torchrun's rendezvous store (``resolve_servers``). Rank and world size: given, else ``$RANK`` and
+``$WORLD_SIZE`` (set by torchrun and by ``tensorwire ps launch``), else the default (``env_int``).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from datetime import timedelta
+from typing import Any
+
+from tensorwire.errors import TensorwireError
+
+SERVERS_ENV = "TENSORWIRE_SERVERS"
+STORE_KEY = "tensorwire/servers"
+
+
+def resolve_servers(servers: Sequence[str] | str | None, rank: int, timeout: float) -> list[str]:
+    """The servers' URLs: given, else ``$TENSORWIRE_SERVERS``, else from torchrun's store."""
+    if servers is None:
+        servers = os.environ.get(SERVERS_ENV)
+    if isinstance(servers, str):
+        servers = [url.strip() for url in servers.split(",") if url.strip()]
+    store = _torchrun_store(timeout)
+    if servers:
+        if store is not None and rank == 0:
+            store.set(STORE_KEY, ",".join(servers))  # for ranks started without the list
+        return list(servers)
+    if store is None:
+        raise ValueError(f"no parameter servers: pass servers=, or set ${SERVERS_ENV}, or run under torchrun")
+    try:
+        published = store.get(STORE_KEY).decode()
+    except Exception as exc:  # the store raises its own timeout and connection errors
+        raise TensorwireError(
+            f"waited {timeout:.3g}s for rank 0 to publish the servers in torchrun's store ({exc})"
+        ) from exc
+    return str(published).split(",")
+
+
+def _torchrun_store(timeout: float) -> Any:
+    """A client of the store torchrun's agent hosts, when this process runs under torchrun."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    import torch.distributed as dist
+
+    host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    return dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout))  # type: ignore[attr-defined]
+
+
+def env_int(name: str, given: int | None, default: int) -> int:
+    if given is not None:
+        return given
+    raw = os.environ.get(name)
+    if raw is None:
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise ValueError(f"${name} must be a whole number, not {raw!r}") from None

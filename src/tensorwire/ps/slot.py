@@ -1,0 +1,195 @@
+"""One server of a parameter-server job as a worker sees it: ``ServerSlot``.
+
+A slot is one entry of the worker's ``servers``: one server, or a replica set
+``"tcp://a:1|tcp://b:2"`` whose members take over from each other (docs/protocol.md §13.5). It is
+the one record of all the worker keeps per server: the shards placed there, this worker's clock on
+it and the last push it acknowledged (the two move together), the connection to the replica in use
+together with which replica that is (they change together, under one lock), and the heartbeat's
+own connection with its count of missed beats.
+
+``call`` is the worker's reconnect-and-failover loop, in one place: a request that fails on the
+network is resent, the same bytes on a new connection, until it is answered or ``timeout`` has
+passed; a broken connection or NOT_PRIMARY moves to the next replica first. A push resent this way
+keeps its sequence number, so a server that applied it already only answers again (exactly once,
+docs/protocol.md §13.2). A worker the server dropped (NOT_MEMBER, ``WorkerDropped``) is not
+retried here: the worker rejoins (``Worker._recover``).
+
+Lifecycle: the worker builds one slot per server (any thread), then on its event loop sends
+requests through ``rpc`` (a ``PsChannel`` over ``call``; any number, concurrently), ``beat``s from
+its heartbeat task, ``close_beat`` when that task ends, then ``leave`` and ``close`` once, last.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+from collections.abc import Sequence
+from typing import NamedTuple
+
+from tensorwire import transport as transports
+from tensorwire.errors import ConnectError, ConnectionLost, NotPrimary, TensorwireError
+from tensorwire.ps.placement import Shard
+from tensorwire.ps.rpc import PsChannel, Sender, open_channel
+from tensorwire.transport.base import Sink
+from tensorwire.transport.frame_client import FramedTransport
+from tensorwire.types import Address
+from tensorwire.wire import meta as wm
+
+log = logging.getLogger("tensorwire.ps.worker")  # the worker's log, as before the slots moved here
+RETRY_CAP = 0.25  # seconds between resends at most
+
+
+class _Link(NamedTuple):
+    """The replica in use (an index into ``replicas``) and the connection to it, if one is open."""
+
+    at: int
+    conn: FramedTransport | None = None
+
+
+class ServerSlot:
+    """One server (or replica set) of the job, as this worker sees it (see the module doc)."""
+
+    def __init__(
+        self,
+        name: str,
+        shards: Sequence[Shard],
+        *,
+        rank: int,
+        sender: Sender,
+        options: transports.TransportOptions,
+        timeout: float,
+    ) -> None:
+        self.name = name  # as given: one URL, or replicas joined by "|"
+        self.replicas = tuple(name.split("|"))
+        self.shards = shards
+        self.clock = 0  # this worker's clock on this server
+        self.seq = 0  # the last push sequence number this server applied
+        self.rank = rank
+        self.rpc = PsChannel(self, sender, peer=name, label=f" from worker {rank} to {name}")
+        self._options = options
+        self._timeout = timeout
+        # Requests go to the replica that answers as primary, and move on when it breaks or says
+        # NOT_PRIMARY: which replica and the connection to it are one value, changed under the lock.
+        self._link = _Link(0)
+        self._reconnecting = asyncio.Lock()
+        self._beat: FramedTransport | None = None  # the heartbeat's own connection
+        self._missed = 0  # heartbeats missed in a row
+
+    @property
+    def url(self) -> str:
+        """The replica in use."""
+        return self.replicas[self._link.at]
+
+    @property
+    def conn(self) -> FramedTransport | None:
+        """The connection to the replica in use, if one was opened (it may be closed since)."""
+        return self._link.conn
+
+    def joined(self, clock: int, seq: int) -> None:
+        """A (re)join answered: this worker goes on from that clock and that last applied push."""
+        self.clock, self.seq = clock, seq
+
+    def acked(self, seq: int) -> None:
+        """The server has push ``seq``: the next push is the one after it, at the next clock."""
+        self.seq = seq
+        self.clock += 1
+
+    # -- requests ---------------------------------------------------------------------------------
+    async def call(
+        self,
+        opcode: int,
+        meta: bytes,
+        data: Sequence[memoryview] = (),
+        sink: Sink | None = None,
+        *,
+        what: str,
+        timeout: float | None = None,
+    ) -> wm.MetaReader:
+        """One request to this server, resent on a new connection while the network fails (a
+        broken connection, a server restarting), for at most ``timeout`` seconds."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self._timeout
+        for attempt in itertools.count(1):
+            try:
+                conn = await self._connection()
+                return await conn.call(opcode, meta, data, sink, what=what, timeout=timeout)
+            except TensorwireError as exc:  # a broken connection, a corrupt chunk: resend
+                if not exc.retryable or loop.time() >= deadline:
+                    raise
+                log.info("%s failed (%s); retrying", what, exc)
+                if isinstance(exc, (ConnectError, ConnectionLost, NotPrimary)):
+                    await self._next_replica()
+                # Short, capped waits: during a failover the backup takes over at a moment this
+                # side cannot know, and each doubling past it would add to the pause.
+                await asyncio.sleep(min(0.05 * 2**attempt, RETRY_CAP, max(deadline - loop.time(), 0)))
+        raise AssertionError("unreachable")
+
+    async def _connection(self) -> FramedTransport:
+        conn = self._link.conn
+        if conn is not None and not conn.closed:
+            return conn
+        async with self._reconnecting:
+            at, conn = self._link
+            if conn is None or conn.closed:
+                conn = await self._open(self.replicas[at], self._options)
+                self._link = _Link(at, conn)
+            return conn
+
+    async def _next_replica(self) -> None:
+        """Move to the server's next replica (a failover), if it has several."""
+        if len(self.replicas) < 2:
+            return
+        async with self._reconnecting:  # not while a connection to the old one is being opened
+            at, conn = self._link
+            self._link = _Link((at + 1) % len(self.replicas))
+            if conn is not None:
+                await conn.close()
+        log.info("worker %d moves to replica %s", self.rank, self.url)
+
+    @staticmethod
+    async def _open(url: str, options: transports.TransportOptions) -> FramedTransport:
+        return await open_channel(Address.parse(url), options, what="a parameter server")
+
+    # -- heartbeats -------------------------------------------------------------------------------
+    async def beat(self, sender: Sender, incarnation: int, options: transports.TransportOptions) -> None:
+        """One heartbeat, on a connection of its own (a pull waiting for a step must not hold it
+        up); two missed in a row drop the request connection (``_abandon``)."""
+        try:
+            conn = self._beat
+            if conn is None or conn.closed or str(conn.address) != str(Address.parse(self.url)):
+                if conn is not None:
+                    await conn.close()
+                conn = self._beat = await self._open(self.url, options)
+            await PsChannel(conn, sender).heartbeat(self.clock, incarnation)
+            self._missed = 0
+        except TensorwireError as exc:
+            log.debug("heartbeat to %s failed: %s", self.url, exc)
+            self._missed += 1
+            if self._missed == 2:  # the server is unreachable (cut off, gone without a reset)
+                await self._abandon()
+
+    async def _abandon(self) -> None:
+        """Drop the connection to a server that stopped answering heartbeats: a request waiting on
+        it fails now and is resent (on the next replica, if any) instead of waiting out its timer."""
+        conn = self._link.conn
+        if conn is not None and not conn.closed:
+            log.warning("worker %d: %s stopped answering heartbeats; dropping its connection", self.rank,
+                        self.url)  # fmt: skip
+            await conn.close()
+
+    async def close_beat(self) -> None:
+        if self._beat is not None:
+            await self._beat.close()
+
+    # -- the end ----------------------------------------------------------------------------------
+    async def leave(self, sender: Sender, incarnation: int, timeout: float) -> None:
+        """PS_LEAVE on the connection open now, if there is one: no retries, no new connection
+        (the process may be ending)."""
+        conn = self._link.conn
+        if conn is not None and not conn.closed:
+            await PsChannel(conn, sender).leave(0, incarnation, timeout=timeout)
+
+    async def close(self) -> None:
+        if self._link.conn is not None:
+            await self._link.conn.close()
