@@ -12,9 +12,10 @@
   replication with failover and fencing.
 """
 
+from tensorwire.ps.job import CheckpointPolicy, JobConfig, Mode
 from tensorwire.ps.optim import SGD, Adam, AdamW, OptimizerSpec
 from tensorwire.ps.placement import ParamSpec, Placement, Shard, plan
-from tensorwire.ps.server import CheckpointPolicy, JobConfig, Mode, ParamServer
+from tensorwire.ps.server import ParamServer
 from tensorwire.ps.worker import PushResult, Worker, pull_parameters
 
 __all__ = [

@@ -38,7 +38,6 @@ import asyncio
 import contextlib
 import json
 import logging
-import re
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
@@ -66,7 +65,7 @@ from tensorwire.ps import checkpoint, replication
 from tensorwire.ps import metrics as ps_metrics
 from tensorwire.ps.budget import Budget
 from tensorwire.ps.exchange_server import GradientExchange, frame_session
-from tensorwire.ps.optim import OptimizerSpec, from_dict
+from tensorwire.ps.job import CheckpointPolicy, JobConfig, Mode
 from tensorwire.security import Security
 from tensorwire.server.core import Handler, Request
 from tensorwire.types import TensorMeta
@@ -75,98 +74,14 @@ from tensorwire.wire import ps as wps
 from tensorwire.wire.frame import Opcode
 from tensorwire.wire.tensors import byte_view
 
+__all__ = ["CheckpointPolicy", "JobConfig", "Mode", "ParamServer"]
+
 log = logging.getLogger("tensorwire.ps")
 T = TypeVar("T")
 MAX_STALENESS_BUCKET = 1000  # the histogram's last bucket holds everything above
 MAX_WORLD = 1 << 16
 MAX_SNAPSHOTS = 4  # older copies of the parameters that slow pulls may still be sending from
 MAX_PULL_CODECS = 4  # codecs one version of the parameters is kept encoded in for pulls
-MAX_SSP_BOUND = 1 << 30
-_MODEL = re.compile(r"\d{1,9}:[0-9a-f]{16,64}")  # JobConfig.model: "<parameters>:<digest>"
-
-
-@dataclass(frozen=True)
-class Mode:
-    """``sync``, ``async`` or ``ssp:<s>``."""
-
-    kind: str
-    staleness: int = 0
-
-    @staticmethod
-    def parse(text: str | Mode) -> Mode:
-        if isinstance(text, Mode):
-            return text
-        if not isinstance(text, str):  # from a peer's JSON
-            raise ValueError(f"mode must be a string, not {type(text).__name__}")
-        kind, _, bound = text.partition(":")
-        if kind in ("sync", "async") and not bound:
-            return Mode(kind)
-        if kind == "ssp" and bound.isascii() and bound.isdigit() and int(bound) <= MAX_SSP_BOUND:
-            return Mode("ssp", int(bound))
-        raise ValueError(f"mode must be sync, async or ssp:<s> (s a whole number up to {MAX_SSP_BOUND}), "
-                         f"not {text[:40]!r}")  # fmt: skip
-
-    def __str__(self) -> str:
-        return f"ssp:{self.staleness}" if self.kind == "ssp" else self.kind
-
-
-@dataclass(frozen=True)
-class JobConfig:
-    """What every worker of a job must agree on; the first ``PS_INIT`` sets it. ``model`` says
-    which model: ``"<parameters>:<digest>"`` of its parameters' names, shapes and dtypes (``""``:
-    not said, by an older worker; the shards are compared in any case)."""
-
-    mode: Mode
-    optimizer: OptimizerSpec
-    model: str = ""
-
-    def to_json(self) -> str:
-        doc = {"mode": str(self.mode), "optimizer": self.optimizer.to_dict()}
-        if self.model:
-            doc["model"] = self.model
-        return json.dumps(doc, sort_keys=True)
-
-    @staticmethod
-    def from_json(text: str) -> JobConfig:
-        """The config a peer sent, checked completely: known keys only, every setting of a known
-        type and in range (ProtocolError naming what is wrong)."""
-        try:
-            doc = json.loads(text)
-            if not isinstance(doc, dict):
-                raise TypeError(f"a config is a JSON object, not {type(doc).__name__}")
-            unknown = sorted(set(doc) - {"mode", "optimizer", "model"})
-            if unknown:
-                raise ValueError(f"unknown key(s) {', '.join(repr(k[:40]) for k in unknown[:8])}")
-            model = doc.get("model", "")
-            if not isinstance(model, str) or (model and not _MODEL.fullmatch(model)):
-                raise ValueError("model must be '<parameters>:<hex digest>'")
-            return JobConfig(Mode.parse(doc["mode"]), from_dict(doc["optimizer"]), model)
-        except (ValueError, KeyError, TypeError, RecursionError) as exc:
-            raise ProtocolError(f"unusable parameter-server config: {exc}") from exc
-
-    def differences(self, asked: JobConfig) -> list[str]:
-        """How the job ``asked`` for differs from this one, one phrase per setting."""
-        diffs = [f"mode {self.mode} here, {asked.mode} asked"] if self.mode != asked.mode else []
-        mine, theirs = self.optimizer.to_dict(), asked.optimizer.to_dict()
-        if mine["kind"] != theirs["kind"]:
-            diffs.append(f"optimizer {mine['kind']} here, {theirs['kind']} asked")
-        else:
-            diffs += [f"optimizer {k} {mine[k]} here, {theirs[k]} asked" for k in sorted(mine)
-                      if mine[k] != theirs[k]]  # fmt: skip
-        if self.model and asked.model and self.model != asked.model:
-            (n, digest), (m, other) = self.model.split(":"), asked.model.split(":")
-            diffs.append(f"the model's parameters (names, shapes or dtypes) differ: {n} here (digest "
-                         f"{digest[:12]}), {m} asked (digest {other[:12]})")  # fmt: skip
-        return diffs
-
-
-@dataclass(frozen=True)
-class CheckpointPolicy:
-    """Where and how often a server writes its checkpoints (and it always does at SIGTERM)."""
-
-    directory: Path
-    every_steps: int = 0  # after every this many updates (0: not by count)
-    every_seconds: float = 0.0  # after the first update this long after the last one (0: not by time)
 
 
 @dataclass(eq=False)

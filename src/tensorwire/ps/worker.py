@@ -68,9 +68,9 @@ from tensorwire.errors import (
     TensorwireError,
     WorkerDropped,
 )
+from tensorwire.ps.job import JobConfig, Mode
 from tensorwire.ps.optim import SGD, OptimizerSpec, spec_of
 from tensorwire.ps.placement import ParamSpec, Placement, Shard, plan
-from tensorwire.ps.server import JobConfig, Mode
 from tensorwire.security import Security, TlsFiles, client_token
 from tensorwire.transport.frame_client import FramedTransport
 from tensorwire.types import Address, TensorMeta
