@@ -1,8 +1,12 @@
 """The parameter server layer: parameters sharded over S servers, pulled and pushed by workers.
 
 * ``placement``: which server holds which range of which parameter (``plan``).
+* ``job``: ``Mode``, ``JobConfig``, ``CheckpointPolicy``: what every worker of a job agrees on.
 * ``server``: ``ParamServer``, the extension ``tensorwire ps serve`` adds to a server: shards,
-  their optimizer, and the ``sync`` / ``async`` / ``ssp:<s>`` consistency modes.
+  their optimizer, and the ``sync`` / ``async`` / ``ssp:<s>`` consistency modes. It wires one
+  part per concern: ``membership`` (the workers), ``consistency`` (gates, pushes, steps),
+  ``snapshots`` (pulls), ``gradients`` (push buffers), ``replica`` (role, epoch, failover),
+  ``state`` (the job taken and loaded whole), ``budget`` (memory), ``metrics`` (Prometheus).
 * ``worker``: ``Worker``, which wraps a module for a training loop (pull, push, step).
 * ``exchange``: the gradient exchange (an ``allreduce`` of gradients over a server, by TCP or by
   gRPC ``train.GradientService``) for code that keeps its optimizer local; ``ExchangeClient``.
@@ -12,9 +16,10 @@
   replication with failover and fencing.
 """
 
+from tensorwire.ps.job import CheckpointPolicy, JobConfig, Mode
 from tensorwire.ps.optim import SGD, Adam, AdamW, OptimizerSpec
 from tensorwire.ps.placement import ParamSpec, Placement, Shard, plan
-from tensorwire.ps.server import CheckpointPolicy, JobConfig, Mode, ParamServer
+from tensorwire.ps.server import ParamServer
 from tensorwire.ps.worker import PushResult, Worker, pull_parameters
 
 __all__ = [

@@ -1,6 +1,7 @@
 """The parameter server's Prometheus families (added to its server's registry, ``tensorwire.server.metrics``).
 
-Read from the ``ParamServer``'s own state when scraped, so the serving path pays nothing for them:
+Read from the ``ParamServer``'s own state when scraped, so the serving path pays nothing for them
+(through ``ParamServerState``, the attributes read, so this module does not import the server):
 
 * ``tensorwire_ps_steps_total`` (sync steps taken), ``tensorwire_ps_updates_total`` (optimizer
   updates, any mode), ``tensorwire_ps_pushes_applied_total``, ``tensorwire_ps_duplicate_pushes_total``
@@ -30,19 +31,66 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from collections.abc import Iterator, Mapping
+from typing import Any, Protocol
 
-if TYPE_CHECKING:
-    from tensorwire.ps.server import ParamServer
+from tensorwire.ps.budget import Budget
+from tensorwire.ps.job import HeldShard
+from tensorwire.ps.membership import Member
+from tensorwire.ps.replication import Backups
 
 STALENESS_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256)
 
 
-class PsCollector:
-    """A ``ParamServer``'s state as Prometheus families (the module doc lists them)."""
+class ParamServerState(Protocol):
+    """What the families are read from: a ``ParamServer`` (ps/server.py) has all of it."""
 
-    def __init__(self, ps: ParamServer) -> None:
+    @property
+    def step(self) -> int: ...
+    @property
+    def version(self) -> int: ...
+    @property
+    def pushes(self) -> int: ...
+    @property
+    def duplicates(self) -> int: ...
+    @property
+    def dropped(self) -> int: ...
+    @property
+    def failovers(self) -> int: ...
+    @property
+    def staleness(self) -> Mapping[int, int]: ...
+    @property
+    def workers(self) -> Mapping[int, Member]: ...
+    @property
+    def world(self) -> int: ...
+    @property
+    def shards(self) -> Mapping[str, HeldShard]: ...
+    @property
+    def epoch(self) -> int: ...
+    @property
+    def role(self) -> str: ...
+    @property
+    def identity_refused(self) -> int: ...
+    @property
+    def jobs_refused(self) -> int: ...
+    @property
+    def checkpoints_skipped(self) -> int: ...
+    @property
+    def budget(self) -> Budget: ...
+    @property
+    def capacity(self) -> int: ...
+    @property
+    def replicate_refused(self) -> Mapping[str, int]: ...
+    @property
+    def backups(self) -> Backups | None: ...
+    @property
+    def primary_seen(self) -> float | None: ...
+
+
+class PsCollector:
+    """A parameter server's state as Prometheus families (the module doc lists them)."""
+
+    def __init__(self, ps: ParamServerState) -> None:
         self._ps = ps
 
     def collect(self) -> Iterator[Any]:
@@ -76,7 +124,7 @@ class PsCollector:
         yield from _replication(ps)
 
 
-def _guards(ps: ParamServer) -> Iterator[Any]:
+def _guards(ps: ParamServerState) -> Iterator[Any]:
     """What the server refused or fell back on, and what its job holds against its capacity."""
     from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
@@ -105,7 +153,7 @@ def _staleness(counts: dict[int, int]) -> Any:
     )
 
 
-def _replication(ps: ParamServer) -> Iterator[Any]:
+def _replication(ps: ParamServerState) -> Iterator[Any]:
     from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
     now = time.monotonic()
@@ -150,7 +198,7 @@ def _replication(ps: ParamServer) -> Iterator[Any]:
         )
 
 
-def replication_status(ps: ParamServer) -> dict[str, Any]:
+def replication_status(ps: ParamServerState) -> dict[str, Any]:
     """The replication part of the STATUS answer: each backup's state, or the primary's silence."""
     now = time.monotonic()
     doc: dict[str, Any] = {}

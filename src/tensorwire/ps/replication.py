@@ -7,6 +7,10 @@ received (with its gradient bytes), a pull noted (async/ssp staleness), a rollba
 the same code on the same inputs in the same order, so their parameters, optimizer state, clocks
 and push marks stay bit-identical, and an acknowledged push is on every live replica.
 
+This module is the wire of it (``Change``, ``encode``, ``decode``) and the primary's connections
+to its backups (``Backups``); ps/replica.py is a replica's own side: its role and epoch, the
+order of changes, promotion, fencing and PS_REPLICATE.
+
 A backup (``--standby``) serves no worker. When a worker asks it and its primary has sent nothing
 (not even its twice-a-second ping) for ``failover_timeout`` seconds, it takes over under a new
 epoch. A primary that comes back, or was only cut off, is fenced: its next replication frame

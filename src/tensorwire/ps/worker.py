@@ -63,11 +63,11 @@ from tensorwire import transport as transports
 from tensorwire._aio import LoopThread, wait
 from tensorwire.compression import Codec, ErrorFeedback, resolve
 from tensorwire.errors import ProtocolError, TensorwireError, WorkerDropped
+from tensorwire.ps.job import JobConfig, Mode
 from tensorwire.ps.optim import SGD, OptimizerSpec, spec_of
 from tensorwire.ps.placement import ParamSpec, Placement, plan
 from tensorwire.ps.rendezvous import SERVERS_ENV, STORE_KEY, env_int, resolve_servers
 from tensorwire.ps.rpc import Sender, server_stats
-from tensorwire.ps.server import JobConfig, Mode
 from tensorwire.ps.shards import ModelShards, check_params, check_trainable, model_digest
 from tensorwire.ps.slot import RETRY_CAP, ServerSlot
 from tensorwire.security import Security, TlsFiles, client_token

@@ -1,0 +1,319 @@
+"""A parameter-server job: what every worker of it must agree on, and one server's part of it.
+
+* ``Mode``, ``JobConfig`` (mode, optimizer, which model): what the first ``PS_INIT`` sets and
+  every later worker must ask for; ``CheckpointPolicy``: where and how often a server writes its
+  job. A worker describes its job with these (and loads nothing of the server to do so).
+* ``Job``: one server's shards of the job's parameters (``HeldShard``, each an ``nn.Parameter``
+  over a flat range), their ``torch.optim`` optimizer, the one thread that steps them and the lock
+  pulls read them under, and the job's counters (world, step, version, pushes).
+* The checks: the records a worker sends (``check_records``), its rank and world
+  (``Job.check_worker``), and its job (``Job.check_same_job``): until jobs are first-class a
+  server holds one job, and a worker of another one (model, mode, optimizer, world) is refused
+  naming every difference.
+
+Lifecycle of a ``Job``: empty until a worker's ``PS_INIT`` (or a backup's CREATE) ``install``s
+the shards, or a checkpoint or state transfer is loaded into it (ps/state.py); its counters then
+move under the modes (ps/consistency.py); ``shutdown`` at the server's close ends its thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import re
+from collections.abc import AsyncIterator, Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+import torch
+
+from tensorwire.errors import CapacityExceeded, InvalidTensor, ProtocolError
+from tensorwire.logs import event
+from tensorwire.ps.budget import Budget
+from tensorwire.ps.optim import OptimizerSpec, from_dict
+from tensorwire.types import TensorMeta
+from tensorwire.wire import meta as wm
+from tensorwire.wire import ps as wps
+
+log = logging.getLogger("tensorwire.ps")
+T = TypeVar("T")
+MAX_WORLD = 1 << 16
+MAX_SSP_BOUND = 1 << 30
+_MODEL = re.compile(r"\d{1,9}:[0-9a-f]{16,64}")  # JobConfig.model: "<parameters>:<digest>"
+
+
+@dataclass(frozen=True)
+class Mode:
+    """``sync``, ``async`` or ``ssp:<s>``."""
+
+    kind: str
+    staleness: int = 0
+
+    @staticmethod
+    def parse(text: str | Mode) -> Mode:
+        if isinstance(text, Mode):
+            return text
+        if not isinstance(text, str):  # from a peer's JSON
+            raise ValueError(f"mode must be a string, not {type(text).__name__}")
+        kind, _, bound = text.partition(":")
+        if kind in ("sync", "async") and not bound:
+            return Mode(kind)
+        if kind == "ssp" and bound.isascii() and bound.isdigit() and int(bound) <= MAX_SSP_BOUND:
+            return Mode("ssp", int(bound))
+        raise ValueError(f"mode must be sync, async or ssp:<s> (s a whole number up to {MAX_SSP_BOUND}), "
+                         f"not {text[:40]!r}")  # fmt: skip
+
+    def __str__(self) -> str:
+        return f"ssp:{self.staleness}" if self.kind == "ssp" else self.kind
+
+
+@dataclass(frozen=True)
+class JobConfig:
+    """What every worker of a job must agree on; the first ``PS_INIT`` sets it. ``model`` says
+    which model: ``"<parameters>:<digest>"`` of its parameters' names, shapes and dtypes (``""``:
+    not said, by an older worker; the shards are compared in any case)."""
+
+    mode: Mode
+    optimizer: OptimizerSpec
+    model: str = ""
+
+    def to_json(self) -> str:
+        doc = {"mode": str(self.mode), "optimizer": self.optimizer.to_dict()}
+        if self.model:
+            doc["model"] = self.model
+        return json.dumps(doc, sort_keys=True)
+
+    @staticmethod
+    def from_json(text: str) -> JobConfig:
+        """The config a peer sent, checked completely: known keys only, every setting of a known
+        type and in range (ProtocolError naming what is wrong)."""
+        try:
+            doc = json.loads(text)
+            if not isinstance(doc, dict):
+                raise TypeError(f"a config is a JSON object, not {type(doc).__name__}")
+            unknown = sorted(set(doc) - {"mode", "optimizer", "model"})
+            if unknown:
+                raise ValueError(f"unknown key(s) {', '.join(repr(k[:40]) for k in unknown[:8])}")
+            model = doc.get("model", "")
+            if not isinstance(model, str) or (model and not _MODEL.fullmatch(model)):
+                raise ValueError("model must be '<parameters>:<hex digest>'")
+            return JobConfig(Mode.parse(doc["mode"]), from_dict(doc["optimizer"]), model)
+        except (ValueError, KeyError, TypeError, RecursionError) as exc:
+            raise ProtocolError(f"unusable parameter-server config: {exc}") from exc
+
+    def differences(self, asked: JobConfig) -> list[str]:
+        """How the job ``asked`` for differs from this one, one phrase per setting."""
+        diffs = [f"mode {self.mode} here, {asked.mode} asked"] if self.mode != asked.mode else []
+        mine, theirs = self.optimizer.to_dict(), asked.optimizer.to_dict()
+        if mine["kind"] != theirs["kind"]:
+            diffs.append(f"optimizer {mine['kind']} here, {theirs['kind']} asked")
+        else:
+            diffs += [f"optimizer {k} {mine[k]} here, {theirs[k]} asked" for k in sorted(mine)
+                      if mine[k] != theirs[k]]  # fmt: skip
+        if self.model and asked.model and self.model != asked.model:
+            (n, digest), (m, other) = self.model.split(":"), asked.model.split(":")
+            diffs.append(f"the model's parameters (names, shapes or dtypes) differ: {n} here (digest "
+                         f"{digest[:12]}), {m} asked (digest {other[:12]})")  # fmt: skip
+        return diffs
+
+
+@dataclass(frozen=True)
+class CheckpointPolicy:
+    """Where and how often a server writes its checkpoints (and it always does at SIGTERM)."""
+
+    directory: Path
+    every_steps: int = 0  # after every this many updates (0: not by count)
+    every_seconds: float = 0.0  # after the first update this long after the last one (0: not by time)
+
+
+@dataclass(eq=False)
+class HeldShard:
+    """One shard of the job's parameters that this server holds."""
+
+    key: str
+    param: torch.nn.Parameter  # flat, 1-D
+    version: int = 0
+
+    @property
+    def meta(self) -> TensorMeta:
+        p = self.param
+        return TensorMeta(self.key, p.dtype, (p.numel(),), p.numel() * p.element_size(), self.version)
+
+
+class SharedLock:
+    """Many readers (pulls) or one writer (a step); a waiting writer goes before new readers."""
+
+    def __init__(self) -> None:
+        self._readers = 0
+        self._writer = False
+        self._writers_waiting = 0
+        self._changed = asyncio.Condition()
+
+    @contextlib.asynccontextmanager
+    async def shared(self) -> AsyncIterator[None]:
+        async with self._changed:
+            await self._changed.wait_for(lambda: not self._writer and not self._writers_waiting)
+            self._readers += 1
+        try:
+            yield
+        finally:
+            async with self._changed:
+                self._readers -= 1
+                self._changed.notify_all()
+
+    @contextlib.asynccontextmanager
+    async def exclusive(self) -> AsyncIterator[None]:
+        async with self._changed:
+            self._writers_waiting += 1
+            try:
+                await self._changed.wait_for(lambda: not self._writer and not self._readers)
+            finally:
+                self._writers_waiting -= 1
+            self._writer = True
+        try:
+            yield
+        finally:
+            async with self._changed:
+                self._writer = False
+                self._changed.notify_all()
+
+
+class Job:
+    """One server's part of a job (see the module doc): changed on the event loop only; the
+    optimizer's work runs on ``run``'s one thread, under ``lock`` where it touches the values."""
+
+    def __init__(self, budget: Budget) -> None:
+        self.budget = budget
+        self.config: JobConfig | None = None
+        self.shards: dict[str, HeldShard] = {}
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.world = 0
+        self.step = 0  # sync: steps taken; the clock the next step is for
+        self.version = 0  # updates applied, in any mode
+        self.pushes = 0
+        self.generation = 0  # bumped when the shards are replaced (a job created, a checkpoint restored)
+        self.jobs_refused = 0  # joins and inits of another job (model, mode, optimizer, world)
+        self.lock = SharedLock()  # pulls copy the values shared; a step or a checkpoint exclusive
+        self._thread = ThreadPoolExecutor(1, thread_name_prefix="tensorwire-ps")
+
+    @property
+    def mode(self) -> Mode | None:
+        return self.config.mode if self.config else None
+
+    async def run(self, fn: Callable[..., T], *args: Any) -> T:
+        """``fn(*args)`` on the optimizer's thread (torch releases the GIL: the loop goes on)."""
+        return await asyncio.get_running_loop().run_in_executor(self._thread, fn, *args)
+
+    def shutdown(self) -> None:
+        self._thread.shutdown(wait=True)
+
+    def install(
+        self, world: int, config: JobConfig, metas: list[TensorMeta], values: list[torch.Tensor]
+    ) -> None:
+        """Make the shards of a new job from a worker's values (or the primary's: a backup)."""
+        shards = {
+            m.name: HeldShard(m.name, torch.nn.Parameter(v)) for m, v in zip(metas, values, strict=True)
+        }
+        self.optimizer = config.optimizer.build(s.param for s in shards.values())
+        self.shards, self.config = shards, config
+        self.count()
+        self.generation += 1
+        self.note_world(world)
+        log.info("job initialised: %d shards, mode %s, %s", len(shards), config.mode, config.optimizer)
+
+    def count(self) -> None:
+        """The job's parameters and its optimizer's state, in the budget (made or restored)."""
+        assert self.config is not None
+        params = sum(s.meta.nbytes for s in self.shards.values())
+        self.budget.set("params", params)
+        self.budget.set("optimizer", params * self.config.optimizer.state_copies)
+
+    def note_world(self, world: int) -> None:
+        self.world = max(self.world, world)
+
+    def shard(self, name: str) -> HeldShard:
+        shard = self.shards.get(name)
+        if shard is None:
+            raise ProtocolError(f"this server holds no shard {name!r}")
+        return shard
+
+    def describe(self) -> str:
+        return self.config.to_json() if self.config else "nothing yet"
+
+    # -- checks ---------------------------------------------------------------------------------
+    def check_worker(self, head: wps.PsHead) -> None:
+        if head.worker == wps.OBSERVER:
+            raise ProtocolError("an observer cannot join or create a job")
+        if not 0 < head.world <= MAX_WORLD or head.worker >= head.world:
+            raise ProtocolError(f"worker {head.worker} of a world of {head.world} is not a valid rank")
+        if self.world and head.world != self.world:
+            raise ProtocolError(
+                f"worker {head.worker} says the world has {head.world} workers; it has {self.world}"
+            )
+
+    def check_joining_job(self, job: tuple[JobConfig, list[TensorMeta]] | None) -> None:
+        if job is not None and self.config is not None:
+            self.check_same_job(*job)
+
+    def check_same_job(self, config: JobConfig, metas: Sequence[TensorMeta]) -> None:
+        """ProtocolError naming every difference between the job here and the one a worker runs
+        (until jobs are first-class, a server holds one job: a second one needs its own servers)."""
+        assert self.config is not None
+        diffs = self.config.differences(config) + self._shard_differences(metas)
+        if diffs:
+            self.jobs_refused += 1
+            said = "; ".join(diffs[:8])
+            event(log, logging.WARNING, "a worker of another job was refused", differences=said)
+            raise ProtocolError(
+                f"this job runs {self.describe()}; a worker asked for another job: {said} "
+                "(a second job needs parameter servers of its own)"
+            )
+
+    def _shard_differences(self, metas: Sequence[TensorMeta]) -> list[str]:
+        """How a worker's shards (its model, placed over the servers) differ from this job's."""
+        mine = {s.key: (s.param.dtype, s.param.numel()) for s in self.shards.values()}
+        theirs = {m.name: (m.dtype, m.numel) for m in metas}
+        diffs = []
+        if extra := [k for k in theirs if k not in mine]:
+            diffs.append(f"shard(s) {_few(extra)} of the worker's model are not in this job")
+        if missing := [k for k in mine if k not in theirs]:
+            diffs.append(f"this job's shard(s) {_few(missing)} are not in the worker's model")
+        for key in [k for k in mine if k in theirs and mine[k] != theirs[k]][:4]:
+            (dtype, n), (other, m) = mine[key], theirs[key]
+            diffs.append(f"shard {key[:60]!r} is {n} x {dtype} here, {m} x {other} asked")
+        return diffs
+
+
+def described_job(reader: wm.MetaReader) -> tuple[JobConfig, list[TensorMeta]] | None:
+    """The job a PS_JOIN says its worker belongs to (PS_INIT's config and records), if it does."""
+    if not reader.remaining:
+        return None  # an older worker: its PS_INIT checks the job
+    config = JobConfig.from_json(wps.decode_config(reader))
+    metas = wm.decode_records(reader)
+    check_records(metas, None)
+    return config, metas
+
+
+def check_records(metas: Sequence[TensorMeta], data_len: int | None) -> None:
+    if data_len is not None and sum(m.nbytes for m in metas) != data_len:
+        raise InvalidTensor("the records' sizes do not add up to the frame's data length")
+    for meta in metas:
+        if len(meta.shape) != 1 or not meta.dtype.is_floating_point:
+            raise InvalidTensor(f"shard {meta.name!r} must be a flat floating-point range")
+
+
+def check_replicated(metas: Sequence[TensorMeta], data_len: int, capacity: int) -> None:
+    """A replicated job's values: as a worker's PS_INIT is checked, before a byte is allocated."""
+    check_records(metas, data_len)
+    if data_len > capacity:
+        raise CapacityExceeded(f"{data_len} bytes of parameters exceed {capacity}")
+
+
+def _few(names: Sequence[str]) -> str:
+    """A few of ``names``, for an error message (a peer chose them: bounded)."""
+    shown = ", ".join(repr(name[:60]) for name in names[:4])
+    return shown + (f" and {len(names) - 4} more" if len(names) > 4 else "")

@@ -1,0 +1,154 @@
+"""A parameter server's job state as a whole: taken for a checkpoint or a state transfer, loaded
+from one, and when checkpoints are written.
+
+``take`` gathers the job (its config, shards, optimizer state, counters, and the workers' clocks
+and push marks, so a restored server still recognises a resent push) into a
+``checkpoint.Snapshot``; ``live`` adds what a backup taking over needs beyond a checkpoint: the
+workers' liveness, read clocks and incarnations, and the pushes of a sync step not taken yet.
+``load`` makes such a snapshot the job. ps/checkpoint.py writes and reads snapshots on disk
+(all or nothing); ps/replica.py sends and receives them (SYNC).
+
+Lifecycle: ``State`` is made with the server, with its ``CheckpointPolicy`` (or None: no
+checkpoints). After each update the modes call ``maybe_checkpoint``; the server's close writes a
+last one (``write_checkpoint``); ``restore`` (``tensorwire serve`` at start, PS_ROLLBACK) loads one.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+
+import torch
+
+from tensorwire.logs import event
+from tensorwire.ps import checkpoint
+from tensorwire.ps.gradients import Gradients, Grads
+from tensorwire.ps.job import CheckpointPolicy, HeldShard, Job, JobConfig
+from tensorwire.ps.membership import Member, Members
+
+log = logging.getLogger("tensorwire.ps")
+
+
+class State:
+    """Snapshots of the job, and its checkpoints (see the module doc)."""
+
+    def __init__(
+        self, policy: CheckpointPolicy | None, job: Job, members: Members, gradients: Gradients
+    ) -> None:
+        self.policy = policy
+        self._job = job
+        self._members = members
+        self._gradients = gradients
+        self.restored_from: str | None = None  # the checkpoint this server's job came from
+        self.skipped = 0  # newer checkpoints passed over at a restore: not complete
+        self._last_checkpoint = time.monotonic()
+
+    def take(self, *, live: bool = False) -> checkpoint.Snapshot:
+        """The job's state; ``live`` adds what a backup taking over needs beyond a checkpoint: the
+        workers' liveness and read clocks and the pushes of a sync step not taken yet."""
+        job, workers = self._job, self._members.workers
+        assert job.config is not None and job.optimizer is not None
+        tensors, optimizer_rest = checkpoint.optimizer_tensors(job.optimizer.state_dict())
+        state = {
+            "config": json.loads(job.config.to_json()),
+            "shards": list(job.shards),
+            "versions": {key: shard.version for key, shard in job.shards.items()},
+            "world": job.world,
+            "step": job.step,
+            "version": job.version,
+            "pushes": job.pushes,
+            "workers": {str(w): [s.clock, s.seq, s.last_reply.hex()] for w, s in workers.items()},
+            "optimizer": optimizer_rest,
+        }
+        params = {key: shard.param.detach() for key, shard in job.shards.items()}
+        if live:
+            state["live"] = {str(w): [s.live, s.read_clock, s.incarnation] for w, s in workers.items()}
+            state["pending"] = {}
+            for clock, pending in self._gradients.pending.items():
+                for worker, (_, grads) in pending.grads.items():
+                    present = [i for i, g in enumerate(grads) if g is not None]
+                    state["pending"].setdefault(str(clock), {})[str(worker)] = present
+                    for i in present:
+                        grad = grads[i]
+                        assert grad is not None
+                        params[f"@pending/{clock}/{worker}/{i}"] = grad
+        return checkpoint.Snapshot(state, params, tensors)
+
+    def load(self, snapshot: checkpoint.Snapshot) -> None:
+        """Make ``snapshot`` this server's job (a checkpoint: its workers not live; a backup's
+        state transfer: as they are on the primary, pending pushes included)."""
+        job, state = self._job, snapshot.state
+        config = JobConfig.from_json(json.dumps(state["config"]))
+        shards = {key: HeldShard(key, torch.nn.Parameter(snapshot.params[key]), state["versions"][key])
+                  for key in state["shards"]}  # fmt: skip
+        optimizer = config.optimizer.build(s.param for s in shards.values())
+        optimizer.load_state_dict(checkpoint.optimizer_state(snapshot.optimizer, state["optimizer"]))
+        job.config, job.shards, job.optimizer = config, shards, optimizer
+        job.generation += 1
+        job.world, job.step, job.version, job.pushes = (
+            state["world"],
+            state["step"],
+            state["version"],
+            state["pushes"],
+        )
+        workers = {int(w): Member(clock, False, clock, seq=seq, last_reply=bytes.fromhex(reply))
+                   for w, (clock, seq, reply) in state["workers"].items()}  # fmt: skip
+        for w, (live, read_clock, incarnation) in state.get("live", {}).items():
+            worker = workers[int(w)]
+            worker.live, worker.read_clock, worker.incarnation = live, read_clock, incarnation
+        self._members.workers = workers
+        job.count()
+        pending: dict[int, dict[int, Grads]] = {}
+        for clock, by_worker in state.get("pending", {}).items():
+            for w, present in by_worker.items():
+                grads: Grads = [None] * len(shards)
+                for i in present:
+                    grads[i] = snapshot.params[f"@pending/{clock}/{w}/{i}"]
+                pending.setdefault(int(clock), {})[int(w)] = grads
+        self._gradients.replace(pending)
+
+    # -- checkpoints ----------------------------------------------------------------------------
+    async def maybe_checkpoint(self) -> None:
+        policy = self.policy
+        if policy is None:
+            return
+        by_steps = policy.every_steps and self._job.version % policy.every_steps == 0
+        by_time = policy.every_seconds and time.monotonic() - self._last_checkpoint >= policy.every_seconds
+        if by_steps or by_time:
+            await self.write_checkpoint()
+
+    async def write_checkpoint(self) -> None:
+        """Write the job's state. It runs on the optimizer's thread, after the step that made it,
+        so no step changes the parameters while they are written (pulls only read them)."""
+        assert self.policy is not None
+        job = self._job
+        async with job.lock.exclusive():  # no step in between: the counters match the tensors
+            snapshot = self.take()
+            path = await job.run(checkpoint.save, self.policy.directory, job.version, snapshot)
+        self._last_checkpoint = time.monotonic()
+        log.info("checkpoint %s written (step %d, version %d)", path, job.step, job.version)
+
+    def restore(self, directory: Path, version: int | None = None) -> bool:
+        """Load the newest complete checkpoint (of ``version``, if given) of ``directory``, if there
+        is one; newer ones that are not complete (torn by a crash) are skipped, and that is said in
+        the log and in ``stats()["checkpoint"]``. Its workers come back as not live: each rejoins
+        (``ps.Worker`` does it by itself)."""
+        snapshot = checkpoint.load(directory, version)
+        if snapshot is None:
+            return False
+        self.restored(snapshot)
+        return True
+
+    def restored(self, snapshot: checkpoint.Snapshot) -> None:
+        """Make a checkpoint read by ``checkpoint.load`` the job, and say where it came from."""
+        self.load(snapshot)
+        assert snapshot.path is not None
+        job = self._job
+        self.restored_from = snapshot.path.name
+        self.skipped += len(snapshot.skipped)
+        if snapshot.skipped:
+            event(log, logging.WARNING, "restored an older checkpoint: the newer ones are not complete",
+                  restored=str(snapshot.path), skipped=len(snapshot.skipped), step=job.step)  # fmt: skip
+        log.info("restored checkpoint %d of %s (step %d)", job.version, snapshot.path.parent, job.step)
