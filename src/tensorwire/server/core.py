@@ -130,7 +130,7 @@ class Server:
             self.limits,
             self.uploads,
             self.counts,
-            status=self.status,
+            status=lambda: self.status(),  # noqa: PLW0108 (looked up per request: a subclass may answer otherwise)
             store_id=self.store_id,
             peer_token=self.peer_token,
             stall_timeout=self.stall_timeout,
