@@ -16,7 +16,7 @@ not the absolute numbers):
 
 Ratios are tensorwire / baseline (``put_vs_flight``, ``get_vs_flight``, ``put_vs_naive``,
 ``get_vs_naive``); the targets (>= 1x Flight, >= 5x naive) are shown in the table, never asserted.
-Processes, placement and shutdown work as in ``transfer.py``, whose helpers this reuses.
+Processes, placement and shutdown work as in ``transfer.py``: both use ``children.py``.
 
 Run: ``python -m tensorwire.bench.grpc [--size 64MiB] [--iters 5] [--json] [--no-pin]``.
 """

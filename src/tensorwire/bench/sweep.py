@@ -3,7 +3,7 @@ for every transport and the peers it should be judged against, in one run.
 
 For each entry of ``TRANSPORTS`` a server runs in a child process (``memory://`` in the client's
 own process: that is what it is) and a client in another child, pinned to separate CPUs as in
-``transfer.py``. The client measures, and reports:
+``transfer.py`` (``children.py``). The client measures, and reports:
 
 * ``<transport> put`` / ``<transport> get``: GB/s of ``put`` and ``get(out=...)`` at each size
   from 4 KiB up to ``--max-size`` (powers of 4), median of as many runs as fit ``--budget`` bytes
