@@ -12,6 +12,7 @@ kills it if it does not exit in time.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 import multiprocessing
@@ -158,6 +159,16 @@ def serve_until_stopped(conn: Connection, start: Callable[[], tuple[object, Call
 
 
 # -- placement -------------------------------------------------------------------------------------
+PIN_HELP = "do not pin client and servers to separate CPUs"
+
+
+def add_run_options(parser: argparse.ArgumentParser, pin_help: str = PIN_HELP) -> None:
+    """``--json`` (``report.show``) and ``--no-pin`` (``args.pin``, for ``placement``): the options
+    every benchmark that places its children takes."""
+    parser.add_argument("--json", action="store_true", help="print one JSON object on the last line")
+    parser.add_argument("--no-pin", dest="pin", action="store_false", help=pin_help)
+
+
 def placement(pin: bool) -> tuple[Cpus, Cpus]:
     """(client CPUs, server CPUs): one CPU each when pinning is asked for and possible."""
     if not pin or not hasattr(os, "sched_getaffinity"):

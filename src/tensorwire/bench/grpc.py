@@ -37,7 +37,15 @@ import numpy as np
 import torch
 
 import tensorwire
-from tensorwire.bench.children import STOP_TIMEOUT, Child, pinned, placement, serve_until_stopped, spawned
+from tensorwire.bench.children import (
+    STOP_TIMEOUT,
+    Child,
+    add_run_options,
+    pinned,
+    placement,
+    serve_until_stopped,
+    spawned,
+)
 from tensorwire.bench.report import show, table, throughput_head
 from tensorwire.bench.transfer import (
     Result,
@@ -77,10 +85,7 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="tensorwire.bench.grpc", description=__doc__.split("\n")[0])
     parser.add_argument("--size", type=_size, default=parse_size("64MiB"), help="tensor size")
     parser.add_argument("--iters", type=_positive, default=5, help="timed iterations (after warm-up)")
-    parser.add_argument("--json", action="store_true", help="print one JSON object on the last line")
-    parser.add_argument(
-        "--no-pin", dest="pin", action="store_false", help="do not pin client and servers to separate CPUs"
-    )
+    add_run_options(parser)
     return parser.parse_args(argv)
 
 

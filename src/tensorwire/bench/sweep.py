@@ -3,7 +3,7 @@ for every transport and the peers it should be judged against, in one run.
 
 For each entry of ``TRANSPORTS`` a server runs in a child process (``memory://`` in the client's
 own process: that is what it is) and a client in another child, pinned to separate CPUs as in
-``transfer.py`` (``children.py``). The client measures, and reports:
+``transfer.py``. The client measures, and reports:
 
 * ``<transport> put`` / ``<transport> get``: GB/s of ``put`` and ``get(out=...)`` at each size
   from 4 KiB up to ``--max-size`` (powers of 4), median of as many runs as fit ``--budget`` bytes
@@ -41,7 +41,7 @@ from typing import Any
 import torch
 
 import tensorwire
-from tensorwire.bench.children import Child, Cpus, placement, spawned, starting
+from tensorwire.bench.children import Child, Cpus, add_run_options, placement, spawned, starting
 from tensorwire.bench.report import show
 from tensorwire.bench.transfer import _recv_exactly, _serve_tensorwire, parse_size
 from tensorwire.types import KiB, MiB
@@ -355,8 +355,7 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--cpu-iters", type=int, default=4, help="puts and gets of --cpu-size for CPU/GB")
     parser.add_argument("--transports", type=_names, default=[t.name for t in TRANSPORTS],
                         help="comma-separated, of: " + ", ".join(t.name for t in TRANSPORTS))  # fmt: skip
-    parser.add_argument("--json", action="store_true", help="print one JSON object on the last line")
-    parser.add_argument("--no-pin", dest="pin", action="store_false", help="leave placement to the scheduler")
+    add_run_options(parser, pin_help="leave placement to the scheduler")
     return parser.parse_args(argv)
 
 

@@ -52,7 +52,15 @@ import tensorwire
 from tensorwire import _aio
 from tensorwire.bench import fastpaths, pinglag
 from tensorwire.bench import shm as shm_bench
-from tensorwire.bench.children import Child, pinned, placement, spawned, starting, until_stopped
+from tensorwire.bench.children import (
+    Child,
+    add_run_options,
+    pinned,
+    placement,
+    spawned,
+    starting,
+    until_stopped,
+)
 from tensorwire.bench.report import show, table, throughput_head
 from tensorwire.security import Security, TlsFiles, write_dev_certs
 from tensorwire.server.core import Server
@@ -98,10 +106,7 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--ping-put-size", type=parse_size, default=parse_size("1GiB"),
         help="the put that 1 KiB pings from another client run beside (ping_during_put_p99_ms)",
     )  # fmt: skip
-    parser.add_argument("--json", action="store_true", help="print one JSON object on the last line")
-    parser.add_argument(
-        "--no-pin", dest="pin", action="store_false", help="do not pin client and servers to separate CPUs"
-    )
+    add_run_options(parser)
     return parser.parse_args(argv)
 
 
