@@ -21,7 +21,6 @@ Run: ``tensorwire bench compression [--json] [--codecs fp16,int8,...] [--plot co
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import replace
@@ -30,6 +29,7 @@ from typing import Any
 
 import torch
 
+from tensorwire.bench.report import show
 from tensorwire.compression import codec_for
 from tensorwire.ps import ParamServer, digits
 from tensorwire.server.core import ServerThread
@@ -155,11 +155,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     if args.plot:
         plot(result, Path(args.plot))
         result["plot"] = str(Path(args.plot).resolve())
-    if args.json:
-        print(json.dumps(result))
-    else:
-        _print(result)
-    return result
+    return show(result, args.json, _print)
 
 
 def _print(result: dict[str, Any]) -> None:

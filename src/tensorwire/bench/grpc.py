@@ -16,7 +16,7 @@ not the absolute numbers):
 
 Ratios are tensorwire / baseline (``put_vs_flight``, ``get_vs_flight``, ``put_vs_naive``,
 ``get_vs_naive``); the targets (>= 1x Flight, >= 5x naive) are shown in the table, never asserted.
-Processes, placement and shutdown work as in ``transfer.py``, whose helpers this reuses.
+Processes, placement and shutdown work as in ``transfer.py``: both use ``children.py``.
 
 Run: ``python -m tensorwire.bench.grpc [--size 64MiB] [--iters 5] [--json] [--no-pin]``.
 """
@@ -26,8 +26,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib
-import json
-import multiprocessing.connection
 import sys
 from collections.abc import Callable, Sequence
 from concurrent import futures
@@ -39,22 +37,25 @@ import numpy as np
 import torch
 
 import tensorwire
-from tensorwire.bench.transfer import (
+from tensorwire.bench.children import (
     STOP_TIMEOUT,
+    Child,
+    add_run_options,
+    pinned,
+    placement,
+    serve_until_stopped,
+    spawned,
+)
+from tensorwire.bench.report import show, table, throughput_head
+from tensorwire.bench.transfer import (
     Result,
     _bulk,
-    _Child,
-    _close_all,
     _gbps,
     _median_seconds,
-    _pinned,
-    _placement,
     _positive,
     _ratio,
-    _send_failure,
     _serve_tensorwire,
     parse_size,
-    table,
 )
 from tensorwire.types import MiB
 from tensorwire.v1 import tensor_service_pb2 as pb
@@ -84,10 +85,7 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="tensorwire.bench.grpc", description=__doc__.split("\n")[0])
     parser.add_argument("--size", type=_size, default=parse_size("64MiB"), help="tensor size")
     parser.add_argument("--iters", type=_positive, default=5, help="timed iterations (after warm-up)")
-    parser.add_argument("--json", action="store_true", help="print one JSON object on the last line")
-    parser.add_argument(
-        "--no-pin", dest="pin", action="store_false", help="do not pin client and servers to separate CPUs"
-    )
+    add_run_options(parser)
     return parser.parse_args(argv)
 
 
@@ -105,27 +103,18 @@ def _message_options(size: int) -> list[tuple[str, int]]:
     return [("grpc.max_send_message_length", limit), ("grpc.max_receive_message_length", limit)]
 
 
-def _wait_for_stop(conn: Connection) -> None:
-    """Block until the parent sends anything or closes the pipe (see transfer._Child)."""
-    multiprocessing.connection.wait([conn])
-
-
 # -- servers (child processes) ---------------------------------------------------------------------
 def _serve_naive(conn: Connection, size: int) -> None:
     """Child: the naive unary service, sync grpcio on a thread pool."""
-    try:
+
+    def start() -> tuple[int, Callable[[], object]]:
         server = grpc.server(futures.ThreadPoolExecutor(max_workers=4), options=_message_options(size))
         server.add_generic_rpc_handlers((_naive_handler(),))
         port = server.add_insecure_port("127.0.0.1:0")
         server.start()
-        conn.send(("ready", port))
-    except BaseException:
-        _send_failure(conn)
-        raise
-    try:
-        _wait_for_stop(conn)
-    finally:
-        server.stop(grace=None).wait(STOP_TIMEOUT)
+        return port, lambda: server.stop(grace=None).wait(STOP_TIMEOUT)
+
+    serve_until_stopped(conn, start)
 
 
 def _naive_handler() -> Any:
@@ -156,19 +145,15 @@ def _naive_handler() -> Any:
 
 def _serve_flight(conn: Connection) -> None:
     """Child: an Arrow Flight server that keeps each uploaded table as it arrived."""
-    try:
+
+    def start() -> tuple[int, Callable[[], object]]:
         arrow = _arrow()
         if arrow is None:
             raise RuntimeError("pyarrow is not installed")
         server = _flight_server_class(arrow[1])("grpc://127.0.0.1:0")  # serving once constructed
-        conn.send(("ready", server.port))
-    except BaseException:
-        _send_failure(conn)
-        raise
-    try:
-        _wait_for_stop(conn)
-    finally:
-        server.shutdown()
+        return server.port, server.shutdown
+
+    serve_until_stopped(conn, start)
 
 
 def _flight_server_class(flight: Any) -> type[Any]:
@@ -299,7 +284,7 @@ def _check_same(what: str, got: torch.Tensor, expected: torch.Tensor) -> None:
 # -- the run ---------------------------------------------------------------------------------------
 def run(size: int, iters: int, pin: bool = True) -> Result:
     """Measure all three; every child process is gone when this returns or raises."""
-    client_cpus, server_cpus = _placement(pin)
+    client_cpus, server_cpus = placement(pin)
     data = torch.rand(size // 4)
     arrow = _arrow()
     # Room for the stored tensor, the one being put over it and the store's reuse pool (as transfer.py).
@@ -307,18 +292,17 @@ def run(size: int, iters: int, pin: bool = True) -> Result:
     flight_put: float | None = None
     flight_get: float | None = None
     with contextlib.ExitStack() as stack:
-        children: list[_Child] = []
-        stack.callback(_close_all, children)  # registered first: also ends the ones started before an error
+        children = stack.enter_context(spawned())  # first: also ends the ones started before an error
         # Start all children before waiting for any: each spends over a second importing torch.
-        children.append(_Child(_serve_tensorwire, capacity, ["grpc://127.0.0.1:0"], cpus=server_cpus))
-        children.append(_Child(_serve_naive, size, cpus=server_cpus))
+        children.append(Child(_serve_tensorwire, capacity, ["grpc://127.0.0.1:0"], cpus=server_cpus))
+        children.append(Child(_serve_naive, size, cpus=server_cpus))
         if arrow is not None:
-            children.append(_Child(_serve_flight, cpus=server_cpus))
+            children.append(Child(_serve_flight, cpus=server_cpus))
         ready = [child.ready() for child in children]
         bound, naive_port = ready[0], ready[1]
         assert isinstance(bound, list) and isinstance(naive_port, int)
         url = bound[0]
-        stack.enter_context(_pinned(client_cpus))
+        stack.enter_context(pinned(client_cpus))
 
         grpc_put, grpc_get = _tensorwire_bulk(url, data, iters)
         naive_put, naive_get = _naive_bulk(naive_port, data, iters)
@@ -356,8 +340,6 @@ def _target(ratio: float | int | str | None, target: float, baseline: str) -> st
 
 def format_table(r: Result) -> str:
     """The results as a readable table (GB/s are 1e9 bytes per second)."""
-    size = r["size_bytes"]
-    mib = size / MiB if isinstance(size, int) else 0.0
     flight_note = "baseline" if r["pyarrow"] is not None else "pyarrow not installed"
 
     def gbps(key: str) -> str:
@@ -382,21 +364,13 @@ def format_table(r: Result) -> str:
         ("naive unary put", gbps("naive_put_gbps"), "baseline"),
         ("naive unary get", gbps("naive_get_gbps"), "baseline"),
     ]
-    head = (
-        f"tensorwire gRPC benchmark: {mib:g} MiB float32, median of {r['iters']} (after warm-up), "
-        f"{'pinned' if r['pinned'] else 'unpinned'}; GB/s = 1e9 bytes/s"
-    )
-    return table(head, rows, value_width=12)
+    return table(throughput_head("gRPC", r), rows, value_width=12)
 
 
 def main(argv: list[str] | None = None) -> Result:
     args = _parse_args(argv)
     result = run(args.size, args.iters, args.pin)
-    if args.json:
-        print(json.dumps(result), flush=True)
-    else:
-        print(format_table(result), flush=True)
-    return result
+    return show(result, args.json, format_table)
 
 
 if __name__ == "__main__":

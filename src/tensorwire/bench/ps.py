@@ -18,13 +18,13 @@ Run: ``tensorwire bench ps [--json] [--steps 30] [--sizes 1024,2048,2048,2048,10
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from collections.abc import Sequence
 
 import torch
 
 from tensorwire.bench import ps_baselines as base
+from tensorwire.bench.report import show
 from tensorwire.ps import SGD, Worker
 from tensorwire.ps.launch import local_servers
 
@@ -80,11 +80,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, float | int]:
     args = parser.parse_args(argv)
     w = base.Workload(args.sizes, args.batch, args.steps, args.warmup)
     result = run(w, args.timeout)
-    if args.json:
-        print(json.dumps(result))
-    else:
-        _print(result)
-    return result
+    return show(result, args.json, _print)
 
 
 def _print(result: dict[str, float | int]) -> None:

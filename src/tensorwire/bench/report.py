@@ -6,21 +6,25 @@ says so). Each benchmark's rows come from a function in ``ROWS``; a benchmark wi
 module in ``tensorwire.bench.BENCHMARKS``) still gets a row for each of its ``*ratio*`` and
 ``*_vs_*`` figures. The plots come from the sweep benchmark (``sweep.py``): bandwidth by tensor
 size for each transport and peer, latency percentiles, CPU seconds per GB and peak RSS.
+
+A benchmark run alone prints its own result with ``show``: one JSON line with ``--json``, else its
+readable form (``table`` lays out the name, value and note columns most of them use).
 """
 
 from __future__ import annotations
 
 import json
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from tensorwire.types import KiB, MiB
 
 PLOTS = ("bandwidth.png", "latency.png", "cpu.png", "rss.png")
 SUMMARY_PLOT = "summary.png"  # the four in one figure (the README shows it)
+R = TypeVar("R")
 
 
 @dataclass(frozen=True)
@@ -323,3 +327,32 @@ def _rss(ax: Any, s: dict[str, Any]) -> None:
 
 
 __all__ = ["PLOTS", "ROWS", "SUMMARY_PLOT", "Row", "markdown", "plot", "rows", "write"]
+
+
+# -- one benchmark's own printout -------------------------------------------------------------------
+def show(result: R, as_json: bool, readable: Callable[[R], str | None]) -> R:
+    """Print ``result`` as one JSON line (``--json``: what ``bench all`` and scripts read), else
+    ``readable(result)`` (a text to print, or None where it printed itself, as a rich table does).
+    Returns ``result``, for ``main`` to return."""
+    text = json.dumps(result) if as_json else readable(result)
+    if text is not None:
+        print(text, flush=True)
+    return result
+
+
+def throughput_head(benchmark: str, r: Mapping[str, object], *details: str) -> str:
+    """The heading of a bulk-throughput table: the size moved, how the figure was taken, where."""
+    size = r["size_bytes"]
+    mib = size / MiB if isinstance(size, int) else 0.0
+    where = ", ".join([*details, "pinned" if r["pinned"] else "unpinned"])
+    return (
+        f"tensorwire {benchmark} benchmark: {mib:g} MiB float32, median of {r['iters']} (after warm-up), "
+        f"{where}; GB/s = 1e9 bytes/s"
+    )
+
+
+def table(head: str, rows: Sequence[tuple[str, str, str]], value_width: int) -> str:
+    """A benchmark's readable report: a heading, then name, value and note in aligned columns."""
+    width = max(len(name) for name, _, _ in rows)
+    lines = [f"  {name:<{width}}  {value:>{value_width}}  {note}".rstrip() for name, value, note in rows]
+    return "\n".join([head, *lines])

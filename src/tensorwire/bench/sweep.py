@@ -26,7 +26,6 @@ Run: ``tensorwire bench sweep [--max-size 256MiB] [--json]``.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import socket
 import statistics
@@ -42,15 +41,9 @@ from typing import Any
 import torch
 
 import tensorwire
-from tensorwire.bench.transfer import (
-    Cpus,
-    _Child,
-    _close_all,
-    _placement,
-    _recv_exactly,
-    _send_failure,
-    parse_size,
-)
+from tensorwire.bench.children import Child, Cpus, add_run_options, placement, spawned, starting
+from tensorwire.bench.report import show
+from tensorwire.bench.transfer import _recv_exactly, _serve_tensorwire, parse_size
 from tensorwire.types import KiB, MiB
 from tensorwire.wire.tensors import byte_view
 
@@ -151,7 +144,7 @@ def _cpu_per_gb(pids: Sequence[int], nbytes: int, run: Callable[[], None]) -> li
 # -- a tensorwire transport --------------------------------------------------------------------------
 def _tensorwire_client(conn: Connection, transport: Transport, url: str, server_pid: int, plan: Plan) -> None:
     """Child: measure one transport (the module doc); sends ``("ready", result)`` when done."""
-    try:
+    with starting(conn):
         server = None
         if transport.in_process:
             server = tensorwire.ServerThread([transport.listen])
@@ -163,9 +156,6 @@ def _tensorwire_client(conn: Connection, transport: Transport, url: str, server_
             if server is not None:
                 server.close()
         conn.send(("ready", result))
-    except BaseException:
-        _send_failure(conn)
-        raise
 
 
 def _measure(client: tensorwire.Client, plan: Plan, server_pid: int) -> Result:
@@ -214,15 +204,12 @@ _ECHO = 1 << 63  # the length's top bit: send the bytes back instead of a one-by
 def _sized_sink(conn: Connection, max_size: int) -> None:
     """Child: a default-option socket that takes length-prefixed transfers into one preallocated
     buffer and acks each with a byte (or echoes it back)."""
-    try:
+    with starting(conn):
         listener = socket.create_server(("127.0.0.1", 0))
         target = torch.empty(max(max_size, LATENCY_BYTES), dtype=torch.uint8)
         target.zero_()  # fault the pages in now
         view, head = byte_view(target), memoryview(bytearray(_LEN.size))
         conn.send(("ready", listener.getsockname()[1]))
-    except BaseException:
-        _send_failure(conn)
-        raise
     sock, _ = listener.accept()
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     with sock, listener:
@@ -246,11 +233,8 @@ def _send(sock: socket.socket, head: bytes, view: memoryview) -> None:
 
 def _socket_client(conn: Connection, port: int, sink_pid: int, plan: Plan) -> None:
     """Child: the socket peer's bandwidth at each size, its 4 KiB echo latency, CPU and memory."""
-    try:
+    with starting(conn):
         conn.send(("ready", _socket_measure(port, sink_pid, plan)))
-    except BaseException:
-        _send_failure(conn)
-        raise
 
 
 def _socket_measure(port: int, sink_pid: int, plan: Plan) -> Result:
@@ -305,38 +289,31 @@ CLIENT_TIMEOUT = 1800.0  # a whole sweep of one transport on a slow, loaded mach
 
 def _transport(t: Transport, plan: Plan, capacity: int, cpus: tuple[Cpus, Cpus]) -> Result:
     """One transport's results; its server and client children are gone when this returns."""
-    from tensorwire.bench.transfer import _serve_tensorwire
-
-    children: list[_Child] = []
-    try:
+    with spawned() as children:
         url, server_pid = "", 0
         if not t.in_process:
-            children.append(_Child(_serve_tensorwire, capacity, [t.listen], cpus=cpus[1]))
+            children.append(Child(_serve_tensorwire, capacity, [t.listen], cpus=cpus[1]))
             (url,) = children[0].ready()  # type: ignore[misc]
             server_pid = children[0].pid
-        children.append(_Child(_tensorwire_client, t, url, server_pid, plan, cpus=cpus[0]))
+        children.append(Child(_tensorwire_client, t, url, server_pid, plan, cpus=cpus[0]))
         result = children[-1].ready(CLIENT_TIMEOUT)
-    finally:
-        _close_all(children)
     assert isinstance(result, dict)
     return result
 
 
 def _socket(plan: Plan, cpus: tuple[Cpus, Cpus]) -> Result:
-    children = [_Child(_sized_sink, max(plan.sizes[-1], plan.cpu_size), cpus=cpus[1])]
-    try:
+    with spawned() as children:
+        children.append(Child(_sized_sink, max(plan.sizes[-1], plan.cpu_size), cpus=cpus[1]))
         port = children[0].ready()
-        children.append(_Child(_socket_client, port, children[0].pid, plan, cpus=cpus[0]))
+        children.append(Child(_socket_client, port, children[0].pid, plan, cpus=cpus[0]))
         result = children[-1].ready(CLIENT_TIMEOUT)
-    finally:
-        _close_all(children)
     assert isinstance(result, dict)
     return result
 
 
 def run(plan: Plan, transports: Sequence[Transport] = TRANSPORTS, pin: bool = True) -> Result:
     """Every transport, then the peers; every child process is gone when this returns or raises."""
-    cpus = _placement(pin)
+    cpus = placement(pin)
     capacity = 4 * max(plan.sizes[-1], plan.cpu_size) + 64 * MiB
     gbps: dict[str, list[float]] = {}
     latency, cpu, rss = {}, {}, {}
@@ -378,8 +355,7 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--cpu-iters", type=int, default=4, help="puts and gets of --cpu-size for CPU/GB")
     parser.add_argument("--transports", type=_names, default=[t.name for t in TRANSPORTS],
                         help="comma-separated, of: " + ", ".join(t.name for t in TRANSPORTS))  # fmt: skip
-    parser.add_argument("--json", action="store_true", help="print one JSON object on the last line")
-    parser.add_argument("--no-pin", dest="pin", action="store_false", help="leave placement to the scheduler")
+    add_run_options(parser, pin_help="leave placement to the scheduler")
     return parser.parse_args(argv)
 
 
@@ -423,8 +399,7 @@ def main(argv: list[str] | None = None) -> Result:
         sizes, args.budget, max(1, args.latency_iters), max(MIN_SIZE, args.cpu_size), max(1, args.cpu_iters)
     )
     result = run(plan, [t for t in TRANSPORTS if t.name in args.transports], pin=args.pin)
-    print(json.dumps(result) if args.json else format_table(result), flush=True)
-    return result
+    return show(result, args.json, format_table)
 
 
 if __name__ == "__main__":

@@ -33,18 +33,15 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import json
 import multiprocessing
 import multiprocessing.connection
-import os
 import re
 import socket
 import statistics
 import sys
 import tempfile
 import time
-import traceback
-from collections.abc import Callable, Coroutine, Iterator, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any, TypeVar
@@ -55,6 +52,16 @@ import tensorwire
 from tensorwire import _aio
 from tensorwire.bench import fastpaths, pinglag
 from tensorwire.bench import shm as shm_bench
+from tensorwire.bench.children import (
+    Child,
+    add_run_options,
+    pinned,
+    placement,
+    spawned,
+    starting,
+    until_stopped,
+)
+from tensorwire.bench.report import show, table, throughput_head
 from tensorwire.security import Security, TlsFiles, write_dev_certs
 from tensorwire.server.core import Server
 from tensorwire.store import TensorStore
@@ -63,11 +70,8 @@ from tensorwire.wire.tensors import byte_view
 
 T = TypeVar("T")
 Result = dict[str, float | int | str | None]
-Cpus = frozenset[int] | None  # a CPU set to pin a process to, or None to leave it to the scheduler
 
 SMALL_BYTES = KiB  # the "small" tensor and the echo message
-START_TIMEOUT = 120.0  # a child imports torch first; generous for a loaded 2-core machine
-STOP_TIMEOUT = 10.0
 MANY_REPEATS = 3
 _UNITS = {"": 1, "B": 1, "KIB": KiB, "MIB": MiB, "GIB": 1 << 30}
 _SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([KMG]IB|B)?\s*", re.IGNORECASE)
@@ -102,113 +106,11 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--ping-put-size", type=parse_size, default=parse_size("1GiB"),
         help="the put that 1 KiB pings from another client run beside (ping_during_put_p99_ms)",
     )  # fmt: skip
-    parser.add_argument("--json", action="store_true", help="print one JSON object on the last line")
-    parser.add_argument(
-        "--no-pin", dest="pin", action="store_false", help="do not pin client and servers to separate CPUs"
-    )
+    add_run_options(parser)
     return parser.parse_args(argv)
 
 
 # -- child processes -------------------------------------------------------------------------------
-class _Child:
-    """A spawned helper process and the pipe it reports on.
-
-    Protocol: the child sends ``("ready", value)`` once it serves (or ``("error", traceback)``),
-    then runs until the parent sends anything or closes the pipe.
-    """
-
-    def __init__(self, target: Callable[..., None], *args: object, cpus: Cpus = None) -> None:
-        ctx = multiprocessing.get_context("spawn")  # fork would copy the parent's threads and torch state
-        self._conn, child_conn = ctx.Pipe()
-        self._proc = ctx.Process(
-            target=_child_entry, args=(target, child_conn, cpus, *args), name=target.__name__, daemon=True
-        )
-        try:
-            self._proc.start()
-        finally:
-            child_conn.close()  # only the child's copy may stay open, or the child never sees EOF
-
-    @property
-    def pid(self) -> int:
-        """The child's process id (to measure its CPU time and memory)."""
-        assert self._proc.pid is not None
-        return self._proc.pid
-
-    def ready(self, timeout: float = START_TIMEOUT) -> object:
-        """What the child sent with "ready"; raises if it failed, died or took too long."""
-        # Waiting on the sentinel too means a crashed child is noticed at once, not at the timeout.
-        if not multiprocessing.connection.wait([self._conn, self._proc.sentinel], timeout):
-            raise TimeoutError(f"{self._proc.name} did not start within {timeout:.0f}s")
-        try:
-            kind, value = self._conn.recv()
-        except EOFError:
-            self._proc.join(STOP_TIMEOUT)
-            raise RuntimeError(f"{self._proc.name} exited with code {self._proc.exitcode}") from None
-        if kind != "ready":
-            raise RuntimeError(f"{self._proc.name} failed:\n{value}")
-        return value
-
-    def stop(self) -> None:
-        """Ask the child to stop; ``reap`` waits for it."""
-        if not self._conn.closed:
-            with contextlib.suppress(OSError):
-                self._conn.send("stop")
-            self._conn.close()
-
-    def reap(self) -> None:
-        """Make sure the child is gone: wait, then terminate, then kill."""
-        self.stop()
-        self._proc.join(STOP_TIMEOUT)
-        if self._proc.is_alive():
-            self._proc.terminate()
-            self._proc.join(STOP_TIMEOUT)
-        if self._proc.is_alive():
-            self._proc.kill()
-            self._proc.join(STOP_TIMEOUT)
-        self._proc.close()
-
-
-def _child_entry(target: Callable[..., None], conn: Connection, cpus: Cpus, *args: object) -> None:
-    if cpus is not None:
-        os.sched_setaffinity(0, cpus)  # after the imports, so that the children import in parallel
-    target(conn, *args)
-    # A child that ended cleanly holds nothing worth tearing down, and the interpreter's teardown
-    # with torch loaded takes ~0.4 s per process: skip it (a failure still exits the normal way).
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
-
-
-def _close_all(children: list[_Child]) -> None:
-    # Signal every child before waiting for any, so that they wind down in parallel.
-    for child in children:
-        child.stop()
-    for child in children:
-        child.reap()
-
-
-def _send_failure(conn: Connection) -> None:
-    """Tell the parent why a child could not start (it is waiting on the pipe, not on stderr)."""
-    with contextlib.suppress(OSError):
-        conn.send(("error", traceback.format_exc()))
-
-
-async def _until_stopped(conn: Connection) -> None:
-    """Return once the parent sends anything or closes the pipe, without blocking the loop."""
-    loop = asyncio.get_running_loop()
-    stopped: asyncio.Future[None] = loop.create_future()
-
-    def readable() -> None:
-        if not stopped.done():
-            stopped.set_result(None)
-
-    loop.add_reader(conn.fileno(), readable)
-    try:
-        await stopped
-    finally:
-        loop.remove_reader(conn.fileno())
-
-
 def _serve_tensorwire(
     conn: Connection, capacity: int, urls: list[str], certs: dict[str, Path] | None = None
 ) -> None:
@@ -222,29 +124,23 @@ async def _serve_tensorwire_async(
 ) -> None:
     security = Security(TlsFiles(certs["server"], certs["server_key"])) if certs else None
     server = Server(TensorStore(capacity=capacity), security=security)
-    try:
+    with starting(conn):
         addresses = await server.start(*urls)
         conn.send(("ready", [str(a) for a in addresses]))
-    except BaseException:
-        _send_failure(conn)
-        raise
     try:
-        await _until_stopped(conn)
+        await until_stopped(conn)
     finally:
         await server.close()
 
 
 def _socket_sink(conn: Connection, nbytes: int) -> None:
     """Child: receive ``nbytes``-sized transfers on a default-option socket, ack each with a byte."""
-    try:
+    with starting(conn):
         listener = socket.create_server(("127.0.0.1", 0))
         target = torch.empty(nbytes, dtype=torch.uint8)
         target.zero_()  # fault the pages in now: the timed receives should not pay for them
         view = byte_view(target)
         conn.send(("ready", listener.getsockname()[1]))
-    except BaseException:
-        _send_failure(conn)
-        raise
     with listener:
         # Accept, unless the parent gives up first (then the pipe becomes readable instead).
         if listener not in multiprocessing.connection.wait([listener, conn]):
@@ -272,14 +168,11 @@ def _echo_server(conn: Connection) -> None:
 
 
 async def _echo_server_async(conn: Connection) -> None:
-    try:
+    with starting(conn):
         server = await asyncio.start_server(_echo, "127.0.0.1", 0)
         conn.send(("ready", server.sockets[0].getsockname()[1]))
-    except BaseException:
-        _send_failure(conn)
-        raise
     async with server:
-        await _until_stopped(conn)
+        await until_stopped(conn)
 
 
 async def _echo(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -419,35 +312,11 @@ def _ratio(value: float, baseline: float) -> float | None:
 
 
 # -- the run ---------------------------------------------------------------------------------------
-def _placement(pin: bool) -> tuple[Cpus, Cpus]:
-    """(client CPUs, server CPUs): one CPU each when pinning is asked for and possible."""
-    if not pin or not hasattr(os, "sched_getaffinity"):
-        return None, None
-    cpus = sorted(os.sched_getaffinity(0))
-    if len(cpus) < 2:
-        return None, None
-    return frozenset(cpus[:1]), frozenset(cpus[1:2])
-
-
-@contextlib.contextmanager
-def _pinned(cpus: Cpus) -> Iterator[None]:
-    """Pin the calling thread (and the threads it starts, like a Client's loop) while inside."""
-    if cpus is None:
-        yield
-        return
-    before = os.sched_getaffinity(0)
-    os.sched_setaffinity(0, cpus)
-    try:
-        yield
-    finally:
-        os.sched_setaffinity(0, before)  # main() may run inside a test process or the CLI
-
-
 def run(
     size: int, iters: int, small_iters: int, many: int, pin: bool = True, *, ping_put_size: int = 1 << 30
 ) -> Result:
     """Measure everything; every child process is gone when this returns or raises."""
-    client_cpus, server_cpus = _placement(pin)
+    client_cpus, server_cpus = placement(pin)
     data = torch.rand(size // 4)
     # Room for the stored tensor, the one being put over it and the store's reuse pool (a quarter
     # of capacity must hold one bulk buffer, or every timed put would fault in fresh pages).
@@ -456,20 +325,19 @@ def run(
     capacity += 6 * min(size, fastpaths.COMPRESSIBLE_MAX)  # the fast paths' sparse and noise tensors
     with contextlib.ExitStack() as stack:
         certs = write_dev_certs(Path(stack.enter_context(tempfile.TemporaryDirectory())))
-        children: list[_Child] = []
-        stack.callback(_close_all, children)  # registered first: also ends the ones started before an error
+        children = stack.enter_context(spawned())  # first: also ends the ones started before an error
         # Start all children before waiting for any: each spends over a second importing torch.
         urls = ["tcp://127.0.0.1:0", "tls://127.0.0.1:0"]
-        children.append(_Child(_serve_tensorwire, capacity, urls, certs, cpus=server_cpus))
-        children.append(_Child(_socket_sink, size, cpus=server_cpus))
-        children.append(_Child(_echo_server, cpus=server_cpus))
+        children.append(Child(_serve_tensorwire, capacity, urls, certs, cpus=server_cpus))
+        children.append(Child(_socket_sink, size, cpus=server_cpus))
+        children.append(Child(_echo_server, cpus=server_cpus))
         shm_capacity = 4 * size + 64 * MiB  # a server of its own: its tensors live in /dev/shm
-        children.append(_Child(_serve_tensorwire, shm_capacity, ["shm://127.0.0.1:0"], cpus=server_cpus))
+        children.append(Child(_serve_tensorwire, shm_capacity, ["shm://127.0.0.1:0"], cpus=server_cpus))
         bound, sink_port, echo_port, shm_bound = (child.ready() for child in children)
         assert isinstance(bound, list) and isinstance(sink_port, int) and isinstance(echo_port, int)
         assert isinstance(shm_bound, list)
         url, tls_url = bound
-        stack.enter_context(_pinned(client_cpus))
+        stack.enter_context(pinned(client_cpus))
 
         socket_gbps = _socket_baseline(sink_port, data, iters)
         with tensorwire.connect(url) as client:
@@ -519,8 +387,6 @@ def _fmt(value: float | int | str | None, spec: str) -> str:
 
 def format_table(r: Result) -> str:
     """The results as a readable table (GB/s are 1e9 bytes per second)."""
-    size = r["size_bytes"]
-    mib = size / MiB if isinstance(size, int) else 0.0
     rows = [
         ("put", f"{_fmt(r['put_gbps'], '.3f')} GB/s", f"{_fmt(r['put_ratio'], '.2f')} x socket"),
         ("get(out=)", f"{_fmt(r['get_gbps'], '.3f')} GB/s", f"{_fmt(r['get_ratio'], '.2f')} x socket"),
@@ -570,29 +436,14 @@ def format_table(r: Result) -> str:
     ]
     rows += shm_bench.rows(r, _fmt)
     rows += pinglag.rows(r, _fmt)
-    head = (
-        f"tensorwire transfer benchmark: {mib:g} MiB float32, median of {r['iters']} "
-        f"(after warm-up), loop {r['loop']}, {'pinned' if r['pinned'] else 'unpinned'}; GB/s = 1e9 bytes/s"
-    )
-    return table(head, rows, value_width=22)
-
-
-def table(head: str, rows: Sequence[tuple[str, str, str]], value_width: int) -> str:
-    """A benchmark's readable report: a heading, then name, value and note in aligned columns."""
-    width = max(len(name) for name, _, _ in rows)
-    lines = [f"  {name:<{width}}  {value:>{value_width}}  {note}".rstrip() for name, value, note in rows]
-    return "\n".join([head, *lines])
+    return table(throughput_head("transfer", r, f"loop {r['loop']}"), rows, value_width=22)
 
 
 def main(argv: list[str] | None = None) -> Result:
     args = _parse_args(argv)
     sizes = (args.size, args.iters, args.small_iters, args.many)
     result = run(*sizes, args.pin, ping_put_size=args.ping_put_size)
-    if args.json:
-        print(json.dumps(result), flush=True)
-    else:
-        print(format_table(result), flush=True)
-    return result
+    return show(result, args.json, format_table)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,89 @@
+"""Timeouts and close: a silent server, a closed client and server, a stalled request, idle and
+surplus connections."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import torch
+
+from tensorwire import AsyncClient, ClientOptions, errors
+from tensorwire.testing.conformance.frames import (
+    expect_error,
+    put_frame,
+    raw,
+    read_reply,
+)
+from tensorwire.testing.conformance.harness import Harness
+from tensorwire.types import TensorMeta
+from tensorwire.wire.checksum import ChecksumKind
+from tensorwire.wire.frame import Header, Opcode, encode_frame_head
+
+
+async def silent_server_times_out(h: Harness) -> None:
+    async with h.black_hole() as url:
+        client = AsyncClient(url, ClientOptions(timeout=0.3, connect_timeout=0.3, retries=1, backoff=0.01))
+        start = time.monotonic()
+        try:
+            await client.ping()
+        except (errors.TransferTimeout, errors.ConnectError) as exc:
+            assert any(w in str(exc) for w in ("HELLO", "ping", "connect", "handshake")), exc
+        else:
+            raise AssertionError("a silent server did not time out")
+        finally:
+            await client.close()
+        assert time.monotonic() - start < 5
+
+
+async def closed_client_and_server(h: Harness) -> None:
+    async with h.server() as srv:
+        async with h.client(srv, retries=1, backoff=0.01, connect_timeout=1.0) as c:
+            await c.put("x", torch.ones(1))
+            await srv.close()  # the server goes away under a connected client
+            try:
+                await c.get("x")
+            except errors.TransportError:
+                pass
+            else:
+                raise AssertionError("a call to a closed server succeeded")
+        try:
+            await c.ping()
+        except errors.ConnectError:
+            pass
+        else:
+            raise AssertionError("a closed client still worked")
+
+
+async def a_stalled_request_is_cut_off(h: Harness) -> None:
+    async with h.server(capacity=1 << 20, stall_timeout=0.5) as srv:
+        async with raw(srv) as (stream, reader):
+            idle_since = time.monotonic()
+            await stream.send([put_frame([TensorMeta("s/x", torch.uint8, (1,), 1)], b"x", rid=1)])
+            await read_reply(reader)  # a finished request, then idleness: never cut off
+            frame = put_frame([TensorMeta("s/big", torch.uint8, (900_000,), 900_000)], bytes(900_000), rid=2)
+            await asyncio.sleep(0.8)  # idle for longer than the stall timeout, on purpose
+            await stream.send([frame[: len(frame) // 3]])  # then a third of a request, and silence
+            assert not await asyncio.wait_for(reader.at_frame_start(), 5), "a stalled request was kept"
+            assert time.monotonic() - idle_since > 0.8
+        async with h.client(srv) as c:
+            await c.delete("s/x")
+            await c.put("s/full", torch.zeros(1000_000, dtype=torch.uint8))  # the reservation is free
+
+
+async def connections_are_bounded_and_idle_ones_dropped(h: Harness) -> None:
+    async with h.server(max_connections=2, idle_timeout=0.3) as srv:
+        async with raw(srv) as (one, one_reader), raw(srv) as (two, _):
+            ping = Header(1, Opcode.PING, 0, ChecksumKind.XXH3_64, 1, 0, 4096, 0)
+            await one.send([encode_frame_head(ping, b"")])
+            await read_reply(one_reader)  # both sessions exist now
+            await two.send([encode_frame_head(ping, b"")])
+            async with raw(srv) as (_, third_reader):
+                await expect_error(third_reader, errors.ErrorCode.LIMIT_EXCEEDED)
+                assert not await asyncio.wait_for(third_reader.at_frame_start(), 5)
+            # then both sit idle: each is closed after idle_timeout, well within this wait
+            assert not await asyncio.wait_for(one_reader.at_frame_start(), 5), "an idle session was kept"
+        async with h.client(srv) as c:  # room again; a client reconnects without noticing
+            await c.ping()
+            await asyncio.sleep(0.6)  # idle past the timeout, on purpose
+            await c.ping()
