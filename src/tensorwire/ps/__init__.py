@@ -8,14 +8,18 @@
   ``snapshots`` (pulls), ``gradients`` (push buffers), ``replica`` (role, epoch, failover),
   ``state`` (the job taken and loaded whole), ``budget`` (memory), ``metrics`` (Prometheus).
 * ``worker``: ``Worker``, which wraps a module for a training loop (pull, push, step).
-* ``exchange``: the gradient exchange (an ``allreduce`` of gradients over a server, by TCP or by
-  gRPC ``train.GradientService``) for code that keeps its optimizer local; ``ExchangeClient``.
+* ``exchange_server`` / ``exchange_client``: the gradient exchange (an ``allreduce`` of gradients
+  over a server, by TCP or by gRPC ``train.GradientService``) for code that keeps its optimizer
+  local; ``ExchangeClient`` (also ``ps.allreduce.ExchangeClient``, its older name).
+* ``rpc``, ``slot``, ``shards``, ``rendezvous``: the worker's parts (the typed PS requests, one
+  record per server slot, the model's tensors, where the servers are).
 * ``optim``: the optimizer specs (``SGD``, ``Adam``, ``AdamW``).
 * ``launch``: a local cluster of server and worker processes (``tensorwire ps launch``).
 * ``checkpoint``: a server's whole job on disk, all or nothing; ``replication``: primary/backup
   replication with failover and fencing.
 """
 
+from tensorwire.ps.exchange_client import ExchangeClient
 from tensorwire.ps.job import CheckpointPolicy, JobConfig, Mode
 from tensorwire.ps.optim import SGD, Adam, AdamW, OptimizerSpec
 from tensorwire.ps.placement import ParamSpec, Placement, Shard, plan
@@ -27,6 +31,7 @@ __all__ = [
     "Adam",
     "AdamW",
     "CheckpointPolicy",
+    "ExchangeClient",
     "JobConfig",
     "Mode",
     "OptimizerSpec",
