@@ -1,6 +1,7 @@
 """The client side of ``shm://``: the frame protocol for control, shared-memory segments for bytes.
 
-``ShmTransport`` is a ``FramedTransport`` on a loopback TCP connection that, after HELLO, proves
+``ShmTransport`` is a ``FramedTransport`` (a ``FrameChannel``, and ``Viewable``; not ``Ranged``:
+its bytes go through segments, not frames) on a loopback TCP connection that, after HELLO, proves
 it shares the server's segment directory (SHM_ATTACH: it reads a probe file the server wrote;
 ``SharedMemoryUnavailable`` if it cannot) and then moves tensors like this (docs/protocol.md §12):
 
