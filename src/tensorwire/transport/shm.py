@@ -47,7 +47,6 @@ from tensorwire.transport.base import (
     PutBatch,
     Sink,
     StreamHandler,
-    Transport,
 )
 from tensorwire.transport.frame_client import FramedTransport
 from tensorwire.types import Address, TensorMeta
@@ -309,13 +308,6 @@ def _tensor(pages: np.ndarray, meta: TensorMeta) -> torch.Tensor:
         warnings.simplefilter("ignore", UserWarning)  # "not writable": that is the point
         flat = torch.from_numpy(pages)
     return flat.view(meta.dtype).reshape(meta.shape)
-
-
-async def view(transport: Transport, name: str) -> torch.Tensor:
-    """``Client.get(name, view=True)``: only an ``shm://`` connection has pages to view."""
-    if not isinstance(transport, ShmTransport):
-        raise SharedMemoryUnavailable(f"get(view=True) needs an shm:// client, not {transport.address}")
-    return await transport.view(name)
 
 
 async def listen_stream(address: Address, handler: StreamHandler) -> Listener:
