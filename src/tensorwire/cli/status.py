@@ -30,10 +30,9 @@ from typing import Any
 from tensorwire import transport as transports
 from tensorwire.cli.text import markup, printable
 from tensorwire.client.core import AsyncClient, ClientOptions
+from tensorwire.client.options import transport_options
 from tensorwire.errors import TensorwireError
 from tensorwire.server import metrics
-from tensorwire.transport.frame_client import FramedTransport
-from tensorwire.types import Address
 from tensorwire.wire import ps as wps
 from tensorwire.wire.frame import Opcode
 
@@ -83,13 +82,8 @@ def split_urls(urls: Sequence[str]) -> list[str]:
 
 async def ask_status(url: str, options: ClientOptions) -> dict[str, Any]:
     """The server's STATUS answer (TensorwireError when it cannot be had within the timeouts)."""
-    address = Address.parse(url)
-    transport_options = transports.TransportOptions(
-        options.connect_timeout, options.timeout, security=options.security()
-    )
-    conn = await transports.open_transport(address, transport_options)
+    conn = await transports.open_channel(url, transport_options(options), what="STATUS")
     try:
-        assert isinstance(conn, FramedTransport)
         reader = await conn.call(Opcode.STATUS, b"", what=f"STATUS of {url}")
         doc = json.loads(wps.decode_stats(reader))
         if not isinstance(doc, dict):
