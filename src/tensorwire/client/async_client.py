@@ -88,8 +88,8 @@ class AsyncClient:
         self._note_size(name, size)
         if tensor.is_cuda and isinstance(await self._capable(), Ranged):
             return await self._put_staged(name, tensor)
-        k = await self._stripe_count(size)
-        if k > 1:
+        k = self._stripe_count(size)
+        if k > 1 and await self._stripes_pay():
             return await self._put_striped(name, tensor, k)
         resumable = self.options.resumable_bytes and size >= self.options.resumable_bytes
         if resumable and isinstance(await self._capable(), Resumable):
@@ -199,8 +199,8 @@ class AsyncClient:
             check_out(TensorMeta(name, host.dtype, tuple(host.shape), 0, version), out, device_ok=True)
             return out.copy_(host), version
         known = out.numel() * out.element_size() if out is not None else self._sizes.get(name, 0)
-        k = await self._stripe_count(known)
-        if k > 1 and (out is None or (out.is_cpu and out.is_contiguous())):
+        k = self._stripe_count(known)
+        if k > 1 and (out is None or (out.is_cpu and out.is_contiguous())) and await self._stripes_pay():
             return await self._until_steady(lambda: self._get_striped(name, out, k))
         outs = {name: out} if out is not None else {}
         landing = Landing([name], outs)
@@ -226,15 +226,15 @@ class AsyncClient:
         raise AssertionError("unreachable")
 
     # -- striping (stripe.py) --------------------------------------------------------------------
-    async def _stripe_count(self, nbytes: int) -> int:
-        """Over how many connections ``nbytes`` travel: 1 unless they are many and the transport
-        is ``Ranged`` and says striping pays (``parallel``)."""
-        k = stripe.stripe_count(nbytes, self.options.stripes, self.options.stripe_bytes)
-        if k > 1:
-            t = await self._capable()
-            if not (isinstance(t, Ranged) and t.parallel):
-                return 1
-        return k
+    def _stripe_count(self, nbytes: int) -> int:
+        """Over how many connections ``nbytes`` would travel, if the transport allows (see
+        ``_stripes_pay``): asked first, since it costs nothing and is 1 for most tensors."""
+        return stripe.stripe_count(nbytes, self.options.stripes, self.options.stripe_bytes)
+
+    async def _stripes_pay(self) -> bool:
+        """Whether this client's transport can stripe, and says it pays: ``Ranged`` and ``parallel``."""
+        t = await self._capable()
+        return isinstance(t, Ranged) and t.parallel
 
     def _note_size(self, name: str, nbytes: int) -> None:
         if len(self._sizes) >= 65536:  # a hint, not a registry: start over rather than grow
@@ -262,7 +262,7 @@ class AsyncClient:
         target = out if out is not None else empty_for(meta)
         check_out(meta, target)
         self._note_size(name, meta.nbytes)
-        if await self._stripe_count(meta.nbytes) <= 1:  # it shrank: one GET will do
+        if self._stripe_count(meta.nbytes) <= 1:  # it shrank: one GET will do
             return await self._get(name, out, None)
         ops = stripe.get_ops(meta, byte_view(target), k)
         await self._lanes().run(ops, self.options.retries, self.options.delay)
@@ -381,10 +381,11 @@ class AsyncClient:
         t = self._transport
         return t if t is not None else await self._run(_itself)
 
-    async def _run(self, op: Callable[[Transport], Awaitable[T]], idempotent: bool = True) -> T:
+    def _run(self, op: Callable[[Transport], Awaitable[T]], idempotent: bool = True) -> Awaitable[T]:
         """``op`` on this client's connection, reopened and retried under ``client/retry.py``'s rule
-        (the transport bounds every request by ``options.timeout``)."""
-        return await retrying(op, self._open, self._policy, idempotent=idempotent)
+        (the transport bounds every request by ``options.timeout``). Not a coroutine itself: the
+        caller awaits ``retrying``'s, one frame less on every call."""
+        return retrying(op, self._open, self._policy, idempotent=idempotent)
 
 
 async def _itself(t: Transport) -> Transport:

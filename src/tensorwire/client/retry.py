@@ -23,7 +23,6 @@ Nothing here depends on the client's classes: a connection is whatever ``connect
 from __future__ import annotations
 
 import asyncio
-import itertools
 import random
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -71,7 +70,9 @@ async def retrying(
     on_retry: Callable[[TensorwireError], Awaitable[None]] | None = None,
 ) -> T:
     """``op`` on the connection ``connect`` hands out, made again under the module's rule."""
-    for attempt in itertools.count(1):
+    attempt = 0
+    while True:  # not itertools.count: every call of every client starts here
+        attempt += 1
         left = False
         try:
             conn = await connect()
@@ -84,4 +85,3 @@ async def retrying(
                 await on_retry(exc)
         wait = policy.delay(attempt)
         await asyncio.sleep(wait if deadline is None else min(wait, deadline.remaining()))
-    raise AssertionError("unreachable")
