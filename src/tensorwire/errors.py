@@ -26,6 +26,7 @@ of these. Each class says whether retrying the same call can help.
     │   ├── VersionChanged             the tensor changed between the parts of one read; retry can help
     │   └── VerificationFailed         what a server holds differs from its source; resending can help
     ├── InvalidTensor                  (also ValueError) dtype/shape/size unusable or inconsistent
+    ├── UnsupportedTransport           (also ValueError) this address's transport cannot do what was asked
     ├── AuthenticationError            the server refused the token or client certificate
     │   └── CertificateRefused         (also ConnectError) a TLS handshake failed on certificates; no retry
     ├── WorkerDropped                  the server does not count this worker in the job: rejoin
@@ -145,6 +146,12 @@ class VerificationFailed(StoreError):
 class InvalidTensor(TensorwireError, ValueError):
     """A tensor cannot be sent or received as described: unknown dtype, inconsistent shape/size,
     or an ``out`` tensor that does not match the stored one."""
+
+
+class UnsupportedTransport(TensorwireError, ValueError):
+    """The transport an address names cannot do what was asked of it (frames of the tensorwire
+    protocol on ``grpc://``, ranged transfers on ``shm://``): the message names the scheme and what
+    was needed. A configuration error: retrying the same address will not help."""
 
 
 class AuthenticationError(TensorwireError):

@@ -2,7 +2,8 @@
 
 For every server URL (``tcp://``, ``tls://``, ``memory://``; ``a|b`` lists the replicas of one
 slot, each shown) the command asks STATUS (docs/protocol.md §11.9) and then scrapes the metrics
-endpoint that answer names (``--metrics-port`` of the server). A URL ``http://host:port/metrics``
+endpoint that answer names (``--metrics-port`` of the server). Whether a server can be asked
+STATUS is asked of the connection (a ``FrameChannel``); one that cannot (gRPC) is pinged instead. A URL ``http://host:port/metrics``
 is scraped alone (a gRPC-only server, or a server reached only through its metrics). Everything
 runs at once, each wait bounded by ``timeout`` and each server's whole probe by ``DEADLINE_FACTOR``
 times it (a server that answers each read just in time cannot stretch it): a server that is down
@@ -24,15 +25,16 @@ import threading
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 from tensorwire import transport as transports
 from tensorwire.cli.text import markup, printable
-from tensorwire.client.core import AsyncClient, ClientOptions
+from tensorwire.client.core import ClientOptions
+from tensorwire.client.options import transport_options
 from tensorwire.errors import TensorwireError
 from tensorwire.server import metrics
-from tensorwire.transport.frame_client import FramedTransport
+from tensorwire.transport.base import FrameChannel
 from tensorwire.types import Address
 from tensorwire.wire import ps as wps
 from tensorwire.wire.frame import Opcode
@@ -83,18 +85,30 @@ def split_urls(urls: Sequence[str]) -> list[str]:
 
 async def ask_status(url: str, options: ClientOptions) -> dict[str, Any]:
     """The server's STATUS answer (TensorwireError when it cannot be had within the timeouts)."""
-    address = Address.parse(url)
-    transport_options = transports.TransportOptions(
-        options.connect_timeout, options.timeout, security=options.security()
-    )
-    conn = await transports.open_transport(address, transport_options)
+    conn = await transports.open_channel(url, transport_options(options), what="STATUS")
     try:
-        assert isinstance(conn, FramedTransport)
-        reader = await conn.call(Opcode.STATUS, b"", what=f"STATUS of {url}")
-        doc = json.loads(wps.decode_stats(reader))
-        if not isinstance(doc, dict):
-            raise ValueError(f"the STATUS answer of {url} is not a JSON object")
-        return doc
+        return await _status(conn, url)
+    finally:
+        await conn.close()
+
+
+async def _status(conn: FrameChannel, url: str) -> dict[str, Any]:
+    reader = await conn.call(Opcode.STATUS, b"", what=f"STATUS of {url}")
+    doc = json.loads(wps.decode_stats(reader))
+    if not isinstance(doc, dict):
+        raise ValueError(f"the STATUS answer of {url} is not a JSON object")
+    return doc
+
+
+async def _status_or_ping(url: str, options: ClientOptions) -> dict[str, Any] | None:
+    """STATUS where the connection carries it (a ``FrameChannel``); else (gRPC has no STATUS call)
+    a ping, since whether the server answers is what there is to know: None."""
+    conn = await transports.open_transport(Address.parse(url), transport_options(options))
+    try:
+        if isinstance(conn, FrameChannel):
+            return await _status(conn, url)
+        await conn.ping()
+        return None
     finally:
         await conn.close()
 
@@ -165,15 +179,6 @@ async def _in_daemon_thread(fn: Callable[[], Samples]) -> Samples:
     return await future
 
 
-async def ping(url: str, options: ClientOptions) -> None:
-    """A gRPC server has no STATUS call: whether it answers a ping is what there is to know."""
-    client = AsyncClient(url, replace(options, retries=0))
-    try:
-        await client.ping()
-    finally:
-        await client.close()
-
-
 async def probe(url: str, options: ClientOptions) -> Node:
     """The node of ``url``, within ``DEADLINE_FACTOR`` x the timeout whatever the server does."""
     node = Node(url)
@@ -190,28 +195,10 @@ async def probe(url: str, options: ClientOptions) -> Node:
 
 
 async def _probe(node: Node, options: ClientOptions) -> Node:
-    url = node.url
-    if url.startswith(("http://", "https://")):
-        node.metrics_url = url  # given by the user, but checked the same way below
-    elif url.startswith(("grpc://", "grpcs://")):
-        try:
-            await asyncio.wait_for(ping(url, options), options.timeout * 2)
-            node.answered = True
-        except (TensorwireError, OSError, TimeoutError) as exc:
-            node.error = str(exc) or type(exc).__name__
+    if node.url.startswith(("http://", "https://")):
+        node.metrics_url = node.url  # given by the user, but checked the same way below
+    elif not await _ask(node, options):
         return node
-    else:
-        try:
-            node.status = await asyncio.wait_for(ask_status(url, options), options.timeout * 2)
-        except (TensorwireError, OSError, TimeoutError, ValueError) as exc:
-            node.error = str(exc) or type(exc).__name__
-            return node
-        reported = node.status.get("metrics")
-        if reported is not None:
-            try:
-                node.metrics_url = check_metrics_url(reported)
-            except ValueError as exc:
-                node.metrics_error = f"not scraped: {exc}"
     if node.metrics_url:
         target = node.metrics_url
         try:
@@ -221,6 +208,26 @@ async def _probe(node: Node, options: ClientOptions) -> Node:
             if node.status is None:
                 node.error = f"metrics: {node.metrics_error}"
     return node
+
+
+async def _ask(node: Node, options: ClientOptions) -> bool:
+    """Ask the server its STATUS (or, without it, a ping) and note the metrics URL it reports;
+    False when there is nothing more to ask (it did not answer, or it has no STATUS)."""
+    try:
+        node.status = await asyncio.wait_for(_status_or_ping(node.url, options), options.timeout * 2)
+    except (TensorwireError, OSError, TimeoutError, ValueError) as exc:
+        node.error = str(exc) or type(exc).__name__
+        return False
+    if node.status is None:
+        node.answered = True
+        return False
+    reported = node.status.get("metrics")
+    if reported is not None:
+        try:
+            node.metrics_url = check_metrics_url(reported)
+        except ValueError as exc:
+            node.metrics_error = f"not scraped: {exc}"
+    return True
 
 
 def collect(urls: Sequence[str], timeout: float = DEFAULT_TIMEOUT, **client: Any) -> list[Node]:

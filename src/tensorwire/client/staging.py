@@ -4,7 +4,8 @@ A device tensor's bytes cannot be handed to a socket. ``put`` of a CUDA tensor c
 memory piece by piece (``PIECE_BYTES``) into page-locked buffers from a ``PinnedPool`` and sends
 each piece as a PUT_RANGE of one upload while the GPU copies the next one (the copy runs on its own
 CUDA stream, so the device-to-host DMA overlaps the network send); one PUT_COMMIT publishes the
-tensor, so a half-sent one is never visible. ``get(out=cuda_tensor)`` is the mirror: GET_RANGE of
+tensor, so a half-sent one is never visible (the transport's ``Ranged`` capability: tcp://, tls://,
+memory://). ``get(out=cuda_tensor)`` is the mirror: GET_RANGE of
 each piece (pinned to the version a STAT saw) into a pinned buffer, then an asynchronous
 host-to-device copy of it while the next piece arrives.
 
@@ -19,20 +20,16 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import secrets
 from collections import deque
 from collections.abc import Awaitable, Callable
 from typing import Protocol, TypeVar
 
 import torch
 
-from tensorwire.client.stripe import framed
 from tensorwire.errors import InvalidTensor
-from tensorwire.transport.base import Transport
+from tensorwire.transport.base import Transport, as_ranged, new_upload
 from tensorwire.types import TensorMeta
-from tensorwire.wire import meta as wm
 from tensorwire.wire.dtypes import DTYPE_TO_CODE
-from tensorwire.wire.frame import Opcode
 from tensorwire.wire.tensors import byte_view
 
 T = TypeVar("T")
@@ -146,7 +143,7 @@ async def put_staged(
     meta = TensorMeta(name, tensor.dtype, tuple(tensor.shape), src.numel())
     if not meta.nbytes:
         raise InvalidTensor(f"{name!r}: an empty device tensor is put with .cpu()")
-    upload = secrets.randbits(63) or 1
+    upload = new_upload()
     todo = deque(pieces(meta.nbytes, pool.piece_bytes))
     inflight: deque[tuple[int, int, torch.Tensor, object]] = deque()
 
@@ -162,9 +159,8 @@ async def put_staged(
             offset, length, buf, handle = inflight.popleft()
             launch()  # the next piece's copy overlaps this piece's send
             await copier.wait(handle)
-            body = wm.encode_resumable(upload, offset, meta)
-            what = f"put of bytes {offset}..{offset + length} of {name!r}"
-            await run(functools.partial(_put_range, body=body, view=byte_view(buf[:length]), what=what))
+            data = byte_view(buf[:length])
+            await run(functools.partial(_put_range, upload=upload, meta=meta, offset=offset, data=data))
             pool.give(buf)  # the transport returns once the kernel holds the bytes
     finally:
         for _, _, buf, handle in inflight:
@@ -198,16 +194,8 @@ async def get_staged(
 
 
 async def _get_range(t: Transport, *, meta: TensorMeta, offset: int, length: int, buf: torch.Tensor) -> None:
-    def sink(metas: list[TensorMeta]) -> list[memoryview]:
-        if len(metas) != 1 or metas[0].nbytes != length:
-            raise InvalidTensor(f"the server answered a range of {meta.name!r} with something else")
-        return [byte_view(buf[:length])]
-
-    request = wm.encode_get_range(meta.version, offset, length, meta.name)
-    what = f"get of bytes {offset}..{offset + length} of {meta.name!r}"
-    reader = await framed(t).call(Opcode.GET_RANGE, request, sink=sink, what=what)
-    reader.done()
+    await as_ranged(t, "staging a device tensor").get_range(meta, offset, byte_view(buf[:length]))
 
 
-async def _put_range(t: Transport, *, body: bytes, view: memoryview, what: str) -> None:
-    (await framed(t).call(Opcode.PUT_RANGE, body, [view], what=what)).done()
+async def _put_range(t: Transport, *, upload: int, meta: TensorMeta, offset: int, data: memoryview) -> None:
+    await as_ranged(t, "staging a device tensor").put_range(upload, meta, offset, data)

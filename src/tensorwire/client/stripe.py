@@ -7,7 +7,9 @@ STAT saw (VERSION_CHANGED if the tensor moves on meanwhile: the client reads it 
 range lands in place in the destination tensor.
 
 Each extra connection (a ``Lane``) runs on its own event-loop thread, so the K connections' copies
-and checksums run on K cores, not interleaved on one.
+and checksums run on K cores, not interleaved on one. The client stripes only over a transport
+that is ``Ranged`` and says striping pays (``parallel``: tcp://, tls://); a lane's connection is
+opened and checked by ``transport.open_ranged`` and its ranges retried by ``client/retry.py``.
 """
 
 from __future__ import annotations
@@ -15,21 +17,15 @@ from __future__ import annotations
 import asyncio
 import os
 from collections.abc import Awaitable, Callable, Sequence
-from typing import TypeVar
 
 from tensorwire import transport as transports
 from tensorwire._aio import LoopThread
-from tensorwire.errors import ProtocolError, TensorwireError
-from tensorwire.transport.base import Transport
-from tensorwire.transport.frame_client import FramedTransport
+from tensorwire.client.retry import RetryPolicy, retrying
+from tensorwire.transport.base import Ranged
 from tensorwire.types import Address, TensorMeta
-from tensorwire.wire import meta as wm
-from tensorwire.wire.frame import Opcode
 
-T = TypeVar("T")
-StripeOp = Callable[[Transport], Awaitable[None]]
+StripeOp = Callable[[Ranged], Awaitable[None]]
 
-SCHEMES = ("tcp", "tls")  # the stream transports whose connections live on any loop
 MIN_STRIPE = 16 << 20  # a stripe smaller than this is not worth its own connection
 MAX_AUTO_STRIPES = 8
 ALIGN = 1 << 20  # ranges start on MiB boundaries: whole chunks, page-aligned copies
@@ -72,24 +68,17 @@ class Lane:
         self.address = address
         self.options = options
         self.thread = LoopThread(f"tensorwire-stripe-{index}")
-        self._transport: Transport | None = None
+        self._transport: Ranged | None = None
 
-    async def _run(self, op: StripeOp, retries: int, delay: Callable[[int], float]) -> None:
-        """On the lane's loop: ``op`` on its connection, retried on a new one when that can help."""
-        for attempt in range(retries + 1):
-            try:
-                if self._transport is None or self._transport.closed:
-                    self._transport = await transports.open_transport(self.address, self.options)
-                await op(self._transport)
-                return
-            except TensorwireError as exc:
-                if not exc.retryable or attempt >= retries:
-                    raise
-            await asyncio.sleep(delay(attempt + 1))
+    async def _connect(self) -> Ranged:
+        if self._transport is None or self._transport.closed:
+            self._transport = await transports.open_ranged(self.address, self.options, what="striping")
+        return self._transport
 
-    async def run(self, op: StripeOp, retries: int, delay: Callable[[int], float]) -> None:
-        """From any loop: run ``op`` on this lane and wait for it."""
-        await asyncio.wrap_future(self.thread.submit(self._run(op, retries, delay)))
+    async def run(self, op: StripeOp, policy: RetryPolicy) -> None:
+        """From any loop: ``op`` on this lane's connection (on the lane's loop), retried on a new
+        connection when that can help, and wait for it."""
+        await asyncio.wrap_future(self.thread.submit(retrying(op, self._connect, policy)))
 
     async def _close(self) -> None:
         if self._transport is not None:
@@ -113,11 +102,13 @@ class Stripes:
         self.lanes: list[Lane] = []
 
     async def run(self, ops: Sequence[StripeOp], retries: int, delay: Callable[[int], float]) -> None:
-        """Every op on its own lane, all at once; the first failure is raised once all have ended."""
+        """Every op on its own lane, all at once, each retried ``retries`` times on its own (waiting
+        ``delay(attempt)`` before each); the first failure is raised once all have ended."""
         while len(self.lanes) < len(ops):
             self.lanes.append(Lane(self.address, self.options, len(self.lanes)))
+        policy = RetryPolicy(retries, delay)
         results = await asyncio.gather(
-            *(lane.run(op, retries, delay) for lane, op in zip(self.lanes, ops, strict=False)),
+            *(lane.run(op, policy) for lane, op in zip(self.lanes, ops, strict=False)),
             return_exceptions=True,
         )
         for result in results:
@@ -134,14 +125,8 @@ def put_ops(upload: int, meta: TensorMeta, view: memoryview, k: int) -> list[Str
     """One PUT_RANGE per range of ``view`` (the tensor's bytes) into upload ``upload``."""
 
     def op_for(offset: int, length: int) -> StripeOp:
-        async def op(t: Transport) -> None:
-            reader = await framed(t).call(
-                Opcode.PUT_RANGE,
-                wm.encode_resumable(upload, offset, meta),
-                [view[offset : offset + length]],
-                what=f"put of bytes {offset}..{offset + length} of {meta.name!r}",
-            )
-            reader.done()
+        async def op(t: Ranged) -> None:
+            await t.put_range(upload, meta, offset, view[offset : offset + length])
 
         return op
 
@@ -152,27 +137,9 @@ def get_ops(meta: TensorMeta, dest: memoryview, k: int) -> list[StripeOp]:
     """One GET_RANGE per range of ``meta``'s tensor at ``meta.version``, landing in ``dest``."""
 
     def op_for(offset: int, length: int) -> StripeOp:
-        def sink(metas: list[TensorMeta]) -> list[memoryview]:
-            if len(metas) != 1 or metas[0].nbytes != length or metas[0].name != meta.name:
-                raise ProtocolError(f"the server answered a range of {meta.name!r} with something else")
-            return [dest[offset : offset + length]]
-
-        async def op(t: Transport) -> None:
-            request = wm.encode_get_range(meta.version, offset, length, meta.name)
-            what = f"get of bytes {offset}..{offset + length} of {meta.name!r}"
-            reader = await framed(t).call(Opcode.GET_RANGE, request, sink=sink, what=what)
-            reader.done()
+        async def op(t: Ranged) -> None:
+            await t.get_range(meta, offset, dest[offset : offset + length])
 
         return op
 
     return [op_for(offset, length) for offset, length in cut(meta.nbytes, k)]
-
-
-def commit_request(upload: int, meta: TensorMeta) -> bytes:
-    return wm.encode_resumable(upload, 0, meta)
-
-
-def framed(t: Transport) -> FramedTransport:
-    if not isinstance(t, FramedTransport):  # SCHEMES are all framed; this guards the seam
-        raise ProtocolError(f"striping needs the frame protocol, not {type(t).__name__}")
-    return t

@@ -21,7 +21,7 @@ from typing import Any
 from tensorwire.errors import KeyNotFound, ProtocolError
 from tensorwire.server.core import Handler, Request
 from tensorwire.store import TensorStore
-from tensorwire.transport.frame_client import FramedTransport
+from tensorwire.transport.base import FrameChannel
 from tensorwire.types import TensorMeta
 from tensorwire.wire import meta as wm
 from tensorwire.wire.checksum import ChecksumKind, checksum
@@ -57,7 +57,7 @@ def decode_answer(reader: wm.MetaReader) -> dict[str, Digest]:
 
 
 async def fetch_digests(
-    conn: FramedTransport, names: Sequence[str], kind: ChecksumKind = ChecksumKind.XXH3_64
+    conn: FrameChannel, names: Sequence[str], kind: ChecksumKind = ChecksumKind.XXH3_64
 ) -> dict[str, Digest]:
     """Digests of those of ``names`` the server holds (in batches its limits accept)."""
     found: dict[str, Digest] = {}

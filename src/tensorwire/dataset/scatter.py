@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import threading
 import time
 from collections.abc import Callable, Coroutine, Sequence
@@ -36,17 +35,19 @@ import torch
 
 from tensorwire import transport as transports
 from tensorwire._aio import Deadline, asyncio_timeout, run
-from tensorwire.client.core import CHECKSUMS, AsyncClient, ClientOptions
+from tensorwire.client.core import AsyncClient, ClientOptions
+from tensorwire.client.options import retry_policy, transport_options
+from tensorwire.client.retry import retrying
 from tensorwire.dataset.digest import Digest, fetch_digests
 from tensorwire.dataset.plan import Expected, Item, Plan, Shard, Split, make_plan, manifest
 from tensorwire.errors import TensorwireError, VerificationFailed
-from tensorwire.transport.frame_client import FramedTransport
+from tensorwire.transport.base import FrameChannel
 from tensorwire.types import Address, MiB
 from tensorwire.wire.checksum import ChecksumKind, checksum
 from tensorwire.wire.tensors import byte_view
 
 Advance = Callable[[int, int], None]  # (node index, bytes done)
-FRAME_SCHEMES = ("tcp", "tls", "memory")
+WHAT = "dataset scatter"  # who needs the frame protocol, in the error for an address without it
 
 
 @dataclass(slots=True)
@@ -246,12 +247,9 @@ class _NodeSender:
 
 
 def check_node(url: str) -> str:
-    """``url`` if scatter can send to it: DIGEST is an opcode of the frame protocol (not gRPC)."""
-    scheme = Address.parse(url).scheme
-    if scheme not in FRAME_SCHEMES:
-        raise ValueError(
-            f"dataset scatter speaks {', '.join(s + '://' for s in FRAME_SCHEMES)}, not {scheme}://"
-        )
+    """``url`` if scatter can send to it: DIGEST is an opcode of the frame protocol (not gRPC);
+    UnsupportedTransport (a ValueError) naming the scheme otherwise, before anything is sent."""
+    transports.check_channel(url, what=WHAT)
     return url
 
 
@@ -264,40 +262,31 @@ def _matches(held: Digest | None, source: Expected) -> bool:
 
 class _Digests:
     """DIGEST requests to one server (an extension opcode: the client API has no call for it), on
-    a connection of their own, retried like the client's reads: a digest changes nothing."""
+    a connection of their own, retried like the client's reads (a digest changes nothing), each
+    retry on a new connection."""
 
     def __init__(self, url: str, options: ClientOptions) -> None:
         self.address = Address.parse(url)
         self.options = options
-        self._conn: FramedTransport | None = None
+        self._conn: FrameChannel | None = None
 
     async def get(self, names: Sequence[str]) -> dict[str, Digest]:
-        for attempt in itertools.count():
-            try:
-                return await fetch_digests(await self._open(), names)
-            except TensorwireError as exc:
-                if not exc.retryable or attempt >= self.options.retries:
-                    raise
-                await self.close()
-            await asyncio.sleep(self.options.delay(attempt + 1))
-        raise AssertionError("unreachable")
-
-    async def _open(self) -> FramedTransport:
-        if self._conn is not None and not self._conn.closed:
-            return self._conn
-        opts = self.options
-        topts = transports.TransportOptions(
-            opts.connect_timeout, opts.timeout, CHECKSUMS[opts.checksum], opts.chunk_size, opts.security()
+        return await retrying(
+            lambda conn: fetch_digests(conn, names),
+            self._open,
+            retry_policy(self.options),
+            on_retry=self._drop,
         )
-        conn = await transports.open_transport(self.address, topts)
-        if not isinstance(conn, FramedTransport):
-            with contextlib.suppress(TensorwireError):
-                await conn.close()
-            raise ValueError(
-                f"dataset scatter speaks tcp://, tls:// or memory://, not {self.address.scheme}://"
+
+    async def _open(self) -> FrameChannel:
+        if self._conn is None or self._conn.closed:
+            self._conn = await transports.open_channel(
+                self.address, transport_options(self.options), what=WHAT
             )
-        self._conn = conn
-        return conn
+        return self._conn
+
+    async def _drop(self, _: TensorwireError) -> None:
+        await self.close()
 
     async def close(self) -> None:
         conn, self._conn = self._conn, None

@@ -1,4 +1,4 @@
-"""The two seams of the transport layer.
+"""The seams of the transport layer: what a transport is, and what more it may be able to do.
 
 ``ByteStream`` is one reliable, ordered connection. It is made by a connector (client side) or
 handed to a listener's handler (server side); one task reads with ``recv_into`` while another may
@@ -11,16 +11,38 @@ operations may then run concurrently; ``close`` ends it and fails what is still 
 ``ConnectionLost``. A transport whose connection broke stays closed (``closed`` is True): the
 client opens a new one. Timeouts belong to the caller, who closes the transport when one expires,
 since a half-sent frame leaves the connection unusable.
+
+What a transport can do beyond ``Transport`` is asked of the object, never of its scheme or its
+class: each capability is a runtime-checkable Protocol that a transport implements or not, and a
+caller asks ``isinstance(t, Ranged)`` (or opens with ``open_channel``, which asks for it):
+
+* ``FrameChannel``: any request of the frame protocol (an opcode, its metadata and data; the
+  answer's metadata back). What extensions (STATUS, DIGEST, the parameter server) speak.
+  tcp://, tls://, memory://, shm://.
+* ``Ranged``: one tensor in byte ranges of a server-side upload, published whole by a commit; and
+  reads of byte ranges pinned to a version. What striping and CUDA staging use. tcp://, tls://,
+  memory:// (not shm://: its bytes go through shared segments, not frames).
+* ``Resumable``: a put that goes on after a broken connection from the last byte the server
+  verified. tcp://, tls://, memory://.
+* ``Viewable``: read-only tensors over the server's own pages. shm://.
+
+A capability's methods follow the transport's lifecycle above: they run on an open transport,
+concurrently with any other operation, and fail with ``ConnectionLost`` once it is closed.
 """
 
 from __future__ import annotations
 
+import secrets
 from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
+from tensorwire.errors import UnsupportedTransport
 from tensorwire.types import Address, TensorMeta
-from tensorwire.wire.meta import ServerInfo
+from tensorwire.wire.meta import MetaReader, ServerInfo
+
+if TYPE_CHECKING:
+    import torch
 
 Buffer = bytes | bytearray | memoryview
 # Called by a transport with the metadata of the tensors a GET returns; answers with one writable
@@ -47,6 +69,10 @@ class ByteStream(ABC):
 
     peer: str = "?"
     last_active: float = 0.0  # time.monotonic() of the last byte moved either way
+    # Whether the kernel moves this stream's bytes (a socket: the copy runs with the interpreter
+    # lock released), so that streams on several threads move bytes at once. In-process pipes copy
+    # under the lock: several of them go no faster than one.
+    parallel: bool = False
 
     @abstractmethod
     async def recv_into(self, buf: memoryview) -> int:
@@ -108,3 +134,132 @@ class Transport(ABC):
 
     @abstractmethod
     async def close(self) -> None: ...
+
+
+# -- capabilities (see the module docstring) -----------------------------------------------------
+@runtime_checkable
+class FrameChannel(Protocol):
+    """Requests of the frame protocol (docs/protocol.md), one opcode at a time.
+
+    Lifecycle: ``tensorwire.transport.open_channel`` opens and checks it (the one place that does);
+    the caller then sends any number of ``call``s, concurrently, and closes it when done. A call
+    that fails with a retryable error leaves the channel closed if the connection broke (``closed``
+    is True): the caller opens a new one (``client/retry.py`` does that). An error the server
+    answered leaves the channel open.
+    """
+
+    address: Address
+    info: ServerInfo  # what HELLO said: the server's limits, its store's identity
+
+    @property
+    def closed(self) -> bool: ...
+
+    async def call(
+        self,
+        opcode: int,
+        meta: bytes,
+        data: Sequence[memoryview] = (),
+        sink: Sink | None = None,
+        *,
+        what: str,
+        timeout: float | None = None,
+        progress: Progress | None = None,
+    ) -> MetaReader:
+        """One request: ``meta``, then ``data``; the answer's metadata comes back (with ``sink``, the
+        answer's tensor records are read and its data lands in the buffers the sink hands out).
+        ``what`` names the request in errors; ``timeout`` replaces the channel's own for it."""
+        ...
+
+    async def close(self) -> None: ...
+
+
+@runtime_checkable
+class Ranged(Protocol):
+    """One tensor moved in byte ranges (docs/protocol.md §11.7).
+
+    A put: the caller draws an upload id (``new_upload``), sends every range of the tensor with
+    ``put_range`` (in any order, over any connections to the same server, each retried on its own:
+    a range sent twice lands twice in the same place), then ``commit`` publishes the whole tensor
+    under one new version. Nothing is visible before the commit; commit is not idempotent (retry
+    it only if it never left). A get: ``stat`` for the version, then ``get_range`` of each range,
+    pinned to that version: ``VersionChanged`` if the tensor moved on meanwhile (read it again).
+
+    ``parallel``: whether ranges over several connections at once, each on its own thread, go
+    faster than over one (the kernel moves the bytes): what striping asks before it opens lanes.
+    """
+
+    address: Address
+
+    @property
+    def parallel(self) -> bool: ...
+
+    @property
+    def closed(self) -> bool: ...
+
+    async def put_range(self, upload: int, meta: TensorMeta, offset: int, data: memoryview) -> None:
+        """Bytes ``offset .. offset + len(data)`` of the tensor ``meta`` into upload ``upload``."""
+        ...
+
+    async def get_range(self, meta: TensorMeta, offset: int, dest: memoryview) -> None:
+        """Bytes ``offset .. offset + len(dest)`` of ``meta``'s tensor at ``meta.version`` into ``dest``."""
+        ...
+
+    async def commit(self, upload: int, meta: TensorMeta) -> int:
+        """Publish upload ``upload`` (all of ``meta``'s bytes in); return the tensor's new version."""
+        ...
+
+    async def close(self) -> None: ...
+
+
+@runtime_checkable
+class Resumable(Protocol):
+    """A put that survives broken connections (docs/protocol.md, PUT_RESUMABLE).
+
+    The caller draws an upload id (``new_upload``) and calls ``put_resumable`` from offset 0; after a
+    broken connection it opens a new transport, asks ``resume_point`` (how many bytes the server
+    holds, verified) and calls ``put_resumable`` again from there, with the same upload and bytes.
+    The tensor becomes visible once all its bytes are in, under the version returned.
+    """
+
+    async def resume_point(self, upload: int, meta: TensorMeta) -> int: ...
+
+    async def put_resumable(
+        self,
+        upload: int,
+        meta: TensorMeta,
+        data: memoryview,
+        offset: int = 0,
+        progress: Progress | None = None,
+    ) -> int:
+        """Send ``data`` (all of the tensor's bytes) from ``offset`` on; return the new version."""
+        ...
+
+
+@runtime_checkable
+class Viewable(Protocol):
+    """Tensors over the server's own pages, with no copy (shm://: README, "Shared memory")."""
+
+    async def view(self, name: str) -> torch.Tensor:
+        """A read-only tensor over the pages that hold ``name``, held for as long as it lives."""
+        ...
+
+
+def as_ranged(transport: Transport, what: str) -> Ranged:
+    """``transport`` as ``Ranged``; UnsupportedTransport (naming ``what`` needed it) if it is not."""
+    if not isinstance(transport, Ranged):
+        raise UnsupportedTransport(
+            f"{what} needs ranged transfers, which {transport.address.scheme}:// lacks"
+        )
+    return transport
+
+
+def as_resumable(transport: Transport, what: str) -> Resumable:
+    """``transport`` as ``Resumable``; UnsupportedTransport (naming ``what``) if it is not."""
+    if not isinstance(transport, Resumable):
+        raise UnsupportedTransport(f"{what} needs resumable puts, which {transport.address.scheme}:// lacks")
+    return transport
+
+
+def new_upload() -> int:
+    """A fresh upload id for ``Ranged`` and ``Resumable`` puts (random, never 0)."""
+    return secrets.randbits(63) or 1

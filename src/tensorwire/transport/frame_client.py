@@ -3,6 +3,11 @@
 Requests carry ids and may overlap: a writer lock keeps frames whole, and one reader task
 matches each response to its request. The reader lands GET data straight in the buffers the
 caller's sink hands out, checking each chunk as it arrives.
+
+``FramedTransport`` is a ``Transport`` and a ``FrameChannel`` (``call``: any request).
+``RangedTransport``, the one tcp://, tls:// and memory:// open, carries the tensors' bytes in its
+frames and so is also ``Ranged`` and ``Resumable``; ``ShmTransport`` (shm.py) builds on
+``FramedTransport`` and moves bytes through shared segments instead.
 """
 
 from __future__ import annotations
@@ -339,6 +344,60 @@ class FramedTransport(Transport):
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await self._reader_task
         await self._stream.close()
+
+
+class RangedTransport(FramedTransport):
+    """The frame protocol with the tensors' bytes in its frames: ``Ranged`` (PUT_RANGE, GET_RANGE,
+    PUT_COMMIT) and ``Resumable`` (PUT_RESUMABLE); see their lifecycles in base.py."""
+
+    @property
+    def parallel(self) -> bool:
+        """Whether several connections beat one: where the kernel moves the bytes (sockets)."""
+        return self._stream.parallel
+
+    async def put_range(self, upload: int, meta: TensorMeta, offset: int, data: memoryview) -> None:
+        what = f"put of bytes {offset}..{offset + data.nbytes} of {meta.name!r}"
+        body = wm.encode_resumable(upload, offset, meta)
+        _, reader = await self._call(Opcode.PUT_RANGE, body, data=[data], what=what)
+        reader.done()
+
+    async def get_range(self, meta: TensorMeta, offset: int, dest: memoryview) -> None:
+        length = dest.nbytes
+
+        def sink(metas: list[TensorMeta]) -> list[memoryview]:
+            if len(metas) != 1 or metas[0].nbytes != length or metas[0].name != meta.name:
+                raise ProtocolError(f"the server answered a range of {meta.name!r} with something else")
+            return [dest]
+
+        request = wm.encode_get_range(meta.version, offset, length, meta.name)
+        what = f"get of bytes {offset}..{offset + length} of {meta.name!r}"
+        _, reader = await self._call(Opcode.GET_RANGE, request, sink=sink, what=what)
+        reader.done()
+
+    async def commit(self, upload: int, meta: TensorMeta) -> int:
+        request = wm.encode_resumable(upload, 0, meta)
+        _, reader = await self._call(Opcode.PUT_COMMIT, request, what=f"commit of {meta.name!r}")
+        return _finish(reader, reader.u64())
+
+    async def resume_point(self, upload: int, meta: TensorMeta) -> int:
+        query = wm.encode_resumable(upload, wm.RESUME_QUERY, meta)
+        _, reader = await self._call(Opcode.PUT_RESUMABLE, query, what=f"the resume point of {meta.name!r}")
+        return _finish(reader, reader.u64())
+
+    async def put_resumable(
+        self,
+        upload: int,
+        meta: TensorMeta,
+        data: memoryview,
+        offset: int = 0,
+        progress: Progress | None = None,
+    ) -> int:
+        body = wm.encode_resumable(upload, offset, meta)
+        what = f"put of {meta.name!r} from byte {offset}"
+        _, reader = await self._call(
+            Opcode.PUT_RESUMABLE, body, data=[data[offset:]], what=what, progress=progress
+        )
+        return _finish(reader, reader.u64())
 
 
 def _as_tensorwire(exc: Exception, what: str) -> TensorwireError:

@@ -1,6 +1,7 @@
 """The client side of ``shm://``: the frame protocol for control, shared-memory segments for bytes.
 
-``ShmTransport`` is a ``FramedTransport`` on a loopback TCP connection that, after HELLO, proves
+``ShmTransport`` is a ``FramedTransport`` (a ``FrameChannel``, and ``Viewable``; not ``Ranged``:
+its bytes go through segments, not frames) on a loopback TCP connection that, after HELLO, proves
 it shares the server's segment directory (SHM_ATTACH: it reads a probe file the server wrote;
 ``SharedMemoryUnavailable`` if it cannot) and then moves tensors like this (docs/protocol.md §12):
 
@@ -46,7 +47,6 @@ from tensorwire.transport.base import (
     PutBatch,
     Sink,
     StreamHandler,
-    Transport,
 )
 from tensorwire.transport.frame_client import FramedTransport
 from tensorwire.types import Address, TensorMeta
@@ -308,13 +308,6 @@ def _tensor(pages: np.ndarray, meta: TensorMeta) -> torch.Tensor:
         warnings.simplefilter("ignore", UserWarning)  # "not writable": that is the point
         flat = torch.from_numpy(pages)
     return flat.view(meta.dtype).reshape(meta.shape)
-
-
-async def view(transport: Transport, name: str) -> torch.Tensor:
-    """``Client.get(name, view=True)``: only an ``shm://`` connection has pages to view."""
-    if not isinstance(transport, ShmTransport):
-        raise SharedMemoryUnavailable(f"get(view=True) needs an shm:// client, not {transport.address}")
-    return await transport.view(name)
 
 
 async def listen_stream(address: Address, handler: StreamHandler) -> Listener:

@@ -1,0 +1,399 @@
+"""``AsyncClient``: the asyncio client of one tensorwire server (``await tensorwire.aconnect(url)``).
+
+Every operation runs under a finite timeout; on a retryable failure (a broken connection, a timeout,
+a corrupt chunk) it is retried with exponential backoff on a fresh connection, as long as the
+operation is idempotent (``client/retry.py``). ``put`` counts as idempotent (putting the same bytes
+twice leaves the same value, at a later version); ``delete`` is retried only when the request
+never left.
+
+Which path a put or get takes is asked of the transport object (its capabilities,
+``transport/base.py``), never read off the address scheme: a CUDA tensor is staged through pinned
+host buffers where the transport is ``Ranged`` (staging.py), else copied through a CPU tensor; a
+large tensor travels over several connections where it is ``Ranged`` and ``parallel`` (stripe.py);
+a large put resumes after a broken connection where it is ``Resumable``; everything else is one
+PUT or GET of ``Transport``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from typing import TypeVar
+
+import torch
+
+from tensorwire import transport as transports
+from tensorwire.client import staging, stripe
+from tensorwire.client.batches import Landing, TensorBatch
+from tensorwire.client.cache import TensorCache
+from tensorwire.client.options import ClientOptions, check, retry_policy, transport_options
+from tensorwire.client.retry import retrying
+from tensorwire.errors import ConnectError, InvalidTensor, SharedMemoryUnavailable, VersionChanged
+from tensorwire.logs import event
+from tensorwire.transport.base import (
+    Ranged,
+    Resumable,
+    Transport,
+    Viewable,
+    as_ranged,
+    as_resumable,
+    new_upload,
+)
+from tensorwire.types import Address, TensorMeta
+from tensorwire.wire.names import validate_name, validate_prefix
+from tensorwire.wire.tensors import byte_view, check_out, empty_for, sendable
+
+T = TypeVar("T")
+log = logging.getLogger("tensorwire.client")
+Progress = Callable[[int], None]
+TensorItems = Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
+
+
+class AsyncClient:
+    """An asyncio client of one tensorwire server. Safe for concurrent use from one event loop."""
+
+    def __init__(self, url: str, options: ClientOptions | None = None) -> None:
+        self.address = Address.parse(url)
+        transports.check_scheme(self.address)  # refuse an unknown scheme now, not at first use
+        self.options = check(options or ClientOptions())
+        self._policy = retry_policy(self.options)
+        self._transport: Transport | None = None
+        self._open_lock = asyncio.Lock()
+        self.cache = TensorCache(self.options.cache_bytes, self.options.cache_lease)
+        self._stripes: stripe.Stripes | None = None
+        self._pool: staging.PinnedPool | None = None  # host buffers for CUDA tensors, made on first use
+        self._sizes: dict[str, int] = {}  # bytes of tensors this client moved: may a get be striped?
+        self.resumed_at: list[int] = []  # where each resumed put went on from (bytes already verified)
+        self._closed = False
+        self._warned_unverifiable = False
+
+    @property
+    def transport(self) -> str:
+        """The transport every call of this client takes (the address scheme; never a fallback)."""
+        return self.address.scheme
+
+    @property
+    def url(self) -> str:
+        return str(self.address)
+
+    # -- tensors -------------------------------------------------------------------------------
+    async def put(self, name: str, tensor: torch.Tensor, progress: Progress | None = None) -> int:
+        """Store ``tensor`` under ``name``; return its new version. A large one (``resumable_bytes``)
+        survives broken connections: each retry sends only what the server has not verified."""
+        size = tensor.numel() * tensor.element_size()
+        self.cache.invalidate(name)
+        self._note_size(name, size)
+        if tensor.is_cuda and isinstance(await self._capable(), Ranged):
+            return await self._put_staged(name, tensor)
+        k = self._stripe_count(size)
+        if k > 1 and await self._stripes_pay():
+            return await self._put_striped(name, tensor, k)
+        resumable = self.options.resumable_bytes and size >= self.options.resumable_bytes
+        if resumable and isinstance(await self._capable(), Resumable):
+            return await self._put_resumable(name, tensor, progress)
+        return await self.put_many([(name, tensor)], progress=progress)
+
+    async def _put_resumable(self, name: str, tensor: torch.Tensor, progress: Progress | None) -> int:
+        """PUT_RESUMABLE: each attempt after the first asks how much of the upload the server holds,
+        verified, and sends the rest."""
+        validate_name(name)
+        sent = sendable(tensor, name)
+        view = byte_view(sent)
+        meta = TensorMeta(name, sent.dtype, tuple(sent.shape), view.nbytes)
+        upload = new_upload()
+        tried = False
+
+        async def attempt(t: Transport) -> int:
+            nonlocal tried
+            resumable = as_resumable(t, "a resumable put")
+            offset = 0
+            if tried:
+                offset = await resumable.resume_point(upload, meta)
+                self.resumed_at.append(offset)
+            tried = True
+            return await resumable.put_resumable(upload, meta, view, offset, progress)
+
+        return await self._run(attempt)
+
+    async def put_many(self, items: TensorItems, progress: Progress | None = None) -> int:
+        """Store several tensors in one request, atomically (all visible or none, under one new
+        version, which is returned). Large batches travel in several frames, pipelined."""
+        pairs = list(items.items()) if isinstance(items, Mapping) else list(items)
+        if not pairs:
+            raise InvalidTensor("put_many needs at least one tensor")
+        for name, _ in pairs:
+            self.cache.invalidate(name)
+        batch = TensorBatch(pairs)
+        return await self._run(lambda t: t.put(batch, progress))
+
+    async def get(
+        self,
+        name: str,
+        out: torch.Tensor | None = None,
+        progress: Progress | None = None,
+        *,
+        view: bool = False,
+    ) -> torch.Tensor:
+        """Fetch ``name``. With ``out``, the bytes land in ``out`` in place and ``out`` is returned.
+
+        If the call raises, ``out`` may hold part of the transfer (its contents are unspecified).
+        With a cache (``cache_bytes``), an unchanged tensor costs one STAT (or nothing in its lease).
+        ``view=True`` (``shm://`` only) returns a read-only tensor over the server's shared pages,
+        with no copy: a snapshot of the version read, held for as long as the tensor lives (README,
+        "Shared memory").
+        """
+        if view:
+            if out is not None:
+                raise InvalidTensor("get(view=True) returns the server's pages; it takes no out=")
+            return await self._run(lambda t: _view(t, name))
+        if not self.cache.enabled:
+            return (await self._get(name, out, progress))[0]
+        entry = self.cache.lookup(name)
+        if entry is not None:
+            if self.cache.leased(entry, self._connected_store()):
+                self.cache.hits += 1
+                return entry.hand_out(out)
+            if entry.matches(*await self._stat_with_store(name)):
+                self.cache.confirm(entry)
+                self.cache.hits += 1
+                self.cache.checks += 1
+                return entry.hand_out(out)
+        before = self._connected_store()
+        tensor, version = await self._get(name, out, progress)
+        after = self._connected_store()
+        # Cached only if one store answered throughout (a reconnect mid-get may have reached another).
+        self.cache.store(name, version, tensor, after if after == before or not before else 0)
+        if after == 0 and not self._warned_unverifiable:
+            self._warned_unverifiable = True
+            why = "the server does not say which store answers (gRPC, or an older server)"
+            event(log, logging.INFO, "client cache off", server=self.url, reason=why)
+        return tensor
+
+    def _connected_store(self) -> int:
+        """The store_id of the server this client is connected to now (0: not connected, or a
+        server that does not say)."""
+        t = self._transport
+        return t.info.store_id if t is not None and not t.closed else 0
+
+    async def _stat_with_store(self, name: str) -> tuple[TensorMeta, int]:
+        """STAT, and the store_id of the connection that answered it."""
+
+        async def op(t: Transport) -> tuple[TensorMeta, int]:
+            metas = await t.stat([name])
+            return metas[0], t.info.store_id
+
+        return await self._run(op)
+
+    async def _get(
+        self, name: str, out: torch.Tensor | None, progress: Progress | None
+    ) -> tuple[torch.Tensor, int]:
+        """The tensor and the version it was read at: striped when it is large and its size is
+        known here (an ``out``, or an earlier transfer), else one GET."""
+        if out is not None and out.is_cuda:
+            if isinstance(await self._capable(), Ranged):
+                return await self._until_steady(lambda: self._get_staged(name, out))
+            host, version = await self._get(name, None, progress)  # e.g. gRPC: through a CPU tensor
+            check_out(TensorMeta(name, host.dtype, tuple(host.shape), 0, version), out, device_ok=True)
+            return out.copy_(host), version
+        known = out.numel() * out.element_size() if out is not None else self._sizes.get(name, 0)
+        k = self._stripe_count(known)
+        if k > 1 and (out is None or (out.is_cpu and out.is_contiguous())) and await self._stripes_pay():
+            return await self._until_steady(lambda: self._get_striped(name, out, k))
+        outs = {name: out} if out is not None else {}
+        landing = Landing([name], outs)
+
+        async def op(t: Transport) -> tuple[torch.Tensor, int]:
+            landing.reset()
+            await t.get([name], landing.sink, progress)
+            return landing.finish()[name], landing.versions[name]
+
+        tensor, version = await self._run(op)
+        self._note_size(name, tensor.numel() * tensor.element_size())
+        return tensor, version
+
+    async def _until_steady(self, read: Callable[[], Awaitable[T]]) -> T:
+        """``read()``, made again while the tensor changes under it (VersionChanged: its ranges were
+        pinned to a version the tensor has moved on from), at most ``retries`` more times."""
+        for attempt in itertools.count():
+            try:
+                return await read()
+            except VersionChanged:
+                if attempt >= self.options.retries:
+                    raise
+        raise AssertionError("unreachable")
+
+    # -- striping (stripe.py) --------------------------------------------------------------------
+    def _stripe_count(self, nbytes: int) -> int:
+        """Over how many connections ``nbytes`` would travel, if the transport allows (see
+        ``_stripes_pay``): asked first, since it costs nothing and is 1 for most tensors."""
+        return stripe.stripe_count(nbytes, self.options.stripes, self.options.stripe_bytes)
+
+    async def _stripes_pay(self) -> bool:
+        """Whether this client's transport can stripe, and says it pays: ``Ranged`` and ``parallel``."""
+        t = await self._capable()
+        return isinstance(t, Ranged) and t.parallel
+
+    def _note_size(self, name: str, nbytes: int) -> None:
+        if len(self._sizes) >= 65536:  # a hint, not a registry: start over rather than grow
+            self._sizes.clear()
+        self._sizes[name] = nbytes
+
+    def _lanes(self) -> stripe.Stripes:
+        if self._stripes is None:
+            self._stripes = stripe.Stripes(self.address, transport_options(self.options))
+        return self._stripes
+
+    async def _put_striped(self, name: str, tensor: torch.Tensor, k: int) -> int:
+        """PUT_RANGE of each range on its own connection, then one PUT_COMMIT publishes the tensor."""
+        validate_name(name)
+        sent = sendable(tensor, name)
+        meta = TensorMeta(name, sent.dtype, tuple(sent.shape), sent.numel() * sent.element_size())
+        upload = new_upload()
+        ops = stripe.put_ops(upload, meta, byte_view(sent), k)
+        await self._lanes().run(ops, self.options.retries, self.options.delay)
+        return await self._commit(upload, meta)
+
+    async def _get_striped(self, name: str, out: torch.Tensor | None, k: int) -> tuple[torch.Tensor, int]:
+        """STAT for the version, then each range over its own connection, pinned to that version."""
+        meta = await self.stat(name)
+        target = out if out is not None else empty_for(meta)
+        check_out(meta, target)
+        self._note_size(name, meta.nbytes)
+        if self._stripe_count(meta.nbytes) <= 1:  # it shrank: one GET will do
+            return await self._get(name, out, None)
+        ops = stripe.get_ops(meta, byte_view(target), k)
+        await self._lanes().run(ops, self.options.retries, self.options.delay)
+        return target, meta.version
+
+    async def _commit(self, upload: int, meta: TensorMeta) -> int:
+        """PUT_COMMIT: publish an upload whose ranges are all in (striped and staged puts)."""
+        return await self._run(lambda t: as_ranged(t, "a commit").commit(upload, meta), idempotent=False)
+
+    # -- CUDA tensors (staging.py) ----------------------------------------------------------------
+    def _pinned(self) -> staging.PinnedPool:
+        if self._pool is None:
+            self._pool = staging.PinnedPool()
+        return self._pool
+
+    async def _put_staged(self, name: str, tensor: torch.Tensor) -> int:
+        validate_name(name)
+        copier = staging.copier_for(tensor)
+        upload, meta = await staging.put_staged(self._run, self._pinned(), name, tensor, copier)
+        return await self._commit(upload, meta)
+
+    async def _get_staged(self, name: str, out: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """Into a device tensor through pinned buffers, pinned to the version a STAT saw."""
+        meta = await self.stat(name)
+        check_out(meta, out, device_ok=True)
+        await staging.get_staged(self._run, self._pinned(), meta, out, staging.copier_for(out))
+        return out, meta.version
+
+    # -- the other operations --------------------------------------------------------------------
+    async def get_many(
+        self,
+        names: Sequence[str],
+        out: Mapping[str, torch.Tensor] | None = None,
+        progress: Progress | None = None,
+    ) -> dict[str, torch.Tensor]:
+        """Fetch several tensors in one round trip, as one consistent snapshot."""
+        # Names are not validated here: a name that could not be stored is simply not found.
+        names = list(dict.fromkeys(names))
+        landing = Landing(names, dict(out or {}))
+
+        async def op(t: Transport) -> dict[str, torch.Tensor]:
+            landing.reset()
+            await t.get(names, landing.sink, progress)
+            return landing.finish()
+
+        return await self._run(op)
+
+    async def delete(self, name: str) -> None:
+        """Remove ``name``; KeyNotFound if there is no such tensor."""
+        await self.delete_many([name])
+
+    async def delete_many(self, names: Sequence[str]) -> int:
+        """Remove all of ``names`` or none of them (KeyNotFound)."""
+        for name in names:
+            validate_name(name)
+            self.cache.invalidate(name)
+        return await self._run(lambda t: t.delete(names), idempotent=False)
+
+    async def stat(self, name: str) -> TensorMeta:
+        """Metadata (dtype, shape, bytes, version) of ``name`` without its data."""
+        metas = await self._run(lambda t: t.stat([name]))
+        return metas[0]
+
+    async def list(self, prefix: str = "", limit: int = 0) -> list[TensorMeta]:
+        """Metadata of the stored tensors whose names start with ``prefix``, sorted by name."""
+        validate_prefix(prefix)
+        return await self._run(lambda t: t.list(prefix, limit))
+
+    async def ping(self) -> float:
+        """One empty round trip; returns its duration in seconds."""
+        start = time.perf_counter()
+        await self._run(lambda t: t.ping())
+        return time.perf_counter() - start
+
+    async def close(self) -> None:
+        self._closed = True
+        self.cache.clear()
+        if self._stripes is not None:
+            stripes, self._stripes = self._stripes, None
+            await asyncio.get_running_loop().run_in_executor(None, stripes.close)
+        if self._transport is not None:
+            await self._transport.close()
+            self._transport = None
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    # -- machinery -----------------------------------------------------------------------------
+    async def connect(self) -> AsyncClient:
+        """Open the connection now (operations otherwise open it on first use)."""
+        await self._open()
+        return self
+
+    async def _open(self) -> Transport:
+        if self._closed:
+            raise ConnectError(f"client of {self.address} is closed")
+        t = self._transport
+        if t is not None and not t.closed:
+            return t  # the common case, without taking the lock
+        async with self._open_lock:
+            if self._transport is None or self._transport.closed:
+                previous = self._transport.info.store_id if self._transport is not None else 0
+                self._transport = await transports.open_transport(
+                    self.address, transport_options(self.options)
+                )
+                if previous and self._transport.info.store_id != previous:
+                    self.cache.clear()  # another store now answers here: no copy can be confirmed
+            return self._transport
+
+    async def _capable(self) -> Transport:
+        """The transport to ask what this client's connections can do: the current one (what it can
+        do is what its kind can, so a closed one answers the same), else a new one, with retries."""
+        t = self._transport
+        return t if t is not None else await self._run(_itself)
+
+    def _run(self, op: Callable[[Transport], Awaitable[T]], idempotent: bool = True) -> Awaitable[T]:
+        """``op`` on this client's connection, reopened and retried under ``client/retry.py``'s rule
+        (the transport bounds every request by ``options.timeout``). Not a coroutine itself: the
+        caller awaits ``retrying``'s, one frame less on every call."""
+        return retrying(op, self._open, self._policy, idempotent=idempotent)
+
+
+async def _itself(t: Transport) -> Transport:
+    return t
+
+
+async def _view(t: Transport, name: str) -> torch.Tensor:
+    """``get(name, view=True)``: only a ``Viewable`` transport (shm://) has pages to view."""
+    if not isinstance(t, Viewable):
+        raise SharedMemoryUnavailable(f"get(view=True) needs an shm:// client, not {t.address}")
+    return await t.view(name)

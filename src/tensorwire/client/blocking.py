@@ -1,0 +1,152 @@
+"""``Client``: the blocking client (``tensorwire.connect(url)``). Each method runs the ``AsyncClient``
+method of the same name on a private event-loop thread and waits for it, never longer than the
+options' worst case (nor past their ``deadline``)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import weakref
+from collections.abc import Coroutine, Mapping, Sequence
+from typing import Any, TypeVar
+
+import torch
+
+from tensorwire._aio import LoopThread
+from tensorwire.client.async_client import AsyncClient, Progress, TensorItems
+from tensorwire.client.options import ClientOptions
+from tensorwire.errors import TensorwireError, TransferTimeout
+from tensorwire.types import TensorMeta
+
+T = TypeVar("T")
+
+
+class Client:
+    """The blocking client: each method runs the ``AsyncClient`` method of the same name on a
+    private event loop thread and waits for it (never longer than the options' worst case)."""
+
+    def __init__(self, url: str, options: ClientOptions | None = None) -> None:
+        self._worst_case = (options or ClientOptions()).worst_case
+        self._deadline = (options or ClientOptions()).deadline
+        self._url = url
+        self._thread = LoopThread("tensorwire-client")
+        self._loop = self._thread.loop
+        try:
+            self._async = self._call(_make_async(url, options))
+        except BaseException:
+            self._stop()
+            raise
+        # A client dropped without close(), or still open at exit, closes its connection (its read
+        # loop ends) and stops its loop all the same: nothing is left pending to be destroyed.
+        self._finalizer = weakref.finalize(self, _shut, self._thread, self._async, os.getpid())
+
+    @property
+    def transport(self) -> str:
+        return self._async.transport
+
+    @property
+    def url(self) -> str:
+        return self._async.url
+
+    @property
+    def options(self) -> ClientOptions:
+        return self._async.options
+
+    @property
+    def resumed_at(self) -> list[int]:
+        return self._async.resumed_at
+
+    def _call(self, coro: Coroutine[Any, Any, T]) -> T:
+        # The worst case is a backstop: the client's own timers should have fired long before.
+        deadline = self._deadline
+        if deadline is None:
+            return self._thread.call(coro, self._worst_case, f"a call to {self._url}")
+        if deadline.remaining() <= 0:
+            coro.close()
+            raise deadline.expired()
+        try:  # cut short at the deadline: the call is cancelled, and its connection dropped
+            return self._thread.call(
+                coro, min(self._worst_case, deadline.remaining()), f"a call to {self._url}"
+            )
+        except TransferTimeout as exc:
+            if deadline.remaining() > 0:
+                raise
+            raise deadline.expired() from exc
+
+    def connect(self) -> Client:
+        self._call(self._async.connect())
+        return self
+
+    def put(self, name: str, tensor: torch.Tensor, progress: Progress | None = None) -> int:
+        return self._call(self._async.put(name, tensor, progress))
+
+    def put_many(self, items: TensorItems, progress: Progress | None = None) -> int:
+        return self._call(self._async.put_many(items, progress))
+
+    def get(
+        self,
+        name: str,
+        out: torch.Tensor | None = None,
+        progress: Progress | None = None,
+        *,
+        view: bool = False,
+    ) -> torch.Tensor:
+        return self._call(self._async.get(name, out, progress, view=view))
+
+    def get_many(
+        self,
+        names: Sequence[str],
+        out: Mapping[str, torch.Tensor] | None = None,
+        progress: Progress | None = None,
+    ) -> dict[str, torch.Tensor]:
+        return self._call(self._async.get_many(names, out, progress))
+
+    def delete(self, name: str) -> None:
+        self._call(self._async.delete(name))
+
+    def delete_many(self, names: Sequence[str]) -> int:
+        return self._call(self._async.delete_many(names))
+
+    def stat(self, name: str) -> TensorMeta:
+        return self._call(self._async.stat(name))
+
+    def list(self, prefix: str = "", limit: int = 0) -> list[TensorMeta]:
+        return self._call(self._async.list(prefix, limit))
+
+    def ping(self) -> float:
+        return self._call(self._async.ping())
+
+    def close(self) -> None:
+        """Close the connection and stop the client's loop (once; later calls do nothing)."""
+        self._finalizer()
+
+    def _stop(self) -> None:
+        self._thread.stop()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+CLOSE_TIMEOUT = 10.0  # closing cancels the read loop and closes a socket: it takes milliseconds
+
+
+def _shut(thread: LoopThread, client: AsyncClient, pid: int) -> None:
+    """``Client.close``, also run when a client is garbage or the interpreter exits (finalize)."""
+    if os.getpid() != pid or thread.loop.is_closed():
+        return  # a forked child: the loop's thread exists only in the parent
+    if thread.on_loop():  # dropped by code running on its own loop: close there, then stop it
+        task = thread.loop.create_task(client.close())
+        task.add_done_callback(lambda _: thread.loop.stop())
+        return
+    try:
+        with contextlib.suppress(TensorwireError):  # a broken connection closes all the same
+            thread.call(client.close(), CLOSE_TIMEOUT, f"closing the client of {client.url}")
+    finally:
+        thread.stop()
+
+
+async def _make_async(url: str, options: ClientOptions | None) -> AsyncClient:
+    return AsyncClient(url, options)  # built on the client's loop: its locks belong to that loop

@@ -1,0 +1,93 @@
+"""``ClientOptions``: how a client waits, retries and connects; and the one translation of them
+into what a transport needs (``transport_options``) and how a call is retried (``retry_policy``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from tensorwire._aio import Deadline
+from tensorwire.client.retry import RetryPolicy, backoff
+from tensorwire.security import Security, TlsFiles, client_token
+from tensorwire.transport import TransportOptions
+from tensorwire.wire import lossless
+from tensorwire.wire.checksum import ChecksumKind
+
+CHECKSUMS = {"xxh3": ChecksumKind.XXH3_64, "crc32c": ChecksumKind.CRC32C}
+
+
+@dataclass(frozen=True, slots=True)
+class ClientOptions:
+    """How a client waits and retries. Every wait is finite."""
+
+    timeout: float = 60.0  # one request: its send and its answer
+    connect_timeout: float = 10.0
+    retries: int = 3
+    backoff: float = 0.05  # first retry delay; doubles each time, with jitter
+    max_backoff: float = 2.0
+    checksum: str = "xxh3"
+    chunk_size: int | None = None
+    tls_ca: str | None = None  # the server's CA for tls:// and grpcs:// (None: the system store)
+    tls_cert: str | None = None  # this client's certificate and key, for servers that ask (mTLS)
+    tls_key: str | None = None
+    token: str | None = None  # the server's shared token; None: $TENSORWIRE_TOKEN if set
+    # A put of one tensor at least this large resumes after a broken connection from the last
+    # verified chunk, not from byte 0 (tcp://, tls://, memory://); 0: never.
+    resumable_bytes: int = 64 << 20
+    # Lossless chunk compression on tcp://, tls://, memory:// ("none", "lz4", "zstd", or "auto":
+    # lz4 only when the codec beats the link; incompressible data always goes raw). Negotiated per
+    # connection in HELLO: a server without it gets raw chunks.
+    compression: str = "none"
+    # A tensor of at least stripe_bytes travels over several connections at once (tcp://, tls://):
+    # `stripes` of them, or with 0 one per usable core (at most 8, each range ≥ 16 MiB); 1 (the
+    # default): never. Opt-in, since the server receives on one event loop: measure it first.
+    # A striped put retries each range on its own; it is not PUT_RESUMABLE.
+    stripe_bytes: int = 64 << 20
+    stripes: int = 1
+    # Cached copies of what `get` read, up to cache_bytes (0: no cache). A cached get costs one STAT,
+    # or nothing within cache_lease seconds of the last confirmation (cache.py); copies are keyed by
+    # the store that answered (HELLO store_id), so a gRPC server (which gives none) caches nothing.
+    cache_bytes: int = 0
+    cache_lease: float = 0.0
+    # A whole command's deadline (`dataset fetch --deadline`): every call of a blocking Client gives
+    # up at it with TransferTimeout, whatever its own timeouts and retries would still allow.
+    deadline: Deadline | None = None
+
+    def security(self) -> Security:
+        files = [self.tls_cert, self.tls_key, self.tls_ca]
+        tls = TlsFiles(*(Path(f) if f else None for f in files)) if any(files) else None
+        return Security(tls, client_token(self.token))
+
+    def delay(self, attempt: int) -> float:
+        return backoff(self.backoff, self.max_backoff)(attempt)
+
+    @property
+    def worst_case(self) -> float:
+        """An upper bound on one call, retries and backoff included."""
+        attempts = self.retries + 1
+        return attempts * (self.timeout + self.connect_timeout) + attempts * self.max_backoff + 5.0
+
+
+def transport_options(options: ClientOptions) -> TransportOptions:
+    """What a transport opened for a client with ``options`` needs (the one place that says it)."""
+    return TransportOptions(
+        options.connect_timeout,
+        options.timeout,
+        CHECKSUMS[options.checksum],
+        options.chunk_size,
+        options.security(),
+        options.compression,
+    )
+
+
+def retry_policy(options: ClientOptions) -> RetryPolicy:
+    """How a client with ``options`` retries a call (``client/retry.py``)."""
+    return RetryPolicy(options.retries, backoff(options.backoff, options.max_backoff))
+
+
+def check(options: ClientOptions) -> ClientOptions:
+    """``options`` if a client can use them; ValueError naming the first field it cannot."""
+    if options.checksum not in CHECKSUMS:
+        raise ValueError(f"checksum must be one of {sorted(CHECKSUMS)}, not {options.checksum!r}")
+    lossless.check_mode(options.compression)
+    return options
