@@ -31,10 +31,10 @@ from tensorwire._aio import LoopThread
 from tensorwire.compression import Codec, ErrorFeedback, resolve
 from tensorwire.errors import ProtocolError
 from tensorwire.ps.rendezvous import env_int
-from tensorwire.ps.rpc import PsChannel, Sender, open_channel
+from tensorwire.ps.rpc import PsChannel, Sender
 from tensorwire.ps.shards import check_trainable
 from tensorwire.security import Security, TlsFiles, client_token
-from tensorwire.transport.frame_client import FramedTransport
+from tensorwire.transport.base import FrameChannel
 from tensorwire.types import Address, TensorMeta
 from tensorwire.wire.tensors import byte_view
 
@@ -77,7 +77,7 @@ class ExchangeClient:
         )
         self._sender = Sender(self.rank, self.world_size, int(self.timeout * 1000))
         self._thread = LoopThread("tensorwire-exchange")
-        self._conn: FramedTransport | None = None
+        self._conn: FrameChannel | None = None
         try:
             self._conn = self._thread.call(self._open(), connect_timeout + _MARGIN, f"connecting to {server}")
         except BaseException:
@@ -125,8 +125,8 @@ class ExchangeClient:
     ) -> None:
         self.close()
 
-    async def _open(self) -> FramedTransport:
-        return await open_channel(self.address, self._options, what="the exchange")
+    async def _open(self) -> FrameChannel:
+        return await transports.open_channel(self.address, self._options, what="the gradient exchange")
 
     def _encode(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         assert self.codec is not None
@@ -154,7 +154,7 @@ class ExchangeClient:
         rpc = PsChannel(self._conn, self._sender)
         return await rpc.allreduce(step, self.session, metas, data, land, codec=codec, what=what)
 
-    async def _leave(self, conn: FramedTransport) -> None:
+    async def _leave(self, conn: FrameChannel) -> None:
         try:
             await PsChannel(conn, self._sender).leave(self.step, self.session, what="leaving the exchange")
         finally:

@@ -64,11 +64,11 @@ from tensorwire.errors import (
     ProtocolError,
     ReplicationRefused,
     TensorwireError,
+    UnsupportedTransport,
 )
 from tensorwire.logs import event
 from tensorwire.security import Security
-from tensorwire.transport.frame_client import FramedTransport
-from tensorwire.types import Address
+from tensorwire.transport.base import FrameChannel
 from tensorwire.wire import meta as wm
 from tensorwire.wire import ps as wps
 from tensorwire.wire.frame import Opcode
@@ -122,7 +122,7 @@ class Backup:
     """What the primary knows of one backup."""
 
     url: str
-    conn: FramedTransport | None = None
+    conn: FrameChannel | None = None
     synced: bool = False  # holds the job (after a state transfer)
     lost: bool = False  # stopped answering: no longer waited for
     refused: str | None = None  # why it refuses this primary's peer credentials (a config error)
@@ -212,12 +212,12 @@ class Backups:
         backup.lost, backup.refused = False, None
         backup.acked, backup.behind = time.monotonic(), 0  # a state transfer caught it up
 
-    async def _open(self, backup: Backup) -> FramedTransport:
-        opened = await transports.open_transport(Address.parse(backup.url), self._options)
-        if not isinstance(opened, FramedTransport):
-            await opened.close()
-            raise AuthenticationError(f"{backup.url} is no address of the frame protocol (tcp://, tls://)")
-        return opened
+    async def _open(self, backup: Backup) -> FrameChannel:
+        try:
+            what = f"replication to {backup.url}"
+            return await transports.open_channel(backup.url, self._options, what=what)
+        except UnsupportedTransport as exc:  # a configuration error, as refused credentials are
+            raise AuthenticationError(str(exc)) from exc
 
     def _reconnect(self, backup: Backup) -> None:
         """Open a lost backup's connection in the background; the next ping takes it back."""

@@ -2,16 +2,16 @@
 
 docs/protocol.md §13.2 (and ``tensorwire.wire.ps``) define the requests: a 28-byte head
 (``worker | world | clock | seq | wait_ms``), then each opcode's own fields. A ``PsChannel`` wraps
-one ``FrameChannel`` (anything with the frame client's ``call``: a connection, or a worker's
-``ServerSlot``, which resends on a new connection) and turns each request into one method with
-typed arguments and a decoded answer. It opens, retries and closes nothing itself.
+one ``Caller`` (anything with the frame channel's ``call``: a ``FrameChannel`` connection, or a
+worker's ``ServerSlot``, which resends on a new connection) and turns each request into one method
+with typed arguments and a decoded answer. It opens, retries and closes nothing itself.
 
 Lifecycle: the owner of a channel builds a ``PsChannel`` around it with the ``Sender`` its
 requests come from (rank, world, how long the server may wait), calls its methods (any number,
 concurrently if the channel allows), and closes the channel itself when done.
 
-``open_channel`` is the one place the parameter-server clients (the worker, ``server_stats``, the
-exchange client) open a connection and check that it speaks the frame protocol.
+Connections come from ``tensorwire.transport.open_channel`` (the one place that opens and checks
+a channel of the frame protocol), here and in the worker's slots and the exchange client.
 """
 
 from __future__ import annotations
@@ -26,16 +26,15 @@ from tensorwire._aio import run
 from tensorwire.errors import ProtocolError
 from tensorwire.security import Security, client_token
 from tensorwire.transport.base import Sink
-from tensorwire.transport.frame_client import FramedTransport
-from tensorwire.types import Address, TensorMeta
+from tensorwire.types import TensorMeta
 from tensorwire.wire import meta as wm
 from tensorwire.wire import ps as wps
 from tensorwire.wire.frame import Opcode
 
 
-class FrameChannel(Protocol):
-    """What a ``PsChannel`` needs of the channel under it: one framed request, the answer's
-    metadata back (``FramedTransport.call``; see there for ``sink`` and ``timeout``)."""
+class Caller(Protocol):
+    """What a ``PsChannel`` needs of what is under it: one framed request, the answer's metadata
+    back (``FrameChannel.call``; see there for ``sink`` and ``timeout``)."""
 
     async def call(
         self,
@@ -47,18 +46,6 @@ class FrameChannel(Protocol):
         what: str,
         timeout: float | None = None,
     ) -> wm.MetaReader: ...
-
-
-async def open_channel(
-    address: Address, options: transports.TransportOptions, *, what: str
-) -> FramedTransport:
-    """Open a connection to ``address`` that speaks the frame protocol (tcp://, tls://, memory://);
-    ValueError naming ``what`` (the peer, "a parameter server") for any other scheme."""
-    conn = await transports.open_transport(address, options)
-    if not isinstance(conn, FramedTransport):
-        await conn.close()
-        raise ValueError(f"{what} speaks tcp://, tls:// or memory://, not {address.scheme}://")
-    return conn
 
 
 class Sender(NamedTuple):
@@ -77,7 +64,7 @@ class PsChannel:
     what it is in the channel's errors and logs (a worker's: `` from worker 0 to tcp://...``).
     """
 
-    def __init__(self, channel: FrameChannel, sender: Sender, *, peer: str = "", label: str = "") -> None:
+    def __init__(self, channel: Caller, sender: Sender, *, peer: str = "", label: str = "") -> None:
         self.channel = channel
         self.sender = sender
         self.peer = peer
@@ -210,7 +197,7 @@ def server_stats(
     options = transports.TransportOptions(timeout, timeout, security=security)
 
     async def one(url: str) -> dict[str, Any]:
-        conn = await open_channel(Address.parse(url), options, what="a parameter server")
+        conn = await transports.open_channel(url, options, what="ps stats")
         try:
             return await PsChannel(conn, Sender()).stats()
         finally:

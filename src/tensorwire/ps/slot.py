@@ -22,29 +22,32 @@ its heartbeat task, ``close_beat`` when that task ends, then ``leave`` and ``clo
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 from collections.abc import Sequence
 from typing import NamedTuple
 
 from tensorwire import transport as transports
+from tensorwire._aio import Deadline
+from tensorwire.client.retry import RetryPolicy, backoff, retrying
 from tensorwire.errors import ConnectError, ConnectionLost, NotPrimary, TensorwireError
 from tensorwire.ps.placement import Shard
-from tensorwire.ps.rpc import PsChannel, Sender, open_channel
-from tensorwire.transport.base import Sink
-from tensorwire.transport.frame_client import FramedTransport
+from tensorwire.ps.rpc import PsChannel, Sender
+from tensorwire.transport.base import FrameChannel, Sink
 from tensorwire.types import Address
 from tensorwire.wire import meta as wm
 
 log = logging.getLogger("tensorwire.ps.worker")  # the worker's log, as before the slots moved here
 RETRY_CAP = 0.25  # seconds between resends at most
+# Resend until the deadline, with short capped waits: during a failover the backup takes over at a
+# moment this side cannot know, and each doubling past it would add to the pause.
+_RESEND = RetryPolicy(retries=None, delay=backoff(0.1, RETRY_CAP, jitter=False))
 
 
 class _Link(NamedTuple):
     """The replica in use (an index into ``replicas``) and the connection to it, if one is open."""
 
     at: int
-    conn: FramedTransport | None = None
+    conn: FrameChannel | None = None
 
 
 class ServerSlot:
@@ -73,7 +76,7 @@ class ServerSlot:
         # NOT_PRIMARY: which replica and the connection to it are one value, changed under the lock.
         self._link = _Link(0)
         self._reconnecting = asyncio.Lock()
-        self._beat: FramedTransport | None = None  # the heartbeat's own connection
+        self._beat: FrameChannel | None = None  # the heartbeat's own connection
         self._missed = 0  # heartbeats missed in a row
 
     @property
@@ -82,7 +85,7 @@ class ServerSlot:
         return self.replicas[self._link.at]
 
     @property
-    def conn(self) -> FramedTransport | None:
+    def conn(self) -> FrameChannel | None:
         """The connection to the replica in use, if one was opened (it may be closed since)."""
         return self._link.conn
 
@@ -108,24 +111,19 @@ class ServerSlot:
     ) -> wm.MetaReader:
         """One request to this server, resent on a new connection while the network fails (a
         broken connection, a server restarting), for at most ``timeout`` seconds."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + self._timeout
-        for attempt in itertools.count(1):
-            try:
-                conn = await self._connection()
-                return await conn.call(opcode, meta, data, sink, what=what, timeout=timeout)
-            except TensorwireError as exc:  # a broken connection, a corrupt chunk: resend
-                if not exc.retryable or loop.time() >= deadline:
-                    raise
-                log.info("%s failed (%s); retrying", what, exc)
-                if isinstance(exc, (ConnectError, ConnectionLost, NotPrimary)):
-                    await self._next_replica()
-                # Short, capped waits: during a failover the backup takes over at a moment this
-                # side cannot know, and each doubling past it would add to the pause.
-                await asyncio.sleep(min(0.05 * 2**attempt, RETRY_CAP, max(deadline - loop.time(), 0)))
-        raise AssertionError("unreachable")
 
-    async def _connection(self) -> FramedTransport:
+        async def attempt(conn: FrameChannel) -> wm.MetaReader:
+            return await conn.call(opcode, meta, data, sink, what=what, timeout=timeout)
+
+        async def failed(exc: TensorwireError) -> None:  # a broken connection, a corrupt chunk: resend
+            log.info("%s failed (%s); retrying", what, exc)
+            if isinstance(exc, (ConnectError, ConnectionLost, NotPrimary)):
+                await self._next_replica()
+
+        deadline = Deadline.after(self._timeout, what)
+        return await retrying(attempt, self._connection, _RESEND, deadline=deadline, on_retry=failed)
+
+    async def _connection(self) -> FrameChannel:
         conn = self._link.conn
         if conn is not None and not conn.closed:
             return conn
@@ -148,8 +146,8 @@ class ServerSlot:
         log.info("worker %d moves to replica %s", self.rank, self.url)
 
     @staticmethod
-    async def _open(url: str, options: transports.TransportOptions) -> FramedTransport:
-        return await open_channel(Address.parse(url), options, what="a parameter server")
+    async def _open(url: str, options: transports.TransportOptions) -> FrameChannel:
+        return await transports.open_channel(url, options, what="the parameter-server worker")
 
     # -- heartbeats -------------------------------------------------------------------------------
     async def beat(self, sender: Sender, incarnation: int, options: transports.TransportOptions) -> None:
