@@ -113,3 +113,13 @@ class Deadline:
         """TransferTimeout if the deadline has passed."""
         if time.monotonic() >= self.at:
             raise self.expired()
+
+
+async def cancel_and_wait(task: asyncio.Task[Any] | None) -> None:
+    """Stop a background task (a watchdog, a ping loop) and wait until it has: its own
+    cancellation is the expected end, not an error. ``None``: nothing to stop."""
+    if task is None:
+        return
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task

@@ -19,13 +19,13 @@ act and hands each silent worker to ``drop`` (the server replicates the drop and
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import NoReturn
 
+from tensorwire._aio import cancel_and_wait
 from tensorwire.errors import ProtocolError, WorkerDropped
 from tensorwire.logs import event
 from tensorwire.ps.gradients import Gradients
@@ -196,8 +196,5 @@ class Members:
                 await self._drop(worker)
 
     async def stop(self) -> None:
-        if self._watchdog is not None:
-            self._watchdog.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._watchdog
+        await cancel_and_wait(self._watchdog)
         self._watchdog = None

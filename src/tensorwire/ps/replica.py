@@ -32,6 +32,7 @@ from collections.abc import Awaitable, Callable, Sequence
 
 import torch
 
+from tensorwire._aio import cancel_and_wait
 from tensorwire.errors import (
     AuthenticationError,
     InvalidTensor,
@@ -238,10 +239,7 @@ class Replica:
 
     async def close(self) -> None:
         """Stop pinging and close the connections to the backups."""
-        if self._pinging is not None:
-            self._pinging.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._pinging
+        await cancel_and_wait(self._pinging)
         self._pinging = None
         if self._backups is not None:
             await self._backups.close()

@@ -49,7 +49,6 @@ What a primary does when it cannot replicate to a backup:
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import enum
 import logging
 import struct
@@ -58,6 +57,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from tensorwire import transport as transports
+from tensorwire._aio import cancel_and_wait
 from tensorwire.errors import (
     AuthenticationError,
     NotPrimary,
@@ -268,11 +268,8 @@ class Backups:
 
     async def close(self) -> None:
         for backup in self.backups.values():
-            if backup.reconnecting is not None:
-                backup.reconnecting.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await backup.reconnecting
-                backup.reconnecting = None
+            await cancel_and_wait(backup.reconnecting)
+            backup.reconnecting = None
             if backup.conn is not None:
                 await backup.conn.close()
                 backup.conn = None

@@ -60,7 +60,7 @@ from typing import Any, TypeVar
 import torch
 
 from tensorwire import transport as transports
-from tensorwire._aio import LoopThread, wait
+from tensorwire._aio import LoopThread, cancel_and_wait, wait
 from tensorwire.compression import Codec, ErrorFeedback, resolve
 from tensorwire.errors import ProtocolError, TensorwireError, WorkerDropped
 from tensorwire.ps.job import JobConfig, Mode
@@ -400,10 +400,7 @@ class Worker:
 
     async def _leave(self) -> None:
         """Leave every server that can be reached now (no retries: the process may be ending)."""
-        if self._beating is not None:
-            self._beating.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._beating
+        await cancel_and_wait(self._beating)
         try:
             if self._joined:
                 sender = Sender(self.rank, self.world_size)

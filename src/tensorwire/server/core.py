@@ -21,7 +21,7 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
 from tensorwire import transport
-from tensorwire._aio import LoopThread
+from tensorwire._aio import LoopThread, cancel_and_wait
 from tensorwire.errors import ConnectionLost, LimitExceeded
 from tensorwire.logs import event
 from tensorwire.security import Security, TlsFiles, exposure_warning, server_ssl_context
@@ -230,11 +230,8 @@ class Server:
         listeners, self._listeners = self._listeners, []
         for listener in listeners:
             await listener.close()
-        if self._watchdog is not None:
-            self._watchdog.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._watchdog
-            self._watchdog = None
+        await cancel_and_wait(self._watchdog)
+        self._watchdog = None
         for extension in self.extensions:
             await extension.close()
         self.uploads.close()

@@ -250,7 +250,7 @@ class TensorStore:
         """Count ``nbytes`` of a request's transient buffers (a compressed chunk being decoded) in
         ``used`` while inside, so that other puts see the memory they take. Never refused: a
         request's scratch is at most twice the chunk it receives into its own reservation, which
-        the capacity already admitted (``framing.compressed_scratch``)."""
+        the capacity already admitted (``frame_io.compressed_scratch``)."""
         with self._lock:
             self._scratch += nbytes
         try:

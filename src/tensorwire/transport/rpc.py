@@ -1,4 +1,4 @@
-"""The gRPC transport: ``grpc://host:port``, the client side of ``TensorService`` (server_rpc.py).
+"""The gRPC transport: ``grpc://host:port``, the client side of ``TensorService`` (server/rpc.py).
 
 Tensors travel in chunks of ~1 MiB (the message size grpcio moves fastest), each with its xxh3
 checksum, and land in the caller's buffers as they arrive. grpcio needs one ``bytes`` object per

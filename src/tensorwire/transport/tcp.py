@@ -9,6 +9,7 @@ import socket
 import time
 from collections.abc import Awaitable, Callable, Sequence
 
+from tensorwire._aio import cancel_and_wait
 from tensorwire.errors import ConnectError, ConnectionLost, TransferTimeout
 from tensorwire.transport.base import Buffer, ByteStream, Listener, StreamHandler
 from tensorwire.types import Address
@@ -222,9 +223,7 @@ class TcpListener(Listener):
             await stream.close()
 
     async def close(self) -> None:
-        self._accepting.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await self._accepting
+        await cancel_and_wait(self._accepting)
         self._sock.close()
         for task in list(self._tasks):  # each task closes its stream on the way out
             task.cancel()

@@ -54,7 +54,7 @@ class Opcode(enum.IntEnum):
     PUT_RANGE = 24
     PUT_COMMIT = 25
     GET_RANGE = 26
-    # Same-host shared memory (shm://, docs/protocol.md §12; served by server_shm.py).
+    # Same-host shared memory (shm://, docs/protocol.md §12; served by server/shm.py).
     SHM_ATTACH = 32
     SHM_GET = 33
     SHM_PUT = 34
