@@ -41,7 +41,9 @@ def train(servers: str, mode: str, steps: int, out: Path, *, rank: int = 0, worl
             loss: torch.Tensor = F.cross_entropy(net(x), y)
             loss.backward()  # type: ignore[no-untyped-call]
             rejoined += worker.step().rejoined
-            (out / f"rank{rank}.progress").write_text(str(step + 1))
+            # Published by rename: a reader (a fault schedule's condition) never sees it half written.
+            (out / f"rank{rank}.progress.tmp").write_text(str(step + 1))
+            (out / f"rank{rank}.progress.tmp").replace(out / f"rank{rank}.progress")
         report = {"rejoined": rejoined, "rejoins": worker.rejoins, "clock": worker.clock}
     torch.save(net.state_dict(), out / f"rank{rank}.pt")
     (out / f"rank{rank}.json").write_text(json.dumps(report))
