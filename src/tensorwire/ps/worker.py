@@ -284,7 +284,10 @@ class Worker:
                 continue
             target = min(clocks)
             log.warning("servers stay at steps %s: rolling back to step %d", clocks, target)
-            await asyncio.gather(*(slot.rpc.rollback(target) for slot in slots if slot.clock > target))
+            ahead = [slot for slot in slots if slot.clock > target]
+            # A server rolls back only with no worker live, and this one has just joined it.
+            await asyncio.gather(*(slot.rpc.leave(slot.clock, self.incarnation) for slot in ahead))
+            await asyncio.gather(*(slot.rpc.rollback(target) for slot in ahead))
         raise ProtocolError(f"the servers could not be brought to one step: {clocks}")
 
     async def _join(self, slot: ServerSlot, config: str, first: bool) -> tuple[int, int]:
