@@ -1,5 +1,6 @@
 """Hand-made parameter-server requests for the adversarial tests of ranks, jobs and memory
-(test_psid_*.py): what a peer that is not a ``ps.Worker`` can send, on a connection of its own."""
+(test_psid_*.py): what a peer that is not a ``ps.Worker`` can send, on a connection of its own.
+Each names a job: ``JOB`` unless told (a ``ps.Worker``'s is ``worker.job``)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,8 @@ from tensorwire.wire import meta as wm
 from tensorwire.wire import ps as wps
 from tensorwire.wire.frame import Opcode
 from tensorwire.wire.tensors import byte_view
+
+JOB = "psid-kit"
 
 
 def call(
@@ -50,13 +53,16 @@ def config(mode: str = "async", **optimizer: object) -> str:
     return json.dumps({"mode": mode, "optimizer": {"kind": "sgd", **optimizer}})
 
 
-def join(url: str, worker: int, world: int, incarnation: int) -> None:
-    call(url, Opcode.PS_JOIN, wps.PsHead(worker, world, 0, incarnation, 5000).encode())
+def join(url: str, worker: int, world: int, incarnation: int, job: str = JOB) -> None:
+    call(url, Opcode.PS_JOIN, wps.PsHead(worker, world, 0, incarnation, 5000, job).encode())
 
 
-def init(url: str, worker: int, world: int, cfg: str, values: dict[str, torch.Tensor]) -> None:
+def init(
+    url: str, worker: int, world: int, cfg: str, values: dict[str, torch.Tensor], *, job: str = JOB
+) -> None:
     metas = flat_metas([(key, t.numel()) for key, t in values.items()])
-    body = wps.PsHead(worker, world, 0, 0, 5000).encode() + wps.encode_config(cfg) + wm.encode_records(metas)
+    head = wps.PsHead(worker, world, 0, 0, 5000, job).encode()
+    body = head + wps.encode_config(cfg) + wm.encode_records(metas)
     call(url, Opcode.PS_INIT, body, list(values.values()))
 
 
@@ -71,14 +77,17 @@ def push(
     clock: int = 0,
     codec: str | None = None,
     payloads: Sequence[torch.Tensor] | None = None,
+    job: str = JOB,
 ) -> bytes:
     """PS_PUSH as ``worker`` claiming ``incarnation`` (0: none, as a frame of an older worker)."""
     metas = flat_metas([(key, t.numel()) for key, t in grads.items()])
     tail = wps.encode_push_tail(codec, incarnation) if incarnation else wps.encode_codec(codec)
-    body = wps.PsHead(worker, world, clock, seq, 5000).encode() + wm.encode_records(metas) + tail
+    body = wps.PsHead(worker, world, clock, seq, 5000, job).encode() + wm.encode_records(metas) + tail
     return call(url, Opcode.PS_PUSH, body, list(payloads) if payloads is not None else list(grads.values()))
 
 
-def pull(url: str, worker: int, keys: Sequence[str], incarnation: int, codec: str | None = None) -> bytes:
-    body = wps.PsHead(worker, 1, 0, incarnation, 5000).encode() + wm.encode_names(keys)
+def pull(
+    url: str, worker: int, keys: Sequence[str], incarnation: int, *, codec: str | None = None, job: str = JOB
+) -> bytes:
+    body = wps.PsHead(worker, 1, 0, incarnation, 5000, job).encode() + wm.encode_names(keys)
     return call(url, Opcode.PS_PULL, body + wps.encode_codec(codec), answer_has_data=True)

@@ -1,6 +1,7 @@
 """A parameter server killed while it writes a checkpoint starts again, from the newest complete
 one; a torn newest checkpoint is skipped (and said to be), and nothing in the checkpoint directory
-is followed if it is a symbolic link."""
+is followed if it is a symbolic link. The servers keep their job when its worker leaves
+(``--keep-jobs``): a server started again resumes it from its directory, ``<dir>/<job id>``."""
 
 from __future__ import annotations
 
@@ -18,12 +19,18 @@ from tensorwire.server import ServerThread
 from tensorwire.testing.process import ServerProcess, wait_for
 
 
+def job_directory(directory: Path) -> Path:
+    """The one job's checkpoint directory under the server's ``--checkpoint-dir``."""
+    (only,) = [p for p in directory.iterdir() if not p.name.startswith(("_", "."))]
+    return only
+
+
 def checkpoints(directory: Path) -> list[str]:
-    return sorted(p.name for p in directory.iterdir() if p.name.startswith("ckpt-"))
+    return sorted(p.name for p in job_directory(directory).iterdir() if p.name.startswith("ckpt-"))
 
 
 def serve(directory: Path) -> ServerProcess:
-    return ServerProcess(extra=["--checkpoint-dir", str(directory), "--checkpoint-every", "1"])
+    return ServerProcess(extra=["--checkpoint-dir", str(directory), "--checkpoint-every", "1", "--keep-jobs"])
 
 
 def train(url: str, net: torch.nn.Module, steps: int) -> None:
@@ -46,7 +53,7 @@ def test_a_torn_newest_checkpoint_is_skipped_and_the_server_starts_from_the_one_
         server.proc.send_signal(signal.SIGKILL)  # no shutdown checkpoint: versions 3, 4, 5 stay
         server.stop()
     assert checkpoints(directory) == [f"ckpt-{v:012d}" for v in (3, 4, 5)]
-    (directory / f"ckpt-{5:012d}" / "params.safetensors").unlink()
+    (job_directory(directory) / f"ckpt-{5:012d}" / "params.safetensors").unlink()
 
     server = serve(directory)  # before the fix: start-up failed on the torn checkpoint
     try:
@@ -77,13 +84,13 @@ def test_a_server_killed_during_its_shutdown_checkpoint_starts_again(tmp_path: P
         try:
             assert server_stats([server.url])[0]["version"] == version
             server.proc.send_signal(signal.SIGTERM)
-            started = lambda: any(n.startswith(".tmp-") for n in os.listdir(directory))  # noqa: E731
+            started = lambda: any(n.startswith(".tmp-") for n in os.listdir(job_directory(directory)))  # noqa: E731
             wait_for(started, 30, "the shutdown checkpoint to start", interval=0.0005)
             server.proc.send_signal(signal.SIGKILL)
             server.proc.wait(30)
         finally:
             server.stop()
-        if any(n.startswith(".tmp-") for n in os.listdir(directory)):
+        if any(n.startswith(".tmp-") for n in os.listdir(job_directory(directory))):
             hits += 1  # killed in the middle of the write: its files are torn
             break
     assert hits == 1
@@ -93,19 +100,20 @@ def test_a_server_killed_during_its_shutdown_checkpoint_starts_again(tmp_path: P
         assert stats["version"] == version and stats["checkpoint"]["skipped"] == 0
     finally:
         server.stop()
-    assert not [n for n in os.listdir(directory) if n.startswith(".tmp-")]  # the stray is gone
+    assert not [n for n in os.listdir(job_directory(directory)) if n.startswith(".tmp-")]  # the stray is gone
 
 
 def test_symbolic_links_in_the_checkpoint_directory_are_not_followed(tmp_path: Path) -> None:
     directory, elsewhere = tmp_path / "ckpt", tmp_path / "elsewhere"
-    with ServerThread(extensions=[ParamServer(checkpoints=CheckpointPolicy(directory, 1))]) as server:
+    policy = CheckpointPolicy(directory, 1)
+    with ServerThread(extensions=[ParamServer(checkpoints=policy, keep_jobs=True)]) as server:
         train(server.url, torch.nn.Linear(8, 4), 2)
-    newest = directory / checkpoints(directory)[-1]
+    newest = job_directory(directory) / checkpoints(directory)[-1]
     # A "newer checkpoint" that is a link to a directory somewhere else, with another job's state.
     shutil.copytree(newest, elsewhere)
     state = json.loads((elsewhere / "state.json").read_text())
     (elsewhere / "state.json").write_text(json.dumps({**state, "step": 12345}))
-    (directory / f"ckpt-{999:012d}").symlink_to(elsewhere, target_is_directory=True)
+    (job_directory(directory) / f"ckpt-{999:012d}").symlink_to(elsewhere, target_is_directory=True)
     restored = ParamServer()
     assert restored.restore(directory)
     assert restored.step != 12345 and restored.restored_from == newest.name

@@ -1,6 +1,6 @@
-"""One job per parameter server: a worker of another job (model, mode, optimizer, world) is refused
-at its join, naming the difference, and leaves no trace; a worker of the same job still rejoins.
-A job's configuration, sent by a peer, is checked completely before it becomes the job's."""
+"""A worker that names a job but runs another one (model, mode, optimizer, world) is refused at its
+join, naming the difference, and leaves no trace; a worker of the same job still rejoins. A
+job's configuration, sent by a peer, is checked completely before it becomes the job's."""
 
 from __future__ import annotations
 
@@ -26,18 +26,20 @@ class Layer(torch.nn.Module):
 
 
 def refused(url: str, net: torch.nn.Module, match: str, **options: object) -> None:
-    settings: dict[str, object] = {"mode": "sync", "optimizer": SGD(lr=0.1), "world_size": 2}
+    settings: dict[str, object] = {"mode": "sync", "optimizer": SGD(lr=0.1), "world_size": 2, "job": "run-17"}
     settings.update(options)
     late = Worker(net, [url], rank=1, timeout=5, heartbeat=0, **settings)  # type: ignore[arg-type]
     with pytest.raises(ProtocolError, match=match):
         late.start()
 
 
-def test_a_second_job_is_refused_naming_what_differs_and_leaves_no_trace() -> None:
+def test_another_job_under_a_jobs_id_is_refused_naming_what_differs_and_leaves_no_trace() -> None:
     ps = ParamServer()
     with (
         ServerThread(extensions=[ps]) as server,
-        Worker(Layer(4, 8), [server.url], "sync", SGD(lr=0.1), rank=0, world_size=2, heartbeat=0),
+        Worker(
+            Layer(4, 8), [server.url], "sync", SGD(lr=0.1), rank=0, world_size=2, heartbeat=0, job="run-17"
+        ),
     ):
         # The same elements in another shape: the shards match, the model does not.
         refused(server.url, Layer(8, 4), r"model's parameters \(names, shapes or dtypes\) differ")
@@ -48,8 +50,10 @@ def test_a_second_job_is_refused_naming_what_differs_and_leaves_no_trace() -> No
         (stats,) = server_stats([server.url])
         assert list(stats["workers"]) == ["0"]  # no refused worker was ever admitted
         assert stats["jobs_refused"] == 4  # (the world size is refused before the job is compared)
+        assert list(stats["jobs"]) == ["run-17"]  # nor was a job opened for any of them
         # A worker of the same job joins (and leaves) as before.
-        with Worker(Layer(4, 8), [server.url], "sync", SGD(lr=0.1), rank=1, world_size=2, heartbeat=0):
+        with Worker(Layer(4, 8), [server.url], "sync", SGD(lr=0.1), rank=1, world_size=2, heartbeat=0,
+                    job="run-17"):  # fmt: skip
             assert server_stats([server.url])[0]["workers"]["1"]["live"]
 
 

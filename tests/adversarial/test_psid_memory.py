@@ -50,9 +50,9 @@ def test_pulls_keep_one_version_in_a_bounded_number_of_codecs() -> None:
     ):
         keys = [s.key for s in worker.placement.on_server(0)]
         for chunk in range(1, 5):
-            pull(server.url, 0xFFFFFFFF, keys, 0, codec=f"int8:{chunk}")
+            pull(server.url, 0xFFFFFFFF, keys, 0, codec=f"int8:{chunk}", job=worker.job)
         with pytest.raises(LimitExceeded, match="at most 4 codecs"):
-            pull(server.url, 0xFFFFFFFF, keys, 0, codec="int8:5")
+            pull(server.url, 0xFFFFFFFF, keys, 0, codec="int8:5", job=worker.job)
         held = server_stats([server.url])[0]["held_bytes"]["snapshots"]
         assert held >= 4 * sum(s.numel for s in worker.placement.on_server(0))  # the encodings count
 

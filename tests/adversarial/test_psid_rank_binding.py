@@ -45,12 +45,12 @@ def test_a_forged_push_under_a_live_rank_is_refused_and_the_real_push_is_applied
         grads = forged_grads(worker)
         # Push 1 of worker 0, from another connection: as an older peer's frame (no incarnation)...
         with pytest.raises(ProtocolError, match="carries no incarnation"):
-            push(server.url, grads, incarnation=0)
+            push(server.url, grads, incarnation=0, job=worker.job)
         # ... and claiming a session, which is not the one that joined.
         with pytest.raises(WorkerDropped, match="belongs to another session"):
-            push(server.url, grads, incarnation=worker.incarnation ^ 1)
+            push(server.url, grads, incarnation=worker.incarnation ^ 1, job=worker.job)
         # Nor can anyone else make it leave.
-        leave = wps.PsHead(0, 1, 0, worker.incarnation ^ 1).encode()
+        leave = wps.PsHead(0, 1, 0, worker.incarnation ^ 1, job=worker.job).encode()
         with pytest.raises(WorkerDropped, match="belongs to another session"):
             call(server.url, Opcode.PS_LEAVE, leave)
         (stats,) = server_stats([server.url])
@@ -81,10 +81,10 @@ def test_a_forged_pull_does_not_keep_a_rank_alive_or_move_its_read_clock() -> No
         heard, read = ps.workers[0].heard, ps.workers[0].read_clock
         for incarnation in (0, worker.incarnation + 1):
             with pytest.raises((ProtocolError, WorkerDropped)):
-                pull(server.url, 0, keys, incarnation)
+                pull(server.url, 0, keys, incarnation, job=worker.job)
         assert (ps.workers[0].heard, ps.workers[0].read_clock) == (heard, read)
         assert ps.identity_refused == 2
-        pull(server.url, 0, keys, worker.incarnation)  # the session itself, on any connection
+        pull(server.url, 0, keys, worker.incarnation, job=worker.job)  # the session itself, on any connection
         assert train_step(net, worker) == 1
 
 
@@ -103,6 +103,13 @@ def test_after_a_failover_the_session_still_pushes_and_a_forger_still_cannot() -
         assert train_step(net, worker) == 2
         assert backup_ps.role == "primary"
         with pytest.raises(WorkerDropped, match="belongs to another session"):
-            push(backup.url, forged_grads(worker), seq=3, incarnation=worker.incarnation ^ 2, clock=2)
+            push(
+                backup.url,
+                forged_grads(worker),
+                seq=3,
+                incarnation=worker.incarnation ^ 2,
+                clock=2,
+                job=worker.job,
+            )
         assert train_step(net, worker) == 3
         assert backup_ps.pushes == 3 and backup_ps.duplicates == 0

@@ -56,9 +56,10 @@ def train(url: str, count: int, token: str | None = None) -> None:
 
 @pytest.mark.parametrize("client_token", [None, CLIENT], ids=["no-token", "client-token"])
 def test_an_ordinary_client_can_neither_demote_nor_fence_a_primary(client_token: str | None) -> None:
-    backup_ps = ParamServer(standby=True, failover_timeout=30, peer=PEER)
+    # The job is kept when its worker leaves: the second run of it goes on from the first.
+    backup_ps = ParamServer(standby=True, failover_timeout=30, peer=PEER, keep_jobs=True)
     with ServerThread(security=Security(token=client_token), extensions=[backup_ps]) as backup:
-        primary_ps = ParamServer(backups=[backup.url], peer=PEER)
+        primary_ps = ParamServer(backups=[backup.url], peer=PEER, keep_jobs=True)
         with ServerThread(security=Security(token=client_token), extensions=[primary_ps]) as primary:
             train(primary.url, 1, client_token)
             for epoch in (1, 2, TOP):  # its own epoch (a demotion), a newer one, the top (fencing)

@@ -205,7 +205,7 @@ def test_threads_of_the_fault_kit_end() -> None:
 def test_checkpoint_round_trip_restores_the_whole_job(tmp_path: Path) -> None:
     policy = CheckpointPolicy(tmp_path, every_steps=3)
     model = ps_job.model()
-    original = ParamServer(checkpoints=policy)
+    original = ParamServer(checkpoints=policy, keep_jobs=True)  # kept after its worker left
     server = ServerThread(extensions=[original])
     with server, Worker(model, [server.url], "async", Adam(lr=1e-2), rank=0) as worker:
         for step in range(7):
@@ -225,7 +225,9 @@ def test_checkpoint_round_trip_restores_the_whole_job(tmp_path: Path) -> None:
     assert len(got["state"]) == 4 and want["param_groups"] == got["param_groups"]
     for index, entry in want["state"].items():
         assert all(torch.equal(entry[k], got["state"][index][k]) for k in ("step", "exp_avg", "exp_avg_sq"))
-    assert len(list(tmp_path.iterdir())) <= 3  # the newest three are kept
+    (job_directory,) = tmp_path.iterdir()  # the job's own: <checkpoint dir>/<job id>
+    assert job_directory.name == worker.job
+    assert len(list(job_directory.iterdir())) <= 3  # the newest three are kept
 
 
 def reference_sync(tmp_path: Path, steps: int, world: int) -> dict[str, torch.Tensor]:
@@ -432,7 +434,7 @@ def test_changes_waiting_behind_the_fencing_one_are_refused_too() -> None:
         primary_ps = ParamServer(backups=[link.url], peer=PEER)
         with (
             ServerThread(extensions=[primary_ps]) as primary,
-            Worker(ps_job.model(), primary.url, "sync", rank=0, world_size=world, heartbeat=0),
+            Worker(ps_job.model(), primary.url, "sync", rank=0, world_size=world, heartbeat=0) as worker,
         ):
             link.pause()  # the primary's next ping (or change) waits in the link, holding the order
             wait_for(lambda: link.held >= 1, 10, "a replicated change to be held in the link")
@@ -440,7 +442,8 @@ def test_changes_waiting_behind_the_fencing_one_are_refused_too() -> None:
 
             def join(rank: int) -> None:
                 try:
-                    _raw(primary.url, Opcode.PS_JOIN, wps.PsHead(rank, world, 0, 100 + rank).encode())
+                    head = wps.PsHead(rank, world, 0, 100 + rank, job=worker.job)
+                    _raw(primary.url, Opcode.PS_JOIN, head.encode())
                     answers[rank] = None
                 except BaseException as exc:
                     answers[rank] = exc
@@ -450,7 +453,7 @@ def test_changes_waiting_behind_the_fencing_one_are_refused_too() -> None:
                 thread.start()
 
             def took_over() -> bool:
-                with_head = wps.PsHead(0, world, 0, 1).encode()
+                with_head = wps.PsHead(0, world, 0, 1, job=worker.job).encode()
                 try:
                     _raw(backup.url, Opcode.PS_HEARTBEAT, with_head, timeout=5)
                 except NotPrimary:

@@ -28,11 +28,13 @@ def test_servers_restored_a_checkpoint_apart_are_rolled_back_to_one_step(tmp_pat
     dirs = [tmp_path / "a", tmp_path / "b"]
     policies = [CheckpointPolicy(d, every_steps=5) for d in dirs]
     model = ps_job.model()
-    servers = [ServerThread(extensions=[ParamServer(checkpoints=p)]) for p in policies]
+    # The servers keep the job when its worker leaves (as after a crash of the servers).
+    servers = [ServerThread(extensions=[ParamServer(checkpoints=p, keep_jobs=True)]) for p in policies]
     with servers[0], servers[1]:
         train(model, [s.url for s in servers], 0, 10)
     # Server b lost its newest checkpoints (killed before it wrote them): it comes back at step 5.
-    for newest in sorted(dirs[1].iterdir())[1:]:
+    (job_directory,) = dirs[1].iterdir()  # <checkpoint dir>/<job id>
+    for newest in sorted(job_directory.iterdir())[1:]:
         shutil.rmtree(newest)
     restored = [ParamServer(checkpoints=p) for p in policies]
     assert [r.restore(p.directory) for r, p in zip(restored, policies, strict=True)] == [True, True]

@@ -98,7 +98,7 @@ def test_counters_move_with_puts_and_gets(monkeypatch: pytest.MonkeyPatch) -> No
 
 def test_parameter_server_families_move_with_steps() -> None:
     steps = 5
-    with ServerProcess(extra=METRICS) as server:
+    with ServerProcess(extra=[*METRICS, "--keep-jobs"]) as server:  # the job is read after its worker left
         url = metrics_url(server.url)
         torch.manual_seed(0)
         model = torch.nn.Linear(8, 2)
@@ -111,7 +111,8 @@ def test_parameter_server_families_move_with_steps() -> None:
         after = scrape(url)
     assert value(during, "tensorwire_ps_live_workers") == 1
     assert value(during, "tensorwire_ps_world") == 1
-    assert value(after, "tensorwire_ps_live_workers") == 0  # it left
+    assert value(after, "tensorwire_ps_live_workers", job=worker.job) == 0  # it left
+    assert value(after, "tensorwire_ps_jobs") == 1
     assert value(after, "tensorwire_ps_steps_total") == steps
     assert value(after, "tensorwire_ps_pushes_applied_total") == steps
     assert value(after, "tensorwire_ps_staleness_count") == steps

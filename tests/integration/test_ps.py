@@ -44,7 +44,8 @@ def data() -> tuple[torch.Tensor, torch.Tensor]:
 
 @contextlib.contextmanager
 def cluster(servers: int, wait_timeout: float = 60.0) -> Iterator[list[str]]:
-    threads = [ServerThread(extensions=[ParamServer(wait_timeout)]) for _ in range(servers)]
+    """Servers that keep a job when its workers leave: the tests read it after training."""
+    threads = [ServerThread(extensions=[ParamServer(wait_timeout, keep_jobs=True)]) for _ in range(servers)]
     try:
         yield [t.url for t in threads]
     finally:
@@ -252,7 +253,7 @@ def test_bad_pushes_are_refused_and_the_server_keeps_serving() -> None:
         from tensorwire.wire.frame import Opcode
 
         async def push(metas: list[TensorMeta], data: list[memoryview], clock: int = 0) -> None:
-            head = wps.PsHead(0, 1, clock, 1, 1000).encode()
+            head = wps.PsHead(0, 1, clock, 1, 1000, worker.job).encode()
             tail = wps.encode_push_tail(None, worker.incarnation)  # as this worker's session
             await conn.call(Opcode.PS_PUSH, head + wm.encode_records(metas) + tail, data, what="a bad push")
 
@@ -281,12 +282,16 @@ def test_bad_pushes_are_refused_and_the_server_keeps_serving() -> None:
 def test_workers_must_agree_on_the_job() -> None:
     with (
         cluster(1) as urls,
-        Worker(small_model(), urls, "sync", SGD(lr=0.1), rank=0, world_size=2, timeout=5),
+        Worker(small_model(), urls, "sync", SGD(lr=0.1), rank=0, world_size=2, timeout=5, job="run"),
     ):
-        with pytest.raises(ProtocolError, match="this job runs"):
-            Worker(small_model(), urls, "async", SGD(lr=0.1), rank=1, world_size=2, timeout=5).start()
+        with pytest.raises(ProtocolError, match="job 'run' runs"):
+            Worker(
+                small_model(), urls, "async", SGD(lr=0.1), rank=1, world_size=2, timeout=5, job="run"
+            ).start()
         with pytest.raises(ProtocolError, match="world"):
-            Worker(small_model(), urls, "sync", SGD(lr=0.1), rank=1, world_size=3, timeout=5).start()
+            Worker(
+                small_model(), urls, "sync", SGD(lr=0.1), rank=1, world_size=3, timeout=5, job="run"
+            ).start()
 
 
 def test_a_sync_worker_cannot_push_ahead_of_the_step() -> None:
@@ -380,7 +385,7 @@ def test_a_lying_world_in_ps_init_changes_nothing() -> None:
 
     config = '{"mode": "async", "optimizer": {"kind": "sgd"}}'
     metas = [TensorMeta("w#0:4", torch.float32, (4,), 16)]
-    body = wps.PsHead(0, 1 << 23).encode() + wps.encode_config(config) + wm.encode_records(metas)
+    body = wps.PsHead(0, 1 << 23, job="t").encode() + wps.encode_config(config) + wm.encode_records(metas)
     with cluster(1) as urls:
         with pytest.raises(ProtocolError, match="not a valid rank"):
             raw_call(urls[0], Opcode.PS_INIT, body, [memoryview(torch.zeros(4).numpy()).cast("B")])
@@ -426,7 +431,7 @@ def test_a_reader_that_never_reads_does_not_stall_training() -> None:
     with cluster(1) as urls, Worker(model, urls, "async", SGD(lr=1e-3), rank=0, world_size=1) as worker:
         host, port = urls[0].removeprefix("tcp://").rsplit(":", 1)
         keys = [s.key for s in worker.placement.on_server(0)]
-        meta = wps.PsHead(wps.OBSERVER).encode() + wm.encode_names(keys)
+        meta = wps.PsHead(wps.OBSERVER, job=worker.job).encode() + wm.encode_names(keys)
         frame = encode_frame_head(
             Header(1, Opcode.PS_PULL, 0, ChecksumKind.XXH3_64, 1, len(meta), 4 << 20, 0), meta
         )

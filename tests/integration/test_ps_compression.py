@@ -28,7 +28,7 @@ CONFIG = digits.TrainConfig("async", epochs=15, batch=32, lr=2e-3, timeout=60)
 
 @contextlib.contextmanager
 def servers(count: int = 1) -> Iterator[list[str]]:
-    threads = [ServerThread(extensions=[ParamServer(60)]) for _ in range(count)]
+    threads = [ServerThread(extensions=[ParamServer(60, keep_jobs=True)]) for _ in range(count)]  # read after
     try:
         yield [t.url for t in threads]
     finally:

@@ -21,7 +21,8 @@ def test_a_worker_and_an_exchange_client_over_tls_with_a_private_ca(tmp_path: Pa
     paths = write_dev_certs(tmp_path)
     security = Security(TlsFiles(paths["server"], paths["server_key"]), TOKEN)
     ca = TlsFiles(ca=paths["ca"])
-    with ServerThread(["tls://127.0.0.1:0"], security=security, extensions=[ParamServer()]) as server:
+    ps = ParamServer(keep_jobs=True)  # the job is read after its worker left
+    with ServerThread(["tls://127.0.0.1:0"], security=security, extensions=[ps]) as server:
         url = server.url.replace("127.0.0.1", "localhost")
         torch.manual_seed(0)
         model = torch.nn.Linear(8, 2)

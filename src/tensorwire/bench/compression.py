@@ -41,7 +41,7 @@ CONFIG = digits.TrainConfig("async", epochs=15, batch=32, lr=2e-3, timeout=120)
 
 def train(config: digits.TrainConfig) -> tuple[float, int, int]:
     """(test accuracy, bytes pushed, bytes pulled) of one digits run on a fresh in-process server."""
-    with ServerThread(extensions=[ParamServer(config.timeout)]) as server:
+    with ServerThread(extensions=[ParamServer(config.timeout, keep_jobs=True)]) as server:  # read after
         report = digits.train_worker([server.url], config, rank=0, world_size=1)
         return digits.evaluate([server.url]), report.bytes_pushed, report.bytes_pulled
 

@@ -133,6 +133,16 @@ def _host_param(ctx: click.Context, param: click.Parameter, value: tuple[str, ..
     help="Parameter server: a checkpoint at the first update this long after the last (0: not by time).",
 )  # fmt: skip
 @click.option(
+    "--keep-jobs", is_flag=True,
+    help="Parameter server: keep a job's state when its last worker leaves (for a restart of its "
+    "workers); by default the job ends: its last checkpoint is written and its memory freed.",
+)  # fmt: skip
+@click.option(
+    "--max-jobs", type=click.IntRange(min=1), default=8, show_default=True,
+    help="Parameter server: the most jobs held at once (job ids are the workers' choice); a new one "
+    "beyond them is refused until a job ends (`tensorwire ps end JOB`).",
+)  # fmt: skip
+@click.option(
     "--backup", "backups", metavar="URL", multiple=True, callback=url_param,
     help="Parameter server: a backup (started with --standby) each change goes to first (repeatable).",
 )  # fmt: skip
@@ -202,6 +212,8 @@ def serve(
     checkpoint_dir: Path | None,
     checkpoint_every: int,
     checkpoint_seconds: float,
+    keep_jobs: bool,
+    max_jobs: int,
     backups: tuple[str, ...],
     standby: bool,
     failover_timeout: float,
@@ -245,9 +257,14 @@ def serve(
         standby=standby,
         failover_timeout=failover_timeout,
         peer=peer,
+        max_jobs=max_jobs,
+        keep_jobs=keep_jobs,
     )
-    if policy is not None and ps_server.restore(policy.directory):
-        click.echo(f"resumed from a checkpoint in {policy.directory}: step {ps_server.step}")
+    if policy is not None:
+        for job in ps_server.jobs.restore_all(policy.directory):
+            held = ps_server.job(job)
+            step = held.job.step if held is not None else "?"
+            click.echo(f"resumed job {job} from a checkpoint in {policy.directory / job}: step {step}")
     server = Server(
         store,
         stall_timeout=stall_timeout,

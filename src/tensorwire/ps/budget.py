@@ -1,8 +1,8 @@
-"""What a parameter server holds in memory for its job, counted against its capacity.
+"""What a parameter server holds in memory for its jobs, counted against its one capacity.
 
-A parameter server's memory is its job's parameters, its optimizer's state (``optimizer``:
-momentum, Adam's moments; counted when the job is made, before torch allocates it on the first
-step) and what it keeps per push and per pull:
+A parameter server's memory is, for each of its jobs, the job's parameters, its optimizer's state
+(``optimizer``: momentum, Adam's moments; counted when the job is made, before torch allocates it
+on the first step) and what it keeps per push and per pull:
 
 * ``gradients``: the buffers pushes land in, one set of the shards' size per push being received
   or waiting for its sync step (so at most one per live worker at a time), kept for reuse after;
@@ -10,13 +10,18 @@ step) and what it keeps per push and per pull:
 * ``snapshots``: the copies of the parameters that pulls send from (one per version, more while
   slow readers still send from older ones), with their encodings in the codecs workers pull in.
 
-Each is reserved here before it is allocated. A reservation that the capacity cannot hold is
-refused with CapacityExceeded (naming the capacity and ``--capacity``) and nothing changes; the
-server first lets go of what it keeps only for speed (free gradient buffers) to make room. The
-capacity is the ``ParamServer``'s ``capacity``, ``tensorwire serve --capacity``.
+The server has one ``Budget`` (its capacity: the ``ParamServer``'s ``capacity``, ``tensorwire
+serve --capacity``); each job counts in a ``Budget`` of its own made with ``part_of=`` the
+server's, so what a job holds is known (``held``, by kind) and every byte of every job counts
+against the one capacity. Each is reserved before it is allocated. A reservation that the capacity
+cannot hold is refused with CapacityExceeded (naming the capacity and ``--capacity``) and nothing
+changes; the server first lets go of what it keeps only for speed (every job's free gradient
+buffers: ``reclaimer``, ``make_room``) to make room.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 from tensorwire.errors import CapacityExceeded
 
@@ -24,41 +29,72 @@ KINDS = ("params", "optimizer", "gradients", "payloads", "snapshots")
 
 
 class Budget:
-    """Bytes held, by kind, against one capacity (see the module doc)."""
+    """Bytes held, by kind, against one capacity (see the module doc). ``part_of``: the server's
+    budget, which every count of this one is also made in (and checked against)."""
 
-    def __init__(self, capacity: int) -> None:
+    def __init__(self, capacity: int, part_of: Budget | None = None) -> None:
         self.capacity = capacity
         self.held: dict[str, int] = dict.fromkeys(KINDS, 0)
         self.refused = 0  # reservations refused: the capacity was full
+        self._root: Budget = part_of._root if part_of is not None else self
+        self._parent = part_of
+        # What lets go of memory kept for speed when room is needed (the jobs' free buffers).
+        self._reclaimers: dict[object, Callable[[int], None]] = {}
 
     @property
     def total(self) -> int:
         return sum(self.held.values())
 
     def fits(self, nbytes: int) -> bool:
-        return self.total + nbytes <= self.capacity
+        root = self._root
+        return root.total + nbytes <= root.capacity
+
+    def reclaimer(self, owner: object, reclaim: Callable[[int], None] | None) -> None:
+        """Register (or, with None, forget) what ``owner`` lets go of when room is needed:
+        ``reclaim(n)`` frees what it keeps for speed while ``n`` more bytes do not fit."""
+        if reclaim is None:
+            self._root._reclaimers.pop(owner, None)
+        else:
+            self._root._reclaimers[owner] = reclaim
+
+    def make_room(self, nbytes: int) -> None:
+        """Let every job go of what it keeps for speed while ``nbytes`` more do not fit."""
+        for reclaim in list(self._root._reclaimers.values()):
+            if self.fits(nbytes):
+                return
+            reclaim(nbytes)
 
     def check(self, nbytes: int, what: str) -> None:
         """CapacityExceeded unless ``nbytes`` more fit."""
         if not self.fits(nbytes):
             self.refused += 1
-            held = ", ".join(f"{kind} {n}" for kind, n in self.held.items() if n)
+            if self._parent is not None:
+                self._parent.refused += 1
+            root = self._root
+            held = ", ".join(f"{kind} {n}" for kind, n in root.held.items() if n)
             raise CapacityExceeded(
-                f"{what} of {nbytes} bytes exceed {self.capacity}, the parameter server's capacity "
-                f"(held: {held or 'nothing'}); serve with a larger --capacity"
+                f"{what} of {nbytes} bytes exceed {root.capacity}, the parameter server's capacity "
+                f"(held by its jobs: {held or 'nothing'}); serve with a larger --capacity"
             )
 
     def reserve(self, kind: str, nbytes: int, what: str) -> None:
         self.check(nbytes, what)
-        self.held[kind] += nbytes
+        self.add(kind, nbytes)
 
     def release(self, kind: str, nbytes: int) -> None:
-        self.held[kind] = max(0, self.held[kind] - nbytes)
+        self.add(kind, -min(nbytes, self.held[kind]))
 
     def add(self, kind: str, nbytes: int) -> None:
         """Count ``nbytes`` without a check: memory a primary checked (a backup's state transfer)."""
         self.held[kind] += nbytes
+        if self._parent is not None:
+            self._parent.add(kind, nbytes)
 
     def set(self, kind: str, nbytes: int) -> None:
         """What is held of ``kind`` now (a job created or restored: already checked or trusted)."""
-        self.held[kind] = nbytes
+        self.add(kind, nbytes - self.held[kind])
+
+    def clear(self) -> None:
+        """The job ended: nothing of it is held any more."""
+        for kind in KINDS:
+            self.set(kind, 0)

@@ -19,6 +19,11 @@ most a stray temporary directory (removed at the next save). The newest ``KEEP``
 so that servers of one job that crashed between their own saves of the same step can all go back
 to a common one.
 
+A server keeps each job's checkpoints in a directory of its own, ``<checkpoint dir>/<job id>``
+(ps/jobs.py). A job that ends is ``retire``d: its directory moves to
+``<checkpoint dir>/_ended/<job id>.<n>`` (``_`` starts no job id), so a server started again does
+not resume it and a new job of the same id starts afresh, while its last checkpoint stays on disk.
+
 Loading takes the newest *complete* checkpoint: one whose files are missing, of another size than
 ``state.json`` says, or unreadable (torn by an older release's save, by a full disk, by hand) is
 skipped with a warning, and the next older one is tried. Nothing in the checkpoint directory is
@@ -194,6 +199,35 @@ def _entries(directory: Path) -> list[_Entry]:
         if match and not item.is_symlink() and item.is_dir(follow_symlinks=False):
             entries.append(_Entry(int(match[1]), int(match[2] or 0), Path(item.path)))
     return sorted(entries)
+
+
+ENDED = "_ended"  # where the checkpoints of ended jobs go (no job id starts with "_")
+
+
+def retire(directory: Path) -> Path | None:
+    """Move a job's checkpoint ``directory`` to ``../_ended/<name>.<n>`` (a name not used yet);
+    its path, or None if there was none. Nothing is followed if it is a symbolic link."""
+    if not os.path.isdir(directory) or os.path.islink(directory):
+        return None
+    ended = directory.parent / ENDED
+    try:
+        ended.mkdir(exist_ok=True)
+        if ended.is_symlink() or not ended.is_dir():
+            raise PersistenceError(f"{ended} is not a directory of this server's")
+        n = 1
+        while os.path.lexists(ended / f"{directory.name}.{n}"):
+            n += 1
+        target = ended / f"{directory.name}.{n}"
+        os.rename(directory, target)
+        _fsync(directory.parent, follow=True)
+    except OSError as exc:
+        raise PersistenceError(f"could not move the checkpoints of an ended job to {ended}: {exc}") from exc
+    return target
+
+
+def has_checkpoints(directory: Path) -> bool:
+    """Whether ``directory`` holds checkpoints itself (a release before jobs wrote them there)."""
+    return bool(_entries(directory))
 
 
 def optimizer_tensors(state_dict: dict[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:

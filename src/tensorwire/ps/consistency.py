@@ -13,10 +13,13 @@ received at a time, and a resend of one applied already is answered as the first
 applied again. Inside the replica's turn (``Replica.in_order``) a push is replicated, then
 applied (``accept``); a backup applies the same push with the same code (``apply_replicated``).
 
-Every wait (``wait``: a pull for a step, a gate, initialisation, a slow pull's room) is bounded by
-the request's ``wait_ms`` or the server's ``wait_timeout``, and ends in a TIMEOUT error that names
-what was waited for and who lags. Waiters sleep on one event that every change of state sets
-(``notify``) and replaces.
+Every wait (``wait``: a pull for a step, a gate, initialisation, a slow pull's room, a barrier)
+is bounded by the request's ``wait_ms`` or the server's ``wait_timeout``, and ends in a TIMEOUT
+error that names what was waited for and who lags. Waiters sleep on one event that every change of
+state sets (``notify``) and replaces; a job that ends (``close``) wakes them with an error.
+
+PS_BARRIER (``barrier``): the worker's arrival at a generation is replicated, then it waits until
+the generation is released (ps/membership.py: every live worker there, every rank joined).
 
 Steps and gradient sums run on the job's thread (``Job.run``) under the parameters' lock taken
 exclusively; the event loop meanwhile goes on receiving the next push.
@@ -70,6 +73,12 @@ class Consistency:
         self.staleness: Counter[int] = Counter()
         self._changed: asyncio.Event | None = None  # set (and dropped) at every change of state
         self._applying: asyncio.Lock | None = None
+        self.ended: str | None = None  # why the job ended (then every wait fails at once)
+
+    def close(self, why: str) -> None:
+        """The job ended: every waiter gets an error saying so."""
+        self.ended = why
+        self.notify()
 
     # -- waiting --------------------------------------------------------------------------------
     async def gate(self, head: wps.PsHead, state: Member) -> None:
@@ -86,17 +95,56 @@ class Consistency:
                 f"the slowest worker to come within {bound} clocks of clock {head.clock}",
             )
 
-    async def wait(self, ready: Callable[[], bool], head: wps.PsHead, what: str) -> None:
+    async def wait(
+        self, ready: Callable[[], bool], head: wps.PsHead, what: str, lagging: Callable[[], str] | None = None
+    ) -> None:
+        """Until ``ready()``, within the request's wait; ``lagging`` says who is late (default:
+        the workers' clocks)."""
         # The peer may ask for a shorter wait, never a longer one than the server's own.
         seconds = min(head.wait_ms / 1000, self.wait_timeout) if head.wait_ms else self.wait_timeout
         try:
             async with asyncio.timeout(seconds):
                 while not ready():
+                    self.check_open()
                     if self._changed is None:
                         self._changed = asyncio.Event()
                     await self._changed.wait()
         except TimeoutError:
-            raise WaitTimeout(f"waited {seconds:.3g}s for {what}; {self._who_lags()}") from None
+            raise WaitTimeout(f"waited {seconds:.3g}s for {what}; {(lagging or self._who_lags)()}") from None
+
+    def check_open(self) -> None:
+        if self.ended is not None:
+            raise ProtocolError(f"job {self._job.id!r} ended ({self.ended})")
+
+    async def barrier(self, request: Request, head: wps.PsHead) -> int:
+        """PS_BARRIER: note that the worker reached generation ``head.clock`` (replicated), then
+        wait until every live worker of the job has; the generation released."""
+        state = self._members.member(request, head, head.seq)
+        generation, members = head.clock, self._members
+        released = members.barrier_released()
+        if not 0 < generation <= max(state.barrier, released) + 1:
+            raise ProtocolError(
+                f"worker {head.worker} asked for barrier {generation}; it is at {state.barrier} and "
+                f"the job at {released} (barriers are numbered 1, 2, ... by each worker)"
+            )
+        if generation > state.barrier:
+            async with self._replica.in_order():
+                await self._replica.replicate(replication.Change.BARRIER, head)
+                self.arrive(head.worker, generation)
+        with request.waiting():
+            await self.wait(
+                lambda: members.barrier_released() >= generation,
+                head,
+                f"barrier {generation} of job {self._job.id!r}",
+                lambda: members.not_at_barrier(generation),
+            )
+        return members.released
+
+    def arrive(self, worker: int, generation: int) -> None:
+        """Worker ``worker`` is at barrier ``generation`` (a backup: as its primary said)."""
+        self._members.workers[worker].barrier = generation
+        self._members.barrier_released()
+        self.notify()
 
     def notify(self) -> None:
         """Wake every waiter to re-check what it waits for (one event per change, then a new one)."""
@@ -115,9 +163,8 @@ class Consistency:
         return f"step {job.step}, live: {clocks or 'none'}{joined}"
 
     # -- pushes ---------------------------------------------------------------------------------
-    async def on_push(self, request: Request) -> None:
-        self._replica.serving()
-        head = wps.PsHead.decode(request.meta)
+    async def on_push(self, request: Request, head: wps.PsHead) -> None:
+        """PS_PUSH of this job (the server checked this replica serves and decoded the head)."""
         metas = wm.decode_records(request.meta)
         codec_name, incarnation = wps.decode_push_tail(request.meta)
         codec = from_wire(codec_name)

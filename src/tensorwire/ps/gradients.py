@@ -45,6 +45,7 @@ class Gradients:
         self._budget = budget
         self.pending: dict[int, Pending] = {}
         self.free: list[Grads] = []  # gradient buffers for reuse (fresh pages are slow)
+        budget.reclaimer(self, self._let_go)  # another job may need the room they take
 
     def shards_for(
         self, metas: Sequence[TensorMeta], data_len: int, codec: Codec | None = None
@@ -88,10 +89,19 @@ class Gradients:
         return fresh
 
     def make_room(self, size: int) -> None:
-        """Let go of free gradient buffers (kept only to save page faults) while ``size`` more bytes
-        do not fit in the capacity."""
+        """Let go of free gradient buffers (kept only to save page faults), this job's first, then
+        the other jobs', while ``size`` more bytes do not fit in the server's capacity."""
+        self._let_go(size)
+        self._budget.make_room(size)
+
+    def _let_go(self, size: int) -> None:
         while self.free and not self._budget.fits(size):
             self._budget.release("gradients", nbytes(self.free.pop()))
+
+    def close(self) -> None:
+        """The job ended: drop every buffer, and stop offering room."""
+        self.replace({})
+        self._budget.reclaimer(self, None)
 
     async def receive(self, request: Request, codec: Codec | None, grads: Grads) -> list[memoryview]:
         """Receive a push's data into ``grads``: raw bytes straight in, or a codec's payloads,

@@ -2,24 +2,28 @@
 
 * ``Mode``, ``JobConfig`` (mode, optimizer, which model): what the first ``PS_INIT`` sets and
   every later worker must ask for; ``CheckpointPolicy``: where and how often a server writes its
-  job. A worker describes its job with these (and loads nothing of the server to do so).
+  jobs. A worker describes its job with these (and loads nothing of the server to do so).
+* A job has an id (``wire.ps.check_job_id``): the worker's ``job=``, else ``$TENSORWIRE_JOB``,
+  else ``default_job_id`` of its model and mode, so that a worker of another model never lands in
+  a job silently. A server holds several jobs, each its own ``Job`` (ps/jobs.py).
 * ``Job``: one server's shards of the job's parameters (``HeldShard``, each an ``nn.Parameter``
   over a flat range), their ``torch.optim`` optimizer, the one thread that steps them and the lock
   pulls read them under, and the job's counters (world, step, version, pushes).
 * The checks: the records a worker sends (``check_records``), its rank and world
-  (``Job.check_worker``), and its job (``Job.check_same_job``): until jobs are first-class a
-  server holds one job, and a worker of another one (model, mode, optimizer, world) is refused
-  naming every difference.
+  (``Job.check_worker``), and its job (``Job.check_same_job``): a worker that names a job but runs
+  another (model, mode, optimizer, world) is refused naming every difference.
 
 Lifecycle of a ``Job``: empty until a worker's ``PS_INIT`` (or a backup's CREATE) ``install``s
 the shards, or a checkpoint or state transfer is loaded into it (ps/state.py); its counters then
-move under the modes (ps/consistency.py); ``shutdown`` at the server's close ends its thread.
+move under the modes (ps/consistency.py); ``free`` lets go of its tensors when the job ends, and
+``shutdown`` ends its thread.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import json
 import logging
 import re
@@ -186,7 +190,8 @@ class Job:
     """One server's part of a job (see the module doc): changed on the event loop only; the
     optimizer's work runs on ``run``'s one thread, under ``lock`` where it touches the values."""
 
-    def __init__(self, budget: Budget) -> None:
+    def __init__(self, budget: Budget, job_id: str = "") -> None:
+        self.id = job_id
         self.budget = budget
         self.config: JobConfig | None = None
         self.shards: dict[str, HeldShard] = {}
@@ -208,8 +213,16 @@ class Job:
         """``fn(*args)`` on the optimizer's thread (torch releases the GIL: the loop goes on)."""
         return await asyncio.get_running_loop().run_in_executor(self._thread, fn, *args)
 
-    def shutdown(self) -> None:
-        self._thread.shutdown(wait=True)
+    def shutdown(self, wait: bool = True) -> None:
+        self._thread.shutdown(wait=wait)
+
+    def free(self) -> None:
+        """The job ended: let go of its parameters and optimizer (its counters stay readable)."""
+        self.shards = {}
+        self.optimizer = None
+        self.generation += 1
+        self.budget.set("params", 0)
+        self.budget.set("optimizer", 0)
 
     def install(
         self, world: int, config: JobConfig, metas: list[TensorMeta], values: list[torch.Tensor]
@@ -223,7 +236,8 @@ class Job:
         self.count()
         self.generation += 1
         self.note_world(world)
-        log.info("job initialised: %d shards, mode %s, %s", len(shards), config.mode, config.optimizer)
+        log.info("job %s initialised: %d shards, mode %s, %s", self.id, len(shards), config.mode,
+                 config.optimizer)  # fmt: skip
 
     def count(self) -> None:
         """The job's parameters and its optimizer's state, in the budget (made or restored)."""
@@ -260,17 +274,17 @@ class Job:
             self.check_same_job(*job)
 
     def check_same_job(self, config: JobConfig, metas: Sequence[TensorMeta]) -> None:
-        """ProtocolError naming every difference between the job here and the one a worker runs
-        (until jobs are first-class, a server holds one job: a second one needs its own servers)."""
+        """ProtocolError naming every difference between the job here and the one a worker that
+        names it runs (another job needs another job id)."""
         assert self.config is not None
         diffs = self.config.differences(config) + self._shard_differences(metas)
         if diffs:
             self.jobs_refused += 1
             said = "; ".join(diffs[:8])
-            event(log, logging.WARNING, "a worker of another job was refused", differences=said)
+            event(log, logging.WARNING, "a worker of another job was refused", job=self.id, differences=said)
             raise ProtocolError(
-                f"this job runs {self.describe()}; a worker asked for another job: {said} "
-                "(a second job needs parameter servers of its own)"
+                f"job {self.id!r} runs {self.describe()}; a worker asked for another job under its id: "
+                f"{said} (another job needs another id: ps.Worker(job=...) or $TENSORWIRE_JOB)"
             )
 
     def _shard_differences(self, metas: Sequence[TensorMeta]) -> list[str]:
@@ -286,6 +300,13 @@ class Job:
             (dtype, n), (other, m) = mine[key], theirs[key]
             diffs.append(f"shard {key[:60]!r} is {n} x {dtype} here, {m} x {other} asked")
         return diffs
+
+
+def default_job_id(model: str, mode: Mode) -> str:
+    """The job id of a worker that names none: its model's digest (``JobConfig.model``: parameter
+    names, shapes, dtypes) and its mode, so that another model or mode is another job."""
+    digest = hashlib.sha256(f"{model}|{mode}".encode()).hexdigest()[:16]
+    return f"{mode.kind}-{digest}"
 
 
 def described_job(reader: wm.MetaReader) -> tuple[JobConfig, list[TensorMeta]] | None:

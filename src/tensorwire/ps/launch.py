@@ -31,7 +31,10 @@ STOP_GRACE = 5.0  # seconds a process gets to exit after SIGTERM before SIGKILL
 def local_servers(count: int, extra: Sequence[str] = (), replicas: int = 0) -> Iterator[list[str]]:
     """``count`` parameter servers on loopback, each a primary with ``replicas`` standby backups
     (the replicas of each slot share a fresh peer token, in a 0600 file removed after); yields each
-    server's address (``primary|backup|...``, as ``ps.Worker`` takes them), stops all of them after."""
+    server's address (``primary|backup|...``, as ``ps.Worker`` takes them), stops all of them after.
+    They keep their jobs when the workers leave (``--keep-jobs``): a local cluster serves one run,
+    whose result its launcher reads (``pull_parameters``) before it stops the servers."""
+    extra = ["--keep-jobs", *extra]
     servers: list[ServerProcess] = []
     peers = tempfile.TemporaryDirectory(prefix="tensorwire-peers-")  # 0700
     try:

@@ -6,8 +6,14 @@ the worker process's random incarnation, sent with its PS_JOIN. Every push, pull
 leave of the rank carries it; a request under a rank with another (or no) incarnation is refused
 before it changes anything (``member``, ``refuse_identity``), counted and logged.
 
-A joining worker starts at the current step (sync) or the slowest clock (``joining_clock``). A
-rank is free again when its worker leaves, or, with heartbeat checks on, when it has not been
+A joining worker starts at the current step (sync) or the slowest clock (``joining_clock``).
+
+Barriers (PS_BARRIER): a worker's n-th ``Worker.barrier()`` is generation n, noted as its
+``barrier`` (replicated); generation n is released once every rank of the world has joined and
+every live worker is at n or beyond (``barrier_released``): a worker that leaves or is dropped no
+longer holds the others, and one that joins starts at the generation released (the join's answer).
+
+A rank is free again when its worker leaves, or, with heartbeat checks on, when it has not been
 heard from for ``heartbeat_timeout``: the watchdog drops such workers (on the primary only: a
 backup learns drops from it) so sync steps go on without them, and they may rejoin.
 
@@ -49,6 +55,7 @@ class Member:
     incarnation: int = 0  # which process holds the rank (PS_JOIN's seq field)
     last_reply: bytes = b""  # the answer to push ``seq``, sent again to a resend of it
     heard: float = field(default_factory=time.monotonic)  # its last request or heartbeat
+    barrier: int = 0  # the last barrier generation it arrived at (PS_BARRIER)
 
 
 class Members:
@@ -71,6 +78,7 @@ class Members:
         self.workers: dict[int, Member] = {}
         self.identity_refused = 0  # requests under a rank that another session holds
         self.dropped = 0  # workers dropped for missed heartbeats
+        self.released = 0  # the last barrier generation every live worker reached
         self._primary = primary
         self._drop = drop
         self._watchdog: asyncio.Task[None] | None = None
@@ -84,6 +92,26 @@ class Members:
             return 0
         clocks = [state.clock for state in self.workers.values() if state.live]
         return min(clocks) if clocks else 0
+
+    def finished(self) -> bool:
+        """Every rank of the world joined once, and none is live: the job's work is done."""
+        world = self._job.world
+        return bool(world) and len(self.workers) >= world and not any(s.live for s in self.workers.values())
+
+    def barrier_released(self) -> int:
+        """The last barrier generation released (see the module doc), brought up to date: every
+        live worker is at it or beyond, and every rank of the world has joined."""
+        live = [s.barrier for s in self.workers.values() if s.live]
+        if live and len(self.workers) >= self._job.world:
+            self.released = max(self.released, min(live))
+        return self.released
+
+    def not_at_barrier(self, generation: int) -> str:
+        """Who keeps barrier ``generation`` from being released, for an error message."""
+        late = sorted(w for w, s in self.workers.items() if s.live and s.barrier < generation)
+        missing = [w for w in range(min(self._job.world, len(self.workers) + 16)) if w not in self.workers]
+        said = f"live workers not there yet: {', '.join(map(str, late[:16])) or 'none'}"
+        return said + (f"; never joined: {', '.join(map(str, missing[:16]))}" if missing else "")
 
     def session_of(self, head: wps.PsHead) -> Member | None:
         """The live worker of ``head.worker``, if ``head`` comes from the session that joined with
@@ -125,17 +153,23 @@ class Members:
         before = self.workers.get(head.worker)  # a rejoin keeps its push marks: resends stay duplicates
         clock = self.joining_clock(head.worker)
         seq, reply = (before.seq, before.last_reply) if before else (0, b"")
+        released = self.barrier_released()
+        barrier = max(before.barrier if before else 0, released)
         self.workers[head.worker] = Member(
-            clock, read_clock=clock, seq=seq, last_reply=reply, incarnation=head.seq
+            clock, read_clock=clock, seq=seq, last_reply=reply, incarnation=head.seq, barrier=barrier
         )
-        log.info("worker %d joined at clock %d (live: %s)", head.worker, clock, self.live())
+        log.info(
+            "worker %d joined job %s at clock %d (live: %s)", head.worker, self._job.id, clock, self.live()
+        )
         self.start_watchdog()
-        return wps.encode_join_reply(clock, self._job.config is not None, seq)
+        return wps.encode_join_reply(clock, self._job.config is not None, seq, released)
 
     def left(self, worker: int, why: str) -> None:
         state = self.workers[worker]
         state.live = False
-        log.info("worker %d %s at clock %d (live: %s)", worker, why, state.clock, self.live())
+        self.barrier_released()  # it no longer holds a barrier up
+        log.info("worker %d of job %s %s at clock %d (live: %s)", worker, self._job.id, why, state.clock,
+                 self.live())  # fmt: skip
 
     # -- who may act as a rank ------------------------------------------------------------------
     def member(self, request: Request, head: wps.PsHead, incarnation: int) -> Member:
@@ -148,7 +182,7 @@ class Members:
                 if state is not None
                 else "it has not joined since this server started"
             )
-            raise WorkerDropped(f"worker {head.worker} is not part of this job ({why}): rejoin")
+            raise WorkerDropped(f"worker {head.worker} is not part of job {self._job.id!r} ({why}): rejoin")
         if incarnation != state.incarnation:
             self.refuse_identity(request, head, incarnation)
         state.heard = time.monotonic()

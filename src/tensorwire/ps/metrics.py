@@ -1,21 +1,34 @@
 """The parameter server's Prometheus families (added to its server's registry, ``tensorwire.server.metrics``).
 
 Read from the ``ParamServer``'s own state when scraped, so the serving path pays nothing for them
-(through ``ParamServerState``, the attributes read, so this module does not import the server):
+(through ``ParamServerState``, the attributes read, and ``JobSample``, each job's numbers, so this
+module does not import the server). Each job's families carry a ``job`` label (its id). Job ids are
+chosen by peers (the workers): the label takes only ids the server accepted (wire/ps.py
+``check_job_id``: 1 to 64 letters, digits, ``.``, ``_``, ``-``) and at most ``--max-jobs`` jobs are
+held at once (a new id beyond them is refused, counted in ``tensorwire_ps_jobs_limit_refused_total``),
+so a peer cannot grow the number of series without bound; an ended job's series go with it.
+
+Per job (label ``job``):
 
 * ``tensorwire_ps_steps_total`` (sync steps taken), ``tensorwire_ps_updates_total`` (optimizer
   updates, any mode), ``tensorwire_ps_pushes_applied_total``, ``tensorwire_ps_duplicate_pushes_total``
   (resent pushes answered without being applied again: the workers' retries).
 * ``tensorwire_ps_staleness``: histogram of the staleness of applied pushes (in clocks).
-* ``tensorwire_ps_live_workers``, ``tensorwire_ps_world``, ``tensorwire_ps_workers_dropped_total``.
+* ``tensorwire_ps_live_workers``, ``tensorwire_ps_world``, ``tensorwire_ps_workers_dropped_total``,
+  ``tensorwire_ps_barrier`` (the last barrier generation released).
 * ``tensorwire_ps_shards``, ``tensorwire_ps_shard_bytes``: what this server holds of the job.
+* ``tensorwire_ps_identity_refused_total`` (requests under a rank another session holds),
+  ``tensorwire_ps_jobs_refused_total`` (joins under the job's id of another job: model, mode,
+  optimizer, world), ``tensorwire_ps_checkpoints_skipped_total`` (newer checkpoints passed over at
+  a restore: not complete), ``tensorwire_ps_job_held_bytes{job,kind}``.
+
+The server's (no ``job`` label):
+
+* ``tensorwire_ps_jobs`` (jobs held), ``tensorwire_ps_max_jobs``, ``tensorwire_ps_jobs_limit_refused_total``.
 * ``tensorwire_ps_role{role}`` (1 for this replica's role: primary, backup or fenced),
   ``tensorwire_ps_epoch``, ``tensorwire_ps_failovers_total`` (times this replica took over).
-* ``tensorwire_ps_identity_refused_total`` (requests under a rank another session holds),
-  ``tensorwire_ps_jobs_refused_total`` (joins of another job), ``tensorwire_ps_checkpoints_skipped_total``
-  (newer checkpoints passed over at a restore: not complete), ``tensorwire_ps_held_bytes{kind}``
-  (params, gradients, payloads, snapshots: what the job holds) against ``tensorwire_ps_capacity_bytes``,
-  ``tensorwire_ps_capacity_refused_total``.
+* ``tensorwire_ps_held_bytes{kind}`` (params, optimizer, gradients, payloads, snapshots: what all
+  jobs hold) against ``tensorwire_ps_capacity_bytes``, ``tensorwire_ps_capacity_refused_total``.
 * Replication lag, on a primary for each ``backup``: ``tensorwire_ps_backup_up`` (0 once lost or
   refusing), ``tensorwire_ps_replication_lag_seconds`` (since it last applied a change; pings go
   every 0.5 s) and ``tensorwire_ps_replication_behind_changes`` (changes it missed while lost);
@@ -31,50 +44,58 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from tensorwire.ps.budget import Budget
-from tensorwire.ps.job import HeldShard
-from tensorwire.ps.membership import Member
 from tensorwire.ps.replication import Backups
 
 STALENESS_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+
+@dataclass(frozen=True)
+class JobSample:
+    """One job's numbers at a scrape (copied: the event loop changes the job meanwhile)."""
+
+    job: str
+    step: int
+    version: int
+    pushes: int
+    duplicates: int
+    dropped: int
+    staleness: dict[int, int]
+    live: int
+    world: int
+    barrier: int
+    shards: int
+    shard_bytes: int
+    identity_refused: int
+    jobs_refused: int
+    checkpoints_skipped: int
+    held: dict[str, int]
+
+    @staticmethod
+    def of(run: Any) -> JobSample:
+        """From a ps/jobs.py ``JobRun`` (read, not imported: the server's parts import this)."""
+        job, members, shards = run.job, run.members, list(run.job.shards.values())
+        return JobSample(
+            run.id, job.step, job.version, job.pushes, run.consistency.duplicates, members.dropped,
+            dict(run.consistency.staleness), sum(m.live for m in list(members.workers.values())), job.world,
+            members.released, len(shards), sum(s.meta.nbytes for s in shards), members.identity_refused,
+            job.jobs_refused, run.state.skipped, dict(run.budget.held),
+        )  # fmt: skip
 
 
 class ParamServerState(Protocol):
     """What the families are read from: a ``ParamServer`` (ps/server.py) has all of it."""
 
     @property
-    def step(self) -> int: ...
-    @property
-    def version(self) -> int: ...
-    @property
-    def pushes(self) -> int: ...
-    @property
-    def duplicates(self) -> int: ...
-    @property
-    def dropped(self) -> int: ...
-    @property
     def failovers(self) -> int: ...
-    @property
-    def staleness(self) -> Mapping[int, int]: ...
-    @property
-    def workers(self) -> Mapping[int, Member]: ...
-    @property
-    def world(self) -> int: ...
-    @property
-    def shards(self) -> Mapping[str, HeldShard]: ...
     @property
     def epoch(self) -> int: ...
     @property
     def role(self) -> str: ...
-    @property
-    def identity_refused(self) -> int: ...
-    @property
-    def jobs_refused(self) -> int: ...
-    @property
-    def checkpoints_skipped(self) -> int: ...
     @property
     def budget(self) -> Budget: ...
     @property
@@ -85,6 +106,9 @@ class ParamServerState(Protocol):
     def backups(self) -> Backups | None: ...
     @property
     def primary_seen(self) -> float | None: ...
+    @property
+    def jobs(self) -> Any: ...  # ps/jobs.py ``Jobs``: len(), max_jobs, refused
+    def job_samples(self) -> list[JobSample]: ...
 
 
 class PsCollector:
@@ -97,60 +121,86 @@ class PsCollector:
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
         ps = self._ps
-        workers = list(ps.workers.values())  # copies: the loop thread changes them meanwhile
-        shards = list(ps.shards.values())
+        yield from _jobs(ps.job_samples())
         for name, doc, value in (
-            ("steps", "Synchronous steps taken.", ps.step),
-            ("updates", "Optimizer updates applied (any mode).", ps.version),
-            ("pushes_applied", "Pushed gradients applied.", ps.pushes),
-            ("duplicate_pushes", "Resent pushes answered without applying them again.", ps.duplicates),
-            ("workers_dropped", "Workers dropped for missed heartbeats.", ps.dropped),
             ("failovers", "Times this replica took over from its primary.", ps.failovers),
+            ("jobs_limit_refused", "New jobs refused: the server held --max-jobs.", ps.jobs.refused),
+            ("capacity_refused", "Pushes, pulls and jobs refused: the capacity was full.", ps.budget.refused),
         ):
             yield CounterMetricFamily(f"tensorwire_ps_{name}", doc, value=value)
-        yield _staleness(dict(ps.staleness))
         for name, doc, value in (
-            ("live_workers", "Workers live in the job.", sum(w.live for w in workers)),
-            ("world", "The job's number of workers.", ps.world),
-            ("shards", "Shards held here.", len(shards)),
-            ("shard_bytes", "Bytes of the shards held here.", sum(s.meta.nbytes for s in shards)),
             ("epoch", "The replica set's epoch this replica is at.", ps.epoch),
+            ("jobs", "Jobs held.", len(ps.jobs)),
+            ("max_jobs", "The most jobs held at once (--max-jobs).", ps.jobs.max_jobs),
+            ("capacity_bytes", "The server's capacity.", ps.capacity),
         ):
             yield GaugeMetricFamily(f"tensorwire_ps_{name}", doc, value=value)
         role = GaugeMetricFamily("tensorwire_ps_role", "This replica's role (1).", labels=["role"])
         role.add_metric([ps.role], 1)
         yield role
-        yield from _guards(ps)
+        held = GaugeMetricFamily("tensorwire_ps_held_bytes", "Bytes all jobs hold, by kind.", labels=["kind"])
+        for kind, nbytes in dict(ps.budget.held).items():
+            held.add_metric([kind], nbytes)
+        yield held
         yield from _replication(ps)
 
 
-def _guards(ps: ParamServerState) -> Iterator[Any]:
-    """What the server refused or fell back on, and what its job holds against its capacity."""
+_JOB_COUNTERS = (
+    ("steps", "Synchronous steps taken.", "step"),
+    ("updates", "Optimizer updates applied (any mode).", "version"),
+    ("pushes_applied", "Pushed gradients applied.", "pushes"),
+    ("duplicate_pushes", "Resent pushes answered without applying them again.", "duplicates"),
+    ("workers_dropped", "Workers dropped for missed heartbeats.", "dropped"),
+    ("identity_refused", "Requests under a rank that another session joined with.", "identity_refused"),
+    ("jobs_refused", "Joins and inits under the job's id of another job (model, mode, optimizer, world).",
+     "jobs_refused"),
+    ("checkpoints_skipped", "Checkpoints skipped at a restore: not complete.", "checkpoints_skipped"),
+)  # fmt: skip
+_JOB_GAUGES = (
+    ("live_workers", "Workers live in the job.", "live"),
+    ("world", "The job's number of workers.", "world"),
+    ("barrier", "The last barrier generation released.", "barrier"),
+    ("shards", "Shards of the job held here.", "shards"),
+    ("shard_bytes", "Bytes of the job's shards held here.", "shard_bytes"),
+)
+
+
+def _jobs(samples: Sequence[JobSample]) -> Iterator[Any]:
+    """Each job's families, labelled by its id (accepted by the server: bounded, see the doc)."""
     from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-    for name, doc, value in (
-        ("identity_refused", "Requests under a rank that another session joined with.", ps.identity_refused),
-        ("jobs_refused", "Joins and inits of another job (model, mode, optimizer, world).", ps.jobs_refused),
-        ("checkpoints_skipped", "Checkpoints skipped at a restore: not complete.", ps.checkpoints_skipped),
-        ("capacity_refused", "Pushes, pulls and jobs refused: the capacity was full.", ps.budget.refused),
-    ):
-        yield CounterMetricFamily(f"tensorwire_ps_{name}", doc, value=value)
-    held = GaugeMetricFamily("tensorwire_ps_held_bytes", "Bytes the job holds, by kind.", labels=["kind"])
-    for kind, nbytes in dict(ps.budget.held).items():
-        held.add_metric([kind], nbytes)
+    for name, doc, attr in _JOB_COUNTERS:
+        counter = CounterMetricFamily(f"tensorwire_ps_{name}", doc, labels=["job"])
+        for sample in samples:
+            counter.add_metric([sample.job], getattr(sample, attr))
+        yield counter
+    for name, doc, attr in _JOB_GAUGES:
+        gauge = GaugeMetricFamily(f"tensorwire_ps_{name}", doc, labels=["job"])
+        for sample in samples:
+            gauge.add_metric([sample.job], getattr(sample, attr))
+        yield gauge
+    held = GaugeMetricFamily(
+        "tensorwire_ps_job_held_bytes", "Bytes a job holds, by kind.", labels=["job", "kind"]
+    )
+    for sample in samples:
+        for kind, nbytes in sample.held.items():
+            held.add_metric([sample.job, kind], nbytes)
     yield held
-    yield GaugeMetricFamily("tensorwire_ps_capacity_bytes", "The server's capacity.", value=ps.capacity)
+    yield _staleness(samples)
 
 
-def _staleness(counts: dict[int, int]) -> Any:
+def _staleness(samples: Sequence[JobSample]) -> Any:
     from prometheus_client.core import HistogramMetricFamily
 
-    buckets = [(str(bound), sum(n for s, n in counts.items() if s <= bound)) for bound in STALENESS_BUCKETS]
-    buckets.append(("+Inf", sum(counts.values())))
-    total = sum(s * n for s, n in counts.items())
-    return HistogramMetricFamily(
-        "tensorwire_ps_staleness", "Staleness of applied pushes, in clocks.", buckets=buckets, sum_value=total
+    family = HistogramMetricFamily(
+        "tensorwire_ps_staleness", "Staleness of applied pushes, in clocks.", labels=["job"]
     )
+    for sample in samples:
+        counts = sample.staleness
+        buckets = [(str(b), sum(n for s, n in counts.items() if s <= b)) for b in STALENESS_BUCKETS]
+        buckets.append(("+Inf", sum(counts.values())))
+        family.add_metric([sample.job], buckets, sum(s * n for s, n in counts.items()))
+    return family
 
 
 def _replication(ps: ParamServerState) -> Iterator[Any]:

@@ -1,6 +1,10 @@
 """This parameter server's place in its replica set: its role and epoch, the order in which changes
 are replicated and made, promotion and fencing, and the backup's side of PS_REPLICATE.
 
+One ``Replica`` per server process, whatever the number of jobs it holds: the replicas of a slot
+fail over together, and the changes of all its jobs are made in one order (each change's head
+names its job), so a state transfer taken between two changes holds every job as it is.
+
 ps/replication.py is the wire (``Change``, ``encode``/``decode``) and the primary's connections
 to its backups (``Backups``); its module doc tells the whole scheme. Here:
 
@@ -10,14 +14,15 @@ to its backups (``Backups``); its module doc tells the whole scheme. Here:
   backup whose primary has been silent for ``failover_timeout`` takes over first (``_promote``).
   A primary pings its backups twice a second while it serves.
 * ``replicate``: a backup refusing a change with a newer epoch fences this primary (role
-  ``fenced``: it answers NOT_PRIMARY from then on). A backup that is new, or back, first gets the
-  whole job (the SYNC state transfer, from ps/state.py).
+  ``fenced``: it answers NOT_PRIMARY from then on). A backup that is new, or back, first gets
+  every job (the SYNC state transfer, from the ``Holder``: ps/jobs.py).
 * ``on_replicate``: a backup checks that a change comes from a replica of its slot (a peer
   session) under an epoch in range, follows a newer primary, takes a state transfer itself and
   hands every other change to the server to make, exactly as the primary made it.
 
-Lifecycle: made with the server (``standby``: a backup at epoch 0; else the primary at epoch 1);
-the first request served starts the pings; ``close`` stops them and closes the connections.
+Lifecycle: made with the server (``standby``: a backup at epoch 0; else the primary at epoch 1),
+then given what holds the jobs (``hold``); the first request served starts the pings; ``close``
+stops them and closes the connections.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, Protocol
 
 import torch
 
@@ -41,10 +47,7 @@ from tensorwire.errors import (
     ReplicationRefused,
 )
 from tensorwire.logs import event
-from tensorwire.ps import checkpoint, replication
-from tensorwire.ps.job import Job
-from tensorwire.ps.membership import Members
-from tensorwire.ps.state import State
+from tensorwire.ps import replication
 from tensorwire.security import Security
 from tensorwire.server.core import Request
 from tensorwire.types import TensorMeta
@@ -57,6 +60,26 @@ log = logging.getLogger("tensorwire.ps")
 Apply = Callable[[replication.Change, wps.PsHead, Request], Awaitable[None]]
 
 
+class Holder(Protocol):
+    """What holds the server's jobs, as the replica needs it (ps/jobs.py ``Jobs``)."""
+
+    def take_all(self) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+        """Every job's state (JSON-able) and tensors, for a state transfer (SYNC)."""
+        ...
+
+    def load_all(self, state: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
+        """Make a state transfer the server's jobs (those it does not name end)."""
+        ...
+
+    def promoted(self) -> None:
+        """This backup became the primary: its workers get a grace period to move over."""
+        ...
+
+    def describe(self) -> str:
+        """A few words on the jobs, for the log."""
+        ...
+
+
 class Replica:
     """Role, epoch and the order of changes of one replica (see the module doc)."""
 
@@ -67,9 +90,6 @@ class Replica:
         *,
         standby: bool,
         failover_timeout: float,
-        job: Job,
-        members: Members,
-        state: State,
     ) -> None:
         self.role = "backup" if standby else "primary"
         self.epoch = 0 if standby else 1
@@ -90,9 +110,7 @@ class Replica:
         self._backups = (
             replication.Backups(backups, self.peer, timeout=replicate_timeout) if backups else None
         )
-        self._job = job
-        self._members = members
-        self._state = state
+        self._holder: Holder | None = None
         self._ordered: asyncio.Lock | None = None  # changes are made (and replicated) one at a time
         self._primary_seen: float | None = None
         self._pinging: asyncio.Task[None] | None = None
@@ -100,6 +118,15 @@ class Replica:
     @property
     def backups(self) -> replication.Backups | None:
         return self._backups
+
+    def hold(self, holder: Holder) -> None:
+        """What holds the jobs: state transfers take and load them, a promotion tells it."""
+        self._holder = holder
+
+    @property
+    def holder(self) -> Holder:
+        assert self._holder is not None, "Replica.hold was not called"
+        return self._holder
 
     @property
     def primary_seen(self) -> float | None:
@@ -132,20 +159,18 @@ class Replica:
         self.epoch += 1
         self.failovers += 1
         now = time.monotonic()
-        for state in self._members.workers.values():
-            state.heard = now  # a grace period: the workers are moving over from the old primary
-        self._members.start_watchdog()
+        self.holder.promoted()  # a grace period: the workers are moving over from the old primary
         if self._backups is not None and self._pinging is None:  # its peers become its backups
             self._backups.reset()
             self._pinging = asyncio.get_running_loop().create_task(self._ping_backups())
-        event(log, logging.WARNING, "failover: this backup takes over", epoch=self.epoch, step=self._job.step,
-              version=self._job.version, silent_s=round(now - (self._primary_seen or now), 3))  # fmt: skip
+        event(log, logging.WARNING, "failover: this backup takes over", epoch=self.epoch,
+              jobs=self.holder.describe(), silent_s=round(now - (self._primary_seen or now), 3))  # fmt: skip
 
     async def replicate(
         self, change: replication.Change, head: wps.PsHead, body: bytes = b"", data: Sequence[memoryview] = ()
     ) -> None:
         """Apply a change on every backup before making it here (inside ``in_order``). A backup
-        that is new, or back, first gets the whole job (a state transfer)."""
+        that is new, or back, first gets every job (a state transfer)."""
         if self.role != "primary":
             # It stepped down (fenced, or following a newer primary) while this request waited
             # for its turn: the change must not be made or acknowledged here, only by the primary.
@@ -161,17 +186,13 @@ class Replica:
             raise NotPrimary("this primary was fenced: a backup took over; ask another replica") from None
 
     def _state_transfer(self) -> tuple[bytes, list[memoryview]] | None:
-        """The SYNC change: the whole job, as it is between two changes (we are in ``in_order``)."""
-        if self._job.config is None:
-            return None
-        snapshot = self._state.take(live=True)
-        tensors = {**snapshot.params, **{f"@optimizer/{k}": v for k, v in snapshot.optimizer.items()}}
+        """The SYNC change: every job, as it is between two changes (we are in ``in_order``)."""
+        state, tensors = self.holder.take_all()
         metas = [
             TensorMeta(k, t.dtype, tuple(t.shape), t.numel() * t.element_size()) for k, t in tensors.items()
         ]
-        body = wps.encode_stats(json.dumps(snapshot.state)) + wm.encode_records(metas)
-        head = wps.PsHead(wps.OBSERVER, self._job.world)
-        meta = replication.encode(replication.Change.SYNC, self.epoch, head, body)
+        body = wps.encode_stats(json.dumps(state)) + wm.encode_records(metas)
+        meta = replication.encode(replication.Change.SYNC, self.epoch, wps.PsHead(wps.OBSERVER), body)
         return meta, [byte_view(t.contiguous()) for t in tensors.values()]
 
     async def _ping_backups(self) -> None:
@@ -229,13 +250,8 @@ class Replica:
             raise InvalidTensor("the state transfer's records do not add up to its data length")
         tensors = {m.name: torch.empty(m.shape, dtype=m.dtype) for m in metas}
         await request.receive([byte_view(t) for t in tensors.values()])
-        optimizer = {
-            k.removeprefix("@optimizer/"): t for k, t in tensors.items() if k.startswith("@optimizer/")
-        }
-        params = {k: t for k, t in tensors.items() if not k.startswith("@optimizer/")}
-        self._state.load(checkpoint.Snapshot(state, params, optimizer))
-        self._job.generation += 1
-        log.info("state transfer from the primary: step %d, version %d", self._job.step, self._job.version)
+        self.holder.load_all(state, tensors)
+        log.info("state transfer from the primary: %s", self.holder.describe())
 
     async def close(self) -> None:
         """Stop pinging and close the connections to the backups."""

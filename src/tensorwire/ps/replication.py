@@ -1,11 +1,14 @@
-"""Primary/backup replication of a parameter server's job.
+"""Primary/backup replication of a parameter server's jobs.
 
-A primary (``tensorwire ps serve --backup URL``) sends every change of its job's state to its
+A primary (``tensorwire ps serve --backup URL``) sends every change of its jobs' state to its
 backups, in the order it makes them, and waits for each backup to apply it before it makes the
-change itself and answers the worker: a job created, a worker joining, leaving or dropped, a push
-received (with its gradient bytes), a pull noted (async/ssp staleness), a rollback. Backups run
-the same code on the same inputs in the same order, so their parameters, optimizer state, clocks
-and push marks stay bit-identical, and an acknowledged push is on every live replica.
+change itself and answers the worker: a job created or ended, a worker joining, leaving or
+dropped, a push received (with its gradient bytes), a pull noted (async/ssp staleness), a
+barrier reached, a rollback. Each change's head names its job (the worker request's head, job id
+included). Backups run the same code on the same inputs in the same order, so their parameters,
+optimizer state, clocks and push marks stay bit-identical, and an acknowledged push is on every
+live replica. Replication is the server process's, not a job's: one role, one epoch, one set of
+backups, one order of changes for all its jobs.
 
 This module is the wire of it (``Change``, ``encode``, ``decode``) and the primary's connections
 to its backups (``Backups``); ps/replica.py is a replica's own side: its role and epoch, the
@@ -19,7 +22,7 @@ NOT_PRIMARY from then on), so no two primaries acknowledge pushes. Workers list 
 each server (``tcp://a:7070|tcp://b:7070``) and move to the next one on a broken connection or
 NOT_PRIMARY, resending what was not acknowledged (exactly once, by sequence number).
 
-A backup that is new, restarted or was lost gets the whole job first (SYNC), at the primary's
+A backup that is new, restarted or was lost gets every job first (SYNC), at the primary's
 next change or ping. A replica that hears from a primary of a newer epoch follows it: an old
 primary that was only slow or stopped becomes that primary's backup (refusing would fence both).
 A backup that stops answering is given up on after the primary's replication timeout (the larger
@@ -74,7 +77,7 @@ from tensorwire.wire import ps as wps
 from tensorwire.wire.frame import Opcode
 
 log = logging.getLogger("tensorwire.ps.replication")
-Sync = Callable[[], "tuple[bytes, list[memoryview]] | None"]  # the state transfer, or None (no job)
+Sync = Callable[[], "tuple[bytes, list[memoryview]] | None"]  # the state transfer
 PING_SECONDS = 0.5
 # Epochs a replica accepts: a u64 on the wire, bounded far below its top so that a promotion
 # (epoch + 1) can never overflow, whatever a peer sent.
@@ -88,12 +91,14 @@ class Change(enum.IntEnum):
     PING = 0
     CREATE = 1  # body: config, records; data: the values
     JOIN = 2
-    LEAVE = 3
+    LEAVE = 3  # body: u8 final (the worker is done: the job may end)
     PUSH = 4  # body: records; data: the gradients
     DROP = 5
     READ = 6  # head.clock: the read clock to note
     ROLLBACK = 7  # head.clock: the version
-    SYNC = 8  # body: u32 length + JSON state, records; data: params, optimizer, pending pushes
+    SYNC = 8  # body: u32 length + JSON state, records; data: every job's params, optimizer, pushes
+    END = 9  # body: u8 force (tensorwire ps end)
+    BARRIER = 10  # head.clock: the barrier generation the worker reached
 
 
 def encode(change: Change, epoch: int, head: wps.PsHead, body: bytes = b"") -> bytes:

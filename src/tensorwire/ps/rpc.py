@@ -1,7 +1,8 @@
 """The parameter-server protocol, typed: ``PsChannel`` builds every PS request in one place.
 
 docs/protocol.md §13.2 (and ``tensorwire.wire.ps``) define the requests: a 28-byte head
-(``worker | world | clock | seq | wait_ms``), then each opcode's own fields. A ``PsChannel`` wraps
+(``worker | world | clock | seq | wait_ms``), the job id (the ``Sender``'s), then each opcode's
+own fields. A ``PsChannel`` wraps
 one ``Caller`` (anything with the frame channel's ``call``: a ``FrameChannel`` connection, or a
 worker's ``ServerSlot``, which resends on a new connection) and turns each request into one method
 with typed arguments and a decoded answer. It opens, retries and closes nothing itself.
@@ -18,8 +19,8 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple, Protocol
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, NamedTuple, Protocol, TypeVar
 
 from tensorwire import transport as transports
 from tensorwire._aio import run
@@ -30,6 +31,8 @@ from tensorwire.types import TensorMeta
 from tensorwire.wire import meta as wm
 from tensorwire.wire import ps as wps
 from tensorwire.wire.frame import Opcode
+
+T = TypeVar("T")
 
 
 class Caller(Protocol):
@@ -55,6 +58,7 @@ class Sender(NamedTuple):
     worker: int = wps.OBSERVER  # the rank, or OBSERVER for a reader that takes no part
     world: int = 0
     wait_ms: int = 0  # how long the server may wait on other workers (0: its own default)
+    job: str = ""  # the job (wire.ps.check_job_id); "": none (the exchange, the server's stats)
 
 
 class PsChannel:
@@ -72,8 +76,9 @@ class PsChannel:
 
     async def join(
         self, clock: int, incarnation: int, config: str, records: Sequence[TensorMeta]
-    ) -> tuple[int, bool, int]:
-        """PS_JOIN with the job as this worker sees it: (clock, initialized, last applied seq)."""
+    ) -> tuple[int, bool, int, int]:
+        """PS_JOIN with the job as this worker sees it: (clock, initialized, last applied seq,
+        last barrier generation released)."""
         # The job as this worker sees it: a server running another one refuses before admitting it.
         job = wps.encode_config(config) + wm.encode_records(records)
         reader = await self._call(Opcode.PS_JOIN, clock, incarnation, job)
@@ -92,10 +97,35 @@ class PsChannel:
         return reply
 
     async def leave(
-        self, clock: int, incarnation: int, *, what: str | None = None, timeout: float | None = None
+        self,
+        clock: int,
+        incarnation: int,
+        *,
+        final: bool = True,
+        what: str | None = None,
+        timeout: float | None = None,
     ) -> None:
-        """PS_LEAVE: no step and no allreduce round waits for this rank any more."""
-        await self._call(Opcode.PS_LEAVE, clock, incarnation, b"", what=what, timeout=timeout)
+        """PS_LEAVE: no step and no allreduce round waits for this rank any more. ``final``: this
+        worker is done (its job ends with its last worker); else it steps aside and rejoins."""
+        body = wps.encode_flag(final)
+        await self._call(Opcode.PS_LEAVE, clock, incarnation, body, what=what, timeout=timeout)
+
+    async def barrier(self, generation: int, incarnation: int, wait: float) -> int:
+        """PS_BARRIER ``generation``: answered once every live worker of the job reached it (the
+        server waits ``wait`` seconds at most); the generation released."""
+        wait_ms = max(1, min(int(wait * 1000), 0xFFFFFFFF))
+        reader = await self._call(
+            Opcode.PS_BARRIER, generation, incarnation, b"", wait_ms=wait_ms, timeout=wait + 10.0,
+            what=f"barrier {generation}{self.label}",
+        )  # fmt: skip
+        released = wps.decode_u64(reader)
+        reader.done()
+        return released
+
+    async def end(self, force: bool = False) -> None:
+        """PS_END: end the sender's job on this server (``force``: even with live workers)."""
+        reader = await self._call(Opcode.PS_END, 0, 0, wps.encode_flag(force))
+        reader.done()
 
     async def push(
         self,
@@ -177,9 +207,11 @@ class PsChannel:
         sink: Sink | None = None,
         what: str | None = None,
         timeout: float | None = None,
+        wait_ms: int | None = None,
     ) -> wm.MetaReader:
         s = self.sender
-        head = wps.PsHead(s.worker, s.world, clock, seq, s.wait_ms).encode()
+        wait = s.wait_ms if wait_ms is None else wait_ms
+        head = wps.PsHead(s.worker, s.world, clock, seq, wait, s.job).encode()
         what = what or f"{opcode.name}{self.label}"
         return await self.channel.call(opcode, head + body, data, sink, what=what, timeout=timeout)
 
@@ -190,20 +222,48 @@ def server_stats(
     timeout: float = 10.0,
     token: str | None = None,
     security: Security | None = None,
+    job: str | None = None,
 ) -> list[dict[str, Any]]:
-    """Each server's ``PS_STATS`` answer, without joining anything (``tensorwire ps stats``).
-    ``security``: TLS files and token (default: ``token``, else ``$TENSORWIRE_TOKEN``)."""
+    """Each server's ``PS_STATS`` answer, without joining anything (``tensorwire ps stats``): the
+    server and its jobs, with ``job``'s view (else its one job's, if it holds one). ``security``:
+    TLS files and token (default: ``token``, else ``$TENSORWIRE_TOKEN``)."""
     security = security or Security(None, client_token(token))
+    return _each(servers, lambda rpc: rpc.stats(), security, timeout, job or "")
+
+
+def end_job(
+    servers: Sequence[str],
+    job: str,
+    *,
+    force: bool = False,
+    timeout: float = 10.0,
+    token: str | None = None,
+    security: Security | None = None,
+) -> None:
+    """PS_END of ``job`` on every server (``tensorwire ps end``): its state freed, its last
+    checkpoint written. Refused while it has live workers, unless ``force``."""
+    wps.check_job_id(job)
+    _each(servers, lambda rpc: rpc.end(force), security or Security(None, client_token(token)), timeout, job)
+
+
+def _each(
+    servers: Sequence[str],
+    ask: Callable[[PsChannel], Awaitable[T]],
+    security: Security,
+    timeout: float,
+    job: str,
+) -> list[T]:
+    """``ask`` of every server at once, on a connection of its own (an observer's, for ``job``)."""
     options = transports.TransportOptions(timeout, timeout, security=security)
 
-    async def one(url: str) -> dict[str, Any]:
-        conn = await transports.open_channel(url, options, what="ps stats")
+    async def one(url: str) -> T:
+        conn = await transports.open_channel(url, options, what="a parameter-server request")
         try:
-            return await PsChannel(conn, Sender()).stats()
+            return await ask(PsChannel(conn, Sender(job=job)))
         finally:
             await conn.close()
 
-    async def every() -> list[dict[str, Any]]:
+    async def every() -> list[T]:
         return list(await asyncio.gather(*(one(url) for url in servers)))
 
     return run(every())

@@ -77,14 +77,19 @@ class Snapshots:
         self._retired: list[Snapshot] = []
         self._publishing: asyncio.Lock | None = None
 
+    def close(self) -> None:
+        """The job ended: its copies go (a pull still sending keeps its own reference; the job's
+        budget is cleared as a whole)."""
+        self._current = None
+        self._retired = []
+
     @property
     def sending(self) -> int:
         """Pulls sending right now."""
         return sum(s.readers for s in [*self._retired, *filter(None, [self._current])])
 
-    async def on_pull(self, request: Request) -> None:
-        self._replica.serving()
-        head = wps.PsHead.decode(request.meta)
+    async def on_pull(self, request: Request, head: wps.PsHead) -> None:
+        """PS_PULL of this job (the server checked this replica serves and decoded the head)."""
         names = wm.decode_names(request.meta)
         codec = from_wire(wps.decode_codec(request.meta))
         request.meta.done()

@@ -1,16 +1,19 @@
-"""A parameter server's job state as a whole: taken for a checkpoint or a state transfer, loaded
-from one, and when checkpoints are written.
+"""One job's state as a whole: taken for a checkpoint or a state transfer, loaded from one, and
+when checkpoints are written.
 
 ``take`` gathers the job (its config, shards, optimizer state, counters, and the workers' clocks
 and push marks, so a restored server still recognises a resent push) into a
 ``checkpoint.Snapshot``; ``live`` adds what a backup taking over needs beyond a checkpoint: the
 workers' liveness, read clocks and incarnations, and the pushes of a sync step not taken yet.
 ``load`` makes such a snapshot the job. ps/checkpoint.py writes and reads snapshots on disk
-(all or nothing); ps/replica.py sends and receives them (SYNC).
+(all or nothing); ps/jobs.py gathers every job's for a state transfer, which ps/replica.py sends
+and receives (SYNC). A job that has workers but no parameters yet (joined, not initialised) is
+taken and loaded too: its config is then None.
 
-Lifecycle: ``State`` is made with the server, with its ``CheckpointPolicy`` (or None: no
-checkpoints). After each update the modes call ``maybe_checkpoint``; the server's close writes a
-last one (``write_checkpoint``); ``restore`` (``tensorwire serve`` at start, PS_ROLLBACK) loads one.
+Lifecycle: ``State`` is made with its job, with the job's ``CheckpointPolicy`` (its directory
+is the job's own, under the server's ``--checkpoint-dir``; or None: no checkpoints). After each
+update the modes call ``maybe_checkpoint``; the job's end and the server's close write a last one
+(``write_checkpoint``); ``restore`` (``tensorwire serve`` at start, PS_ROLLBACK) loads one.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import json
 import logging
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -49,10 +53,13 @@ class State:
         """The job's state; ``live`` adds what a backup taking over needs beyond a checkpoint: the
         workers' liveness and read clocks and the pushes of a sync step not taken yet."""
         job, workers = self._job, self._members.workers
-        assert job.config is not None and job.optimizer is not None
-        tensors, optimizer_rest = checkpoint.optimizer_tensors(job.optimizer.state_dict())
-        state = {
-            "config": json.loads(job.config.to_json()),
+        tensors, optimizer_rest = (
+            checkpoint.optimizer_tensors(job.optimizer.state_dict())
+            if job.optimizer is not None
+            else ({}, {})
+        )
+        state: dict[str, Any] = {
+            "config": json.loads(job.config.to_json()) if job.config is not None else None,
             "shards": list(job.shards),
             "versions": {key: shard.version for key, shard in job.shards.items()},
             "world": job.world,
@@ -64,7 +71,9 @@ class State:
         }
         params = {key: shard.param.detach() for key, shard in job.shards.items()}
         if live:
-            state["live"] = {str(w): [s.live, s.read_clock, s.incarnation] for w, s in workers.items()}
+            state["live"] = {str(w): [s.live, s.read_clock, s.incarnation, s.barrier]
+                             for w, s in workers.items()}  # fmt: skip
+            state["released"] = self._members.released
             state["pending"] = {}
             for clock, pending in self._gradients.pending.items():
                 for worker, (_, grads) in pending.grads.items():
@@ -80,11 +89,12 @@ class State:
         """Make ``snapshot`` this server's job (a checkpoint: its workers not live; a backup's
         state transfer: as they are on the primary, pending pushes included)."""
         job, state = self._job, snapshot.state
-        config = JobConfig.from_json(json.dumps(state["config"]))
+        config = JobConfig.from_json(json.dumps(state["config"])) if state["config"] is not None else None
         shards = {key: HeldShard(key, torch.nn.Parameter(snapshot.params[key]), state["versions"][key])
                   for key in state["shards"]}  # fmt: skip
-        optimizer = config.optimizer.build(s.param for s in shards.values())
-        optimizer.load_state_dict(checkpoint.optimizer_state(snapshot.optimizer, state["optimizer"]))
+        optimizer = config.optimizer.build(s.param for s in shards.values()) if config else None
+        if optimizer is not None:
+            optimizer.load_state_dict(checkpoint.optimizer_state(snapshot.optimizer, state["optimizer"]))
         job.config, job.shards, job.optimizer = config, shards, optimizer
         job.generation += 1
         job.world, job.step, job.version, job.pushes = (
@@ -95,11 +105,18 @@ class State:
         )
         workers = {int(w): Member(clock, False, clock, seq=seq, last_reply=bytes.fromhex(reply))
                    for w, (clock, seq, reply) in state["workers"].items()}  # fmt: skip
-        for w, (live, read_clock, incarnation) in state.get("live", {}).items():
+        for w, (live, read_clock, incarnation, barrier) in state.get("live", {}).items():
             worker = workers[int(w)]
-            worker.live, worker.read_clock, worker.incarnation = live, read_clock, incarnation
+            worker.live, worker.read_clock, worker.incarnation, worker.barrier = (
+                live,
+                read_clock,
+                incarnation,
+                barrier,
+            )
         self._members.workers = workers
-        job.count()
+        self._members.released = state.get("released", 0)
+        if config is not None:
+            job.count()
         pending: dict[int, dict[int, Grads]] = {}
         for clock, by_worker in state.get("pending", {}).items():
             for w, present in by_worker.items():

@@ -28,6 +28,12 @@ keeps one residual per parameter: one more copy of the gradients, the model's si
 ``pull_codec="int8"`` or ``"bf16"`` pulls the parameters quantised (the servers keep them, and
 their optimizer state, in full precision); a lossy pull is for workers that tolerate it.
 
+Which job: ``job=`` (an id: 1 to 64 letters, digits, ``.``, ``_``, ``-``), else ``$TENSORWIRE_JOB``,
+else one derived from the model's parameter names, shapes and dtypes and the mode, so that a worker
+of another model never joins a job silently. One set of servers runs several jobs at once; a
+worker that names a job but runs another model, mode, optimizer or world is refused, naming the
+difference. ``barrier()`` returns once every live worker of the job has called it as often.
+
 Where the servers are: ``servers=`` (URLs, or one comma-separated string), else
 ``$TENSORWIRE_SERVERS``, else (under ``torchrun``) what rank 0 published in torchrun's rendezvous
 store. Rank and world size: ``rank=``/``world_size=``, else ``$RANK``/``$WORLD_SIZE`` (set by
@@ -51,6 +57,7 @@ import concurrent.futures
 import contextlib
 import itertools
 import logging
+import os
 import secrets
 from collections.abc import Coroutine, Iterable, Sequence
 from dataclasses import dataclass
@@ -63,7 +70,7 @@ from tensorwire import transport as transports
 from tensorwire._aio import LoopThread, cancel_and_wait, wait
 from tensorwire.compression import Codec, ErrorFeedback, resolve
 from tensorwire.errors import ProtocolError, TensorwireError, WorkerDropped
-from tensorwire.ps.job import JobConfig, Mode
+from tensorwire.ps.job import JobConfig, Mode, default_job_id
 from tensorwire.ps.optim import SGD, OptimizerSpec, spec_of
 from tensorwire.ps.placement import ParamSpec, Placement, plan
 from tensorwire.ps.rendezvous import SERVERS_ENV, STORE_KEY, env_int, resolve_servers
@@ -74,6 +81,7 @@ from tensorwire.security import Security, TlsFiles, client_token
 from tensorwire.wire import ps as wps
 
 __all__ = [
+    "JOB_ENV",
     "SERVERS_ENV",
     "STORE_KEY",
     "PushResult",
@@ -88,6 +96,7 @@ __all__ = [
 
 log = logging.getLogger("tensorwire.ps.worker")
 T = TypeVar("T")
+JOB_ENV = "TENSORWIRE_JOB"  # the job id of workers that name none
 CATCH_UP_TRIES = 10  # joins that wait for servers a step behind before rolling them back
 _MARGIN = 10.0  # a request's own timer runs this much longer than the server's wait, so the
 # server's answer (naming who it waited for) arrives before the client gives up.
@@ -125,6 +134,7 @@ class Worker:
         push_codec: Codec | str | None = None,
         pull_codec: Codec | str | None = None,
         error_feedback: bool | None = None,
+        job: str | None = None,
     ) -> None:
         self.model = model
         self.mode = Mode.parse(mode)
@@ -138,6 +148,10 @@ class Worker:
         self.observer = observer  # pulls only, without joining (evaluation, checkpoints)
         self.servers = resolve_servers(servers, self.rank, timeout)
         self._params = check_params(model)
+        # The job: named, or derived from the model and the mode (another model: another job).
+        named = job if job is not None else os.environ.get(JOB_ENV) or None
+        self.job = wps.check_job_id(named or default_job_id(model_digest(self._params), self.mode))
+        self.barriers = 0  # the last barrier generation this worker passed
         self.push_codec, self.pull_codec = resolve(push_codec), resolve(pull_codec)
         if self.pull_codec is not None and self.pull_codec.sparse:
             raise ValueError(f"pull_codec {self.pull_codec.name} drops elements: use int8, bf16 or fp16")
@@ -174,7 +188,7 @@ class Worker:
 
     def _make_slots(self) -> list[ServerSlot]:
         worker = wps.OBSERVER if self.observer else self.rank
-        sender = Sender(worker, self.world_size, int(self.timeout * 1000))
+        sender = Sender(worker, self.world_size, int(self.timeout * 1000), self.job)
         return [
             ServerSlot(name, self.placement.on_server(i), rank=self.rank, sender=sender,
                        options=self._options, timeout=self.timeout)
@@ -248,6 +262,18 @@ class Worker:
         stats: list[dict[str, Any]] = self._call(self._stats(), "the servers' stats")
         return stats
 
+    def barrier(self, timeout: float | None = None) -> int:
+        """Wait until every live worker of the job has called ``barrier()`` as often as this one
+        (after this worker's last push is in); the generation passed. A worker that leaves or is
+        dropped releases the others. ``timeout`` (default: the worker's): how long to wait; the
+        server's TIMEOUT error then names the workers that have not arrived."""
+        if self.observer:
+            raise ProtocolError("an observer worker takes no part in barriers")
+        self._finish_push()
+        wait = self.timeout if timeout is None else timeout
+        passed: int = self._loop().call(self._barrier(wait), wait + 2 * _MARGIN, "a barrier")
+        return passed
+
     # -- joining --------------------------------------------------------------------------------
     async def _start(self) -> None:
         if self.observer:
@@ -271,34 +297,39 @@ class Worker:
         for attempt in range(CATCH_UP_TRIES + 3):
             joined = await asyncio.gather(*(self._join(slot, config, first) for slot in slots))
             self._joined = True
-            for slot, (clock, seq) in zip(slots, joined, strict=True):
+            for slot, (clock, seq, _) in zip(slots, joined, strict=True):
                 slot.joined(clock, seq)
+            self.barriers = max(self.barriers, joined[0][2])  # barriers are kept by the first server
             clocks = [slot.clock for slot in slots]
             if self.mode.kind != "sync" or len(set(clocks)) == 1:
                 self.clock = max(clocks)
                 return
             behind = [slot for slot in slots if slot.clock < max(clocks)]
             if attempt < CATCH_UP_TRIES:
-                await asyncio.gather(*(slot.rpc.leave(slot.clock, self.incarnation) for slot in behind))
+                leaving = (slot.rpc.leave(slot.clock, self.incarnation, final=False) for slot in behind)
+                await asyncio.gather(*leaving)
                 await asyncio.sleep(0.05 * (attempt + 1))
                 continue
             target = min(clocks)
             log.warning("servers stay at steps %s: rolling back to step %d", clocks, target)
             ahead = [slot for slot in slots if slot.clock > target]
             # A server rolls back only with no worker live, and this one has just joined it.
-            await asyncio.gather(*(slot.rpc.leave(slot.clock, self.incarnation) for slot in ahead))
+            await asyncio.gather(
+                *(slot.rpc.leave(slot.clock, self.incarnation, final=False) for slot in ahead)
+            )
             await asyncio.gather(*(slot.rpc.rollback(target) for slot in ahead))
         raise ProtocolError(f"the servers could not be brought to one step: {clocks}")
 
-    async def _join(self, slot: ServerSlot, config: str, first: bool) -> tuple[int, int]:
+    async def _join(self, slot: ServerSlot, config: str, first: bool) -> tuple[int, int, int]:
         records = [self._tensors.meta(s) for s in slot.shards]
         for attempt in itertools.count(1):
-            clock, initialized, seq = await slot.rpc.join(slot.clock, self.incarnation, config, records)
+            joined = await slot.rpc.join(slot.clock, self.incarnation, config, records)
+            clock, initialized, seq, barrier = joined
             if not first and initialized:
-                return clock, seq
+                return clock, seq, barrier
             try:  # the first time, also to check that the server's job is this one
                 await self._init(slot, config, with_values=not initialized)
-                return clock, seq
+                return clock, seq, barrier
             except WorkerDropped:  # the worker creating the job failed: try again, ours may win
                 if attempt == 3:
                     raise
@@ -382,6 +413,20 @@ class Worker:
             slot.clock, seq, metas, data, codec=codec, incarnation=self.incarnation, acked=acked
         )
 
+    async def _barrier(self, wait: float) -> int:
+        """The next barrier, on the job's first server (every worker places the same shards, so
+        it is the same server for all of them); rejoin and ask again if it dropped this worker."""
+        for attempt in range(2):
+            slot = self._serving()[0]
+            try:
+                self.barriers = await slot.rpc.barrier(self.barriers + 1, self.incarnation, wait)
+                return self.barriers
+            except WorkerDropped:
+                if attempt:
+                    raise
+                await self._recover()
+        raise AssertionError("unreachable")
+
     async def _stats(self) -> list[dict[str, Any]]:
         return list(await asyncio.gather(*(slot.rpc.stats(slot.clock) for slot in self._serving())))
 
@@ -392,7 +437,7 @@ class Worker:
         next push or pull."""
         wait = max(self.heartbeat * 4, 1.0)
         options = self._options._replace(connect_timeout=wait, request_timeout=wait)
-        sender = Sender(self.rank, self.world_size)
+        sender = Sender(self.rank, self.world_size, job=self.job)
         try:
             while True:
                 await asyncio.gather(*(s.beat(sender, self.incarnation, options) for s in self._serving()))
@@ -406,7 +451,7 @@ class Worker:
         await cancel_and_wait(self._beating)
         try:
             if self._joined:
-                sender = Sender(self.rank, self.world_size)
+                sender = Sender(self.rank, self.world_size, job=self.job)
                 leaving = (slot.leave(sender, self.incarnation, self.connect_timeout) for slot in self._slots)
                 await asyncio.gather(*leaving, return_exceptions=True)
         finally:
@@ -459,9 +504,41 @@ def pull_parameters(
     timeout: float = 60.0,
     token: str | None = None,
     tls: TlsFiles | None = None,
+    job: str | None = None,
 ) -> int:
-    """Write a job's current parameters into ``model`` without joining it (evaluation, export)."""
+    """Write a job's current parameters into ``model`` without joining it (evaluation, export).
+    The job: ``job``, else ``$TENSORWIRE_JOB``, else the one job on the servers whose model is
+    ``model`` (``find_job``). A job ends when its last worker leaves, unless the servers keep jobs
+    (``serve --keep-jobs``): pull before then, or from servers that keep them."""
+    job = job or os.environ.get(JOB_ENV) or find_job(model, servers, timeout=timeout, token=token, tls=tls)
     with Worker(
-        model, servers, rank=0, world_size=1, timeout=timeout, token=token, tls=tls, observer=True
+        model, servers, rank=0, world_size=1, timeout=timeout, token=token, tls=tls, observer=True, job=job
     ) as reader:
         return reader.version
+
+
+def find_job(
+    model: torch.nn.Module,
+    servers: Sequence[str] | str | None,
+    *,
+    timeout: float = 60.0,
+    token: str | None = None,
+    tls: TlsFiles | None = None,
+) -> str:
+    """The id of the one job on ``servers`` whose model is ``model`` (its parameters' names,
+    shapes and dtypes); ProtocolError if there is none, or several (name one: ``job=``)."""
+    digest = model_digest(check_params(model))
+    security = Security(tls, client_token(token))
+    found: set[str] = set()
+    for slot in resolve_servers(servers, 0, timeout):
+        for url in slot.split("|"):  # the first replica that answers
+            try:
+                (doc,) = server_stats([url], timeout=timeout, security=security)
+            except TensorwireError:
+                continue
+            found |= {job for job, summary in doc.get("jobs", {}).items() if summary.get("model") == digest}
+            break
+    if len(found) != 1:
+        said = f"jobs {', '.join(sorted(found)[:8])}" if found else "no job"
+        raise ProtocolError(f"the servers hold {said} of this model: name the job (job= or ${JOB_ENV})")
+    return found.pop()

@@ -50,10 +50,12 @@ class Opcode(enum.IntEnum):
     PUT_RESUMABLE = 20  # a put that survives a broken connection (docs/protocol.md §11.6)
     DIGEST = 21  # checksums of stored tensors (tensorwire.dataset.digest; docs/protocol.md §11.8)
     STATUS = 22  # the server's state as JSON: addresses, store, metrics endpoint, extensions (§11.9)
+    PS_BARRIER = 23  # every live worker of a job reached the same point (§13.2)
     # Striping (§11.7): one tensor over several connections, published by one commit.
     PUT_RANGE = 24
     PUT_COMMIT = 25
     GET_RANGE = 26
+    PS_END = 27  # end a parameter-server job, freeing its state (`tensorwire ps end`, §13.2)
     # Same-host shared memory (shm://, docs/protocol.md §12; served by server/shm.py).
     SHM_ATTACH = 32
     SHM_GET = 33

@@ -1,21 +1,31 @@
 """Metadata blocks of the parameter-server opcodes (docs/protocol.md, "Parameter server").
 
 Every parameter-server request starts with the same 28-byte head, ``u32 worker | u32 world |
-u64 clock | u64 seq | u32 wait_ms``, then an opcode's own fields:
+u64 clock | u64 seq | u32 wait_ms``, then the job it is for, ``"JB" | u8 length | ASCII id``
+(``encode_job``; an empty id: no job, as ALLREDUCE, an observer's PS_STATS, a replica's PING),
+then an opcode's own fields:
 
 =========  ===============================================  =========================================
 opcode     request after the head                           response
 =========  ===============================================  =========================================
 PS_INIT    config (string, JSON) | records; data: values    u8 created | u64 step
-PS_JOIN    [config | records] (``seq`` = incarnation)       u64 clock | u8 initialized | u64 seq
-PS_LEAVE   (nothing; ``seq`` = incarnation)                 (nothing)
+PS_JOIN    [config | records] (``seq`` = incarnation)       u64 clock | u8 initialized | u64 seq |
+                                                            u64 barrier
+PS_LEAVE   [u8 final] (``seq`` = incarnation)               (nothing)
 PS_PUSH    records | [codec] | [u64 incarnation]; data      u64 version | u32 staleness
 PS_PULL    names | [codec] (``seq`` = incarnation)          records | u64 version; data: values
 PS_STATS   (nothing)                                        u32 length | UTF-8 JSON
 ALLREDUCE  records; data: gradients (``clock`` = step)      records | u32 contributors; data: means
 HEARTBEAT  (nothing; ``seq`` = incarnation)                 u32 live (0: dropped, rejoin)
 ROLLBACK   (nothing; ``clock`` = the version to go back to)  u64 version
+BARRIER    (nothing; ``clock`` = generation, ``seq`` = inc.)  u64 generation released
+END        u8 force                                         (nothing)
 =========  ===============================================  =========================================
+
+A job id is what a name is, made safe for a directory name and a metric label: 1 to
+``MAX_JOB_BYTES`` ASCII letters, digits, ``.``, ``_`` and ``-``, starting with a letter or a digit
+(``check_job_id``; both sides check it). A request without the job block (a worker older than
+jobs) is a PROTOCOL_ERROR that says so.
 
 PS_PUSH, PS_PULL (request and response) and ALLREDUCE may end with a codec name (``u16 length |
 ASCII``, e.g. ``topk:0.01+fp16``): the data section then holds each tensor's payload in that
@@ -40,6 +50,7 @@ Answers that carry tensors put their records first, as GET_MANY does.
 
 from __future__ import annotations
 
+import re
 import struct
 from typing import NamedTuple
 
@@ -57,32 +68,73 @@ OBSERVER = 0xFFFFFFFF  # the worker id of a reader that is not a worker (pulls w
 MAX_CONFIG_BYTES = 0xFFFF
 MAX_STATS_BYTES = MAX_DOCUMENT_BYTES
 MAX_CODEC_BYTES = 64
+MAX_JOB_BYTES = 64
+JOB_TAG = b"JB"  # opens the job block: a frame of a worker older than jobs is told from a new one
 
 _HEAD = struct.Struct("<IIQQI")
+_JOB = re.compile(rf"[A-Za-z0-9][A-Za-z0-9._-]{{0,{MAX_JOB_BYTES - 1}}}")
 _U8 = struct.Struct("<B")
 _U16 = struct.Struct("<H")
 _U32 = struct.Struct("<I")
 _U64 = struct.Struct("<Q")
-_JOIN_REPLY = struct.Struct("<QBQ")
+_JOIN_REPLY = struct.Struct("<QBQQ")
 _U8_U64 = struct.Struct("<BQ")
 _U64_U32 = struct.Struct("<QI")
 
 
 class PsHead(NamedTuple):
-    """The fields every parameter-server request starts with."""
+    """The fields every parameter-server request starts with: the 28-byte head and the job."""
 
     worker: int
     world: int = 0
     clock: int = 0
     seq: int = 0
     wait_ms: int = 0
+    job: str = ""  # the job the request is for ("": none)
 
     def encode(self) -> bytes:
-        return _HEAD.pack(self.worker, self.world, self.clock, self.seq, self.wait_ms)
+        return _HEAD.pack(self.worker, self.world, self.clock, self.seq, self.wait_ms) + encode_job(self.job)
 
     @staticmethod
     def decode(reader: MetaReader) -> PsHead:
-        return PsHead(*reader.take(_HEAD))
+        worker, world, clock, seq, wait_ms = reader.take(_HEAD)
+        return PsHead(worker, world, clock, seq, wait_ms, decode_job(reader))
+
+
+def check_job_id(job: str, *, empty: bool = False) -> str:
+    """``job`` if it is a valid job id (see the module doc; ``empty``: "" too), else ValueError."""
+    if job == "" and empty:
+        return job
+    if not isinstance(job, str) or not _JOB.fullmatch(job):
+        shown = job[:80] if isinstance(job, str) else type(job).__name__
+        raise ValueError(
+            f"job id {shown!r} is not 1 to {MAX_JOB_BYTES} ASCII letters, digits, '.', '_' or '-' "
+            "starting with a letter or a digit"
+        )
+    return job
+
+
+def encode_job(job: str) -> bytes:
+    raw = check_job_id(job, empty=True).encode("ascii")
+    return JOB_TAG + _U8.pack(len(raw)) + raw
+
+
+def decode_job(reader: MetaReader) -> str:
+    """The job block after the head; ProtocolError for a frame without one (an older worker) or
+    an id that is not valid (checked before anything looks it up)."""
+    if reader.remaining < len(JOB_TAG) + 1 or reader.raw(len(JOB_TAG)) != JOB_TAG:
+        raise ProtocolError(
+            "this parameter-server request names no job after its head: a worker or client older "
+            "than this server (jobs came with issue 15)? Use the same tensorwire on workers and servers"
+        )
+    (n,) = reader.take(_U8)
+    if n > MAX_JOB_BYTES:
+        raise LimitExceeded(f"a job id of {n} bytes exceeds {MAX_JOB_BYTES}")
+    raw = reader.raw(n)
+    try:
+        return check_job_id(raw.decode("ascii"), empty=True)
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise ProtocolError(f"unusable job id {raw[:80]!r}: {exc}") from None
 
 
 def encode_config(config: str) -> bytes:
@@ -102,13 +154,28 @@ def decode_init_reply(reader: MetaReader) -> tuple[bool, int]:
     return bool(created), step
 
 
-def encode_join_reply(clock: int, initialized: bool, seq: int) -> bytes:
-    return _JOIN_REPLY.pack(clock, int(initialized), seq)
+def encode_join_reply(clock: int, initialized: bool, seq: int, barrier: int) -> bytes:
+    return _JOIN_REPLY.pack(clock, int(initialized), seq, barrier)
 
 
-def decode_join_reply(reader: MetaReader) -> tuple[int, bool, int]:
-    clock, initialized, seq = reader.take(_JOIN_REPLY)
-    return clock, bool(initialized), seq
+def decode_join_reply(reader: MetaReader) -> tuple[int, bool, int, int]:
+    """(clock, initialized, the last push seq applied, the last barrier generation released)."""
+    clock, initialized, seq, barrier = reader.take(_JOIN_REPLY)
+    return clock, bool(initialized), seq, barrier
+
+
+def encode_flag(value: bool) -> bytes:
+    """PS_LEAVE's ``final`` (the worker is done: its job may end), PS_END's ``force``."""
+    return _U8.pack(int(value))
+
+
+def decode_flag(reader: MetaReader, default: bool = False) -> bool:
+    if not reader.remaining:
+        return default
+    (value,) = reader.take(_U8)
+    if value > 1:
+        raise ProtocolError(f"a flag is 0 or 1, not {value}")
+    return bool(value)
 
 
 def encode_push_reply(version: int, staleness: int) -> bytes:

@@ -1,0 +1,314 @@
+"""How workers come and go in a parameter server's jobs: PS_INIT, PS_JOIN, PS_LEAVE, PS_BARRIER,
+PS_END, PS_ROLLBACK, heartbeat drops, and the same changes made by a backup.
+
+``Lifecycle`` serves these requests over the server's ``Jobs`` (ps/jobs.py) and ``Replica``. Each
+request names its job (wire/ps.py: the job id after the head). A join or an init may open a new
+job (``Jobs.open``: at most ``--max-jobs``), and a job it opened but left empty is dropped again
+(``Jobs.prune``), so a refused request leaves no trace. The job's own checks come first: a worker
+whose rank or world does not fit, or that runs another model, mode or optimizer than the job of
+its id, is refused naming each difference (``Job.check_worker``, ``Job.check_same_job``), before
+it is admitted or waits for anything.
+
+Who may end a job (PS_END, ``tensorwire ps end JOB``): any client the server admits, as for its
+other requests (with ``--token-file``, only clients that offered the token); while the job has
+live workers only with ``force``. Every change is replicated first (ps/replica.py), in the
+server's one order of changes; a backup makes it with the same code (``make_change``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+
+import torch
+
+from tensorwire.errors import NotPrimary, ProtocolError, ReplicationRefused, WorkerDropped
+from tensorwire.ps import checkpoint, replication
+from tensorwire.ps.exchange_server import GradientExchange, frame_session
+from tensorwire.ps.job import JobConfig, check_records, check_replicated, described_job
+from tensorwire.ps.jobs import JobRun, Jobs
+from tensorwire.ps.replica import Replica
+from tensorwire.server.core import Request
+from tensorwire.types import TensorMeta
+from tensorwire.wire import meta as wm
+from tensorwire.wire import ps as wps
+from tensorwire.wire.tensors import byte_view
+
+log = logging.getLogger("tensorwire.ps")
+
+
+class Lifecycle:
+    """The requests that open, join, leave and end jobs (see the module doc)."""
+
+    def __init__(self, jobs: Jobs, replica: Replica, exchange: GradientExchange) -> None:
+        self.jobs = jobs
+        self._replica = replica
+        self._exchange = exchange
+
+    def run_of(self, head: wps.PsHead) -> JobRun:
+        """The job a worker's request names; WorkerDropped (rejoin) if this server has none of it."""
+        if not head.job:
+            raise ProtocolError("this parameter-server request names no job (an empty job id)")
+        run = self.jobs.get(head.job)
+        if run is None:
+            raise WorkerDropped(
+                f"job {head.job!r} is not on this server (it ended, or the server restarted): rejoin"
+            )
+        return run
+
+    def _opened(self, head: wps.PsHead) -> JobRun:
+        if not head.job:
+            raise ProtocolError("a worker must name its job (an empty job id)")
+        return self.jobs.open(head.job)
+
+    # -- initialising ---------------------------------------------------------------------------
+    async def on_init(self, request: Request) -> None:
+        self._replica.serving()
+        head = wps.PsHead.decode(request.meta)
+        config = JobConfig.from_json(wps.decode_config(request.meta))
+        metas = wm.decode_records(request.meta)
+        request.meta.done()
+        # Without data it only checks that the server's job is the worker's (a rejoining worker).
+        check_only = request.header.data_len == 0 and any(m.nbytes for m in metas)
+        check_records(metas, None if check_only else request.header.data_len)
+        run = self._opened(head)
+        try:
+            await self._init(run, request, head, config, metas, check_only=check_only)
+        finally:
+            self.jobs.prune(run)
+
+    async def _init(
+        self,
+        run: JobRun,
+        request: Request,
+        head: wps.PsHead,
+        config: JobConfig,
+        metas: list[TensorMeta],
+        *,
+        check_only: bool,
+    ) -> None:
+        job = run.job
+        if check_only and job.config is None and not run.initializing:
+            raise ProtocolError(f"PS_INIT without values, but job {run.id!r} has no parameters here yet")
+        job.check_worker(head)
+        if job.config is None and not run.initializing:
+            copies = 1 + config.optimizer.state_copies
+            run.budget.check(copies * request.header.data_len, "the job's parameters and optimizer state")
+            await self._create(run, request, head, config, metas)
+            await request.reply(wps.encode_init_reply(True, job.step))
+            return
+        await request.skip()  # someone else's values won: this worker pulls them
+        with request.waiting():
+            ready = lambda: job.config is not None or not run.initializing  # noqa: E731
+            await run.consistency.wait(ready, head, "the job's parameters to be initialised")
+        if job.config is None:  # the worker creating it failed: this one may try again
+            raise WorkerDropped("the worker that was creating the job failed: initialise it again")
+        job.check_same_job(config, metas)
+        await request.reply(wps.encode_init_reply(False, job.step))
+
+    async def _create(
+        self, run: JobRun, request: Request, head: wps.PsHead, config: JobConfig, metas: list[TensorMeta]
+    ) -> None:
+        run.initializing = True
+        try:
+            values = [torch.empty(m.numel, dtype=m.dtype) for m in metas]
+            await request.receive([byte_view(v) for v in values])
+            async with self._replica.in_order():
+                run.consistency.check_open()
+                body = wps.encode_config(config.to_json()) + wm.encode_records(metas)
+                await self._replica.replicate(
+                    replication.Change.CREATE, head, body, [byte_view(v) for v in values]
+                )
+                run.job.install(head.world, config, metas, values)
+        finally:
+            run.initializing = False
+            run.consistency.notify()
+
+    # -- joining and leaving --------------------------------------------------------------------
+    async def on_join(self, request: Request) -> None:
+        self._replica.serving()
+        head = wps.PsHead.decode(request.meta)
+        described = described_job(request.meta)
+        request.meta.done()
+        if not head.seq:
+            raise ProtocolError("PS_JOIN needs the worker process's incarnation (random, not 0) in seq")
+        self.jobs.check_not_ended(head.job, head.seq)
+        run = self._opened(head)
+        try:
+            await self._join(run, request, head, described)
+        finally:
+            self.jobs.prune(run)
+
+    async def _join(
+        self,
+        run: JobRun,
+        request: Request,
+        head: wps.PsHead,
+        described: tuple[JobConfig, list[TensorMeta]] | None,
+    ) -> None:
+        job, members, consistency = run.job, run.members, run.consistency
+        job.check_worker(head)
+        job.check_joining_job(described)  # a worker of another job changes nothing, not even by waiting
+        with request.waiting():  # a restarted worker: its old process is dropped after its heartbeats
+            await consistency.wait(lambda: members.rank_free(head), head, f"rank {head.worker} to be freed")
+        async with self._replica.in_order():
+            consistency.check_open()
+            async with consistency.step_lock():  # a step being taken does not count it
+                members.check_rank_free(head)
+                job.check_joining_job(described)  # the job may have been created meanwhile
+                await self._replica.replicate(replication.Change.JOIN, head)
+                reply = self._admit(run, head)
+            await consistency.apply_ready_steps()  # a rejoin for the next step may complete this one
+        await request.reply(reply)
+
+    @staticmethod
+    def _admit(run: JobRun, head: wps.PsHead) -> bytes:
+        reply = run.members.admit(head)
+        run.consistency.notify()
+        return reply
+
+    async def on_leave(self, request: Request) -> None:
+        self._replica.serving()
+        head = wps.PsHead.decode(request.meta)
+        final = wps.decode_flag(request.meta, default=True)
+        request.meta.done()
+        run = self.jobs.get(head.job) if head.job else None
+        state = run.members.workers.get(head.worker) if run is not None else None
+        member = run is not None and run.members.session_of(head) is not None
+        session = frame_session(request, head)
+        # The job's worker of that rank, or the exchange client that holds it in the exchange (a
+        # program may use both under one rank); anyone else changes nothing.
+        held = self._exchange.held_by(head.worker, session)
+        if run is not None and state is not None and state.live and head.seq and not member and not held:
+            run.members.refuse_identity(request, head, head.seq)
+        self._exchange.leave(head.worker, session, strict=not member)
+        if member:
+            assert run is not None
+            async with self._replica.in_order():
+                await self._replica.replicate(replication.Change.LEAVE, head, wps.encode_flag(final))
+                await run.consistency.leave(head.worker, "left" if final else "stepped aside")
+                if final and self.jobs.done(run):  # its last worker: the job ends (its backups follow)
+                    await self._replica.replicate(replication.Change.END, head, wps.encode_flag(False))
+                    await self.jobs.end(run, "its last worker left")
+        await request.reply(b"")
+
+    async def drop(self, run: JobRun, worker: int) -> None:
+        """A worker the heartbeat watchdog found silent: out of the exchange and the job."""
+        self._exchange.leave(worker)
+        run.members.dropped += 1
+        async with self._replica.in_order():
+            # Stepped down meanwhile: its primary decides. A backup refusing the credentials:
+            # the drop is not made (the worker stays live); the next round tries again.
+            with contextlib.suppress(NotPrimary, ReplicationRefused):
+                await self._replica.replicate(replication.Change.DROP, wps.PsHead(worker, job=run.id))
+                timeout = run.members.heartbeat_timeout
+                await run.consistency.leave(worker, f"dropped (no heartbeat for {timeout:.3g}s)")
+
+    async def on_heartbeat(self, request: Request) -> None:
+        self._replica.serving()
+        head = wps.PsHead.decode(request.meta)
+        request.meta.done()
+        run = self.jobs.get(head.job) if head.job else None
+        state = run.members.session_of(head) if run is not None else None
+        if state is not None:
+            state.heard = time.monotonic()
+        await request.reply(wps.encode_u32(int(state is not None)))
+
+    # -- barriers, ends, rollbacks --------------------------------------------------------------
+    async def on_barrier(self, request: Request) -> None:
+        self._replica.serving()
+        head = wps.PsHead.decode(request.meta)
+        request.meta.done()
+        run = self.run_of(head)
+        released = await run.consistency.barrier(request, head)
+        await request.reply(wps.encode_u64(released))
+
+    async def on_end(self, request: Request) -> None:
+        """PS_END (``tensorwire ps end JOB [--force]``): see the module doc for who may."""
+        self._replica.serving()
+        head = wps.PsHead.decode(request.meta)
+        force = wps.decode_flag(request.meta)
+        request.meta.done()
+        run = self.jobs.get(head.job) if head.job else None
+        if run is None:
+            raise ProtocolError(f"this server holds no job {head.job!r}")
+        live = run.members.live()
+        if live and not force:
+            raise ProtocolError(
+                f"job {run.id!r} has live workers ({', '.join(map(str, live[:16]))}): it ends when they "
+                "leave, or now with --force (they then get an error)"
+            )
+        async with self._replica.in_order():
+            await self._replica.replicate(replication.Change.END, head, wps.encode_flag(force))
+            await self.jobs.end(
+                run, "ended by tensorwire ps end" + (" --force" if force else ""), force=force
+            )
+        await request.reply(b"")
+
+    async def on_rollback(self, request: Request) -> None:
+        """Go back to the job's checkpoint of version ``clock``: after a restart of several
+        servers, workers bring them all to the newest version every one of them has."""
+        self._replica.serving()
+        head = wps.PsHead.decode(request.meta)
+        request.meta.done()
+        run = self.run_of(head)
+        if run.members.live():
+            raise ProtocolError(f"cannot roll back while workers {run.members.live()} are live")
+        policy = run.state.policy
+        # Read first (off the loop): a checkpoint that is not complete changes nothing, here or on a backup.
+        snapshot = await run.job.run(checkpoint.load, policy.directory, head.clock) if policy else None
+        if snapshot is None:
+            raise WorkerDropped(
+                f"no checkpoint of version {head.clock} of job {run.id!r} here to roll back to"
+            )
+        async with self._replica.in_order():
+            await self._replica.replicate(replication.Change.ROLLBACK, head)
+            run.state.restored(snapshot)
+            run.consistency.notify()
+        await request.reply(wps.encode_u64(run.job.version))
+
+    # -- a backup -------------------------------------------------------------------------------
+    async def make_change(self, change: replication.Change, head: wps.PsHead, request: Request) -> None:
+        """A backup makes its primary's change (checked by ``Replica.on_replicate``) as it did."""
+        if change == replication.Change.PING:
+            return
+        if change in (replication.Change.CREATE, replication.Change.JOIN):
+            run = self.jobs.open(head.job, limit=False)  # the primary checked --max-jobs
+            if change == replication.Change.CREATE:
+                await self._make_create(run, head, request)
+                return
+            async with run.consistency.step_lock():
+                self._admit(run, head)
+            await run.consistency.apply_ready_steps()
+            return
+        held = self.jobs.get(head.job)
+        if held is None:  # the primary sends it a state transfer first, then this change again
+            raise ProtocolError(f"job {head.job!r} is not on this backup: out of step with its primary")
+        run = held
+        if change == replication.Change.LEAVE:
+            final = wps.decode_flag(request.meta, default=True)
+            await run.consistency.leave(head.worker, "left" if final else "stepped aside")
+        elif change == replication.Change.DROP:
+            await run.consistency.leave(head.worker, "dropped (replicated)")
+        elif change == replication.Change.PUSH:
+            await run.consistency.apply_replicated(request, head)
+        elif change == replication.Change.READ:
+            run.members.workers[head.worker].read_clock = head.clock
+        elif change == replication.Change.BARRIER:
+            run.consistency.arrive(head.worker, head.clock)
+        elif change == replication.Change.END:
+            force = wps.decode_flag(request.meta)
+            await self.jobs.end(
+                run, "ended by tensorwire ps end" + (" --force" if force else ""), force=force
+            )
+        elif change == replication.Change.ROLLBACK and run.state.policy is not None:
+            run.state.restore(run.state.policy.directory, head.clock)
+
+    async def _make_create(self, run: JobRun, head: wps.PsHead, request: Request) -> None:
+        config = JobConfig.from_json(wps.decode_config(request.meta))
+        metas = wm.decode_records(request.meta)
+        check_replicated(metas, request.header.data_len, run.budget.capacity)  # before allocating
+        values = [torch.empty(m.numel, dtype=m.dtype) for m in metas]
+        await request.receive([byte_view(v) for v in values])
+        run.job.install(head.world, config, metas, values)
