@@ -1,5 +1,5 @@
-"""``tensorwire ps serve | launch | stats | plan`` (the parameter server) and ``tensorwire status``
-(one screen about a cluster of servers, ``tensorwire.cli.status``).
+"""``tensorwire ps serve | launch | stats | end | plan`` (the parameter server) and ``tensorwire
+status`` (one screen about a cluster of servers, ``tensorwire.cli.status``).
 
 The parameter server's modules are heavy and only these commands need them: each command imports
 what it runs when it runs.
@@ -53,15 +53,52 @@ def ps_launch(
     raise SystemExit(launch.run(script, servers, workers, timeout, replicas))
 
 
+def _job_param(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    from tensorwire.wire.ps import check_job_id
+
+    try:
+        return None if value is None else check_job_id(value)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), ctx, param) from exc
+
+
 @ps.command("stats")
 @click.argument("servers", nargs=-1, required=True, callback=url_param)
+@click.option("--job", metavar="JOB", callback=_job_param, help="That job's view (default: the server's).")
+@click.option("--jobs", "as_table", is_flag=True, help="One line per job of each server, not JSON.")
 @security_options
-def ps_stats(servers: tuple[str, ...]) -> None:
-    """Print each parameter server's view of its job (JSON): mode, step, workers, staleness."""
+def ps_stats(servers: tuple[str, ...], job: str | None, as_table: bool) -> None:
+    """Print each parameter server's view (JSON): role, capacity, its jobs (id, mode, world, live
+    workers, step), the jobs that ended, and a job's mode, step, workers, staleness (--job JOB,
+    or the server's only job)."""
     from tensorwire.ps.worker import server_stats
 
     security = ClientOptions(**client_options()).security()
-    click.echo(json.dumps(server_stats(list(servers), security=security), indent=2))
+    docs = server_stats(list(servers), security=security, job=job)
+    if not as_table:
+        click.echo(json.dumps(docs, indent=2))
+        return
+    click.echo(f"{'server':32} {'job':40} {'mode':8} {'world':>5} {'live':>5} {'step':>8}")
+    for url, doc in zip(servers, docs, strict=True):
+        for job_id, summary in sorted(doc.get("jobs", {}).items()):
+            click.echo(f"{url:32} {job_id:40} {summary.get('mode') or '-':8} {summary.get('world', 0):>5} "
+                       f"{summary.get('live', 0):>5} {summary.get('step', 0):>8}")  # fmt: skip
+
+
+@ps.command("end")
+@click.argument("job", callback=_job_param)
+@click.argument("servers", nargs=-1, required=True, callback=url_param)
+@click.option("--force", is_flag=True, help="End it even while workers are live (they then get an error).")
+@security_options
+def ps_end(job: str, servers: tuple[str, ...], force: bool) -> None:
+    """End JOB on each of SERVERS: its state freed, its last checkpoint written (with
+    --checkpoint-dir). Refused while it has live workers, unless --force. Any client the servers
+    admit may do it (with --token-file, one that offers the token)."""
+    from tensorwire.ps.rpc import end_job
+
+    security = ClientOptions(**client_options()).security()
+    end_job(list(servers), job, force=force, security=security)
+    click.echo(f"ended job {job} on {len(servers)} server(s)")
 
 
 @ps.command("plan")

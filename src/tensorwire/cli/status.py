@@ -9,6 +9,9 @@ runs at once, each wait bounded by ``timeout`` and each server's whole probe by 
 times it (a server that answers each read just in time cannot stretch it): a server that is down
 shows as down, with why, within that time; it never holds up the others.
 
+A parameter server's jobs are listed below the servers, one row per job of each server (id, mode,
+live workers of the world, step).
+
 What a server answers is untrusted: the metrics URL it reports is scraped only if it is plain
 ``http(s)://host:port/...`` (never ``file://`` or another scheme; redirects are not followed), the
 page is read up to ``MAX_METRICS_BYTES``, every STATUS field is type-checked before it is shown,
@@ -266,9 +269,11 @@ def summary(node: Node) -> dict[str, Any]:
     status = _obj(node.status)
     store, ps = _obj(status.get("store")), _obj(status.get("ps"))
     role = _str(ps.get("role")) or _label(node, "tensorwire_ps_role", "role")
+    jobs = _jobs(ps)
     if (
         role == "primary"
         and not ps.get("mode")
+        and not jobs
         and not ps.get("backups")
         and not node.value("tensorwire_ps_shards")
     ):
@@ -287,7 +292,24 @@ def summary(node: Node) -> dict[str, Any]:
         "cpu_s": _finite(node.value("process_cpu_seconds_total")),
         "rss": _int(node.value("process_resident_memory_bytes")),
         "lag": _lag(ps, node),
+        "jobs": jobs,
     }
+
+
+MAX_JOBS_SHOWN = 64  # of one server: a server may answer anything
+
+
+def _jobs(ps: dict[str, Any]) -> list[dict[str, Any]]:
+    """The jobs a parameter server lists (id, mode, world, live workers, step), each field checked."""
+    jobs = ps.get("jobs")
+    if not isinstance(jobs, dict):
+        return []
+    listed = []
+    for job, entry in list(jobs.items())[:MAX_JOBS_SHOWN]:
+        e = _obj(entry)
+        listed.append({"job": str(job), "mode": _str(e.get("mode")), "world": _num(e.get("world")),
+                       "live": _num(e.get("live")), "step": _num(e.get("step"))})  # fmt: skip
+    return listed
 
 
 def _obj(value: object) -> dict[str, Any]:
@@ -354,7 +376,9 @@ def _lag(ps: dict[str, Any], node: Node) -> str | None:
 
 
 def render(nodes: Sequence[Node]) -> Any:
-    """A rich table, one row per server; every string a server chose is escaped (``markup``)."""
+    """A rich table, one row per server, then one of the parameter servers' jobs; every string a
+    server chose is escaped (``markup``)."""
+    from rich.console import Group
     from rich.table import Table
 
     up = sum(n.up for n in nodes)
@@ -374,6 +398,26 @@ def render(nodes: Sequence[Node]) -> Any:
             s["workers"] or "", f"{_bytes(s['stored'])} / {_bytes(s['capacity'])}", _requests(s), _cpu(s),
             markup(s["lag"] or ""),
         )  # fmt: skip
+    jobs = _jobs_table([n for n in nodes if n.up])
+    return table if jobs is None else Group(table, jobs)
+
+
+def _jobs_table(nodes: Sequence[Node]) -> Any:
+    """The parameter servers' jobs, one row each (None when no server lists one)."""
+    from rich.table import Table
+
+    rows = [(node.url, job) for node in nodes for job in summary(node)["jobs"]]
+    if not rows:
+        return None
+    table = Table(title="jobs", title_justify="left")
+    table.add_column("server", overflow="fold")
+    table.add_column("job", overflow="fold")
+    for column in ("mode", "workers", "step"):
+        table.add_column(column, no_wrap=True)
+    for url, job in rows:
+        workers = f"{_text(job['live'])}/{_text(job['world'])}"
+        table.add_row(markup(url), markup(job["job"], 80), markup(job["mode"] or "", 40), workers,
+                      _text(job["step"]))  # fmt: skip
     return table
 
 

@@ -2,12 +2,14 @@
 
 * ``placement``: which server holds which range of which parameter (``plan``).
 * ``job``: ``Mode``, ``JobConfig``, ``CheckpointPolicy``: what every worker of a job agrees on.
-* ``server``: ``ParamServer``, the extension ``tensorwire ps serve`` adds to a server: shards,
-  their optimizer, and the ``sync`` / ``async`` / ``ssp:<s>`` consistency modes. It wires one
-  part per concern: ``membership`` (the workers), ``consistency`` (gates, pushes, steps),
-  ``snapshots`` (pulls), ``gradients`` (push buffers), ``replica`` (role, epoch, failover),
-  ``state`` (the job taken and loaded whole), ``budget`` (memory), ``metrics`` (Prometheus).
-* ``worker``: ``Worker``, which wraps a module for a training loop (pull, push, step).
+* ``server``: ``ParamServer``, the extension ``tensorwire ps serve`` adds to a server: several
+  jobs at once (each named by an id), each with its shards, their optimizer, and the ``sync`` /
+  ``async`` / ``ssp:<s>`` consistency modes. It wires one part per concern: ``jobs`` (the jobs
+  and each one's parts), ``lifecycle`` (joins, leaves, barriers, ends), ``membership`` (the
+  workers), ``consistency`` (gates, pushes, steps), ``snapshots`` (pulls), ``gradients`` (push
+  buffers), ``state`` (a job taken and loaded whole), ``replica`` (role, epoch, failover: one per
+  server), ``budget`` (memory), ``metrics`` (Prometheus).
+* ``worker``: ``Worker``, which wraps a module for a training loop (pull, push, step, barrier).
 * ``exchange_server`` / ``exchange_client``: the gradient exchange (an ``allreduce`` of gradients
   over a server, by TCP or by gRPC ``train.GradientService``) for code that keeps its optimizer
   local; ``ExchangeClient`` (also ``ps.allreduce.ExchangeClient``, its older name).

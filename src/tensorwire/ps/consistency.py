@@ -129,6 +129,7 @@ class Consistency:
             )
         if generation > state.barrier:
             async with self._replica.in_order():
+                self.check_open()
                 await self._replica.replicate(replication.Change.BARRIER, head)
                 self.arrive(head.worker, generation)
         with request.waiting():
@@ -193,6 +194,7 @@ class Consistency:
             # The backups' body is the one older releases sent (no incarnation: the primary vouches).
             body = wm.encode_records(metas) + wps.encode_codec(codec.name if codec else None)
             async with self._replica.in_order():
+                self.check_open()  # the job may have ended (tensorwire ps end --force) meanwhile
                 # Backups get the payloads as they came and decode them with the same code, so
                 # they hold the same bits (and replication moves the compressed bytes).
                 await self._replica.replicate(replication.Change.PUSH, head, body, data)

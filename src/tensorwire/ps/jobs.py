@@ -146,7 +146,8 @@ class JobRun:
                 for w, s in sorted(members.workers.items())
             },
             "live": members.live(),
-            "barrier": members.released,
+            "barrier": members.released,  # the last barrier generation released
+            "barriers": {str(w): s.barrier for w, s in sorted(members.workers.items()) if s.live},
             "duplicates_ignored": consistency.duplicates,
             "pulls_sending": self.pulls.sending,
             "workers_dropped": members.dropped,
@@ -280,7 +281,7 @@ class Jobs:
             tensors.update({f"{i}:@optimizer/{k}": t for k, t in snapshot.optimizer.items()})
         return {"jobs": order}, tensors
 
-    def load_all(self, state: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
+    async def load_all(self, state: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
         """Make a primary's state transfer this server's jobs; those it does not name are dropped
         (they ended on the primary while this backup was away; their checkpoints stay)."""
         named = {job_id for job_id, _ in state["jobs"]}
@@ -288,6 +289,7 @@ class Jobs:
             if run.id not in named:
                 del self.runs[run.id]
                 run.consistency.close("ended on the primary")
+                await run.members.stop()
                 run.free()
         for i, (job_id, job_state) in enumerate(state["jobs"]):
             mine = {k.partition(":")[2]: t for k, t in tensors.items() if k.partition(":")[0] == str(i)}

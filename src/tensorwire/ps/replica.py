@@ -67,7 +67,7 @@ class Holder(Protocol):
         """Every job's state (JSON-able) and tensors, for a state transfer (SYNC)."""
         ...
 
-    def load_all(self, state: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
+    async def load_all(self, state: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
         """Make a state transfer the server's jobs (those it does not name end)."""
         ...
 
@@ -250,7 +250,7 @@ class Replica:
             raise InvalidTensor("the state transfer's records do not add up to its data length")
         tensors = {m.name: torch.empty(m.shape, dtype=m.dtype) for m in metas}
         await request.receive([byte_view(t) for t in tensors.values()])
-        self.holder.load_all(state, tensors)
+        await self.holder.load_all(state, tensors)
         log.info("state transfer from the primary: %s", self.holder.describe())
 
     async def close(self) -> None:

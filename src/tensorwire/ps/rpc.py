@@ -24,7 +24,7 @@ from typing import Any, NamedTuple, Protocol, TypeVar
 
 from tensorwire import transport as transports
 from tensorwire._aio import run
-from tensorwire.errors import ProtocolError
+from tensorwire.errors import ConnectError, NotPrimary, ProtocolError
 from tensorwire.security import Security, client_token
 from tensorwire.transport.base import Sink
 from tensorwire.types import TensorMeta
@@ -241,9 +241,19 @@ def end_job(
     security: Security | None = None,
 ) -> None:
     """PS_END of ``job`` on every server (``tensorwire ps end``): its state freed, its last
-    checkpoint written. Refused while it has live workers, unless ``force``."""
+    checkpoint written. Refused while it has live workers, unless ``force``. A server given as its
+    replicas (``a|b``) is asked at the one that answers as the primary."""
     wps.check_job_id(job)
-    _each(servers, lambda rpc: rpc.end(force), security or Security(None, client_token(token)), timeout, job)
+    security = security or Security(None, client_token(token))
+    for server in servers:
+        replicas = server.split("|")
+        for i, url in enumerate(replicas):
+            try:
+                _each([url], lambda rpc: rpc.end(force), security, timeout, job)
+                break
+            except (NotPrimary, ConnectError):
+                if i == len(replicas) - 1:
+                    raise
 
 
 def _each(

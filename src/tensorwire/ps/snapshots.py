@@ -111,8 +111,10 @@ class Snapshots:
             read = self._members.slowest() if job.mode and job.mode.kind != "sync" else head.clock
             if read != state.read_clock:
                 async with self._replica.in_order():
+                    consistency.check_open()
                     await self._replica.replicate(replication.Change.READ, head._replace(clock=read))
                     state.read_clock = read
+        consistency.check_open()
         with request.waiting():
             snapshot = await self._published(head)
         snapshot.readers += 1

@@ -149,8 +149,10 @@ class Worker:
         self.servers = resolve_servers(servers, self.rank, timeout)
         self._params = check_params(model)
         # The job: named, or derived from the model and the mode (another model: another job).
-        named = job if job is not None else os.environ.get(JOB_ENV) or None
-        self.job = wps.check_job_id(named or default_job_id(model_digest(self._params), self.mode))
+        named = job if job is not None else os.environ.get(JOB_ENV) or None  # an empty variable: unset
+        self.job = wps.check_job_id(
+            default_job_id(model_digest(self._params), self.mode) if named is None else named
+        )
         self.barriers = 0  # the last barrier generation this worker passed
         self.push_codec, self.pull_codec = resolve(push_codec), resolve(pull_codec)
         if self.pull_codec is not None and self.pull_codec.sparse:
