@@ -1,8 +1,10 @@
-"""Where a worker finds its job: the servers' URLs, its rank and the world size.
+"""Where a worker finds its job: the servers' URLs, its rank and the world size, the job's id.
 
 Servers: given, else ``$TENSORWIRE_SERVERS``, else (under ``torchrun``) what rank 0 published in
 torchrun's rendezvous store (``resolve_servers``). Rank and world size: given, else ``$RANK`` and
 ``$WORLD_SIZE`` (set by torchrun and by ``tensorwire ps launch``), else the default (``env_int``).
+The job: given, else ``$TENSORWIRE_JOB`` (``JOB_ENV``), else derived from the model and mode
+(``ps.Worker``); a reader that names none finds the one job of its model (``find_job``).
 """
 
 from __future__ import annotations
@@ -12,8 +14,14 @@ from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any
 
-from tensorwire.errors import TensorwireError
+import torch
 
+from tensorwire.errors import ProtocolError, TensorwireError
+from tensorwire.ps.rpc import server_stats
+from tensorwire.ps.shards import check_params, model_digest
+from tensorwire.security import Security, TlsFiles, client_token
+
+JOB_ENV = "TENSORWIRE_JOB"  # the job id of workers that name none
 SERVERS_ENV = "TENSORWIRE_SERVERS"
 STORE_KEY = "tensorwire/servers"
 
@@ -60,3 +68,30 @@ def env_int(name: str, given: int | None, default: int) -> int:
         return int(raw)
     except ValueError:
         raise ValueError(f"${name} must be a whole number, not {raw!r}") from None
+
+
+def find_job(
+    model: torch.nn.Module,
+    servers: Sequence[str] | str | None,
+    *,
+    timeout: float = 60.0,
+    token: str | None = None,
+    tls: TlsFiles | None = None,
+) -> str:
+    """The id of the one job on ``servers`` whose model is ``model`` (its parameters' names,
+    shapes and dtypes); ProtocolError if there is none, or several (name one: ``job=``)."""
+    digest = model_digest(check_params(model))
+    security = Security(tls, client_token(token))
+    found: set[str] = set()
+    for slot in resolve_servers(servers, 0, timeout):
+        for url in slot.split("|"):  # the first replica that answers
+            try:
+                (doc,) = server_stats([url], timeout=timeout, security=security)
+            except TensorwireError:
+                continue
+            found |= {job for job, summary in doc.get("jobs", {}).items() if summary.get("model") == digest}
+            break
+    if len(found) != 1:
+        said = f"jobs {', '.join(sorted(found)[:8])}" if found else "no job"
+        raise ProtocolError(f"the servers hold {said} of this model: name the job (job= or ${JOB_ENV})")
+    return found.pop()

@@ -73,7 +73,7 @@ from tensorwire.errors import ProtocolError, TensorwireError, WorkerDropped
 from tensorwire.ps.job import JobConfig, Mode, default_job_id
 from tensorwire.ps.optim import SGD, OptimizerSpec, spec_of
 from tensorwire.ps.placement import ParamSpec, Placement, plan
-from tensorwire.ps.rendezvous import SERVERS_ENV, STORE_KEY, env_int, resolve_servers
+from tensorwire.ps.rendezvous import JOB_ENV, SERVERS_ENV, STORE_KEY, env_int, find_job, resolve_servers
 from tensorwire.ps.rpc import Sender, server_stats
 from tensorwire.ps.shards import ModelShards, check_params, check_trainable, model_digest
 from tensorwire.ps.slot import RETRY_CAP, ServerSlot
@@ -88,6 +88,7 @@ __all__ = [
     "Worker",
     "check_trainable",
     "env_int",
+    "find_job",
     "model_digest",
     "pull_parameters",
     "resolve_servers",
@@ -96,7 +97,6 @@ __all__ = [
 
 log = logging.getLogger("tensorwire.ps.worker")
 T = TypeVar("T")
-JOB_ENV = "TENSORWIRE_JOB"  # the job id of workers that name none
 CATCH_UP_TRIES = 10  # joins that wait for servers a step behind before rolling them back
 _MARGIN = 10.0  # a request's own timer runs this much longer than the server's wait, so the
 # server's answer (naming who it waited for) arrives before the client gives up.
@@ -517,30 +517,3 @@ def pull_parameters(
         model, servers, rank=0, world_size=1, timeout=timeout, token=token, tls=tls, observer=True, job=job
     ) as reader:
         return reader.version
-
-
-def find_job(
-    model: torch.nn.Module,
-    servers: Sequence[str] | str | None,
-    *,
-    timeout: float = 60.0,
-    token: str | None = None,
-    tls: TlsFiles | None = None,
-) -> str:
-    """The id of the one job on ``servers`` whose model is ``model`` (its parameters' names,
-    shapes and dtypes); ProtocolError if there is none, or several (name one: ``job=``)."""
-    digest = model_digest(check_params(model))
-    security = Security(tls, client_token(token))
-    found: set[str] = set()
-    for slot in resolve_servers(servers, 0, timeout):
-        for url in slot.split("|"):  # the first replica that answers
-            try:
-                (doc,) = server_stats([url], timeout=timeout, security=security)
-            except TensorwireError:
-                continue
-            found |= {job for job, summary in doc.get("jobs", {}).items() if summary.get("model") == digest}
-            break
-    if len(found) != 1:
-        said = f"jobs {', '.join(sorted(found)[:8])}" if found else "no job"
-        raise ProtocolError(f"the servers hold {said} of this model: name the job (job= or ${JOB_ENV})")
-    return found.pop()
