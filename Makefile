@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 TORCH := torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test test-unit test-integration test-fault bench bench-all lint format proto fuzz clean
+.PHONY: install demo test test-unit test-integration test-fault gpu-check bench bench-all lint format proto fuzz clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -32,6 +32,12 @@ test-integration: $(STAMP)
 
 test-fault: $(STAMP)
 	$(BIN)/python -m pytest -q tests/fault
+
+# The CUDA tests (pytest -m cuda) and a short GPU benchmark, one JSON line: a CUDA MLP through 2
+# servers and 2 workers vs one GPU (within 1e-5), staging GB/s vs plain torch copies. Needs a torch
+# built with CUDA; without a device it says so and exits 0 (GPU_CHECK=--require: exit 2 instead).
+gpu-check: $(STAMP)
+	$(BIN)/tensorwire bench gpu --tests tests --json $(GPU_CHECK)
 
 bench: $(STAMP)
 	$(BIN)/tensorwire bench transfer --json

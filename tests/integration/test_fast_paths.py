@@ -160,6 +160,7 @@ def test_staged_pipeline_moves_every_piece_in_order(server: ServerThread) -> Non
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (none on this machine)")
 
 
+@pytest.mark.cuda
 @cuda
 def test_cuda_put_and_get_into_a_device_tensor(server: ServerThread) -> None:
     x = torch.randn(5_000_001, device="cuda")

@@ -82,6 +82,12 @@ BENCHMARKS: dict[str, Benchmark] = {
             None,  # needs root for network namespaces and ~2 minutes: docs/scaling.md has its table
         ),
         Benchmark(
+            "gpu",
+            "The CUDA tests, PS training on a GPU vs one GPU, staging GB/s vs torch copies "
+            "(--json, --tests DIR, --require).",
+            None,  # `make gpu-check` runs it where there is a GPU; elsewhere it skips
+        ),
+        Benchmark(
             "sweep",
             "Bandwidth by tensor size (4 KiB to 256 MiB), latency percentiles, CPU s/GB and peak RSS "
             "per transport and peer (--max-size, --json).",

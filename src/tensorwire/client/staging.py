@@ -12,17 +12,28 @@ host-to-device copy of it while the next piece arrives.
 Pinned memory is costly to allocate (it is locked in RAM and registered with the driver), so the
 pool keeps at most ``count`` buffers per client and reuses them for every transfer.
 
+A request of the frame protocol that carries many tensors in one frame (a parameter-server push or
+pull, an allreduce) cannot be cut into requests of its own: its bytes pass through one
+``HostArena`` (a pinned buffer kept and reused from request to request). ``stage_out`` starts the
+device-to-host copies of all its tensors, piece by piece, and hands the transport ``StagedSegments``
+(the transport's ``StagedData``): the transport awaits each piece's copy just before it sends that
+piece, so the copy of the next piece overlaps the send of this one. ``copy_in`` starts the copies
+of an answer landed in the arena back into device tensors.
+
 The device side is behind ``Copier`` so the pipeline (pieces, buffer reuse, ordering) runs on
-machines without CUDA too: ``HostCopier`` copies synchronously, and tests use it.
+machines without CUDA too: ``HostCopier`` copies synchronously, and tests use it or a copier of
+their own that copies late, on a thread.
 """
 
 from __future__ import annotations
 
 import asyncio
+import bisect
+import contextlib
 import functools
 from collections import deque
-from collections.abc import Awaitable, Callable
-from typing import Protocol, TypeVar
+from collections.abc import Awaitable, Callable, Iterator, Sequence
+from typing import Protocol, TypeVar, overload
 
 import torch
 
@@ -74,13 +85,38 @@ class PinnedPool:
 
 
 class Copier(Protocol):
-    """Asynchronous copies between a device tensor's bytes and host buffers."""
+    """Asynchronous copies between device memory and host buffers, in one queue (a CUDA stream):
+    they complete in the order they were started, so waiting for one handle waits for every copy
+    started before it.
+
+    Lifecycle: in the thread that computes, ``after_compute`` before copying what it computed; on
+    the event loop, ``copy`` any number of times, and ``wait`` for a handle before the host reads a
+    copy's bytes or reuses its buffer; ``mark`` (a handle of everything started so far, kernels run
+    ``inside()`` the queue included), then, in the thread that computes, ``compute_waits(mark)``
+    before it uses what was copied to the device: its own queue waits, the host does not.
+    """
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> object:
         """Start ``dst.copy_(src)``; returns a handle for ``wait``."""
         ...
 
     async def wait(self, handle: object) -> None: ...
+
+    def after_compute(self) -> None:
+        """Copies started from now on run after the work the calling thread has queued so far."""
+        ...
+
+    def mark(self) -> object:
+        """A handle that completes once everything started so far has."""
+        ...
+
+    def compute_waits(self, handle: object) -> None:
+        """Work the calling thread queues from now on runs after ``handle`` (not the host: it goes on)."""
+        ...
+
+    def inside(self) -> contextlib.AbstractContextManager[None]:
+        """Kernels started in this context (a codec's decode) run in the copies' queue, in order."""
+        ...
 
 
 class HostCopier:
@@ -93,11 +129,24 @@ class HostCopier:
     async def wait(self, handle: object) -> None:
         return None
 
+    def after_compute(self) -> None:
+        return None
+
+    def mark(self) -> object:
+        return None
+
+    def compute_waits(self, handle: object) -> None:
+        return None
+
+    def inside(self) -> contextlib.AbstractContextManager[None]:
+        return contextlib.nullcontext()
+
 
 class CudaCopier:
     """Copies on a side stream of ``device``, ordered after the work already queued there."""
 
     def __init__(self, device: torch.device) -> None:
+        self.device = device
         self.stream = torch.cuda.Stream(device=device)  # type: ignore[no-untyped-call]
         self.stream.wait_stream(torch.cuda.current_stream(device))
 
@@ -112,6 +161,23 @@ class CudaCopier:
         assert isinstance(handle, torch.cuda.Event)
         if not handle.query():  # type: ignore[no-untyped-call]  # synchronize() blocks: off the event loop
             await asyncio.get_running_loop().run_in_executor(None, handle.synchronize)
+
+    def after_compute(self) -> None:
+        # The caller's current stream, not the device's default one: a training loop may run
+        # under torch.cuda.stream(...), and that is where its gradients are made.
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+
+    def mark(self) -> object:
+        event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        event.record(self.stream)
+        return event
+
+    def compute_waits(self, handle: object) -> None:
+        assert isinstance(handle, torch.cuda.Event)
+        torch.cuda.current_stream(self.device).wait_event(handle)
+
+    def inside(self) -> contextlib.AbstractContextManager[None]:
+        return torch.cuda.stream(self.stream)
 
 
 def copier_for(tensor: torch.Tensor) -> Copier:
@@ -199,3 +265,115 @@ async def _get_range(t: Transport, *, meta: TensorMeta, offset: int, length: int
 
 async def _put_range(t: Transport, *, upload: int, meta: TensorMeta, offset: int, data: memoryview) -> None:
     await as_ranged(t, "staging a device tensor").put_range(upload, meta, offset, data)
+
+
+# -- one frame of many tensors through one reusable buffer -----------------------------------------
+class HostArena:
+    """One host buffer that the requests of one connection pass through (page-locked when CUDA is
+    present), kept and reused from request to request; it grows to the largest request.
+
+    ``last`` is the handle of the last copy started into or out of it: ``claim`` waits for it
+    before handing the buffer out again, so no copy still reading or writing it sees its bytes
+    change (copies complete in order: the last one done, all are)."""
+
+    def __init__(self, pin: bool | None = None) -> None:
+        self.pin = torch.cuda.is_available() if pin is None else pin
+        self.buffer = torch.empty(0, dtype=torch.uint8)
+        self.last: object = None
+        self.grown = 0  # times a larger buffer was made (once or twice per job: each is costly)
+
+    async def claim(self, copier: Copier, nbytes: int) -> torch.Tensor:
+        """The first ``nbytes`` of the buffer, once every copy started on it has completed."""
+        last, self.last = self.last, None
+        if last is not None:
+            await copier.wait(last)
+        if self.buffer.numel() < nbytes:
+            self.buffer = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pin)
+            self.grown += 1
+        return self.buffer[:nbytes]
+
+
+class StagedSegments(Sequence[memoryview]):
+    """A request's data in host memory, piece by piece, each piece ready once its device copy
+    is (the transport's ``StagedData``): see ``stage_out``."""
+
+    def __init__(self, copier: Copier, views: list[memoryview], ends: list[int], handles: list[object]):
+        self._copier = copier
+        self._views = views
+        self._ends = ends  # where each piece ends, in bytes from the start of the data
+        self._handles = handles  # each piece's copy (the last one started for it)
+        self._ready = 0  # pieces known to be ready
+
+    @overload
+    def __getitem__(self, index: int) -> memoryview: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> Sequence[memoryview]: ...
+
+    def __getitem__(self, index: int | slice) -> memoryview | Sequence[memoryview]:
+        return self._views[index]
+
+    def __len__(self) -> int:
+        return len(self._views)
+
+    def __iter__(self) -> Iterator[memoryview]:
+        return iter(self._views)
+
+    @property
+    def last(self) -> object:
+        """The handle of the last copy (into the arena these views are of)."""
+        return self._handles[-1] if self._handles else None
+
+    async def ready(self, end: int) -> None:
+        """Wait for the copies of the pieces holding the first ``end`` bytes (the last of them is
+        enough: copies complete in order)."""
+        upto = min(bisect.bisect_left(self._ends, end) + 1, len(self._ends))
+        if upto > self._ready:
+            await self._copier.wait(self._handles[upto - 1])
+            self._ready = upto
+
+
+def stage_out(
+    copier: Copier, host: torch.Tensor, sources: Sequence[torch.Tensor], piece_bytes: int = PIECE_BYTES
+) -> StagedSegments:
+    """Start copying the bytes of ``sources`` (contiguous tensors on the device), one after the
+    other, into ``host`` (a buffer from ``HostArena.claim``, at least their size), in pieces of
+    about ``piece_bytes``: a large tensor is cut, small ones share a piece. Returns the data to
+    send, ready piece by piece; the transport sends piece i while piece i+1 is copied."""
+    views: list[memoryview] = []
+    ends: list[int] = []
+    handles: list[object] = []
+    start = offset = 0
+    handle: object = None
+    for source in sources:
+        flat = flat_bytes(source)
+        for at, length in pieces(flat.numel(), piece_bytes):
+            handle = copier.copy(host[offset : offset + length], flat[at : at + length])
+            offset += length
+            if offset - start >= piece_bytes:
+                views.append(byte_view(host[start:offset]))
+                ends.append(offset)
+                handles.append(handle)
+                start = offset
+    if offset > start:
+        views.append(byte_view(host[start:offset]))
+        ends.append(offset)
+        handles.append(handle)
+    return StagedSegments(copier, views, ends, handles)
+
+
+def copy_in(copier: Copier, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> object:
+    """Start copying each host slice into its device tensor, ``(device, host)`` pairs; returns the
+    handle of the last copy (None when there is nothing to copy)."""
+    handle: object = None
+    for device, host in pairs:
+        if host.numel():
+            handle = copier.copy(flat_bytes_out(device), host)
+    return handle
+
+
+def flat_bytes_out(tensor: torch.Tensor) -> torch.Tensor:
+    """A contiguous tensor's bytes as a flat, writable uint8 view of its own memory."""
+    if not tensor.is_contiguous():
+        raise InvalidTensor("a staged copy lands in contiguous tensors only")
+    return tensor.detach().reshape(-1).view(torch.uint8)

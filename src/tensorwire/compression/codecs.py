@@ -24,7 +24,8 @@ add up. All multi-byte fields are little-endian, and the fields that need alignm
 Lifecycle: the sender calls ``encode(tensor)`` and sends the returned 1-D uint8 tensor; the
 receiver allocates ``payload_bytes(numel)`` bytes, receives into them, and calls
 ``decode(payload, out)``, which writes into ``out`` (any float dtype, contiguous) in place.
-Both are vectorised torch code (no Python loop over elements); decode is deterministic, so every
+Both are vectorised torch code (no Python loop over elements) and run on the tensor's device (a
+CUDA gradient is encoded there, its payload made there); decode is deterministic, so every
 receiver of the same payload gets the same bits (a primary and its backups stay identical).
 Payloads come from peers: decode writes only into the ``out`` it is given (its size the
 receiver's choice, never the payload's), and refuses (InvalidTensor) a payload no encoder writes:
@@ -53,17 +54,19 @@ _SAMPLE = 16384  # elements top-k samples to guess its threshold
 _local = threading.local()
 
 
-def scratch(slot: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
-    """A temporary of ``numel`` elements, reused by this thread's next call for the same slot.
+def scratch(slot: str, numel: int, dtype: torch.dtype, device: torch.device | None = None) -> torch.Tensor:
+    """A temporary of ``numel`` elements (on ``device``, the CPU by default), reused by this
+    thread's next call for the same slot and device.
 
     Fresh pages cost more than the arithmetic (a new 16 MiB tensor is ~4,000 page faults), so the
     codecs keep their temporaries: a thread that encodes holds about 1.25x the largest tensor it
     encoded (a float temporary and a mask), until it ends."""
-    pool: dict[str, torch.Tensor] = _local.__dict__.setdefault("pool", {})
+    pool: dict[tuple[str, torch.device | None], torch.Tensor] = _local.__dict__.setdefault("pool", {})
     need = numel * dtype.itemsize
-    buffer = pool.get(slot)
+    key = (slot, None if device is None or device.type == "cpu" else device)
+    buffer = pool.get(key)
     if buffer is None or buffer.numel() < need:
-        buffer = pool[slot] = torch.empty(need, dtype=_U8)
+        buffer = pool[key] = torch.empty(need, dtype=_U8, device=device)
     return buffer[:need].view(dtype)
 
 
@@ -78,11 +81,12 @@ def _add_uniform_noise(y: torch.Tensor) -> None:
     unbiased (E[floor(v + u)] = v); it does not need the elements independent of each other. So
     the noise comes from a per-thread table of 2^20 draws, rotated by a fresh random offset each
     call and repeated over the tensor: elements 2^20 apart get the same noise within one call."""
-    table: torch.Tensor | None = _local.__dict__.get("noise")
+    tables: dict[torch.device, torch.Tensor] = _local.__dict__.setdefault("noise", {})
+    table = tables.get(y.device)
     if table is None:
-        table = _local.__dict__["noise"] = torch.rand(2 * NOISE_ELEMENTS)[:NOISE_ELEMENTS].clone()
+        table = tables[y.device] = torch.rand(2 * NOISE_ELEMENTS)[:NOISE_ELEMENTS].clone().to(y.device)
     start = int(torch.randint(NOISE_ELEMENTS, ()).item())
-    window = scratch("noise", NOISE_ELEMENTS, torch.float32)
+    window = scratch("noise", NOISE_ELEMENTS, torch.float32, y.device)
     window[: NOISE_ELEMENTS - start].copy_(table[start:])
     window[NOISE_ELEMENTS - start :].copy_(table[:start])
     n = y.numel()
@@ -119,7 +123,7 @@ class Codec(ABC):
             raise InvalidTensor(f"codec {self.name} encodes floating-point tensors, not {tensor.dtype}")
         flat = tensor.detach().reshape(-1)
         if flat.numel() == 0:
-            return torch.empty(0, dtype=_U8)
+            return torch.empty(0, dtype=_U8, device=flat.device)
         payload = self._encode(flat)
         assert payload.numel() == self.payload_bytes(flat.numel()), self.name
         return payload
@@ -154,7 +158,7 @@ class Cast(Codec):
         return numel * self._size
 
     def _encode(self, flat: torch.Tensor) -> torch.Tensor:
-        payload = torch.empty(flat.numel() * self._size, dtype=_U8)
+        payload = torch.empty(flat.numel() * self._size, dtype=_U8, device=flat.device)
         payload.view(self.dtype).copy_(flat)
         return payload
 
@@ -188,14 +192,14 @@ class Int8(Codec):
     def _encode(self, flat: torch.Tensor) -> torch.Tensor:
         n = flat.numel()
         chunks = -(-n // self.chunk)
-        payload = torch.empty(self.payload_bytes(n), dtype=_U8)
+        payload = torch.empty(self.payload_bytes(n), dtype=_U8, device=flat.device)
         scales, q = payload[: 4 * chunks].view(torch.float32), payload[4 * chunks :].view(torch.int8)
         at = 0
         for where, x in self._rows(flat):
             amax = torch.maximum(x.amax(1), x.amin(1).neg()).float()
             scales[at : at + len(amax)] = amax / 127
             inv = torch.where(amax > 0, 127 / amax, 0.0)
-            y = scratch("int8", x.numel(), torch.float32).view(x.shape)
+            y = scratch("int8", x.numel(), torch.float32, x.device).view(x.shape)
             torch.mul(x, inv[:, None], out=y)
             if self.stochastic:
                 _add_uniform_noise(y.view(-1))
@@ -249,7 +253,7 @@ class TopK(Codec):
         index = top_indices(flat, k).sort().values  # ascending: the receiver checks them in one pass
         values = self.inner.encode(flat[index])
         isize = self._index_dtype(n).itemsize
-        payload = torch.empty(k * isize + values.numel(), dtype=_U8)
+        payload = torch.empty(k * isize + values.numel(), dtype=_U8, device=flat.device)
         payload[: k * isize].view(self._index_dtype(n)).copy_(index)
         payload[k * isize :].copy_(values)
         return payload
@@ -265,7 +269,8 @@ class TopK(Codec):
         # the same payload could differ): refused. Ascending indices are checked in one pass.
         if k > 1 and not bool((index[1:] > index[:-1]).all()) and torch.unique(index).numel() != k:
             raise InvalidTensor(f"a {self.name} payload names the same element twice")
-        values = self.inner.decode(payload[k * isize :], torch.empty(k, dtype=out.dtype))
+        kept = torch.empty(k, dtype=out.dtype, device=out.device)
+        values = self.inner.decode(payload[k * isize :], kept)
         out.zero_()
         out[index] = values
 
@@ -286,7 +291,7 @@ def top_indices(flat: torch.Tensor, k: int) -> torch.Tensor:
     (``kthvalue``), ties at the k-th value broken by position. A guess that keeps fewer than k
     (unlucky, or NaNs) falls back to ``torch.topk`` over everything."""
     n = flat.numel()
-    magnitude = torch.abs(flat, out=scratch("magnitude", n, flat.dtype))
+    magnitude = torch.abs(flat, out=scratch("magnitude", n, flat.dtype, flat.device))
     if n <= 4 * _SAMPLE or k == n:
         return torch.topk(magnitude, k, sorted=False).indices
     # An odd stride, so that the sample of a (rows, 2^m) gradient does not keep to a few columns.
@@ -310,7 +315,7 @@ def _at_least(magnitude: torch.Tensor, threshold: torch.Tensor, dense: bool = Fa
     step, so when hits are sparse it runs over the mask's u64 words (8 bools each) and then over
     the few hit words; ``dense`` (more than ~1 in 32 elements expected) goes straight over n."""
     n = magnitude.numel()
-    mask = scratch("mask", -(-n // 8) * 8, torch.bool)
+    mask = scratch("mask", -(-n // 8) * 8, torch.bool, magnitude.device)
     torch.ge(magnitude, threshold, out=mask[:n])
     if dense:  # most words hold a hit: the word pass would only add a second full pass
         return torch.nonzero(mask[:n]).squeeze(1)
@@ -324,7 +329,7 @@ def _exact_top(values: torch.Tensor, k: int) -> torch.Tensor:
     """Positions of the k largest ``values`` (fewer when there are not k comparable ones)."""
     m = values.numel()
     if m <= k:
-        return torch.arange(m)
+        return torch.arange(m, device=values.device)
     kth = torch.kthvalue(values, m - k + 1).values
     above = torch.nonzero(values > kth).squeeze(1)
     ties = torch.nonzero(values == kth).squeeze(1)[: k - above.numel()]
@@ -342,17 +347,17 @@ class Sign(Codec):
 
     def _encode(self, flat: torch.Tensor) -> torch.Tensor:
         n = flat.numel()
-        payload = torch.empty(self.payload_bytes(n), dtype=_U8)
+        payload = torch.empty(self.payload_bytes(n), dtype=_U8, device=flat.device)
         wide = torch.float64 if flat.dtype == torch.float64 else torch.float32  # fp16 sums overflow
-        magnitude = torch.abs(flat, out=scratch("magnitude", n, flat.dtype))
+        magnitude = torch.abs(flat, out=scratch("magnitude", n, flat.dtype, flat.device))
         payload[:4].view(torch.float32)[0] = magnitude.sum(dtype=wide) / n
-        negative = torch.lt(flat, 0, out=scratch("mask", n, torch.bool))
+        negative = torch.lt(flat, 0, out=scratch("mask", n, torch.bool, flat.device))
         main = n // 8 * 8
         if main:  # 8 bools (bytes of 0/1) as one u64: a multiply gathers them into one byte
             words = negative[:main].view(torch.uint8).view(torch.int64)
             payload[4 : 4 + main // 8].copy_(((words * _SIGN_MAGIC) >> 56) & 0xFF)
         if main < n:
-            tail = negative[main:].to(_U8) << torch.arange(n - main, dtype=_U8)
+            tail = negative[main:].to(_U8) << torch.arange(n - main, dtype=_U8, device=flat.device)
             payload[-1] = tail.sum(dtype=torch.int64)
         return payload
 
@@ -360,9 +365,10 @@ class Sign(Codec):
         n = out.numel()
         _check_scales(self.name, payload[:4].view(torch.float32))
         scale = payload[:4].view(torch.float32)[0].to(out.dtype)
-        bits = torch.arange(8, dtype=_U8)
+        bits = torch.arange(8, dtype=_U8, device=out.device)
         # One row per byte value: its 8 elements, -scale where the bit is set, +scale elsewhere.
-        table = torch.where((torch.arange(256, dtype=_U8)[:, None] >> bits) & 1 == 1, -scale, scale)
+        byte = torch.arange(256, dtype=_U8, device=out.device)
+        table = torch.where((byte[:, None] >> bits) & 1 == 1, -scale, scale)
         packed = payload[4:].long()
         main = n // 8 * 8
         if main:

@@ -16,12 +16,17 @@ end of the ``with``) tells the server not to wait for this worker any more. Clie
 ``ExchangeClient(url, codec="topk:0.01+fp16")`` sends the gradients compressed, with error
 feedback (``error_feedback=False`` turns it off; it keeps one residual per tensor, the gradients'
 size again); the means come back in full precision.
+
+Tensors on a CUDA device are averaged in place too: their bytes go device -> pinned host memory
+-> wire, piece by piece, the copy of each piece overlapping the send of the one before, and the
+means come back through the same pinned buffer to the device on a side stream, which the caller's
+stream waits for (``ps/device.py``); a codec encodes on the device, next to its residuals.
 """
 
 from __future__ import annotations
 
 import secrets
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from types import TracebackType
 
 import torch
@@ -30,6 +35,7 @@ from tensorwire import transport as transports
 from tensorwire._aio import LoopThread
 from tensorwire.compression import Codec, ErrorFeedback, resolve
 from tensorwire.errors import ProtocolError
+from tensorwire.ps.device import DeviceStaging, device_of, slices
 from tensorwire.ps.rendezvous import env_int
 from tensorwire.ps.rpc import PsChannel, Sender
 from tensorwire.ps.shards import check_trainable
@@ -56,8 +62,13 @@ class ExchangeClient:
         tls: TlsFiles | None = None,
         codec: Codec | str | None = None,
         error_feedback: bool | None = None,
+        staging: DeviceStaging | None = None,
     ) -> None:
         self.address = Address.parse(server)
+        # For CUDA tensors: one per device, made on first use; or one given (tests stand a host
+        # copier in for the device: every allreduce is then staged).
+        self._staging = staging
+        self._stagings: dict[torch.device, DeviceStaging | None] = {}
         self.codec = resolve(codec)
         if error_feedback is None:
             error_feedback = self.codec is not None and self.codec.lossy
@@ -90,12 +101,25 @@ class ExchangeClient:
         items = list(tensors.items())
         for name, tensor in items:
             check_trainable(name, tensor)
+        staging = self._staging_for([t for _, t in items])
         payloads = [self._encode(name, tensor) for name, tensor in items] if self.codec else []
         step, self.step = self.step, self.step + 1
         wait = self.timeout + 2 * _MARGIN
-        coro = self._allreduce(items, payloads, step)
+        if staging is not None:
+            staging.after_compute()  # the copies read the gradients once this thread's work made them
+        coro = self._allreduce(items, payloads, step, staging)
         count: int = self._thread.call(coro, wait, f"the allreduce of step {step}")
+        if staging is not None:
+            staging.order_compute()  # this thread's stream waits for the means (the host does not)
         return count
+
+    def _staging_for(self, tensors: list[torch.Tensor]) -> DeviceStaging | None:
+        device = device_of(tensors, "the tensors of one allreduce")
+        if self._staging is not None:
+            return self._staging
+        if device not in self._stagings:
+            self._stagings[device] = DeviceStaging.for_device(device)
+        return self._stagings[device]
 
     def average_gradients(self, model: torch.nn.Module) -> int:
         """``allreduce`` of the ``.grad`` of every parameter of ``model`` (zeros where it has none)."""
@@ -135,24 +159,39 @@ class ExchangeClient:
         return self.codec.encode(tensor)
 
     async def _allreduce(
-        self, items: list[tuple[str, torch.Tensor]], payloads: list[torch.Tensor], step: int
+        self,
+        items: list[tuple[str, torch.Tensor]],
+        payloads: list[torch.Tensor],
+        step: int,
+        staging: DeviceStaging | None = None,
     ) -> int:
         if self._conn is None:
             raise ProtocolError("the exchange client is closed")
         metas = [TensorMeta(n, t.dtype, tuple(t.shape), t.numel() * t.element_size()) for n, t in items]
         sent = [(m.name, m.dtype, m.shape) for m in metas]
+        sources = payloads if self.codec else [t for _, t in items]
+        key = str(self.address)
+        if staging is None:
+            data: Sequence[memoryview] = [byte_view(t) for t in sources]
+            landing = [byte_view(t) for _, t in items]  # the means land in the caller's tensors
+        else:  # the means land where the request was staged: it is all sent before they come
+            data, host = await staging.send(key, sources, reserve=sum(m.nbytes for m in metas))
+            hosts = slices(host, [m.nbytes for m in metas])
+            landing = [byte_view(h) for h in hosts]
 
         def land(answer: list[TensorMeta]) -> list[memoryview]:
             if [(m.name, m.dtype, m.shape) for m in answer] != sent:
                 raise ProtocolError("the exchange answered with other tensors than were sent")
-            return [byte_view(t) for _, t in items]  # the means land in the caller's tensors
+            return landing
 
-        data = [byte_view(t) for t in payloads] if self.codec else [byte_view(t) for _, t in items]
         self.bytes_sent += sum(len(d) for d in data)
         what = f"the mean of step {step} from {self.address}"
         codec = self.codec.name if self.codec else None
         rpc = PsChannel(self._conn, self._sender)
-        return await rpc.allreduce(step, self.session, metas, data, land, codec=codec, what=what)
+        count = await rpc.allreduce(step, self.session, metas, data, land, codec=codec, what=what)
+        if staging is not None:
+            staging.land(key, [t for _, t in items], hosts)
+        return count
 
     async def _leave(self, conn: FrameChannel) -> None:
         try:

@@ -34,6 +34,12 @@ of another model never joins a job silently. One set of servers runs several job
 worker that names a job but runs another model, mode, optimizer or world is refused, naming the
 difference. ``barrier()`` returns once every live worker of the job has called it as often.
 
+A model on a CUDA device trains as a CPU one does (the servers keep CPU tensors): its gradients
+go device -> pinned host memory -> wire, the copy of each piece overlapping the send of the one
+before; pulled parameters go wire -> pinned -> device, in place, on a side stream that the training
+thread's stream waits for (an event, not a synchronize); codecs and error feedback run on the
+device (``ps/device.py``). It holds one pinned copy of the model's bytes.
+
 Where the servers are: ``servers=`` (URLs, or one comma-separated string), else
 ``$TENSORWIRE_SERVERS``, else (under ``torchrun``) what rank 0 published in torchrun's rendezvous
 store. Rank and world size: ``rank=``/``world_size=``, else ``$RANK``/``$WORLD_SIZE`` (set by
@@ -70,6 +76,7 @@ from tensorwire import transport as transports
 from tensorwire._aio import LoopThread, cancel_and_wait, wait
 from tensorwire.compression import Codec, ErrorFeedback, resolve
 from tensorwire.errors import ProtocolError, TensorwireError, WorkerDropped
+from tensorwire.ps.device import DeviceStaging
 from tensorwire.ps.job import JobConfig, Mode, default_job_id
 from tensorwire.ps.optim import SGD, OptimizerSpec, spec_of
 from tensorwire.ps.placement import ParamSpec, Placement, plan
@@ -135,6 +142,7 @@ class Worker:
         pull_codec: Codec | str | None = None,
         error_feedback: bool | None = None,
         job: str | None = None,
+        staging: DeviceStaging | None = None,
     ) -> None:
         self.model = model
         self.mode = Mode.parse(mode)
@@ -163,8 +171,10 @@ class Worker:
             raise ValueError("error_feedback needs a push_codec")
         self.feedback = ErrorFeedback(self.push_codec) if error_feedback and self.push_codec else None
         self.placement: Placement = plan(ParamSpec.of(model), len(self.servers), split_bytes)
+        # A CUDA model's tensors go through pinned staging (ps/device.py); ``staging`` replaces
+        # the device's own (tests stand a host copier in for the device).
         self._tensors = ModelShards(
-            self._params, self.placement, self.push_codec, self.pull_codec, self.feedback
+            self._params, self.placement, self.push_codec, self.pull_codec, self.feedback, staging=staging
         )
         # TLS files for tls:// servers (``TlsFiles(ca=...)`` for a private CA; a client certificate
         # where the servers require one) and the token (default: $TENSORWIRE_TOKEN).
@@ -203,11 +213,13 @@ class Worker:
         if self._thread is not None:
             return self
         self._thread = LoopThread("tensorwire-worker")
+        self._tensors.after_compute()  # a device model: its values are read, then overwritten
         try:
             self._call(self._start(), "joining the job")
         except BaseException:
             self.close()
             raise
+        self._tensors.order_compute()
         return self
 
     def close(self) -> None:
@@ -239,7 +251,9 @@ class Worker:
         in ``ssp:s`` while this worker is more than s clocks ahead of the slowest.
         """
         self._finish_push()
+        self._tensors.after_compute()  # the pull overwrites parameters the queued work may still read
         self.version = self._call(self._pull(), "a pull of the parameters")
+        self._tensors.order_compute()  # a device model: this thread's stream waits for the copies
         return self.version
 
     def push(self) -> concurrent.futures.Future[PushResult]:
@@ -247,8 +261,10 @@ class Worker:
         if self.observer:
             raise ProtocolError("an observer worker does not push")
         self._finish_push()
+        self._tensors.order_compute()  # a rejoin inside the last push may have pulled
         grads = self._tensors.take_grads()
         payloads = self._tensors.encode(grads)
+        self._tensors.after_compute()  # a device model: its copies start after this backward
         clock, self.clock = self.clock, self.clock + 1
         self._pending = self._loop().submit(self._push(grads, payloads, clock))
         return self._pending
@@ -376,11 +392,11 @@ class Worker:
         return max(versions, default=0)
 
     async def _pull_from(self, slot: ServerSlot) -> int:
-        into = self._tensors.pull_into(slot.shards, slot.name)
+        into = await self._tensors.pull_into(slot.shards, slot.name)
         codec = self.pull_codec.name if self.pull_codec else None
         keys = [s.key for s in slot.shards]
         version = await slot.rpc.pull(slot.clock, self._session(), keys, into.sink, codec)
-        into.finish()
+        await into.finish()
         self.bytes_pulled += into.nbytes
         return version
 
@@ -403,7 +419,7 @@ class Worker:
     ) -> tuple[int, int]:
         """One push, exactly once: a resend after a broken connection carries the same sequence
         number (``ServerSlot.call``), and a server that applied it already only answers again."""
-        metas, data = self._tensors.push_parts(slot.shards, grads, payloads)
+        metas, data = await self._tensors.push_data(slot.shards, grads, payloads, slot.name)
         seq = slot.seq + 1
 
         def acked() -> None:

@@ -26,6 +26,9 @@ caller asks ``isinstance(t, Ranged)`` (or opens with ``open_channel``, which ask
   verified. tcp://, tls://, memory://.
 * ``Viewable``: read-only tensors over the server's own pages. shm://.
 
+One capability is asked of a request's data rather than of the transport: ``StagedData``, bytes
+that become readable while the request is being sent (device copies into pinned memory).
+
 A capability's methods follow the transport's lifecycle above: they run on an open transport,
 concurrently with any other operation, and fail with ``ConnectionLost`` once it is closed.
 """
@@ -34,7 +37,7 @@ from __future__ import annotations
 
 import secrets
 from abc import ABC, abstractmethod
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from tensorwire.errors import UnsupportedTransport
@@ -241,6 +244,27 @@ class Viewable(Protocol):
 
     async def view(self, name: str) -> torch.Tensor:
         """A read-only tensor over the pages that hold ``name``, held for as long as it lives."""
+        ...
+
+
+@runtime_checkable
+class StagedData(Protocol):
+    """A request's data whose bytes become readable in order while it is sent: a CUDA tensor's
+    copies into pinned host memory, the copy of each piece overlapping the send of the one before
+    (``client/staging.py``).
+
+    It is the request's ``data`` (a sequence of byte views, format ``B``, that exist from the
+    start; their bytes may not yet). The sender awaits ``ready(end)`` before it reads any of the
+    first ``end`` bytes, and sends the views as they are, never joining them (they are large).
+    Sent again (a resend after a broken connection) it is ready at once.
+    """
+
+    def __len__(self) -> int: ...
+
+    def __iter__(self) -> Iterator[memoryview]: ...
+
+    async def ready(self, end: int) -> None:
+        """Return once the first ``end`` bytes of the data may be read."""
         ...
 
 

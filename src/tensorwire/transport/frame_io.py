@@ -18,7 +18,7 @@ import numpy as np
 import xxhash
 
 from tensorwire.errors import ConnectionLost, CorruptFrame
-from tensorwire.transport.base import Buffer, ByteStream
+from tensorwire.transport.base import Buffer, ByteStream, StagedData
 from tensorwire.wire import lossless
 from tensorwire.wire.checksum import ChecksumKind, checksum, new_hasher
 from tensorwire.wire.frame import (
@@ -245,7 +245,10 @@ async def send_frame(
 
     With an ``encoder`` (the connection negotiated compression) a data section of at least
     ``lossless.MIN_FRAME_BYTES`` goes out with flag COMPRESSED, each chunk compressed or raw.
+    ``segments`` that are ``StagedData`` are read only once ready, chunk by chunk.
     """
+    # A plain list or tuple (every caller but CUDA staging) skips the protocol check's cost.
+    staged = None if type(segments) in (list, tuple) or not isinstance(segments, StagedData) else segments
     chunks = -(-header.data_len // header.chunk_size) if header.chunk_size else 0
     compressed = (
         encoder is not None and header.data_len >= lossless.MIN_FRAME_BYTES and not encoder.plain(chunks)
@@ -258,12 +261,16 @@ async def send_frame(
         return
     if not compressed and header.data_len < _COALESCE and header.data_len <= header.chunk_size:
         # One small chunk (a 1 KiB get answer, say): one buffer, one checksum, one syscall.
+        if staged is not None:
+            await staged.ready(header.data_len)
         data = b"".join(segments)
         await stream.send([head + data + _TRAILER.pack(checksum(header.checksum, data))])
         if progress is not None:
             progress(len(data))
         return
-    await _send_chunks(stream, head, header, segments, progress, encoder=encoder if compressed else None)
+    await _send_chunks(
+        stream, head, header, segments, progress, encoder=encoder if compressed else None, staged=staged
+    )
 
 
 async def _send_chunks(
@@ -274,19 +281,29 @@ async def _send_chunks(
     progress: Callable[[int], None] | None,
     *,
     encoder: lossless.Encoder | None,
+    staged: StagedData | None = None,
 ) -> None:
     """The data section chunk by chunk, each followed by its checksum trailer; with an ``encoder``
     each chunk is preceded by a chunk head and sent compressed or raw (the trailer is always over
-    the raw bytes)."""
-    views = _coalesced(
-        (s if isinstance(s, memoryview) else memoryview(s).cast("B") for s in segments), header.chunk_size
+    the raw bytes). ``staged``: each chunk's bytes are awaited before they are read."""
+    views: Iterable[memoryview] = (
+        iter(staged)
+        if staged is not None
+        else _coalesced(
+            (s if isinstance(s, memoryview) else memoryview(s).cast("B") for s in segments),
+            header.chunk_size,
+        )
     )
+    reached = 0  # bytes of the data section read so far (for ``staged``)
     chunks = encoder.frame() if encoder is not None else None
     out: list[Buffer] = [head]
     pending = wire = 0
     spent = 0.0  # seconds in the stream's send, for the link meter that auto weighs codecs against
     turns = Turns()
     for pieces in _pieces(views, header.chunk_size):
+        if staged is not None:
+            reached += sum(p.nbytes for p in pieces)
+            await staged.ready(reached)
         digest = _TRAILER.pack(_digest(header.checksum, pieces))
         if chunks is None:
             out += pieces

@@ -1,0 +1,241 @@
+"""A model "on a device" in the parameter server and the gradient exchange, on the CPU: the CUDA
+path's staging (pinned buffers, pieces in flight, buffers reused, the event the training thread
+waits on) with ``device_kit.LateCopier`` standing in for the device, as the put/get staging's tests
+stand ``HostCopier`` in (test_fast_paths.py). On a GPU, test_ps_cuda.py runs the real thing."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+from collections.abc import Iterator
+
+import pytest
+import torch
+import torch.nn.functional as F
+from device_kit import LateCopier
+
+from tensorwire.client.staging import HostArena, HostCopier, StagedSegments, stage_out
+from tensorwire.errors import InvalidTensor
+from tensorwire.ps import SGD, ParamServer, Worker
+from tensorwire.ps.device import DeviceStaging, device_of
+from tensorwire.ps.exchange_client import ExchangeClient
+from tensorwire.ps.placement import ParamSpec, plan
+from tensorwire.ps.shards import ModelShards, check_trainable
+from tensorwire.server import ServerThread
+from tensorwire.testing.process import run_threads
+
+W, B, STEPS = 2, 8, 30
+DEADLINE = 60.0
+
+
+def small_model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(20, 64), torch.nn.Tanh(), torch.nn.Linear(64, 5))
+
+
+@contextlib.contextmanager
+def cluster(servers: int) -> Iterator[list[str]]:
+    threads = [ServerThread(extensions=[ParamServer(60.0)]) for _ in range(servers)]
+    try:
+        yield [t.url for t in threads]
+    finally:
+        for t in threads:
+            t.close()
+
+
+def train(urls: list[str], copiers: list[LateCopier] | None, codecs: dict[str, str]) -> list[torch.nn.Module]:
+    """W workers in sync mode, each with its own stand-in device (or none: the CPU path)."""
+    gen = torch.Generator().manual_seed(1)
+    x, y = torch.randn(STEPS * W * B, 20, generator=gen), torch.randint(0, 5, (STEPS * W * B,), generator=gen)
+    models = [small_model() for _ in range(W)]
+
+    def work(rank: int) -> None:
+        # 512-byte pieces: every push is several pieces; split_bytes cuts the weight into ranges
+        staging = DeviceStaging(copiers[rank], piece_bytes=512) if copiers else None
+        with Worker(models[rank], urls, "sync", SGD(lr=0.1, momentum=0.9), rank=rank, world_size=W,
+                    split_bytes=1024, staging=staging, **codecs) as worker:  # type: ignore[arg-type]  # fmt: skip
+            for step in range(STEPS):
+                rows = slice(step * W * B + rank * B, step * W * B + (rank + 1) * B)
+                F.cross_entropy(models[rank](x[rows]), y[rows]).backward()  # type: ignore[no-untyped-call]
+                worker.step()
+            if staging is not None:
+                assert worker._tensors.staging is staging
+                assert len(staging.arenas) == len(urls)  # one buffer per server, kept
+                assert all(a.grown <= 2 for a in staging.arenas.values())  # reused, not made each step
+
+    run_threads(work, W, DEADLINE)
+    return models
+
+
+@pytest.mark.parametrize(
+    "codecs", [{}, {"push_codec": "int8", "pull_codec": "bf16"}], ids=["raw", "int8-push-bf16-pull"]
+)
+def test_a_worker_on_a_stand_in_device_trains_bit_identically_to_a_cpu_one(codecs: dict[str, str]) -> None:
+    with cluster(2) as urls:
+        plain = train(urls, None, codecs)
+    copiers = [LateCopier(delay=0.0002) for _ in range(W)]
+    try:
+        with cluster(2) as urls:
+            staged = train(urls, copiers, codecs)
+    finally:
+        for c in copiers:
+            c.close()
+    for a, b in zip(plain[0].parameters(), staged[0].parameters(), strict=True):
+        assert torch.equal(a, b)  # bit for bit: no byte read early, no buffer reused too soon
+    trained = zip(plain[0].parameters(), small_model().parameters(), strict=True)
+    assert any(not torch.equal(a, b) for a, b in trained)
+    for copier in copiers:
+        assert copier.pending() == 0
+        assert ("compute_waits", -1) not in copier.log
+        assert any(what == "compute_waited" for what, _ in copier.log)  # pulls waited on by handle
+
+
+@pytest.mark.parametrize("codec", [None, "topk:0.1"], ids=["raw", "topk-error-feedback"])
+def test_an_exchange_on_a_stand_in_device_averages_bit_identically(codec: str | None) -> None:
+    def grads(rank: int, step: int) -> dict[str, torch.Tensor]:
+        gen = torch.Generator().manual_seed(100 * rank + step)
+        return {"w": torch.randn(300, 70, generator=gen), "b": torch.randn(70, generator=gen)}
+
+    def run(url: str, staged: bool) -> dict[int, list[dict[str, torch.Tensor]]]:
+        out: dict[int, list[dict[str, torch.Tensor]]] = {}
+
+        def work(rank: int) -> None:
+            copier = LateCopier(delay=0.0002) if staged else None
+            staging = DeviceStaging(copier, piece_bytes=4096) if copier else None
+            try:
+                with ExchangeClient(url, rank=rank, world_size=2, codec=codec, staging=staging) as client:
+                    out[rank] = []
+                    for step in range(4):
+                        g = grads(rank, step)
+                        assert client.allreduce(g) == 2
+                        out[rank].append({k: v.clone() for k, v in g.items()})  # read at once
+                        if staging is not None and codec is not None:
+                            assert client.feedback is not None and client.feedback.residuals
+            finally:
+                if copier is not None:
+                    copier.close()
+
+        run_threads(work, 2, DEADLINE)
+        return out
+
+    with ServerThread(extensions=[ParamServer(30.0)]) as server:
+        plain = run(server.url, staged=False)
+    with ServerThread(extensions=[ParamServer(30.0)]) as server:
+        staged = run(server.url, staged=True)
+    for rank in range(2):
+        for a, b in zip(plain[rank], staged[rank], strict=True):
+            assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_the_next_piece_is_copied_while_this_one_is_sent_and_the_means_are_waited_on_by_event() -> None:
+    """16 MiB in 1 MiB pieces, sent in 4 MiB chunks: copies 4.. are held until the transport took
+    the first chunk (a pipeline that copied everything before sending would hang); the copy of
+    the means back is held until the training thread waits on its handle (a loop that waited for
+    it, a full synchronize, would hang)."""
+    copier = LateCopier()
+    copier.gate(4, copier.first_wait)
+    called = threading.Event()
+    original = copier.compute_waits
+
+    def compute_waits(handle: object) -> None:
+        called.set()
+        original(handle)
+
+    copier.compute_waits = compute_waits  # type: ignore[method-assign]
+    copier.gate(16, called)  # the one copy of the means back into the tensor
+    x = torch.randn(4 << 20)
+    sent = x.clone()
+    try:
+        with ServerThread(extensions=[ParamServer(30.0)]) as server:
+            staging = DeviceStaging(copier, piece_bytes=1 << 20)
+            with ExchangeClient(server.url, rank=0, world_size=1, staging=staging) as client:
+                assert client.allreduce({"x": x}) == 1
+    finally:
+        copier.close()
+    assert torch.equal(x, sent)  # the mean over one worker: itself, every byte in place
+    log = copier.log
+    assert log.index(("waited", 3)) < log.index(("done", 4))  # chunk 1 went out before piece 4 was in
+    assert log.index(("done", 15)) < log.index(("waited", 15))  # no piece read before its copy ended
+    assert log.index(("compute_waits", 16)) < log.index(("done", 16)) < log.index(("compute_waited", 16))
+
+
+def test_a_buffer_is_handed_out_again_only_once_the_copies_on_it_completed() -> None:
+    async def go() -> None:
+        copier = LateCopier()
+        release = threading.Event()
+        copier.gate(0, release)
+        arena = HostArena(pin=False)
+        try:
+            host = await arena.claim(copier, 64)
+            device = torch.zeros(64, dtype=torch.uint8)
+            arena.last = copier.copy(device, host)  # a copy reading the buffer, not yet run
+            claim = asyncio.ensure_future(arena.claim(copier, 64))
+            for _ in range(20):
+                await asyncio.sleep(0)
+            assert not claim.done()  # held while the copy reading it has not run
+            release.set()
+            again = await asyncio.wait_for(claim, DEADLINE)
+            assert again.data_ptr() == host.data_ptr() and arena.grown == 1  # the same buffer, reused
+            assert copier.log[-2:] == [("done", 0), ("waited", 0)]
+        finally:
+            copier.close()
+
+    asyncio.run(go())
+
+
+def test_staged_segments_wait_for_the_pieces_a_read_needs_and_once_only() -> None:
+    async def go() -> None:
+        copier = LateCopier()
+        sources = [torch.arange(1000, dtype=torch.float32), torch.arange(10, dtype=torch.float32)]
+        host = torch.empty(4040, dtype=torch.uint8)
+        try:
+            staged = stage_out(copier, host, sources, piece_bytes=1024)
+            assert [v.nbytes for v in staged] == [1024, 1024, 1024, 968]  # the small one shares a piece
+            await staged.ready(1)
+            assert [w for w in copier.log if w[0] == "waited"] == [("waited", 0)]
+            await staged.ready(4040)
+            await staged.ready(2000)  # already waited for: no second wait
+            assert [w for w in copier.log if w[0] == "waited"] == [("waited", 0), ("waited", 4)]
+            assert isinstance(staged, StagedSegments) and staged.last is not None
+            assert bytes(b"".join(staged)) == b"".join(s.numpy().tobytes() for s in sources)
+        finally:
+            copier.close()
+
+    asyncio.run(go())
+
+
+def test_a_cpu_model_is_sent_from_and_lands_in_its_own_memory() -> None:
+    """No staging, no copy: the push's data are views of the gradients, the pull's of the parameters."""
+    model = small_model()
+    params = dict(model.named_parameters())
+    shards = ModelShards(params, plan(ParamSpec.of(model), 1), None, None, None)
+    assert shards.staging is None
+    grads = {n: torch.randn_like(p) for n, p in params.items()}
+
+    def at(tensors: dict[str, torch.Tensor]) -> list[int]:
+        return [tensors[s.param].data_ptr() + s.start * 4 for s in shards.placement.shards]
+
+    async def go() -> None:
+        _, data = await shards.push_data(shards.placement.shards, dict(grads), None, "s")
+        assert type(data) is list
+        assert [torch.frombuffer(d, dtype=torch.uint8).data_ptr() for d in data] == at(grads)
+        into = await shards.pull_into(shards.placement.shards, "s")
+        metas = [shards.meta(s) for s in shards.placement.shards]
+        landing = [torch.frombuffer(v, dtype=torch.uint8).data_ptr() for v in into.sink(metas)]
+        assert landing == at({n: p.data for n, p in params.items()})
+
+    asyncio.run(go())
+
+
+def test_models_the_staging_cannot_take_are_refused() -> None:
+    with pytest.raises(InvalidTensor, match="CUDA"):
+        check_trainable("w", torch.empty(3, device="meta"))
+    with pytest.raises(InvalidTensor, match="several devices"):
+        device_of([torch.empty(1), torch.empty(1, device="meta")], "the tensors")
+    with pytest.raises(InvalidTensor, match="CPU or CUDA"):
+        DeviceStaging.for_device(torch.device("meta"))
+    assert DeviceStaging.for_device(torch.device("cpu")) is None
+    assert HostArena(pin=None).pin == torch.cuda.is_available()
+    with pytest.raises(ValueError):
+        DeviceStaging(HostCopier(), piece_bytes=0)
