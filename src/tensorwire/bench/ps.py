@@ -53,7 +53,7 @@ def ps_samples_per_s(w: base.Workload, mode: str, timeout: float = 300.0) -> flo
         jobs: list[base.Job] = [
             (f"ps worker {rank}", _ps_worker, (w, rank, urls, mode, timeout)) for rank in range(w.workers)
         ]
-        return base._samples_per_s(w, base._run_children(f"tensorwire {mode} workers", jobs, timeout))
+        return base.samples_per_s(w, base.run_children(f"tensorwire {mode} workers", jobs, timeout))
 
 
 def run(w: base.Workload, timeout: float) -> dict[str, float | int]:
@@ -92,7 +92,7 @@ def _print(result: dict[str, float | int]) -> None:
     table.add_column("samples/s", justify="right")
     for key, label in (("ps_sync", "tensorwire PS, sync (2 servers)"), ("ps_async", "tensorwire PS, async"),
                        ("rpc_ps", "torch.distributed.rpc PS"), ("ddp", "DDP over gloo")):  # fmt: skip
-        table.add_row(label, f"{result[f'{key}_samples_per_s']:,.0f}")
+        table.add_row(label, f"{result[f'{key}samples_per_s']:,.0f}")
     Console().print(table)
     print(f"async / rpc PS = {result['async_vs_rpc']:.2f} (target >= 2); "
           f"sync step time / DDP's = {result['sync_step_vs_ddp']:.2f} (target <= 1.3)")  # fmt: skip
