@@ -82,6 +82,13 @@ BENCHMARKS: dict[str, Benchmark] = {
             None,  # needs root for network namespaces and ~2 minutes: docs/scaling.md has its table
         ),
         Benchmark(
+            "exchange",
+            "Gradient averaging: the exchange over tcp:// and gRPC vs gloo all_reduce, in network "
+            "namespaces and on loopback (--json, --bytes, --no-netns).",
+            None,  # needs root for namespaces and a few minutes: README has its table
+            ("--no-netns", "--bytes", "4000000", "--steps", "2", "--warmup", "1"),
+        ),
+        Benchmark(
             "sweep",
             "Bandwidth by tensor size (4 KiB to 256 MiB), latency percentiles, CPU s/GB and peak RSS "
             "per transport and peer (--max-size, --json).",
