@@ -97,14 +97,15 @@ def test_an_exchange_on_a_stand_in_device_averages_bit_identically(codec: str | 
         gen = torch.Generator().manual_seed(100 * rank + step)
         return {"w": torch.randn(300, 70, generator=gen), "b": torch.randn(70, generator=gen)}
 
-    def run(url: str, staged: bool) -> dict[int, list[dict[str, torch.Tensor]]]:
+    def run(urls: list[str], staged: bool) -> dict[int, list[dict[str, torch.Tensor]]]:
         out: dict[int, list[dict[str, torch.Tensor]]] = {}
 
         def work(rank: int) -> None:
             copier = LateCopier(delay=0.0002) if staged else None
             staging = DeviceStaging(copier, piece_bytes=4096) if copier else None
             try:
-                with ExchangeClient(url, rank=rank, world_size=2, codec=codec, staging=staging) as client:
+                with ExchangeClient(urls, rank=rank, world_size=2, codec=codec, staging=staging,
+                                    piece_bytes=16 << 10) as client:  # fmt: skip
                     out[rank] = []
                     for step in range(4):
                         g = grads(rank, step)
@@ -119,45 +120,51 @@ def test_an_exchange_on_a_stand_in_device_averages_bit_identically(codec: str | 
         run_threads(work, 2, DEADLINE)
         return out
 
-    with ServerThread(extensions=[ParamServer(30.0)]) as server:
-        plain = run(server.url, staged=False)
-    with ServerThread(extensions=[ParamServer(30.0)]) as server:
-        staged = run(server.url, staged=True)
+    with cluster(2) as urls:  # two servers, pieces of 16 KiB: several requests, each staged
+        plain = run(urls, staged=False)
+    with cluster(2) as urls:
+        staged = run(urls, staged=True)
     for rank in range(2):
         for a, b in zip(plain[rank], staged[rank], strict=True):
             assert all(torch.equal(a[k], b[k]) for k in a)
 
 
-def test_the_next_piece_is_copied_while_this_one_is_sent_and_the_means_are_waited_on_by_event() -> None:
-    """16 MiB in 1 MiB pieces, sent in 4 MiB chunks: copies 4.. are held until the transport took
-    the first chunk (a pipeline that copied everything before sending would hang); the copy of
-    the means back is held until the training thread waits on its handle (a loop that waited for
-    it, a full synchronize, would hang)."""
-    copier = LateCopier()
-    copier.gate(4, copier.first_wait)
-    called = threading.Event()
-    original = copier.compute_waits
-
-    def compute_waits(handle: object) -> None:
-        called.set()
-        original(handle)
-
-    copier.compute_waits = compute_waits  # type: ignore[method-assign]
-    copier.gate(16, called)  # the one copy of the means back into the tensor
-    x = torch.randn(4 << 20)
+def test_an_exchange_stages_each_request_in_its_own_reused_buffer_and_is_waited_on_by_event() -> None:
+    """A step of many requests over two servers (1 MiB of means in pieces of up to 64 KiB, staged
+    in 4 KiB copies that run late and poison): no piece is read before its copy ended, the means
+    are copied back in place and the training thread's stream waits for the last one by event
+    (held until it does: a loop that waited for it, a full synchronize, would hang); each request
+    keeps its own pinned buffer, reused the next step."""
+    copier = LateCopier(delay=0.00005)
+    x = torch.randn(256 << 10)
     sent = x.clone()
+    servers = [ServerThread(extensions=[ParamServer(30.0)]) for _ in range(2)]
     try:
-        with ServerThread(extensions=[ParamServer(30.0)]) as server:
-            staging = DeviceStaging(copier, piece_bytes=1 << 20)
-            with ExchangeClient(server.url, rank=0, world_size=1, staging=staging) as client:
-                assert client.allreduce({"x": x}) == 1
+        staging = DeviceStaging(copier, piece_bytes=4096)
+        urls = [s.url for s in servers]
+        with ExchangeClient(urls, rank=0, world_size=1, staging=staging, piece_bytes=64 << 10) as client:
+            assert client.allreduce({"x": x}) == 1
+            first = len(copier.log)
+            pinned, arenas = staging.pinned_bytes, len(staging.arenas)
+            assert client.allreduce({"x": x}) == 1
     finally:
         copier.close()
-    assert torch.equal(x, sent)  # the mean over one worker: itself, every byte in place
+        for server in servers:
+            server.close()
+    assert torch.equal(x, sent)  # the mean over one worker: itself, every byte back in place
+    requests = len(client._plan_cache.requests) if client._plan_cache else 0
+    assert requests > 8 and arenas == requests  # one buffer per request, all staged at once
+    assert staging.pinned_bytes == pinned >= x.numel() * 4  # reused the second step, not grown
     log = copier.log
-    assert log.index(("waited", 3)) < log.index(("done", 4))  # chunk 1 went out before piece 4 was in
-    assert log.index(("done", 15)) < log.index(("waited", 15))  # no piece read before its copy ended
-    assert log.index(("compute_waits", 16)) < log.index(("done", 16)) < log.index(("compute_waited", 16))
+    done = {n: i for i, (what, n) in enumerate(log) if what == "done"}
+    for i, (what, n) in enumerate(log):
+        if what == "waited":
+            assert done[n] < i  # nothing read before its copy completed
+    waits = [n for what, n in log[first:] if what == "compute_waits"]
+    assert len(waits) == 1  # one event wait for the step's landings (the last copy back)
+    (last,) = waits
+    assert log.index(("compute_waits", last)) < log.index(("compute_waited", last))
+    assert max(n for what, n in log if what == "start") == last  # the last copy started is the one
 
 
 def test_a_buffer_is_handed_out_again_only_once_the_copies_on_it_completed() -> None:

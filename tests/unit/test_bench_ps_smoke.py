@@ -13,3 +13,26 @@ def test_ps_throughput_is_measured_in_both_modes() -> None:
     for mode in ("sync", "async"):
         rate = bench_ps.ps_samples_per_s(tiny, mode, timeout=120)
         assert math.isfinite(rate) and rate > 0, mode
+
+
+def test_ps_comm_measures_both_modes_against_the_socket_bound() -> None:
+    tiny = [
+        "--params",
+        "8192",
+        "--tensors",
+        "2",
+        "--steps",
+        "1",
+        "--warmup",
+        "1",
+        "--socket-bytes",
+        "1048576",
+    ]
+    result = bench_ps.main(["--comm", *tiny])  # `bench ps --comm` hands over to bench/ps_comm.py
+    assert result["socket_gbps"] > 0 and result["bytes_per_step"] == 2 * 2 * 4 * 8192
+    for mode in ("sync", "async"):
+        m = result[mode]
+        assert m["ps_comm_bound_s"] == result["bytes_per_step"] / (result["socket_gbps"] * 1e9)
+        assert (
+            m["ps_comm_step_s"] > 0 and m["ps_comm_efficiency"] == m["ps_comm_bound_s"] / m["ps_comm_step_s"]
+        )

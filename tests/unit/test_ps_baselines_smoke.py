@@ -81,7 +81,7 @@ def test_child_error_is_raised_naming_the_child() -> None:
     jobs: list[ps_baselines.Job] = [("the odd child", ps_baselines._server_rref, ())]
 
     with pytest.raises(RuntimeError, match=r"the odd child failed:(.|\n)*holds no parameter server"):
-        ps_baselines._run_children("odd children", jobs, timeout=60.0)
+        ps_baselines.run_children("odd children", jobs, timeout=60.0)
     assert _live_children() == []
 
 
@@ -89,7 +89,7 @@ def test_timeout_names_what_it_waited_for_and_ends_the_children() -> None:
     jobs: list[ps_baselines.Job] = [("pauser", signal.pause, ())]  # waits for a signal forever
 
     with pytest.raises(TimeoutError, match=r"waited 1s for the pausers to finish \(still running: pauser\)"):
-        ps_baselines._run_children("pausers", jobs, timeout=1.0)
+        ps_baselines.run_children("pausers", jobs, timeout=1.0)
     assert _live_children() == []
 
 
@@ -101,7 +101,7 @@ def test_interrupt_ends_the_children(monkeypatch: pytest.MonkeyPatch) -> None:
     jobs: list[ps_baselines.Job] = [("pauser", signal.pause, ())]
 
     with pytest.raises(KeyboardInterrupt):
-        ps_baselines._run_children("pausers", jobs, timeout=60.0)
+        ps_baselines.run_children("pausers", jobs, timeout=60.0)
     assert _live_children() == []
 
 

@@ -88,6 +88,13 @@ BENCHMARKS: dict[str, Benchmark] = {
             None,  # `make gpu-check` runs it where there is a GPU; elsewhere it skips
         ),
         Benchmark(
+            "exchange",
+            "Gradient averaging: the exchange over tcp:// and gRPC vs gloo all_reduce, in network "
+            "namespaces and on loopback (--json, --bytes, --no-netns).",
+            None,  # needs root for namespaces and a few minutes: README has its table
+            ("--no-netns", "--bytes", "4000000", "--steps", "2", "--warmup", "1"),
+        ),
+        Benchmark(
             "sweep",
             "Bandwidth by tensor size (4 KiB to 256 MiB), latency percentiles, CPU s/GB and peak RSS "
             "per transport and peer (--max-size, --json).",

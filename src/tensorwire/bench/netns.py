@@ -4,7 +4,8 @@
 addresses ``10.199.<k>.1`` .. ``.n`` on one subnet, optionally each link shaped to ``rate`` bits/s
 in both directions (``tc`` tbf), and removes all of it on exit. A process runs inside a namespace
 under ``fabric.wrapper(i)`` (``ip netns exec ...``); ``fabric.counters(i)`` reads the bytes its
-link carried (the host end of the veth: ``rx`` is what the namespace sent, ``tx`` what it got).
+link carried (the host end of the veth: ``rx`` is what the namespace sent, ``tx`` what it got);
+``fabric.inside(i)`` names the link's end inside the namespace (for GLOO_SOCKET_IFNAME, say).
 
 Making namespaces needs CAP_NET_ADMIN (root in most containers); ``Unavailable`` says why not.
 """
@@ -63,7 +64,7 @@ class Fabric:
         for i, (ns, host, address) in enumerate(
             zip(self.names, self.host_links, self.addresses, strict=True)
         ):
-            inside = f"twn{host[3:]}"
+            inside = self.inside(i)
             _ip("ip", "netns", "add", ns)
             self._made.append(("netns", ns))
             _ip("ip", "link", "add", host, "type", "veth", "peer", "name", inside)
@@ -82,6 +83,10 @@ class Fabric:
         shaper = ["root", "tbf", "rate", f"{self.rate_bits}bit", "burst", "256kb", "latency", "100ms"]
         _ip("tc", "qdisc", "add", "dev", self.host_links[i], *shaper)
         _ip("tc", "qdisc", "add", "dev", inside, *shaper, ns=self.names[i])
+
+    def inside(self, i: int) -> str:
+        """The name of namespace i's end of its link, as seen inside it (GLOO_SOCKET_IFNAME)."""
+        return f"twn{self.host_links[i][3:]}"
 
     def wrapper(self, i: int) -> list[str]:
         return ["ip", "netns", "exec", self.names[i]]

@@ -13,17 +13,22 @@ Targets (issue 4): ``async_vs_rpc`` = ps_async / rpc_ps >= 2; ``sync_step_vs_ddp
 time over DDP's = ddp / ps_sync samples/s <= 1.3.
 
 Run: ``tensorwire bench ps [--json] [--steps 30] [--sizes 1024,2048,2048,2048,10]``.
+``tensorwire bench ps --comm`` measures something else: the push and pull of a large model with no
+compute, against the bound the machine sets (``bench/ps_comm.py``).
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
 from tensorwire.bench import ps_baselines as base
+from tensorwire.bench import ps_comm
 from tensorwire.bench.report import show
 from tensorwire.ps import SGD, Worker
 from tensorwire.ps.launch import local_servers
@@ -53,7 +58,7 @@ def ps_samples_per_s(w: base.Workload, mode: str, timeout: float = 300.0) -> flo
         jobs: list[base.Job] = [
             (f"ps worker {rank}", _ps_worker, (w, rank, urls, mode, timeout)) for rank in range(w.workers)
         ]
-        return base._samples_per_s(w, base._run_children(f"tensorwire {mode} workers", jobs, timeout))
+        return base.samples_per_s(w, base.run_children(f"tensorwire {mode} workers", jobs, timeout))
 
 
 def run(w: base.Workload, timeout: float) -> dict[str, float | int]:
@@ -68,10 +73,18 @@ def run(w: base.Workload, timeout: float) -> dict[str, float | int]:
     return result
 
 
-def main(argv: Sequence[str] | None = None) -> dict[str, float | int]:
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    args_in = list(sys.argv[1:] if argv is None else argv)
+    if "--comm" in args_in:  # the communication benchmark, with its own options
+        return ps_comm.main(args_in)
     default = base.Workload()
     parser = argparse.ArgumentParser(prog="tensorwire bench ps", description=__doc__)
     parser.add_argument("--json", action="store_true", help="print one JSON line")
+    parser.add_argument(
+        "--comm",
+        action="store_true",
+        help="instead: push + pull of a large model against the machine's bound (ps_comm.py)",
+    )
     parser.add_argument("--sizes", type=base._sizes, default=default.sizes, help="MLP widths")
     parser.add_argument("--batch", type=int, default=default.batch, help="samples per worker per step")
     parser.add_argument("--steps", type=int, default=default.steps, help="timed steps")
@@ -92,7 +105,7 @@ def _print(result: dict[str, float | int]) -> None:
     table.add_column("samples/s", justify="right")
     for key, label in (("ps_sync", "tensorwire PS, sync (2 servers)"), ("ps_async", "tensorwire PS, async"),
                        ("rpc_ps", "torch.distributed.rpc PS"), ("ddp", "DDP over gloo")):  # fmt: skip
-        table.add_row(label, f"{result[f'{key}_samples_per_s']:,.0f}")
+        table.add_row(label, f"{result[f'{key}samples_per_s']:,.0f}")
     Console().print(table)
     print(f"async / rpc PS = {result['async_vs_rpc']:.2f} (target >= 2); "
           f"sync step time / DDP's = {result['sync_step_vs_ddp']:.2f} (target <= 1.3)")  # fmt: skip

@@ -16,10 +16,11 @@ trainers processed in the timed steps over the slowest trainer's wall time for t
   data-parallel SGD, and what a user would pick instead of a PS on one machine: the ceiling.
 
 Processes: every role runs in a child started with ``spawn`` (never ``fork``: the parent may hold
-threads and torch state). A child sends ``("ok", value)`` or ``("error", traceback)`` through its
-pipe and exits; the parent waits on all pipes with one finite deadline, re-raises a child's error
-as ``RuntimeError`` naming that child, and terminates (then kills) every child that is still
-running when it returns or raises, including on ``KeyboardInterrupt``.
+threads and torch state) by ``run_children``, which ``bench ps`` and ``bench ps --comm`` use too.
+A child sends ``("ok", value)`` or ``("error", traceback)`` through its pipe and exits; the parent
+waits on all pipes with one finite deadline, re-raises a child's error as ``RuntimeError`` naming
+that child, and terminates (then kills) every child that is still running when it returns or
+raises, including on ``KeyboardInterrupt``.
 
 Clock: the timed steps start after ``warmup`` untimed ones. In the RPC PS the last warmup update
 is the barrier (the server answers every trainer at once); DDP workers meet at ``dist.barrier``.
@@ -120,7 +121,7 @@ def _backward(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> None:
     torch.autograd.backward(F.cross_entropy(model(x), y))
 
 
-def _samples_per_s(w: Workload, elapsed: Sequence[object]) -> float:
+def samples_per_s(w: Workload, elapsed: Sequence[object]) -> float:
     seconds = [value for value in elapsed if isinstance(value, float)]
     if len(seconds) != w.workers:
         raise RuntimeError(f"expected {w.workers} trainer times, got {list(elapsed)}")
@@ -253,8 +254,8 @@ def rpc_ps_samples_per_s(w: Workload, timeout: float = 300.0) -> float:
     port = _free_port()
     jobs: list[Job] = [("rpc parameter server", _rpc_server, (w, port, timeout))]
     jobs += [(f"rpc trainer {rank}", _rpc_trainer, (w, rank, port, timeout)) for rank in range(w.workers)]
-    results = _run_children("rpc parameter server and trainers", jobs, timeout)
-    return _samples_per_s(w, results[1:])
+    results = run_children("rpc parameter server and trainers", jobs, timeout)
+    return samples_per_s(w, results[1:])
 
 
 # -- DistributedDataParallel -----------------------------------------------------------------------
@@ -289,7 +290,7 @@ def ddp_samples_per_s(w: Workload, timeout: float = 300.0) -> float:
     jobs: list[Job] = [
         (f"ddp worker {rank}", _ddp_worker, (w, rank, port, timeout)) for rank in range(w.workers)
     ]
-    return _samples_per_s(w, _run_children("ddp workers", jobs, timeout))
+    return samples_per_s(w, run_children("ddp workers", jobs, timeout))
 
 
 # -- child processes -------------------------------------------------------------------------------
@@ -300,7 +301,7 @@ class _Child:
     conn: Connection  # the parent's end; the child sends exactly one ("ok" | "error", value)
 
 
-def _run_children(what: str, jobs: Sequence[Job], timeout: float) -> list[object]:
+def run_children(what: str, jobs: Sequence[Job], timeout: float) -> list[object]:
     """Run every job in its own spawned child; their results in job order.
 
     Raises ``TimeoutError`` if they are not all done within ``timeout`` seconds, ``RuntimeError``

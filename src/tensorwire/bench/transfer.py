@@ -133,7 +133,7 @@ async def _serve_tensorwire_async(
         await server.close()
 
 
-def _socket_sink(conn: Connection, nbytes: int) -> None:
+def socket_sink(conn: Connection, nbytes: int) -> None:
     """Child: receive ``nbytes``-sized transfers on a default-option socket, ack each with a byte."""
     with starting(conn):
         listener = socket.create_server(("127.0.0.1", 0))
@@ -217,7 +217,7 @@ def _bulk(
     return _gbps(nbytes, put), _gbps(nbytes, get)
 
 
-def _socket_baseline(port: int, data: torch.Tensor, iters: int) -> float:
+def socket_baseline(port: int, data: torch.Tensor, iters: int) -> float:
     """GB/s of ``sendall`` of the tensor's bytes until the receiver has acked the whole of them."""
     view = byte_view(data)
     ack = memoryview(bytearray(1))
@@ -329,7 +329,7 @@ def run(
         # Start all children before waiting for any: each spends over a second importing torch.
         urls = ["tcp://127.0.0.1:0", "tls://127.0.0.1:0"]
         children.append(Child(_serve_tensorwire, capacity, urls, certs, cpus=server_cpus))
-        children.append(Child(_socket_sink, size, cpus=server_cpus))
+        children.append(Child(socket_sink, size, cpus=server_cpus))
         children.append(Child(_echo_server, cpus=server_cpus))
         shm_capacity = 4 * size + 64 * MiB  # a server of its own: its tensors live in /dev/shm
         children.append(Child(_serve_tensorwire, shm_capacity, ["shm://127.0.0.1:0"], cpus=server_cpus))
@@ -339,7 +339,7 @@ def run(
         url, tls_url = bound
         stack.enter_context(pinned(client_cpus))
 
-        socket_gbps = _socket_baseline(sink_port, data, iters)
+        socket_gbps = socket_baseline(sink_port, data, iters)
         with tensorwire.connect(url) as client:
             put_gbps, get_gbps = _bulk(client, data, iters)
             client.put("bench/small", torch.rand(SMALL_BYTES // 4))

@@ -11,8 +11,8 @@
   server), ``budget`` (memory), ``metrics`` (Prometheus).
 * ``worker``: ``Worker``, which wraps a module for a training loop (pull, push, step, barrier).
 * ``exchange_server`` / ``exchange_client``: the gradient exchange (an ``allreduce`` of gradients
-  over a server, by TCP or by gRPC ``train.GradientService``) for code that keeps its optimizer
-  local; ``ExchangeClient`` (also ``ps.allreduce.ExchangeClient``, its older name).
+  over one or more servers, by TCP or by gRPC ``train.GradientService``) for code that keeps its
+  optimizer local; ``ExchangeClient`` (also ``ps.allreduce.ExchangeClient``, its older name).
 * ``rpc``, ``slot``, ``shards``, ``rendezvous``: the worker's parts (the typed PS requests, one
   record per server slot, the model's tensors, where the servers are).
 * ``optim``: the optimizer specs (``SGD``, ``Adam``, ``AdamW``).
