@@ -82,7 +82,7 @@ from tensorwire.wire.tensors import byte_view
 
 T = TypeVar("T")
 _MARGIN = 10.0  # seconds a client-side wait adds to the server's, so the server's error comes first
-PIECE_BYTES = 512 * KiB  # the largest piece, and of one request
+PIECE_BYTES = 256 * KiB  # the largest piece and request (bench exchange: beat 128 KiB, 512 KiB, 1 MiB)
 MIN_PIECE_BYTES = 64 * KiB  # the first and last pieces of a step (``piece_limit``)
 LANES = 1  # connections per server
 WINDOW = 8  # requests in flight per connection
