@@ -10,7 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tensorwire.ps.exchange_client import MIN_PIECE_BYTES, Piece, piece_limit, requests_of, split
+from tensorwire.ps.exchange_client import MIN_PIECE_BYTES, PIECE_BYTES, Piece, piece_limit, requests_of, split
 
 Layout = list[tuple[str, torch.dtype, tuple[int, ...]]]
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
@@ -104,7 +104,7 @@ def test_whole_tensors_under_the_limit_keep_their_names_and_large_ones_are_cut()
     # The default limit shrinks toward both ends of the step: first and last pieces are small.
     one_mib = [("w", torch.float32, (1 << 20,))]  # 4 MiB
     sizes = [p.nbytes for p in split(one_mib, 1)]
-    assert sizes[0] == MIN_PIECE_BYTES and sizes[-1] <= MIN_PIECE_BYTES and max(sizes) == 512 * 1024
+    assert sizes[0] == MIN_PIECE_BYTES and sizes[-1] <= MIN_PIECE_BYTES and max(sizes) == PIECE_BYTES
     assert sum(sizes) == 4 << 20
 
 
@@ -121,7 +121,7 @@ def test_piece_limit_grows_from_the_start_and_shrinks_toward_the_end() -> None:
     total = 100 << 20
     assert piece_limit(0, total) == MIN_PIECE_BYTES
     assert piece_limit(200 << 10, total) == 200 << 10
-    assert piece_limit(50 << 20, total) == 512 << 10
+    assert piece_limit(50 << 20, total) == PIECE_BYTES
     assert piece_limit(total - (256 << 10), total) == 128 << 10
     assert piece_limit(total - 1, total) == MIN_PIECE_BYTES
     assert piece_limit(50 << 20, total, piece_bytes=100) == 100  # never over piece_bytes
