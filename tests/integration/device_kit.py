@@ -22,10 +22,25 @@ import contextlib
 import itertools
 import threading
 import time
+from collections.abc import Iterator
 
 import torch
 
+from tensorwire.ps import ParamServer
+from tensorwire.server import ServerThread
+
 DEADLINE = 60.0
+
+
+@contextlib.contextmanager
+def cluster(servers: int) -> Iterator[list[str]]:
+    """``servers`` parameter servers in threads of this process, closed on exit: their URLs."""
+    threads = [ServerThread(extensions=[ParamServer(60.0)]) for _ in range(servers)]
+    try:
+        yield [t.url for t in threads]
+    finally:
+        for t in threads:
+            t.close()
 
 
 class _Handle(concurrent.futures.Future[None]):

@@ -10,6 +10,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 import torch.nn.functional as F
+from device_kit import cluster
 
 from tensorwire.client.staging import CudaCopier
 from tensorwire.compression import codec_for
@@ -39,16 +40,6 @@ def model_on(device: str) -> torch.nn.Module:
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(32, 128), torch.nn.Tanh(), torch.nn.Linear(128, 10))
     return model.to(device)
-
-
-@contextlib.contextmanager
-def cluster(servers: int) -> Iterator[list[str]]:
-    threads = [ServerThread(extensions=[ParamServer(60.0)]) for _ in range(servers)]
-    try:
-        yield [t.url for t in threads]
-    finally:
-        for t in threads:
-            t.close()
 
 
 def data(device: str) -> tuple[torch.Tensor, torch.Tensor]:

@@ -6,14 +6,12 @@ stand ``HostCopier`` in (test_fast_paths.py). On a GPU, test_ps_cuda.py runs the
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import threading
-from collections.abc import Iterator
 
 import pytest
 import torch
 import torch.nn.functional as F
-from device_kit import LateCopier
+from device_kit import LateCopier, cluster
 
 from tensorwire.client.staging import HostArena, HostCopier, StagedSegments, stage_out
 from tensorwire.errors import InvalidTensor
@@ -32,16 +30,6 @@ DEADLINE = 60.0
 def small_model() -> torch.nn.Module:
     torch.manual_seed(0)
     return torch.nn.Sequential(torch.nn.Linear(20, 64), torch.nn.Tanh(), torch.nn.Linear(64, 5))
-
-
-@contextlib.contextmanager
-def cluster(servers: int) -> Iterator[list[str]]:
-    threads = [ServerThread(extensions=[ParamServer(60.0)]) for _ in range(servers)]
-    try:
-        yield [t.url for t in threads]
-    finally:
-        for t in threads:
-            t.close()
 
 
 def train(urls: list[str], copiers: list[LateCopier] | None, codecs: dict[str, str]) -> list[torch.nn.Module]:

@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import socket
 import statistics
 import subprocess
@@ -72,14 +73,7 @@ class Setup:
     @property
     def grad_bytes(self) -> int:
         """What the gradients really take (the shapes round ``bytes`` down a little)."""
-        return sum(4 * _numel(shape) for _, shape in gradient_shapes(self.bytes, self.tensors))
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for dim in shape:
-        n *= dim
-    return n
+        return sum(4 * math.prod(shape) for _, shape in gradient_shapes(self.bytes, self.tensors))
 
 
 def ways(nccl: bool = True) -> list[str]:

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import os
 import secrets
 import statistics
@@ -159,7 +160,7 @@ def nccl_way(spec: Spec, rank: int, shapes: Shapes) -> Iterator[tuple[Step, dict
 def _bucketed(shapes: Shapes, device: str, group: Any) -> tuple[Step, dict[str, torch.Tensor]]:
     """Gradients laid out in buckets of at most BUCKET_BYTES (a larger tensor alone in one), as
     views of them, and a step that all-reduces every bucket (all started at once) and divides."""
-    sizes = [_numel(shape) for _, shape in shapes]
+    sizes = [math.prod(shape) for _, shape in shapes]
     lengths: list[int] = []
     for numel in sizes:
         if not lengths or lengths[-1] + numel > BUCKET_BYTES // 4:
@@ -182,13 +183,6 @@ def _bucketed(shapes: Shapes, device: str, group: Any) -> tuple[Step, dict[str, 
             f.div_(world)
 
     return step, grads
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for dim in shape:
-        n *= dim
-    return n
 
 
 WAYS: dict[str, Way] = {"tcp": tcp_way, "grpc": grpc_way, "gloo": gloo_way, "nccl": nccl_way}

@@ -59,6 +59,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import math
 import secrets
 from collections.abc import Awaitable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -125,12 +126,12 @@ def split(tensors: Sequence[tuple[str, torch.dtype, tuple[int, ...]]], servers: 
     piece's bytes over another. It depends only on its arguments: every worker gets the same."""
     if servers < 1 or piece_bytes < 1:
         raise ValueError(f"split needs servers >= 1 and piece_bytes >= 1, not {servers}, {piece_bytes}")
-    total = sum(_numel(shape) * dtype.itemsize for _, dtype, shape in tensors)
+    total = sum(math.prod(shape) * dtype.itemsize for _, dtype, shape in tensors)
     load = [0] * servers
     pieces: list[Piece] = []
     offset = 0
     for index, (name, dtype, shape) in enumerate(tensors):
-        numel, size = _numel(shape), dtype.itemsize
+        numel, size = math.prod(shape), dtype.itemsize
         bounds = _bounds(numel, size, offset, total, piece_bytes)
         whole = len(bounds) == 2
         for start, stop in itertools.pairwise(bounds):
@@ -178,13 +179,6 @@ def requests_of(pieces: Sequence[Piece], piece_bytes: int = PIECE_BYTES) -> list
         batch.append(number)
         filling[piece.server] = (batch, limit, held + piece.nbytes)
     return requests
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for dim in shape:
-        n *= dim
-    return n
 
 
 class _Plan(NamedTuple):
