@@ -281,8 +281,27 @@ def _inject(cluster: Cluster, target: Target) -> float | None:
         doc = cluster.stats(peer)
         return doc is not None and doc["role"] == "primary" and doc["step"] > step_at_kill
 
-    wait_for(lambda: stepped() or cluster.done(), 120, f"slot {a}'s backup to take over")
+    def over() -> bool:
+        _check_workers(cluster)  # a worker that died meanwhile says why now, not after the wait
+        return stepped() or cluster.done()
+
+    try:
+        wait_for(over, 120, f"slot {a}'s backup to take over")
+    except TimeoutError as exc:  # what each server says, for whoever reads the failure
+        exc.add_note(_snapshot(cluster))
+        raise
     return time.monotonic() - killed
+
+
+def _snapshot(cluster: Cluster) -> str:
+    """Each server's role, epoch, step and jobs (one line each), for a failure's message."""
+    lines = []
+    for number, slot in enumerate(cluster.slots):
+        for server in slot:
+            doc = cluster.stats(server.url) or {}
+            keys = ("role", "epoch", "step", "version", "jobs", "ended", "workers")
+            lines.append(f"slot {number} {server.url}: {json.dumps({k: doc.get(k) for k in keys})[:600]}")
+    return "\n".join(lines)
 
 
 def _peer_ready(cluster: Cluster, slot: int, index: int) -> bool:

@@ -276,9 +276,10 @@ class Consistency:
         self.staleness[min(staleness, MAX_STALENESS_BUCKET)] += 1
 
     # -- applying -------------------------------------------------------------------------------
-    async def leave(self, worker: int, why: str) -> None:
-        """``worker`` is no longer live: a sync step waiting only for it is taken now."""
-        self._members.left(worker, why)
+    async def leave(self, worker: int, why: str, *, final: bool = False) -> None:
+        """``worker`` is no longer live (``final``: for good): a sync step waiting only for it is
+        taken now."""
+        self._members.left(worker, why, final=final)
         self.notify()
         await self.apply_ready_steps()
 

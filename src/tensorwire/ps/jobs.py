@@ -12,14 +12,14 @@ ends them.
   transfer of every job (ps/replica.py ``Holder``); ``restore_all`` loads every job's checkpoints.
 
 When a job ends: by default when its last worker leaves (PS_LEAVE with ``final``, sent by
-``Worker.close``; every rank of its world joined once and none is live), unless the server keeps
-jobs (``--keep-jobs``: the state stays for a restart of the workers); or by PS_END (``tensorwire
-ps end JOB``; refused while workers are live unless forced: those workers then get an error naming
-the end, not a fresh job). A worker dropped for missed heartbeats does not end its job (it may
-come back). Ending writes the job's last checkpoint (checkpoints on) and moves its directory to
-``_ended/`` (ps/checkpoint.py ``retire``), wakes its waiters with an error, frees its memory and
-stops its thread. A record of it (its last stats and why it ended) stays in ``ended``, at most
-``max_jobs`` of them.
+``Worker.close``, once every rank of its world has joined and left so), unless the server keeps
+jobs (``--keep-jobs``: the state stays for a restart of the workers); or by PS_END (``tensorwire ps
+end JOB``; refused while workers are live unless forced: those workers then get an error naming the
+end, not a fresh job). A worker dropped for missed heartbeats has not left: the job waits for it
+(it may come back, or leave), even once the others have left. Ending writes the job's last
+checkpoint (checkpoints on) and moves its directory to ``_ended/`` (ps/checkpoint.py ``retire``),
+wakes its waiters with an error, frees its memory and stops its thread. A record of it (its last
+stats and why it ended) stays in ``ended``, at most ``max_jobs`` of them.
 
 Lifecycle: ``Jobs`` is made with the server; ``close`` at the server's close writes every job's
 last checkpoint and stops their heartbeat watchdogs and threads.

@@ -183,11 +183,16 @@ class Lifecycle:
         if run is not None and state is not None and state.live and head.seq and not member and not held:
             run.members.refuse_identity(request, head, head.seq)
         self._exchange.leave(head.worker, session, strict=not member)
-        if member:
+        # A worker dropped for missed heartbeats that then leaves for good (its own session, still
+        # the rank's last): its leave counts too, or its job could never end by itself.
+        dropped_self = (
+            state is not None and not state.live and bool(head.seq) and state.incarnation == head.seq
+        )
+        if member or (final and dropped_self):
             assert run is not None
             async with self._replica.in_order():
                 await self._replica.replicate(replication.Change.LEAVE, head, wps.encode_flag(final))
-                await run.consistency.leave(head.worker, "left" if final else "stepped aside")
+                await run.consistency.leave(head.worker, "left" if final else "stepped aside", final=final)
                 if final and self.jobs.done(run):  # its last worker: the job ends (its backups follow)
                     await self._replica.replicate(replication.Change.END, head, wps.encode_flag(False))
                     await self.jobs.end(run, "its last worker left")
@@ -288,7 +293,7 @@ class Lifecycle:
         run = held
         if change == replication.Change.LEAVE:
             final = wps.decode_flag(request.meta, default=True)
-            await run.consistency.leave(head.worker, "left" if final else "stepped aside")
+            await run.consistency.leave(head.worker, "left" if final else "stepped aside", final=final)
         elif change == replication.Change.DROP:
             await run.consistency.leave(head.worker, "dropped (replicated)")
         elif change == replication.Change.PUSH:

@@ -57,6 +57,9 @@ class Member:
     last_reply: bytes = b""  # the answer to push ``seq``, sent again to a resend of it
     heard: float = field(default_factory=time.monotonic)  # its last request or heartbeat
     barrier: int = 0  # the last barrier generation it arrived at (PS_BARRIER)
+    # Left for good (its final PS_LEAVE), not merely dropped or stepped aside: a dropped worker
+    # (missed heartbeats under load, a restart) may come back, and its job must still be there.
+    finished: bool = False
 
 
 class Members:
@@ -95,9 +98,10 @@ class Members:
         return min(clocks) if clocks else 0
 
     def finished(self) -> bool:
-        """Every rank of the world joined once, and none is live: the job's work is done."""
+        """Every rank of the world joined once and has left for good (a final leave; a dropped
+        worker may rejoin): the job's work is done."""
         world = self._job.world
-        return bool(world) and len(self.workers) >= world and not any(s.live for s in self.workers.values())
+        return bool(world) and len(self.workers) >= world and all(s.finished for s in self.workers.values())
 
     def barrier_released(self) -> int:
         """The last barrier generation released (see the module doc), brought up to date: every
@@ -165,9 +169,11 @@ class Members:
         self.start_watchdog()
         return wps.encode_join_reply(clock, self._job.config is not None, seq, released)
 
-    def left(self, worker: int, why: str) -> None:
+    def left(self, worker: int, why: str, *, final: bool = False) -> None:
+        """``worker`` is no longer live; ``final``: it left for good (its last PS_LEAVE)."""
         state = self.workers[worker]
         state.live = False
+        state.finished = final
         self.barrier_released()  # it no longer holds a barrier up
         log.info("worker %d of job %s %s at clock %d (live: %s)", worker, self._job.id, why, state.clock,
                  self.live())  # fmt: skip
