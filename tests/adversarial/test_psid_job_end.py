@@ -6,6 +6,9 @@ waited on a worker that never joined it)."""
 
 from __future__ import annotations
 
+import asyncio
+import json
+
 import torch
 
 from tensorwire.ps import SGD, ParamServer, Worker
@@ -36,3 +39,21 @@ def test_a_dropped_workers_job_outlives_the_others_leaving() -> None:
         stalled.close()  # its leave, the last one for good: now the job ends
         (ended,) = server_stats([url])
         assert ended["jobs"] == {} and ended["ended"][-1]["job"] == "j"
+
+
+def test_a_state_transfer_carries_who_left_for_good() -> None:
+    """A backup taking over ends the job as its primary would have: the state transfer says which
+    workers left for good (else a job whose workers all left, one before a failover and the last
+    after it, would never end by itself)."""
+    with ServerThread(extensions=[primary := ParamServer(30)]) as server:
+        url = server.url
+        with Worker(linear(), url, "async", SGD(lr=0.1), rank=1, world_size=2, heartbeat=0, job="j"):
+            pass  # joined and left for good
+        with Worker(linear(), url, "async", SGD(lr=0.1), rank=0, world_size=2, heartbeat=0, job="j"):
+            state, tensors = primary.jobs.take_all()  # worker 0 live, worker 1 gone for good
+    backup = ParamServer(30)
+    asyncio.run(backup.jobs.load_all(json.loads(json.dumps(state)), tensors))  # as on the wire: JSON
+    run = backup.job("j")
+    assert run is not None
+    assert run.members.workers[1].finished and not run.members.workers[0].finished
+    assert not run.members.finished()  # worker 0 has not left yet

@@ -4,7 +4,8 @@ when checkpoints are written.
 ``take`` gathers the job (its config, shards, optimizer state, counters, and the workers' clocks
 and push marks, so a restored server still recognises a resent push) into a
 ``checkpoint.Snapshot``; ``live`` adds what a backup taking over needs beyond a checkpoint: the
-workers' liveness, read clocks and incarnations, and the pushes of a sync step not taken yet.
+workers' liveness (and whether each left for good), read clocks and incarnations, and the pushes
+of a sync step not taken yet.
 ``load`` makes such a snapshot the job. ps/checkpoint.py writes and reads snapshots on disk
 (all or nothing); ps/jobs.py gathers every job's for a state transfer, which ps/replica.py sends
 and receives (SYNC). A job that has workers but no parameters yet (joined, not initialised) is
@@ -71,7 +72,7 @@ class State:
         }
         params = {key: shard.param.detach() for key, shard in job.shards.items()}
         if live:
-            state["live"] = {str(w): [s.live, s.read_clock, s.incarnation, s.barrier]
+            state["live"] = {str(w): [s.live, s.read_clock, s.incarnation, s.barrier, s.finished]
                              for w, s in workers.items()}  # fmt: skip
             state["released"] = self._members.released
             state["pending"] = {}
@@ -105,7 +106,7 @@ class State:
         )
         workers = {int(w): Member(clock, False, clock, seq=seq, last_reply=bytes.fromhex(reply))
                    for w, (clock, seq, reply) in state["workers"].items()}  # fmt: skip
-        for w, (live, read_clock, incarnation, barrier) in state.get("live", {}).items():
+        for w, (live, read_clock, incarnation, barrier, finished) in state.get("live", {}).items():
             worker = workers[int(w)]
             worker.live, worker.read_clock, worker.incarnation, worker.barrier = (
                 live,
@@ -113,6 +114,7 @@ class State:
                 incarnation,
                 barrier,
             )
+            worker.finished = finished  # left for good: a backup taking over ends the job as it would
         self._members.workers = workers
         self._members.released = state.get("released", 0)
         if config is not None:
