@@ -31,7 +31,6 @@ import argparse
 import contextlib
 import json
 import math
-import socket
 import statistics
 import subprocess
 import sys
@@ -47,6 +46,7 @@ from tensorwire.bench.exchange_ways import gradient_shapes
 from tensorwire.bench.netns import Fabric, Unavailable
 from tensorwire.bench.report import show, table
 from tensorwire.ps.exchange_client import LANES, PIECE_BYTES
+from tensorwire.ps.launch import free_port
 from tensorwire.server.process import ServerProcess, run_threads, wait_for
 
 TCP_PORT, GRPC_PORT, GLOO_PORT = 7070, 7071, 29500  # in namespaces, every host has its own ports
@@ -168,7 +168,7 @@ def loopback(setup: Setup, way_names: list[str]) -> dict[str, Any]:
         urls = [s.urls for s in servers]
         tcp = [next(u for u in us if u.startswith("tcp://")) for us in urls]
         rpc = [next(u for u in us if u.startswith("grpc://")).removeprefix("grpc://") for us in urls]
-        spec = _spec(setup, way_names, tcp=tcp, grpc=rpc, master=f"127.0.0.1:{_free_port()}", ifaces=None)
+        spec = _spec(setup, way_names, tcp=tcp, grpc=rpc, master=f"127.0.0.1:{free_port()}", ifaces=None)
         with tempfile.TemporaryDirectory(prefix="tensorwire-exchange-") as tmp:
             results = run_workers(spec, [()] * setup.workers, Path(tmp))
     finally:
@@ -217,13 +217,6 @@ def summary(setup: Setup, way_names: list[str], results: list[dict[str, Any]]) -
     if not out["links"]:
         del out["links"]
     return out
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 # -- the command ------------------------------------------------------------------------------------

@@ -20,6 +20,7 @@ from tensorwire.errors import ProtocolError, TensorwireError
 from tensorwire.ps.rpc import server_stats
 from tensorwire.ps.shards import check_params, model_digest
 from tensorwire.security import Security, TlsFiles, client_token
+from tensorwire.wire.ps import check_job_id
 
 JOB_ENV = "TENSORWIRE_JOB"  # the job id of workers that name none
 SERVERS_ENV = "TENSORWIRE_SERVERS"
@@ -89,9 +90,21 @@ def find_job(
                 (doc,) = server_stats([url], timeout=timeout, security=security)
             except TensorwireError:
                 continue
-            found |= {job for job, summary in doc.get("jobs", {}).items() if summary.get("model") == digest}
+            found |= _jobs_of(doc, digest, url)
             break
     if len(found) != 1:
         said = f"jobs {', '.join(sorted(found)[:8])}" if found else "no job"
         raise ProtocolError(f"the servers hold {said} of this model: name the job (job= or ${JOB_ENV})")
     return found.pop()
+
+
+def _jobs_of(doc: dict[str, object], digest: str, url: str) -> set[str]:
+    """The jobs of a server's PS_STATS answer whose model is ``digest``: a peer's JSON, checked
+    for its shape (ProtocolError naming the server otherwise) and its ids for being job ids."""
+    jobs = doc.get("jobs", {})
+    if not isinstance(jobs, dict) or not all(isinstance(s, dict) for s in jobs.values()):
+        raise ProtocolError(f"{url} answered PS_STATS with a malformed job list")
+    try:
+        return {check_job_id(job) for job, summary in jobs.items() if summary.get("model") == digest}
+    except ValueError as exc:
+        raise ProtocolError(f"{url} listed a bad job id: {exc}") from None
