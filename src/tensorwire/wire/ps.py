@@ -125,7 +125,7 @@ def decode_job(reader: MetaReader) -> str:
     if reader.remaining < len(JOB_TAG) + 1 or reader.raw(len(JOB_TAG)) != JOB_TAG:
         raise ProtocolError(
             "this parameter-server request names no job after its head: a worker or client older "
-            "than this server (jobs came with issue 15)? Use the same tensorwire on workers and servers"
+            "than this server, from before job ids? Use the same tensorwire on workers and servers"
         )
     (n,) = reader.take(_U8)
     if n > MAX_JOB_BYTES:
