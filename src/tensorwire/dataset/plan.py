@@ -26,6 +26,9 @@ sample has no name, and contiguous ranges are what ``ShardDataset`` reads by the
 
 Each shard ends with ``<dataset>/shard-<k>/manifest``: JSON (a uint8 tensor) listing every item
 with its dtype, shape, size and xxh3-64, written only once all of them are verified on the node.
+It lists items, not the rule that placed them, so its format did not change with the assignment:
+a node holding shards placed by size is re-planned by the next scatter like any other change
+(each file whose shard differs is sent once to its new shard and pruned from the old one).
 """
 
 from __future__ import annotations
