@@ -15,6 +15,7 @@ from click.testing import CliRunner
 from tensorwire import ServerThread, TensorStore, cli, connect
 from tensorwire.dataset import DigestService, ShardDataset, fetch, make_plan, scatter
 from tensorwire.dataset.digest import fetch_digests
+from tensorwire.dataset.plan import assign_shard
 from tensorwire.errors import ProtocolError, VerificationFailed
 from tensorwire.transport import TransportOptions, open_transport
 from tensorwire.transport.frame_client import FramedTransport
@@ -113,6 +114,35 @@ def test_tampered_item_is_caught_and_resent_alone(servers: list[ServerThread], t
         assert fresh[index][1].numpy().tobytes() == victim.source.read_bytes()
     finally:
         fresh.close()
+
+
+def test_a_shard_more_takes_only_its_files_and_a_shard_less_is_dropped(
+    servers: list[ServerThread], tmp_path: Path
+) -> None:
+    src = tmp_path / "many"
+    src.mkdir()
+    for i in range(40):
+        (src / f"{i:02d}.txt").write_bytes(bytes([i]) * (100 + i))
+    urls = [srv.url for srv in servers]
+    assert scatter(src, urls, shards=4).ok
+    moving = [f"{i:02d}.txt" for i in range(40) if assign_shard(f"{i:02d}.txt", 5) == 4]
+    assert 0 < len(moving) < 40 / 5 * 2
+
+    grown = scatter(src, urls, shards=5)  # shard 4 (on node 0) takes its files from the others
+    assert grown.ok and sum(n.sent_items for n in grown.nodes) == len(moving) == grown.nodes[0].sent_items
+    assert sum(n.pruned for n in grown.nodes) == len(moving)
+
+    shrunk = scatter(src, urls, shards=4)  # back: the files return, shard 4 and its manifest go
+    assert shrunk.ok and sum(n.sent_items for n in shrunk.nodes) == len(moving)
+    assert sum(n.pruned for n in shrunk.nodes) == len(moving) + 1  # its files, and its manifest
+    with connect(urls[0]) as client:
+        assert not client.list("many/shard-00004/")
+    held = []
+    for url in urls:
+        with ShardDataset(url) as ds:
+            assert [s.index for s in ds.shards.shards] == [s for s in range(4) if urls[s % 2] == url]
+            held += [path for path, _ in ds]
+    assert sorted(held) == [f"{i:02d}.txt" for i in range(40)]
 
 
 async def _conn(url: str) -> FramedTransport:

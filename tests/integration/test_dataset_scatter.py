@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -23,7 +24,7 @@ import pytest
 from click.testing import CliRunner
 
 from tensorwire import cli, connect
-from tensorwire.dataset import ShardDataset, scatter
+from tensorwire.dataset import ScatterReport, ShardDataset, scatter
 from tensorwire.testing.process import ServerProcess, run_threads, wait_for
 
 NODES = 3
@@ -49,7 +50,7 @@ def nodes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[tuple[Serve
 def _source(root: Path) -> dict[str, bytes]:
     """A folder of 48 files in nested folders, 6-40 KiB each, random bytes (and one empty file)."""
     files: dict[str, bytes] = {}
-    rng = __import__("random").Random(8)
+    rng = random.Random(8)
     for i in range(48):
         rel = f"class-{i % 4}/img {i:03d}.bin" if i % 3 else f"top-{i:03d}.dat"
         files[rel] = rng.randbytes(rng.randrange(6 << 10, 40 << 10))
@@ -145,3 +146,38 @@ def test_scatter_killed_midway_resumes_without_resending(
     assert ds.by == "files" and len(ds) == len(after[srv.url])
     for path, tensor in ds:
         assert tensor.numpy().tobytes() == files[path]
+
+
+def _sent_pruned(report: ScatterReport) -> tuple[int, int]:
+    assert report.ok, [node.error for node in report.nodes]
+    return sum(n.sent_items for n in report.nodes), sum(n.pruned for n in report.nodes)
+
+
+def test_one_file_added_edited_or_removed_moves_only_that_file(
+    nodes: list[tuple[ServerProcess, Path]], tmp_path: Path
+) -> None:
+    """The assignment is stable: a re-run after one change sends (or prunes) that file alone.
+    Packing by size (before rendezvous hashing) sent 10 and pruned 9 after the same addition."""
+    urls = [srv.url for srv, _ in nodes]
+    src = tmp_path / "stable"
+    rng = random.Random(21)
+    files = {f"part-{i % 3}/{i:02d}.bin": rng.randbytes(rng.randrange(10_000, 100_000)) for i in range(21)}
+    for rel, data in files.items():
+        (src / rel).parent.mkdir(parents=True, exist_ok=True)
+        (src / rel).write_bytes(data)
+    assert _sent_pruned(scatter(src, urls)) == (21, 0)
+
+    files["part-1/added.bin"] = rng.randbytes(50_000)
+    (src / "part-1/added.bin").write_bytes(files["part-1/added.bin"])
+    assert _sent_pruned(scatter(src, urls)) == (1, 0)
+
+    files["part-0/00.bin"] += rng.randbytes(40_000)  # a size change reshuffled a packing by size
+    (src / "part-0/00.bin").write_bytes(files["part-0/00.bin"])
+    assert _sent_pruned(scatter(src, urls)) == (1, 0)
+
+    del files["part-2/05.bin"]
+    (src / "part-2/05.bin").unlink()
+    assert _sent_pruned(scatter(src, urls)) == (0, 1)
+
+    held = _held(urls, "stable/")
+    assert sorted(name.split("/files/", 1)[1] for names in held.values() for name in names) == sorted(files)

@@ -1,30 +1,70 @@
-"""How ``tensorwire.dataset.make_plan`` cuts a source into shards: deterministic, balanced, and
+"""How ``tensorwire.dataset.make_plan`` cuts a source into shards: deterministic, stable, and
 refusing what cannot be scattered with a clear error."""
 
 from __future__ import annotations
 
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from tensorwire.dataset import make_plan
+from tensorwire.dataset import Plan, make_plan
+from tensorwire.dataset.plan import assign_shard
 from tensorwire.errors import InvalidName, InvalidTensor
 
 
-def test_files_are_dealt_by_size_and_named_under_their_shard(tmp_path: Path) -> None:
-    sizes = [900, 800, 700, 300, 200, 100, 100, 0]
-    for i, size in enumerate(sizes):
-        (tmp_path / "set" / f"d{i % 2}").mkdir(parents=True, exist_ok=True)
-        (tmp_path / "set" / f"d{i % 2}" / f"f{i}").write_bytes(b"x" * size)
-    plan = make_plan(tmp_path / "set", 3)
-    loads = [shard.nbytes for shard in plan.shards]
-    assert sum(loads) == sum(sizes) and max(loads) - min(loads) <= max(sizes)
-    assert plan.shards[0].items[0].name.startswith("set/shard-00000/files/d")
-    again = make_plan(tmp_path / "set", 3)  # a re-run computes the same items under the same names
+def _folder(root: Path, names: list[str]) -> Path:
+    for i, rel in enumerate(names):
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_bytes(b"x" * (i % 97))
+    return root
+
+
+def _where(plan: Plan) -> dict[str, int]:
+    """Each file's shard in ``plan``."""
+    return {str(item.path): shard.index for shard in plan.shards for item in shard.items}
+
+
+def test_files_keep_their_shard_when_others_come_go_or_shards_are_added(tmp_path: Path) -> None:
+    names = [f"class-{i % 10}/img {i:04d}.jpg" for i in range(1000)]
+    src = _folder(tmp_path / "set", names)
+    before = _where(make_plan(src, 8))
+    counts = Counter(before.values())
+    # Rendezvous hashing balances counts in expectation: 125 each, sigma ~10.5; within 3 sigma.
+    assert sorted(counts) == list(range(8)) and max(abs(n - 125) for n in counts.values()) <= 32
+
+    (src / "class-3" / "new.jpg").write_bytes(b"y" * 50_000)  # one file more: only it is placed
+    added = _where(make_plan(src, 8))
+    assert set(added) - set(before) == {"class-3/new.jpg"}
+    assert {rel: added[rel] for rel in before} == before
+
+    (src / names[500]).unlink()  # one file less: the others stay where they were
+    removed = _where(make_plan(src, 8))
+    assert removed == {rel: k for rel, k in added.items() if rel != names[500]}
+
+    grown = _where(make_plan(src, 9))  # a ninth shard takes ~1/9 of the files, from all the others
+    moved = {rel for rel in removed if grown[rel] != removed[rel]}
+    assert all(grown[rel] == 8 for rel in moved)
+    assert 1000 / 9 * 0.75 <= len(moved) <= 1000 / 9 * 1.25
+    assert len({removed[rel] for rel in moved}) == 8
+
+
+def test_files_are_named_under_their_shard_the_same_way_every_run(tmp_path: Path) -> None:
+    src = _folder(tmp_path / "set", [f"d{i % 2}/f{i}" for i in range(8)])
+    plan = make_plan(src, 3)
+    assert sum(shard.nbytes for shard in plan.shards) == sum(i % 97 for i in range(8))
+    for shard in plan.shards:
+        names = [item.name for item in shard.items]
+        assert names == sorted(names)
+        assert all(n.startswith(f"set/shard-{shard.index:05d}/files/d") for n in names)
+        assert all(assign_shard(str(item.path), 3) == shard.index for item in shard.items)
+    again = make_plan(src, 3)  # a re-run computes the same items under the same names
     assert [[i.name for i in s.items] for s in again.shards] == [
         [i.name for i in s.items] for s in plan.shards
     ]
+    # The same in every process and Python version: the hash is not salted.
+    assert [assign_shard("a/b.txt", n) for n in (1, 2, 3, 5, 8)] == [0, 1, 1, 1, 6]
 
 
 def test_rows_are_cut_into_contiguous_ranges_and_blocks(tmp_path: Path) -> None:

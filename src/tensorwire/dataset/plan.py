@@ -6,13 +6,29 @@ skip those a node already holds.
 
 - ``by="files"``: every file under the source folder is one item, sent as its raw bytes (a 1-D
   uint8 tensor) under ``<dataset>/shard-<k>/files/<relative path>``; fetching writes the same
-  bytes back. Files are dealt to shards by size (largest first, to the lightest shard).
+  bytes back. Each file goes to the shard its relative path hashes to (``assign_shard``).
 - ``by="rows"``: the source is tensors in ``.safetensors`` / ``.npy`` files that share their first
   dimension (samples x features, labels...): shard k gets rows ``[k*R/N, (k+1)*R/N)`` of every
   tensor, sent in blocks of at most ``block_bytes`` under ``<dataset>/shard-<k>/rows/<key>/<row>``.
 
+Files are assigned by rendezvous (highest-random-weight) hashing: file ``rel`` goes to the shard
+k with the highest ``xxh3_64(rel, seed=k)``. A file's shard depends on its path and the number of
+shards only, never on the other files, so the assignment is stable: adding or removing a file
+moves only that file, editing one re-sends only it, and going from N to N+1 shards moves only the
+files whose new shard is N (about 1/(N+1) of them; nothing moves between the old shards). The cost
+is balance: each shard gets an equal *expected* share, so counts vary like a binomial (about
+sqrt(n/N) files around n/N), and bytes vary with the file sizes: a data set of a few huge files
+can land unevenly, where packing by size (largest first onto the lightest shard, which this
+module did before) kept loads within one file of each other but moved about half the files when
+one was added. Bounded-load variants would even the bytes again, but make a file's shard depend on
+the others, which is the instability this avoids. Rows (below) are split by index instead: a
+sample has no name, and contiguous ranges are what ``ShardDataset`` reads by the block.
+
 Each shard ends with ``<dataset>/shard-<k>/manifest``: JSON (a uint8 tensor) listing every item
 with its dtype, shape, size and xxh3-64, written only once all of them are verified on the node.
+It lists items, not the rule that placed them, so its format did not change with the assignment:
+a node holding shards placed by size is re-planned by the next scatter like any other change
+(each file whose shard differs is sent once to its new shard and pruned from the old one).
 """
 
 from __future__ import annotations
@@ -26,6 +42,7 @@ from typing import Any, Literal
 
 import numpy as np
 import torch
+import xxhash
 
 from tensorwire.errors import InvalidName, InvalidTensor
 from tensorwire.types import MiB
@@ -122,25 +139,30 @@ def _deal_files(src: Path, count: int, dataset: str) -> list[Shard]:
     if not files:
         raise FileNotFoundError(f"{src}: no files to scatter")
     shards = [Shard(k, dataset) for k in range(count)]
-    loads = [0] * count
-    sized = sorted(((p.stat().st_size, p) for p in files), key=lambda sp: (-sp[0], sp[1].as_posix()))
     bad: list[str] = []
-    for size, path in sized:  # largest first onto the lightest shard: loads end within one file
+    for path in files:  # in path order, so each shard's items are sorted by name
         rel = path.relative_to(src).as_posix()
-        k = loads.index(min(loads))
-        name = f"{shards[k].prefix}files/{rel}"
+        shard = shards[assign_shard(rel, count)]
+        name = f"{shard.prefix}files/{rel}"
         try:
             validate_name(name)
         except InvalidName as exc:
             bad.append(f"{rel!r} ({exc})")
             continue
-        shards[k].items.append(Item(name, size, path, path=rel))
-        loads[k] += size
+        shard.items.append(Item(name, path.stat().st_size, path, path=rel))
     if bad:
         raise InvalidName(f"{len(bad)} file(s) cannot be named on a server: {', '.join(bad[:3])}")
-    for shard in shards:
-        shard.items.sort(key=lambda item: item.name)
     return shards
+
+
+def assign_shard(key: str, shards: int) -> int:
+    """The shard of ``key`` among ``shards``: the k with the highest xxh3-64 of ``key`` seeded with k
+    (rendezvous hashing; ties, never seen in practice, go to the lowest k). A pure function of
+    ``key`` and k, the same in every process and Python version (unlike the salted ``hash``)."""
+    if shards < 1:
+        raise ValueError(f"a data set needs at least one shard, not {shards}")
+    data = key.encode("utf-8", "surrogateescape")  # a file name that is not UTF-8: its bytes
+    return max(range(shards), key=lambda k: xxhash.xxh3_64_intdigest(data, seed=k))
 
 
 # -- by rows -------------------------------------------------------------------------------------

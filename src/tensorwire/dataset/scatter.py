@@ -9,10 +9,16 @@ connections. For every item of a shard, in order:
 3. else send it (``put``: per-chunk checksums; large items resume after a broken connection).
 
 Then the node hashes every item of the shard again and each must match its source (an
-end-to-end check of the bytes at rest, not of the transfer); names under the shard's prefix that
-the plan does not have are deleted; the manifest is written last, and checked the same way. A
-node holding a shard's manifest therefore holds all of it, verified; before the first item of a
-shard that differs from what the node holds, its old manifest is deleted.
+end-to-end check of the bytes at rest, not of the transfer); the manifest is written, and checked
+the same way; then names under the shard's prefix that the plan does not have are deleted (a
+reader reads only what a manifest lists, so it never meets one of them half gone). A node holding
+a shard's manifest therefore holds all of it, verified; before the first item of a shard that
+differs from what the node holds, its old manifest is deleted. Once its shards are done, a node
+also drops the shards of the data set numbered past the plan's count (left by a scatter with more
+``--shards``), manifests first.
+
+Files are assigned to shards by rendezvous hashing (plan.py), so after one file is added, edited
+or removed at the source, a re-run sends or prunes that file alone.
 
 What a re-run after an interruption sends: only items the node does not hold, verified. An item
 in flight when the sender died is not visible on the node (a put becomes visible only once all
@@ -24,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import re
 import threading
 import time
 from collections.abc import Callable, Coroutine, Sequence
@@ -182,6 +189,7 @@ class _NodeSender:
         try:
             for shard in shards:
                 await self._send_shard(shard)
+            await self._prune_extra_shards()
         finally:
             await self.digests.close()
             await self.client.close()
@@ -208,8 +216,8 @@ class _NodeSender:
             self.node.sent_bytes += item.nbytes
             await self._pace(item.nbytes)
         await self._verify(shard.items, sources)
-        await self._prune(shard)
         await self._write_manifest(shard, sources)
+        await self._prune(shard)
 
     async def _verify(self, items: Sequence[Item], sources: dict[str, Expected]) -> None:
         held = await self.digests.get([item.name for item in items])
@@ -226,6 +234,22 @@ class _NodeSender:
         if stale:
             await self.client.delete_many(stale)
             self.node.pruned += len(stale)
+
+    async def _prune_extra_shards(self) -> None:
+        """Delete the data set's shards numbered past the plan's count: no node owns them now, so
+        they are stale wherever they are (a shard that moved to another node stays, as it may be
+        this node under another address). Manifests go first: no reader takes them as complete."""
+        shard = re.compile(re.escape(self.plan.dataset) + r"/shard-(\d{5,})/")
+        manifests: list[str] = []
+        items: list[str] = []
+        for meta in await self.client.list(self.plan.dataset + "/"):
+            found = shard.match(meta.name)
+            if found and int(found[1]) >= len(self.plan.shards):
+                (manifests if meta.name == found[0] + "manifest" else items).append(meta.name)
+        for batch in (manifests, items):
+            if batch:
+                await self.client.delete_many(batch)
+        self.node.pruned += len(manifests) + len(items)
 
     async def _write_manifest(self, shard: Shard, sources: dict[str, Expected]) -> None:
         raw = manifest(self.plan, shard, sources)
