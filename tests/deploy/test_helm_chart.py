@@ -244,6 +244,16 @@ def stub_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return stub.parent
 
 
+def role_flags(urls: list[str], ordinal: int) -> list[str]:
+    """What ``tensorwire ps launch`` gives replica ``ordinal`` of a slot (``replica_flags``, the
+    source of truth), less the peer token: the chart passes that among the flags all replicas share."""
+    from tensorwire.ps.launch import replica_flags
+
+    flags = replica_flags(urls, ordinal, Path("PEER"))
+    assert flags[:2] == ["--peer-token-file", "PEER"]
+    return flags[2:]
+
+
 def test_each_ordinal_gets_its_role_and_every_other_replica_as_backup(case: Any, stub_dir: Path) -> None:
     values, docs = case
     scheme = "tls" if values.get("tls", {}).get("enabled") else "tcp"
@@ -254,10 +264,7 @@ def test_each_ordinal_gets_its_role_and_every_other_replica_as_backup(case: Any,
             done = run_entrypoint(sts, f"{sts['metadata']['name']}-{ordinal}", stub_dir)
             assert done.returncode == 0, done.stderr
             argv = done.stdout.splitlines()
-            role = (["--standby"] if ordinal else []) + [
-                a for i, u in enumerate(urls) if i != ordinal for a in ("--backup", u)
-            ]
-            assert argv == ["ps", "serve", *common, *role]
+            assert argv == ["ps", "serve", *common, *role_flags(urls, ordinal)]
             assert bool(flag_values(argv, "--peer-token-file")) == (len(urls) > 1)
         stray = run_entrypoint(sts, f"{sts['metadata']['name']}-{len(urls)}", stub_dir)
         assert stray.returncode == 64 and "is not replica" in stray.stderr
@@ -402,3 +409,44 @@ def test_no_token_reaches_a_pod_spec(helm: Any) -> None:
     for doc in docs:
         if doc["kind"] != "Secret":
             assert not any(isinstance(v, str) and any(p in v for p in plain) for v in iter_values(doc))
+
+
+def test_tensorwire_accepts_every_command_line_the_chart_writes(
+    case: Any, stub_dir: Path, tmp_path: Path
+) -> None:
+    """Each server's and probe's command line, parsed by the real ``tensorwire`` commands (click
+    checks every flag name, size, URL and number, and that the files exist: the mounted Secrets
+    are stood in for under ``tmp_path``); nothing is started."""
+    from tensorwire.cli import main
+
+    _, docs = case
+    for workload in servers(docs):
+        c = container(workload)
+        if workload["kind"] == "StatefulSet":
+            pod = f"{workload['metadata']['name']}-{workload['spec']['replicas'] - 1}"  # a standby, if any
+            argv = run_entrypoint(workload, pod, stub_dir).stdout.splitlines()
+        else:
+            argv = [*c["command"][1:], *c["args"]]
+        probe = c["readinessProbe"]["exec"]["command"][1:]
+        for line in (argv, probe[probe.index("probe") :]):
+            parse(main, [stand_in(arg, tmp_path) for arg in line])
+
+
+def stand_in(arg: str, root: Path) -> str:
+    """A file under /etc/tensorwire (a mounted Secret) -> one with a token in it under ``root``."""
+    if not arg.startswith("/etc/tensorwire/"):
+        return arg
+    path = root / arg.removeprefix("/etc/tensorwire/")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(f"{path.name}-{'x' * 32}\n")
+    path.chmod(0o600)
+    return str(path)
+
+
+def parse(group: Any, argv: list[str]) -> None:
+    """Resolve ``argv``'s subcommands in ``group`` and parse the rest as that command would."""
+    command = group
+    while hasattr(command, "commands") and argv and argv[0] in command.commands:
+        command, argv = command.commands[argv[0]], argv[1:]
+    assert not hasattr(command, "commands"), f"no command for {argv}"
+    command.make_context(command.name, argv)
