@@ -68,7 +68,7 @@ def main(log_level: str, log_format: str) -> None:
 _COMMANDS: tuple[click.Command, ...] = (
     serve.serve, serve.certs,
     tensors.put, tensors.get, tensors.ls, tensors.stat, tensors.rm,
-    ps.ps, ps.status,
+    ps.ps, ps.status, ps.probe,
     demo.command, bench.bench, dataset.dataset,
 )  # fmt: skip
 for _command in _COMMANDS:

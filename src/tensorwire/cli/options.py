@@ -20,7 +20,7 @@ import click
 from tensorwire import transport as transports
 from tensorwire.cli.text import printable
 from tensorwire.client.core import Client, connect
-from tensorwire.security import TOKEN_ENV
+from tensorwire.security import TOKEN_ENV, load_token
 from tensorwire.types import Address, GiB, KiB, MiB
 
 DEFAULT_URL = "tcp://127.0.0.1:7070"
@@ -87,7 +87,8 @@ def url_param(ctx: click.Context, param: click.Parameter, value: str | tuple[str
 
 # -- reaching a server -----------------------------------------------------------------------------
 def _client_param(ctx: click.Context, param: click.Parameter, value: str | None) -> None:
-    """Collect --tls-ca/--tls-cert/--tls-key/--token for ``client_options`` (they are not arguments)."""
+    """Collect --tls-ca/--tls-cert/--tls-key/--token/--token-file for ``client_options`` (they are
+    not arguments)."""
     if value is not None and param.name is not None:
         ctx.meta.setdefault(_CLIENT_META, {})[param.name] = value
 
@@ -102,7 +103,8 @@ def server_option(command: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def security_options(command: Callable[..., Any]) -> Callable[..., Any]:
-    """--tls-ca, --tls-cert, --tls-key, --token: how to reach servers securely (see ``client_options``)."""
+    """--tls-ca, --tls-cert, --tls-key, --token, --token-file: how to reach servers securely (see
+    ``client_options``)."""
     file = click.Path(exists=True, dir_okay=False)
     options = [
         click.option("--tls-ca", type=file, callback=_client_param, expose_value=False,
@@ -113,6 +115,8 @@ def security_options(command: Callable[..., Any]) -> Callable[..., Any]:
                      help="The private key of --tls-cert."),
         click.option("--token", metavar="TOKEN", callback=_client_param, expose_value=False,
                      help=f"The server's shared token (default: ${TOKEN_ENV})."),
+        click.option("--token-file", type=file, callback=_client_param, expose_value=False,
+                     help="Read the token from this file (off the command line: e.g. a mounted Secret)."),
     ]  # fmt: skip
     for option in reversed(options):
         command = option(command)
@@ -120,8 +124,18 @@ def security_options(command: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def client_options() -> dict[str, Any]:
-    """This command's ``security_options``, as keyword arguments of ``connect``/``ClientOptions``."""
-    return dict(click.get_current_context().meta.get(_CLIENT_META, {}))
+    """This command's ``security_options``, as keyword arguments of ``connect``/``ClientOptions``
+    (``--token-file`` read into ``token``)."""
+    options = dict(click.get_current_context().meta.get(_CLIENT_META, {}))
+    token_file = options.pop("token_file", None)
+    if token_file is not None:
+        if "token" in options:
+            raise click.UsageError("give --token or --token-file, not both")
+        try:
+            options["token"] = load_token(Path(token_file))
+        except ValueError as exc:
+            raise CliError(str(exc)) from exc
+    return options
 
 
 def open_client(server: str) -> Client:

@@ -1,5 +1,6 @@
-"""``tensorwire ps serve | launch | stats | end | plan`` (the parameter server) and ``tensorwire
-status`` (one screen about a cluster of servers, ``tensorwire.cli.status``).
+"""``tensorwire ps serve | launch | stats | end | plan`` (the parameter server), ``tensorwire
+status`` (one screen about a cluster of servers, ``tensorwire.cli.status``) and ``tensorwire probe``
+(is one server answering: a readiness probe).
 
 The parameter server's modules are heavy and only these commands need them: each command imports
 what it runs when it runs.
@@ -18,6 +19,7 @@ from rich.console import Console
 
 from tensorwire.cli.options import FILE, CliError, client_options, parse_size, security_options, url_param
 from tensorwire.cli.serve import serve
+from tensorwire.cli.text import printable
 from tensorwire.client.core import ClientOptions
 from tensorwire.security import TOKEN_ENV
 
@@ -176,3 +178,27 @@ def status(
         Console(width=None if console.is_terminal else 160).print(cluster.render(nodes))
     if not all(n.up for n in nodes):
         raise SystemExit(1)
+
+
+@click.command("probe")
+@click.argument("url", callback=url_param)
+@click.option(
+    "--timeout", type=click.FloatRange(min=0.05), default=2.0, show_default=True,
+    help="Seconds the whole probe (connect, TLS, HELLO, STATUS) may take.",
+)  # fmt: skip
+@security_options
+def probe(url: str, timeout: float) -> None:
+    """Exit 0 when the server at URL answers STATUS within --timeout; else exit 1 with one line on
+    stderr saying why (down, refused token or certificate, timeout).
+
+    A readiness and liveness probe (the Helm chart's): `tensorwire probe tcp://localhost:7070
+    --token-file /etc/tensorwire/auth/token`. A gRPC server (grpc://), which has no STATUS, is pinged."""
+    from tensorwire.cli import status as cluster
+
+    options = ClientOptions(timeout=timeout, connect_timeout=timeout, **client_options())
+    answer = cluster.answers(url, options)
+    if answer is None:
+        click.echo(f"{url} answered a ping (gRPC: no STATUS)")
+        return
+    role = cluster.summary(cluster.Node(url, status=answer))["role"]  # "primary @1", "" for a store
+    click.echo(f"{url} answered STATUS" + (f": {printable(role, 40)}" if role else ""))

@@ -103,7 +103,7 @@ async def _status(conn: FrameChannel, url: str) -> dict[str, Any]:
     return doc
 
 
-async def _status_or_ping(url: str, options: ClientOptions) -> dict[str, Any] | None:
+async def status_or_ping(url: str, options: ClientOptions) -> dict[str, Any] | None:
     """STATUS where the connection carries it (a ``FrameChannel``); else (gRPC has no STATUS call)
     a ping, since whether the server answers is what there is to know: None."""
     conn = await transports.open_transport(Address.parse(url), transport_options(options))
@@ -114,6 +114,19 @@ async def _status_or_ping(url: str, options: ClientOptions) -> dict[str, Any] | 
         return None
     finally:
         await conn.close()
+
+
+def answers(url: str, options: ClientOptions) -> dict[str, Any] | None:
+    """``tensorwire probe``: the server's STATUS answer (None: a gRPC server answered a ping),
+    all within ``options.timeout``; else the TensorwireError that says why (TransferTimeout names
+    the wait; AuthenticationError a refused token; ConnectError a server that is down)."""
+    from tensorwire._aio import asyncio_timeout, run
+
+    async def ask() -> dict[str, Any] | None:
+        async with asyncio_timeout(options.timeout, f"{url} to answer STATUS"):
+            return await status_or_ping(url, options)
+
+    return run(ask())
 
 
 def check_metrics_url(url: object) -> str:
@@ -217,7 +230,7 @@ async def _ask(node: Node, options: ClientOptions) -> bool:
     """Ask the server its STATUS (or, without it, a ping) and note the metrics URL it reports;
     False when there is nothing more to ask (it did not answer, or it has no STATUS)."""
     try:
-        node.status = await asyncio.wait_for(_status_or_ping(node.url, options), options.timeout * 2)
+        node.status = await asyncio.wait_for(status_or_ping(node.url, options), options.timeout * 2)
     except (TensorwireError, OSError, TimeoutError, ValueError) as exc:
         node.error = str(exc) or type(exc).__name__
         return False
@@ -448,4 +461,6 @@ def _cpu(s: dict[str, Any]) -> str:
     return f"{cpu}, {_bytes(s['rss'])}" if s["rss"] is not None else ("" if s["cpu_s"] is None else cpu)
 
 
-__all__ = ["Node", "ask_status", "collect", "render", "scrape", "split_urls", "summary"]
+__all__ = [
+    "Node", "answers", "ask_status", "collect", "render", "scrape", "split_urls", "status_or_ping", "summary",
+]  # fmt: skip
