@@ -60,6 +60,11 @@ __all__ = [
     "load_token",
     "write_token_file",
     "client_token",
+    "client_tls",
+    "client_security",
+    "TLS_CA_ENV",
+    "TLS_CERT_ENV",
+    "TLS_KEY_ENV",
     "tokens_match",
     "write_dev_certs",
     "DEV_CERT_HOSTS",
@@ -71,6 +76,11 @@ __all__ = [
 log = logging.getLogger("tensorwire.security")
 
 TOKEN_ENV = "TENSORWIRE_TOKEN"
+# A client's TLS files when its code names none: the CA of a private cluster (a Kubernetes Secret
+# mounted as a file, a Slurm job's certificates), and a client certificate where servers ask for one.
+TLS_CA_ENV = "TENSORWIRE_TLS_CA"
+TLS_CERT_ENV = "TENSORWIRE_TLS_CERT"
+TLS_KEY_ENV = "TENSORWIRE_TLS_KEY"
 
 
 @dataclass(frozen=True)
@@ -268,6 +278,23 @@ def client_token(token: str | None) -> str | None:
     if token:
         return token
     return os.environ.get(TOKEN_ENV) or None
+
+
+def client_tls(tls: TlsFiles | None) -> TlsFiles | None:
+    """``tls`` if given, else the files named by ``$TENSORWIRE_TLS_CA`` / ``_CERT`` / ``_KEY`` (each
+    optional; none set: ``None``, the system's CA store)."""
+    if tls is not None:
+        return tls
+    paths = [os.environ.get(name) or None for name in (TLS_CERT_ENV, TLS_KEY_ENV, TLS_CA_ENV)]
+    if not any(paths):
+        return None
+    cert, key, ca = (Path(p) if p else None for p in paths)
+    return TlsFiles(cert=cert, key=key, ca=ca)
+
+
+def client_security(tls: TlsFiles | None, token: str | None) -> Security:
+    """What a client brings when its caller names nothing: TLS files and token from the environment."""
+    return Security(client_tls(tls), client_token(token))
 
 
 def tokens_match(expected: str, offered: str | None) -> bool:

@@ -440,3 +440,19 @@ def test_an_empty_token_is_refused() -> None:
 
     with pytest.raises(ValueError, match="empty token"):
         Security(token="")
+
+
+def test_client_tls_comes_from_the_environment_when_the_caller_names_none(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    from tensorwire.security import TLS_CA_ENV, TLS_CERT_ENV, TLS_KEY_ENV, TlsFiles, client_security
+
+    for name in (TLS_CA_ENV, TLS_CERT_ENV, TLS_KEY_ENV, "TENSORWIRE_TOKEN"):
+        monkeypatch.delenv(name, raising=False)
+    assert client_security(None, None).tls is None  # the system's CA store
+    monkeypatch.setenv(TLS_CA_ENV, str(tmp_path / "ca.pem"))
+    monkeypatch.setenv("TENSORWIRE_TOKEN", "t0ken")
+    assert client_security(None, None) == client_security(TlsFiles(ca=tmp_path / "ca.pem"), "t0ken")
+    given = TlsFiles(ca=tmp_path / "other.pem")
+    assert client_security(given, "mine").tls is given  # what the caller names wins
+    assert client_security(given, "mine").token == "mine"

@@ -76,7 +76,7 @@ from tensorwire.ps.device import DeviceStaging, device_of, slices
 from tensorwire.ps.rendezvous import env_int
 from tensorwire.ps.rpc import PsChannel, Sender
 from tensorwire.ps.shards import check_trainable
-from tensorwire.security import Security, TlsFiles, client_token
+from tensorwire.security import TlsFiles, client_security
 from tensorwire.transport.base import FrameChannel
 from tensorwire.types import Address, KiB, TensorMeta
 from tensorwire.wire.tensors import byte_view
@@ -273,7 +273,7 @@ class ExchangeClient:
         # cannot hold the caller for ever.
         self._step_wait = 2 * timeout + _MARGIN
         self._options = transports.TransportOptions(
-            connect_timeout, timeout + _MARGIN, security=Security(tls, client_token(token))
+            connect_timeout, timeout + _MARGIN, security=client_security(tls, token)
         )
         self._sender = Sender(self.rank, self.world_size, int(self.timeout * 1000))
         self._plan_cache: _Plan | None = None

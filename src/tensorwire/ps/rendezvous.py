@@ -19,7 +19,7 @@ import torch
 from tensorwire.errors import ProtocolError, TensorwireError
 from tensorwire.ps.rpc import server_stats
 from tensorwire.ps.shards import check_params, model_digest
-from tensorwire.security import Security, TlsFiles, client_token
+from tensorwire.security import TlsFiles, client_security
 from tensorwire.wire.ps import check_job_id
 
 JOB_ENV = "TENSORWIRE_JOB"  # the job id of workers that name none
@@ -82,7 +82,7 @@ def find_job(
     """The id of the one job on ``servers`` whose model is ``model`` (its parameters' names,
     shapes and dtypes); ProtocolError if there is none, or several (name one: ``job=``)."""
     digest = model_digest(check_params(model))
-    security = Security(tls, client_token(token))
+    security = client_security(tls, token)
     found: set[str] = set()
     for slot in resolve_servers(servers, 0, timeout):
         for url in slot.split("|"):  # the first replica that answers

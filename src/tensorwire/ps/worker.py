@@ -84,7 +84,7 @@ from tensorwire.ps.rendezvous import JOB_ENV, SERVERS_ENV, STORE_KEY, env_int, f
 from tensorwire.ps.rpc import Sender, server_stats
 from tensorwire.ps.shards import ModelShards, check_params, check_trainable, model_digest
 from tensorwire.ps.slot import RETRY_CAP, ServerSlot
-from tensorwire.security import Security, TlsFiles, client_token
+from tensorwire.security import TlsFiles, client_security
 from tensorwire.wire import ps as wps
 
 __all__ = [
@@ -178,7 +178,7 @@ class Worker:
         )
         # TLS files for tls:// servers (``TlsFiles(ca=...)`` for a private CA; a client certificate
         # where the servers require one) and the token (default: $TENSORWIRE_TOKEN).
-        self._security = Security(tls, client_token(token))
+        self._security = client_security(tls, token)
         self.heartbeat = heartbeat  # seconds between heartbeats (0: none); see ParamServer
         self.clock = 0  # pushes made since the last (re)join
         self.version = 0
