@@ -388,6 +388,12 @@ def test_the_example_job_reads_the_servers_from_the_configmap(helm: Any) -> None
     assert (
         token["valueFrom"]["secretKeyRef"]["key"] in one(docs, "Secret", f"{RELEASE}-tensorwire-auth")["data"]
     )
+    (ca,) = [e for e in c["env"] if e["name"] == "TENSORWIRE_TLS_CA"]  # FULL serves TLS
+    (mount,) = [m for m in c["volumeMounts"] if m["name"] == "tls"]
+    assert ca["value"] == f"{mount['mountPath']}/ca.crt"
+    server_tls = next(v for v in slots(docs)[0]["spec"]["template"]["spec"]["volumes"] if v["name"] == "tls")
+    (volume,) = [v for v in job["spec"]["template"]["spec"]["volumes"] if v["name"] == "tls"]
+    assert volume["secret"]["secretName"] == server_tls["secret"]["secretName"]
 
 
 def iter_values(node: Any) -> Iterator[Any]:
