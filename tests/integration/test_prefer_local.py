@@ -103,3 +103,18 @@ def test_a_failed_shm_attach_keeps_tcp_and_says_why(
             assert torch.equal(c.get("t"), torch.ones(4))
         assert transports.LOCAL_FALLBACKS[srv.url] == 1
         assert "shared memory unavailable" in caplog.text
+
+
+@pytest.mark.parametrize("prefer_local", [True, False])
+def test_a_ps_worker_reaches_a_local_server_through_shm(prefer_local: bool) -> None:
+    from tensorwire.ps import SGD, ParamServer, Worker
+
+    model = torch.nn.Linear(4, 2)
+    with (
+        ServerThread(BOTH, extensions=[ParamServer(30.0)]) as srv,
+        Worker(model, [srv.url], "sync", SGD(lr=0.1), rank=0, world_size=1, prefer_local=prefer_local) as w,
+    ):
+        model(torch.ones(3, 4)).sum().backward()
+        w.step()
+        conn = w._slots[0].conn
+        assert conn is not None and conn.address.scheme == ("shm" if prefer_local else "tcp")
