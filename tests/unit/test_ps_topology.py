@@ -5,6 +5,7 @@ a warning for every slot whose replicas the hosts cannot keep apart."""
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 import pytest
@@ -12,9 +13,12 @@ import torch
 from click.testing import CliRunner
 from safetensors.torch import save_file
 
-from tensorwire import cli
+from tensorwire import cli, topology
+from tensorwire.ps.replication import Backups
 from tensorwire.ps.topology import assign, parse_hosts
+from tensorwire.security import Security
 from tensorwire.topology import Location
+from tensorwire.wire import meta as wm
 
 H1, H2, H3 = Location("h1"), Location("h2"), Location("h3")
 
@@ -87,3 +91,21 @@ def test_ps_plan_shows_the_hosts_and_the_warning(tmp_path: Path) -> None:
     assert doc["hosts"]["slots"][1] == {"slot": 1, "primary": {"host": "h1", "rack": None},
                                         "backups": [{"host": "h1", "rack": None}]}  # fmt: skip
     assert len(doc["hosts"]["warnings"]) == 2
+
+
+def test_a_backup_on_the_primarys_host_is_warned_once_and_shown(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setenv(topology.HOST_ENV, "h1")
+    backups = Backups(["tcp://b:1"], Security(None, "peer-secret"))
+    backup = backups.backups["tcp://b:1"]
+    elsewhere = topology.host_identity(Path("/nonexistent")) + 1
+    backups._check_host(backup, wm.Whereabouts("h2", "", elsewhere, ""))
+    assert backup.same_host is None
+    caplog.set_level(logging.WARNING, "tensorwire.ps.replication")
+    for _ in range(2):
+        backups._check_host(backup, wm.Whereabouts("h1", "", elsewhere, ""))
+    assert backup.same_host == "h1"
+    assert caplog.text.count("backup on the primary's host") == 1
+    backups._check_host(backup, None)  # a backup from before HELLO's location: not judged
+    assert backup.same_host is None

@@ -372,7 +372,7 @@ def _lag(ps: dict[str, Any], node: Node) -> str | None:
             if b.get("refused"):  # the reason is in --json; the row stays one line
                 parts.append(f"{host} REFUSED peer credentials (changes refused)")
             elif b.get("up"):
-                parts.append(f"{host} {lag}")
+                parts.append(f"{host} {lag}" + (" SAME HOST" if b.get("same_host") else ""))
             else:
                 parts.append(f"{host} LOST, {_num(b.get('behind'))} behind")
         return "; ".join(parts)
