@@ -6,7 +6,10 @@ function that opens a client ``Transport``: the frame protocol (``RangedTranspor
 loopback plus shared-memory segments for ``shm://`` (``transport/shm.py``), and gRPC for
 ``grpc://`` and ``grpcs://`` (gRPC over TLS). ``STREAMS`` holds the
 byte-stream kinds (``connect`` and ``listen``); the server's own table of listeners is in
-``tensorwire.server``. The scheme a client asked for is the one it gets: no silent fallback.
+``tensorwire.server``. The scheme a client asked for is the one it gets: no silent fallback. The
+one opt-in exception goes the fast way: with ``prefer_local``, a connection whose server says in
+HELLO that it runs on this host and serves shm:// moves there (``local_listener``), and a failed
+move keeps the first connection with its reason in ``local_fallback``, warned and counted.
 
 What a transport can do beyond ``Transport`` is asked of the object it opened (the capability
 Protocols of base.py). ``open_channel`` is the one place that opens a connection for requests of
