@@ -148,6 +148,8 @@ def test_status_shows_primary_backup_and_a_down_server(tmp_path: Path) -> None:
     assert p["summary"]["role"] == "primary @1" and b["summary"]["role"] == "backup @1"
     assert p["summary"]["workers"] == "1/1" and p["summary"]["shards"] >= 1
     assert p["status"]["ps"]["backups"][backup.url]["up"] is True
+    assert p["status"]["ps"]["backups"][backup.url]["same_host"] == p["status"]["host"]  # one host
+    assert p["summary"]["host"] == p["status"]["host"] and "SAME HOST" in p["summary"]["lag"]
     assert "s" in p["summary"]["lag"] and "primary" in b["summary"]["lag"]
     assert p["summary"]["requests"] > 0 and p["summary"]["rss"] > 0  # from the scraped metrics
     assert "down" in text.stdout and "primary @1" in text.stdout and "backup @1" in text.stdout

@@ -123,15 +123,21 @@ def scatter(
 @click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=Path("."), show_default=True)
 @click.option("--name", "name", default=None, help="Which data set [default: the only one there].")
 @click.option("--json", "as_json", is_flag=True)
+@click.option(
+    "--prefer-local/--no-prefer-local", default=True, show_default=True,
+    help="Read a server on this host through its shm:// listener, if it serves one.",
+)  # fmt: skip
 @_deadline_option("the fetch")
 @security_options
-def fetch(*, source: str, out: Path, name: str | None, as_json: bool, deadline: float) -> None:
+def fetch(
+    *, source: str, out: Path, name: str | None, as_json: bool, prefer_local: bool, deadline: float
+) -> None:
     """Write the shards a node holds (from its server, or its data dir) back to files under --out.
 
     Paths come from the node's manifests: each must be a plain relative path, and nothing is
     written outside --out or through a link found under it."""
     until = Deadline.after(deadline, f"dataset fetch (--deadline {deadline:g}s)")
-    options = ClientOptions(**client_options(), deadline=until)
+    options = ClientOptions(**client_options(), deadline=until, prefer_local=prefer_local)
     report = fetch_shards(source, out, name, options, deadline=until)
     if as_json:
         click.echo(json.dumps(report.as_dict()))

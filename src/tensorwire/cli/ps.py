@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 import torch
@@ -22,6 +22,9 @@ from tensorwire.cli.serve import serve
 from tensorwire.cli.text import printable
 from tensorwire.client.core import ClientOptions
 from tensorwire.security import TOKEN_ENV
+
+if TYPE_CHECKING:
+    from tensorwire.ps.topology import Layout
 
 
 @click.group()
@@ -107,14 +110,58 @@ def ps_end(job: str, servers: tuple[str, ...], force: bool) -> None:
 @click.argument("model", type=FILE)
 @click.option("--servers", type=click.IntRange(min=1), required=True, help="How many servers.")
 @click.option("--split-bytes", metavar="SIZE", default=None, help="Split tensors above this size.")
+@click.option(
+    "--replicas", type=click.IntRange(min=0), default=None,
+    help="Backups per server: also show which host runs each slot's primary and backups.",
+)  # fmt: skip
+@click.option(
+    "--hosts", metavar="H1,H2,...", default=None,
+    help="The hosts servers may run on (with --replicas) [default: this host, $TENSORWIRE_HOST].",
+)  # fmt: skip
+@click.option("--racks", metavar="R1,R2,...", default=None, help="Each --hosts entry's rack, in order.")
 @click.option("--json", "as_json", is_flag=True, help="Print the placement as JSON.")
-def ps_plan(model: Path, servers: int, split_bytes: str | None, as_json: bool) -> None:
-    """Show which bytes of MODEL (.safetensors, or .pt/.pth state dict) live on which server."""
+def ps_plan(
+    model: Path,
+    *,
+    servers: int,
+    split_bytes: str | None,
+    replicas: int | None,
+    hosts: str | None,
+    racks: str | None,
+    as_json: bool,
+) -> None:
+    """Show which bytes of MODEL (.safetensors, or .pt/.pth state dict) live on which server; with
+    --replicas (or --hosts), which host serves each slot's primary and backups, and a warning where
+    the hosts cannot keep a slot's replicas apart."""
     from tensorwire.ps import plan
 
     bound = parse_size(split_bytes) if split_bytes is not None else None
     placement = plan(_param_specs(model), servers, bound)
-    click.echo(placement.to_json() if as_json else placement.describe())
+    if replicas is None and hosts is None:
+        click.echo(placement.to_json() if as_json else placement.describe())
+        return
+    layout = _layout(servers, replicas or 0, hosts, racks)
+    if as_json:
+        click.echo(json.dumps({**json.loads(placement.to_json()), "hosts": layout.as_dict()}, indent=2))
+    else:
+        click.echo(placement.describe() + "\n\n" + layout.describe())
+
+
+def _layout(servers: int, replicas: int, hosts: str | None, racks: str | None) -> Layout:
+    """Which host serves each slot's replicas (``ps/topology.py``), from --hosts/--racks."""
+    from tensorwire import topology
+    from tensorwire.ps.topology import assign, parse_hosts
+
+    try:
+        if hosts is None:
+            if racks is not None:
+                raise ValueError("--racks needs --hosts")
+            candidates = [topology.here()]
+        else:
+            candidates = parse_hosts(hosts, racks)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc)) from exc
+    return assign(candidates, servers, replicas)
 
 
 def _param_specs(path: Path) -> list[Any]:

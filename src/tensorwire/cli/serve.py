@@ -16,7 +16,7 @@ from pathlib import Path
 import click
 import torch
 
-from tensorwire import logs
+from tensorwire import logs, topology
 from tensorwire._aio import run
 from tensorwire._fs import write_file
 from tensorwire.cli.options import DEFAULT_URL, FILE, parse_url, size_param, url_param
@@ -45,6 +45,14 @@ def _grpc_param(ctx: click.Context, param: click.Parameter, value: tuple[str, ..
 def _host_param(ctx: click.Context, param: click.Parameter, value: tuple[str, ...]) -> tuple[str, ...]:
     try:
         return tuple(check_cert_host(v) for v in value)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), ctx, param) from exc
+
+
+def _rack_param(ctx: click.Context, param: click.Parameter, value: str | None) -> topology.Location:
+    """``--rack``: this process's location, the rack given or ``$TENSORWIRE_RACK`` (read now)."""
+    try:
+        return topology.here(value)
     except ValueError as exc:
         raise click.BadParameter(str(exc), ctx, param) from exc
 
@@ -184,6 +192,11 @@ def _host_param(ctx: click.Context, param: click.Parameter, value: tuple[str, ..
     help="Most scrapes of the metrics endpoint served at once; more are closed at once.",
 )  # fmt: skip
 @click.option(
+    "--rack", "location", metavar="LABEL", callback=_rack_param, default=None,
+    help=f"This server's rack (or zone) label, shown in HELLO and STATUS [default: ${topology.RACK_ENV}]; "
+    f"its host label is ${topology.HOST_ENV}, else the hostname.",
+)  # fmt: skip
+@click.option(
     "--log-level", type=click.Choice(logs.LEVELS, case_sensitive=False), default=None,
     help="The same as `tensorwire --log-level` (kept for existing scripts).",
 )  # fmt: skip
@@ -225,6 +238,7 @@ def serve(
     metrics_port: int | None,
     metrics_host: str | None,
     metrics_connections: int,
+    location: topology.Location,
     log_level: str | None,
 ) -> None:
     """Serve a tensor store, which is also a parameter server, until SIGINT or SIGTERM."""
@@ -279,6 +293,7 @@ def serve(
         max_uploads=max_uploads,
         uploads_per_client=uploads_per_client,
         resumable_min_bytes=resumable_min_bytes,
+        location=location,
     )
     run(_serve(server, listen + grpc_listen, ready_file))
 

@@ -293,6 +293,7 @@ def summary(node: Node) -> dict[str, Any]:
         role = None  # a plain store: a parameter server with no job and no replicas
     epoch = _num(ps.get("epoch"), _int(node.value("tensorwire_ps_epoch")))
     return {
+        "host": _where(status),
         "role": f"{role} @{epoch}" if role else "",
         "shards": _num(ps.get("shards"), _int(node.value("tensorwire_ps_shards"))),
         "step": _num(ps.get("step"), _int(node.value("tensorwire_ps_steps_total"))),
@@ -310,6 +311,12 @@ def summary(node: Node) -> dict[str, Any]:
 
 
 MAX_JOBS_SHOWN = 64  # of one server: a server may answer anything
+
+
+def _where(status: dict[str, Any]) -> str:
+    """``host`` or ``host/rack`` of a STATUS answer ("" from a server that does not say)."""
+    host, rack = _str(status.get("host")), _str(status.get("rack"))
+    return "" if not host else f"{host}/{rack}" if rack else host
 
 
 def _jobs(ps: dict[str, Any]) -> list[dict[str, Any]]:
@@ -378,7 +385,7 @@ def _lag(ps: dict[str, Any], node: Node) -> str | None:
             if b.get("refused"):  # the reason is in --json; the row stays one line
                 parts.append(f"{host} REFUSED peer credentials (changes refused)")
             elif b.get("up"):
-                parts.append(f"{host} {lag}")
+                parts.append(f"{host} {lag}" + (" SAME HOST" if b.get("same_host") else ""))
             else:
                 parts.append(f"{host} LOST, {_num(b.get('behind'))} behind")
         return "; ".join(parts)
@@ -397,19 +404,20 @@ def render(nodes: Sequence[Node]) -> Any:
     up = sum(n.up for n in nodes)
     table = Table(title=f"tensorwire cluster: {up} of {len(nodes)} servers up", title_justify="left")
     table.add_column("server", overflow="fold")
+    table.add_column("host", overflow="fold")
     for column in ("state", "role", "shards", "step", "workers", "stored / capacity", "requests", "cpu, rss"):
         table.add_column(column, no_wrap=True)
     table.add_column("lag", overflow="fold")
     for node in nodes:
         if not node.up:
-            table.add_row(markup(node.url), "[red]down[/red]", *[""] * 6, "", markup(node.error or ""))
+            table.add_row(markup(node.url), "", "[red]down[/red]", *[""] * 6, "", markup(node.error or ""))
             continue
         s = summary(node)
         state = "[green]up[/green]" + (" [yellow](no metrics)[/yellow]" if node.metrics_error else "")
         table.add_row(
-            markup(node.url), state, markup(s["role"], 80), _text(s["shards"]), _text(s["step"]),
-            s["workers"] or "", f"{_bytes(s['stored'])} / {_bytes(s['capacity'])}", _requests(s), _cpu(s),
-            markup(s["lag"] or ""),
+            markup(node.url), markup(s["host"], 80), state, markup(s["role"], 80), _text(s["shards"]),
+            _text(s["step"]), s["workers"] or "", f"{_bytes(s['stored'])} / {_bytes(s['capacity'])}",
+            _requests(s), _cpu(s), markup(s["lag"] or ""),
         )  # fmt: skip
     jobs = _jobs_table([n for n in nodes if n.up])
     return table if jobs is None else Group(table, jobs)

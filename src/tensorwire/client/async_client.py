@@ -72,8 +72,17 @@ class AsyncClient:
 
     @property
     def transport(self) -> str:
-        """The transport every call of this client takes (the address scheme; never a fallback)."""
-        return self.address.scheme
+        """The transport this client's calls take: the address scheme, or "shm" where
+        ``prefer_local`` moved to the server's shm:// listener (known once connected)."""
+        t = self._transport
+        return t.address.scheme if t is not None else self.address.scheme
+
+    @property
+    def local_fallback(self) -> str | None:
+        """Why ``prefer_local`` did not move this client to shm:// although its server runs on this
+        host and serves it (None: it did, or there was nothing to try)."""
+        t = self._transport
+        return t.local_fallback if t is not None else None
 
     @property
     def url(self) -> str:

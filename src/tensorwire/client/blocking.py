@@ -45,6 +45,10 @@ class Client:
         return self._async.transport
 
     @property
+    def local_fallback(self) -> str | None:
+        return self._async.local_fallback
+
+    @property
     def url(self) -> str:
         return self._async.url
 

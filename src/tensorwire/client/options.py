@@ -52,6 +52,10 @@ class ClientOptions:
     # A whole command's deadline (`dataset fetch --deadline`): every call of a blocking Client gives
     # up at it with TransferTimeout, whatever its own timeouts and retries would still allow.
     deadline: Deadline | None = None
+    # Where the server of a tcp:// or tls:// URL runs on this host and serves shm:// (its HELLO
+    # says so), use that instead (`client.transport` says which); if that fails, stay, with a
+    # warning and `client.local_fallback` saying why. An shm:// URL that cannot work still raises.
+    prefer_local: bool = False
 
     def security(self) -> Security:
         files = [self.tls_cert, self.tls_key, self.tls_ca]
@@ -77,6 +81,7 @@ def transport_options(options: ClientOptions) -> TransportOptions:
         options.chunk_size,
         options.security(),
         options.compression,
+        prefer_local=options.prefer_local,
     )
 
 

@@ -50,9 +50,10 @@ def fetch(
 
     Every path a manifest names is checked to be plain components under ``out``, and written
     without following any symlink below ``out`` (``tensorwire._fs``). ``deadline`` bounds the whole
-    fetch (the client's calls too, when ``options`` carries it): TransferTimeout past it.
+    fetch (the client's calls too, when ``options`` carries it): TransferTimeout past it. Without
+    ``options``, a server on this host that serves shm:// is read through it (``prefer_local``).
     """
-    shards = LocalShards(source, dataset, options)
+    shards = LocalShards(source, dataset, options or ClientOptions(prefer_local=True))
     report = FetchReport(shards.dataset, shards.by, [s.index for s in shards.shards])
     try:
         with SafeDir(out) as root:

@@ -10,6 +10,7 @@ wait for it); whatever happens, every process started here is ended before ``run
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import signal
 import socket
@@ -20,10 +21,13 @@ import time
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 
+from tensorwire import topology
+from tensorwire.logs import event
 from tensorwire.ps.worker import SERVERS_ENV
 from tensorwire.security import write_token_file
 from tensorwire.server.process import ServerProcess
 
+log = logging.getLogger("tensorwire.ps.launch")
 STOP_GRACE = 5.0  # seconds a process gets to exit after SIGTERM before SIGKILL
 
 
@@ -35,6 +39,11 @@ def local_servers(count: int, extra: Sequence[str] = (), replicas: int = 0) -> I
     They keep their jobs when the workers leave (``--keep-jobs``): a local cluster serves one run,
     whose result its launcher reads (``pull_parameters``) before it stops the servers."""
     extra = ["--keep-jobs", *extra]
+    if replicas:  # a weakened guarantee is never silent
+        why = ("a local cluster runs on one host: a host failure loses a slot's primary and its "
+               "backups; start servers on other hosts for that (docs/scaling.md)")  # fmt: skip
+        event(log, logging.WARNING, "backups on the primary's host", servers=count, replicas=replicas,
+              host=topology.here().host, why=why)  # fmt: skip
     servers: list[ServerProcess] = []
     peers = tempfile.TemporaryDirectory(prefix="tensorwire-peers-")  # 0700
     try:

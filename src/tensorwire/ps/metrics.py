@@ -33,6 +33,8 @@ The server's (no ``job`` label):
   refusing), ``tensorwire_ps_replication_lag_seconds`` (since it last applied a change; pings go
   every 0.5 s) and ``tensorwire_ps_replication_behind_changes`` (changes it missed while lost);
   on a backup, ``tensorwire_ps_primary_silence_seconds`` (since its primary's last change or ping).
+* A backup on this primary's host: ``tensorwire_ps_backup_same_host{backup}`` (1: a host failure
+  loses both; known once connected, from the backup's HELLO).
 * Replication refused: ``tensorwire_ps_backup_refused{backup}`` (1 while a backup refuses this
   primary's peer credentials: a configuration error, changes are refused meanwhile),
   ``tensorwire_ps_replication_refusals_total`` (changes not made because of it), and
@@ -229,12 +231,18 @@ def _replication(ps: ParamServerState) -> Iterator[Any]:
             "A backup refuses this primary's peer credentials (changes are refused).",
             labels=["backup"],
         )
+        same_host = GaugeMetricFamily(
+            "tensorwire_ps_backup_same_host",
+            "A backup runs on this primary's host (a host failure loses both).",
+            labels=["backup"],
+        )
         for b in list(backups.backups.values()):  # the URLs are this server's configuration
             up.add_metric([b.url], float(not b.lost and not b.refused))
             lag.add_metric([b.url], now - b.acked if b.acked is not None else math.nan)
             behind.add_metric([b.url], b.behind)
             refused.add_metric([b.url], float(b.refused is not None))
-        yield from (up, lag, behind, refused)
+            same_host.add_metric([b.url], float(b.same_host is not None))
+        yield from (up, lag, behind, refused, same_host)
         yield CounterMetricFamily(
             "tensorwire_ps_replication_refusals",
             "Changes not made because a backup refused this primary's peer credentials.",
@@ -259,6 +267,7 @@ def replication_status(ps: ParamServerState) -> dict[str, Any]:
                 "lag_s": now - b.acked if b.acked is not None else None,
                 "behind": b.behind,
                 "refused": b.refused,  # why it refuses this primary's peer credentials, or None
+                "same_host": b.same_host,  # the host it shares with this primary, or None
             }
             for b in list(ps.backups.backups.values())
         }

@@ -42,6 +42,9 @@ What a primary does when it cannot replicate to a backup:
   with fewer copies, but never silently: a warning when it is lost, ``tensorwire_ps_backup_up``
   0 and ``..._behind_changes`` counting, ``LOST`` in ``tensorwire status``; it is retried at each
   ping and brought back by a state transfer;
+* the backup runs on the primary's host (its HELLO's host label or host identity is the
+  primary's): it takes every change, but a host failure loses both; a warning once,
+  ``tensorwire_ps_backup_same_host`` 1 and ``same_host`` in STATUS;
 * the backup refuses the primary's peer credentials (AuthenticationError: a wrong peer token, a
   TLS certificate that does not verify): a configuration error, which no wait cures. The change
   is not made and the worker gets ``ReplicationRefused`` naming the backup and why, an error is
@@ -59,6 +62,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from tensorwire import topology
 from tensorwire import transport as transports
 from tensorwire._aio import cancel_and_wait
 from tensorwire.errors import (
@@ -74,6 +78,7 @@ from tensorwire.security import Security
 from tensorwire.transport.base import FrameChannel
 from tensorwire.wire import meta as wm
 from tensorwire.wire import ps as wps
+from tensorwire.wire import shm as ws
 from tensorwire.wire.frame import Opcode
 
 log = logging.getLogger("tensorwire.ps.replication")
@@ -134,6 +139,7 @@ class Backup:
     acked: float | None = None  # when (monotonic) it last applied a change
     behind: int = 0  # changes it missed while lost
     reconnecting: asyncio.Task[None] | None = None  # while lost: a connection being opened
+    same_host: str | None = None  # the host it shares with this primary (its HELLO says), if it does
 
     @property
     def connected(self) -> bool:
@@ -154,6 +160,9 @@ class Backups:
         # only to a session whose HELLO offered the slot's peer token.
         self._options = transports.TransportOptions(connect_timeout, timeout, security=peer)
         self.refusals = 0  # changes not made because a backup refused the peer credentials
+        # Where this primary runs, to tell a backup on its own host (a host failure loses both).
+        self._host = topology.here().host
+        self._host_id = topology.host_identity(ws.shm_dir())
 
     def reset(self) -> None:
         """Forget every backup's state (this server just became the primary)."""
@@ -220,9 +229,21 @@ class Backups:
     async def _open(self, backup: Backup) -> FrameChannel:
         try:
             what = f"replication to {backup.url}"
-            return await transports.open_channel(backup.url, self._options, what=what)
+            conn = await transports.open_channel(backup.url, self._options, what=what)
         except UnsupportedTransport as exc:  # a configuration error, as refused credentials are
             raise AuthenticationError(str(exc)) from exc
+        self._check_host(backup, conn.info.where)
+        return conn
+
+    def _check_host(self, backup: Backup, where: wm.Whereabouts | None) -> None:
+        """A backup on this primary's host (same host label or host identity, as its HELLO says)
+        keeps no copy through a host failure: a weakened guarantee, warned once and shown
+        (``tensorwire_ps_backup_same_host``, STATUS). A backup that does not say is not judged."""
+        same = where is not None and (where.host == self._host or where.host_id == self._host_id)
+        if same and backup.same_host is None:
+            event(log, logging.WARNING, "backup on the primary's host: a host failure loses both",
+                  backup=backup.url, host=where.host if where else None)  # fmt: skip
+        backup.same_host = where.host if same and where is not None else None
 
     def _reconnect(self, backup: Backup) -> None:
         """Open a lost backup's connection in the background; the next ping takes it back."""

@@ -33,7 +33,6 @@ from tensorwire.errors import ConnectError, ConnectionLost, NotPrimary, Tensorwi
 from tensorwire.ps.placement import Shard
 from tensorwire.ps.rpc import PsChannel, Sender
 from tensorwire.transport.base import FrameChannel, Sink
-from tensorwire.types import Address
 from tensorwire.wire import meta as wm
 
 log = logging.getLogger("tensorwire.ps.worker")  # the worker's log, as before the slots moved here
@@ -77,6 +76,7 @@ class ServerSlot:
         self._link = _Link(0)
         self._reconnecting = asyncio.Lock()
         self._beat: FrameChannel | None = None  # the heartbeat's own connection
+        self._beat_for = ""  # the replica URL it was opened for
         self._missed = 0  # heartbeats missed in a row
 
     @property
@@ -155,10 +155,13 @@ class ServerSlot:
         up); two missed in a row drop the request connection (``_abandon``)."""
         try:
             conn = self._beat
-            if conn is None or conn.closed or str(conn.address) != str(Address.parse(self.url)):
+            # Which replica it was opened for, not its address: prefer_local may have moved it to
+            # that replica's shm:// listener.
+            if conn is None or conn.closed or self._beat_for != self.url:
                 if conn is not None:
                     await conn.close()
                 conn = self._beat = await self._open(self.url, options)
+                self._beat_for = self.url
             await PsChannel(conn, sender).heartbeat(self.clock, incarnation)
             self._missed = 0
         except TensorwireError as exc:

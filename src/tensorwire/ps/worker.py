@@ -45,6 +45,12 @@ Where the servers are: ``servers=`` (URLs, or one comma-separated string), else
 store. Rank and world size: ``rank=``/``world_size=``, else ``$RANK``/``$WORLD_SIZE`` (set by
 torchrun and by ``tensorwire ps launch``), else 0 and 1.
 
+A server on this worker's host that also serves ``shm://`` (``serve --listen shm://127.0.0.1:0``)
+is reached through that listener (``prefer_local``, on by default; HELLO says where a server runs;
+if shm:// fails the connection stays as given, with a warning). ``prefer_local=False`` keeps the
+URLs as given. Parameter-server requests travel inline in frames either way: what it saves is the
+network stack of a tcp:// connection to a server on another interface.
+
 Every wait is bounded by ``timeout``: a pull that waits for the other workers' step gets the
 server's TIMEOUT error, naming the workers it waited for.
 
@@ -143,6 +149,7 @@ class Worker:
         error_feedback: bool | None = None,
         job: str | None = None,
         staging: DeviceStaging | None = None,
+        prefer_local: bool = True,
     ) -> None:
         self.model = model
         self.mode = Mode.parse(mode)
@@ -189,8 +196,10 @@ class Worker:
         # acts as the rank carries it (a second process with the same RANK, or a forged request
         # under it, is refused). A secret of this process: never logged, never shown by a server.
         self.incarnation = secrets.randbits(63) or 1
+        # A server on this host that serves shm:// is reached through it (prefer_local=False: as
+        # given); ``transports`` says which each connection took.
         self._options = transports.TransportOptions(
-            connect_timeout, timeout + _MARGIN, security=self._security
+            connect_timeout, timeout + _MARGIN, security=self._security, prefer_local=prefer_local
         )
         self._slots = self._make_slots()  # one per server: everything this worker keeps of it
         self._beating: asyncio.Task[None] | None = None

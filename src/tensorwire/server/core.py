@@ -20,7 +20,7 @@ import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
-from tensorwire import transport
+from tensorwire import topology, transport
 from tensorwire._aio import LoopThread, cancel_and_wait
 from tensorwire.errors import ConnectionLost, LimitExceeded
 from tensorwire.logs import event
@@ -40,6 +40,8 @@ from tensorwire.store.uploads import (
 from tensorwire.transport import tls
 from tensorwire.transport.base import ByteStream, Listener
 from tensorwire.types import Address, Limits
+from tensorwire.wire import meta as wm
+from tensorwire.wire import shm as ws
 
 log = logging.getLogger("tensorwire.server")
 
@@ -71,8 +73,13 @@ class Server:
         max_uploads: int = DEFAULT_MAX_UPLOADS,
         uploads_per_client: int = DEFAULT_UPLOADS_PER_CLIENT,
         resumable_min_bytes: int = DEFAULT_RESUMABLE_MIN_BYTES,
+        location: topology.Location | None = None,
     ) -> None:
         self.store = store if store is not None else TensorStore()
+        # Where it runs (HELLO and STATUS say it; default: TENSORWIRE_HOST / _RACK, read now), and
+        # which processes may share its segment directory (clients with prefer_local compare it).
+        self.location = location or topology.here()
+        self.host_id = topology.host_identity(ws.shm_dir())
         # Who this store is, for clients that cache by version (HELLO, docs/protocol.md §4.5): a
         # restarted in-memory server counts versions from 1 again, so a version alone names nothing.
         self.store_id = secrets.randbits(64) or 1
@@ -131,6 +138,7 @@ class Server:
             self.uploads,
             self.counts,
             status=lambda: self.status(),  # noqa: PLW0108 (looked up per request: a subclass may answer otherwise)
+            where=self.whereabouts,
             store_id=self.store_id,
             peer_token=self.peer_token,
             stall_timeout=self.stall_timeout,
@@ -152,6 +160,12 @@ class Server:
     @property
     def addresses(self) -> list[Address]:
         return [listener.address for listener in self._listeners]
+
+    def whereabouts(self) -> wm.Whereabouts:
+        """Where this server runs and its first shm:// listener, as HELLO tells clients (§4.5)."""
+        shm = next((str(a) for a in self.addresses if a.scheme == "shm"), "")
+        loc = self.location
+        return wm.Whereabouts(loc.host, loc.rack or "", self.host_id, shm)
 
     async def start(self, *urls: str) -> list[Address]:
         """Listen on every URL: ``tcp://`` and ``memory://`` speak the frame protocol, ``grpc://``
@@ -204,6 +218,8 @@ class Server:
             "pid": os.getpid(),
             "uptime_s": time.time() - self._started,
             "addresses": [str(a) for a in self.addresses],
+            "host": self.location.host,
+            "rack": self.location.rack,
             "metrics": self.exporter.url if self.exporter else None,
             "store": {
                 "tensors": len(store),
@@ -364,9 +380,15 @@ class ServerThread:
         *,
         extensions: Sequence[Extension] = (),
         metrics_port: int | None = None,
+        location: topology.Location | None = None,
     ) -> None:
         self.server = Server(
-            store, limits, security=security, extensions=extensions, metrics_port=metrics_port
+            store,
+            limits,
+            security=security,
+            extensions=extensions,
+            metrics_port=metrics_port,
+            location=location,
         )
         self._thread = LoopThread("tensorwire-server")
         self._closed = False

@@ -26,11 +26,10 @@ import os
 import struct
 import weakref
 from collections.abc import Sequence
-from ipaddress import ip_address
 from pathlib import Path
 from typing import Any, Protocol
 
-from tensorwire import transport
+from tensorwire import topology, transport
 from tensorwire.errors import InvalidTensor, LimitExceeded, ProtocolError, SharedMemoryUnavailable
 from tensorwire.server.request import Extension, Handler, Request
 from tensorwire.store import Reservation, TensorStore
@@ -260,7 +259,7 @@ def _shm_only(name: str, handler: Handler) -> Handler:
 
 async def listen(server: ShmHost, address: Address) -> Listener:
     """Serve ``shm://HOST:PORT``: HOST must be a loopback address (only this host can map)."""
-    if not _loopback(address.host):
+    if not topology.is_loopback(address.host):
         raise ValueError(f"cannot serve {address}: shared memory serves only this host; use 127.0.0.1")
     service = _services.get(server)
     first = service is None
@@ -277,12 +276,3 @@ async def listen(server: ShmHost, address: Address) -> Listener:
         _services[server] = service
         server.extend(service)
     return listener
-
-
-def _loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ip_address(host).is_loopback
-    except ValueError:
-        return False

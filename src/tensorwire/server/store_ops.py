@@ -78,6 +78,7 @@ class StoreOps:
         counts: RequestCounts,
         *,
         status: Callable[[], dict[str, Any]],
+        where: Callable[[], wm.Whereabouts],
         store_id: int,
         peer_token: str | None,
         stall_timeout: float,
@@ -87,6 +88,7 @@ class StoreOps:
         self.uploads = uploads
         self.counts = counts
         self._status = status  # the STATUS document (Server.status)
+        self._where = where  # where the server runs, its shm:// listener (HELLO; Server.whereabouts)
         self.store_id = store_id
         self.peer_token = peer_token
         self.stall_timeout = stall_timeout
@@ -125,7 +127,7 @@ class StoreOps:
         conn.encoder = _answer_encoder(compression)
         codecs = lossless.SUPPORTED_MASK
         info = wm.ServerInfo(conn.version, self.limits, self.store.capacity, self.store.used, codecs,
-                             store_id=self.store_id)  # fmt: skip
+                             store_id=self.store_id, where=self._where())  # fmt: skip
         await req.reply(wm.encode_hello_response(info, with_codecs=compression is not None, wants=wants))
 
     async def ping(self, req: Request) -> None:

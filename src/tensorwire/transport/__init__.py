@@ -6,7 +6,10 @@ function that opens a client ``Transport``: the frame protocol (``RangedTranspor
 loopback plus shared-memory segments for ``shm://`` (``transport/shm.py``), and gRPC for
 ``grpc://`` and ``grpcs://`` (gRPC over TLS). ``STREAMS`` holds the
 byte-stream kinds (``connect`` and ``listen``); the server's own table of listeners is in
-``tensorwire.server``. The scheme a client asked for is the one it gets: no silent fallback.
+``tensorwire.server``. The scheme a client asked for is the one it gets: no silent fallback. The
+one opt-in exception goes the fast way: with ``prefer_local``, a connection whose server says in
+HELLO that it runs on this host and serves shm:// moves there (``local_listener``), and a failed
+move keeps the first connection with its reason in ``local_fallback``, warned and counted.
 
 What a transport can do beyond ``Transport`` is asked of the object it opened (the capability
 Protocols of base.py). ``open_channel`` is the one place that opens a connection for requests of
@@ -17,12 +20,16 @@ connects anywhere (``check_channel``); ``open_channel`` holds it to what the obj
 
 from __future__ import annotations
 
+import collections
 import contextlib
+import logging
 from collections.abc import Awaitable, Callable
 from typing import NamedTuple
 
+from tensorwire import topology
 from tensorwire._aio import asyncio_timeout
-from tensorwire.errors import ConnectionLost, TensorwireError, UnsupportedTransport
+from tensorwire.errors import ConnectionLost, ProtocolError, TensorwireError, UnsupportedTransport
+from tensorwire.logs import event
 from tensorwire.security import Security, TlsFiles, client_ssl_context
 from tensorwire.transport import memory, shm, tcp, tls
 from tensorwire.transport.base import (
@@ -32,11 +39,15 @@ from tensorwire.transport.base import (
     Ranged,
     StreamHandler,
     Transport,
+    Viewable,
 )
 from tensorwire.transport.frame_client import FramedTransport, RangedTransport
 from tensorwire.types import Address
+from tensorwire.wire import shm as ws
 from tensorwire.wire.checksum import ChecksumKind
 from tensorwire.wire.frame import DEFAULT_CHUNK_BYTES
+
+log = logging.getLogger("tensorwire.transport")
 
 
 class StreamKind(NamedTuple):
@@ -58,6 +69,9 @@ class TransportOptions(NamedTuple):
     chunk_size: int | None = None
     security: Security = Security()
     compression: str = "none"  # lossless chunk codec asked for in HELLO (wire/lossless.py)
+    # Move to the server's shm:// listener when its HELLO says it runs on this host and serves one
+    # (``prefer_local``); a try that fails keeps the first connection, warned and counted.
+    prefer_local: bool = False
 
 
 async def _open_framed(
@@ -147,9 +161,63 @@ async def listen(address: Address, handler: StreamHandler) -> Listener:
 
 
 async def open_transport(address: Address, options: TransportOptions) -> Transport:
-    """Connect to ``address`` with the transport its scheme names, and return it open."""
+    """Connect to ``address`` with the transport its scheme names, and return it open; with
+    ``prefer_local``, the server's shm:// listener instead where ``local_listener`` finds one."""
     check_scheme(address)
-    return await TRANSPORTS[address.scheme](address, options)
+    transport = await TRANSPORTS[address.scheme](address, options)
+    if options.prefer_local:
+        return await _prefer_local(transport, options)
+    return transport
+
+
+# Connections that tried a server's shm:// listener and kept their first transport, by server URL:
+# a fallback to the slower path is counted (and warned about once per server), never silent.
+LOCAL_FALLBACKS: collections.Counter[str] = collections.Counter()
+
+
+def local_listener(transport: Transport) -> Address | None:
+    """The shm:// listener ``transport``'s server advertised in HELLO, if it runs on this host (its
+    host identity is this process's, ``topology.host_identity``): a place to try, which SHM_ATTACH
+    then proves. None when it serves none, runs elsewhere, or ``transport`` maps segments already."""
+    where = transport.info.where
+    if where is None or not where.shm or isinstance(transport, Viewable):
+        return None
+    if where.host_id != topology.host_identity(ws.shm_dir()):
+        return None
+    try:
+        listener = Address.parse(where.shm)
+    except ValueError:
+        return None
+    # Only a loopback shm:// address: a server cannot send this client anywhere else.
+    return listener if listener.scheme == "shm" and topology.is_loopback(listener.host) else None
+
+
+async def _prefer_local(transport: Transport, options: TransportOptions) -> Transport:
+    """``transport``'s server through its shm:// listener when ``local_listener`` names one; else,
+    or when that fails, ``transport`` itself, with ``local_fallback`` saying why."""
+    listener = local_listener(transport)
+    if listener is None:
+        return transport
+    try:
+        local = await _open_shm(listener, options)
+    except TensorwireError as exc:
+        return _fell_back(transport, listener, exc)
+    if local.info.store_id != transport.info.store_id:  # another server listens there
+        await _close_quietly(local)
+        return _fell_back(transport, listener, ProtocolError("it answers for another store"))
+    await _close_quietly(transport)
+    return local
+
+
+def _fell_back(transport: Transport, listener: Address, exc: TensorwireError) -> Transport:
+    """Keep ``transport`` after its shm:// ``listener`` failed: say so, count it, warn once."""
+    server = str(transport.address)
+    transport.local_fallback = f"{listener} failed ({type(exc).__name__}: {exc}); using {server}"
+    LOCAL_FALLBACKS[server] += 1
+    if LOCAL_FALLBACKS[server] == 1:
+        event(log, logging.WARNING, "shared memory unavailable", server=server, listener=str(listener),
+              reason=str(exc), using=transport.address.scheme)  # fmt: skip
+    return transport
 
 
 def check_channel(address: Address | str, *, what: str) -> Address:
@@ -198,6 +266,7 @@ async def _close_quietly(transport: Transport) -> None:
 
 __all__ = [
     "CHANNEL_SCHEMES",
+    "LOCAL_FALLBACKS",
     "STREAMS",
     "TRANSPORTS",
     "ByteStream",
@@ -210,6 +279,7 @@ __all__ = [
     "check_scheme",
     "connect_stream",
     "listen",
+    "local_listener",
     "open_channel",
     "open_ranged",
     "open_transport",

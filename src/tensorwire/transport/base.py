@@ -108,6 +108,9 @@ class Transport(ABC):
 
     address: Address
     info: ServerInfo
+    # Why this connection is not the shm:// one that ``prefer_local`` tried (its server runs on
+    # this host and serves shm://, but that failed); None when nothing was tried or it worked.
+    local_fallback: str | None = None
 
     @property
     @abstractmethod

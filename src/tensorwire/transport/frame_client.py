@@ -97,7 +97,8 @@ class FramedTransport(Transport):
     async def hello(self, token: str | None = None) -> wm.ServerInfo:
         """Agree on a protocol version, authenticate with ``token``, learn the server's limits and
         its store's identity (``info.store_id``; 0 from a server that predates it)."""
-        info = await self._hello(token, self.compression != "none", wm.HELLO_WANTS_STORE_ID)
+        wants = wm.HELLO_WANTS_STORE_ID | wm.HELLO_WANTS_LOCATION
+        info = await self._hello(token, self.compression != "none", wants)
         if info.codecs & (1 << lossless.Encoder(self.compression).codec) and self.compression != "none":
             self.encoder = lossless.Encoder(self.compression)
         if info.version not in PROTOCOL_VERSIONS:

@@ -10,10 +10,13 @@ an ``IndexError`` or ``struct.error``.
 
 from __future__ import annotations
 
+import dataclasses
 import struct
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
+from tensorwire import topology
 from tensorwire.errors import InvalidName, InvalidTensor, LimitExceeded, ProtocolError
 from tensorwire.types import Limits, TensorMeta
 from tensorwire.wire.dtypes import CODE_TO_DTYPE, DTYPE_TO_CODE, dtype_code, dtype_from_code
@@ -240,6 +243,15 @@ def decode_document(reader: MetaReader) -> str:
     return decode_long_text(reader, MAX_DOCUMENT_BYTES, "a stats document")
 
 
+class Whereabouts(NamedTuple):
+    """Where a server runs, as its HELLO answer says (HELLO_WANTS_LOCATION, §4.5)."""
+
+    host: str  # its host label (topology.here)
+    rack: str  # its rack label; "" when unknown
+    host_id: int  # its host identity (topology.host_identity): equal ones may share memory
+    shm: str  # the URL of its shm:// listener; "" when it serves none
+
+
 @dataclass(frozen=True, slots=True)
 class ServerInfo:
     """What a server tells a client in its HELLO response."""
@@ -252,6 +264,7 @@ class ServerInfo:
     # The identity of the server's store (random, drawn when the server starts; 0: it did not say):
     # one version number means the same bytes only within one store_id (a client cache keys by both).
     store_id: int = 0
+    where: Whereabouts | None = None  # where the server runs (None: it did not say)
 
 
 @dataclass(frozen=True, slots=True)
@@ -267,6 +280,7 @@ _COMPRESSION = struct.Struct("<BB")
 
 
 HELLO_WANTS_STORE_ID = 1  # HELLO request ``wants`` bit 0: answer with the store's identity (§4.5)
+HELLO_WANTS_LOCATION = 2  # bit 1: answer with where the server runs, and its shm:// listener (§4.5)
 
 
 def encode_hello_request(
@@ -280,6 +294,8 @@ def encode_hello_request(
     then (optional, after a token or an empty string) the compression it asks for, then (optional,
     after a compression field) ``u8 wants``: what else the answer should carry."""
     head = _HELLO_REQ.pack(min_version, max_version)
+    if wants & HELLO_WANTS_LOCATION:  # the answer's fields come in bit order: store_id before it
+        wants |= HELLO_WANTS_STORE_ID
     if wants and compression is None:
         compression = Compression(0, 0)  # decodes nothing, answers raw: a placeholder before wants
     if compression is not None:
@@ -303,11 +319,15 @@ def decode_hello_request(reader: MetaReader) -> tuple[int, int, str | None, Comp
 def encode_hello_response(info: ServerInfo, with_codecs: bool = False, wants: int = 0) -> bytes:
     """The 48-byte answer; ``with_codecs`` (the request asked about compression) appends
     ``u8 codecs``, the mask of chunk codecs the server decodes, and ``wants`` bit 0 (which only a
-    request with a compression field can carry) then ``u64 store_id``."""
+    request with a compression field can carry) then ``u64 store_id``, and ``wants`` bit 1 then
+    ``string host | string rack | u64 host_id | string shm`` (where the server runs)."""
     lim = info.limits
     tail = _U8.pack(info.codecs) if with_codecs else b""
     if wants & HELLO_WANTS_STORE_ID:
         tail += _U64.pack(info.store_id)
+    if wants & HELLO_WANTS_LOCATION:
+        where = info.where or Whereabouts("unknown", "", 0, "")
+        tail += _text(where.host) + _text(where.rack) + _U64.pack(where.host_id) + _text(where.shm)
     body = _HELLO_RESP.pack(
         info.version,
         lim.max_meta_bytes,
@@ -332,4 +352,21 @@ def decode_hello_response(reader: MetaReader) -> ServerInfo:
         raise ProtocolError(f"the server announced impossible limits: {exc}") from exc
     codecs = reader.u8() if reader.remaining else 0
     store_id = reader.u64() if reader.remaining else 0  # only when asked for (HELLO_WANTS_STORE_ID)
-    return ServerInfo(version, limits, capacity, used, codecs, store_id)
+    info = ServerInfo(version, limits, capacity, used, codecs, store_id)
+    if not reader.remaining:  # not asked for (HELLO_WANTS_LOCATION), or a server from before it
+        return info
+    host, rack = _label(reader, "host", empty=False), _label(reader, "rack", empty=True)
+    host_id = reader.u64()
+    shm = _label(reader, "shm:// listener", empty=True)
+    return dataclasses.replace(info, where=Whereabouts(host, rack, host_id, shm))
+
+
+def _label(reader: MetaReader, what: str, *, empty: bool) -> str:
+    """A HELLO answer's label: a peer's text, so bounded and checked before it is shown or used."""
+    value = reader.text(topology.MAX_LABEL_BYTES)
+    if empty and not value:
+        return value
+    try:
+        return topology.check_label(value, f"the server's {what}")
+    except ValueError as exc:
+        raise ProtocolError(str(exc)) from exc
