@@ -6,7 +6,7 @@ Lifecycle, called by the driver (``tensorwire.ray.servers``) in this order:
    address) and makes a private working directory; ``address()`` returns both.
 2. ``start(capacity, flags, secrets, timeout)``: runs the server on that address with ``flags``
    (``--backup`` ... for a replica), the secrets written to 0600 files it reads at start and
-   removed once it is up; returns its URL and pid. The backups of a slot start before its primary.
+   removed once it is up; returns its URL and pid.
 3. ``stop(grace)``: SIGTERM, SIGKILL after ``grace`` s; the working directory is removed.
 
 ``ray.kill`` of the actor (or its node dying, or its owner exiting) ends the server too: the server
@@ -99,8 +99,3 @@ class ServerActor:
         code = self.server.stop(grace) if self.server is not None else None
         shutil.rmtree(self.workdir, ignore_errors=True)
         return code
-
-
-def sweep(workdir: str) -> None:
-    """Remove what an actor killed before its ``stop`` left on its node (run there as a task)."""
-    shutil.rmtree(workdir, ignore_errors=True)

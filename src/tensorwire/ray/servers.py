@@ -2,16 +2,17 @@
 
 ``start_servers(num=S, replicas=R)`` reserves one bundle per server process (S x (1 + R)), with
 the SPREAD strategy (best effort: different nodes while there are nodes), starts one
-``ServerActor`` in each, then the servers: each slot's backups first, then its primary, the
-replicas of a slot sharing a fresh peer token. A slot whose primary shares a node with a backup
-(a cluster with fewer nodes than replicas) is logged as a warning and listed in
-``Servers.colocated``: one node's failure takes both.
+``ServerActor`` in each, then all the servers at once, the replicas of a slot sharing a fresh
+peer token (``ps.launch.role_flags``: a slot's first replica is its primary, the others its
+standbys). A slot whose primary shares a node with a backup (a cluster with fewer nodes than
+replicas) is logged as a warning and listed in ``Servers.colocated``: one node's failure takes both.
 """
 
 from __future__ import annotations
 
 import logging
 import secrets
+import shutil
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
@@ -24,14 +25,15 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from tensorwire.errors import ClusterError
 from tensorwire.ps.launch import role_flags
 from tensorwire.ray import cluster
-from tensorwire.ray.actor import ServerActor, sweep
+from tensorwire.ray.actor import ServerActor
 
 log = logging.getLogger(__name__)
 
 START_TIMEOUT = 120.0  # seconds for the resources, the actors and the servers, each
 STOP_GRACE = 5.0  # seconds a server gets to exit after SIGTERM before SIGKILL
 _Actor = ray.remote(max_restarts=0)(ServerActor)  # a restarted actor would be an empty server
-_sweep = ray.remote(num_cpus=0, max_retries=0)(sweep)
+# A task on a dead actor's node removes what it left; only shutil to import, so it starts fast.
+_sweep = ray.remote(num_cpus=0, max_retries=0)(shutil.rmtree)
 
 
 @dataclass(frozen=True)
@@ -179,27 +181,22 @@ def _start(num: int, replicas: int, spec: _Spec) -> Servers:
 def _start_replicas(
     actors: Sequence[Any], listen: Sequence[str], size: int, spec: _Spec
 ) -> list[tuple[str, int]]:
-    """Start every server: the backups of all slots first (a primary sends its first change to
-    them), then the primaries. Returns each one's (url, pid), in bundle order."""
+    """Start every server at once; each one's (url, pid), in bundle order. The order does not
+    matter: a standby takes over only from a primary it has heard from, and a primary first sends
+    to its backups when a worker changes something, after every replica is listening."""
     peers = [secrets.token_urlsafe(32) for _ in range(len(actors) // size)]  # one per slot
-    started: list[tuple[str, int]] = [("", 0)] * len(actors)
-    backups = [b for b in range(len(actors)) if b % size]
-    for phase in (backups, [b for b in range(len(actors)) if not b % size]):
-        refs = []
-        for bundle in phase:
-            slot, index = divmod(bundle, size)
-            flags = list(spec.flags)
-            secret = {"--token-file": spec.token} if spec.token else {}
-            if size > 1:
-                flags = [*role_flags(listen[slot * size : (slot + 1) * size], index), *flags]
-                secret["--peer-token-file"] = peers[slot]
-            refs.append(actors[bundle].start.remote(spec.capacity, flags, secret, spec.timeout))
-        names = [_name(*divmod(b, size)) for b in phase]
-        # The actor's own deadline comes first, so its error (with the server's output) is the one seen.
-        results = cluster.gather(refs, names, spec.timeout + 30, "the servers to start")
-        for bundle, (url, pid) in zip(phase, results, strict=True):
-            started[bundle] = (url, pid)
-    return started
+    refs = []
+    for bundle, actor in enumerate(actors):
+        slot, index = divmod(bundle, size)
+        flags = list(spec.flags)
+        secret = {"--token-file": spec.token} if spec.token else {}
+        if size > 1:
+            flags = [*role_flags(listen[slot * size : (slot + 1) * size], index), *flags]
+            secret["--peer-token-file"] = peers[slot]
+        refs.append(actor.start.remote(spec.capacity, flags, secret, spec.timeout))
+    names = [_name(*divmod(b, size)) for b in range(len(actors))]
+    # The actor's own deadline comes first, so its error (with the server's output) is the one seen.
+    return [(url, pid) for url, pid in cluster.gather(refs, names, spec.timeout + 30, "the servers to start")]
 
 
 def _stop(replicas: Sequence[Replica], grace: float) -> None:
@@ -212,7 +209,8 @@ def _stop(replicas: Sequence[Replica], grace: float) -> None:
         ray.kill(replica.actor)
     on_node = [NodeAffinitySchedulingStrategy(r.node, soft=False) for r in dead]
     sweeps = [
-        _sweep.options(scheduling_strategy=n).remote(r.workdir) for n, r in zip(on_node, dead, strict=True)
+        _sweep.options(scheduling_strategy=n).remote(r.workdir, ignore_errors=True)
+        for n, r in zip(on_node, dead, strict=True)
     ]
     try:
         cluster.gather(

@@ -1,8 +1,8 @@
-"""Training functions as Ray tasks, one per rank, with the variables torchrun would set.
+"""Training functions on Ray, one actor per rank, with the variables torchrun would set.
 
 ``run_workers(fn, num=W, servers=servers)`` reserves W bundles in one placement group (so every
 rank runs at once: a synchronous job whose ranks ran in turns would wait for itself), then runs
-``fn(*args)`` once per bundle as a Ray task whose environment holds ``RANK``, ``WORLD_SIZE``,
+``fn(*args)`` once per bundle in a Ray actor whose environment holds ``RANK``, ``WORLD_SIZE``,
 ``LOCAL_RANK`` and ``LOCAL_WORLD_SIZE`` (the ranks on the same node, from where the bundles
 landed), ``TENSORWIRE_SERVERS`` (and ``TENSORWIRE_TOKEN`` when the servers require one), which
 ``ps.Worker`` reads. It returns what each rank returned, in rank order; the first rank that fails
@@ -11,7 +11,6 @@ ends the others and raises ``ClusterError`` naming it.
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
@@ -26,12 +25,17 @@ T = TypeVar("T")
 RUN_TIMEOUT = 3600.0  # seconds for the resources, then again for the training itself
 
 
-def _call(fn: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, Any]) -> Any:
-    return fn(*args, **kwargs)
+class _Rank:
+    """One rank: an actor (a process of its own, with the rank's environment) that runs ``fn``.
+    An actor rather than a task: ``ray.kill`` ends the others when one fails, where cancelling a
+    task that is finishing at that moment can abort the driver (Ray 2.60)."""
+
+    def run(self, fn: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, Any]) -> Any:
+        return fn(*args, **kwargs)
 
 
 # A rank that failed is not run again behind the others' backs: the caller decides.
-_rank = ray.remote(max_retries=0)(_call)
+_Actor = ray.remote(max_restarts=0, max_task_retries=0)(_Rank)
 
 
 def run_workers(
@@ -53,25 +57,25 @@ def run_workers(
     come within ``timeout`` s (the resources, or the ranks still running); nothing is left running."""
     bundle = {"CPU": cpus, **({"GPU": gpus} if gpus else {})}
     group = cluster.reserve([bundle] * num, strategy, timeout, f"{num} workers")
-    refs: list[Any] = []
+    ranks: list[Any] = []
     try:
         nodes = cluster.bundle_nodes(group)
         base = {**(env or {}), **_server_env(servers)}
         for rank in range(num):
             variables = {**base, **_rank_env(rank, nodes)}
-            refs.append(
-                _rank.options(
+            ranks.append(
+                _Actor.options(
                     num_cpus=cpus, num_gpus=gpus, scheduling_strategy=cluster.in_bundle(group, rank),
                     runtime_env={"env_vars": variables},
-                ).remote(fn, args, kwargs or {})
+                ).remote()
             )  # fmt: skip
+        refs = [actor.run.remote(fn, args, kwargs or {}) for actor in ranks]
         names = [f"worker rank {rank} of {num}" for rank in range(num)]
         what = f"{num} workers running {getattr(fn, '__qualname__', fn)!s}"
         return cluster.gather(refs, names, timeout, what)
-    finally:
-        for ref in refs:  # those still running, after a failure or a timeout
-            with contextlib.suppress(Exception):
-                ray.cancel(ref, force=True)
+    finally:  # every rank's process ends, those still running after a failure or a timeout too
+        for actor in ranks:
+            ray.kill(actor)
         cluster.release(group)
 
 
