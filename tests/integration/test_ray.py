@@ -15,13 +15,15 @@ import psutil
 import pytest
 import torch
 
+import tensorwire
+from tensorwire.cli import demo
+from tensorwire.errors import AuthenticationError, ClusterError, ClusterTimeout
+from tensorwire.ps import SGD, Worker, digits, pull_parameters
+from tensorwire.ps.worker import server_stats
+
 ray = pytest.importorskip("ray", reason="tensorwire.ray needs Ray: pip install 'tensorwire[ray]'")
 
-from tensorwire.cli import demo  # noqa: E402 - after the skip: the module needs Ray
-from tensorwire.errors import ClusterError, ClusterTimeout  # noqa: E402
-from tensorwire.ps import SGD, Worker, digits, pull_parameters  # noqa: E402
-from tensorwire.ps.worker import server_stats  # noqa: E402
-from tensorwire.ray import Replica, run_workers, start_servers, start_stores  # noqa: E402
+from tensorwire.ray import Replica, run_workers, start_servers, start_stores  # noqa: E402 - needs Ray
 
 DEADLINE = 60.0
 # What this 2-CPU cluster gives each: the servers mostly wait on the network, and 2 workers must
@@ -34,6 +36,7 @@ def local_cluster() -> Iterator[None]:
     with pytest.MonkeyPatch.context() as env:
         env.setenv("RAY_USAGE_STATS_ENABLED", "0")  # no usage report, and no prompt about one
         ray.init(
+            address="local",  # a cluster of this test's own, whatever RAY_ADDRESS says
             num_cpus=2,
             include_dashboard=False,
             object_store_memory=100 * 2**20,  # the tensors go through tensorwire, not Ray's store
@@ -104,12 +107,19 @@ def test_killing_a_server_actor_fails_over_to_its_standby() -> None:
             assert role(backup.url) == ("primary", 2, 6)
 
 
-def test_a_killed_actor_leaves_no_server_process_and_no_files() -> None:
-    stores = start_stores(1, **SMALL)  # type: ignore[arg-type]
+def test_a_store_requires_its_token_and_a_killed_actor_leaves_no_server_and_no_files(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv("TENSORWIRE_TOKEN", raising=False)
+    stores = start_stores(1, token="the-clients-token", **SMALL)  # type: ignore[arg-type]
     try:
         (store,) = stores.replicas
         assert psutil.Process(store.pid).is_running() and Path(store.workdir).is_dir()
         assert not list(Path(store.workdir).glob("*token*"))  # the server read its secrets at start
+        with tensorwire.connect(store.url, token=stores.token) as client:
+            client.put("ray/t", torch.arange(5))
+        with pytest.raises(AuthenticationError):
+            tensorwire.connect(store.url, retries=1, backoff=0.01)
         ray.kill(store.actor)
         wait_gone(store)
     finally:
