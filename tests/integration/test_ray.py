@@ -136,3 +136,13 @@ def test_a_failing_rank_is_named_and_the_environment_is_set() -> None:
     late = r"waited 1.0s for 1 workers running sleep; not done: worker rank 0 of 1"
     with pytest.raises(ClusterTimeout, match=late):
         run_workers(time.sleep, 1, args=(DEADLINE,), cpus=0.5, timeout=1.0)
+
+
+def test_a_server_that_cannot_start_is_named_and_nothing_is_left() -> None:
+    before = set(ray.util.placement_group_table())
+    with pytest.raises(
+        ClusterError, match=r"(?s)slot 0 primary failed: RuntimeError: server exited with 2.*No such option"
+    ):
+        start_servers(1, extra_args=["--no-such-flag"], **SMALL)  # type: ignore[arg-type]
+    groups = ray.util.placement_group_table()
+    assert all(groups[g]["state"] == "REMOVED" for g in set(groups) - before)

@@ -12,7 +12,8 @@ functions as tasks.
 
 * ``servers``: ``start_servers`` / ``start_stores`` and ``Servers`` (the URLs, the actors, ``stop``):
   each server a ``tensorwire serve`` process owned by one actor (``actor``), spread over the nodes
-  by a placement group. Killing an actor kills its server: a standby takes over.
+  by a placement group. Killing an actor kills its server: a standby takes over. The actors are
+  the driver's: when it exits, Ray ends them, and their servers with them.
 * ``workers``: ``run_workers``, each rank a task with ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
   ``LOCAL_WORLD_SIZE`` and ``TENSORWIRE_SERVERS`` set, which ``ps.Worker`` reads.
 * ``cluster``: placement groups and Ray's errors (as ``errors.ClusterError``), for the two above.

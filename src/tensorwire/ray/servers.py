@@ -56,8 +56,8 @@ class Servers:
     slots: list[list[Replica]]
     placement: PlacementGroup
     colocated: list[int] = field(default_factory=list)  # slots with a backup on the primary's node
-    token: str | None = None  # what the clients must offer (``TENSORWIRE_TOKEN``), when set
-    _stopped: bool = False
+    token: str | None = field(default=None, repr=False)  # the clients' (``TENSORWIRE_TOKEN``), if any
+    _stopped: bool = field(default=False, init=False, repr=False)
 
     @property
     def urls(self) -> list[str]:
@@ -166,8 +166,7 @@ def _start(num: int, replicas: int, spec: _Spec) -> Servers:
         )
         started = _start_replicas(actors, [url for url, _ in where], size, spec)
     except BaseException:
-        for actor in actors:
-            ray.kill(actor)
+        _abandon(actors)
         cluster.release(group)
         raise
     slots = [
@@ -208,8 +207,9 @@ def _stop(replicas: Sequence[Replica], grace: float) -> None:
     for replica in replicas:
         ray.kill(replica.actor)
     on_node = [NodeAffinitySchedulingStrategy(r.node, soft=False) for r in dead]
+    # True: rmtree's ignore_errors (Ray's stubs give shutil.rmtree no arguments).
     sweeps = [
-        _sweep.options(scheduling_strategy=n).remote(r.workdir, ignore_errors=True)
+        _sweep.options(scheduling_strategy=n).remote(r.workdir, True)  # type: ignore[call-arg]
         for n, r in zip(on_node, dead, strict=True)
     ]
     try:
@@ -218,6 +218,17 @@ def _stop(replicas: Sequence[Replica], grace: float) -> None:
         )
     except ClusterError as exc:  # files left in a temporary directory: worth a line, not a failure
         log.warning("could not remove what a killed server actor left: %s", exc)
+
+
+def _abandon(actors: Sequence[Any]) -> None:
+    """End the actors of a start that failed: each stops its server (if any) and removes its
+    working directory, within ``STOP_GRACE``; then every actor is killed."""
+    if actors:
+        ray.wait(
+            [a.stop.remote(STOP_GRACE) for a in actors], num_returns=len(actors), timeout=STOP_GRACE + 10
+        )
+    for actor in actors:
+        ray.kill(actor)
 
 
 def _stopped(ref: Any, done: Sequence[Any], replica: Replica) -> bool:
