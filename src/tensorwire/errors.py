@@ -30,9 +30,11 @@ of these. Each class says whether retrying the same call can help.
     ├── AuthenticationError            the server refused the token or client certificate
     │   └── CertificateRefused         (also ConnectError) a TLS handshake failed on certificates; no retry
     ├── WorkerDropped                  the server does not count this worker in the job: rejoin
-    └── ServerError                    an unexpected failure inside the server
-        └── ReplicationRefused         a backup refused the primary's peer credentials: change not made
-                                       (server side only; a client receives it as ServerError)
+    ├── ServerError                    an unexpected failure inside the server
+    │   └── ReplicationRefused         a backup refused the primary's peer credentials: change not made
+    │                                  (server side only; a client receives it as ServerError)
+    └── ClusterError                   a server or worker a cluster engine (Ray) ran for us failed
+        └── ClusterTimeout             (also TimeoutError) it did not start or finish in time
 
 Every error a server reports travels as a numeric code (``ErrorCode``) and is raised on the
 client as the same class.
@@ -182,6 +184,19 @@ class ReplicationRefused(ServerError):
     certificate): a configuration error, so the change was not made rather than acknowledged with
     fewer copies than configured. The message names the backup and why; retrying will not help
     until the replicas of the slot share one ``--peer-token-file`` (and TLS files that verify)."""
+
+
+class ClusterError(TensorwireError):
+    """A server or a worker that ``tensorwire.ray`` ran on a cluster failed, or could not be placed:
+    the message names which one (slot and replica, or worker rank) and why; the engine's own
+    exception is its ``__cause__``. Never sent by a server."""
+
+
+class ClusterTimeout(ClusterError, TimeoutError):
+    """What ``tensorwire.ray`` waited for (resources, a server's start, the workers) did not come
+    within its timeout; the message names it. Retrying can help once the cluster has room."""
+
+    retryable = True
 
 
 class ErrorCode(enum.IntEnum):

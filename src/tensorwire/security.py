@@ -263,13 +263,13 @@ def _warn_if_shared(path: Path, mode: int) -> None:
         )
 
 
-def write_token_file(path: Path) -> Path:
-    """A fresh random token (256 bits, printable) in a new file ``path``, mode 0600 from the
-    start; never an existing file or a symlink (FileExistsError). For scripts and tests that
-    start servers: ``serve --token-file``, ``--peer-token-file``."""
+def write_token_file(path: Path, token: str | None = None) -> Path:
+    """``token`` (default: a fresh random one, 256 bits, printable) in a new file ``path``, mode
+    0600 from the start; never an existing file or a symlink (FileExistsError). For scripts and
+    tests that start servers: ``serve --token-file``, ``--peer-token-file``."""
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0)
     with os.fdopen(os.open(path, flags, 0o600), "w") as f:
-        f.write(secrets.token_urlsafe(32))
+        f.write(secrets.token_urlsafe(32) if token is None else token)
     return Path(path)
 
 

@@ -68,16 +68,25 @@ def replica_flags(slot: Sequence[str], index: int, peer_token: Path) -> list[str
     primary, the others standbys, and each names all the others as its backups (a standby that
     takes over replicates to the rest, its old primary included once it is back). ``peer_token``:
     the slot's peer-token file (``security.write_token_file``), the same for every replica of the slot."""
-    flags = ["--peer-token-file", str(peer_token)] + ([] if index == 0 else ["--standby"])
+    return ["--peer-token-file", str(peer_token), *role_flags(slot, index)]
+
+
+def role_flags(slot: Sequence[str], index: int) -> list[str]:
+    """``replica_flags`` without the peer token (for a launcher that writes it on the replica's own
+    node): ``--standby`` unless ``index`` is 0, and a ``--backup`` for each other replica."""
+    flags = [] if index == 0 else ["--standby"]
     for other, url in enumerate(slot):
         if other != index:
             flags += ["--backup", url]
     return flags
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on ``host`` now (an IPv4 or IPv6 address), for a server that must know its
+    address before it starts (the replicas of a slot name each other)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family) as sock:
+        sock.bind((host, 0))
         port: int = sock.getsockname()[1]
         return port
 
