@@ -4,6 +4,7 @@ standby, and no server process outliving its actor."""
 
 from __future__ import annotations
 
+import json
 import logging
 import operator
 import os
@@ -18,17 +19,18 @@ import torch
 import tensorwire
 from tensorwire.cli import demo
 from tensorwire.errors import AuthenticationError, ClusterError, ClusterTimeout
-from tensorwire.ps import SGD, Worker, digits, pull_parameters
+from tensorwire.ps import SGD, Worker
 from tensorwire.ps.worker import server_stats
 
 ray = pytest.importorskip("ray", reason="tensorwire.ray needs Ray: pip install 'tensorwire[ray]'")
 
 from tensorwire.ray import Replica, run_workers, start_servers, start_stores  # noqa: E402 - needs Ray
+from tensorwire.ray import __main__ as ray_main  # noqa: E402 - needs Ray
 
 DEADLINE = 60.0
 # What this 2-CPU cluster gives each: the servers mostly wait on the network, and 2 workers must
 # run at once beside them.
-SMALL = {"capacity": "512MiB", "cpus": 0.25, "timeout": DEADLINE}
+SMALL = {"capacity": "512MiB", "cpus": 0.25, "timeout": DEADLINE, "host": "127.0.0.1"}  # servers on loopback
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -63,18 +65,19 @@ def wait_gone(replica: Replica) -> None:
         time.sleep(0.05)
 
 
-def test_the_digits_job_through_ray_servers_and_workers_reaches_the_demo_accuracy() -> None:
-    with start_servers(2, **SMALL) as servers:  # type: ignore[arg-type]
-        assert [len(slot) for slot in servers.slots] == [1, 1] and servers.colocated == []
-        reports = run_workers(
-            digits.train_worker, 2, servers, args=(None, digits.TrainConfig()), cpus=0.5, timeout=300
-        )
-        model = digits.make_model()
-        pull_parameters(model, servers.address)
-    assert [r.rank for r in reports] == [0, 1]  # each task got its RANK; and they came back in order
-    assert [r.steps for r in reports] == [12 * 23, 12 * 23]  # WORLD_SIZE 2: half the rows each
-    held_out = digits.load()
-    assert digits.accuracy(model, held_out.x_test, held_out.y_test) >= demo.TARGET_ACCURACY
+def test_the_digits_job_through_ray_servers_and_workers_reaches_the_demo_accuracy(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """``python -m tensorwire.ray``, the README's one command for Ray, on this module's cluster."""
+    small = ["--host", "127.0.0.1", "--capacity", "512MiB", "--server-cpus", "0.25", "--worker-cpus", "0.5"]
+    accuracy = ray_main.main(["--slots", "2", "--workers", "2", "--timeout", "300", *small])
+    assert accuracy >= demo.TARGET_ACCURACY
+    report = json.loads(capsys.readouterr().out.splitlines()[-1])
+    assert [url.startswith("tcp://127.0.0.1:") for url in report["servers"].split(",")] == [True, True]
+    assert report["colocated"] == []
+    assert report["ranks"] == [0, 1]  # each rank got its RANK; and they came back in order
+    assert report["steps"] == [12 * 23, 12 * 23]  # WORLD_SIZE 2: half the rows each
+    assert report["accuracy"] == round(accuracy, 4)
 
 
 def steps(worker: Worker, model: torch.nn.Module, count: int) -> None:
