@@ -9,16 +9,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from tensorwire.bench import broadcast
+from tensorwire.bench import broadcast, broadcast_readers
 
 TINY = ["--readers", "2", "--size", "1MiB", "--tensors", "12", "--timeout", "60"]
 
 
 def test_layout_is_transformer_like_and_within_the_size() -> None:
-    lay = broadcast.layout(256 << 20, 75)
+    lay = broadcast_readers.layout(256 << 20, 75)
     assert len(lay) == 75 and {dtype for _, dtype, _ in lay} == {torch.bfloat16, torch.float32}
-    assert 0.95 * (256 << 20) < broadcast.model_bytes(lay) <= 256 << 20
-    assert broadcast.model_bytes(broadcast.layout(1 << 20, 12)) <= 1 << 20
+    assert 0.95 * (256 << 20) < broadcast_readers.model_bytes(lay) <= 256 << 20
+    assert broadcast_readers.model_bytes(broadcast_readers.layout(1 << 20, 12)) <= 1 << 20
 
 
 def test_bench_broadcast_on_loopback_measures_single_and_star() -> None:

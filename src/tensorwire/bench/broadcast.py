@@ -4,15 +4,20 @@ The topology: an origin namespace running a ``tensorwire serve`` store and N rea
 (``bench/netns.py``), each link shaped to ``--rate`` Gb/s both ways (tc tbf), every reader a
 process of its own. The state_dict is ``--size`` bytes in ``--tensors`` tensors laid out like a
 transformer's (``layout``: bf16 projections and embedding, an fp32 output head and norms), made
-from a seed and published on the origin by a publisher process inside the origin's namespace
-(``publish``: one ``put_many`` today; generations will replace that one function).
+from a seed and published on the origin by a publisher process inside the origin's namespace (on
+loopback, by this process): ``publish``, one ``put_many`` today, the one function generations
+will replace.
 
 Each measurement is a *mode*: a function in ``MODES`` that takes the ``Harness`` (the origin's URL,
-the readers' namespaces, the origin's byte counter) and returns its keys. A mode starts reader
-processes (``Harness.run_readers``) with a *reader way* from ``READERS``: every reader fills
-preallocated (and touched) tensors between a common go and its end, then hashes each tensor; the
-harness compares every reader's hashes with the published ones and fails the bench on any
-difference. The modes measured today:
+the reader processes, the origin's byte counter) and returns its keys. The readers are started
+once, with the origin, one process per reader namespace; a mode runs a round of them
+(``Harness.run_readers(way, count)``) with a *reader way* from ``READERS``, chosen by name in the
+round's job: every reader taking part fills preallocated (and touched) tensors between a common
+go and its end, then hashes each tensor; the harness compares every reader's hashes with the
+published ones and fails the bench on any difference. A new mode is a function in ``MODES`` and,
+where its readers do something new (receive from the relay, say), a reader way in ``READERS``
+(``broadcast_readers.py``: the state_dict, the publisher and the reader processes).
+The modes measured today:
 
 * ``single``: one reader fetches the whole state_dict from the origin with ``get_many(out=...)``:
   ``single_s``.
@@ -37,35 +42,34 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import functools
-import itertools
 import json
 import math
-import os
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import AbstractContextManager
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
-import xxhash
-
+from tensorwire.bench.broadcast_readers import (
+    START_TIMEOUT,
+    Layout,
+    layout,
+    marker,
+    model_bytes,
+    publisher_main,
+    round_folder,
+    write_json,
+)
 from tensorwire.bench.netns import Fabric, Unavailable
 from tensorwire.bench.report import show, table
 from tensorwire.bench.transfer import parse_size
-from tensorwire.client import connect
 from tensorwire.server.process import ServerProcess, wait_for
 from tensorwire.types import MiB
 
 ORIGIN_PORT = 7070  # the origin has a namespace, so an address, of its own
-START_TIMEOUT = 120.0  # a reader imports torch and allocates the model first; a loaded 2-core box
-GO_POLL = 0.002  # how often a ready reader looks for the go (its start is at most this late)
-IDLE_POLL = 0.02  # how often an idle reader looks for its next round
 STOP_TIMEOUT = 10.0
 # What comes later in issue 17, and why it has no number yet.
 NOT_BUILT = {
@@ -86,157 +90,6 @@ class Setup:
     timeout: float = 300.0  # for one mode's readers, once started
     netns: bool = True
     modes: tuple[str, ...] = ("single", "star")
-
-
-# -- the state_dict ---------------------------------------------------------------------------------
-Layout = list[tuple[str, torch.dtype, tuple[int, ...]]]
-
-
-def layout(size: int, tensors: int) -> Layout:
-    """A transformer-like state_dict of about ``size`` bytes in about ``tensors`` tensors: L layers
-    of 9 (q, k, v, o of d x d, gate and up of 4d x d, down of d x 4d, all bf16, and two fp32
-    norms), a bf16 embedding and an fp32 output head of 8d x d each, and an fp32 final norm. The
-    width d (a multiple of 8) is the largest that keeps the whole within ``size``."""
-    layers = max(1, round((tensors - 3) / 9))
-    per_d2 = 32 * layers + 2 * 8 + 4 * 8  # bytes per d*d: the layers, embedding, head
-    per_d = 4 * (2 * layers + 1)  # the norms
-    d = max(8, int((-per_d + math.sqrt(per_d**2 + 4 * per_d2 * size)) / (2 * per_d2)) // 8 * 8)
-    bf, f32 = torch.bfloat16, torch.float32
-    out: Layout = [("embed.weight", bf, (8 * d, d))]
-    for i in range(layers):
-        p = f"layers.{i}."
-        out += [(p + f"attn.{x}.weight", bf, (d, d)) for x in "qkvo"]
-        out += [(p + "mlp.gate.weight", bf, (4 * d, d)), (p + "mlp.up.weight", bf, (4 * d, d)),
-                (p + "mlp.down.weight", bf, (d, 4 * d)), (p + "norm1.weight", f32, (d,)),
-                (p + "norm2.weight", f32, (d,))]  # fmt: skip
-    return [*out, ("norm.weight", f32, (d,)), ("lm_head.weight", f32, (8 * d, d))]
-
-
-def model_bytes(lay: Layout) -> int:
-    return sum(math.prod(shape) * dtype.itemsize for _, dtype, shape in lay)
-
-
-def make_state_dict(lay: Layout, seed: int) -> dict[str, torch.Tensor]:
-    """The published values: normal noise from ``seed`` (what the readers' hashes are checked against)."""
-    gen = torch.Generator().manual_seed(seed)
-    return {name: torch.randn(shape, generator=gen).to(dtype) for name, dtype, shape in lay}
-
-
-def empty_state_dict(lay: Layout) -> dict[str, torch.Tensor]:
-    """A reader's tensors, allocated and touched before the go, as a model's parameters would be."""
-    return {name: torch.zeros(shape, dtype=dtype) for name, dtype, shape in lay}
-
-
-def digests(tensors: Mapping[str, torch.Tensor]) -> dict[str, str]:
-    """Each tensor's bytes hashed (xxh3-128): what a reader got is compared with what was published."""
-    return {
-        name: xxhash.xxh3_128_hexdigest(t.view(-1).view(torch.uint8).numpy().data)
-        for name, t in tensors.items()
-    }
-
-
-def publish(url: str, tensors: Mapping[str, torch.Tensor], timeout: float) -> None:
-    """Make ``tensors`` readable on the origin. One ``put_many`` (one atomic batch) today; the one
-    place to switch to ``client.publish`` once generations exist."""
-    with connect(url, timeout=timeout) as client:
-        client.put_many(dict(tensors))
-
-
-# -- the reader processes ---------------------------------------------------------------------------
-Spec = dict[str, Any]
-Fetch = Callable[[], None]
-# A reader way: given the spec, this reader's index and its preallocated tensors, it sets up
-# (connects), yields the one call that fills the tensors, and tears down.
-ReaderWay = Callable[[Spec, int, dict[str, torch.Tensor]], AbstractContextManager[Fetch]]
-
-
-@contextlib.contextmanager
-def from_origin(spec: Spec, index: int, tensors: dict[str, torch.Tensor]) -> Iterator[Fetch]:
-    """Everything from the origin in one ``get_many`` into the reader's own tensors."""
-    with connect(spec["origin"], timeout=spec["timeout"]) as client:
-        names = list(tensors)
-
-        def fetch() -> None:
-            client.get_many(names, out=tensors)
-
-        yield fetch
-
-
-READERS: dict[str, ReaderWay] = {"origin": from_origin}
-
-
-def reader_main(index: int, folder: Path) -> None:
-    """One reader process (inside its namespace), for every round of the run: it waits for
-    ``spec.json``, then for each round's ``job`` (the reader way and how many readers take part),
-    takes part in it if its index is among them, and exits once the harness writes ``stop`` (or
-    is gone)."""
-    torch.set_num_threads(1)
-    idle = functools.partial(_idle_until, stop=folder / "stop", parent=os.getppid())
-    spec_path = folder / "spec.json"
-    if not idle(spec_path, timeout=2 * START_TIMEOUT):  # the origin starts meanwhile
-        return
-    spec = json.loads(spec_path.read_text())
-    for number in itertools.count(1):
-        job_path = _round(folder, number) / "job"
-        if not idle(job_path, timeout=START_TIMEOUT + spec["timeout"]):
-            return
-        job = json.loads(job_path.read_text())
-        if index < job["count"]:
-            read_once(job["way"], spec, index, job_path.parent)
-
-
-def read_once(way: str, spec: Spec, index: int, folder: Path) -> None:
-    """One round: allocate (and touch) the tensors, set up, say ready, wait for the go, fetch
-    (timed), hash, write ``result-<index>``."""
-    tensors = empty_state_dict(_layout_from(spec["layout"]))
-    with READERS[way](spec, index, tensors) as fetch:
-        _marker(folder, "ready", index).touch()
-        wait_for((folder / "go").exists, spec["timeout"], "the go signal", GO_POLL)
-        start = time.time()  # wall clock: the readers' starts and ends are compared across processes
-        fetch()
-        end = time.time()
-    _write_json(_marker(folder, "result", index), {"start": start, "end": end, "digests": digests(tensors)})
-
-
-def _idle_until(path: Path, *, stop: Path, parent: int, timeout: float) -> bool:
-    """Wait for ``path``: True once it is there, False once ``stop`` is (the harness is done)."""
-
-    def there() -> bool:
-        if os.getppid() != parent:  # orphaned: the harness died without saying stop
-            raise SystemExit(f"the harness (pid {parent}) is gone")
-        return path.exists() or stop.exists()
-
-    wait_for(there, timeout, str(path), IDLE_POLL)
-    return path.exists()
-
-
-def publisher_main(spec_path: Path, out: Path) -> None:
-    """Make the state_dict, publish it on the origin, write its digests to ``out``."""
-    spec = json.loads(spec_path.read_text())
-    tensors = make_state_dict(_layout_from(spec["layout"]), spec["seed"])
-    publish(spec["origin"], tensors, spec["timeout"])
-    _write_json(out, digests(tensors))
-
-
-def _round(folder: Path, number: int) -> Path:
-    return folder / f"round-{number}"
-
-
-def _marker(folder: Path, what: str, index: int) -> Path:
-    """A reader's files in its round's folder: ``ready-<i>`` (set up, waiting for the go) and
-    ``result-<i>`` (its times and digests, JSON)."""
-    return folder / f"{what}-{index}"
-
-
-def _write_json(path: Path, value: object) -> None:
-    """Whole or not at all (a rename): the other side polls for the file and reads it at once."""
-    part = path.with_name(path.name + ".part")
-    part.write_text(json.dumps(value))
-    part.rename(path)
-
-
-def _layout_from(rows: list[list[Any]]) -> Layout:
-    return [(name, getattr(torch, dtype), tuple(shape)) for name, dtype, shape in rows]
 
 
 # -- the harness ------------------------------------------------------------------------------------
@@ -271,15 +124,15 @@ class Harness:
         if count > len(self.procs):
             raise ValueError(f"{count} readers asked of a harness of {len(self.procs)}")
         self.rounds += 1
-        folder = _round(self.folder, self.rounds)
+        folder = round_folder(self.folder, self.rounds)
         folder.mkdir()
-        _write_json(folder / "job", {"way": way, "count": count})
+        write_json(folder / "job", {"way": way, "count": count})
         self._wait(folder, "ready", count, START_TIMEOUT, f"{count} {way} readers to set up")
         before = self.egress() if self.egress else 0
         (folder / "go").touch()
         self._wait(folder, "result", count, self.setup.timeout, f"{count} {way} readers to finish")
         sent = self.egress() - before if self.egress else None
-        results = [json.loads(_marker(folder, "result", i).read_text()) for i in range(count)]
+        results = [json.loads(marker(folder, "result", i).read_text()) for i in range(count)]
         self._check(way, results)
         return Round(max(r["end"] for r in results) - min(r["start"] for r in results),
                      [r["end"] - r["start"] for r in results], sent)  # fmt: skip
@@ -290,7 +143,7 @@ class Harness:
                 if proc.poll() is not None:
                     tail = (self.folder / f"reader-{i}.log").read_text(errors="replace")[-3000:]
                     raise RuntimeError(f"reader {i} exited with {proc.returncode}:\n{tail}")
-            return all(_marker(folder, what, i).exists() for i in range(count))
+            return all(marker(folder, what, i).exists() for i in range(count))
 
         wait_for(there, timeout, label, 0.005)
 
@@ -314,15 +167,8 @@ def readers(wrappers: Sequence[Sequence[str]], folder: Path) -> Iterator[list[su
     procs: list[subprocess.Popen[bytes]] = []
     try:
         for i, wrapper in enumerate(wrappers):
-            cmd = [
-                *wrapper,
-                sys.executable,
-                "-m",
-                "tensorwire.bench.broadcast",
-                "--reader",
-                str(i),
-                str(folder),
-            ]
+            cmd = [*wrapper, sys.executable, "-m", "tensorwire.bench.broadcast_readers",
+                   "--reader", str(i), str(folder)]  # fmt: skip
             with open(folder / f"reader-{i}.log", "wb") as log:  # a file: a pipe nobody reads can fill up
                 procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT))
         yield procs
@@ -390,7 +236,7 @@ def harness(setup: Setup, lay: Layout) -> Iterator[Harness]:
             ServerProcess(listen, capacity=capacity, start_timeout=START_TIMEOUT, wrapper=origin_wrap)
         )
         stack.callback((folder / "stop").touch)  # first on leaving: readers end while the origin does
-        _write_json(folder / "spec.json", {
+        write_json(folder / "spec.json", {
             "origin": server.url, "seed": setup.seed, "timeout": setup.timeout,
             "layout": [[name, str(dtype).removeprefix("torch."), list(shape)] for name, dtype, shape in lay],
         })  # fmt: skip
@@ -405,7 +251,7 @@ def _run_publisher(wrapper: Sequence[str], folder: Path, timeout: float) -> dict
     if not wrapper:
         publisher_main(folder / "spec.json", out)
         return dict(json.loads(out.read_text()))
-    cmd = [*wrapper, sys.executable, "-m", "tensorwire.bench.broadcast", "--publish",
+    cmd = [*wrapper, sys.executable, "-m", "tensorwire.bench.broadcast_readers", "--publish",
            str(folder / "spec.json"), str(out)]  # fmt: skip
     with open(log, "wb") as sink:
         done = subprocess.run(
@@ -490,20 +336,13 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--timeout", type=float, default=d.timeout, help="seconds for each mode's readers")
     parser.add_argument("--no-netns", dest="netns", action="store_false",
                         help="on 127.0.0.1, unshaped (labelled loopback in the result)")  # fmt: skip
-    parser.add_argument("--reader", nargs=2, help=argparse.SUPPRESS)  # INDEX FOLDER
-    parser.add_argument("--publish", nargs=2, help=argparse.SUPPRESS)  # SPEC OUT
     args = parser.parse_args(argv)
-    if args.reader:
-        reader_main(int(args.reader[0]), Path(args.reader[1]))
-        sys.stdout.flush()
-        os._exit(0)  # skip the interpreter's teardown with torch loaded (~0.4 s; children.py)
-    if args.publish:
-        publisher_main(Path(args.publish[0]), Path(args.publish[1]))
-        return {}
     modes = tuple(m for m in args.modes.split(",") if m)
     unknown = [m for m in modes if m not in MODES]
     if unknown:
         parser.error(f"unknown modes {unknown}; measured today: {', '.join(MODES)}")
+    if args.readers < 1 or args.tensors < 1:
+        parser.error("--readers and --tensors must be at least 1")
     setup = Setup(args.readers, args.size, args.rate, args.tensors, timeout=args.timeout,
                   netns=args.netns, modes=modes)  # fmt: skip
     return show(run(setup), args.json, _readable)
