@@ -116,7 +116,8 @@ def test_a_publish_cut_off_mid_stream_leaves_the_previous_generation(small: tens
         meta = TensorMeta("cut/x", torch.uint8, (1 << 16,), 1 << 16)
         block = wg.encode_prefix("cut") + wm.encode_records([meta])
         chunk = 4096
-        header = Header(1, Opcode.GEN_PUBLISH, Flags.MORE, ChecksumKind.XXH3_64, 9, len(block), chunk, meta.nbytes)
+        kind = ChecksumKind.XXH3_64
+        header = Header(1, Opcode.GEN_PUBLISH, Flags.MORE, kind, 9, len(block), chunk, meta.nbytes)
         piece = bytes(chunk)
         address = Address.parse(small.url)
         with socket.create_connection((address.host, address.port), timeout=10) as sock:

@@ -31,7 +31,8 @@ def filled(g: int) -> dict[str, torch.Tensor]:
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[ServerProcess]:
-    with ServerProcess(capacity="256MiB", extra=["--keep-generations", "2", "--max-lease-seconds", "30"]) as srv:
+    flags = ["--keep-generations", "2", "--max-lease-seconds", "30"]
+    with ServerProcess(capacity="256MiB", extra=flags) as srv:
         yield srv
 
 
@@ -86,7 +87,7 @@ def test_reads_at_a_number_and_latest_and_the_manifest(client: tensorwire.Client
     assert manifest.generation == first
     assert (manifest.chunk_size, manifest.checksum_kind) == (wg.CHUNK_BYTES, int(wg.CHECKSUM_KIND))
     entry = manifest.tensor("at/w")
-    assert (entry.meta.dtype, entry.meta.shape, entry.meta.nbytes, entry.meta.version) == (torch.float32, (10,), 40, 1)
+    assert entry.meta == ("at/w", torch.float32, (10,), 40, 1)
     assert entry.checksums == wg.chunk_checksums(torch.arange(10.0).numpy().tobytes())
     assert wg.root_digest(manifest.tensors, manifest.chunk_size, manifest.checksum_kind) == first.digest
     assert client.manifest("at").generation == second
@@ -100,7 +101,8 @@ def test_reads_at_a_number_and_latest_and_the_manifest(client: tensorwire.Client
 
 def test_wait_wakes_on_a_publish_while_its_connection_serves_others(server: ServerProcess) -> None:
     async def main() -> None:
-        async with await tensorwire.aconnect(server.url) as waiter, await tensorwire.aconnect(server.url) as pub:
+        waiter, pub = await tensorwire.aconnect(server.url), await tensorwire.aconnect(server.url)
+        async with waiter, pub:
             await pub.publish("wake", {"x": torch.zeros(1)})
             parked = asyncio.ensure_future(waiter.wait("wake", after=1, timeout=20))
             await waiter.put("wake-side", torch.ones(2))  # the same connection answers meanwhile
@@ -148,7 +150,8 @@ def test_a_lease_keeps_a_generation_past_k_until_it_runs_out(client: tensorwire.
 
 
 def test_a_generation_over_the_capacity_is_refused_and_the_previous_stays() -> None:
-    with tensorwire.ServerThread(store=TensorStore(capacity=12 * MiB)) as srv, tensorwire.connect(srv.url) as c:
+    store = TensorStore(capacity=12 * MiB)
+    with tensorwire.ServerThread(store=store) as srv, tensorwire.connect(srv.url) as c:
         c.publish("cap", {"w": torch.full((MiB,), 1.0)})  # 4 MiB
         before = srv.server.store.used
         with pytest.raises(CapacityExceeded):
