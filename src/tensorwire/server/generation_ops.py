@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -187,16 +188,26 @@ class GenerationOps:
             parked = f"{self.waiting} waits are parked on this server"
             raise LimitExceeded(f"{parked}: at most {limits.max_waiters} (--max-waiters)")
         timeout = min(timeout_ms / 1000, self.max_wait)
-        task = asyncio.get_running_loop().create_task(self._park(req, prefix, after, timeout))
-        held.waits.add(task)
-        task.add_done_callback(held.waits.discard)
-
-    async def _park(self, req: Request, prefix: str, after: int, timeout: float) -> None:
+        # Counted here, not in the task: the session reads the next frame before the task runs.
         self.waiting += 1
         self._parked_on[prefix] = self._parked_on.get(prefix, 0) + 1
-        try:
-            loop = asyncio.get_running_loop()
-            deadline = loop.time() + timeout
+        task = asyncio.get_running_loop().create_task(self._park(req, prefix, after, timeout))
+        held.waits.add(task)
+        task.add_done_callback(functools.partial(self._unparked, prefix, held))
+
+    def _unparked(self, prefix: str, held: _Held, task: asyncio.Task[None]) -> None:
+        """A parked wait ended (answered, or cancelled with its connection, even before it ran)."""
+        held.waits.discard(task)
+        self.waiting -= 1
+        self._parked_on[prefix] -= 1
+        if not self._parked_on[prefix]:  # the last waiter of the prefix: forget its event
+            del self._parked_on[prefix]
+            self._published.pop(prefix, None)
+
+    async def _park(self, req: Request, prefix: str, after: int, timeout: float) -> None:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        with contextlib.suppress(TensorwireError):  # the connection is gone: nobody to answer
             while True:
                 latest = self.generations.latest(prefix)
                 if latest is not None and latest.number > after:
@@ -209,14 +220,6 @@ class GenerationOps:
                 event = self._published.setdefault(prefix, asyncio.Event())
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(event.wait(), left)
-        except TensorwireError:
-            return  # the connection is gone: nobody to answer
-        finally:
-            self.waiting -= 1
-            self._parked_on[prefix] -= 1
-            if not self._parked_on[prefix]:  # the last waiter of the prefix: forget its event
-                del self._parked_on[prefix]
-                self._published.pop(prefix, None)
 
     async def lease(self, req: Request) -> None:
         _no_data(req)
