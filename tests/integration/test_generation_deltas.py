@@ -30,10 +30,10 @@ def changed(tensors: dict[str, torch.Tensor], seed: int, share: float = 0.01) ->
     g = torch.Generator().manual_seed(seed)
     out = {}
     for key, t in tensors.items():
-        t = t.clone()
-        idx = torch.randperm(t.numel(), generator=g)[: int(t.numel() * share)]
-        t[idx] = torch.randn(idx.numel(), generator=g).to(t.dtype)
-        out[key] = t
+        new = t.clone()
+        idx = torch.randperm(new.numel(), generator=g)[: int(new.numel() * share)]
+        new[idx] = torch.randn(idx.numel(), generator=g).to(new.dtype)
+        out[key] = new
     return out
 
 
@@ -62,7 +62,7 @@ def test_a_delta_read_is_bit_exact_and_moves_under_5_percent(server: ServerThrea
         c.publish("m", g1)
         c.publish("m", g2)
         out = c.get_many(NAMES, at=1)
-        held = {n: t for n, t in out.items()}
+        held = dict(out)
         read = c.get_many(NAMES, at=2, base=1, out=out, verify=True)
         assert same(read, g2)
         assert all(read[n] is held[n] for n in NAMES)  # in place

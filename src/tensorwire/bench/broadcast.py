@@ -152,8 +152,8 @@ class Harness:
         sent = self.egress() - before if self.egress else None
         results = [json.loads(marker(folder, "result", i).read_text()) for i in range(count)]
         self._check(way, results)
-        return Round(max(r["end"] for r in results) - min(r["start"] for r in results),
-                     [r["end"] - r["start"] for r in results], sent, [r["info"] for r in results])  # fmt: skip
+        span = max(r["end"] for r in results) - min(r["start"] for r in results)
+        return Round(span, [r["end"] - r["start"] for r in results], sent, [r["info"] for r in results])
 
     def _wait(self, folder: Path, what: str, count: int, timeout: float, label: str) -> None:
         def there() -> bool:
@@ -223,10 +223,15 @@ def delta(h: Harness) -> dict[str, Any]:
     at = h.next_generation()
     r = h.run_readers("delta", 1, at=at, base=base)
     info = r.info[0]
+    moved, source = (
+        info["wire_bytes"],
+        "client DeltaStats.wire_bytes (answer data bytes; no frame or TCP headers)",
+    )
     if r.egress is not None:
-        moved, source = r.egress, "origin egress (veth tx bytes of the origin's link, TCP/IP headers included)"
-    else:
-        moved, source = info["wire_bytes"], "client DeltaStats.wire_bytes (answer data bytes; no frame or TCP headers)"
+        moved, source = (
+            r.egress,
+            "origin egress (veth tx bytes of the origin's link, TCP/IP headers included)",
+        )
     return {
         "delta_s": r.seconds,
         "delta_bytes": moved,

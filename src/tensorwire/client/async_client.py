@@ -26,9 +26,8 @@ from typing import TypeVar
 import torch
 
 from tensorwire import transport as transports
-from tensorwire.client import deltas
+from tensorwire.client import deltas, staging, stripe
 from tensorwire.client import generations as gens
-from tensorwire.client import staging, stripe
 from tensorwire.client.batches import Landing, TensorBatch
 from tensorwire.client.cache import TensorCache
 from tensorwire.client.options import ClientOptions, check, retry_policy, transport_options
@@ -339,7 +338,10 @@ class AsyncClient:
         """
         if base is not None:
             at = "latest" if at is None else at
-            return (await deltas.read(self._run, names, at, base, out or {}, verify, self.delta_stats))[0]
+            stats = self.delta_stats
+            return (
+                await deltas.read(self._run, names, out or {}, at=at, base=base, verify=verify, stats=stats)
+            )[0]
         if at is not None or verify:
             at = "latest" if at is None else at
             return (await gens.read(self._run, names, at, out, verify))[0]

@@ -14,8 +14,8 @@ import torch
 
 from tensorwire._aio import LoopThread
 from tensorwire.client.async_client import AsyncClient, Progress, TensorItems
-from tensorwire.client.generations import DEFAULT_LEASE_SECONDS, At, Lease
 from tensorwire.client.deltas import DeltaStats
+from tensorwire.client.generations import DEFAULT_LEASE_SECONDS, At, Lease
 from tensorwire.client.options import ClientOptions
 from tensorwire.errors import TensorwireError, TransferTimeout
 from tensorwire.types import Generation, GenerationManifest, TensorMeta

@@ -39,14 +39,14 @@ class DeltaStats:
 
 
 async def read(
-    run: Run, names: Sequence[str], at: At, base: At, out: Mapping[str, torch.Tensor], verify: bool,
+    run: Run, names: Sequence[str], out: Mapping[str, torch.Tensor], *, at: At, base: At, verify: bool,
     stats: DeltaStats,
 ) -> tuple[dict[str, torch.Tensor], str, int]:  # fmt: skip
     """Generation ``at`` of ``names`` into ``out`` (which holds generation ``base``), in place."""
     names = list(dict.fromkeys(names))
     targets = _targets(names, out)
     number, held = at_number(at), at_number(base)
-    answer = await run(lambda t: _read(t, names, number, held, targets, stats))
+    answer = await run(lambda t: _read(t, names, targets, at=number, base=held, stats=stats))
     if verify:
         manifest = await run(lambda t: as_generational(t, "verify").manifest(answer.prefix, answer.number))
         verify_read(manifest, targets, answer.digest)
@@ -65,7 +65,7 @@ def _targets(names: list[str], out: Mapping[str, torch.Tensor]) -> dict[str, tor
 
 
 async def _read(
-    t: Transport, names: list[str], at: int, base: int, targets: dict[str, torch.Tensor], stats: DeltaStats
+    t: Transport, names: list[str], targets: dict[str, torch.Tensor], *, at: int, base: int, stats: DeltaStats
 ) -> dr.DeltaAnswer:
     scratch: list[memoryview] = []
 
@@ -83,13 +83,13 @@ async def _read(
     stats.reads += 1
     stats.wire_bytes += sum(v.nbytes for v in scratch)
     for entry, deltas in zip(answer.tensors, scratch, strict=True):
-        await _apply(gens, answer, entry, deltas, targets[entry.meta.name], stats)
+        await _apply(gens, answer, entry, deltas, out=targets[entry.meta.name], stats=stats)
     return answer
 
 
 async def _apply(
-    gens: Generational, answer: dr.DeltaAnswer, entry: dr.TensorDelta, deltas: memoryview, out: torch.Tensor,
-    stats: DeltaStats,
+    gens: Generational, answer: dr.DeltaAnswer, entry: dr.TensorDelta, deltas: memoryview, *,
+    out: torch.Tensor, stats: DeltaStats,
 ) -> None:  # fmt: skip
     meta = entry.meta
     if out.dtype != meta.dtype or tuple(out.shape) != meta.shape:
@@ -109,13 +109,13 @@ async def _apply(
         try:
             delta.apply_checked(chunk, piece, chunk, answer.checksum_kind, expected)
         except CorruptFrame:
-            await _refetch(gens, answer, meta.name, i * size, chunk, expected)
+            await _refetch(gens, answer, meta.name, chunk, offset=i * size, expected=expected)
             stats.refetched += 1
             stats.wire_bytes += chunk.nbytes
 
 
 async def _refetch(
-    gens: Generational, answer: dr.DeltaAnswer, name: str, offset: int, chunk: memoryview, expected: int
+    gens: Generational, answer: dr.DeltaAnswer, name: str, chunk: memoryview, *, offset: int, expected: int
 ) -> None:
     """The chunk in full (a range read), checked against the new chunk's checksum."""
     log.warning(
@@ -124,4 +124,5 @@ async def _refetch(
     )  # fmt: skip
     await gens.get_range_at(name, answer.number, offset, chunk)
     if checksum(answer.checksum_kind, chunk) != expected:
-        raise DigestMismatch(f"bytes {offset}..{offset + chunk.nbytes} of {name!r} differ from their checksum")
+        where = f"bytes {offset}..{offset + chunk.nbytes} of {name!r}"
+        raise DigestMismatch(f"{where} differ from their checksum even read in full")

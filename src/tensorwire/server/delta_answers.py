@@ -43,8 +43,8 @@ def build(
         tensors.append(TensorDelta(meta, lengths, sums[meta.name]))
     gen = new.generation
     used = base.generation.number if base is not None else 0
-    answer = DeltaAnswer(gen.prefix, gen.number, gen.digest, used, int(wg.CHECKSUM_KIND), wg.CHUNK_BYTES, tuple(tensors))
-    return answer, data
+    kind, chunk = int(wg.CHECKSUM_KIND), wg.CHUNK_BYTES
+    return DeltaAnswer(gen.prefix, gen.number, gen.digest, used, kind, chunk, tuple(tensors)), data
 
 
 def _base_of(base: Kept | None, meta: TensorMeta) -> memoryview | None:

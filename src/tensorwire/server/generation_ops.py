@@ -25,7 +25,14 @@ from typing import Any
 
 import torch
 
-from tensorwire.errors import GenerationRetired, KeyNotFound, LimitExceeded, ProtocolError, TensorwireError, WaitTimeout
+from tensorwire.errors import (
+    GenerationRetired,
+    KeyNotFound,
+    LimitExceeded,
+    ProtocolError,
+    TensorwireError,
+    WaitTimeout,
+)
 from tensorwire.server import delta_answers
 from tensorwire.server.request import Handler, Request
 from tensorwire.server.store_ops import Parts, StoreOps, cpu
@@ -159,7 +166,8 @@ class GenerationOps:
         try:
             old = self._pin_base(prefix, base)
             pairs = [_tensor(kept, name) for name in names]
-            total = sum(m.nbytes + chunk_count(m.nbytes, wg.CHUNK_BYTES) for m, _ in pairs)  # the FULL forms at most
+            # at most the FULL forms: each chunk and its kind byte
+            total = sum(m.nbytes + chunk_count(m.nbytes, wg.CHUNK_BYTES) for m, _ in pairs)
             if total > self.limits.max_request_bytes:
                 raise LimitExceeded(f"an answer of {total} bytes exceeds {self.limits.max_request_bytes}")
             big = old is not None and total >= _OFF_LOOP_BYTES

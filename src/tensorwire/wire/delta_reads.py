@@ -66,7 +66,11 @@ def decode_request(reader: wm.MetaReader) -> tuple[int, int, list[str]]:
 def encode_answer(answer: DeltaAnswer) -> bytes:
     """The whole metadata block, the uint8 records of the data section first."""
     number = answer.number
-    data = [TensorMeta(t.meta.name, torch.uint8, (sum(t.lengths),), sum(t.lengths), number) for t in answer.tensors]
+    sizes = [sum(t.lengths) for t in answer.tensors]
+    data = [
+        TensorMeta(t.meta.name, torch.uint8, (n,), n, number)
+        for t, n in zip(answer.tensors, sizes, strict=True)
+    ]
     parts = [
         wm.encode_records(data),
         wg.encode_read_answer(answer.prefix, number, answer.digest),
@@ -88,7 +92,9 @@ def decode_answer(reader: wm.MetaReader, data: Sequence[TensorMeta]) -> DeltaAns
     metas = wm.decode_records(reader)
     if [m.name for m in metas] != [m.name for m in data]:
         raise ProtocolError("a delta answer's records name other tensors than its data")
-    tensors = tuple(_tensor(reader, meta, chunk_size, held.nbytes) for meta, held in zip(metas, data))
+    tensors = tuple(
+        _tensor(reader, meta, chunk_size, held.nbytes) for meta, held in zip(metas, data, strict=True)
+    )
     return DeltaAnswer(prefix, number, digest, base, kind, chunk_size, tensors)
 
 
@@ -111,4 +117,3 @@ def max_data_bytes(nbytes: int) -> int:
     """The most delta bytes a tensor of ``nbytes`` may be answered with (its FULL form, in the
     smallest chunks a peer may claim): what a reader allocates at most before the lengths are read."""
     return 2 * nbytes
-
