@@ -5,6 +5,7 @@ place, bit-exact; a retired base costs the full read, a tampered ``out`` a refet
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Iterator
 
 import pytest
@@ -55,20 +56,29 @@ def server() -> Iterator[ServerThread]:
         yield srv
 
 
-def test_a_delta_read_is_bit_exact_and_moves_under_5_percent(server: ServerThread) -> None:
+@contextlib.contextmanager
+def two_generations(
+    server: ServerThread,
+) -> Iterator[tuple[tensorwire.Client, dict[str, torch.Tensor], dict[str, torch.Tensor]]]:
+    """A client of ``server`` after publishing generations 1 and 2 (1% changed), the tensors it
+    read at generation 1, and generation 2 as published."""
     g1 = first()
     g2 = changed(g1, 2)
     with tensorwire.connect(server.url) as c:
         c.publish("m", g1)
         c.publish("m", g2)
-        out = c.get_many(NAMES, at=1)
+        yield c, c.get_many(NAMES, at=1), g2
+
+
+def test_a_delta_read_is_bit_exact_and_moves_under_5_percent(server: ServerThread) -> None:
+    with two_generations(server) as (c, out, g2):
         held = dict(out)
         read = c.get_many(NAMES, at=2, base=1, out=out, verify=True)
         assert same(read, g2)
         assert all(read[n] is held[n] for n in NAMES)  # in place
         stats = c.delta_stats
         assert stats.refetched == 0 and stats.full_chunks == 0 and stats.delta_chunks == 4
-        assert stats.wire_bytes == sent(server) <= 0.05 * full_bytes(g1)
+        assert stats.wire_bytes == sent(server) <= 0.05 * full_bytes(g2)
         # get() too, for one name
         one = c.get_many(["m/h"], at=1)["m/h"]
         assert torch.equal(c.get("m/h", one, at=2, base=1).view(torch.uint8), g2["h"].view(torch.uint8))
@@ -90,12 +100,7 @@ def test_a_retired_or_unknown_base_gets_full_chunks(server: ServerThread) -> Non
 
 
 def test_an_out_that_does_not_hold_the_base_is_refetched(server: ServerThread) -> None:
-    g1 = first()
-    g2 = changed(g1, 2)
-    with tensorwire.connect(server.url) as c:
-        c.publish("m", g1)
-        c.publish("m", g2)
-        out = c.get_many(NAMES, at=1)
+    with two_generations(server) as (c, out, g2):
         out["m/w"][FP32 // 2] += 1.0  # the middle chunk no longer holds generation 1
         read = c.get_many(NAMES, at=2, base=1, out=out)
         assert same(read, g2)
