@@ -15,11 +15,13 @@ from tensorwire.wire import generations as wg
 
 ELEMS = 3 * wg.CHUNK_BYTES // 4 // 2  # fp32: one and a half chunks
 
+
 def publish(gens: Generations, values: torch.Tensor) -> int:
     metas = [TensorMeta("m/w", torch.float32, (ELEMS,), 4 * ELEMS)]
     res = gens.store.reserve(metas)
     res.buffers[0].cast("B")[:] = values.numpy().tobytes()
     return gens.publish("m", res, [wg.chunk_checksums(res.buffers[0])]).number
+
 
 def test_deltas_within_the_budget_and_full_chunks_past_it() -> None:
     gens = Generations(TensorStore(capacity=64 << 20))
@@ -40,6 +42,7 @@ def test_deltas_within_the_budget_and_full_chunks_past_it() -> None:
     assert data[2].obj is pairs[0][1].obj  # no copy: a view of the generation's own buffer
     # no base: every chunk FULL
     answer, data = delta_answers.build(kept, None, pairs)
-    assert answer.base == 0 and answer.tensors[0].lengths == (1 + wg.CHUNK_BYTES, 1 + 4 * ELEMS - wg.CHUNK_BYTES)
+    assert answer.base == 0
+    assert answer.tensors[0].lengths == (1 + wg.CHUNK_BYTES, 1 + 4 * ELEMS - wg.CHUNK_BYTES)
     gens.unpin(base)
     gens.unpin(kept)
