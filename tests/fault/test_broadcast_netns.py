@@ -26,3 +26,5 @@ def test_bench_broadcast_in_network_namespaces(capsys: pytest.CaptureFixture[str
         # Counted on the origin's veth: the model's bytes, once per reader, plus headers.
         assert copies <= result["origin_egress_ratio"][mode] < copies * 1.1, result
     assert "rate_note" in result
+    # delta: counted on the origin's veth too (headers and the request's answer frame included)
+    assert result["delta_bytes_source"].startswith("origin egress") and result["delta_bytes_ratio"] <= 0.05

@@ -5,8 +5,7 @@ The topology: an origin namespace running a ``tensorwire serve`` store and N rea
 process of its own. The state_dict is ``--size`` bytes in ``--tensors`` tensors laid out like a
 transformer's (``layout``: bf16 projections and embedding, an fp32 output head and norms), made
 from a seed and published on the origin by a publisher process inside the origin's namespace (on
-loopback, by this process): ``publish``, one ``put_many`` today, the one function generations
-will replace.
+loopback, by this process) as generation 1 of the prefix ``model`` (``client.publish``).
 
 Each measurement is a *mode*: a function in ``MODES`` that takes the ``Harness`` (the origin's URL,
 the reader processes, the origin's byte counter) and returns its keys. The readers are started
@@ -23,12 +22,18 @@ The modes measured today:
   ``single_s``.
 * ``star``: N readers at once, each from the origin: ``star_s``, ``star_vs_single`` (~N when the
   origin's link is the bound).
+* ``delta``: the next generation is published, in which 1% of the elements of every tensor have
+  new values at random positions (bf16 and fp32, seeded); one reader that holds the previous one
+  reads it with ``base=`` (deltas per chunk, applied in place): ``delta_s``, ``delta_bytes`` and
+  ``delta_bytes_ratio`` (/ model bytes; target <= 0.05), with ``delta_bytes_source`` saying what
+  counted them: the origin's link (veth tx bytes, TCP/IP headers included) in namespaces, the
+  reader client's ``DeltaStats.wire_bytes`` (answer data, no frame headers) on loopback.
 
 Every mode also gives ``bound_s[mode]`` (the physical bound: model bytes / link rate, N times that
 for star, all of it through the origin's link) and, in namespaces, ``origin_egress_bytes[mode]``
 and ``origin_egress_ratio[mode]`` (bytes the origin's link sent, from its veth counters, / model
 bytes; TCP/IP headers make 1.0 about 1.05). Modes that need code not built yet (the relay's
-``fanout``, ``delta``, ``mixed``, ``killed``) are listed in ``not_measured`` with the reason, never
+``fanout``, ``mixed``, ``killed``) are listed in ``not_measured`` with the reason, never
 given a number.
 
 Where namespaces cannot be made the bench exits 0 with ``skipped`` and the reason. ``--no-netns``
@@ -54,6 +59,7 @@ from pathlib import Path
 from typing import Any
 
 from tensorwire.bench.broadcast_readers import (
+    CHANGED_SHARE,
     START_TIMEOUT,
     Layout,
     layout,
@@ -74,8 +80,7 @@ STOP_TIMEOUT = 10.0
 # What comes later in issue 17, and why it has no number yet.
 NOT_BUILT = {
     "fanout": "the relay (readers forwarding chunks to each other) is not built yet",
-    "delta": "per-reader deltas between generations are not built yet",
-    "mixed": "generations (publish/get at a generation) are not built yet",
+    "mixed": "a publisher publishing while readers read is not measured yet",
     "killed": "the relay, which a killed reader would have to be routed around, is not built yet",
 }
 
@@ -89,18 +94,20 @@ class Setup:
     seed: int = 0
     timeout: float = 300.0  # for one mode's readers, once started
     netns: bool = True
-    modes: tuple[str, ...] = ("single", "star")
+    modes: tuple[str, ...] = ("single", "star", "delta")
 
 
 # -- the harness ------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Round:
     """What one mode's readers did: the span from the first start to the last end, each reader's
-    own time, and the bytes the origin's link sent meanwhile (None on loopback)."""
+    own time, the bytes the origin's link sent meanwhile (None on loopback), and what each reader
+    reported beside its bytes (its way's ``info``)."""
 
     seconds: float
     reader_s: list[float]
     egress: int | None
+    info: list[dict[str, Any]] = field(default_factory=list)
 
 
 @dataclass
@@ -113,20 +120,31 @@ class Harness:
     origin: str  # the origin's URL, as the readers reach it
     folder: Path
     procs: list[subprocess.Popen[bytes]]  # reader i, in its namespace
-    expected: dict[str, str]  # the published tensors' digests
+    expected: dict[str, str]  # the newest generation's digests
     model_bytes: int
     egress: Callable[[], int] | None = None  # bytes the origin's link has sent so far
     rounds: int = field(default=0)
+    generation: int = 1  # the newest published
+    publish_next: Callable[[int], dict[str, Any]] | None = None  # publishes the k-th change
 
-    def run_readers(self, way: str, count: int) -> Round:
-        """Readers 0..count-1 set up ``way``, go together once all are ready; every reader's bytes
-        are checked; the round's times and the origin's egress are returned."""
+    def next_generation(self) -> int:
+        """Publish the state_dict once more changed (``broadcast_readers.change``); its number."""
+        if self.publish_next is None:
+            raise RuntimeError("this harness has no publisher")
+        published = self.publish_next(self.generation)
+        self.generation, self.expected = published["generation"], published["digests"]
+        return self.generation
+
+    def run_readers(self, way: str, count: int, **job: Any) -> Round:
+        """Readers 0..count-1 set up ``way`` (``job`` is passed to it: ``at``, ``base``), go
+        together once all are ready; every reader's bytes are checked against the newest
+        generation; the round's times and the origin's egress are returned."""
         if count > len(self.procs):
             raise ValueError(f"{count} readers asked of a harness of {len(self.procs)}")
         self.rounds += 1
         folder = round_folder(self.folder, self.rounds)
         folder.mkdir()
-        write_json(folder / "job", {"way": way, "count": count})
+        write_json(folder / "job", {"at": self.generation, **job, "way": way, "count": count})
         self._wait(folder, "ready", count, START_TIMEOUT, f"{count} {way} readers to set up")
         before = self.egress() if self.egress else 0
         (folder / "go").touch()
@@ -134,8 +152,8 @@ class Harness:
         sent = self.egress() - before if self.egress else None
         results = [json.loads(marker(folder, "result", i).read_text()) for i in range(count)]
         self._check(way, results)
-        return Round(max(r["end"] for r in results) - min(r["start"] for r in results),
-                     [r["end"] - r["start"] for r in results], sent)  # fmt: skip
+        span = max(r["end"] for r in results) - min(r["start"] for r in results)
+        return Round(span, [r["end"] - r["start"] for r in results], sent, [r["info"] for r in results])
 
     def _wait(self, folder: Path, what: str, count: int, timeout: float, label: str) -> None:
         def there() -> bool:
@@ -198,7 +216,33 @@ def star(h: Harness) -> dict[str, Any]:
     return {"star_s": r.seconds, "star_reader_s": r.reader_s, **_per_mode(h, "star", r, h.setup.readers)}
 
 
-MODES: dict[str, Mode] = {"single": single, "star": star}
+def delta(h: Harness) -> dict[str, Any]:
+    """The next generation (1% of every tensor's elements changed) read by one reader that holds
+    the previous one, as per-chunk deltas: the bytes that moved, / the model's."""
+    base = h.generation
+    at = h.next_generation()
+    r = h.run_readers("delta", 1, at=at, base=base)
+    info = r.info[0]
+    moved, source = (
+        info["wire_bytes"],
+        "client DeltaStats.wire_bytes (answer data bytes; no frame or TCP headers)",
+    )
+    if r.egress is not None:
+        moved, source = (
+            r.egress,
+            "origin egress (veth tx bytes of the origin's link, TCP/IP headers included)",
+        )
+    return {
+        "delta_s": r.seconds,
+        "delta_bytes": moved,
+        "delta_bytes_ratio": moved / h.model_bytes,
+        "delta_bytes_source": source,
+        "delta_changed_share": CHANGED_SHARE,
+        "delta_chunks": {k: info[k] for k in ("delta_chunks", "full_chunks", "refetched")},
+    }
+
+
+MODES: dict[str, Mode] = {"single": single, "star": star, "delta": delta}
 
 
 def _per_mode(h: Harness, mode: str, r: Round, copies: int) -> dict[str, Any]:
@@ -236,30 +280,38 @@ def harness(setup: Setup, lay: Layout) -> Iterator[Harness]:
             ServerProcess(listen, capacity=capacity, start_timeout=START_TIMEOUT, wrapper=origin_wrap)
         )
         stack.callback((folder / "stop").touch)  # first on leaving: readers end while the origin does
-        write_json(folder / "spec.json", {
+        spec = {
             "origin": server.url, "seed": setup.seed, "timeout": setup.timeout,
             "layout": [[name, str(dtype).removeprefix("torch."), list(shape)] for name, dtype, shape in lay],
-        })  # fmt: skip
-        expected = _run_publisher(origin_wrap, folder, setup.timeout)
-        yield Harness(setup, server.url, folder, procs, expected, size, egress)
+        }  # fmt: skip
+        write_json(folder / "spec.json", spec)
+
+        def publish_next(changed: int) -> dict[str, Any]:
+            write_json(folder / f"spec-{changed}.json", {**spec, "changed": changed})
+            return _run_publisher(origin_wrap, folder, setup.timeout, f"spec-{changed}.json")
+
+        first = _run_publisher(origin_wrap, folder, setup.timeout, "spec.json")
+        yield Harness(setup, server.url, folder, procs, first["digests"], size, egress,
+                      generation=first["generation"], publish_next=publish_next)  # fmt: skip
 
 
-def _run_publisher(wrapper: Sequence[str], folder: Path, timeout: float) -> dict[str, str]:
+def _run_publisher(wrapper: Sequence[str], folder: Path, timeout: float, spec: str) -> dict[str, Any]:
     """The publisher runs where the origin does: in its namespace, a process of its own (its put
-    crosses no shaped link); on loopback, this process (it has torch imported already)."""
-    out, log = folder / "published.json", folder / "publisher.log"
+    crosses no shaped link); on loopback, this process (it has torch imported already). Returns
+    the generation's number and digests."""
+    out, log = folder / f"published-{spec}", folder / "publisher.log"
     if not wrapper:
-        publisher_main(folder / "spec.json", out)
+        publisher_main(folder / spec, out)
         return dict(json.loads(out.read_text()))
     cmd = [*wrapper, sys.executable, "-m", "tensorwire.bench.broadcast_readers", "--publish",
-           str(folder / "spec.json"), str(out)]  # fmt: skip
+           str(folder / spec), str(out)]  # fmt: skip
     with open(log, "wb") as sink:
         done = subprocess.run(
             cmd, check=False, stdout=sink, stderr=subprocess.STDOUT, timeout=START_TIMEOUT + timeout
         )
     if done.returncode != 0:
         raise RuntimeError(f"the publisher exited with {done.returncode}:\n{log.read_text()[-3000:]}")
-    result: dict[str, str] = json.loads(out.read_text())
+    result: dict[str, Any] = json.loads(out.read_text())
     return result
 
 
@@ -361,6 +413,8 @@ def _readable(r: dict[str, Any]) -> str:
         note = (f"bound {bound:.2f} s" if bound else "") + (
             f", origin sent {ratio:.2f} x the model" if ratio else ""
         )
+        if mode == "delta":
+            note = f"{r['delta_bytes_ratio']:.4f} x the model's bytes (target <= 0.05)"
         rows.append((mode, f"{r[f'{mode}_s']:.2f} s", note))
     if "star_vs_single" in r:
         rows.append(("star / single", f"{r['star_vs_single']:.2f}", ""))

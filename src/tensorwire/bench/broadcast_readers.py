@@ -11,7 +11,14 @@ hashes each tensor and writes ``result-<i>``. It exits when ``FOLDER/stop`` appe
 is gone. A reader way is a context manager in ``READERS``: the relay adds its own there.
 
 The publisher (``--publish SPEC OUT``) makes the state_dict from the spec's seed, publishes it on
-the origin (``publish``) and writes each tensor's digest to OUT.
+the origin as a generation of ``PREFIX`` (``publish``) and writes each tensor's digest to OUT. With
+``changed`` = k in the spec it publishes the state_dict after k rounds of ``change`` (1% of the
+elements of every tensor given new values at random positions, seeded): the generation a
+``delta`` round reads against the one before.
+
+A round's job may name the generation to read (``at``) and the one the reader holds (``base``):
+the ``delta`` way reads ``base`` in full before the go, then ``at`` with ``base=``, and reports
+the bytes its client received (``DeltaStats``) with its result.
 """
 
 from __future__ import annotations
@@ -36,6 +43,8 @@ import xxhash
 from tensorwire.client import connect
 from tensorwire.server.process import wait_for
 
+PREFIX = "model"  # the generations' prefix: a tensor ``name`` is read as ``model/name``
+CHANGED_SHARE = 0.01  # of each tensor's elements, given new values in each published change
 START_TIMEOUT = 120.0  # a process imports torch and allocates the model first; a loaded 2-core box
 GO_POLL = 0.002  # how often a ready reader looks for the go (its start is at most this late)
 IDLE_POLL = 0.02  # how often an idle reader looks for its next round
@@ -88,16 +97,33 @@ def digests(tensors: Mapping[str, torch.Tensor]) -> dict[str, str]:
     }
 
 
-def publish(url: str, tensors: Mapping[str, torch.Tensor], timeout: float) -> None:
-    """Make ``tensors`` readable on the origin. One ``put_many`` (one atomic batch) today; the one
-    place to switch to ``client.publish`` once generations exist."""
+def change(tensors: Mapping[str, torch.Tensor], seed: int) -> dict[str, torch.Tensor]:
+    """A copy in which ``CHANGED_SHARE`` of each tensor's elements have new (normal) values, at
+    random positions from ``seed``: a new generation that differs from the last in 1% of its elements."""
+    gen = torch.Generator().manual_seed(seed)
+    out = {}
+    for name, t in tensors.items():
+        flat = t.clone().view(-1)
+        idx = torch.randperm(flat.numel(), generator=gen)[: max(1, int(flat.numel() * CHANGED_SHARE))]
+        flat[idx] = torch.randn(idx.numel(), generator=gen).to(t.dtype)
+        out[name] = flat.view(t.shape)
+    return out
+
+
+def publish(url: str, tensors: Mapping[str, torch.Tensor], timeout: float) -> int:
+    """Make ``tensors`` readable on the origin: the next generation of ``PREFIX`` (its number)."""
     with connect(url, timeout=timeout) as client:
-        client.put_many(dict(tensors))
+        return client.publish(PREFIX, dict(tensors)).number
+
+
+def full_names(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The tensors by the names they are read under (``model/name``), the same tensor objects."""
+    return {f"{PREFIX}/{name}": t for name, t in tensors.items()}
 
 
 # -- the reader processes ---------------------------------------------------------------------------
 Spec = dict[str, Any]
-Fetch = Callable[[], None]
+Fetch = Callable[[], dict[str, Any] | None]  # what it returns goes into the reader's result
 # A reader way: given the spec, this reader's index and its preallocated tensors, it sets up
 # (connects), yields the one call that fills the tensors, and tears down.
 ReaderWay = Callable[[Spec, int, dict[str, torch.Tensor]], AbstractContextManager[Fetch]]
@@ -107,15 +133,34 @@ ReaderWay = Callable[[Spec, int, dict[str, torch.Tensor]], AbstractContextManage
 def from_origin(spec: Spec, index: int, tensors: dict[str, torch.Tensor]) -> Iterator[Fetch]:
     """Everything from the origin in one ``get_many`` into the reader's own tensors."""
     with connect(spec["origin"], timeout=spec["timeout"]) as client:
-        names = list(tensors)
+        out = full_names(tensors)
+        names = list(out)
 
         def fetch() -> None:
-            client.get_many(names, out=tensors)
+            client.get_many(names, out=out, at=spec.get("at", "latest"))
 
         yield fetch
 
 
-READERS: dict[str, ReaderWay] = {"origin": from_origin}
+@contextlib.contextmanager
+def delta_from_origin(spec: Spec, index: int, tensors: dict[str, torch.Tensor]) -> Iterator[Fetch]:
+    """Generation ``base`` in full before the go (untimed), then generation ``at`` as deltas
+    against it (``base=``), applied in place: what a reader one generation behind does."""
+    with connect(spec["origin"], timeout=spec["timeout"]) as client:
+        out = full_names(tensors)
+        names = list(out)
+        client.get_many(names, out=out, at=spec["base"])
+
+        def fetch() -> dict[str, Any]:
+            client.get_many(names, out=out, at=spec["at"], base=spec["base"])
+            stats = client.delta_stats
+            return {"wire_bytes": stats.wire_bytes, "delta_chunks": stats.delta_chunks,
+                    "full_chunks": stats.full_chunks, "refetched": stats.refetched}  # fmt: skip
+
+        yield fetch
+
+
+READERS: dict[str, ReaderWay] = {"origin": from_origin, "delta": delta_from_origin}
 
 
 def reader_main(index: int, folder: Path) -> None:
@@ -135,7 +180,7 @@ def reader_main(index: int, folder: Path) -> None:
             return
         job = json.loads(job_path.read_text())
         if index < job["count"]:
-            read_once(job["way"], spec, index, job_path.parent)
+            read_once(job["way"], {**spec, **job}, index, job_path.parent)
 
 
 def read_once(way: str, spec: Spec, index: int, folder: Path) -> None:
@@ -146,9 +191,10 @@ def read_once(way: str, spec: Spec, index: int, folder: Path) -> None:
         marker(folder, "ready", index).touch()
         wait_for((folder / "go").exists, spec["timeout"], "the go signal", GO_POLL)
         start = time.time()  # wall clock: the readers' starts and ends are compared across processes
-        fetch()
+        info = fetch()
         end = time.time()
-    write_json(marker(folder, "result", index), {"start": start, "end": end, "digests": digests(tensors)})
+    result = {"start": start, "end": end, "digests": digests(tensors), "info": info or {}}
+    write_json(marker(folder, "result", index), result)
 
 
 def _idle_until(path: Path, *, stop: Path, parent: int, timeout: float) -> bool:
@@ -164,11 +210,14 @@ def _idle_until(path: Path, *, stop: Path, parent: int, timeout: float) -> bool:
 
 
 def publisher_main(spec_path: Path, out: Path) -> None:
-    """Make the state_dict, publish it on the origin, write its digests to ``out``."""
+    """Make the state_dict (``changed`` times changed), publish it on the origin, write its digests
+    and generation number to ``out``."""
     spec = json.loads(spec_path.read_text())
     tensors = make_state_dict(_layout_from(spec["layout"]), spec["seed"])
-    publish(spec["origin"], tensors, spec["timeout"])
-    write_json(out, digests(tensors))
+    for k in range(spec.get("changed", 0)):
+        tensors = change(tensors, spec["seed"] + 1 + k)
+    number = publish(spec["origin"], tensors, spec["timeout"])
+    write_json(out, {"generation": number, "digests": digests(tensors)})
 
 
 def round_folder(folder: Path, number: int) -> Path:

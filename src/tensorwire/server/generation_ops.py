@@ -25,14 +25,23 @@ from typing import Any
 
 import torch
 
-from tensorwire.errors import KeyNotFound, LimitExceeded, ProtocolError, TensorwireError, WaitTimeout
+from tensorwire.errors import (
+    GenerationRetired,
+    KeyNotFound,
+    LimitExceeded,
+    ProtocolError,
+    TensorwireError,
+    WaitTimeout,
+)
+from tensorwire.server import delta_answers
 from tensorwire.server.request import Handler, Request
 from tensorwire.server.store_ops import Parts, StoreOps, cpu
 from tensorwire.store.generations import Generations, Kept, check_names
 from tensorwire.types import TensorMeta
+from tensorwire.wire import delta_reads as dr
 from tensorwire.wire import generations as wg
 from tensorwire.wire import meta as wm
-from tensorwire.wire.frame import Opcode
+from tensorwire.wire.frame import Opcode, chunk_count
 from tensorwire.wire.names import validate_name
 
 _OFF_LOOP_BYTES = 8 << 20  # checksums of a larger generation are computed on a worker thread
@@ -71,6 +80,7 @@ class GenerationOps:
             Opcode.GEN_MANIFEST: self.manifest,
             Opcode.GEN_WAIT: self.wait,
             Opcode.GEN_LEASE: self.lease,
+            Opcode.GEN_GET_DELTA: self.get_delta,
         }
 
     def _held(self, req: Request) -> _Held:
@@ -140,6 +150,42 @@ class GenerationOps:
             await req.reply(meta, [b for _, b in pairs])
         finally:
             self.generations.unpin(kept)
+
+    async def get_delta(self, req: Request) -> None:
+        """Generation ``at`` for a reader that holds ``base``: per chunk a delta or the full chunk
+        (server/delta_answers.py). A base no longer kept (or never published) is no error: every
+        chunk goes FULL, as to a reader with nothing. Both generations stay pinned until sent."""
+        _no_data(req)
+        at, base, names = dr.decode_request(req.meta)
+        req.meta.done()
+        if not names or len(set(names)) != len(names):
+            raise ProtocolError("GEN_GET_DELTA names no tensor, or one twice")
+        prefix = self.generations.prefix_of(names)
+        kept = self.generations.pin(prefix, at)
+        old: Kept | None = None
+        try:
+            old = self._pin_base(prefix, base)
+            pairs = [_tensor(kept, name) for name in names]
+            # at most the FULL forms: each chunk and its kind byte
+            total = sum(m.nbytes + chunk_count(m.nbytes, wg.CHUNK_BYTES) for m, _ in pairs)
+            if total > self.limits.max_request_bytes:
+                raise LimitExceeded(f"an answer of {total} bytes exceeds {self.limits.max_request_bytes}")
+            big = old is not None and total >= _OFF_LOOP_BYTES
+            answer, data = await cpu(big, delta_answers.build, kept, old, pairs)
+            await req.reply(dr.encode_answer(answer), data)
+        finally:
+            self.generations.unpin(kept)
+            if old is not None:
+                self.generations.unpin(old)
+
+    def _pin_base(self, prefix: str, base: int) -> Kept | None:
+        """Generation ``base`` pinned, or None where there is none to diff against (0: none)."""
+        if base == wg.LATEST:
+            return None
+        try:
+            return self.generations.pin(prefix, base)
+        except (GenerationRetired, KeyNotFound):
+            return None
 
     async def get_range(self, req: Request) -> None:
         """Bytes ``offset .. offset + length`` of one tensor of one generation, as one uint8

@@ -69,6 +69,7 @@ class Opcode(enum.IntEnum):
     GEN_MANIFEST = 43
     GEN_WAIT = 44
     GEN_LEASE = 45
+    GEN_GET_DELTA = 46
 
 
 class Flags(enum.IntFlag):
