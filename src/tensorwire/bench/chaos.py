@@ -314,16 +314,27 @@ def _peer_ready(cluster: Cluster, slot: int, index: int) -> bool:
     return bool(peer["role"] == "primary" or peer["version"] >= mine["version"] - 5)
 
 
+def _final_primary(cluster: Cluster, slot: int, deadline: float = 30.0) -> dict[str, Any]:
+    """The slot's primary of the highest epoch once training is over. A loaded machine may leave a
+    STATUS unanswered for the 2 s ``stats`` waits, or a restarted server still starting: asked
+    again until ``deadline`` s, then the error names every server's state."""
+    end = time.monotonic() + deadline
+    while True:
+        docs = [cluster.stats(server.url) for server in cluster.slots[slot]]
+        primaries = [doc for doc in docs if doc and doc["role"] == "primary"]
+        if primaries:
+            return max(primaries, key=lambda d: d["epoch"])
+        if time.monotonic() > end:
+            raise RuntimeError(f"slot {slot} has no primary at the end:\n{_snapshot(cluster)}")
+        time.sleep(0.2)
+
+
 def _account(cluster: Cluster, seconds: float, faults: int, failovers: list[float]) -> dict[str, Any]:
     reports = [json.loads((cluster.out / f"rank{r}.json").read_text()) for r in range(WORKERS)]
     losses = [json.loads((cluster.out / f"rank{r}.done").read_text())["loss"] for r in range(WORKERS)]
     lost = duplicates = 0
-    for slot_index, slot in enumerate(cluster.slots):
-        docs = map(cluster.stats, (s.url for s in slot))
-        primaries = [doc for doc in docs if doc and doc["role"] == "primary"]
-        if not primaries:
-            raise RuntimeError(f"slot {slot_index} has no primary at the end")
-        doc = max(primaries, key=lambda d: d["epoch"])
+    for slot_index in range(len(cluster.slots)):
+        doc = _final_primary(cluster, slot_index)
         marks = {int(w): s["seq"] for w, s in doc["workers"].items()}
         lost += sum(max(0, r["seqs"][slot_index] - marks.get(rank, 0)) for rank, r in enumerate(reports))
         duplicates += max(0, doc["pushes_applied"] - sum(marks.values()))
