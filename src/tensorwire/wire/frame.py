@@ -62,6 +62,11 @@ class Opcode(enum.IntEnum):
     SHM_PUT = 34
     SHM_COMMIT = 35
     SHM_RELEASE = 36
+    # The relay (docs/protocol.md §15; tensorwire.broadcast): readers of one generation feed each other.
+    RELAY_JOIN = 48
+    RELAY_GET = 49
+    RELAY_REPORT = 50
+    RELAY_STATS = 51
 
 
 class Flags(enum.IntFlag):
