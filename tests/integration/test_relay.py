@@ -3,62 +3,28 @@ the origin sends its bytes about once (docs/protocol.md §15)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
-import torch
 
 import tensorwire
-from tensorwire.broadcast import Chains, RelayCoordinator
-from tensorwire.broadcast.source import StoreSource
-from tensorwire.server import ServerThread
-from tensorwire.store import TensorStore
+from tensorwire import transport
+from tensorwire._aio import run
+from tensorwire.errors import AuthenticationError
+from tensorwire.transport import TransportOptions
+from tensorwire.wire import relay as wr
+from tensorwire.wire.frame import Opcode
 from tensorwire.testing.process import run_threads
+from tensorwire.testing.relay import PREFIX, blank_like, model_bytes, model_tensors, origin, publish, same_bytes
 
-PREFIX = "policy/"
-
-
-def model_tensors(seed: int) -> dict[str, torch.Tensor]:
-    gen = torch.Generator().manual_seed(seed)
-    return {
-        "fc1.weight": torch.randn(256, 300, generator=gen),  # ~300 KiB
-        "fc1.bias": torch.randn(256, generator=gen).to(torch.bfloat16),
-        "fc2.weight": torch.randn(64, 256, generator=gen).to(torch.float16),
-        "steps": torch.tensor(seed, dtype=torch.int64),
-        "mask": torch.rand(1000, generator=gen) > 0.5,
-        "empty": torch.empty(0),
-    }
+def test_four_subscribers_in_threads_read_bit_exact_and_the_origin_sends_about_once() -> None:
+    with origin() as (srv, _):
+        _four_read(srv.url)
 
 
-def blank_like(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    return {k: torch.zeros_like(v) for k, v in tensors.items()}
-
-
-def same_bytes(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
-    return a.keys() == b.keys() and all(
-        torch.equal(a[k].reshape(-1).view(torch.uint8), b[k].reshape(-1).view(torch.uint8)) for k in a
-    )
-
-
-@pytest.fixture
-def origin() -> Iterator[tuple[ServerThread, RelayCoordinator]]:
-    store = TensorStore()
-    coordinator = RelayCoordinator(store, source=StoreSource(store, chunk_bytes=16 << 10))
-    with ServerThread(store=store, extensions=[coordinator]) as srv:
-        yield srv, coordinator
-
-
-def publish(url: str, tensors: dict[str, torch.Tensor]) -> int:
-    with tensorwire.connect(url) as client:
-        return client.put_many({PREFIX + k: v for k, v in tensors.items()})
-
-
-def test_four_subscribers_in_threads_read_bit_exact_and_the_origin_sends_about_once(origin) -> None:
-    srv, coordinator = origin
+def _four_read(url: str) -> None:
     model = model_tensors(1)
-    generation = publish(srv.url, model)
+    generation = publish(url, model)
     targets = [blank_like(model) for _ in range(4)]
-    subs = [tensorwire.Subscriber(srv.url, PREFIX, t, listen_host="127.0.0.1") for t in targets]
+    subs = [tensorwire.Subscriber(url, PREFIX, t, listen_host="127.0.0.1") for t in targets]
     try:
         got = [0] * 4
 
@@ -70,9 +36,8 @@ def test_four_subscribers_in_threads_read_bit_exact_and_the_origin_sends_about_o
         assert all(same_bytes(model, t) for t in targets)
         stats = subs[0].stats()
         (gen,) = stats["generations"]
-        model_bytes = sum(v.nbytes for v in model.values())
-        assert gen["model_bytes"] == model_bytes
-        assert gen["served_bytes"] <= 1.1 * model_bytes, stats  # about once, not 4x
+        assert gen["model_bytes"] == model_bytes(model)
+        assert gen["served_bytes"] <= 1.1 * model_bytes(model), stats  # about once, not 4x
         assert gen["readers"] == 4 and gen["done"] == 4
         assert subs[0].update(timeout=30) == generation  # nothing newer: nothing moves
     finally:
@@ -80,16 +45,20 @@ def test_four_subscribers_in_threads_read_bit_exact_and_the_origin_sends_about_o
             sub.close()
 
 
-def test_a_second_generation_reaches_every_reader(origin) -> None:
-    srv, _ = origin
+def test_a_second_generation_reaches_every_reader() -> None:
+    with origin() as (srv, _):
+        _second_generation(srv.url)
+
+
+def _second_generation(url: str) -> None:
     first = model_tensors(1)
-    publish(srv.url, first)
+    publish(url, first)
     targets = [blank_like(first) for _ in range(3)]
-    subs = [tensorwire.Subscriber(srv.url, PREFIX, t, listen_host="127.0.0.1") for t in targets]
+    subs = [tensorwire.Subscriber(url, PREFIX, t, listen_host="127.0.0.1") for t in targets]
     try:
         run_threads(lambda i: subs[i].update(timeout=30), 3, timeout=60)
         second = model_tensors(2)
-        g2 = publish(srv.url, second)
+        g2 = publish(url, second)
         got = [0] * 3
 
         def read(i: int) -> None:
@@ -101,3 +70,33 @@ def test_a_second_generation_reaches_every_reader(origin) -> None:
     finally:
         for sub in subs:
             sub.close()
+
+
+def test_a_reader_without_the_token_never_joins_and_a_relay_server_wants_it_too() -> None:
+    model = model_tensors(1)
+    with origin(token="s3cret") as (srv, coordinator):
+        publish(srv.url, model, token="s3cret")
+        with tensorwire.Subscriber(srv.url, PREFIX, blank_like(model), listen_host="127.0.0.1") as stranger:
+            with pytest.raises(AuthenticationError):
+                stranger.update(timeout=30)
+        with tensorwire.Subscriber(srv.url, PREFIX, blank_like(model), token="wrong", listen_host="127.0.0.1") as liar:
+            with pytest.raises(AuthenticationError):
+                liar.update(timeout=30)
+        assert coordinator.chains.readers() == 0
+        target = blank_like(model)
+        with tensorwire.Subscriber(srv.url, PREFIX, target, token="s3cret", listen_host="127.0.0.1") as member:
+            member.update(timeout=30)
+            assert same_bytes(model, target)
+            # Its relay server is a tensorwire server with the same token: a stranger gets nothing.
+            body = wr.encode_get(PREFIX, member.generation, 0, 1, 0)
+            with pytest.raises(AuthenticationError):
+                run(_relay_get(member.relay_address, body))
+            assert member.peer.served == 0
+
+
+async def _relay_get(address: str, body: bytes) -> None:
+    channel = await transport.open_channel(address, TransportOptions(5.0, 5.0), what="a stranger")
+    try:
+        await channel.call(Opcode.RELAY_GET, body, what="RELAY_GET")
+    finally:
+        await channel.close()
