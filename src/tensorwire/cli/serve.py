@@ -242,6 +242,7 @@ def serve(
     log_level: str | None,
 ) -> None:
     """Serve a tensor store, which is also a parameter server, until SIGINT or SIGTERM."""
+    from tensorwire.broadcast import RelayCoordinator
     from tensorwire.dataset.digest import DigestService
     from tensorwire.ps import CheckpointPolicy, ParamServer
 
@@ -286,7 +287,7 @@ def serve(
         max_connections=max_connections,
         idle_timeout=idle_timeout,
         auth_timeout=auth_timeout,
-        extensions=[ps_server, DigestService(store)],
+        extensions=[ps_server, DigestService(store), RelayCoordinator(store)],
         metrics_port=metrics_port,
         metrics_host=metrics_host,
         metrics_connections=metrics_connections,
