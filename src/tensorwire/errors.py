@@ -16,6 +16,7 @@ of these. Each class says whether retrying the same call can help.
     │   └── SharedMemoryUnavailable    shm:// asked for, but client and server share no memory; no retry
     ├── ProtocolError                  a peer broke the wire protocol
     │   ├── CorruptFrame               a checksum failed / bytes damaged; retry can help
+    │   │   └── DigestMismatch         what a read at a generation got differs from its digest
     │   ├── UnsupportedVersion         no common protocol version
     │   └── LimitExceeded              a size or count over the peer's limit
     ├── StoreError                     the server refused the operation
@@ -24,6 +25,7 @@ of these. Each class says whether retrying the same call can help.
     │   ├── InvalidName                (also ValueError) a name the store does not accept
     │   ├── PersistenceError           the data directory could not be written or read
     │   ├── VersionChanged             the tensor changed between the parts of one read; retry can help
+    │   ├── GenerationRetired          a read at a generation the server no longer keeps; no retry
     │   └── VerificationFailed         what a server holds differs from its source; resending can help
     ├── InvalidTensor                  (also ValueError) dtype/shape/size unusable or inconsistent
     ├── UnsupportedTransport           (also ValueError) this address's transport cannot do what was asked
@@ -99,6 +101,13 @@ class CorruptFrame(ProtocolError):
     retryable = True
 
 
+class DigestMismatch(CorruptFrame):
+    """A read at a generation (``get_many(..., verify=True)``) got bytes whose chunk checksums, or
+    whose root digest, differ from what the server recorded when the generation was published. The
+    message names the tensor and chunk. Raised by clients, never sent by servers; reading again
+    can help."""
+
+
 class UnsupportedVersion(ProtocolError):
     """Client and server share no protocol version."""
 
@@ -135,6 +144,13 @@ class VersionChanged(StoreError):
     reads the new version whole."""
 
     retryable = True
+
+
+class GenerationRetired(StoreError):
+    """A read (or lease) at a generation the server no longer keeps: it keeps the last
+    ``--keep-generations`` of a prefix and any generation under a lease. The message names the
+    prefix, the generation asked for and the oldest one kept. Retrying the same generation will not
+    help; read a newer one (``at="latest"``), and lease a generation to keep it longer."""
 
 
 class VerificationFailed(StoreError):
@@ -217,6 +233,7 @@ class ErrorCode(enum.IntEnum):
     NOT_MEMBER = 13
     NOT_PRIMARY = 14
     VERSION_CHANGED = 20  # far from 15: other fast-path transports number theirs from 15
+    GENERATION_RETIRED = 21
 
 
 _CODE_TO_ERROR: dict[ErrorCode, type[TensorwireError]] = {
@@ -235,6 +252,7 @@ _CODE_TO_ERROR: dict[ErrorCode, type[TensorwireError]] = {
     ErrorCode.NOT_MEMBER: WorkerDropped,
     ErrorCode.NOT_PRIMARY: NotPrimary,
     ErrorCode.VERSION_CHANGED: VersionChanged,
+    ErrorCode.GENERATION_RETIRED: GenerationRetired,
 }
 
 

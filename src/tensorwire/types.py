@@ -142,3 +142,55 @@ class Limits:
             raise ValueError("Limits.max_name_bytes cannot exceed 1024, the store's own bound on names")
         if self.min_chunk_bytes > self.max_chunk_bytes:
             raise ValueError("Limits.min_chunk_bytes exceeds max_chunk_bytes")
+
+
+@dataclass(frozen=True, slots=True)
+class Generation:
+    """One published generation of a prefix (``client.publish``; docs/protocol.md §14).
+
+    ``number`` counts 1, 2, 3, ... per prefix (the server assigns it); ``names`` are the full names
+    (``prefix/key``), sorted; ``digest`` is the 16-byte root digest over every tensor's dtype,
+    shape and per-chunk checksums in name order (``tensorwire.wire.generations.root_digest``).
+    """
+
+    prefix: str
+    number: int
+    digest: bytes
+    names: tuple[str, ...]
+    nbytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkSums:
+    """One tensor of a generation as the server stored it: its metadata (``version`` is the
+    generation number) and the checksum of each ``chunk_size`` bytes of it, in order (the last
+    chunk may be shorter; a tensor of 0 bytes has none)."""
+
+    meta: TensorMeta
+    checksums: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationManifest:
+    """What a generation holds, to check its bytes with (``client.manifest``): every tensor's
+    metadata and per-chunk checksums, in name order. ``checksum_kind`` is the frame protocol's
+    checksum kind byte (1: xxh3-64, 2: CRC32C)."""
+
+    generation: Generation
+    chunk_size: int
+    checksum_kind: int
+    tensors: tuple[ChunkSums, ...]
+
+    def tensor(self, name: str) -> ChunkSums:
+        """The entry of ``name``; KeyError if the generation has no such tensor."""
+        for entry in self.tensors:
+            if entry.meta.name == name:
+                return entry
+        raise KeyError(name)
+
+    def chunk(self, name: str, index: int) -> tuple[int, int, int]:
+        """``(offset, length, checksum)`` of chunk ``index`` of ``name``: the byte range a relay
+        reads with ``get_range`` and the checksum its bytes must have."""
+        entry = self.tensor(name)
+        offset = index * self.chunk_size
+        return offset, min(self.chunk_size, entry.meta.nbytes - offset), entry.checksums[index]

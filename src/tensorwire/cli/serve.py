@@ -30,6 +30,7 @@ from tensorwire.security import (
 )
 from tensorwire.server.core import Server
 from tensorwire.store import TensorStore
+from tensorwire.store.generations import DEFAULT_KEEP, DEFAULT_MAX_LEASE_SECONDS, GenerationConfig
 from tensorwire.store.memory import DEFAULT_MAX_TENSORS
 from tensorwire.store.uploads import DEFAULT_MAX_UPLOADS, DEFAULT_UPLOADS_PER_CLIENT
 
@@ -110,6 +111,14 @@ def _rack_param(ctx: click.Context, param: click.Parameter, value: str | None) -
 @click.option(
     "--resumable-min-bytes", metavar="SIZE", callback=size_param, default="16MiB", show_default=True,
     help="Smaller resumable puts keep no upload state (served as plain puts).",
+)  # fmt: skip
+@click.option(
+    "--keep-generations", type=click.IntRange(min=1), default=DEFAULT_KEEP, show_default=True,
+    help="Generations (client.publish) kept per prefix, besides those a reader holds a lease on.",
+)  # fmt: skip
+@click.option(
+    "--max-lease-seconds", type=click.FloatRange(min=0.01), default=DEFAULT_MAX_LEASE_SECONDS,
+    show_default=True, help="Longest lease on a generation a reader gets (a longer one is cut to this).",
 )  # fmt: skip
 @click.option("--tls-cert", type=FILE, help="Server certificate (PEM) for tls:// and grpcs:// addresses.")
 @click.option("--tls-key", type=FILE, help="Its private key (PEM).")
@@ -215,6 +224,8 @@ def serve(
     max_uploads: int,
     uploads_per_client: int,
     resumable_min_bytes: int,
+    keep_generations: int,
+    max_lease_seconds: float,
     tls_cert: Path | None,
     tls_key: Path | None,
     tls_client_ca: Path | None,
@@ -295,6 +306,7 @@ def serve(
         uploads_per_client=uploads_per_client,
         resumable_min_bytes=resumable_min_bytes,
         location=location,
+        generations=GenerationConfig(keep=keep_generations, max_lease_seconds=max_lease_seconds),
     )
     run(_serve(server, listen + grpc_listen, ready_file))
 

@@ -26,6 +26,7 @@ from typing import TypeVar
 import torch
 
 from tensorwire import transport as transports
+from tensorwire.client import generations as gens
 from tensorwire.client import staging, stripe
 from tensorwire.client.batches import Landing, TensorBatch
 from tensorwire.client.cache import TensorCache
@@ -38,11 +39,12 @@ from tensorwire.transport.base import (
     Resumable,
     Transport,
     Viewable,
+    as_generational,
     as_ranged,
     as_resumable,
     new_upload,
 )
-from tensorwire.types import Address, TensorMeta
+from tensorwire.types import Address, Generation, GenerationManifest, TensorMeta
 from tensorwire.wire.names import validate_name, validate_prefix
 from tensorwire.wire.tensors import byte_view, check_out, empty_for, sendable
 
@@ -145,8 +147,12 @@ class AsyncClient:
         progress: Progress | None = None,
         *,
         view: bool = False,
+        at: gens.At | None = None,
+        verify: bool = False,
     ) -> torch.Tensor:
         """Fetch ``name``. With ``out``, the bytes land in ``out`` in place and ``out`` is returned.
+        With ``at`` (a generation number or ``"latest"``), ``name`` (``prefix/key``) is read from
+        that generation (``get_many``).
 
         If the call raises, ``out`` may hold part of the transfer (its contents are unspecified).
         With a cache (``cache_bytes``), an unchanged tensor costs one STAT (or nothing in its lease).
@@ -154,6 +160,9 @@ class AsyncClient:
         with no copy: a snapshot of the version read, held for as long as the tensor lives (README,
         "Shared memory").
         """
+        if at is not None or verify:
+            outs = {name: out} if out is not None else None
+            return (await self.get_many([name], outs, progress, at=at, verify=verify))[name]
         if view:
             if out is not None:
                 raise InvalidTensor("get(view=True) returns the server's pages; it takes no out=")
@@ -306,8 +315,21 @@ class AsyncClient:
         names: Sequence[str],
         out: Mapping[str, torch.Tensor] | None = None,
         progress: Progress | None = None,
+        *,
+        at: gens.At | None = None,
+        verify: bool = False,
     ) -> dict[str, torch.Tensor]:
-        """Fetch several tensors in one round trip, as one consistent snapshot."""
+        """Fetch several tensors in one round trip, as one consistent snapshot.
+
+        With ``at`` (a generation number, or ``"latest"``), every name (full names, ``prefix/key``,
+        all under one prefix) is read from that one generation, never a mix of two;
+        ``GenerationRetired`` if the server no longer keeps it. ``verify=True`` (with ``at``; the
+        default ``"latest"`` without) also checks what was read against the generation's chunk
+        checksums and root digest (DigestMismatch), one more round trip for its manifest.
+        """
+        if at is not None or verify:
+            at = "latest" if at is None else at
+            return (await gens.read(self._run, names, at, out, verify))[0]
         # Names are not validated here: a name that could not be stored is simply not found.
         names = list(dict.fromkeys(names))
         landing = Landing(names, dict(out or {}))
@@ -318,6 +340,45 @@ class AsyncClient:
             return landing.finish()
 
         return await self._run(op)
+
+    # -- generations (client/generations.py; README, "Generations") ------------------------------
+    async def publish(
+        self, prefix: str, tensors: Mapping[str, torch.Tensor], progress: Progress | None = None
+    ) -> Generation:
+        """Publish ``tensors`` (keys relative to ``prefix``; stored as ``prefix/key``) as the
+        prefix's next generation: all visible at once, under the number returned, or none
+        (CapacityExceeded, a broken connection: the previous generations stay as they were)."""
+        return await gens.publish(self._run, prefix, tensors, progress)
+
+    async def get_range(
+        self, name: str, *, at: gens.At, offset: int, length: int, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Bytes ``offset .. offset + length`` of ``name`` (``prefix/key``) at generation ``at``,
+        as a uint8 tensor (``out``, filled in place, when given): with ``manifest``'s chunk
+        checksums, what a relay reads and checks one chunk at a time."""
+        return await gens.get_range(self._run, name, at, offset, length, out=out)
+
+    async def manifest(self, prefix: str, at: gens.At = "latest") -> GenerationManifest:
+        """Generation ``at`` of ``prefix``, each tensor's metadata and its per-chunk checksums."""
+        number = gens.at_number(at)
+        return await self._run(lambda t: as_generational(t, "manifest").manifest(prefix, number))
+
+    async def wait(self, prefix: str, after: int = 0, *, timeout: float) -> Generation:
+        """The newest generation of ``prefix`` once one after ``after`` exists (at once if one
+        does): the server answers when it is published. WaitTimeout (a TransferTimeout) naming the
+        prefix and ``after`` if none is within ``timeout`` seconds."""
+        if not 0 < timeout < float("inf"):
+            raise InvalidTensor(f"wait needs a finite timeout, not {timeout}")
+        return await self._run(lambda t: as_generational(t, "wait").wait(prefix, after, timeout))
+
+    async def lease(
+        self, prefix: str, number: int, seconds: float = gens.DEFAULT_LEASE_SECONDS
+    ) -> gens.AsyncLease:
+        """Keep generation ``number`` of ``prefix`` for ``seconds`` (``AsyncLease``: ``async with``
+        releases it; ``renew`` extends it); GenerationRetired if it is gone already."""
+        lease = gens.AsyncLease(self._run, prefix, gens.at_number(number))
+        await lease.renew(seconds)
+        return lease
 
     async def delete(self, name: str) -> None:
         """Remove ``name``; KeyNotFound if there is no such tensor."""

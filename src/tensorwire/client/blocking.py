@@ -14,9 +14,10 @@ import torch
 
 from tensorwire._aio import LoopThread
 from tensorwire.client.async_client import AsyncClient, Progress, TensorItems
+from tensorwire.client.generations import DEFAULT_LEASE_SECONDS, At, Lease
 from tensorwire.client.options import ClientOptions
 from tensorwire.errors import TensorwireError, TransferTimeout
-from tensorwire.types import TensorMeta
+from tensorwire.types import Generation, GenerationManifest, TensorMeta
 
 T = TypeVar("T")
 
@@ -60,18 +61,18 @@ class Client:
     def resumed_at(self) -> list[int]:
         return self._async.resumed_at
 
-    def _call(self, coro: Coroutine[Any, Any, T]) -> T:
+    def _call(self, coro: Coroutine[Any, Any, T], longer: float = 0.0) -> T:
         # The worst case is a backstop: the client's own timers should have fired long before.
+        # ``longer``: a call that waits on purpose (``wait``) may take that much more.
+        worst = self._worst_case + longer
         deadline = self._deadline
         if deadline is None:
-            return self._thread.call(coro, self._worst_case, f"a call to {self._url}")
+            return self._thread.call(coro, worst, f"a call to {self._url}")
         if deadline.remaining() <= 0:
             coro.close()
             raise deadline.expired()
         try:  # cut short at the deadline: the call is cancelled, and its connection dropped
-            return self._thread.call(
-                coro, min(self._worst_case, deadline.remaining()), f"a call to {self._url}"
-            )
+            return self._thread.call(coro, min(worst, deadline.remaining()), f"a call to {self._url}")
         except TransferTimeout as exc:
             if deadline.remaining() > 0:
                 raise
@@ -94,16 +95,41 @@ class Client:
         progress: Progress | None = None,
         *,
         view: bool = False,
+        at: At | None = None,
+        verify: bool = False,
     ) -> torch.Tensor:
-        return self._call(self._async.get(name, out, progress, view=view))
+        return self._call(self._async.get(name, out, progress, view=view, at=at, verify=verify))
 
     def get_many(
         self,
         names: Sequence[str],
         out: Mapping[str, torch.Tensor] | None = None,
         progress: Progress | None = None,
+        *,
+        at: At | None = None,
+        verify: bool = False,
     ) -> dict[str, torch.Tensor]:
-        return self._call(self._async.get_many(names, out, progress))
+        return self._call(self._async.get_many(names, out, progress, at=at, verify=verify))
+
+    # -- generations (AsyncClient's methods of the same names) ----------------------------------
+    def publish(
+        self, prefix: str, tensors: Mapping[str, torch.Tensor], progress: Progress | None = None
+    ) -> Generation:
+        return self._call(self._async.publish(prefix, tensors, progress))
+
+    def get_range(
+        self, name: str, *, at: At, offset: int, length: int, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        return self._call(self._async.get_range(name, at=at, offset=offset, length=length, out=out))
+
+    def manifest(self, prefix: str, at: At = "latest") -> GenerationManifest:
+        return self._call(self._async.manifest(prefix, at))
+
+    def wait(self, prefix: str, after: int = 0, *, timeout: float) -> Generation:
+        return self._call(self._async.wait(prefix, after, timeout=timeout), longer=timeout)
+
+    def lease(self, prefix: str, number: int, seconds: float = DEFAULT_LEASE_SECONDS) -> Lease:
+        return Lease(self._call(self._async.lease(prefix, number, seconds)), self._call)
 
     def delete(self, name: str) -> None:
         self._call(self._async.delete(name))

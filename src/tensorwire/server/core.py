@@ -27,10 +27,12 @@ from tensorwire.logs import event
 from tensorwire.security import Security, TlsFiles, exposure_warning, server_ssl_context
 from tensorwire.server import metrics
 from tensorwire.server import shm as server_shm
+from tensorwire.server.generation_ops import GenerationOps
 from tensorwire.server.request import Extension, Handler, Request, opname, peer_token_of
 from tensorwire.server.session import Serving, Session
 from tensorwire.server.store_ops import StoreOps
 from tensorwire.store import TensorStore
+from tensorwire.store.generations import GenerationConfig, Generations
 from tensorwire.store.uploads import (
     DEFAULT_MAX_UPLOADS,
     DEFAULT_RESUMABLE_MIN_BYTES,
@@ -74,6 +76,7 @@ class Server:
         uploads_per_client: int = DEFAULT_UPLOADS_PER_CLIENT,
         resumable_min_bytes: int = DEFAULT_RESUMABLE_MIN_BYTES,
         location: topology.Location | None = None,
+        generations: GenerationConfig | None = None,
     ) -> None:
         self.store = store if store is not None else TensorStore()
         # Where it runs (HELLO and STATUS say it; default: TENSORWIRE_HOST / _RACK, read now), and
@@ -123,7 +126,12 @@ class Server:
         self._started = time.time()
         # The one opcode -> handler table: the store's operations, then each extension's.
         self.handlers: dict[int, Handler] = {}
-        self._add_handlers(self._store_ops().frame_handlers(), "the store")
+        store_ops = self._store_ops()
+        self._add_handlers(store_ops.frame_handlers(), "the store")
+        # Generations (generation_ops.py): a parked wait ends well before its connection looks idle.
+        self.generations = Generations(self.store, generations)
+        self._generation_ops = GenerationOps(self.generations, store_ops, max_wait=idle_timeout / 2)
+        self._add_handlers(self._generation_ops.frame_handlers(), "generations")
         self.extensions: list[Extension] = []
         for extension in extensions:
             self.extend(extension)
@@ -236,6 +244,7 @@ class Server:
             "connections": counts.connections,
             "in_flight": counts.in_flight,
             "requests": sum(row.requests for row in list(counts.rows.values())),
+            **self._generation_ops.status(),
         }
         for extension in self.extensions:
             if isinstance(extension, metrics.Observed):
@@ -251,6 +260,7 @@ class Server:
         for extension in self.extensions:
             await extension.close()
         self.uploads.close()
+        self.generations.close()
         if self.exporter is not None:
             self.exporter.close()
             self.exporter = None
@@ -381,6 +391,7 @@ class ServerThread:
         extensions: Sequence[Extension] = (),
         metrics_port: int | None = None,
         location: topology.Location | None = None,
+        generations: GenerationConfig | None = None,
     ) -> None:
         self.server = Server(
             store,
@@ -389,6 +400,7 @@ class ServerThread:
             extensions=extensions,
             metrics_port=metrics_port,
             location=location,
+            generations=generations,
         )
         self._thread = LoopThread("tensorwire-server")
         self._closed = False

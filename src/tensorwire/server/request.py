@@ -19,6 +19,7 @@ first such listener starts: ``Server.extend``), and closed once, when the server
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import time
 from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
@@ -64,6 +65,9 @@ class Connection(Protocol):
     working: bool  # the server, not the peer, is what the request waits on (watchdog)
     spanning: Spanning | None
     states: dict[type, Any]  # extensions' per-connection state (``Request.session_state``)
+    write_lock: asyncio.Lock  # held while a frame goes out: answers sent later keep frames whole
+
+    async def send_error(self, request_id: int, exc: BaseException, opcode: int = 0) -> None: ...
 
 
 class Request:
@@ -144,7 +148,13 @@ class Request:
             conn.version, req.opcode, Flags.RESPONSE, kind, req.request_id, len(meta),
             chunk if data_len else 0, data_len,
         )  # fmt: skip
-        await send_frame(conn.stream, header, meta, data, encoder=conn.encoder)
+        async with conn.write_lock:
+            await send_frame(conn.stream, header, meta, data, encoder=conn.encoder)
+
+    async def reply_error(self, exc: BaseException) -> None:
+        """Answer with an ERROR frame for ``exc`` (a handler that answers later, from a task of its
+        own, after the session has moved on to the next frames)."""
+        await self._conn.send_error(self.header.request_id, exc, self.header.opcode)
 
     @contextlib.contextmanager
     def waiting(self) -> Iterator[None]:

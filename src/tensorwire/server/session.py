@@ -14,6 +14,7 @@ extensions'); one that nothing serves here gets PROTOCOL_ERROR naming what would
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import struct
@@ -64,6 +65,7 @@ _PS_OPS = (
 )  # fmt: skip
 _SHM_OPS = (Opcode.SHM_ATTACH, Opcode.SHM_GET, Opcode.SHM_PUT, Opcode.SHM_COMMIT, Opcode.SHM_RELEASE)
 SERVED_BY: dict[int, str] = {**dict.fromkeys(_PS_OPS, _NO_PS), **dict.fromkeys(_SHM_OPS, _NO_SHM)}
+SPANNING = frozenset((Opcode.PUT_MANY, Opcode.GEN_PUBLISH))  # opcodes whose parts may span frames
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -108,6 +110,8 @@ class Session:
         self.admitted = False
         self.from_peer = False  # a replica of this server's slot (its HELLO offered the peer token)
         self.working = False  # the server, not the peer, is what a request waits on (a disk write)
+        # Keeps frames whole: an answer sent later (a parked GEN_WAIT) goes out between the others.
+        self.write_lock = asyncio.Lock()
 
     @property
     def busy(self) -> bool:
@@ -162,12 +166,12 @@ class Session:
         header = request.header
         op = header.opcode
         spanning = self.spanning
-        if spanning is not None and (op != Opcode.PUT_MANY or header.request_id != spanning.request_id):
+        if spanning is not None and (op not in SPANNING or header.request_id != spanning.request_id):
             await self._interrupted(request)  # whatever the frame is, it broke the open batch
         if op not in OPCODES:
             raise ProtocolError(f"unknown opcode {op}")
-        if header.flags & Flags.MORE and op != Opcode.PUT_MANY:
-            raise ProtocolError(f"only PUT_MANY can span several frames, not {opname(op)}")
+        if header.flags & Flags.MORE and op not in SPANNING:
+            raise ProtocolError(f"only PUT_MANY and GEN_PUBLISH can span several frames, not {opname(op)}")
         handler = self.serving.handlers.get(op)
         if handler is None:
             raise ProtocolError(SERVED_BY.get(op, "this server does not serve {}").format(opname(op)))
@@ -227,7 +231,8 @@ class Session:
         meta = wm.encode_error(code_for_error(exc), message)
         header = Header(self.version, opcode, Flags.RESPONSE | Flags.ERROR, 0, request_id, len(meta), 0, 0)
         with contextlib.suppress(ConnectionLost):
-            await send_frame(self.stream, header, meta)
+            async with self.write_lock:
+                await send_frame(self.stream, header, meta)
 
 
 def _request_id(raw: bytes) -> int:

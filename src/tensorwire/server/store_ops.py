@@ -16,7 +16,7 @@ import functools
 import json
 import struct
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -54,17 +54,25 @@ _BUSY_WAIT = 10.0  # most seconds a write waits for another connection to let go
 
 
 @dataclass(eq=False, slots=True)
-class _PartsOfPutMany:
-    """A PUT (or PUT_MANY) being received: its reservation grows with each part that arrives, and
-    the first refusal is kept for the answer at the end (``request.Spanning``)."""
+class Parts:
+    """A PUT, PUT_MANY or GEN_PUBLISH being received: its reservation grows with each part that
+    arrives, and the first refusal is kept for the answer at the end (``request.Spanning``)."""
 
     request_id: int
     store: TensorStore
     reservation: Reservation = field(default_factory=Reservation)
     error: TensorwireError | None = None
+    head: str | None = None  # what each part's block starts with (a GEN_PUBLISH's prefix)
 
     def abort(self) -> None:
         self.store.abort(self.reservation)
+
+
+# Reads what a part's metadata block holds before its records (a GEN_PUBLISH's prefix), checked
+# against the parts so far; raises to refuse the part.
+PartHead = Callable[[wm.MetaReader, Parts], None]
+# Called once the last part is in: publishes the parts (or answers their error).
+PartsDone = Callable[[Request, Parts], Awaitable[None]]
 
 
 class StoreOps:
@@ -148,15 +156,24 @@ class StoreOps:
         """A PUT, or one part of a PUT_MANY that arrives in several frames (flag MORE on all parts
         but the last, one request id): the parts are received as they come, while the client
         encodes the next, and committed together when the last one is in."""
+        await self.receive_parts(req, self._commit_parts)
+
+    async def _commit_parts(self, req: Request, parts: Parts) -> None:
+        await self._commit(req, parts.reservation, parts.error)
+
+    async def receive_parts(self, req: Request, done: PartsDone, head: PartHead | None = None) -> None:
+        """One part of a put that may span several frames (PUT_MANY, GEN_PUBLISH): reserved and
+        received; ``done`` runs once the last part is in (``head`` reads what a part's block starts
+        with, before its records)."""
         header, conn = req.header, req.connection
-        more = bool(header.flags & Flags.MORE)  # the session allows it on PUT_MANY only
+        more = bool(header.flags & Flags.MORE)  # the session allows it on spanning opcodes only
         parts = conn.spanning
-        if not isinstance(parts, _PartsOfPutMany):  # the first part: open until the last is in
-            parts = _PartsOfPutMany(header.request_id, self.store)
+        if not isinstance(parts, Parts):  # the first part: open until the last is in
+            parts = Parts(header.request_id, self.store)
             conn.spanning = parts
         try:
             if parts.error is None:
-                await self._put_part(req, parts)
+                await self._put_part(req, parts, head)
         except TensorwireError as exc:
             if isinstance(exc, ConnectionLost):
                 raise
@@ -164,12 +181,14 @@ class StoreOps:
         await req.skip()  # a refused part, or any part after one: drop its data before answering
         if not more:
             conn.spanning = None
-            await self._commit(req, parts.reservation, parts.error)
+            await done(req, parts)
 
-    async def _put_part(self, req: Request, parts: _PartsOfPutMany) -> None:
+    async def _put_part(self, req: Request, parts: Parts, head: PartHead | None) -> None:
         header, reader = req.header, req.meta
 
         def reserve() -> Reservation:
+            if head is not None:
+                head(reader, parts)
             self.store.admit(reader.peek_count())  # before the records become objects
             metas = wm.decode_records(reader)
             reader.done()
@@ -179,7 +198,7 @@ class StoreOps:
                 raise InvalidTensor("the tensor records' sizes do not add up to the frame's data length")
             return self.store.reserve(metas, parts.reservation)
 
-        part = await _cpu(header.meta_len >= _OFF_LOOP_META, reserve)
+        part = await cpu(header.meta_len >= _OFF_LOOP_META, reserve)
         await req.receive(part.buffers)
 
     async def _commit(self, req: Request, res: Reservation, error: TensorwireError | None = None) -> None:
@@ -200,9 +219,9 @@ class StoreOps:
     async def _on_disk(self, req: Request, fn: Callable[..., S], *args: object, big: bool = False) -> S:
         """A store call that may block on the data directory (commit, delete): on the store's disk
         thread, so the loop serves others meanwhile; the stall watchdog leaves this request alone
-        while the server, not the peer, is what it waits on. Without a data directory, as ``_cpu``."""
+        while the server, not the peer, is what it waits on. Without a data directory, as ``cpu``."""
         if not self.store.persistent:
-            return await _cpu(big, fn, *args)
+            return await cpu(big, fn, *args)
         with req.waiting():
             return await self.store.call(fn, *args)
 
@@ -303,7 +322,7 @@ class StoreOps:
         _no_data(req)
         op = req.header.opcode
         big = req.header.meta_len >= _OFF_LOOP_META
-        names = await _cpu(big, _names, req.meta)
+        names = await cpu(big, _names, req.meta)
         if not names or (op == Opcode.GET and len(names) != 1):
             raise ProtocolError(f"{opname(op)} cannot ask for {len(names)} tensors")
         if len(set(names)) != len(names):  # one small tensor asked for 100,000 times is not a GET
@@ -313,7 +332,7 @@ class StoreOps:
             total = sum(e.meta.nbytes for e in entries)
             if total > self.limits.max_request_bytes:
                 raise LimitExceeded(f"an answer of {total} bytes exceeds {self.limits.max_request_bytes}")
-            records = await _cpu(big, wm.encode_records, [e.meta for e in entries])
+            records = await cpu(big, wm.encode_records, [e.meta for e in entries])
             await req.reply(records, [e.data for e in entries])
         finally:
             self.store.release(entries)
@@ -339,7 +358,7 @@ class StoreOps:
 
     async def delete(self, req: Request) -> None:
         _no_data(req)
-        names = await _cpu(req.header.meta_len >= _OFF_LOOP_META, _names, req.meta)
+        names = await cpu(req.header.meta_len >= _OFF_LOOP_META, _names, req.meta)
         deleted = await self._on_disk(req, self.store.delete, names, big=len(names) >= _OFF_LOOP_TENSORS)
         await req.reply(_U32.pack(deleted))
 
@@ -361,7 +380,7 @@ def _no_data(req: Request) -> None:
         raise ProtocolError(f"{name} carries no data, but the frame has {req.header.data_len} bytes")
 
 
-async def _cpu(big: bool, fn: Callable[..., S], *args: object) -> S:
+async def cpu(big: bool, fn: Callable[..., S], *args: object) -> S:
     """``fn(*args)`` with the cycle collector paused: here when it is small, on a worker thread
     when ``big`` (see _OFF_LOOP_META)."""
     if not big:
@@ -371,7 +390,7 @@ async def _cpu(big: bool, fn: Callable[..., S], *args: object) -> S:
 
 
 async def _acquire(store: TensorStore, names: list[str], big: bool) -> list[Entry]:
-    """Pin ``names`` (as ``_cpu``); pins taken by a worker thread after this request was
+    """Pin ``names`` (as ``cpu``); pins taken by a worker thread after this request was
     cancelled are released, not leaked."""
     if not big:
         return store.acquire(names)

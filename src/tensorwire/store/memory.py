@@ -17,7 +17,8 @@ What counts against the capacity (``used``): the bytes of stored tensors; a fixe
 name plus the name's bytes (``entry_cost``: a store of empty tensors is not free, it is Python
 objects); reservations of puts in flight; old versions that readers still pin after a delete or
 an overwrite (a reply nobody reads must not keep gigabytes alive outside the capacity); and the
-scratch a request decodes into (``scratch``). Besides bytes, at most ``max_tensors`` names.
+scratch a request decodes into (``scratch``); and the generations a server keeps (``keep``:
+store/generations.py). Besides bytes, at most ``max_tensors`` names.
 
 The store is thread-safe: the server's event loop calls it directly, and runs what may block on
 the disk (``commit`` and ``delete`` with a data directory) through ``call``, on the store's own
@@ -102,6 +103,8 @@ class TensorStore:
         self._slots = 0  # names open reservations may add
         self._pinned = 0  # bytes of replaced or deleted entries that readers still pin
         self._scratch = 0  # requests' decoding buffers (``scratch``)
+        self._kept = 0  # charge of reservations kept as generations (``keep``)
+        self._kept_names = 0  # their tensors, counted against max_tensors
         self.revision = 0  # the last version handed out; versions come from this one counter
         self._lock = threading.Lock()
         self._disk_lock = threading.Lock()  # orders disk writes the same way as versions
@@ -146,7 +149,7 @@ class TensorStore:
     def used(self) -> int:
         """What counts against the capacity: stored tensors and their names' cost, reservations of
         puts in flight, old versions pinned by readers, and requests' decoding scratch."""
-        return self._stored + self._metadata + self._reserved + self._pinned + self._scratch
+        return self._stored + self._metadata + self._reserved + self._pinned + self._scratch + self._kept
 
     @property
     def stored(self) -> int:
@@ -172,6 +175,11 @@ class TensorStore:
     def scratch_bytes(self) -> int:
         """Bytes of decoding scratch that requests hold now (``scratch``)."""
         return self._scratch
+
+    @property
+    def kept(self) -> int:
+        """Bytes held by generations (``keep``), their tensors' and names' cost."""
+        return self._kept
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -239,7 +247,7 @@ class TensorStore:
                 f" (tensors {self._stored}, names {self._metadata}, puts in flight {self._reserved},"
                 f" pinned by readers {self._pinned}, scratch {self._scratch})"
             )
-        if slots and len(self._entries) + self._slots + slots > self.max_tensors:
+        if slots and len(self._entries) + self._slots + self._kept_names + slots > self.max_tensors:
             raise CapacityExceeded(
                 f"{slots} more tensors do not fit: the store holds {len(self._entries)} and puts in"
                 f" flight may add {self._slots}, of at most {self.max_tensors} (--max-tensors)"
@@ -319,6 +327,27 @@ class TensorStore:
             res.done = True
             self._reserved -= res.charge
             self._slots -= res.slots
+            for buf in res.buffers:
+                self._pool.give(buf)
+
+    def keep(self, res: Reservation) -> None:
+        """Hold a received reservation's buffers outside the named entries (a generation, whose
+        tensors are read through its own table): still counted in ``used`` and against
+        ``max_tensors``, until ``free_kept``."""
+        with self._lock:
+            if res.done or res.committing:
+                raise RuntimeError("reservation already committed, being committed or aborted")
+            res.done = True
+            self._reserved -= res.charge
+            self._slots -= res.slots
+            self._kept += res.charge
+            self._kept_names += len(res.metas)
+
+    def free_kept(self, res: Reservation) -> None:
+        """A kept reservation is no longer read by anyone: its buffers go back to the pool."""
+        with self._lock:
+            self._kept -= res.charge
+            self._kept_names -= len(res.metas)
             for buf in res.buffers:
                 self._pool.give(buf)
 

@@ -25,6 +25,8 @@ caller asks ``isinstance(t, Ranged)`` (or opens with ``open_channel``, which ask
 * ``Resumable``: a put that goes on after a broken connection from the last byte the server
   verified. tcp://, tls://, memory://.
 * ``Viewable``: read-only tensors over the server's own pages. shm://.
+* ``Generational``: generations (publish, reads at a generation, manifests, waits, leases;
+  docs/protocol.md §14). tcp://, tls://, memory:// (not yet grpc:// nor shm://).
 
 One capability is asked of a request's data rather than of the transport: ``StagedData``, bytes
 that become readable while the request is being sent (device copies into pinned memory).
@@ -41,7 +43,7 @@ from collections.abc import Awaitable, Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from tensorwire.errors import UnsupportedTransport
-from tensorwire.types import Address, TensorMeta
+from tensorwire.types import Address, Generation, GenerationManifest, TensorMeta
 from tensorwire.wire.meta import MetaReader, ServerInfo
 
 if TYPE_CHECKING:
@@ -248,6 +250,47 @@ class Viewable(Protocol):
     async def view(self, name: str) -> torch.Tensor:
         """A read-only tensor over the pages that hold ``name``, held for as long as it lives."""
         ...
+
+
+@runtime_checkable
+class Generational(Protocol):
+    """Generations of tensors under a prefix (docs/protocol.md §14; README, "Generations").
+
+    ``publish`` sends a batch as one generation (parts over several frames, like a put; nothing
+    visible before the last is in; not idempotent: retry only if it never left). Reads name full
+    names and a generation (``at``: a number, or 0 for the newest) and answer with the number and
+    digest they read; ``wait`` returns once a generation after ``after`` exists (the server holds
+    the request, not the connection); ``lease`` keeps one for a while (0 seconds: release).
+    """
+
+    async def publish(self, prefix: str, batch: PutBatch, progress: Progress | None = None) -> Generation: ...
+
+    async def get_at(self, names: Sequence[str], at: int, sink: Sink) -> tuple[str, int, bytes]:
+        """Tensors of one generation into the sink's buffers; the prefix, number and digest of the
+        generation read."""
+        ...
+
+    async def get_range_at(self, name: str, at: int, offset: int, dest: memoryview) -> int:
+        """Bytes ``offset .. offset + len(dest)`` of ``name`` at generation ``at``; its number."""
+        ...
+
+    async def manifest(self, prefix: str, at: int) -> GenerationManifest: ...
+
+    async def wait(self, prefix: str, after: int, timeout: float) -> Generation: ...
+
+    async def lease(self, prefix: str, number: int, seconds: float) -> tuple[float, int]:
+        """Seconds granted (0 after a release) and the oldest generation the prefix keeps."""
+        ...
+
+
+def as_generational(transport: Transport, what: str) -> Generational:
+    """``transport`` as ``Generational``; UnsupportedTransport (naming ``what``) if it is not."""
+    if not isinstance(transport, Generational):
+        raise UnsupportedTransport(
+            f"{what} needs generations, which {transport.address.scheme}:// does not serve yet"
+            " (use tcp://, tls:// or memory://)"
+        )
+    return transport
 
 
 @runtime_checkable

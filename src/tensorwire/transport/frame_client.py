@@ -30,7 +30,8 @@ from tensorwire.errors import (
 )
 from tensorwire.transport.base import ByteStream, Progress, PutBatch, Sink, Transport
 from tensorwire.transport.frame_io import FrameReader, read_head, recv_data, send_frame, skip_data
-from tensorwire.types import Address, Limits, TensorMeta
+from tensorwire.types import Address, Generation, GenerationManifest, Limits, TensorMeta
+from tensorwire.wire import generations as wg
 from tensorwire.wire import lossless
 from tensorwire.wire import meta as wm
 from tensorwire.wire.checksum import ChecksumKind
@@ -130,7 +131,7 @@ class FramedTransport(Transport):
     async def put(self, batch: PutBatch, progress: Progress | None = None) -> int:
         what = f"put of {_describe(batch.names)}"
         op = Opcode.PUT if len(batch.names) == 1 else Opcode.PUT_MANY
-        _, reader = await self._call(op, b"", batch=batch, progress=progress, what=what)
+        _, reader = await self._call(op, b"", batch=batch, progress=progress, what=what)  # no head
         return _finish(reader, reader.u64())
 
     async def get(
@@ -196,12 +197,15 @@ class FramedTransport(Transport):
         chunk = self._chunk_size
         return Header(self._version, opcode, flags, self._checksum, rid, len(meta), chunk, data_len)
 
-    async def _send_batch(self, opcode: int, rid: int, batch: PutBatch, progress: Progress | None) -> None:
+    async def _send_batch(
+        self, opcode: int, rid: int, batch: PutBatch, progress: Progress | None, head: bytes = b""
+    ) -> None:
         """Send a put as one frame, or as several (flag MORE on all but the last) when the batch has
-        several parts: the server takes part k while this side encodes part k+1."""
+        several parts: the server takes part k while this side encodes part k+1. Each part's
+        metadata block is ``head`` (a GEN_PUBLISH's prefix), then its records."""
         for i in range(batch.parts):
             metas, data = batch.part(i)
-            meta = wm.encode_records(metas)
+            meta = head + wm.encode_records(metas)
             flags = 0 if i == batch.parts - 1 else Flags.MORE
             header = self._header(opcode, rid, meta, sum(d.nbytes for d in data), flags)
             await send_frame(self._stream, header, meta, data, progress, encoder=self.encoder)
@@ -239,7 +243,7 @@ class FramedTransport(Transport):
                             self._stream, header, meta, data, progress if data else None, encoder=self.encoder
                         )
                     else:
-                        await self._send_batch(opcode, rid, batch, progress)
+                        await self._send_batch(opcode, rid, batch, progress, meta)
             except ConnectionLost as exc:
                 await self._fail(exc)
             except Exception as exc:  # e.g. the caller's progress callback: the frame is half sent
@@ -349,7 +353,8 @@ class FramedTransport(Transport):
 
 class RangedTransport(FramedTransport):
     """The frame protocol with the tensors' bytes in its frames: ``Ranged`` (PUT_RANGE, GET_RANGE,
-    PUT_COMMIT) and ``Resumable`` (PUT_RESUMABLE); see their lifecycles in base.py."""
+    PUT_COMMIT), ``Resumable`` (PUT_RESUMABLE) and ``Generational`` (GEN_*); see their lifecycles
+    in base.py."""
 
     @property
     def parallel(self) -> bool:
@@ -399,6 +404,53 @@ class RangedTransport(FramedTransport):
             Opcode.PUT_RESUMABLE, body, data=[data[offset:]], what=what, progress=progress
         )
         return _finish(reader, reader.u64())
+
+    # -- generations (``Generational``; docs/protocol.md §14) -----------------------------------
+    async def publish(self, prefix: str, batch: PutBatch, progress: Progress | None = None) -> Generation:
+        what = f"publish of {_describe(batch.names)} under {prefix!r}"
+        head = wg.encode_prefix(prefix)
+        _, reader = await self._call(Opcode.GEN_PUBLISH, head, batch=batch, progress=progress, what=what)
+        return _finish(reader, wg.decode_generation(reader))
+
+    async def get_at(self, names: Sequence[str], at: int, sink: Sink) -> tuple[str, int, bytes]:
+        what = f"get of {_describe(names)} at generation {at or 'latest'}"
+        _, reader = await self._call(Opcode.GEN_GET, wg.encode_get(at, names), sink=sink, what=what)
+        return _finish(reader, wg.decode_read_answer(reader))
+
+    async def get_range_at(self, name: str, at: int, offset: int, dest: memoryview) -> int:
+        length = dest.nbytes
+        numbers: list[int] = []
+
+        def sink(metas: list[TensorMeta]) -> list[memoryview]:
+            if len(metas) != 1 or metas[0].nbytes != length or metas[0].name != name:
+                raise ProtocolError(f"the server answered a range of {name!r} with something else")
+            numbers.append(metas[0].version)
+            return [dest]
+
+        request = wm.encode_get_range(at, offset, length, name)
+        what = f"get of bytes {offset}..{offset + length} of {name!r} at generation {at or 'latest'}"
+        _, reader = await self._call(Opcode.GEN_GET_RANGE, request, sink=sink, what=what)
+        return _finish(reader, numbers[-1])
+
+    async def manifest(self, prefix: str, at: int) -> GenerationManifest:
+        request = wg.encode_manifest_request(prefix, at)
+        what = f"manifest of {prefix!r} at generation {at or 'latest'}"
+        _, reader = await self._call(Opcode.GEN_MANIFEST, request, what=what)
+        return _finish(reader, wg.decode_manifest(reader))
+
+    async def wait(self, prefix: str, after: int, timeout: float) -> Generation:
+        request = wg.encode_wait(prefix, after, max(1, round(timeout * 1000)))
+        what = f"wait for a generation of {prefix!r} after {after}"
+        # The server answers at ``timeout`` (WaitTimeout); this side's own timer only backs it up.
+        _, reader = await self._call(Opcode.GEN_WAIT, request, what=what, timeout=timeout + self.timeout)
+        return _finish(reader, wg.decode_generation(reader))
+
+    async def lease(self, prefix: str, number: int, seconds: float) -> tuple[float, int]:
+        request = wg.encode_lease(prefix, number, min(round(seconds * 1000), 0xFFFFFFFF))
+        what = f"lease on generation {number} of {prefix!r}"
+        _, reader = await self._call(Opcode.GEN_LEASE, request, what=what)
+        ms, oldest = _finish(reader, wg.decode_leased(reader))
+        return ms / 1000, oldest
 
 
 def _as_tensorwire(exc: Exception, what: str) -> TensorwireError:

@@ -62,6 +62,13 @@ class Opcode(enum.IntEnum):
     SHM_PUT = 34
     SHM_COMMIT = 35
     SHM_RELEASE = 36
+    # Generations (docs/protocol.md §14; served by server/generation_ops.py).
+    GEN_PUBLISH = 40
+    GEN_GET = 41
+    GEN_GET_RANGE = 42
+    GEN_MANIFEST = 43
+    GEN_WAIT = 44
+    GEN_LEASE = 45
     # The relay (docs/protocol.md §15; tensorwire.broadcast): readers of one generation feed each other.
     RELAY_JOIN = 48
     RELAY_GET = 49
@@ -73,7 +80,7 @@ class Flags(enum.IntFlag):
     NONE = 0
     RESPONSE = 0x01
     ERROR = 0x02
-    MORE = 0x04  # request: a part of a PUT_MANY; more parts with the same request id follow
+    MORE = 0x04  # request: a part of a PUT_MANY or GEN_PUBLISH; more parts with the same id follow
     COMPRESSED = 0x08  # the data section's chunks carry chunk heads and may be compressed (§5.5)
 
 

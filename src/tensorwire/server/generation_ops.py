@@ -1,0 +1,256 @@
+"""Generations as handlers in the server's one opcode table (docs/protocol.md §14): GEN_PUBLISH,
+GEN_GET, GEN_GET_RANGE, GEN_MANIFEST, GEN_WAIT and GEN_LEASE, over store/generations.py.
+
+A publish is received like a PUT_MANY (``StoreOps.receive_parts``: parts over several frames, a
+refused or broken one never visible), its chunk checksums are computed here from the received,
+verified bytes (a client's claim is never taken), and it is published at once.
+
+GEN_WAIT does not hold up its connection: when no newer generation exists yet, the request is
+parked on the prefix's ``asyncio.Event`` (set by every publish; no polling anywhere) in a task of
+its own, and the session goes on serving the connection's next frames; the parked request is
+answered when a publish wakes it or its timeout passes (``WaitTimeout`` naming the prefix and the
+generation). Parked waits are bounded per connection and server-wide, and end with their
+connection. Leases end with their connection too, and a timer retires a leased generation when
+its lease runs out.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from tensorwire.errors import KeyNotFound, LimitExceeded, ProtocolError, TensorwireError, WaitTimeout
+from tensorwire.server.request import Handler, Request
+from tensorwire.server.store_ops import Parts, StoreOps, cpu
+from tensorwire.store.generations import Generations, Kept, check_names
+from tensorwire.types import TensorMeta
+from tensorwire.wire import generations as wg
+from tensorwire.wire import meta as wm
+from tensorwire.wire.frame import Opcode
+from tensorwire.wire.names import validate_name
+
+_OFF_LOOP_BYTES = 8 << 20  # checksums of a larger generation are computed on a worker thread
+
+
+@dataclass(eq=False)
+class _Held:
+    """What one connection holds here: its parked waits; its leases are keyed by this object."""
+
+    waits: set[asyncio.Task[None]] = field(default_factory=set)
+    timers: dict[tuple[str, int], asyncio.TimerHandle] = field(default_factory=dict)  # lease ends
+    on_close: Callable[[_Held], None] | None = None
+
+    def close(self) -> None:
+        if self.on_close is not None:
+            self.on_close(self)
+
+
+class GenerationOps:
+    """The generation handlers of one server (``frame_handlers``)."""
+
+    def __init__(self, generations: Generations, store_ops: StoreOps, *, max_wait: float) -> None:
+        self.generations = generations
+        self.store_ops = store_ops
+        self.limits = store_ops.limits
+        self.max_wait = min(max_wait, generations.config.max_wait_seconds)
+        self._published: dict[str, asyncio.Event] = {}  # prefix -> set by its next publish
+        self._parked_on: dict[str, int] = {}  # prefix -> waits parked on it
+        self.waiting = 0  # parked GEN_WAITs, server-wide
+
+    def frame_handlers(self) -> dict[int, Handler]:
+        return {
+            Opcode.GEN_PUBLISH: self.publish,
+            Opcode.GEN_GET: self.get,
+            Opcode.GEN_GET_RANGE: self.get_range,
+            Opcode.GEN_MANIFEST: self.manifest,
+            Opcode.GEN_WAIT: self.wait,
+            Opcode.GEN_LEASE: self.lease,
+        }
+
+    def _held(self, req: Request) -> _Held:
+        held = req.session_state(_Held)
+        held.on_close = self._connection_closed
+        return held
+
+    def _connection_closed(self, held: _Held) -> None:
+        for task in list(held.waits):
+            task.cancel()
+        for timer in held.timers.values():
+            timer.cancel()
+        held.timers.clear()
+        self.generations.drop_owner(held)
+
+    # -- publish --------------------------------------------------------------------------------
+    async def publish(self, req: Request) -> None:
+        await self.store_ops.receive_parts(req, self._published_parts, self._head)
+
+    def _head(self, reader: wm.MetaReader, parts: Parts) -> None:
+        prefix = wg.decode_prefix(reader)
+        if parts.head is None:
+            self.generations.admit(prefix)  # before a byte is reserved
+            parts.head = prefix
+        elif prefix != parts.head:
+            raise ProtocolError(f"parts of one GEN_PUBLISH name prefixes {parts.head!r} and {prefix!r}")
+
+    async def _published_parts(self, req: Request, parts: Parts) -> None:
+        res, prefix = parts.reservation, parts.head
+        error = parts.error
+        if error is None and (prefix is None or not res.metas):
+            error = ProtocolError("GEN_PUBLISH carried no tensors")
+        if error is not None:
+            parts.abort()
+            raise error
+        assert prefix is not None
+        try:
+            check_names(prefix, [m.name for m in res.metas])
+            big = res.nbytes >= _OFF_LOOP_BYTES
+            sums = await cpu(big, lambda: [wg.chunk_checksums(b) for b in res.buffers])
+        except BaseException:
+            parts.abort()
+            raise
+        gen = self.generations.publish(prefix, res, sums)
+        event = self._published.pop(prefix, None)
+        if event is not None:
+            event.set()  # every parked waiter of the prefix wakes and answers
+        await req.reply(wg.encode_generation(gen))
+
+    # -- reads ----------------------------------------------------------------------------------
+    async def get(self, req: Request) -> None:
+        _no_data(req)
+        at, names = wg.decode_get(req.meta)
+        req.meta.done()
+        if not names or len(set(names)) != len(names):
+            raise ProtocolError("GEN_GET names no tensor, or one twice")
+        kept = self.generations.pin(self.generations.prefix_of(names), at)
+        try:
+            pairs = [_tensor(kept, name) for name in names]
+            total = sum(m.nbytes for m, _ in pairs)
+            if total > self.limits.max_request_bytes:
+                raise LimitExceeded(f"an answer of {total} bytes exceeds {self.limits.max_request_bytes}")
+            gen = kept.generation
+            meta = wm.encode_records([m for m, _ in pairs]) + wg.encode_read_answer(
+                gen.prefix, gen.number, gen.digest
+            )
+            await req.reply(meta, [b for _, b in pairs])
+        finally:
+            self.generations.unpin(kept)
+
+    async def get_range(self, req: Request) -> None:
+        """Bytes ``offset .. offset + length`` of one tensor of one generation, as one uint8
+        record (its version: the generation number)."""
+        _no_data(req)
+        at, offset, length, names = wm.decode_get_range(req.meta)
+        req.meta.done()
+        if len(names) != 1:
+            raise ProtocolError(f"GEN_GET_RANGE names one tensor, not {len(names)}")
+        kept = self.generations.pin(self.generations.prefix_of(names), at)
+        try:
+            meta, data = _tensor(kept, names[0])
+            wg.check_range(meta, offset, length)
+            record = TensorMeta(meta.name, torch.uint8, (length,), length, meta.version)
+            await req.reply(wm.encode_records([record]), [data[offset : offset + length]])
+        finally:
+            self.generations.unpin(kept)
+
+    async def manifest(self, req: Request) -> None:
+        _no_data(req)
+        prefix, at = wg.decode_manifest_request(req.meta)
+        req.meta.done()
+        kept = self.generations.find(prefix, at)
+        body = await cpu(len(kept.sums) >= 2048, wg.encode_manifest, self.generations.manifest(kept))
+        await req.reply(body)
+
+    # -- waits and leases -----------------------------------------------------------------------
+    async def wait(self, req: Request) -> None:
+        """Answer at once when a generation after ``after`` exists; else park (module docstring)."""
+        _no_data(req)
+        prefix, after, timeout_ms = wg.decode_wait(req.meta)
+        req.meta.done()
+        latest = self.generations.latest(prefix)
+        if latest is not None and latest.number > after:
+            await req.reply(wg.encode_generation(latest))
+            return
+        validate_name(prefix)
+        if not timeout_ms:
+            raise _timed_out(prefix, after, 0)
+        held = self._held(req)
+        limits = self.generations.config
+        if len(held.waits) >= limits.waiters_per_owner:
+            parked = f"this connection has {len(held.waits)} waits parked"
+            raise LimitExceeded(f"{parked}: at most {limits.waiters_per_owner} (--waiters-per-connection)")
+        if self.waiting >= limits.max_waiters:
+            parked = f"{self.waiting} waits are parked on this server"
+            raise LimitExceeded(f"{parked}: at most {limits.max_waiters} (--max-waiters)")
+        timeout = min(timeout_ms / 1000, self.max_wait)
+        task = asyncio.get_running_loop().create_task(self._park(req, prefix, after, timeout))
+        held.waits.add(task)
+        task.add_done_callback(held.waits.discard)
+
+    async def _park(self, req: Request, prefix: str, after: int, timeout: float) -> None:
+        self.waiting += 1
+        self._parked_on[prefix] = self._parked_on.get(prefix, 0) + 1
+        try:
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + timeout
+            while True:
+                latest = self.generations.latest(prefix)
+                if latest is not None and latest.number > after:
+                    await req.reply(wg.encode_generation(latest))
+                    return
+                left = deadline - loop.time()
+                if left <= 0:
+                    await req.reply_error(_timed_out(prefix, after, timeout))
+                    return
+                event = self._published.setdefault(prefix, asyncio.Event())
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(event.wait(), left)
+        except TensorwireError:
+            return  # the connection is gone: nobody to answer
+        finally:
+            self.waiting -= 1
+            self._parked_on[prefix] -= 1
+            if not self._parked_on[prefix]:  # the last waiter of the prefix: forget its event
+                del self._parked_on[prefix]
+                self._published.pop(prefix, None)
+
+    async def lease(self, req: Request) -> None:
+        _no_data(req)
+        prefix, number, ms = wg.decode_lease(req.meta)
+        req.meta.done()
+        held = self._held(req)
+        granted, oldest = self.generations.lease(held, prefix, number, ms / 1000)
+        timer = held.timers.pop((prefix, number), None)
+        if timer is not None:
+            timer.cancel()
+        if granted:  # retire it when the lease runs out (one timer per lease: a renewal replaces it)
+            # A little past the end: asyncio may run a timer up to its clock resolution early.
+            later = asyncio.get_running_loop().call_later(granted + 0.01, self.generations.retire, prefix)
+            held.timers[(prefix, number)] = later
+        await req.reply(wg.encode_leased(round(granted * 1000), oldest))
+
+    def status(self) -> dict[str, Any]:
+        gens = self.generations
+        return {"generations": {"prefixes": len(gens), "kept": gens.generations, "waiting": self.waiting,
+                                "bytes": gens.store.kept}}  # fmt: skip
+
+
+def _tensor(kept: Kept, name: str) -> tuple[TensorMeta, memoryview]:
+    pair = kept.tensors.get(name)
+    if pair is None:
+        gen = kept.generation
+        raise KeyNotFound(f"generation {gen.number} of {gen.prefix!r} has no tensor {name!r}")
+    return pair
+
+
+def _timed_out(prefix: str, after: int, waited: float) -> WaitTimeout:
+    return WaitTimeout(f"no generation of {prefix!r} after {after} was published within {waited:.3g}s")
+
+
+def _no_data(req: Request) -> None:
+    if req.header.data_len:
+        raise ProtocolError(f"a generation read or wait carries no data ({req.header.data_len} bytes sent)")

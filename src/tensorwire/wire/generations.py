@@ -1,0 +1,186 @@
+"""Generations on the wire (docs/protocol.md §14): the metadata blocks of GEN_PUBLISH, GEN_GET,
+GEN_GET_RANGE, GEN_MANIFEST, GEN_WAIT and GEN_LEASE, and the root digest of a generation.
+
+Bytes in, bytes out: the server (server/generation_ops.py) and the client (client/generations.py)
+share these, so the digest a reader recomputes is the one the server computed, by construction.
+
+Root digest (16 bytes): BLAKE2b with a 16-byte digest over ``DIGEST_DOMAIN``, then ``u8 checksum
+kind | u32 chunk size | u32 tensor count``, then for each tensor in name order (code point order,
+which is UTF-8 byte order) its record as in §6 with version 0 (name, dtype code, ndim, shape,
+nbytes, 0), ``u32 chunk count`` and each chunk's checksum as ``u64``. Chunk i of a tensor is its
+bytes ``i * chunk_size .. min((i + 1) * chunk_size, nbytes)``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from collections.abc import Iterable, Sequence
+
+from tensorwire.errors import InvalidTensor, ProtocolError
+from tensorwire.types import ChunkSums, Generation, GenerationManifest, TensorMeta
+from tensorwire.wire import meta as wm
+from tensorwire.wire.checksum import Buffer, ChecksumKind, checksum
+from tensorwire.wire.frame import chunk_count
+
+DIGEST_BYTES = 16
+DIGEST_DOMAIN = b"tensorwire generation v1\x00"
+CHUNK_BYTES = 4 << 20  # the chunk size of every generation's checksums (the manifest says it)
+CHECKSUM_KIND = ChecksumKind.XXH3_64
+LATEST = 0  # ``at`` on the wire: the newest generation
+
+_U32 = struct.Struct("<I")
+_U64 = struct.Struct("<Q")
+_DIGEST_HEAD = struct.Struct("<BII")
+_GEN = struct.Struct(f"<Q{DIGEST_BYTES}sQ")  # number, digest, nbytes
+_WAIT = struct.Struct("<QI")  # after, timeout in ms
+_LEASE = struct.Struct("<QI")  # number, ms (0: release)
+_LEASED = struct.Struct("<IQ")  # ms granted, oldest kept
+_SUMS_HEAD = struct.Struct("<BI")  # checksum kind, chunk size
+
+
+def chunk_checksums(
+    data: Buffer, chunk_size: int = CHUNK_BYTES, kind: int = CHECKSUM_KIND
+) -> tuple[int, ...]:
+    """The checksum of each ``chunk_size`` bytes of ``data``, in order."""
+    view = memoryview(data).cast("B")
+    return tuple(checksum(kind, view[i : i + chunk_size]) for i in range(0, view.nbytes, chunk_size))
+
+
+def root_digest(tensors: Iterable[ChunkSums], chunk_size: int, kind: int) -> bytes:
+    """The root digest over ``tensors`` (any order: they are hashed in name order)."""
+    ordered = sorted(tensors, key=lambda t: t.meta.name)
+    h = hashlib.blake2b(digest_size=DIGEST_BYTES)
+    h.update(DIGEST_DOMAIN)
+    h.update(_DIGEST_HEAD.pack(kind, chunk_size, len(ordered)))
+    for entry in ordered:
+        meta = entry.meta
+        if len(entry.checksums) != chunk_count(meta.nbytes, chunk_size):
+            raise ProtocolError(
+                f"{meta.name!r} has {len(entry.checksums)} chunk checksums, not one per chunk"
+            )
+        h.update(wm.encode_record(meta.with_version(0)))
+        h.update(_U32.pack(len(entry.checksums)))
+        h.update(struct.pack(f"<{len(entry.checksums)}Q", *entry.checksums))
+    return h.digest()
+
+
+# -- blocks ---------------------------------------------------------------------------------------
+def encode_prefix(prefix: str) -> bytes:
+    """What every part of a GEN_PUBLISH starts with (records follow), and GEN_MANIFEST's start."""
+    return wm.encode_names([prefix])[4:]  # one length-prefixed string
+
+
+def decode_prefix(reader: wm.MetaReader) -> str:
+    return reader.name()
+
+
+def encode_generation(gen: Generation) -> bytes:
+    """``prefix | u64 number | 16-byte digest | u64 nbytes | names``."""
+    return (
+        encode_prefix(gen.prefix) + _GEN.pack(gen.number, gen.digest, gen.nbytes) + wm.encode_names(gen.names)
+    )
+
+
+def decode_generation(reader: wm.MetaReader) -> Generation:
+    prefix = decode_prefix(reader)
+    number, digest, nbytes = reader.take(_GEN)
+    return Generation(prefix, number, bytes(digest), tuple(wm.decode_names(reader)), nbytes)
+
+
+def encode_get(at: int, names: Sequence[str]) -> bytes:
+    """GEN_GET's block: ``u64 at (0: latest) | names``."""
+    return _U64.pack(at) + wm.encode_names(names)
+
+
+def decode_get(reader: wm.MetaReader) -> tuple[int, list[str]]:
+    at = reader.u64()
+    return at, wm.decode_names(reader)
+
+
+def encode_read_answer(prefix: str, number: int, digest: bytes) -> bytes:
+    """What follows the records of a GEN_GET answer: ``u64 number | 16-byte digest | prefix``."""
+    return _U64.pack(number) + digest + encode_prefix(prefix)
+
+
+def decode_read_answer(reader: wm.MetaReader) -> tuple[str, int, bytes]:
+    """``(prefix, number, digest)`` of the generation a GEN_GET read."""
+    number = reader.u64()
+    digest = reader.raw(DIGEST_BYTES)
+    return decode_prefix(reader), number, digest
+
+
+def encode_manifest_request(prefix: str, at: int) -> bytes:
+    """GEN_MANIFEST's block: ``prefix | u64 at``."""
+    return encode_prefix(prefix) + _U64.pack(at)
+
+
+def decode_manifest_request(reader: wm.MetaReader) -> tuple[str, int]:
+    return decode_prefix(reader), reader.u64()
+
+
+def encode_manifest(manifest: GenerationManifest) -> bytes:
+    """``generation | u8 kind | u32 chunk size | records | per record: u32 count, count x u64``."""
+    parts = [
+        encode_generation(manifest.generation),
+        _SUMS_HEAD.pack(manifest.checksum_kind, manifest.chunk_size),
+        wm.encode_records([t.meta for t in manifest.tensors]),
+    ]
+    for entry in manifest.tensors:
+        parts.append(_U32.pack(len(entry.checksums)))
+        parts.append(struct.pack(f"<{len(entry.checksums)}Q", *entry.checksums))
+    return b"".join(parts)
+
+
+def decode_manifest(reader: wm.MetaReader) -> GenerationManifest:
+    """A manifest, every count checked: one checksum per chunk of each tensor, no more."""
+    gen = decode_generation(reader)
+    kind, chunk_size = reader.take(_SUMS_HEAD)
+    if kind not in set(ChecksumKind) or chunk_size < 1:
+        raise ProtocolError(f"a manifest with checksum kind {kind} and chunk size {chunk_size}")
+    metas = wm.decode_records(reader)
+    tensors = []
+    for meta in metas:
+        n = reader.u32()
+        if n != chunk_count(meta.nbytes, chunk_size) or 8 * n > reader.remaining:
+            raise ProtocolError(f"the manifest gives {meta.name!r} {n} chunk checksums, not one per chunk")
+        tensors.append(ChunkSums(meta, reader.take(struct.Struct(f"<{n}Q"))))
+    return GenerationManifest(gen, chunk_size, kind, tuple(tensors))
+
+
+def encode_wait(prefix: str, after: int, timeout_ms: int) -> bytes:
+    """GEN_WAIT's block: ``prefix | u64 after | u32 timeout in ms``."""
+    return encode_prefix(prefix) + _WAIT.pack(after, timeout_ms)
+
+
+def decode_wait(reader: wm.MetaReader) -> tuple[str, int, int]:
+    prefix = decode_prefix(reader)
+    after, timeout_ms = reader.take(_WAIT)
+    return prefix, after, timeout_ms
+
+
+def encode_lease(prefix: str, number: int, ms: int) -> bytes:
+    """GEN_LEASE's block: ``prefix | u64 number | u32 ms (0: release)``."""
+    return encode_prefix(prefix) + _LEASE.pack(number, ms)
+
+
+def decode_lease(reader: wm.MetaReader) -> tuple[str, int, int]:
+    prefix = decode_prefix(reader)
+    number, ms = reader.take(_LEASE)
+    return prefix, number, ms
+
+
+def encode_leased(ms: int, oldest: int) -> bytes:
+    """GEN_LEASE's answer: ``u32 ms granted | u64 oldest generation kept``."""
+    return _LEASED.pack(ms, oldest)
+
+
+def decode_leased(reader: wm.MetaReader) -> tuple[int, int]:
+    ms, oldest = reader.take(_LEASED)
+    return ms, oldest
+
+
+def check_range(meta: TensorMeta, offset: int, length: int) -> None:
+    """InvalidTensor unless ``offset .. offset + length`` lies inside ``meta``'s bytes."""
+    if offset + length > meta.nbytes:
+        raise InvalidTensor(f"bytes {offset}..{offset + length} are not inside {meta.name!r}")
