@@ -3,6 +3,8 @@ the origin sends its bytes about once (docs/protocol.md §15)."""
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 
 import tensorwire
@@ -100,3 +102,26 @@ async def _relay_get(address: str, body: bytes) -> None:
         await channel.call(Opcode.RELAY_GET, body, what="RELAY_GET")
     finally:
         await channel.close()
+
+
+def test_published_generations_relay_and_wait_and_update_follows_the_publisher() -> None:
+    model = model_tensors(1)
+    with origin(generations=True) as (srv, _), tensorwire.connect(srv.url) as trainer:
+        first = trainer.publish("policy", model)
+        targets = [blank_like(model) for _ in range(3)]
+        subs = [tensorwire.Subscriber(srv.url, "policy", t, listen_host="127.0.0.1") for t in targets]
+        try:
+            run_threads(lambda i: subs[i].update(timeout=30), 3, timeout=60)
+            assert [s.generation for s in subs] == [first.number] * 3
+            assert all(same_bytes(model, t) for t in targets)
+            second = model_tensors(2)
+            waiting = threading.Thread(target=lambda: subs[0].wait_and_update(30), daemon=True)
+            waiting.start()
+            g2 = trainer.publish("policy", second)
+            waiting.join(60)
+            assert subs[0].generation == g2.number and same_bytes(second, targets[0])
+            (gen,) = [g for g in subs[0].stats()["generations"] if g["generation"] == first.number]
+            assert gen["served_bytes"] <= 1.1 * model_bytes(model)
+        finally:
+            for sub in subs:
+                sub.close()

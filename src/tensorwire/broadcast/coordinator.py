@@ -28,10 +28,9 @@ from typing import Any
 import torch
 
 from tensorwire.broadcast.chains import Chains, Generation
-from tensorwire.broadcast.source import Source, StoreSource
+from tensorwire.broadcast.source import GenerationSource, Source
 from tensorwire.errors import InvalidName, ProtocolError, VersionChanged
-from tensorwire.server import Handler, Request
-from tensorwire.store import TensorStore
+from tensorwire.server import Handler, Request, Server
 from tensorwire.types import Address, TensorMeta
 from tensorwire.wire import meta as wm
 from tensorwire.wire import relay as wr
@@ -45,11 +44,19 @@ _HOST_LABEL = re.compile(r"^(?!-)[A-Za-z0-9-]{1,63}(?<!-)$")
 
 class RelayCoordinator:
     """The relay's coordinator on the origin (see the module docstring). ``source`` says where
-    generations come from (default: the plain store, source.py); ``chains`` bounds the tables."""
+    generations come from (source.py): ``RelayCoordinator.of(server)`` relays the server's published
+    generations. ``chains`` bounds the tables."""
 
-    def __init__(self, store: TensorStore, *, source: Source | None = None, chains: Chains | None = None) -> None:
-        self.source: Source = source or StoreSource(store)
+    def __init__(self, source: Source, chains: Chains | None = None) -> None:
+        self.source = source
         self.chains = chains or Chains()
+
+    @classmethod
+    def of(cls, server: Server, chains: Chains | None = None) -> RelayCoordinator:
+        """The coordinator of ``server``'s generations, added to it (``tensorwire serve`` does)."""
+        coordinator = cls(GenerationSource(server.generations), chains)
+        server.extend(coordinator)
+        return coordinator
 
     def frame_handlers(self) -> Mapping[int, Handler]:
         return {
@@ -92,7 +99,7 @@ class RelayCoordinator:
         gen = self.chains.find(prefix, generation)
         manifest = gen.manifest if gen is not None else await self._manifest_at(prefix, generation)
         index, offset, length = manifest.span(first, min(count, MAX_GET_CHUNKS, _chunks_in(manifest)))
-        with self.source.read(manifest, index) as data:
+        with self.source.read(prefix, manifest, index) as data:
             record = TensorMeta(manifest.metas[index].name, torch.uint8, (length,), length, generation)
             await req.reply(wm.encode_records([record]), [data[offset : offset + length]])
         self.chains.count_served(prefix, gen, length)

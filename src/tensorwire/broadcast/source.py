@@ -1,7 +1,10 @@
 """Where the origin's coordinator finds a generation: its manifest and its bytes.
 
-This is the one place that knows how generations are kept. ``StoreSource`` reads them off a plain
-``TensorStore``: the generation of a prefix is the newest version among the tensors under it (an
+This is the one place that knows how generations are kept. ``GenerationSource`` (what ``tensorwire
+serve`` uses) reads the server's published generations (``client.publish``; store/generations.py):
+their manifests come with the per-chunk checksums computed when they were received, and a read pins
+its generation while it sends. ``StoreSource`` reads plain versioned tensors off a ``TensorStore``
+(``put_many``), with a chunk size of its own (tests use small ones, so a fault lands mid-transfer): the generation of a prefix is the newest version among the tensors under it (an
 atomic ``put_many`` gives all of its tensors one version), and a read at generation ``g`` checks
 that each tensor is still at the version the manifest names (``VersionChanged`` otherwise: the
 reader asks for the newest generation again). The manifest's chunk checksums are computed once per
@@ -20,10 +23,13 @@ from typing import Protocol
 
 from tensorwire.errors import KeyNotFound, VersionChanged
 from tensorwire.store import TensorStore
+from tensorwire.store.generations import Generations
+from tensorwire.wire import generations as wg
 from tensorwire.wire import relay as wr
 from tensorwire.wire.checksum import ChecksumKind
 
 DEFAULT_CHUNK_BYTES = 1 << 20  # a relay hop forwards a chunk as soon as it has verified it
+_KEEP_MANIFESTS = 8
 
 
 class Source(Protocol):
@@ -33,21 +39,52 @@ class Source(Protocol):
         """The newest generation of ``prefix``; KeyNotFound if there is none."""
         ...
 
-    def read(self, manifest: wr.Manifest, index: int) -> contextlib.AbstractContextManager[memoryview]:
+    def read(
+        self, prefix: str, manifest: wr.Manifest, index: int
+    ) -> contextlib.AbstractContextManager[memoryview]:
         """The bytes of tensor ``index`` of ``manifest``'s generation, pinned while inside;
-        VersionChanged once that generation is gone."""
+        GenerationRetired or VersionChanged once that generation is gone."""
         ...
+
+
+class GenerationSource:
+    """The server's published generations (see the module docstring)."""
+
+    def __init__(self, generations: Generations) -> None:
+        self.generations = generations
+        self._manifests: dict[tuple[str, int], wr.Manifest] = {}  # the last few, newest last
+
+    async def manifest(self, prefix: str) -> wr.Manifest:
+        kept = self.generations.find(prefix, wg.LATEST)
+        key = (prefix, kept.generation.number)
+        cached = self._manifests.get(key)
+        if cached is None:
+            full = self.generations.manifest(kept)
+            sums = tuple(c for entry in full.tensors for c in entry.checksums)
+            metas = tuple(entry.meta for entry in full.tensors)
+            cached = wr.Manifest(kept.generation.number, full.chunk_size, metas, sums, full.checksum_kind)
+            _remember(self._manifests, key, cached)
+        return cached
+
+    @contextlib.contextmanager
+    def read(self, prefix: str, manifest: wr.Manifest, index: int) -> Iterator[memoryview]:
+        kept = self.generations.pin(prefix, manifest.generation)
+        try:
+            meta = manifest.metas[index]
+            _, data = kept.tensors[meta.name]
+            yield data[: meta.nbytes]
+        finally:
+            self.generations.unpin(kept)
 
 
 class StoreSource:
     """Generations of a plain ``TensorStore`` (see the module docstring)."""
 
-    def __init__(self, store: TensorStore, chunk_bytes: int = DEFAULT_CHUNK_BYTES, keep: int = 4) -> None:
+    def __init__(self, store: TensorStore, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> None:
         if chunk_bytes < 1:
             raise ValueError(f"chunk_bytes must be positive, not {chunk_bytes}")
         self.store = store
         self.chunk_bytes = chunk_bytes
-        self._keep = keep
         self._manifests: dict[tuple[str, int], wr.Manifest] = {}  # the last few, newest last
 
     async def manifest(self, prefix: str) -> wr.Manifest:
@@ -69,13 +106,11 @@ class StoreSource:
             manifest = wr.Manifest(generation, self.chunk_bytes, tuple(e.meta for e in entries), sums, kind)
         finally:
             self.store.release(entries)
-        self._manifests[key] = manifest
-        while len(self._manifests) > self._keep:
-            del self._manifests[next(iter(self._manifests))]
+        _remember(self._manifests, key, manifest)
         return manifest
 
     @contextlib.contextmanager
-    def read(self, manifest: wr.Manifest, index: int) -> Iterator[memoryview]:
+    def read(self, prefix: str, manifest: wr.Manifest, index: int) -> Iterator[memoryview]:
         meta = manifest.metas[index]
         try:
             (entry,) = self.store.acquire([meta.name])
@@ -90,3 +125,10 @@ class StoreSource:
             yield entry.data[: meta.nbytes]
         finally:
             self.store.release([entry])
+
+
+def _remember(manifests: dict[tuple[str, int], wr.Manifest], key: tuple[str, int], manifest: wr.Manifest) -> None:
+    """Cache a manifest; the oldest go beyond a few (a relay serves the newest generations)."""
+    manifests[key] = manifest
+    while len(manifests) > _KEEP_MANIFESTS:
+        del manifests[next(iter(manifests))]

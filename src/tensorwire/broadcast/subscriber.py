@@ -22,8 +22,8 @@ How one ``update()`` goes (docs/protocol.md §15 has the wire side):
 
 While ``update()`` runs the tensors are being overwritten; after it returns they hold exactly the
 generation it returns (bit for bit). If it raises, they may hold a mix: the next ``update()``
-fetches the whole generation again. Tensors must be contiguous CPU tensors; the names published
-are ``prefix + key`` for each key of ``into`` (a ``state_dict``'s keys, or a module's).
+fetches the whole generation again. Tensors must be contiguous CPU tensors; ``into``'s keys (a
+``state_dict``'s, or a module's) are the keys ``client.publish(prefix, ...)`` was given.
 """
 
 from __future__ import annotations
@@ -44,16 +44,19 @@ from tensorwire._aio import LoopThread
 from tensorwire.broadcast.peer import RelayPeer
 from tensorwire.errors import (
     CorruptFrame,
+    GenerationRetired,
     InvalidTensor,
     KeyNotFound,
     ProtocolError,
     TensorwireError,
     TransferTimeout,
+    VersionChanged,
 )
 from tensorwire.security import Security, TlsFiles
 from tensorwire.server import Server
 from tensorwire.store import TensorStore
 from tensorwire.transport import FrameChannel, TransportOptions
+from tensorwire.transport.base import as_generational
 from tensorwire.types import Address, TensorMeta
 from tensorwire.wire import meta as wm
 from tensorwire.wire import relay as wr
@@ -63,6 +66,7 @@ from tensorwire.wire.tensors import byte_view, check_out
 
 MAX_MANIFEST_CHUNKS = 1 << 24
 MAX_REROUTES = 64  # upstream failures one update survives before it gives up
+MAX_RESTARTS = 3  # generations retired under one update before it gives up
 
 
 class Subscriber:
@@ -119,6 +123,13 @@ class Subscriber:
         wait = self.timeout if timeout is None else timeout
         return self._loop.call(self._update(time.monotonic() + wait), wait + 5.0, f"an update of {self.prefix!r}")
 
+    def wait_and_update(self, timeout: float) -> int:
+        """Wait (the server notifies; no polling) until a generation newer than the one held is
+        published, then ``update()``; WaitTimeout if none comes within ``timeout`` seconds."""
+        deadline = time.monotonic() + timeout
+        self._loop.call(self._wait(timeout), timeout + 5.0, f"a new generation of {self.prefix!r}")
+        return self.update(max(deadline - time.monotonic(), 1.0))
+
     def stats(self) -> dict[str, Any]:
         """The origin's RELAY_STATS for this prefix: what it served for each generation."""
         return self._loop.call(self._stats(), self.timeout, "the relay's stats")
@@ -138,6 +149,17 @@ class Subscriber:
 
     # -- one update ---------------------------------------------------------------------------------
     async def _update(self, deadline: float) -> int:
+        """One update; again with the newest generation if the origin retired the one being read
+        (a publisher faster than the readers)."""
+        for attempt in range(MAX_RESTARTS):
+            try:
+                return await self._update_once(deadline)
+            except (GenerationRetired, VersionChanged):
+                if attempt == MAX_RESTARTS - 1:
+                    raise
+        raise AssertionError("unreachable")
+
+    async def _update_once(self, deadline: float) -> int:
         relay = await self._relay_url()
         join = wr.encode_join(self.prefix, self.generation, relay)
         reader = await self._origin_call(Opcode.RELAY_JOIN, join, "RELAY_JOIN")
@@ -228,6 +250,10 @@ class Subscriber:
         doc: dict[str, Any] = json.loads(wr.decode_json(reader))
         return doc
 
+    async def _wait(self, timeout: float) -> None:
+        channel = await self._channel("")
+        await as_generational(channel, "Subscriber.wait_and_update").wait(self.prefix, self.generation, timeout)
+
     # -- connections ------------------------------------------------------------------------------
     async def _origin_call(self, opcode: int, body: bytes, what: str) -> wm.MetaReader:
         """One request to the origin; a connection found broken is reopened once."""
@@ -297,8 +323,14 @@ def _targets(prefix: str, into: torch.nn.Module | Mapping[str, torch.Tensor]) ->
     for key, tensor in tensors.items():
         if tensor.device.type != "cpu" or not tensor.is_contiguous():
             raise InvalidTensor(f"{key!r}: a Subscriber writes into contiguous CPU tensors in place")
-        targets[prefix + key] = tensor
+        targets[full_name(prefix, key)] = tensor
     return targets
+
+
+def full_name(prefix: str, key: str) -> str:
+    """The published name of ``key`` under ``prefix``: ``prefix/key`` (as ``client.publish`` names
+    it), or ``prefix + key`` for a prefix that ends with "/" (plain puts under a common prefix)."""
+    return prefix + key if prefix.endswith("/") else f"{prefix}/{key}"
 
 
 def _local_host_towards(origin: Address) -> str:

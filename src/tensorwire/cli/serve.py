@@ -298,7 +298,7 @@ def serve(
         max_connections=max_connections,
         idle_timeout=idle_timeout,
         auth_timeout=auth_timeout,
-        extensions=[ps_server, DigestService(store), RelayCoordinator(store)],
+        extensions=[ps_server, DigestService(store)],
         metrics_port=metrics_port,
         metrics_host=metrics_host,
         metrics_connections=metrics_connections,
@@ -308,6 +308,7 @@ def serve(
         location=location,
         generations=GenerationConfig(keep=keep_generations, max_lease_seconds=max_lease_seconds),
     )
+    RelayCoordinator.of(server)  # readers of its generations relay them to each other (Subscriber)
     run(_serve(server, listen + grpc_listen, ready_file))
 
 

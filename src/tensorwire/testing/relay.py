@@ -46,10 +46,18 @@ def same_bytes(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
 
 
 @contextmanager
-def origin(token: str | None = None, chains: Chains | None = None) -> Iterator[tuple[ServerThread, RelayCoordinator]]:
+def origin(
+    token: str | None = None, chains: Chains | None = None, *, generations: bool = False
+) -> Iterator[tuple[ServerThread, RelayCoordinator]]:
+    """A server whose coordinator relays its plain versioned tensors in CHUNK-byte chunks, or (with
+    ``generations``) its published generations, as ``tensorwire serve`` does."""
     store = TensorStore()
-    coordinator = RelayCoordinator(store, source=StoreSource(store, chunk_bytes=CHUNK), chains=chains)
-    with ServerThread(store=store, extensions=[coordinator], security=Security(token=token)) as srv:
+    with ServerThread(store=store, security=Security(token=token)) as srv:
+        if generations:
+            coordinator = RelayCoordinator.of(srv.server, chains)
+        else:
+            coordinator = RelayCoordinator(StoreSource(store, chunk_bytes=CHUNK), chains)
+            srv.server.extend(coordinator)
         yield srv, coordinator
 
 
