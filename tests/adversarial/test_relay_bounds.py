@@ -24,7 +24,9 @@ from tensorwire.wire import relay as wr
 from tensorwire.wire.frame import Opcode
 
 
-async def _call(url: str, opcode: int, body: bytes, sink: bool = False) -> tuple[wm.MetaReader, list[TensorMeta]]:
+async def _call(
+    url: str, opcode: int, body: bytes, sink: bool = False
+) -> tuple[wm.MetaReader, list[TensorMeta]]:
     channel = await transport.open_channel(url, TransportOptions(5.0, 10.0), what="a hostile reader")
     landed: list[TensorMeta] = []
 

@@ -15,7 +15,15 @@ import torch
 
 import tensorwire
 from tensorwire.testing.process import run_threads
-from tensorwire.testing.relay import PREFIX, blank_like, model_bytes, model_tensors, origin, publish, same_bytes
+from tensorwire.testing.relay import (
+    PREFIX,
+    blank_like,
+    model_bytes,
+    model_tensors,
+    origin,
+    publish,
+    same_bytes,
+)
 
 PAUSE_AT = 5  # chunks the doomed reader verifies (and can forward) before it stops pulling
 
@@ -27,14 +35,14 @@ import tensorwire
 from tensorwire.testing.relay import PREFIX, blank_like, model_tensors
 
 def progress(chunks):
-    if chunks == %d:
+    if chunks == PAUSE_AT:
         print("paused", flush=True)
         threading.Event().wait()
 
 sub = tensorwire.Subscriber(sys.argv[1], PREFIX, blank_like(model_tensors(1)), listen_host="127.0.0.1",
                             window=1, progress=progress)
 sub.update(timeout=120)
-""" % PAUSE_AT
+""".replace("PAUSE_AT", str(PAUSE_AT))
 
 
 def _read_line(proc: subprocess.Popen[str], timeout: float) -> str:

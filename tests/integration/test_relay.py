@@ -11,11 +11,20 @@ import tensorwire
 from tensorwire import transport
 from tensorwire._aio import run
 from tensorwire.errors import AuthenticationError
+from tensorwire.testing.process import run_threads
+from tensorwire.testing.relay import (
+    PREFIX,
+    blank_like,
+    model_bytes,
+    model_tensors,
+    origin,
+    publish,
+    same_bytes,
+)
 from tensorwire.transport import TransportOptions
 from tensorwire.wire import relay as wr
 from tensorwire.wire.frame import Opcode
-from tensorwire.testing.process import run_threads
-from tensorwire.testing.relay import PREFIX, blank_like, model_bytes, model_tensors, origin, publish, same_bytes
+
 
 def test_four_subscribers_in_threads_read_bit_exact_and_the_origin_sends_about_once() -> None:
     with origin() as (srv, _):
@@ -78,15 +87,17 @@ def test_a_reader_without_the_token_never_joins_and_a_relay_server_wants_it_too(
     model = model_tensors(1)
     with origin(token="s3cret") as (srv, coordinator):
         publish(srv.url, model, token="s3cret")
-        with tensorwire.Subscriber(srv.url, PREFIX, blank_like(model), listen_host="127.0.0.1") as stranger:
-            with pytest.raises(AuthenticationError):
+        for token in (None, "wrong"):
+            stranger = tensorwire.Subscriber(
+                srv.url, PREFIX, blank_like(model), token=token, listen_host="127.0.0.1"
+            )
+            with stranger, pytest.raises(AuthenticationError):
                 stranger.update(timeout=30)
-        with tensorwire.Subscriber(srv.url, PREFIX, blank_like(model), token="wrong", listen_host="127.0.0.1") as liar:
-            with pytest.raises(AuthenticationError):
-                liar.update(timeout=30)
         assert coordinator.chains.readers() == 0
         target = blank_like(model)
-        with tensorwire.Subscriber(srv.url, PREFIX, target, token="s3cret", listen_host="127.0.0.1") as member:
+        with tensorwire.Subscriber(
+            srv.url, PREFIX, target, token="s3cret", listen_host="127.0.0.1"
+        ) as member:
             member.update(timeout=30)
             assert same_bytes(model, target)
             # Its relay server is a tensorwire server with the same token: a stranger gets nothing.

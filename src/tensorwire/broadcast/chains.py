@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import itertools
 from collections import OrderedDict
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from tensorwire.wire import relay as wr
@@ -61,7 +62,9 @@ class Generation:
 class Chains:
     """The relays of every prefix (see the module docstring)."""
 
-    def __init__(self, max_readers: int = 256, max_chain: int = 32, keep: int = 2, max_prefixes: int = 64) -> None:
+    def __init__(
+        self, max_readers: int = 256, max_chain: int = 32, keep: int = 2, max_prefixes: int = 64
+    ) -> None:
         if min(max_readers, max_chain, keep, max_prefixes) < 1:
             raise ValueError("relay bounds must be at least 1")
         self.max_readers = max_readers
@@ -89,7 +92,8 @@ class Chains:
         return gen
 
     def find(self, prefix: str, generation: int) -> Generation | None:
-        return self._prefixes.get(prefix, {}).get(generation)
+        gens = self._prefixes.get(prefix)
+        return gens.get(generation) if gens is not None else None
 
     def join(self, prefix: str, gen: Generation, address: str) -> Reader | None:
         """Register a reader relaying at ``address`` (None: not registered, it reads from the
@@ -137,7 +141,7 @@ class Chains:
             self.served_total[prefix] = self.served_total.get(prefix, 0) + nbytes
 
     def stats(self, prefix: str) -> dict[str, object]:
-        gens = self._prefixes.get(prefix, {})
+        gens: Mapping[int, Generation] = self._prefixes.get(prefix, {})
         return {
             "prefix": prefix,
             "served_bytes": self.served_total.get(prefix, 0),

@@ -87,7 +87,9 @@ class RelayCoordinator:
             check_relay_address(relay)
         manifest = await self.source.manifest(prefix)
         if manifest.generation == after:  # nothing newer: no manifest, no place in a relay
-            await req.reply(wr.encode_join_reply(wr.Manifest(after, manifest.chunk_bytes, (), ()), wr.Placement(0, 0, "")))
+            await req.reply(
+                wr.encode_join_reply(wr.Manifest(after, manifest.chunk_bytes, (), ()), wr.Placement(0, 0, ""))
+            )
             return
         gen = self.chains.generation(prefix, manifest)
         reader = self.chains.join(prefix, gen, relay)
@@ -107,7 +109,9 @@ class RelayCoordinator:
     async def _manifest_at(self, prefix: str, generation: int) -> wr.Manifest:
         manifest = await self.source.manifest(prefix)
         if manifest.generation != generation:
-            raise VersionChanged(f"generation {generation} of {prefix!r} is retired; the newest is {manifest.generation}")
+            raise VersionChanged(
+                f"generation {generation} of {prefix!r} is retired; the newest is {manifest.generation}"
+            )
         return manifest
 
     async def _on_report(self, req: Request) -> None:
@@ -187,4 +191,6 @@ class _Collector:
         for prefix, nbytes in self._chains.totals().items():
             served.add_metric([prefix], nbytes)
         yield served
-        yield GaugeMetricFamily("tensorwire_relay_readers", "Readers registered in relays.", self._chains.readers())
+        yield GaugeMetricFamily(
+            "tensorwire_relay_readers", "Readers registered in relays.", self._chains.readers()
+        )

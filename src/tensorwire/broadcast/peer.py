@@ -106,7 +106,9 @@ class RelayPeer:
                 return holding
             left = until - loop.time()
             if left <= 0:
-                raise WaitTimeout(f"chunk {first} of generation {generation} of {prefix!r} not here within {wait:.3g}s")
+                raise WaitTimeout(
+                    f"chunk {first} of generation {generation} of {prefix!r} not here within {wait:.3g}s"
+                )
             try:
                 await asyncio.wait_for(holding.moved.wait(), left)
             except TimeoutError:

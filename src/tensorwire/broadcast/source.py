@@ -4,7 +4,8 @@ This is the one place that knows how generations are kept. ``GenerationSource`` 
 serve`` uses) reads the server's published generations (``client.publish``; store/generations.py):
 their manifests come with the per-chunk checksums computed when they were received, and a read pins
 its generation while it sends. ``StoreSource`` reads plain versioned tensors off a ``TensorStore``
-(``put_many``), with a chunk size of its own (tests use small ones, so a fault lands mid-transfer): the generation of a prefix is the newest version among the tensors under it (an
+(``put_many``), with a chunk size of its own (tests use small ones, so a fault lands
+mid-transfer): the generation of a prefix is the newest version among the tensors under it (an
 atomic ``put_many`` gives all of its tensors one version), and a read at generation ``g`` checks
 that each tensor is still at the version the manifest names (``VersionChanged`` otherwise: the
 reader asks for the newest generation again). The manifest's chunk checksums are computed once per
@@ -127,7 +128,9 @@ class StoreSource:
             self.store.release([entry])
 
 
-def _remember(manifests: dict[tuple[str, int], wr.Manifest], key: tuple[str, int], manifest: wr.Manifest) -> None:
+def _remember(
+    manifests: dict[tuple[str, int], wr.Manifest], key: tuple[str, int], manifest: wr.Manifest
+) -> None:
     """Cache a manifest; the oldest go beyond a few (a relay serves the newest generations)."""
     manifests[key] = manifest
     while len(manifests) > _KEEP_MANIFESTS:

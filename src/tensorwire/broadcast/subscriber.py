@@ -35,7 +35,7 @@ import json
 import socket
 import time
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -56,7 +56,7 @@ from tensorwire.security import Security, TlsFiles
 from tensorwire.server import Server
 from tensorwire.store import TensorStore
 from tensorwire.transport import FrameChannel, TransportOptions
-from tensorwire.transport.base import as_generational
+from tensorwire.transport.base import Transport, as_generational
 from tensorwire.types import Address, TensorMeta
 from tensorwire.wire import meta as wm
 from tensorwire.wire import relay as wr
@@ -121,7 +121,9 @@ class Subscriber:
         """Bring the newest generation into the tensors (nothing moves if they hold it already);
         return its number. TransferTimeout after ``timeout`` seconds (default: the constructor's)."""
         wait = self.timeout if timeout is None else timeout
-        return self._loop.call(self._update(time.monotonic() + wait), wait + 5.0, f"an update of {self.prefix!r}")
+        return self._loop.call(
+            self._update(time.monotonic() + wait), wait + 5.0, f"an update of {self.prefix!r}"
+        )
 
     def wait_and_update(self, timeout: float) -> int:
         """Wait (the server notifies; no polling) until a generation newer than the one held is
@@ -196,7 +198,9 @@ class Subscriber:
         chunk, reroutes = 0, 0
         while chunk < manifest.chunks:
             if time.monotonic() > deadline:
-                raise TransferTimeout(f"the update to generation {manifest.generation} ran out of time at chunk {chunk}")
+                raise TransferTimeout(
+                    f"the update to generation {manifest.generation} ran out of time at chunk {chunk}"
+                )
             try:
                 got = await self._fetch(placement.address, manifest, chunk, buffers)
             except TensorwireError:
@@ -223,7 +227,9 @@ class Subscriber:
             n = metas[0].nbytes if len(metas) == 1 else 0
             partial = n != length and n % manifest.chunk_bytes
             if len(metas) != 1 or metas[0].name != meta.name or not 0 < n <= length or partial:
-                raise ProtocolError(f"an upstream answered chunk {first} of {meta.name!r} with something else")
+                raise ProtocolError(
+                    f"an upstream answered chunk {first} of {meta.name!r} with something else"
+                )
             landed[0] = n
             return [dest[:n]]
 
@@ -251,8 +257,9 @@ class Subscriber:
         return doc
 
     async def _wait(self, timeout: float) -> None:
-        channel = await self._channel("")
-        await as_generational(channel, "Subscriber.wait_and_update").wait(self.prefix, self.generation, timeout)
+        channel = await self._channel("")  # a RangedTransport: also Generational
+        generational = as_generational(cast(Transport, channel), "Subscriber.wait_and_update")
+        await generational.wait(self.prefix, self.generation, timeout)
 
     # -- connections ------------------------------------------------------------------------------
     async def _origin_call(self, opcode: int, body: bytes, what: str) -> wm.MetaReader:

@@ -124,7 +124,9 @@ class Placement:
 
 def encode_join_reply(manifest: Manifest, placement: Placement) -> bytes:
     head = _U64.pack(manifest.generation) + _encode_placement(placement)
-    sums = _U32.pack(len(manifest.checksums)) + struct.pack(f"<{len(manifest.checksums)}Q", *manifest.checksums)
+    sums = _U32.pack(len(manifest.checksums)) + struct.pack(
+        f"<{len(manifest.checksums)}Q", *manifest.checksums
+    )
     body = _U64.pack(manifest.chunk_bytes) + _U8.pack(manifest.kind) + wm.encode_records(manifest.metas)
     return head + body + sums
 
@@ -222,5 +224,7 @@ def decode_json(reader: wm.MetaReader) -> bytes:
 def checksums_of(kind: int, buffers: Sequence[memoryview], chunk_bytes: int) -> tuple[int, ...]:
     """Every chunk's checksum, the buffers taken in order (each tensor's bytes, cut into chunks)."""
     return tuple(
-        checksum(kind, buf[at : at + chunk_bytes]) for buf in buffers for at in range(0, buf.nbytes, chunk_bytes)
+        checksum(kind, buf[at : at + chunk_bytes])
+        for buf in buffers
+        for at in range(0, buf.nbytes, chunk_bytes)
     )
