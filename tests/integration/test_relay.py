@@ -11,7 +11,7 @@ import tensorwire
 from tensorwire import transport
 from tensorwire._aio import run
 from tensorwire.errors import AuthenticationError
-from tensorwire.testing.process import run_threads
+from tensorwire.testing.process import ServerProcess, run_threads
 from tensorwire.testing.relay import (
     PREFIX,
     blank_like,
@@ -133,6 +133,23 @@ def test_published_generations_relay_and_wait_and_update_follows_the_publisher()
             assert subs[0].generation == g2.number and same_bytes(second, targets[0])
             (gen,) = [g for g in subs[0].stats()["generations"] if g["generation"] == first.number]
             assert gen["served_bytes"] <= 1.1 * model_bytes(model)
+        finally:
+            for sub in subs:
+                sub.close()
+
+
+def test_tensorwire_serve_relays_its_generations_to_four_readers() -> None:
+    model = {k: v.repeat(20, 1) if v.dim() == 2 else v for k, v in model_tensors(3).items()}  # ~8 MiB
+    with ServerProcess() as srv, tensorwire.connect(srv.url) as trainer:
+        generation = trainer.publish("policy", model)
+        targets = [blank_like(model) for _ in range(4)]
+        subs = [tensorwire.Subscriber(srv.url, "policy", t, listen_host="127.0.0.1") for t in targets]
+        try:
+            run_threads(lambda i: subs[i].update(timeout=60), 4, timeout=90)
+            assert all(s.generation == generation.number for s in subs)
+            assert all(same_bytes(model, t) for t in targets)
+            (gen,) = subs[0].stats()["generations"]
+            assert gen["readers"] == 4 and gen["served_bytes"] <= 1.1 * model_bytes(model), gen
         finally:
             for sub in subs:
                 sub.close()

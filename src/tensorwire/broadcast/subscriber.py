@@ -52,7 +52,7 @@ from tensorwire.errors import (
     TransferTimeout,
     VersionChanged,
 )
-from tensorwire.security import Security, TlsFiles
+from tensorwire.security import Security, TlsFiles, client_tls, client_token
 from tensorwire.server import Server
 from tensorwire.store import TensorStore
 from tensorwire.transport import FrameChannel, TransportOptions
@@ -100,7 +100,7 @@ class Subscriber:
             raise ValueError(f"a relay needs a tcp:// or tls:// origin, not {url!r} (or pass relay=False)")
         self.prefix = prefix
         self.targets = _targets(prefix, into)
-        self.security = Security(tls=tls, token=token)
+        self.security = Security(tls=client_tls(tls), token=client_token(token))  # or $TENSORWIRE_*
         self.timeout = timeout
         self.stall_timeout = stall_timeout
         self.window = max(1, min(window, 64))
