@@ -12,7 +12,7 @@ from tensorwire.client.core import AsyncClient, Client, ClientOptions, aconnect,
 from tensorwire.security import Security, TlsFiles
 from tensorwire.server.core import Server, ServerThread
 from tensorwire.store import TensorStore
-from tensorwire.types import Address, Limits, TensorMeta
+from tensorwire.types import Address, Generation, GenerationManifest, Limits, TensorMeta
 
 __version__ = "0.1.0"
 
@@ -21,6 +21,8 @@ __all__ = [
     "AsyncClient",
     "Client",
     "ClientOptions",
+    "Generation",
+    "GenerationManifest",
     "Limits",
     "Security",
     "Server",
