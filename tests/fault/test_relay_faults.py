@@ -14,7 +14,8 @@ from collections.abc import Callable
 import torch
 
 import tensorwire
-from tensorwire.testing.process import run_threads
+from tensorwire.errors import TensorwireError, TransportError
+from tensorwire.testing.process import ServerProcess, run_threads
 from tensorwire.testing.relay import (
     PREFIX,
     blank_like,
@@ -121,3 +122,61 @@ def test_a_reader_that_forwards_a_corrupt_chunk_is_dropped_and_the_chunk_fetched
             late.update(timeout=30)  # joins behind the honest reader, not the liar
             assert same_bytes(model, later)
             assert late.reader_id and reader.stats()["generations"][0]["dropped"] == 1
+
+
+def _pausing(after: int, paused: threading.Event, go: threading.Event) -> Callable[[int], None]:
+    def progress(chunks: int) -> None:
+        if chunks == after:
+            paused.set()
+            assert go.wait(60), "the test never let the reader go on"
+
+    return progress
+
+
+def test_a_generation_retired_mid_read_restarts_the_update_at_the_newest() -> None:
+    models = [model_tensors(seed) for seed in range(4)]
+    paused, go = threading.Event(), threading.Event()
+    target = blank_like(models[0])
+    with origin(generations=True) as (srv, _), tensorwire.connect(srv.url) as trainer:
+        trainer.publish("policy", models[0])
+        sub = tensorwire.Subscriber(
+            srv.url, "policy", target, listen_host="127.0.0.1", window=1, progress=_pausing(1, paused, go)
+        )
+        with sub:
+            result: list[int] = []
+            reading = threading.Thread(target=lambda: result.append(sub.update(timeout=60)), daemon=True)
+            reading.start()
+            assert paused.wait(60)
+            newest = [trainer.publish("policy", m) for m in models[1:]][-1]  # keeps 2: the first retires
+            go.set()
+            reading.join(60)
+            assert result == [newest.number] and same_bytes(models[-1], target)
+
+
+def test_an_origin_killed_mid_read_fails_the_update_without_a_hang() -> None:
+    paused, go = threading.Event(), threading.Event()
+    model = model_tensors(1)
+    with ServerProcess() as srv, tensorwire.connect(srv.url) as trainer:
+        trainer.publish("policy", model)
+        sub = tensorwire.Subscriber(
+            srv.url, "policy", blank_like(model), listen_host="127.0.0.1", window=1,
+            progress=_pausing(1, paused, go), stall_timeout=2.0, connect_timeout=2.0,
+        )  # fmt: skip
+        with sub:
+            errors: list[BaseException] = []
+
+            def read() -> None:
+                try:
+                    sub.update(timeout=30)
+                except TensorwireError as exc:
+                    errors.append(exc)
+
+            reading = threading.Thread(target=read, daemon=True)
+            reading.start()
+            assert paused.wait(60)
+            srv.signal(signal.SIGKILL)
+            srv.proc.wait(30)
+            go.set()
+            reading.join(30)
+            assert not reading.is_alive() and len(errors) == 1
+            assert isinstance(errors[0], TransportError) and sub.generation == 0
