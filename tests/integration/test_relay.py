@@ -6,11 +6,13 @@ from __future__ import annotations
 import threading
 
 import pytest
+from prometheus_client import generate_latest
 
 import tensorwire
 from tensorwire import transport
 from tensorwire._aio import run
 from tensorwire.errors import AuthenticationError
+from tensorwire.server import metrics
 from tensorwire.testing.process import ServerProcess, run_threads
 from tensorwire.testing.relay import (
     PREFIX,
@@ -29,6 +31,10 @@ from tensorwire.wire.frame import Opcode
 def test_four_subscribers_in_threads_read_bit_exact_and_the_origin_sends_about_once() -> None:
     with origin() as (srv, _):
         _four_read(srv.url)
+        served = srv.server.status()["relay"]["served_bytes"][PREFIX]
+        assert 0 < served <= 1.1 * model_bytes(model_tensors(1))
+        scraped = metrics.parse(generate_latest(srv.server.registry).decode())
+        assert scraped["tensorwire_relay_served_bytes_total"] == [({"prefix": PREFIX}, served)]
 
 
 def _four_read(url: str) -> None:

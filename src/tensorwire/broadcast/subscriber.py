@@ -175,6 +175,7 @@ class Subscriber:
             await self._pull(manifest, placement, buffers, deadline)
         except BaseException:
             self.peer.drop()
+            await self._leave(manifest.generation)
             raise
         self.generation = manifest.generation
         await self._report(manifest.generation, wr.Report.DONE, 0)
@@ -300,11 +301,17 @@ class Subscriber:
             self._server, self.relay_address = server, str(address)
         return self.relay_address
 
-    async def _close(self) -> None:
-        if self.generation and self.reader_id:
+    async def _leave(self, generation: int) -> None:
+        """Tell the origin this reader no longer serves ``generation`` (best effort: a dead origin
+        forgets it anyway)."""
+        if generation and self.reader_id:
             with contextlib.suppress(TensorwireError, TimeoutError):
                 async with asyncio.timeout(2.0):
-                    await self._report(self.generation, wr.Report.LEAVE, 0)
+                    await self._report(generation, wr.Report.LEAVE, 0)
+            self.reader_id = 0
+
+    async def _close(self) -> None:
+        await self._leave(self.generation)
         self.peer.drop()
         for address in list(self._channels):
             await self._drop_channel(address)
