@@ -32,6 +32,7 @@ import asyncio
 import contextlib
 import ipaddress
 import json
+import logging
 import socket
 import time
 from collections.abc import Callable, Mapping
@@ -52,6 +53,7 @@ from tensorwire.errors import (
     TransferTimeout,
     VersionChanged,
 )
+from tensorwire.logs import event
 from tensorwire.security import Security, TlsFiles, client_tls, client_token
 from tensorwire.server import Server
 from tensorwire.store import TensorStore
@@ -63,6 +65,8 @@ from tensorwire.wire import relay as wr
 from tensorwire.wire.checksum import checksum
 from tensorwire.wire.frame import Opcode
 from tensorwire.wire.tensors import byte_view, check_out
+
+log = logging.getLogger("tensorwire.broadcast")
 
 MAX_MANIFEST_CHUNKS = 1 << 24
 MAX_REROUTES = 64  # upstream failures one update survives before it gives up
@@ -204,9 +208,11 @@ class Subscriber:
                 )
             try:
                 got = await self._fetch(placement.address, manifest, chunk, buffers)
-            except TensorwireError:
+            except TensorwireError as exc:
                 if not placement.address or reroutes >= MAX_REROUTES:
                     raise  # the origin itself failed: the update fails
+                event(log, logging.WARNING, "relay upstream failed", upstream=placement.address,
+                      generation=manifest.generation, chunk=chunk, error=repr(exc))  # fmt: skip
                 reroutes += 1
                 await self._drop_channel(placement.address)
                 placement = await self._report(manifest.generation, wr.Report.FAILED, placement.upstream)
