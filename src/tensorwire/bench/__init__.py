@@ -95,6 +95,13 @@ BENCHMARKS: dict[str, Benchmark] = {
             ("--no-netns", "--bytes", "4000000", "--steps", "2", "--warmup", "1"),
         ),
         Benchmark(
+            "broadcast",
+            "One origin, N readers in network namespaces: one reader vs all at once from the origin, "
+            "the link's bound, the origin's egress (--json, --readers, --size, --rate, --no-netns).",
+            None,  # needs root for namespaces and ~75 s: README's Performance section has its figures
+            ("--no-netns", "--readers", "2", "--size", "1MiB", "--tensors", "12"),
+        ),
+        Benchmark(
             "sweep",
             "Bandwidth by tensor size (4 KiB to 256 MiB), latency percentiles, CPU s/GB and peak RSS "
             "per transport and peer (--max-size, --json).",

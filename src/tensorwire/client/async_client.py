@@ -26,8 +26,8 @@ from typing import TypeVar
 import torch
 
 from tensorwire import transport as transports
+from tensorwire.client import deltas, staging, stripe
 from tensorwire.client import generations as gens
-from tensorwire.client import staging, stripe
 from tensorwire.client.batches import Landing, TensorBatch
 from tensorwire.client.cache import TensorCache
 from tensorwire.client.options import ClientOptions, check, retry_policy, transport_options
@@ -65,6 +65,7 @@ class AsyncClient:
         self._transport: Transport | None = None
         self._open_lock = asyncio.Lock()
         self.cache = TensorCache(self.options.cache_bytes, self.options.cache_lease)
+        self.delta_stats = deltas.DeltaStats()  # what reads with base= moved (client/deltas.py)
         self._stripes: stripe.Stripes | None = None
         self._pool: staging.PinnedPool | None = None  # host buffers for CUDA tensors, made on first use
         self._sizes: dict[str, int] = {}  # bytes of tensors this client moved: may a get be striped?
@@ -149,10 +150,11 @@ class AsyncClient:
         view: bool = False,
         at: gens.At | None = None,
         verify: bool = False,
+        base: gens.At | None = None,
     ) -> torch.Tensor:
         """Fetch ``name``. With ``out``, the bytes land in ``out`` in place and ``out`` is returned.
         With ``at`` (a generation number or ``"latest"``), ``name`` (``prefix/key``) is read from
-        that generation (``get_many``).
+        that generation (``get_many``; ``base=`` as there).
 
         If the call raises, ``out`` may hold part of the transfer (its contents are unspecified).
         With a cache (``cache_bytes``), an unchanged tensor costs one STAT (or nothing in its lease).
@@ -160,9 +162,9 @@ class AsyncClient:
         with no copy: a snapshot of the version read, held for as long as the tensor lives (README,
         "Shared memory").
         """
-        if at is not None or verify:
+        if at is not None or verify or base is not None:
             outs = {name: out} if out is not None else None
-            return (await self.get_many([name], outs, progress, at=at, verify=verify))[name]
+            return (await self.get_many([name], outs, progress, at=at, verify=verify, base=base))[name]
         if view:
             if out is not None:
                 raise InvalidTensor("get(view=True) returns the server's pages; it takes no out=")
@@ -318,6 +320,7 @@ class AsyncClient:
         *,
         at: gens.At | None = None,
         verify: bool = False,
+        base: gens.At | None = None,
     ) -> dict[str, torch.Tensor]:
         """Fetch several tensors in one round trip, as one consistent snapshot.
 
@@ -326,7 +329,19 @@ class AsyncClient:
         ``GenerationRetired`` if the server no longer keeps it. ``verify=True`` (with ``at``; the
         default ``"latest"`` without) also checks what was read against the generation's chunk
         checksums and root digest (DigestMismatch), one more round trip for its manifest.
+
+        With ``base`` (a generation number) too, ``out`` must hold generation ``base`` of every name
+        (contiguous CPU tensors): only what changed since is sent, as per-chunk deltas applied in
+        place into ``out`` (README, "Deltas"); a base the server no longer keeps costs the full
+        read, and a chunk ``out`` did not hold at ``base`` is fetched again in full
+        (``delta_stats``). The result is bit-exact either way.
         """
+        if base is not None:
+            at = "latest" if at is None else at
+            stats = self.delta_stats
+            return (
+                await deltas.read(self._run, names, out or {}, at=at, base=base, verify=verify, stats=stats)
+            )[0]
         if at is not None or verify:
             at = "latest" if at is None else at
             return (await gens.read(self._run, names, at, out, verify))[0]

@@ -14,6 +14,7 @@ import torch
 
 from tensorwire._aio import LoopThread
 from tensorwire.client.async_client import AsyncClient, Progress, TensorItems
+from tensorwire.client.deltas import DeltaStats
 from tensorwire.client.generations import DEFAULT_LEASE_SECONDS, At, Lease
 from tensorwire.client.options import ClientOptions
 from tensorwire.errors import TensorwireError, TransferTimeout
@@ -61,6 +62,10 @@ class Client:
     def resumed_at(self) -> list[int]:
         return self._async.resumed_at
 
+    @property
+    def delta_stats(self) -> DeltaStats:
+        return self._async.delta_stats
+
     def _call(self, coro: Coroutine[Any, Any, T], longer: float = 0.0) -> T:
         # The worst case is a backstop: the client's own timers should have fired long before.
         # ``longer``: a call that waits on purpose (``wait``) may take that much more.
@@ -97,8 +102,9 @@ class Client:
         view: bool = False,
         at: At | None = None,
         verify: bool = False,
+        base: At | None = None,
     ) -> torch.Tensor:
-        return self._call(self._async.get(name, out, progress, view=view, at=at, verify=verify))
+        return self._call(self._async.get(name, out, progress, view=view, at=at, verify=verify, base=base))
 
     def get_many(
         self,
@@ -108,8 +114,10 @@ class Client:
         *,
         at: At | None = None,
         verify: bool = False,
+        base: At | None = None,
     ) -> dict[str, torch.Tensor]:
-        return self._call(self._async.get_many(names, out, progress, at=at, verify=verify))
+        """``AsyncClient.get_many`` (``base=``: a delta read into ``out``)."""
+        return self._call(self._async.get_many(names, out, progress, at=at, verify=verify, base=base))
 
     # -- generations (AsyncClient's methods of the same names) ----------------------------------
     def publish(

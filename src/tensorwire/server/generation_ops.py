@@ -18,20 +18,30 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from tensorwire.errors import KeyNotFound, LimitExceeded, ProtocolError, TensorwireError, WaitTimeout
+from tensorwire.errors import (
+    GenerationRetired,
+    KeyNotFound,
+    LimitExceeded,
+    ProtocolError,
+    TensorwireError,
+    WaitTimeout,
+)
+from tensorwire.server import delta_answers
 from tensorwire.server.request import Handler, Request
 from tensorwire.server.store_ops import Parts, StoreOps, cpu
 from tensorwire.store.generations import Generations, Kept, check_names
 from tensorwire.types import TensorMeta
+from tensorwire.wire import delta_reads as dr
 from tensorwire.wire import generations as wg
 from tensorwire.wire import meta as wm
-from tensorwire.wire.frame import Opcode
+from tensorwire.wire.frame import Opcode, chunk_count
 from tensorwire.wire.names import validate_name
 
 _OFF_LOOP_BYTES = 8 << 20  # checksums of a larger generation are computed on a worker thread
@@ -70,6 +80,7 @@ class GenerationOps:
             Opcode.GEN_MANIFEST: self.manifest,
             Opcode.GEN_WAIT: self.wait,
             Opcode.GEN_LEASE: self.lease,
+            Opcode.GEN_GET_DELTA: self.get_delta,
         }
 
     def _held(self, req: Request) -> _Held:
@@ -140,6 +151,42 @@ class GenerationOps:
         finally:
             self.generations.unpin(kept)
 
+    async def get_delta(self, req: Request) -> None:
+        """Generation ``at`` for a reader that holds ``base``: per chunk a delta or the full chunk
+        (server/delta_answers.py). A base no longer kept (or never published) is no error: every
+        chunk goes FULL, as to a reader with nothing. Both generations stay pinned until sent."""
+        _no_data(req)
+        at, base, names = dr.decode_request(req.meta)
+        req.meta.done()
+        if not names or len(set(names)) != len(names):
+            raise ProtocolError("GEN_GET_DELTA names no tensor, or one twice")
+        prefix = self.generations.prefix_of(names)
+        kept = self.generations.pin(prefix, at)
+        old: Kept | None = None
+        try:
+            old = self._pin_base(prefix, base)
+            pairs = [_tensor(kept, name) for name in names]
+            # at most the FULL forms: each chunk and its kind byte
+            total = sum(m.nbytes + chunk_count(m.nbytes, wg.CHUNK_BYTES) for m, _ in pairs)
+            if total > self.limits.max_request_bytes:
+                raise LimitExceeded(f"an answer of {total} bytes exceeds {self.limits.max_request_bytes}")
+            big = old is not None and total >= _OFF_LOOP_BYTES
+            answer, data = await cpu(big, delta_answers.build, kept, old, pairs)
+            await req.reply(dr.encode_answer(answer), data)
+        finally:
+            self.generations.unpin(kept)
+            if old is not None:
+                self.generations.unpin(old)
+
+    def _pin_base(self, prefix: str, base: int) -> Kept | None:
+        """Generation ``base`` pinned, or None where there is none to diff against (0: none)."""
+        if base == wg.LATEST:
+            return None
+        try:
+            return self.generations.pin(prefix, base)
+        except (GenerationRetired, KeyNotFound):
+            return None
+
     async def get_range(self, req: Request) -> None:
         """Bytes ``offset .. offset + length`` of one tensor of one generation, as one uint8
         record (its version: the generation number)."""
@@ -187,16 +234,26 @@ class GenerationOps:
             parked = f"{self.waiting} waits are parked on this server"
             raise LimitExceeded(f"{parked}: at most {limits.max_waiters} (--max-waiters)")
         timeout = min(timeout_ms / 1000, self.max_wait)
-        task = asyncio.get_running_loop().create_task(self._park(req, prefix, after, timeout))
-        held.waits.add(task)
-        task.add_done_callback(held.waits.discard)
-
-    async def _park(self, req: Request, prefix: str, after: int, timeout: float) -> None:
+        # Counted here, not in the task: the session reads the next frame before the task runs.
         self.waiting += 1
         self._parked_on[prefix] = self._parked_on.get(prefix, 0) + 1
-        try:
-            loop = asyncio.get_running_loop()
-            deadline = loop.time() + timeout
+        task = asyncio.get_running_loop().create_task(self._park(req, prefix, after, timeout))
+        held.waits.add(task)
+        task.add_done_callback(functools.partial(self._unparked, prefix, held))
+
+    def _unparked(self, prefix: str, held: _Held, task: asyncio.Task[None]) -> None:
+        """A parked wait ended (answered, or cancelled with its connection, even before it ran)."""
+        held.waits.discard(task)
+        self.waiting -= 1
+        self._parked_on[prefix] -= 1
+        if not self._parked_on[prefix]:  # the last waiter of the prefix: forget its event
+            del self._parked_on[prefix]
+            self._published.pop(prefix, None)
+
+    async def _park(self, req: Request, prefix: str, after: int, timeout: float) -> None:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        with contextlib.suppress(TensorwireError):  # the connection is gone: nobody to answer
             while True:
                 latest = self.generations.latest(prefix)
                 if latest is not None and latest.number > after:
@@ -209,14 +266,6 @@ class GenerationOps:
                 event = self._published.setdefault(prefix, asyncio.Event())
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(event.wait(), left)
-        except TensorwireError:
-            return  # the connection is gone: nobody to answer
-        finally:
-            self.waiting -= 1
-            self._parked_on[prefix] -= 1
-            if not self._parked_on[prefix]:  # the last waiter of the prefix: forget its event
-                del self._parked_on[prefix]
-                self._published.pop(prefix, None)
 
     async def lease(self, req: Request) -> None:
         _no_data(req)

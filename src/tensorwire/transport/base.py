@@ -44,6 +44,7 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from tensorwire.errors import UnsupportedTransport
 from tensorwire.types import Address, Generation, GenerationManifest, TensorMeta
+from tensorwire.wire.delta_reads import DeltaAnswer
 from tensorwire.wire.meta import MetaReader, ServerInfo
 
 if TYPE_CHECKING:
@@ -268,6 +269,12 @@ class Generational(Protocol):
     async def get_at(self, names: Sequence[str], at: int, sink: Sink) -> tuple[str, int, bytes]:
         """Tensors of one generation into the sink's buffers; the prefix, number and digest of the
         generation read."""
+        ...
+
+    async def get_delta_at(self, names: Sequence[str], at: int, base: int, sink: Sink) -> DeltaAnswer:
+        """Generation ``at`` of ``names`` for a reader holding generation ``base`` (GEN_GET_DELTA):
+        each tensor's deltas, one uint8 record per name, land in the sink's buffers; the answer
+        says, per chunk, how long each delta is and the new chunk's checksum."""
         ...
 
     async def get_range_at(self, name: str, at: int, offset: int, dest: memoryview) -> int:

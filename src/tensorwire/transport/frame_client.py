@@ -31,6 +31,7 @@ from tensorwire.errors import (
 from tensorwire.transport.base import ByteStream, Progress, PutBatch, Sink, Transport
 from tensorwire.transport.frame_io import FrameReader, read_head, recv_data, send_frame, skip_data
 from tensorwire.types import Address, Generation, GenerationManifest, Limits, TensorMeta
+from tensorwire.wire import delta_reads as dr
 from tensorwire.wire import generations as wg
 from tensorwire.wire import lossless
 from tensorwire.wire import meta as wm
@@ -429,6 +430,18 @@ class RangedTransport(FramedTransport):
         what = f"get of {_describe(names)} at generation {at or 'latest'}"
         _, reader = await self._call(Opcode.GEN_GET, wg.encode_get(at, names), sink=sink, what=what)
         return _finish(reader, wg.decode_read_answer(reader))
+
+    async def get_delta_at(self, names: Sequence[str], at: int, base: int, sink: Sink) -> dr.DeltaAnswer:
+        what = f"delta get of {_describe(names)} at generation {at or 'latest'} from {base}"
+        landed: list[TensorMeta] = []
+
+        def keep(metas: list[TensorMeta]) -> list[memoryview]:
+            landed[:] = metas
+            return sink(metas)
+
+        request = dr.encode_request(at, base, names)
+        _, reader = await self._call(Opcode.GEN_GET_DELTA, request, sink=keep, what=what)
+        return _finish(reader, dr.decode_answer(reader, landed))
 
     async def get_range_at(self, name: str, at: int, offset: int, dest: memoryview) -> int:
         length = dest.nbytes

@@ -69,6 +69,7 @@ class Opcode(enum.IntEnum):
     GEN_MANIFEST = 43
     GEN_WAIT = 44
     GEN_LEASE = 45
+    GEN_GET_DELTA = 46
     # The relay (docs/protocol.md §15; tensorwire.broadcast): readers of one generation feed each other.
     RELAY_JOIN = 48
     RELAY_GET = 49

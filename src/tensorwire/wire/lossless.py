@@ -96,8 +96,8 @@ def decompress(codec: int, payload: bytes | memoryview, size: int) -> bytes:
 
 def _zstd_decompress(payload: bytes | memoryview, size: int) -> bytes:
     declared = zstandard.frame_content_size(payload)
-    if declared == size:
-        return bytes(_ZSTD_D.decompress(payload, max_output_size=size))
+    if declared == size:  # one frame and nothing after it: bytes past the frame would go unchecked
+        return bytes(_ZSTD_D.decompress(payload, max_output_size=size, allow_extra_data=False))
     if declared != -1:
         raise CorruptFrame(f"a compressed chunk claims {declared} bytes, not {size}")
     # The frame does not say: decode into a buffer one byte larger than ``size`` (reader.read(n)
