@@ -4,15 +4,20 @@ the origin sends its bytes about once (docs/protocol.md §15)."""
 from __future__ import annotations
 
 import threading
+from pathlib import Path
 
 import pytest
+from click.testing import CliRunner
 from prometheus_client import generate_latest
 
 import tensorwire
 from tensorwire import transport
 from tensorwire._aio import run
+from tensorwire.broadcast import RelayCoordinator
+from tensorwire.cli import main
 from tensorwire.errors import AuthenticationError
-from tensorwire.server import metrics
+from tensorwire.security import Security, TlsFiles
+from tensorwire.server import ServerThread, metrics
 from tensorwire.testing.process import ServerProcess, run_threads
 from tensorwire.testing.relay import (
     PREFIX,
@@ -156,6 +161,33 @@ def test_tensorwire_serve_relays_its_generations_to_four_readers() -> None:
             assert all(same_bytes(model, t) for t in targets)
             (gen,) = subs[0].stats()["generations"]
             assert gen["readers"] == 4 and gen["served_bytes"] <= 1.1 * model_bytes(model), gen
+        finally:
+            for sub in subs:
+                sub.close()
+
+
+def test_over_tls_every_hop_is_tls_with_the_token(tmp_path: Path) -> None:
+    assert CliRunner().invoke(main, ["certs", str(tmp_path)]).exit_code == 0
+    served = TlsFiles(cert=tmp_path / "server.pem", key=tmp_path / "server-key.pem")
+    reader_files = TlsFiles(cert=served.cert, key=served.key, ca=tmp_path / "ca.pem")
+    model = model_tensors(1)
+    with ServerThread(["tls://127.0.0.1:0"], security=Security(tls=served, token="tok")) as srv:
+        RelayCoordinator.of(srv.server)
+        with tensorwire.connect(srv.url, token="tok", tls_ca=str(reader_files.ca)) as trainer:
+            trainer.publish("policy", model)
+        targets = [blank_like(model) for _ in range(3)]
+        subs = [
+            tensorwire.Subscriber(
+                srv.url, "policy", t, token="tok", tls=reader_files, listen_host="127.0.0.1"
+            )
+            for t in targets
+        ]
+        try:
+            run_threads(lambda i: subs[i].update(timeout=30), 3, timeout=60)
+            assert all(same_bytes(model, t) for t in targets)
+            assert all(s.relay_address.startswith("tls://") for s in subs)
+            (gen,) = subs[0].stats()["generations"]
+            assert gen["dropped"] == 0 and gen["served_bytes"] == model_bytes(model)
         finally:
             for sub in subs:
                 sub.close()

@@ -301,7 +301,7 @@ class Subscriber:
             return ""
         if self._server is None:
             host = self._listen_host or _local_host_towards(self.origin)
-            server = Server(TensorStore(capacity=0, max_tensors=1), security=self.security,
+            server = Server(TensorStore(capacity=0, max_tensors=1), security=_relay_security(self.security),
                             extensions=[self.peer], stall_timeout=self.stall_timeout)  # fmt: skip
             (address,) = await server.start(f"{self.origin.scheme}://{_bracketed(host)}:0")
             self._server, self.relay_address = server, str(address)
@@ -351,6 +351,16 @@ def full_name(prefix: str, key: str) -> str:
     """The published name of ``key`` under ``prefix``: ``prefix/key`` (as ``client.publish`` names
     it), or ``prefix + key`` for a prefix that ends with "/" (plain puts under a common prefix)."""
     return prefix + key if prefix.endswith("/") else f"{prefix}/{key}"
+
+
+def _relay_security(security: Security) -> Security:
+    """What the relay server asks of its peers: the cluster's token, over TLS with this reader's
+    certificate and key (``tls.cert``/``tls.key``; its peers check them against ``tls.ca``). Not
+    mutual TLS: ``tls.ca`` signs the origin, not the peers' client certificates; the token is
+    what admits a peer."""
+    files = security.tls
+    tls = TlsFiles(cert=files.cert, key=files.key) if files is not None else None
+    return Security(tls=tls, token=security.token)
 
 
 def _local_host_towards(origin: Address) -> str:
