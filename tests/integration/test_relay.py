@@ -7,6 +7,7 @@ import threading
 from pathlib import Path
 
 import pytest
+import torch
 from click.testing import CliRunner
 from prometheus_client import generate_latest
 
@@ -15,7 +16,7 @@ from tensorwire import transport
 from tensorwire._aio import run
 from tensorwire.broadcast import RelayCoordinator
 from tensorwire.cli import main
-from tensorwire.errors import AuthenticationError
+from tensorwire.errors import AuthenticationError, InvalidTensor
 from tensorwire.security import Security, TlsFiles
 from tensorwire.server import ServerThread, metrics
 from tensorwire.testing.process import ServerProcess, run_threads
@@ -191,3 +192,16 @@ def test_over_tls_every_hop_is_tls_with_the_token(tmp_path: Path) -> None:
         finally:
             for sub in subs:
                 sub.close()
+
+
+def test_a_reader_whose_tensors_cannot_take_the_generation_leaves_the_relay() -> None:
+    model = model_tensors(1)
+    with origin() as (srv, coordinator):
+        publish(srv.url, model)
+        wrong = blank_like(model)
+        wrong["fc1.weight"] = torch.zeros(3)
+        with tensorwire.Subscriber(srv.url, PREFIX, wrong, listen_host="127.0.0.1") as sub:
+            with pytest.raises(InvalidTensor):
+                sub.update(timeout=30)
+            assert coordinator.chains.readers() == 0 and sub.generation == 0
+            assert torch.equal(wrong["fc1.weight"], torch.zeros(3))  # nothing written

@@ -172,8 +172,13 @@ class Subscriber:
         manifest, placement = wr.decode_join_reply(reader, MAX_MANIFEST_CHUNKS)
         if manifest.generation == self.generation:
             return self.generation
-        buffers = self._bind(manifest)
-        self.generation, self.reader_id = 0, placement.reader  # the tensors are being overwritten
+        self.reader_id = placement.reader
+        try:
+            buffers = self._bind(manifest)
+        except TensorwireError:  # `into` cannot take it: nothing was written; out of the relay
+            await self._leave(manifest.generation)
+            raise
+        self.generation = 0  # the tensors are being overwritten
         self.peer.hold(self.prefix, manifest, buffers)
         try:
             await self._pull(manifest, placement, buffers, deadline)
