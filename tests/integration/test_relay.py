@@ -28,6 +28,7 @@ from tensorwire.testing.relay import (
     origin,
     publish,
     same_bytes,
+    subscribers,
 )
 from tensorwire.transport import TransportOptions
 from tensorwire.wire import relay as wr
@@ -47,8 +48,7 @@ def _four_read(url: str) -> None:
     model = model_tensors(1)
     generation = publish(url, model)
     targets = [blank_like(model) for _ in range(4)]
-    subs = [tensorwire.Subscriber(url, PREFIX, t, listen_host="127.0.0.1") for t in targets]
-    try:
+    with subscribers(url, PREFIX, targets) as subs:
         got = [0] * 4
 
         def read(i: int) -> None:
@@ -63,9 +63,6 @@ def _four_read(url: str) -> None:
         assert gen["served_bytes"] <= 1.1 * model_bytes(model), stats  # about once, not 4x
         assert gen["readers"] == 4 and gen["done"] == 4
         assert subs[0].update(timeout=30) == generation  # nothing newer: nothing moves
-    finally:
-        for sub in subs:
-            sub.close()
 
 
 def test_a_second_generation_reaches_every_reader() -> None:
@@ -77,8 +74,7 @@ def _second_generation(url: str) -> None:
     first = model_tensors(1)
     publish(url, first)
     targets = [blank_like(first) for _ in range(3)]
-    subs = [tensorwire.Subscriber(url, PREFIX, t, listen_host="127.0.0.1") for t in targets]
-    try:
+    with subscribers(url, PREFIX, targets) as subs:
         run_threads(lambda i: subs[i].update(timeout=30), 3, timeout=60)
         second = model_tensors(2)
         g2 = publish(url, second)
@@ -90,9 +86,6 @@ def _second_generation(url: str) -> None:
         run_threads(read, 3, timeout=60)
         assert got == [g2] * 3
         assert all(same_bytes(second, t) for t in targets)
-    finally:
-        for sub in subs:
-            sub.close()
 
 
 def test_a_reader_without_the_token_never_joins_and_a_relay_server_wants_it_too() -> None:
@@ -132,8 +125,7 @@ def test_published_generations_relay_and_wait_and_update_follows_the_publisher()
     with origin(generations=True) as (srv, _), tensorwire.connect(srv.url) as trainer:
         first = trainer.publish("policy", model)
         targets = [blank_like(model) for _ in range(3)]
-        subs = [tensorwire.Subscriber(srv.url, "policy", t, listen_host="127.0.0.1") for t in targets]
-        try:
+        with subscribers(srv.url, "policy", targets) as subs:
             run_threads(lambda i: subs[i].update(timeout=30), 3, timeout=60)
             assert [s.generation for s in subs] == [first.number] * 3
             assert all(same_bytes(model, t) for t in targets)
@@ -145,9 +137,6 @@ def test_published_generations_relay_and_wait_and_update_follows_the_publisher()
             assert subs[0].generation == g2.number and same_bytes(second, targets[0])
             (gen,) = [g for g in subs[0].stats()["generations"] if g["generation"] == first.number]
             assert gen["served_bytes"] <= 1.1 * model_bytes(model)
-        finally:
-            for sub in subs:
-                sub.close()
 
 
 def test_tensorwire_serve_relays_its_generations_to_four_readers() -> None:
@@ -155,16 +144,12 @@ def test_tensorwire_serve_relays_its_generations_to_four_readers() -> None:
     with ServerProcess() as srv, tensorwire.connect(srv.url) as trainer:
         generation = trainer.publish("policy", model)
         targets = [blank_like(model) for _ in range(4)]
-        subs = [tensorwire.Subscriber(srv.url, "policy", t, listen_host="127.0.0.1") for t in targets]
-        try:
+        with subscribers(srv.url, "policy", targets) as subs:
             run_threads(lambda i: subs[i].update(timeout=60), 4, timeout=90)
             assert all(s.generation == generation.number for s in subs)
             assert all(same_bytes(model, t) for t in targets)
             (gen,) = subs[0].stats()["generations"]
             assert gen["readers"] == 4 and gen["served_bytes"] <= 1.1 * model_bytes(model), gen
-        finally:
-            for sub in subs:
-                sub.close()
 
 
 def test_over_tls_every_hop_is_tls_with_the_token(tmp_path: Path) -> None:
@@ -177,21 +162,12 @@ def test_over_tls_every_hop_is_tls_with_the_token(tmp_path: Path) -> None:
         with tensorwire.connect(srv.url, token="tok", tls_ca=str(reader_files.ca)) as trainer:
             trainer.publish("policy", model)
         targets = [blank_like(model) for _ in range(3)]
-        subs = [
-            tensorwire.Subscriber(
-                srv.url, "policy", t, token="tok", tls=reader_files, listen_host="127.0.0.1"
-            )
-            for t in targets
-        ]
-        try:
+        with subscribers(srv.url, "policy", targets, token="tok", tls=reader_files) as subs:
             run_threads(lambda i: subs[i].update(timeout=30), 3, timeout=60)
             assert all(same_bytes(model, t) for t in targets)
             assert all(s.relay_address.startswith("tls://") for s in subs)
             (gen,) = subs[0].stats()["generations"]
             assert gen["dropped"] == 0 and gen["served_bytes"] == model_bytes(model)
-        finally:
-            for sub in subs:
-                sub.close()
 
 
 def test_a_reader_whose_tensors_cannot_take_the_generation_leaves_the_relay() -> None:
