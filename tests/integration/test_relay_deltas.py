@@ -15,7 +15,7 @@ import torch
 
 import tensorwire
 from tensorwire.broadcast import subscriber as subscriber_module
-from tensorwire.errors import CorruptFrame
+from tensorwire.errors import ConnectError, CorruptFrame
 from tensorwire.server import ServerThread
 from tensorwire.testing.process import run_threads
 from tensorwire.testing.relay import blank_like, model_bytes, model_tensors, origin, same_bytes, subscribers
@@ -165,7 +165,7 @@ def test_a_delta_read_that_fails_half_way_falls_back_to_the_relay(
                 assert sub.update(timeout=30) == n2
             assert same_bytes(g2, target)
             record = last(sub)
-            assert record.way == "relay" and "CorruptFrame" in record.fallback
+            assert (record.way, record.base) == ("relay", 0) and "CorruptFrame" in record.fallback
             assert record.bytes == model_bytes(g1)
             assert any("falls back to the relay" in r.getMessage() for r in caplog.records)
             monkeypatch.setattr(subscriber_module.delta_reads, "read", real)
@@ -186,3 +186,23 @@ def test_deltas_false_always_reads_through_the_relay() -> None:
             trainer.publish(PREFIX, g2)
             sub.update(timeout=30)
             assert [r.way for r in sub.updates] == ["relay", "relay"] and same_bytes(g2, target)
+
+
+def test_a_delta_read_that_fails_before_writing_keeps_the_base(monkeypatch: pytest.MonkeyPatch) -> None:
+    g1 = model_tensors(1)
+
+    async def refused(*args: Any, **kw: Any) -> Any:
+        raise ConnectError("the origin went away before answering")
+
+    with published() as (srv, trainer):
+        n1 = trainer.publish(PREFIX, g1).number
+        target = blank_like(g1)
+        with subscribers(srv.url, PREFIX, [target]) as (sub,):
+            sub.update(timeout=30)
+            g2 = changed(g1, 2)
+            trainer.publish(PREFIX, g2)
+            monkeypatch.setattr(subscriber_module.delta_reads, "read", refused)
+            sub.update(timeout=30)
+            record = last(sub)  # the relay started from a reader still holding g1
+            assert (record.way, record.base) == ("relay", n1) and "ConnectError" in record.fallback
+            assert same_bytes(g2, target)
