@@ -6,6 +6,7 @@ the relay, and tensors changed by the user are caught chunk by chunk. Bit-exact 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -47,6 +48,11 @@ def published(keep: int = 2) -> Iterator[tuple[ServerThread, tensorwire.Client]]
         yield srv, trainer
 
 
+def origin_delta_bytes(srv: ServerThread) -> int:
+    """Data bytes the origin sent answering delta reads."""
+    return sum(row.sent for (op, _), row in srv.server.counts.rows.items() if op == "gen_get_delta")
+
+
 def last(sub: tensorwire.Subscriber) -> Any:
     return sub.updates[-1]
 
@@ -83,6 +89,12 @@ def test_three_readers_take_g1_through_the_relay_and_g2_as_deltas() -> None:
             stats = subs[0].stats()
             assert stats["updates"][-1]["way"] == "delta" and stats["deltas"]["reads"] == 1
             assert served(subs[0], n2) == 0  # nobody needed g2 through the relay
+            # The origin's link carried the three deltas (counted once each answer is sent) and no more.
+            received = sum(last(sub).bytes for sub in subs)
+            deadline = time.monotonic() + 10
+            while origin_delta_bytes(srv) < received and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert origin_delta_bytes(srv) == received <= 3 * 0.05 * model_bytes(g1)
             assert subs[0].update(timeout=30) == n2 and last(subs[0]).way == "current"
 
 
