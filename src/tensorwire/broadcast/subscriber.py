@@ -20,10 +20,24 @@ How one ``update()`` goes (docs/protocol.md §15 has the wire side):
 4. RELAY_REPORT DONE: this reader holds the whole generation and stays an upstream for readers
    that join later, until its next ``update()`` starts overwriting its tensors.
 
+Deltas (``deltas=True``, the default): a reader that holds generation ``b`` (its last ``update()``
+returned ``b``, and no update since has written into the tensors) reads a newer ``g`` from the
+origin itself as a delta read (``get_many(at=g, base=b)``; client/deltas.py) instead of joining the
+relay: only what changed, per chunk, applied in place and checked against ``g``'s chunk checksum; a
+delta is small, so the origin's link carries N of them. Readers at different generations each get
+their own delta; a reader with nothing (its first update, or after a failure) gets everything,
+through the relay, and so does one whose base the origin no longer keeps (one retired during the
+read costs full chunks from the origin). Tensors changed by the user since ``b`` are caught by the
+per-chunk checksum and those chunks fetched again in full, so the result is ``g`` bit for bit either
+way. A delta read that fails once it has started writing leaves the tensors a mix: the update falls
+back to the relay for the whole generation (a warning says so). ``stats()["updates"]`` says, per
+update, which way it went, the bytes it received and why a delta was given up.
+
 While ``update()`` runs the tensors are being overwritten; after it returns they hold exactly the
-generation it returns (bit for bit). If it raises, they may hold a mix: the next ``update()``
-fetches the whole generation again. Tensors must be contiguous CPU tensors; ``into``'s keys (a
-``state_dict``'s, or a module's) are the keys ``client.publish(prefix, ...)`` was given.
+generation it returns (bit for bit). If it raises having written, they may hold a mix: the next
+``update()`` fetches the whole generation again (``generation`` is 0 until then). Tensors must be
+contiguous CPU tensors; ``into``'s keys (a ``state_dict``'s, or a module's) are the keys
+``client.publish(prefix, ...)`` was given.
 """
 
 from __future__ import annotations
@@ -35,14 +49,17 @@ import json
 import logging
 import socket
 import time
-from collections.abc import Callable, Mapping
-from typing import Any, cast
+from collections import deque
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any, Literal, TypeVar, cast
 
 import torch
 
 from tensorwire import transport
 from tensorwire._aio import LoopThread
 from tensorwire.broadcast.peer import RelayPeer
+from tensorwire.client import deltas as delta_reads
 from tensorwire.errors import (
     CorruptFrame,
     GenerationRetired,
@@ -59,18 +76,35 @@ from tensorwire.server import Server
 from tensorwire.store import TensorStore
 from tensorwire.transport import FrameChannel, TransportOptions
 from tensorwire.transport.base import Transport, as_generational
-from tensorwire.types import Address, TensorMeta
+from tensorwire.types import Address, GenerationManifest, TensorMeta
+from tensorwire.wire import generations as wg
 from tensorwire.wire import meta as wm
 from tensorwire.wire import relay as wr
 from tensorwire.wire.checksum import checksum
 from tensorwire.wire.frame import Opcode
 from tensorwire.wire.tensors import byte_view, check_out
 
+T = TypeVar("T")
 log = logging.getLogger("tensorwire.broadcast")
 
 MAX_MANIFEST_CHUNKS = 1 << 24
 MAX_REROUTES = 64  # upstream failures one update survives before it gives up
 MAX_RESTARTS = 3  # generations retired under one update before it gives up
+KEEP_UPDATES = 64  # updates ``stats()["updates"]`` remembers
+
+
+@dataclass(slots=True)
+class UpdateRecord:
+    """One ``update()``: the generation it brought, the one the tensors held before (0: none),
+    ``way`` ("delta": from the origin with ``base``; "relay": the whole generation through the
+    relay; "current": nothing newer), the data bytes it received, and why a delta read was given
+    up for the relay (``fallback``, "" when it was not)."""
+
+    generation: int
+    base: int
+    way: Literal["delta", "relay", "current"]
+    bytes: int
+    fallback: str = ""
 
 
 class Subscriber:
@@ -81,6 +115,9 @@ class Subscriber:
     address this host reaches the origin from). ``stall_timeout``: how long an upstream may keep a
     chunk waiting before it is routed around. ``window``: chunks asked for per request.
     ``progress(chunks)`` hears, on a worker thread, how many chunks of the generation are verified.
+    ``deltas``: a reader holding a generation reads a newer one as a delta from the origin (see
+    the module docstring: readers at different generations each get their own delta; a reader
+    with nothing gets everything, through the relay).
     """
 
     def __init__(
@@ -98,6 +135,7 @@ class Subscriber:
         connect_timeout: float = 10.0,
         window: int = 4,
         progress: Callable[[int], None] | None = None,
+        deltas: bool = True,
     ) -> None:
         self.origin = Address.parse(url)
         if relay and self.origin.scheme not in ("tcp", "tls"):
@@ -113,6 +151,10 @@ class Subscriber:
         self.reader_id = 0  # this reader's id in the generation's relay (0: not in one)
         self.relay_address = ""  # where this reader serves RELAY_GET, once it does
         self.peer = RelayPeer(max_wait=stall_timeout)
+        self.deltas = deltas
+        self.delta_stats = delta_reads.DeltaStats()  # what this reader's delta reads moved
+        self.updates: deque[UpdateRecord] = deque(maxlen=KEEP_UPDATES)  # the last few, newest last
+        self.received = 0  # data bytes pulled through the relay, all updates
         self._relay = relay
         self._listen_host = listen_host
         self._options = TransportOptions(connect_timeout, timeout, security=self.security)
@@ -137,8 +179,13 @@ class Subscriber:
         return self.update(max(deadline - time.monotonic(), 1.0))
 
     def stats(self) -> dict[str, Any]:
-        """The origin's RELAY_STATS for this prefix: what it served for each generation."""
-        return self._loop.call(self._stats(), self.timeout, "the relay's stats")
+        """The origin's RELAY_STATS for this prefix (what it served for each generation), with this
+        reader's own: ``updates`` (``UpdateRecord``s, the last few, newest last) and ``deltas``
+        (``DeltaStats``, summed over its delta reads)."""
+        doc = self._loop.call(self._stats(), self.timeout, "the relay's stats")
+        doc["updates"] = [asdict(record) for record in self.updates]
+        doc["deltas"] = asdict(self.delta_stats)
+        return doc
 
     def close(self) -> None:
         if self._loop.loop.is_closed():
@@ -166,20 +213,32 @@ class Subscriber:
         raise AssertionError("unreachable")
 
     async def _update_once(self, deadline: float) -> int:
+        fallback = ""
+        if self.deltas and self.generation:
+            got = await self._delta_update(deadline)
+            if isinstance(got, int):
+                return got
+            fallback = got
+        return await self._relay_update(deadline, fallback)
+
+    async def _relay_update(self, deadline: float, fallback: str) -> int:
+        base = self.generation
         relay = await self._relay_url()
         join = wr.encode_join(self.prefix, self.generation, relay)
         reader = await self._origin_call(Opcode.RELAY_JOIN, join, "RELAY_JOIN")
         manifest, placement = wr.decode_join_reply(reader, MAX_MANIFEST_CHUNKS)
         if manifest.generation == self.generation:
+            self.updates.append(UpdateRecord(self.generation, base, "current", 0, fallback))
             return self.generation
         self.reader_id = placement.reader
         try:
-            buffers = self._bind(manifest)
+            buffers = self._bind(manifest.metas, manifest.generation)
         except TensorwireError:  # `into` cannot take it: nothing was written; out of the relay
             await self._leave(manifest.generation)
             raise
         self.generation = 0  # the tensors are being overwritten
         self.peer.hold(self.prefix, manifest, buffers)
+        received = self.received
         try:
             await self._pull(manifest, placement, buffers, deadline)
         except BaseException:
@@ -187,20 +246,81 @@ class Subscriber:
             await self._leave(manifest.generation)
             raise
         self.generation = manifest.generation
+        moved = self.received - received
+        self.updates.append(UpdateRecord(manifest.generation, base, "relay", moved, fallback))
         await self._report(manifest.generation, wr.Report.DONE, 0)
         return manifest.generation
 
-    def _bind(self, manifest: wr.Manifest) -> list[memoryview]:
-        """The target tensors' bytes, in manifest order; InvalidTensor/KeyNotFound if one is
+    def _bind(self, metas: Sequence[TensorMeta], generation: int) -> list[memoryview]:
+        """The target tensors' bytes, in ``metas``' order; InvalidTensor/KeyNotFound if one is
         missing or cannot take the published tensor in place."""
         buffers = []
-        for meta in manifest.metas:
+        for meta in metas:
             target = self.targets.get(meta.name)
             if target is None:
-                raise KeyNotFound(f"generation {manifest.generation} has {meta.name!r}, which `into` lacks")
+                raise KeyNotFound(f"generation {generation} has {meta.name!r}, which `into` lacks")
             check_out(meta, target)
             buffers.append(byte_view(target))
         return buffers
+
+    # -- one update as a delta from the origin --------------------------------------------------
+    async def _delta_update(self, deadline: float) -> int | str:
+        """The newest generation as a delta against the one held, from the origin: its number, or
+        why the relay should bring the whole generation instead (the tensors then hold the base
+        still, or ``self.generation`` is 0: a failed delta read may have left them a mix)."""
+        base = self.generation
+        try:
+            latest = await self._manifest(wg.LATEST)
+            if latest.generation.number != base:
+                await self._manifest(base)  # GenerationRetired: the relay costs the origin less
+        except TensorwireError as exc:  # e.g. an origin that relays plain tensors, not generations
+            return self._fell_back(base, f"no delta from {base}: {exc!r}")
+        number = latest.generation.number
+        if number == base:
+            self.updates.append(UpdateRecord(base, base, "current", 0))
+            return base
+        self._bind([entry.meta for entry in latest.tensors], number)  # nothing written if it raises
+        await self._stop_serving()  # the tensors are about to change
+        return await self._apply_delta(latest, base, deadline)
+
+    async def _manifest(self, number: int) -> GenerationManifest:
+        return await self._on_origin(lambda t: as_generational(t, "a delta").manifest(self.prefix, number))
+
+    async def _apply_delta(self, manifest: GenerationManifest, base: int, deadline: float) -> int | str:
+        number, stats = manifest.generation.number, self.delta_stats
+        names = [entry.meta.name for entry in manifest.tensors]
+        out = {name: self.targets[name] for name in names}
+        before = asdict(stats)
+        self.generation = 0  # the tensors are being overwritten
+        try:
+            async with asyncio.timeout(max(deadline - time.monotonic(), 0.0)):
+                await delta_reads.read(
+                    self._on_origin, names, out, at=number, base=base, verify=False, stats=stats
+                )
+        except (TensorwireError, TimeoutError) as exc:
+            # DeltaStats.reads counts an answer once it is in, before anything is applied.
+            untouched = stats.reads == before["reads"]
+            if untouched:
+                self.generation = base
+                if isinstance(exc, GenerationRetired | VersionChanged):
+                    raise  # ``_update`` asks again for the newest
+            return self._fell_back(base, f"the delta read to {number} failed: {exc!r}")
+        self.generation = number
+        moved = stats.wire_bytes - before["wire_bytes"]
+        self.updates.append(UpdateRecord(number, base, "delta", moved))
+        return number
+
+    def _fell_back(self, base: int, why: str) -> str:
+        """Log why the relay brings the whole generation: a warning when the tensors no longer hold
+        ``base`` (a delta read failed half-way), else (no generations, a retired base) info."""
+        level = logging.WARNING if self.generation != base else logging.INFO
+        event(log, level, "delta update falls back to the relay", prefix=self.prefix, base=base,
+              holds=self.generation, why=why)  # fmt: skip
+        return why
+
+    async def _stop_serving(self) -> None:
+        self.peer.drop()
+        await self._leave(self.generation)
 
     async def _pull(
         self, manifest: wr.Manifest, placement: wr.Placement, buffers: list[memoryview], deadline: float
@@ -253,7 +373,9 @@ class Subscriber:
             timeout=self.stall_timeout + 5.0,
         )  # fmt: skip
         reader.done()
-        return _verify(manifest, first, dest[: landed[0]], address or str(self.origin))
+        count = _verify(manifest, first, dest[: landed[0]], address or str(self.origin))
+        self.received += landed[0]
+        return count
 
     async def _report(self, generation: int, what: wr.Report, upstream: int) -> wr.Placement:
         body = wr.encode_report(self.prefix, generation, self.reader_id, what, upstream)
@@ -274,6 +396,12 @@ class Subscriber:
         await generational.wait(self.prefix, self.generation, timeout)
 
     # -- connections ------------------------------------------------------------------------------
+    async def _on_origin(self, op: Callable[[Transport], Awaitable[T]], idempotent: bool = True) -> T:
+        """``op`` on the connection to the origin (a ``client.generations.Run``; not retried: a
+        failed delta update falls back to the relay)."""
+        channel = await self._channel("")  # a RangedTransport: also Generational
+        return await op(cast(Transport, channel))
+
     async def _origin_call(self, opcode: int, body: bytes, what: str) -> wm.MetaReader:
         """One request to the origin; a connection found broken is reopened once."""
         for attempt in range(2):

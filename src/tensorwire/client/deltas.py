@@ -80,7 +80,7 @@ async def _read(
 
     gens = as_generational(t, "a delta read")
     answer = await gens.get_delta_at(names, at, base, sink)
-    stats.reads += 1
+    stats.reads += 1  # once the answer is in, before anything is applied: `out` is untouched till then
     stats.wire_bytes += sum(v.nbytes for v in scratch)
     for entry, deltas in zip(answer.tensors, scratch, strict=True):
         await _apply(gens, answer, entry, deltas, out=targets[entry.meta.name], stats=stats)

@@ -15,6 +15,7 @@ from tensorwire.broadcast.source import StoreSource
 from tensorwire.security import Security
 from tensorwire.server import ServerThread
 from tensorwire.store import TensorStore
+from tensorwire.store.generations import GenerationConfig
 
 PREFIX = "policy/"
 CHUNK = 16 << 10  # small: a transfer is many chunks, so faults land mid-transfer
@@ -48,12 +49,14 @@ def same_bytes(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
 
 @contextmanager
 def origin(
-    token: str | None = None, chains: Chains | None = None, *, generations: bool = False
+    token: str | None = None, chains: Chains | None = None, *, generations: bool = False, keep: int = 2
 ) -> Iterator[tuple[ServerThread, RelayCoordinator]]:
     """A server whose coordinator relays its plain versioned tensors in CHUNK-byte chunks, or (with
-    ``generations``) its published generations, as ``tensorwire serve`` does."""
+    ``generations``) its published generations, as ``tensorwire serve`` does; it keeps the last
+    ``keep`` generations of a prefix."""
     store = TensorStore()
-    with ServerThread(store=store, security=Security(token=token)) as srv:
+    config = GenerationConfig(keep=keep)
+    with ServerThread(store=store, security=Security(token=token), generations=config) as srv:
         if generations:
             coordinator = RelayCoordinator.of(srv.server, chains)
         else:
