@@ -100,3 +100,34 @@ def test_hello_carries_compression_only_when_asked() -> None:
     assert len(wm.encode_hello_response(info)) == 48  # an old client sees the block it knows
     answer = wm.encode_hello_response(info, with_codecs=True)
     assert wm.decode_hello_response(wm.MetaReader(answer, limits)) == info
+
+
+def test_threads_compress_and_decompress_zstd_at_once() -> None:
+    """Each thread has its own zstd contexts: a server compresses delta answers on worker threads
+    while its event loop compresses frames, and one shared compressor crashed the process."""
+    import threading
+
+    chunks = [bytes(range(256)) * (1024 + 64 * i) for i in range(8)]
+    errors: list[BaseException] = []
+    start = threading.Barrier(len(chunks))
+
+    def work(chunk: bytes) -> None:
+        try:
+            start.wait(10)
+            for _ in range(50):
+                packed = lossless.compress(lossless.Codec.ZSTD, chunk)
+                assert lossless.decompress(lossless.Codec.ZSTD, packed, len(chunk)) == chunk
+        except BaseException as exc:  # reported below, not lost in the thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(chunk,)) for chunk in chunks]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert not errors and not any(t.is_alive() for t in threads)
+    contexts: list[object] = []
+    probe = threading.Thread(target=lambda: contexts.append(lossless._zstd_compressor()))
+    probe.start()
+    probe.join(10)
+    assert contexts and contexts[0] is not lossless._zstd_compressor()

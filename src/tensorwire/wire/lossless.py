@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import enum
 import struct
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -55,8 +56,27 @@ AUTO = 255  # the HELLO value of "auto"
 MODE_CODES = {"none": Codec.RAW, "lz4": Codec.LZ4, "zstd": Codec.ZSTD, "auto": AUTO}
 SUPPORTED_MASK = (1 << Codec.LZ4) | (1 << Codec.ZSTD)  # the codecs this build decodes
 
-_ZSTD_C = zstandard.ZstdCompressor(level=ZSTD_LEVEL, write_content_size=True, write_checksum=False)
-_ZSTD_D = zstandard.ZstdDecompressor()
+# One zstd compressor and decompressor per thread: their C contexts must never be used by two
+# threads at once (python-zstandard: "not thread safe"), and chunks are compressed on event-loop
+# threads and on worker threads at the same time (a server's delta answers, many clients in one
+# process). A shared pair crashed the process (SIGSEGV in compress) under concurrent delta reads.
+_ZSTD = threading.local()
+
+
+def _zstd_compressor() -> zstandard.ZstdCompressor:
+    compressor: zstandard.ZstdCompressor | None = getattr(_ZSTD, "c", None)
+    if compressor is None:
+        compressor = _ZSTD.c = zstandard.ZstdCompressor(
+            level=ZSTD_LEVEL, write_content_size=True, write_checksum=False
+        )
+    return compressor
+
+
+def _zstd_decompressor() -> zstandard.ZstdDecompressor:
+    decompressor: zstandard.ZstdDecompressor | None = getattr(_ZSTD, "d", None)
+    if decompressor is None:
+        decompressor = _ZSTD.d = zstandard.ZstdDecompressor()
+    return decompressor
 
 
 def check_mode(mode: str) -> str:
@@ -69,7 +89,7 @@ def compress(codec: int, data: bytes | memoryview) -> bytes:
     if codec == Codec.LZ4:
         return bytes(lz4.block.compress(data, store_size=False))
     if codec == Codec.ZSTD:
-        return bytes(_ZSTD_C.compress(data))
+        return bytes(_zstd_compressor().compress(data))
     raise ValueError(f"no compressor for codec {codec}")
 
 
@@ -97,7 +117,7 @@ def decompress(codec: int, payload: bytes | memoryview, size: int) -> bytes:
 def _zstd_decompress(payload: bytes | memoryview, size: int) -> bytes:
     declared = zstandard.frame_content_size(payload)
     if declared == size:  # one frame and nothing after it: bytes past the frame would go unchecked
-        return bytes(_ZSTD_D.decompress(payload, max_output_size=size, allow_extra_data=False))
+        return bytes(_zstd_decompressor().decompress(payload, max_output_size=size, allow_extra_data=False))
     if declared != -1:
         raise CorruptFrame(f"a compressed chunk claims {declared} bytes, not {size}")
     # The frame does not say: decode into a buffer one byte larger than ``size`` (reader.read(n)
@@ -105,7 +125,7 @@ def _zstd_decompress(payload: bytes | memoryview, size: int) -> bytes:
     out = bytearray(size + 1)
     view = memoryview(out)
     got = 0
-    with _ZSTD_D.stream_reader(payload) as reader:
+    with _zstd_decompressor().stream_reader(payload) as reader:
         while got <= size:
             n = reader.readinto(view[got:])
             if not n:
