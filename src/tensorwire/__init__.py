@@ -7,6 +7,7 @@
 """
 
 from tensorwire import errors
+from tensorwire.broadcast import Subscriber
 from tensorwire.client.core import AsyncClient, Client, ClientOptions, aconnect, connect
 from tensorwire.security import Security, TlsFiles
 from tensorwire.server.core import Server, ServerThread
@@ -26,6 +27,7 @@ __all__ = [
     "Security",
     "Server",
     "ServerThread",
+    "Subscriber",
     "TensorMeta",
     "TensorStore",
     "TlsFiles",

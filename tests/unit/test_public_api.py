@@ -14,6 +14,7 @@ import torch
 
 import tensorwire
 from tensorwire import ps
+from tensorwire.broadcast import RelayCoordinator
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 
@@ -106,6 +107,7 @@ GIVEN: dict[str, Callable[[], dict[str, object]]] = {
     "The parameter server": _small_dataset,
     "Compression": _model_with_grads,
     "Generations": dict,  # the example builds its own models
+    "Publish once, read by many": dict,
 }
 BROKEN: dict[str, str] = {}  # examples that do not run as written, and why: strict, so a fix shows up
 EXAMPLE_URL = re.compile(r"\b([a-z]+)://127\.0\.0\.1:\d+")
@@ -132,6 +134,7 @@ def test_the_readme_has_the_examples_this_test_knows() -> None:
 def test_readme_example_runs(heading: str, line: int, code: str, monkeypatch: pytest.MonkeyPatch) -> None:
     urls = ["tcp://127.0.0.1:0", "shm://127.0.0.1:0"]
     with tensorwire.ServerThread(urls, extensions=[ps.ParamServer()]) as server:
+        RelayCoordinator.of(server.server)  # as `tensorwire serve` has it
         bound = {address.scheme: str(address) for address in server.addresses}
         # A worker finds its servers, rank and world size in the environment (torchrun, ps launch).
         monkeypatch.setenv("TENSORWIRE_SERVERS", bound["tcp"])

@@ -253,6 +253,7 @@ def serve(
     log_level: str | None,
 ) -> None:
     """Serve a tensor store, which is also a parameter server, until SIGINT or SIGTERM."""
+    from tensorwire.broadcast import RelayCoordinator
     from tensorwire.dataset.digest import DigestService
     from tensorwire.ps import CheckpointPolicy, ParamServer
 
@@ -307,6 +308,7 @@ def serve(
         location=location,
         generations=GenerationConfig(keep=keep_generations, max_lease_seconds=max_lease_seconds),
     )
+    RelayCoordinator.of(server)  # readers of its generations relay them to each other (Subscriber)
     run(_serve(server, listen + grpc_listen, ready_file))
 
 

@@ -70,6 +70,11 @@ class Opcode(enum.IntEnum):
     GEN_WAIT = 44
     GEN_LEASE = 45
     GEN_GET_DELTA = 46
+    # The relay (docs/protocol.md §15; tensorwire.broadcast): readers of one generation feed each other.
+    RELAY_JOIN = 48
+    RELAY_GET = 49
+    RELAY_REPORT = 50
+    RELAY_STATS = 51
 
 
 class Flags(enum.IntFlag):

@@ -1,0 +1,15 @@
+"""Publish once, read by many: the relay (docs/protocol.md §15).
+
+``Subscriber`` (subscriber.py) keeps a model at the newest generation of a prefix; the origin's
+``RelayCoordinator`` (coordinator.py, an extension of its server) strings the readers of one
+generation into pipelined chains (chains.py) so the origin sends the model's bytes about once;
+each reader's ``RelayPeer`` (peer.py) forwards the chunks it has verified. source.py is the one
+place that knows how the origin keeps generations.
+"""
+
+from tensorwire.broadcast.chains import Chains
+from tensorwire.broadcast.coordinator import RelayCoordinator
+from tensorwire.broadcast.peer import RelayPeer
+from tensorwire.broadcast.subscriber import Subscriber
+
+__all__ = ["Chains", "RelayCoordinator", "RelayPeer", "Subscriber"]

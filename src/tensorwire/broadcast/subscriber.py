@@ -1,0 +1,366 @@
+"""``Subscriber``: keeps a model's tensors at the newest generation of a prefix, read through the
+relay so that the origin sends the model's bytes about once whatever the number of readers.
+
+How one ``update()`` goes (docs/protocol.md §15 has the wire side):
+
+1. RELAY_JOIN to the origin, over the authenticated connection: the newest generation's manifest
+   (tensor records, chunk size, one checksum per chunk) and the upstream to pull from — the origin
+   itself, or the reader that joined just before (the origin strings readers into pipelined
+   chains, chains.py).
+2. Chunks are pulled in order from the upstream (RELAY_GET), straight into the target tensors'
+   memory; each is checked against the manifest's checksum (a relay peer is not trusted: only the
+   manifest, which comes from the origin, is) before it counts as received. As soon as it is, this
+   reader's own relay server (peer.py, a ``Server`` with the cluster's token and TLS) may forward it
+   to the reader after it: every hop forwards chunk k while receiving chunk k+1.
+3. An upstream that drops the connection, stalls past ``stall_timeout``, refuses, or sends a chunk
+   whose checksum fails is reported to the origin (RELAY_REPORT FAILED); the origin drops it from
+   the chain and answers the new upstream (the failed one's own upstream, or itself), and the pull
+   goes on from the chunk it stopped at. Readers after a dead one see their upstream fail and are
+   routed around the same way.
+4. RELAY_REPORT DONE: this reader holds the whole generation and stays an upstream for readers
+   that join later, until its next ``update()`` starts overwriting its tensors.
+
+While ``update()`` runs the tensors are being overwritten; after it returns they hold exactly the
+generation it returns (bit for bit). If it raises, they may hold a mix: the next ``update()``
+fetches the whole generation again. Tensors must be contiguous CPU tensors; ``into``'s keys (a
+``state_dict``'s, or a module's) are the keys ``client.publish(prefix, ...)`` was given.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ipaddress
+import json
+import socket
+import time
+from collections.abc import Callable, Mapping
+from typing import Any, cast
+
+import torch
+
+from tensorwire import transport
+from tensorwire._aio import LoopThread
+from tensorwire.broadcast.peer import RelayPeer
+from tensorwire.errors import (
+    CorruptFrame,
+    GenerationRetired,
+    InvalidTensor,
+    KeyNotFound,
+    ProtocolError,
+    TensorwireError,
+    TransferTimeout,
+    VersionChanged,
+)
+from tensorwire.security import Security, TlsFiles, client_tls, client_token
+from tensorwire.server import Server
+from tensorwire.store import TensorStore
+from tensorwire.transport import FrameChannel, TransportOptions
+from tensorwire.transport.base import Transport, as_generational
+from tensorwire.types import Address, TensorMeta
+from tensorwire.wire import meta as wm
+from tensorwire.wire import relay as wr
+from tensorwire.wire.checksum import checksum
+from tensorwire.wire.frame import Opcode
+from tensorwire.wire.tensors import byte_view, check_out
+
+MAX_MANIFEST_CHUNKS = 1 << 24
+MAX_REROUTES = 64  # upstream failures one update survives before it gives up
+MAX_RESTARTS = 3  # generations retired under one update before it gives up
+
+
+class Subscriber:
+    """Brings the newest generation of ``prefix`` on the server at ``url`` into ``into`` (a module
+    or a ``state_dict``), in place: see the module docstring.
+
+    ``relay``: serve the chunks to other readers (a relay server on ``listen_host``, default the
+    address this host reaches the origin from). ``stall_timeout``: how long an upstream may keep a
+    chunk waiting before it is routed around. ``window``: chunks asked for per request.
+    ``progress(chunks)`` hears, on a worker thread, how many chunks of the generation are verified.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        prefix: str,
+        into: torch.nn.Module | Mapping[str, torch.Tensor],
+        *,
+        token: str | None = None,
+        tls: TlsFiles | None = None,
+        relay: bool = True,
+        listen_host: str | None = None,
+        timeout: float = 60.0,
+        stall_timeout: float = 10.0,
+        connect_timeout: float = 10.0,
+        window: int = 4,
+        progress: Callable[[int], None] | None = None,
+    ) -> None:
+        self.origin = Address.parse(url)
+        if relay and self.origin.scheme not in ("tcp", "tls"):
+            raise ValueError(f"a relay needs a tcp:// or tls:// origin, not {url!r} (or pass relay=False)")
+        self.prefix = prefix
+        self.targets = _targets(prefix, into)
+        self.security = Security(tls=client_tls(tls), token=client_token(token))  # or $TENSORWIRE_*
+        self.timeout = timeout
+        self.stall_timeout = stall_timeout
+        self.window = max(1, min(window, 64))
+        self.progress = progress
+        self.generation = 0  # the generation the tensors hold (0: none yet)
+        self.reader_id = 0  # this reader's id in the generation's relay (0: not in one)
+        self.relay_address = ""  # where this reader serves RELAY_GET, once it does
+        self.peer = RelayPeer(max_wait=stall_timeout)
+        self._relay = relay
+        self._listen_host = listen_host
+        self._options = TransportOptions(connect_timeout, timeout, security=self.security)
+        self._channels: dict[str, FrameChannel] = {}  # "" is the origin
+        self._server: Server | None = None
+        self._loop = LoopThread("tensorwire-subscriber")
+
+    # -- the blocking API ------------------------------------------------------------------------
+    def update(self, timeout: float | None = None) -> int:
+        """Bring the newest generation into the tensors (nothing moves if they hold it already);
+        return its number. TransferTimeout after ``timeout`` seconds (default: the constructor's)."""
+        wait = self.timeout if timeout is None else timeout
+        return self._loop.call(
+            self._update(time.monotonic() + wait), wait + 5.0, f"an update of {self.prefix!r}"
+        )
+
+    def wait_and_update(self, timeout: float) -> int:
+        """Wait (the server notifies; no polling) until a generation newer than the one held is
+        published, then ``update()``; WaitTimeout if none comes within ``timeout`` seconds."""
+        deadline = time.monotonic() + timeout
+        self._loop.call(self._wait(timeout), timeout + 5.0, f"a new generation of {self.prefix!r}")
+        return self.update(max(deadline - time.monotonic(), 1.0))
+
+    def stats(self) -> dict[str, Any]:
+        """The origin's RELAY_STATS for this prefix: what it served for each generation."""
+        return self._loop.call(self._stats(), self.timeout, "the relay's stats")
+
+    def close(self) -> None:
+        if self._loop.loop.is_closed():
+            return
+        with contextlib.suppress(Exception):
+            self._loop.call(self._close(), 10.0, "closing the subscriber")
+        self._loop.stop()
+
+    def __enter__(self) -> Subscriber:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- one update ---------------------------------------------------------------------------------
+    async def _update(self, deadline: float) -> int:
+        """One update; again with the newest generation if the origin retired the one being read
+        (a publisher faster than the readers)."""
+        for attempt in range(MAX_RESTARTS):
+            try:
+                return await self._update_once(deadline)
+            except (GenerationRetired, VersionChanged):
+                if attempt == MAX_RESTARTS - 1:
+                    raise
+        raise AssertionError("unreachable")
+
+    async def _update_once(self, deadline: float) -> int:
+        relay = await self._relay_url()
+        join = wr.encode_join(self.prefix, self.generation, relay)
+        reader = await self._origin_call(Opcode.RELAY_JOIN, join, "RELAY_JOIN")
+        manifest, placement = wr.decode_join_reply(reader, MAX_MANIFEST_CHUNKS)
+        if manifest.generation == self.generation:
+            return self.generation
+        buffers = self._bind(manifest)
+        self.generation, self.reader_id = 0, placement.reader  # the tensors are being overwritten
+        self.peer.hold(self.prefix, manifest, buffers)
+        try:
+            await self._pull(manifest, placement, buffers, deadline)
+        except BaseException:
+            self.peer.drop()
+            await self._leave(manifest.generation)
+            raise
+        self.generation = manifest.generation
+        await self._report(manifest.generation, wr.Report.DONE, 0)
+        return manifest.generation
+
+    def _bind(self, manifest: wr.Manifest) -> list[memoryview]:
+        """The target tensors' bytes, in manifest order; InvalidTensor/KeyNotFound if one is
+        missing or cannot take the published tensor in place."""
+        buffers = []
+        for meta in manifest.metas:
+            target = self.targets.get(meta.name)
+            if target is None:
+                raise KeyNotFound(f"generation {manifest.generation} has {meta.name!r}, which `into` lacks")
+            check_out(meta, target)
+            buffers.append(byte_view(target))
+        return buffers
+
+    async def _pull(
+        self, manifest: wr.Manifest, placement: wr.Placement, buffers: list[memoryview], deadline: float
+    ) -> None:
+        chunk, reroutes = 0, 0
+        while chunk < manifest.chunks:
+            if time.monotonic() > deadline:
+                raise TransferTimeout(
+                    f"the update to generation {manifest.generation} ran out of time at chunk {chunk}"
+                )
+            try:
+                got = await self._fetch(placement.address, manifest, chunk, buffers)
+            except TensorwireError:
+                if not placement.address or reroutes >= MAX_REROUTES:
+                    raise  # the origin itself failed: the update fails
+                reroutes += 1
+                await self._drop_channel(placement.address)
+                placement = await self._report(manifest.generation, wr.Report.FAILED, placement.upstream)
+                continue
+            chunk += got
+            self.peer.advance(chunk)
+            if self.progress is not None:
+                await asyncio.to_thread(self.progress, chunk)
+
+    async def _fetch(self, address: str, manifest: wr.Manifest, first: int, buffers: list[memoryview]) -> int:
+        """Pull chunks from ``first`` on from the upstream at ``address`` ("": the origin) into the
+        tensors, verify each against the manifest: how many landed and checked."""
+        index, offset, length = manifest.span(first, self.window)
+        meta = manifest.metas[index]
+        dest = buffers[index][offset : offset + length]
+        landed = [0]
+
+        def sink(metas: list[TensorMeta]) -> list[memoryview]:
+            n = metas[0].nbytes if len(metas) == 1 else 0
+            partial = n != length and n % manifest.chunk_bytes
+            if len(metas) != 1 or metas[0].name != meta.name or not 0 < n <= length or partial:
+                raise ProtocolError(
+                    f"an upstream answered chunk {first} of {meta.name!r} with something else"
+                )
+            landed[0] = n
+            return [dest[:n]]
+
+        wait_ms = int(self.stall_timeout * 1000)
+        body = wr.encode_get(self.prefix, manifest.generation, first, self.window, wait_ms)
+        channel = await self._channel(address)
+        reader = await channel.call(
+            Opcode.RELAY_GET, body, sink=sink, what=f"RELAY_GET of chunk {first}",
+            timeout=self.stall_timeout + 5.0,
+        )  # fmt: skip
+        reader.done()
+        return _verify(manifest, first, dest[: landed[0]], address or str(self.origin))
+
+    async def _report(self, generation: int, what: wr.Report, upstream: int) -> wr.Placement:
+        body = wr.encode_report(self.prefix, generation, self.reader_id, what, upstream)
+        reader = await self._origin_call(Opcode.RELAY_REPORT, body, f"RELAY_REPORT {what.name}")
+        placement = wr.decode_report_reply(reader)
+        if what is wr.Report.FAILED and placement.reader == 0:
+            self.reader_id = 0  # no longer in the relay (the generation was retired): from the origin
+        return placement
+
+    async def _stats(self) -> dict[str, Any]:
+        reader = await self._origin_call(Opcode.RELAY_STATS, wr.encode_stats(self.prefix), "RELAY_STATS")
+        doc: dict[str, Any] = json.loads(wr.decode_json(reader))
+        return doc
+
+    async def _wait(self, timeout: float) -> None:
+        channel = await self._channel("")  # a RangedTransport: also Generational
+        generational = as_generational(cast(Transport, channel), "Subscriber.wait_and_update")
+        await generational.wait(self.prefix, self.generation, timeout)
+
+    # -- connections ------------------------------------------------------------------------------
+    async def _origin_call(self, opcode: int, body: bytes, what: str) -> wm.MetaReader:
+        """One request to the origin; a connection found broken is reopened once."""
+        for attempt in range(2):
+            channel = await self._channel("")
+            try:
+                return await channel.call(opcode, body, what=what)
+            except TensorwireError:
+                if not channel.closed or attempt:
+                    raise
+                await self._drop_channel("")
+        raise AssertionError("unreachable")
+
+    async def _channel(self, address: str) -> FrameChannel:
+        channel = self._channels.get(address)
+        if channel is None or channel.closed:
+            target = address or str(self.origin)
+            channel = await transport.open_channel(target, self._options, what="a Subscriber")
+            self._channels[address] = channel
+        return channel
+
+    async def _drop_channel(self, address: str) -> None:
+        channel = self._channels.pop(address, None)
+        if channel is not None:
+            with contextlib.suppress(TensorwireError):
+                await channel.close()
+
+    async def _relay_url(self) -> str:
+        """This reader's relay address, its server started on first use ("" without a relay)."""
+        if not self._relay:
+            return ""
+        if self._server is None:
+            host = self._listen_host or _local_host_towards(self.origin)
+            server = Server(TensorStore(capacity=0, max_tensors=1), security=self.security,
+                            extensions=[self.peer], stall_timeout=self.stall_timeout)  # fmt: skip
+            (address,) = await server.start(f"{self.origin.scheme}://{_bracketed(host)}:0")
+            self._server, self.relay_address = server, str(address)
+        return self.relay_address
+
+    async def _leave(self, generation: int) -> None:
+        """Tell the origin this reader no longer serves ``generation`` (best effort: a dead origin
+        forgets it anyway)."""
+        if generation and self.reader_id:
+            with contextlib.suppress(TensorwireError, TimeoutError):
+                async with asyncio.timeout(2.0):
+                    await self._report(generation, wr.Report.LEAVE, 0)
+            self.reader_id = 0
+
+    async def _close(self) -> None:
+        await self._leave(self.generation)
+        self.peer.drop()
+        for address in list(self._channels):
+            await self._drop_channel(address)
+        if self._server is not None:
+            await self._server.close()
+            self._server = None
+
+
+def _verify(manifest: wr.Manifest, first: int, landed: memoryview, source: str) -> int:
+    """Check each chunk of ``landed`` (chunks from ``first`` on) against the manifest; the count.
+    CorruptFrame names the chunk and the upstream that sent it."""
+    size = manifest.chunk_bytes
+    count = -(-landed.nbytes // size)
+    for k in range(count):
+        if checksum(manifest.kind, landed[k * size : (k + 1) * size]) != manifest.checksums[first + k]:
+            raise CorruptFrame(f"chunk {first + k} from {source} does not match the origin's manifest")
+    return count
+
+
+def _targets(prefix: str, into: torch.nn.Module | Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    tensors = into.state_dict(keep_vars=True) if isinstance(into, torch.nn.Module) else dict(into)
+    targets = {}
+    for key, tensor in tensors.items():
+        if tensor.device.type != "cpu" or not tensor.is_contiguous():
+            raise InvalidTensor(f"{key!r}: a Subscriber writes into contiguous CPU tensors in place")
+        targets[full_name(prefix, key)] = tensor
+    return targets
+
+
+def full_name(prefix: str, key: str) -> str:
+    """The published name of ``key`` under ``prefix``: ``prefix/key`` (as ``client.publish`` names
+    it), or ``prefix + key`` for a prefix that ends with "/" (plain puts under a common prefix)."""
+    return prefix + key if prefix.endswith("/") else f"{prefix}/{key}"
+
+
+def _local_host_towards(origin: Address) -> str:
+    """The address this host reaches ``origin`` from (a UDP connect sends nothing)."""
+    try:
+        infos = socket.getaddrinfo(origin.host, origin.port or 1, type=socket.SOCK_DGRAM)
+        family, _, _, _, sockaddr = infos[0]
+        with socket.socket(family, socket.SOCK_DGRAM) as probe:
+            probe.connect(sockaddr)
+            return str(probe.getsockname()[0])
+    except OSError as exc:
+        raise ValueError(f"cannot tell which local address reaches {origin}; pass listen_host") from exc
+
+
+def _bracketed(host: str) -> str:
+    with contextlib.suppress(ValueError):
+        if ipaddress.ip_address(host).version == 6:
+            return f"[{host}]"
+    return host

@@ -1,0 +1,137 @@
+"""What an authenticated but hostile reader can make the relay's coordinator and peers hold or do:
+advertised addresses are checked, every table is bounded, a report drops only the reporter's own
+upstream, one RELAY_GET answer and one parked wait are capped (docs/protocol.md §15.4)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+import tensorwire
+from tensorwire import transport
+from tensorwire._aio import run
+from tensorwire.broadcast import Chains, RelayPeer
+from tensorwire.broadcast.coordinator import MAX_GET_CHUNKS
+from tensorwire.errors import InvalidName, ProtocolError, VersionChanged, WaitTimeout
+from tensorwire.server import ServerThread
+from tensorwire.testing.relay import CHUNK, PREFIX, model_tensors, origin, publish
+from tensorwire.transport import TransportOptions
+from tensorwire.types import TensorMeta
+from tensorwire.wire import meta as wm
+from tensorwire.wire import relay as wr
+from tensorwire.wire.frame import Opcode
+
+
+async def _call(
+    url: str, opcode: int, body: bytes, sink: bool = False
+) -> tuple[wm.MetaReader, list[TensorMeta]]:
+    channel = await transport.open_channel(url, TransportOptions(5.0, 10.0), what="a hostile reader")
+    landed: list[TensorMeta] = []
+
+    def land(metas: list[TensorMeta]) -> list[memoryview]:
+        landed.extend(metas)
+        return [memoryview(bytearray(m.nbytes)) for m in metas]
+
+    try:
+        reader = await channel.call(opcode, body, sink=land if sink else None, what=Opcode(opcode).name)
+        return reader, landed
+    finally:
+        await channel.close()
+
+
+def call(url: str, opcode: int, body: bytes, sink: bool = False) -> tuple[wm.MetaReader, list[TensorMeta]]:
+    return run(_call(url, opcode, body, sink))
+
+
+def join(url: str, relay: str, prefix: str = PREFIX) -> wr.Placement:
+    reader, _ = call(url, Opcode.RELAY_JOIN, wr.encode_join(prefix, 0, relay))
+    return wr.decode_join_reply(reader, 1 << 20)[1]
+
+
+@pytest.mark.parametrize(
+    "relay",
+    [
+        "tcp://127.0.0.1:0",
+        "tcp://127.0.0.1:70000",
+        "grpc://127.0.0.1:7070",
+        "memory://somewhere",
+        "tcp://bad_host!:7070",
+        "tcp://" + "a" * 300 + ":7070",
+        "tcp://-leading.example:7070",
+        "127.0.0.1:7070",
+    ],
+)
+def test_a_join_advertising_a_bad_address_is_refused_and_registers_nothing(relay: str) -> None:
+    with origin() as (srv, coordinator):
+        publish(srv.url, model_tensors(1))
+        with pytest.raises((InvalidName, ProtocolError)):
+            join(srv.url, relay)
+        assert coordinator.chains.readers() == 0
+
+
+def test_readers_per_generation_are_bounded_and_the_rest_read_from_the_origin() -> None:
+    with origin(chains=Chains(max_readers=3, max_chain=2)) as (srv, coordinator):
+        publish(srv.url, model_tensors(1))
+        placements = [join(srv.url, f"tcp://127.0.0.1:{7000 + i}") for i in range(10)]
+        assert coordinator.chains.readers() == 3
+        assert [p.reader != 0 for p in placements] == [True] * 3 + [False] * 7
+        assert all(p.upstream == 0 and p.address == "" for p in placements[3:])
+        # max_chain=2: the third reader starts a new chain at the origin.
+        assert placements[1].upstream == placements[0].reader and placements[2].upstream == 0
+
+
+def test_generations_and_prefixes_kept_are_bounded() -> None:
+    with origin(chains=Chains(keep=2, max_prefixes=3)) as (srv, coordinator):
+        for seed in range(5):
+            publish(srv.url, model_tensors(seed))
+            join(srv.url, "tcp://127.0.0.1:7000")
+        stats = coordinator.chains.stats(PREFIX)
+        assert len(stats["generations"]) == 2  # type: ignore[arg-type]
+        with tensorwire.connect(srv.url) as client:
+            for i in range(6):
+                client.put(f"p{i}/w", model_tensors(0)["fc2.weight"])
+                join(srv.url, "tcp://127.0.0.1:7001", prefix=f"p{i}/")
+        assert len(coordinator.chains.served_total) <= 3 and coordinator.chains.readers() <= 3
+
+
+def test_a_report_drops_only_the_reporters_own_upstream() -> None:
+    with origin() as (srv, coordinator):
+        generation = publish(srv.url, model_tensors(1))
+        first, second, third = (join(srv.url, f"tcp://127.0.0.1:{7000 + i}") for i in range(3))
+        forged = [
+            (third.reader, first.reader),  # the first one is not the third one's upstream
+            (12345, second.reader),  # no such reporter
+        ]
+        for reporter, victim in forged:
+            body = wr.encode_report(PREFIX, generation, reporter, wr.Report.FAILED, victim)
+            call(srv.url, Opcode.RELAY_REPORT, body)
+        assert coordinator.chains.readers() == 3
+        body = wr.encode_report(PREFIX, generation, third.reader, wr.Report.FAILED, second.reader)
+        reader, _ = call(srv.url, Opcode.RELAY_REPORT, body)
+        assert wr.decode_report_reply(reader).upstream == first.reader  # around the reported one
+        assert coordinator.chains.readers() == 2
+
+
+def test_one_relay_get_answer_is_capped_and_a_chunk_outside_the_generation_refused() -> None:
+    with origin() as (srv, _):
+        generation = publish(srv.url, {"big": model_tensors(1)["fc1.weight"].repeat(8, 1)})  # 2.4 MiB
+        body = wr.encode_get(PREFIX, generation, 0, 0xFFFFFFFF, 0xFFFFFFFF)
+        _, landed = call(srv.url, Opcode.RELAY_GET, body, sink=True)
+        assert landed[0].nbytes <= MAX_GET_CHUNKS * CHUNK
+        with pytest.raises(ProtocolError):
+            call(srv.url, Opcode.RELAY_GET, wr.encode_get(PREFIX, generation, 1 << 40, 1, 0))
+
+
+def test_a_peer_parks_a_relay_get_no_longer_than_its_cap() -> None:
+    peer = RelayPeer(max_wait=0.3)
+    manifest = wr.Manifest(7, 16, (TensorMeta("p/x", torch.uint8, (32,), 32, 7),), (0, 0))
+    peer.hold("p/", manifest, [memoryview(bytearray(32))])  # nothing verified yet
+    with ServerThread(extensions=[peer]) as srv:
+        started = time.monotonic()
+        with pytest.raises(WaitTimeout):
+            call(srv.url, Opcode.RELAY_GET, wr.encode_get("p/", 7, 0, 1, 0xFFFFFFFF))
+        assert time.monotonic() - started < 5.0
+        with pytest.raises(VersionChanged):  # a generation it does not hold
+            call(srv.url, Opcode.RELAY_GET, wr.encode_get("p/", 6, 0, 1, 0))

@@ -1,0 +1,161 @@
+"""The relay with real servers on loopback: N Subscribers read one generation bit-exactly while
+the origin sends its bytes about once (docs/protocol.md §15)."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+from prometheus_client import generate_latest
+
+import tensorwire
+from tensorwire import transport
+from tensorwire._aio import run
+from tensorwire.errors import AuthenticationError
+from tensorwire.server import metrics
+from tensorwire.testing.process import ServerProcess, run_threads
+from tensorwire.testing.relay import (
+    PREFIX,
+    blank_like,
+    model_bytes,
+    model_tensors,
+    origin,
+    publish,
+    same_bytes,
+)
+from tensorwire.transport import TransportOptions
+from tensorwire.wire import relay as wr
+from tensorwire.wire.frame import Opcode
+
+
+def test_four_subscribers_in_threads_read_bit_exact_and_the_origin_sends_about_once() -> None:
+    with origin() as (srv, _):
+        _four_read(srv.url)
+        served = srv.server.status()["relay"]["served_bytes"][PREFIX]
+        assert 0 < served <= 1.1 * model_bytes(model_tensors(1))
+        scraped = metrics.parse(generate_latest(srv.server.registry).decode())
+        assert scraped["tensorwire_relay_served_bytes_total"] == [({"prefix": PREFIX}, served)]
+
+
+def _four_read(url: str) -> None:
+    model = model_tensors(1)
+    generation = publish(url, model)
+    targets = [blank_like(model) for _ in range(4)]
+    subs = [tensorwire.Subscriber(url, PREFIX, t, listen_host="127.0.0.1") for t in targets]
+    try:
+        got = [0] * 4
+
+        def read(i: int) -> None:
+            got[i] = subs[i].update(timeout=30)
+
+        run_threads(read, 4, timeout=60)
+        assert got == [generation] * 4
+        assert all(same_bytes(model, t) for t in targets)
+        stats = subs[0].stats()
+        (gen,) = stats["generations"]
+        assert gen["model_bytes"] == model_bytes(model)
+        assert gen["served_bytes"] <= 1.1 * model_bytes(model), stats  # about once, not 4x
+        assert gen["readers"] == 4 and gen["done"] == 4
+        assert subs[0].update(timeout=30) == generation  # nothing newer: nothing moves
+    finally:
+        for sub in subs:
+            sub.close()
+
+
+def test_a_second_generation_reaches_every_reader() -> None:
+    with origin() as (srv, _):
+        _second_generation(srv.url)
+
+
+def _second_generation(url: str) -> None:
+    first = model_tensors(1)
+    publish(url, first)
+    targets = [blank_like(first) for _ in range(3)]
+    subs = [tensorwire.Subscriber(url, PREFIX, t, listen_host="127.0.0.1") for t in targets]
+    try:
+        run_threads(lambda i: subs[i].update(timeout=30), 3, timeout=60)
+        second = model_tensors(2)
+        g2 = publish(url, second)
+        got = [0] * 3
+
+        def read(i: int) -> None:
+            got[i] = subs[i].update(timeout=30)
+
+        run_threads(read, 3, timeout=60)
+        assert got == [g2] * 3
+        assert all(same_bytes(second, t) for t in targets)
+    finally:
+        for sub in subs:
+            sub.close()
+
+
+def test_a_reader_without_the_token_never_joins_and_a_relay_server_wants_it_too() -> None:
+    model = model_tensors(1)
+    with origin(token="s3cret") as (srv, coordinator):
+        publish(srv.url, model, token="s3cret")
+        for token in (None, "wrong"):
+            stranger = tensorwire.Subscriber(
+                srv.url, PREFIX, blank_like(model), token=token, listen_host="127.0.0.1"
+            )
+            with stranger, pytest.raises(AuthenticationError):
+                stranger.update(timeout=30)
+        assert coordinator.chains.readers() == 0
+        target = blank_like(model)
+        with tensorwire.Subscriber(
+            srv.url, PREFIX, target, token="s3cret", listen_host="127.0.0.1"
+        ) as member:
+            member.update(timeout=30)
+            assert same_bytes(model, target)
+            # Its relay server is a tensorwire server with the same token: a stranger gets nothing.
+            body = wr.encode_get(PREFIX, member.generation, 0, 1, 0)
+            with pytest.raises(AuthenticationError):
+                run(_relay_get(member.relay_address, body))
+            assert member.peer.served == 0
+
+
+async def _relay_get(address: str, body: bytes) -> None:
+    channel = await transport.open_channel(address, TransportOptions(5.0, 5.0), what="a stranger")
+    try:
+        await channel.call(Opcode.RELAY_GET, body, what="RELAY_GET")
+    finally:
+        await channel.close()
+
+
+def test_published_generations_relay_and_wait_and_update_follows_the_publisher() -> None:
+    model = model_tensors(1)
+    with origin(generations=True) as (srv, _), tensorwire.connect(srv.url) as trainer:
+        first = trainer.publish("policy", model)
+        targets = [blank_like(model) for _ in range(3)]
+        subs = [tensorwire.Subscriber(srv.url, "policy", t, listen_host="127.0.0.1") for t in targets]
+        try:
+            run_threads(lambda i: subs[i].update(timeout=30), 3, timeout=60)
+            assert [s.generation for s in subs] == [first.number] * 3
+            assert all(same_bytes(model, t) for t in targets)
+            second = model_tensors(2)
+            waiting = threading.Thread(target=lambda: subs[0].wait_and_update(30), daemon=True)
+            waiting.start()
+            g2 = trainer.publish("policy", second)
+            waiting.join(60)
+            assert subs[0].generation == g2.number and same_bytes(second, targets[0])
+            (gen,) = [g for g in subs[0].stats()["generations"] if g["generation"] == first.number]
+            assert gen["served_bytes"] <= 1.1 * model_bytes(model)
+        finally:
+            for sub in subs:
+                sub.close()
+
+
+def test_tensorwire_serve_relays_its_generations_to_four_readers() -> None:
+    model = {k: v.repeat(20, 1) if v.dim() == 2 else v for k, v in model_tensors(3).items()}  # ~8 MiB
+    with ServerProcess() as srv, tensorwire.connect(srv.url) as trainer:
+        generation = trainer.publish("policy", model)
+        targets = [blank_like(model) for _ in range(4)]
+        subs = [tensorwire.Subscriber(srv.url, "policy", t, listen_host="127.0.0.1") for t in targets]
+        try:
+            run_threads(lambda i: subs[i].update(timeout=60), 4, timeout=90)
+            assert all(s.generation == generation.number for s in subs)
+            assert all(same_bytes(model, t) for t in targets)
+            (gen,) = subs[0].stats()["generations"]
+            assert gen["readers"] == 4 and gen["served_bytes"] <= 1.1 * model_bytes(model), gen
+        finally:
+            for sub in subs:
+                sub.close()
