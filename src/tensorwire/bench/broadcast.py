@@ -28,19 +28,35 @@ The modes measured today:
   ``delta_bytes_ratio`` (/ model bytes; target <= 0.05), with ``delta_bytes_source`` saying what
   counted them: the origin's link (veth tx bytes, TCP/IP headers included) in namespaces, the
   reader client's ``DeltaStats.wire_bytes`` (answer data, no frame headers) on loopback.
+* ``fanout``: N readers at once, each a ``tensorwire.broadcast.Subscriber`` whose relay server
+  listens on its namespace's address (the address it reaches the origin from), so the readers feed
+  each other along the origin's chains: ``fanout_s``, ``fanout_vs_single`` (target <= 1.3) and
+  ``origin_egress_ratio["fanout"]`` (target <= 1.1).
+* ``mixed``: a publisher in the origin's namespace publishes a new generation every
+  ``--publish-every`` seconds (default: twice the model's time on a link; 0.05 s on loopback),
+  every byte of the k-th set from k and k in each tensor's first 8 bytes, while the N readers read
+  each new generation through the relay (``wait_and_update``) for ``--mixed-seconds``: ``reads``,
+  ``mixed_reads`` (reads whose bytes differ from what was published as the generation the read
+  returned, or whose tensors carry two generations' tags; target 0), ``mixed_failed_updates``
+  (updates that raised, by error: a generation retired under a slow read, say; their tensors are
+  not counted as reads, as the Subscriber documents) and ``mixed_generations``.
+* ``killed``: a fanout round in which the last reader stops pulling after its first verified
+  chunk (its progress callback says so and blocks: a process frozen mid-relay), is kill -9'd there,
+  and the others must finish bit-exact: ``killed_reader_ok`` (``killed_error`` when not). The
+  killed reader is started again when a later round needs it.
 
-Every mode also gives ``bound_s[mode]`` (the physical bound: model bytes / link rate, N times that
-for star, all of it through the origin's link) and, in namespaces, ``origin_egress_bytes[mode]``
-and ``origin_egress_ratio[mode]`` (bytes the origin's link sent, from its veth counters, / model
-bytes; TCP/IP headers make 1.0 about 1.05). Modes that need code not built yet (the relay's
-``fanout``, ``mixed``, ``killed``) are listed in ``not_measured`` with the reason, never
-given a number.
+Every mode but ``delta``, ``mixed`` and ``killed`` also gives ``bound_s[mode]`` (the physical
+bound: model bytes / link rate, N times that for star, all of it through the origin's link) and,
+in namespaces, ``origin_egress_bytes[mode]`` and ``origin_egress_ratio[mode]`` (bytes the origin's
+link sent, from its veth counters, / model bytes; TCP/IP headers make 1.0 about 1.05). Modes not
+asked for (``--modes``) are listed in ``not_measured``, never given a number.
 
 Where namespaces cannot be made the bench exits 0 with ``skipped`` and the reason. ``--no-netns``
 runs the same modes on 127.0.0.1 without shaping (``"network": "loopback"``; every process shares
 this machine's cores, so the figures are CPU-bound, and there is no origin link to count).
 
-Run: ``tensorwire bench broadcast [--json] [--readers 8] [--size 256MiB] [--rate 1] [--no-netns]``.
+Run: ``tensorwire bench broadcast [--json] [--readers 8] [--size 256MiB] [--rate 1] [--modes ...]
+[--mixed-seconds 30] [--no-netns]``.
 """
 
 from __future__ import annotations
@@ -107,6 +123,7 @@ class Round:
     reader_s: list[float]
     egress: int | None
     info: list[dict[str, Any]] = field(default_factory=list)
+    cpu_s: list[float] = field(default_factory=list)  # each reader's CPU seconds (all its threads)
 
 
 @dataclass(frozen=True)
@@ -187,7 +204,8 @@ class Harness:
         if check:
             self._check(way, results)
         span = max(r["end"] for r in results) - min(r["start"] for r in results)
-        return Round(span, [r["end"] - r["start"] for r in results], sent, [r["info"] for r in results])
+        times = [r["end"] - r["start"] for r in results]
+        return Round(span, times, sent, [r["info"] for r in results], [r["cpu"] for r in results])
 
     def wait(self, folder: Path, what: str, readers: Sequence[int], timeout: float, label: str) -> None:
         """Until each of ``readers`` has written ``what`` in ``folder``; RuntimeError with its log's
@@ -235,7 +253,9 @@ def readers(wrappers: Sequence[Sequence[str]], folder: Path) -> Iterator[list[su
                 proc.wait(STOP_TIMEOUT)
 
 
-def start_reader(wrapper: Sequence[str], index: int, folder: Path, first_round: int = 1) -> subprocess.Popen[bytes]:
+def start_reader(
+    wrapper: Sequence[str], index: int, folder: Path, first_round: int = 1
+) -> subprocess.Popen[bytes]:
     """Reader ``index`` in its namespace, taking part in rounds from ``first_round`` on."""
     cmd = [*wrapper, sys.executable, "-m", "tensorwire.bench.broadcast_readers",
            "--reader", str(index), str(folder), "--first-round", str(first_round)]  # fmt: skip
@@ -289,7 +309,13 @@ def fanout(h: Harness) -> dict[str, Any]:
     """Every reader at once through the relay (``Subscriber.update``): the origin sends the model
     about once, the readers forward it along their chains."""
     r = h.run_readers("relay", h.setup.readers)
-    return {"fanout_s": r.seconds, "fanout_reader_s": r.reader_s, **_per_mode(h, "fanout", r, copies=1)}
+    return {
+        "fanout_s": r.seconds,
+        "fanout_reader_s": r.reader_s,
+        # with the span, what the readers asked of this machine's cores (not the origin's, nor the kernel's)
+        "fanout_reader_cpu_s": r.cpu_s,
+        **_per_mode(h, "fanout", r, copies=1),
+    }
 
 
 def mixed(h: Harness) -> dict[str, Any]:
@@ -304,9 +330,8 @@ def mixed(h: Harness) -> dict[str, Any]:
     last = published[max(published)]
     h.generation, h.expected = last["generation"], last["digests"]  # the newest, for the modes after
     reads = [read for info in r.info for read in info["reads"]]
-    wrong = [x for x in reads if len(x["tags"]) > 1 or published[x["generation"]]["digests"] != x["digests"]]
     return {
-        "mixed_reads": len(wrong),
+        "mixed_reads": len(mixed_reads(published, reads)),
         "reads": len(reads),
         "mixed_failed_updates": _kinds(f for info in r.info for f in info["failed"]),
         "mixed_generations": len(published),
@@ -330,12 +355,23 @@ def killed(h: Harness) -> dict[str, Any]:
     finally:
         (started.folder / "over").touch()
         h.killed.add(victim)  # started again by the next round that needs it
-    return {"killed_reader_ok": True, "killed_s": r.seconds, "killed_survivors": len(r.reader_s)}
+    return {"killed_reader_ok": True, "killed_s": r.seconds, "killed_reader_s": r.reader_s}
 
 
 MODES: dict[str, Mode] = {
     "single": single, "star": star, "delta": delta, "fanout": fanout, "mixed": mixed, "killed": killed,
 }  # fmt: skip
+
+
+def mixed_reads(published: dict[int, dict[str, Any]], reads: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The reads whose tensors carry more than one generation's tag, or whose bytes differ from
+    what was published as the generation the read returned (or that was never published)."""
+
+    def wrong(read: dict[str, Any]) -> bool:
+        was = published.get(read["generation"])
+        return len(read["tags"]) > 1 or was is None or was["digests"] != read["digests"]
+
+    return [read for read in reads if wrong(read)]
 
 
 def _kinds(failures: Iterable[str]) -> dict[str, int]:
@@ -466,6 +502,7 @@ def harness(setup: Setup, lay: Layout) -> Iterator[Harness]:
             return _run_publisher(origin_wrap, folder, setup.timeout, f"spec-{changed}.json")
 
         first = _run_publisher(origin_wrap, folder, setup.timeout, "spec.json")
+
         def restart(index: int, first_round: int) -> None:
             procs[index] = start_reader(wrappers[index], index, folder, first_round)
 
@@ -569,7 +606,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--mixed-seconds", type=float, default=d.mixed_seconds,
                         help="mixed: how long the readers read while the publisher publishes")  # fmt: skip
     parser.add_argument("--publish-every", type=float, default=None,
-                        help="mixed: seconds between publishes (default: the model's time on a link)")  # fmt: skip
+                        help="mixed: seconds between publishes (default: 2 x the link time)")  # fmt: skip
     parser.add_argument("--no-netns", dest="netns", action="store_false",
                         help="on 127.0.0.1, unshaped (labelled loopback in the result)")  # fmt: skip
     args = parser.parse_args(argv)

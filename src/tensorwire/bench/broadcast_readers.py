@@ -8,13 +8,17 @@ namespace where there is one) is started once for the whole run. It waits for ``
 part allocates and touches its tensors, sets its way up (connects), touches ``ready-<i>``, waits
 for ``go``, fetches (timed, wall clock, so that the readers' spans compare across processes),
 hashes each tensor and writes ``result-<i>``. It exits when ``FOLDER/stop`` appears or its parent
-is gone. A reader way is a context manager in ``READERS``: the relay adds its own there.
+is gone (a reader started again after a kill begins at ``--first-round``). A reader way is a
+context manager in ``READERS``: ``origin`` and ``delta`` read with the client, ``relay`` and
+``mixed`` with a ``Subscriber`` that keeps serving the readers after it until the round's ``over``.
 
 The publisher (``--publish SPEC OUT``) makes the state_dict from the spec's seed, publishes it on
 the origin as a generation of ``PREFIX`` (``publish``) and writes each tensor's digest to OUT. With
 ``changed`` = k in the spec it publishes the state_dict after k rounds of ``change`` (1% of the
 elements of every tensor given new values at random positions, seeded): the generation a
-``delta`` round reads against the one before.
+``delta`` round reads against the one before. The publisher loop (``--publish-loop SPEC OUT``,
+the ``mixed`` mode's) publishes generation after generation, each tensor's bytes tagged with the
+generation (``fill``), appending each one's number and digests to OUT until the spec's ``stop``.
 
 A round's job may name the generation to read (``at``) and the one the reader holds (``base``):
 the ``delta`` way reads ``base`` in full before the go, then ``at`` with ``base=``, and reports
@@ -170,7 +174,8 @@ def through_relay(spec: Spec, index: int, tensors: dict[str, torch.Tensor]) -> I
     ``victim`` stops pulling after its first verified chunk (a process frozen mid-relay) and says
     so (``progress-<i>``), for the harness to kill -9 it there."""
     folder = Path(spec["round"])
-    progress = functools.partial(_frozen, folder, index, spec["timeout"]) if spec.get("victim") == index else None
+    victim = spec.get("victim") == index
+    progress = functools.partial(_frozen, folder, index, spec["timeout"]) if victim else None
     with Subscriber(spec["origin"], PREFIX, tensors, timeout=spec["timeout"], progress=progress) as sub:
 
         def fetch() -> dict[str, Any]:
@@ -200,7 +205,8 @@ def relay_while_publishing(spec: Spec, index: int, tensors: dict[str, torch.Tens
                 except TensorwireError as exc:  # refused by the Subscriber's own checks, or retired
                     failed.append(f"{type(exc).__name__}: {exc}")
                     continue
-                reads.append({"generation": number, "digests": digests(tensors), "tags": sorted(tags(tensors))})
+                held = {"generation": number, "digests": digests(tensors), "tags": sorted(tags(tensors))}
+                reads.append(held)
             return {"reads": reads, "failed": failed}
 
         yield fetch
@@ -254,10 +260,10 @@ def read_once(way: str, spec: Spec, index: int, folder: Path) -> None:
     with READERS[way]({**spec, "round": str(folder)}, index, tensors) as fetch:
         marker(folder, "ready", index).touch()
         wait_for((folder / "go").exists, spec["timeout"], "the go signal", GO_POLL)
-        start = time.time()  # wall clock: the readers' starts and ends are compared across processes
+        start, cpu = time.time(), time.process_time()  # wall clock: compared across processes
         info = fetch()
-        end = time.time()
-        result = {"start": start, "end": end, "digests": digests(tensors), "info": info or {}}
+        end, cpu = time.time(), time.process_time() - cpu  # all its threads: pull, verify, relay
+        result = {"start": start, "end": end, "cpu": cpu, "digests": digests(tensors), "info": info or {}}
         write_json(marker(folder, "result", index), result)
 
 
@@ -321,7 +327,8 @@ def fill(tensors: Mapping[str, torch.Tensor], k: int) -> None:
 
 def tags(tensors: Mapping[str, torch.Tensor]) -> set[int]:
     """The ``k`` in the heads of the tensors (``fill``): one value unless a read mixed generations."""
-    return {int(t.view(-1).view(torch.uint8)[:8].view(torch.int64)[0]) for t in tensors.values() if t.nbytes >= 8}
+    heads = [t.view(-1).view(torch.uint8)[:8] for t in tensors.values() if t.nbytes >= 8]
+    return {int(head.view(torch.int64)[0]) for head in heads}
 
 
 def round_folder(folder: Path, number: int) -> Path:
