@@ -4,15 +4,21 @@ the origin sends its bytes about once (docs/protocol.md §15)."""
 from __future__ import annotations
 
 import threading
+from pathlib import Path
 
 import pytest
+import torch
+from click.testing import CliRunner
 from prometheus_client import generate_latest
 
 import tensorwire
 from tensorwire import transport
 from tensorwire._aio import run
-from tensorwire.errors import AuthenticationError
-from tensorwire.server import metrics
+from tensorwire.broadcast import RelayCoordinator
+from tensorwire.cli import main
+from tensorwire.errors import AuthenticationError, InvalidTensor
+from tensorwire.security import Security, TlsFiles
+from tensorwire.server import ServerThread, metrics
 from tensorwire.testing.process import ServerProcess, run_threads
 from tensorwire.testing.relay import (
     PREFIX,
@@ -22,6 +28,7 @@ from tensorwire.testing.relay import (
     origin,
     publish,
     same_bytes,
+    subscribers,
 )
 from tensorwire.transport import TransportOptions
 from tensorwire.wire import relay as wr
@@ -41,8 +48,7 @@ def _four_read(url: str) -> None:
     model = model_tensors(1)
     generation = publish(url, model)
     targets = [blank_like(model) for _ in range(4)]
-    subs = [tensorwire.Subscriber(url, PREFIX, t, listen_host="127.0.0.1") for t in targets]
-    try:
+    with subscribers(url, PREFIX, targets) as subs:
         got = [0] * 4
 
         def read(i: int) -> None:
@@ -57,9 +63,6 @@ def _four_read(url: str) -> None:
         assert gen["served_bytes"] <= 1.1 * model_bytes(model), stats  # about once, not 4x
         assert gen["readers"] == 4 and gen["done"] == 4
         assert subs[0].update(timeout=30) == generation  # nothing newer: nothing moves
-    finally:
-        for sub in subs:
-            sub.close()
 
 
 def test_a_second_generation_reaches_every_reader() -> None:
@@ -71,8 +74,7 @@ def _second_generation(url: str) -> None:
     first = model_tensors(1)
     publish(url, first)
     targets = [blank_like(first) for _ in range(3)]
-    subs = [tensorwire.Subscriber(url, PREFIX, t, listen_host="127.0.0.1") for t in targets]
-    try:
+    with subscribers(url, PREFIX, targets) as subs:
         run_threads(lambda i: subs[i].update(timeout=30), 3, timeout=60)
         second = model_tensors(2)
         g2 = publish(url, second)
@@ -84,9 +86,6 @@ def _second_generation(url: str) -> None:
         run_threads(read, 3, timeout=60)
         assert got == [g2] * 3
         assert all(same_bytes(second, t) for t in targets)
-    finally:
-        for sub in subs:
-            sub.close()
 
 
 def test_a_reader_without_the_token_never_joins_and_a_relay_server_wants_it_too() -> None:
@@ -126,8 +125,7 @@ def test_published_generations_relay_and_wait_and_update_follows_the_publisher()
     with origin(generations=True) as (srv, _), tensorwire.connect(srv.url) as trainer:
         first = trainer.publish("policy", model)
         targets = [blank_like(model) for _ in range(3)]
-        subs = [tensorwire.Subscriber(srv.url, "policy", t, listen_host="127.0.0.1") for t in targets]
-        try:
+        with subscribers(srv.url, "policy", targets) as subs:
             run_threads(lambda i: subs[i].update(timeout=30), 3, timeout=60)
             assert [s.generation for s in subs] == [first.number] * 3
             assert all(same_bytes(model, t) for t in targets)
@@ -139,9 +137,6 @@ def test_published_generations_relay_and_wait_and_update_follows_the_publisher()
             assert subs[0].generation == g2.number and same_bytes(second, targets[0])
             (gen,) = [g for g in subs[0].stats()["generations"] if g["generation"] == first.number]
             assert gen["served_bytes"] <= 1.1 * model_bytes(model)
-        finally:
-            for sub in subs:
-                sub.close()
 
 
 def test_tensorwire_serve_relays_its_generations_to_four_readers() -> None:
@@ -149,13 +144,40 @@ def test_tensorwire_serve_relays_its_generations_to_four_readers() -> None:
     with ServerProcess() as srv, tensorwire.connect(srv.url) as trainer:
         generation = trainer.publish("policy", model)
         targets = [blank_like(model) for _ in range(4)]
-        subs = [tensorwire.Subscriber(srv.url, "policy", t, listen_host="127.0.0.1") for t in targets]
-        try:
+        with subscribers(srv.url, "policy", targets) as subs:
             run_threads(lambda i: subs[i].update(timeout=60), 4, timeout=90)
             assert all(s.generation == generation.number for s in subs)
             assert all(same_bytes(model, t) for t in targets)
             (gen,) = subs[0].stats()["generations"]
             assert gen["readers"] == 4 and gen["served_bytes"] <= 1.1 * model_bytes(model), gen
-        finally:
-            for sub in subs:
-                sub.close()
+
+
+def test_over_tls_every_hop_is_tls_with_the_token(tmp_path: Path) -> None:
+    assert CliRunner().invoke(main, ["certs", str(tmp_path)]).exit_code == 0
+    served = TlsFiles(cert=tmp_path / "server.pem", key=tmp_path / "server-key.pem")
+    reader_files = TlsFiles(cert=served.cert, key=served.key, ca=tmp_path / "ca.pem")
+    model = model_tensors(1)
+    with ServerThread(["tls://127.0.0.1:0"], security=Security(tls=served, token="tok")) as srv:
+        RelayCoordinator.of(srv.server)
+        with tensorwire.connect(srv.url, token="tok", tls_ca=str(reader_files.ca)) as trainer:
+            trainer.publish("policy", model)
+        targets = [blank_like(model) for _ in range(3)]
+        with subscribers(srv.url, "policy", targets, token="tok", tls=reader_files) as subs:
+            run_threads(lambda i: subs[i].update(timeout=30), 3, timeout=60)
+            assert all(same_bytes(model, t) for t in targets)
+            assert all(s.relay_address.startswith("tls://") for s in subs)
+            (gen,) = subs[0].stats()["generations"]
+            assert gen["dropped"] == 0 and gen["served_bytes"] == model_bytes(model)
+
+
+def test_a_reader_whose_tensors_cannot_take_the_generation_leaves_the_relay() -> None:
+    model = model_tensors(1)
+    with origin() as (srv, coordinator):
+        publish(srv.url, model)
+        wrong = blank_like(model)
+        wrong["fc1.weight"] = torch.zeros(3)
+        with tensorwire.Subscriber(srv.url, PREFIX, wrong, listen_host="127.0.0.1") as sub:
+            with pytest.raises(InvalidTensor):
+                sub.update(timeout=30)
+            assert coordinator.chains.readers() == 0 and sub.generation == 0
+            assert torch.equal(wrong["fc1.weight"], torch.zeros(3))  # nothing written

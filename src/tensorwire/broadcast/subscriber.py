@@ -32,6 +32,7 @@ import asyncio
 import contextlib
 import ipaddress
 import json
+import logging
 import socket
 import time
 from collections.abc import Callable, Mapping
@@ -52,6 +53,7 @@ from tensorwire.errors import (
     TransferTimeout,
     VersionChanged,
 )
+from tensorwire.logs import event
 from tensorwire.security import Security, TlsFiles, client_tls, client_token
 from tensorwire.server import Server
 from tensorwire.store import TensorStore
@@ -63,6 +65,8 @@ from tensorwire.wire import relay as wr
 from tensorwire.wire.checksum import checksum
 from tensorwire.wire.frame import Opcode
 from tensorwire.wire.tensors import byte_view, check_out
+
+log = logging.getLogger("tensorwire.broadcast")
 
 MAX_MANIFEST_CHUNKS = 1 << 24
 MAX_REROUTES = 64  # upstream failures one update survives before it gives up
@@ -168,8 +172,13 @@ class Subscriber:
         manifest, placement = wr.decode_join_reply(reader, MAX_MANIFEST_CHUNKS)
         if manifest.generation == self.generation:
             return self.generation
-        buffers = self._bind(manifest)
-        self.generation, self.reader_id = 0, placement.reader  # the tensors are being overwritten
+        self.reader_id = placement.reader
+        try:
+            buffers = self._bind(manifest)
+        except TensorwireError:  # `into` cannot take it: nothing was written; out of the relay
+            await self._leave(manifest.generation)
+            raise
+        self.generation = 0  # the tensors are being overwritten
         self.peer.hold(self.prefix, manifest, buffers)
         try:
             await self._pull(manifest, placement, buffers, deadline)
@@ -204,9 +213,11 @@ class Subscriber:
                 )
             try:
                 got = await self._fetch(placement.address, manifest, chunk, buffers)
-            except TensorwireError:
+            except TensorwireError as exc:
                 if not placement.address or reroutes >= MAX_REROUTES:
                     raise  # the origin itself failed: the update fails
+                event(log, logging.WARNING, "relay upstream failed", upstream=placement.address,
+                      generation=manifest.generation, chunk=chunk, error=repr(exc))  # fmt: skip
                 reroutes += 1
                 await self._drop_channel(placement.address)
                 placement = await self._report(manifest.generation, wr.Report.FAILED, placement.upstream)
@@ -295,7 +306,7 @@ class Subscriber:
             return ""
         if self._server is None:
             host = self._listen_host or _local_host_towards(self.origin)
-            server = Server(TensorStore(capacity=0, max_tensors=1), security=self.security,
+            server = Server(TensorStore(capacity=0, max_tensors=1), security=_relay_security(self.security),
                             extensions=[self.peer], stall_timeout=self.stall_timeout)  # fmt: skip
             (address,) = await server.start(f"{self.origin.scheme}://{_bracketed(host)}:0")
             self._server, self.relay_address = server, str(address)
@@ -345,6 +356,16 @@ def full_name(prefix: str, key: str) -> str:
     """The published name of ``key`` under ``prefix``: ``prefix/key`` (as ``client.publish`` names
     it), or ``prefix + key`` for a prefix that ends with "/" (plain puts under a common prefix)."""
     return prefix + key if prefix.endswith("/") else f"{prefix}/{key}"
+
+
+def _relay_security(security: Security) -> Security:
+    """What the relay server asks of its peers: the cluster's token, over TLS with this reader's
+    certificate and key (``tls.cert``/``tls.key``; its peers check them against ``tls.ca``). Not
+    mutual TLS: ``tls.ca`` signs the origin, not the peers' client certificates; the token is
+    what admits a peer."""
+    files = security.tls
+    tls = TlsFiles(cert=files.cert, key=files.key) if files is not None else None
+    return Security(tls=tls, token=security.token)
 
 
 def _local_host_towards(origin: Address) -> str:

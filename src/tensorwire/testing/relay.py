@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import torch
 
@@ -64,3 +65,19 @@ def origin(
 def publish(url: str, tensors: dict[str, torch.Tensor], token: str | None = None) -> int:
     with tensorwire.connect(url, token=token) as client:
         return client.put_many({PREFIX + k: v for k, v in tensors.items()})
+
+
+@contextmanager
+def subscribers(
+    url: str, prefix: str, targets: list[dict[str, torch.Tensor]], **options: Any
+) -> Iterator[list[tensorwire.Subscriber]]:
+    """One ``Subscriber`` per target on loopback (``options``: its keyword arguments), all closed
+    on the way out."""
+    subs: list[tensorwire.Subscriber] = []
+    try:
+        for target in targets:
+            subs.append(tensorwire.Subscriber(url, prefix, target, listen_host="127.0.0.1", **options))
+        yield subs
+    finally:
+        for sub in subs:
+            sub.close()

@@ -295,6 +295,19 @@ class FramedTransport(Transport):
         pending = self._pending.pop(header.request_id, None)
         if pending is not None and pending.future.done():  # timed out, already failed
             pending = None
+        try:
+            await self._answer(header, meta, reader, pending)
+        except BaseException as exc:
+            # Out of the pending table already, so the connection's failure (``_fail``) would not
+            # reach it: it fails here, at once, not when its timer runs out.
+            lost = ConnectionLost(f"the connection to {self.address} failed mid-answer: {exc!r}")
+            _settle(pending, error=exc if isinstance(exc, TensorwireError) else lost)
+            raise
+
+    async def _answer(
+        self, header: Header, meta: bytes, reader: wm.MetaReader, pending: _Pending | None
+    ) -> None:
+        """Settle ``pending`` (None: nobody waits for it any more) with the answer ``header``."""
         if pending is not None and header.opcode not in (pending.opcode, 0):
             raise ProtocolError(f"{self.address} answered request {header.request_id} with another opcode")
         if header.is_error:
