@@ -39,6 +39,7 @@ def test_bench_broadcast_on_loopback_measures_every_mode() -> None:
     assert result["mixed_reads"] == 0 < result["reads"] and result["mixed_generations"] >= 1
     # killed: one of the two kill -9'd after its first chunk, the other finished bit-exact
     assert result["killed_reader_ok"] is True and len(result["killed_reader_s"]) == 1, result
+    assert result["killed_routed_around"] >= 1  # the survivor was strung behind the victim
     # Nothing for what loopback cannot count: reasons instead.
     assert set(result["not_measured"]) == {"origin_egress", "bound_s"}
     assert not {"origin_egress_ratio", "bound_s", "rate_gbit"} & set(result)

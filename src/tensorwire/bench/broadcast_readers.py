@@ -170,16 +170,27 @@ def delta_from_origin(spec: Spec, index: int, tensors: dict[str, torch.Tensor]) 
 def through_relay(spec: Spec, index: int, tensors: dict[str, torch.Tensor]) -> Iterator[Fetch]:
     """The newest generation through the relay (a ``Subscriber``, its relay server on this
     namespace's address so the readers after it reach it). It keeps serving until the round is
-    ``over``: a reader done early is still the upstream of the readers after it. The job's
-    ``victim`` stops pulling after its first verified chunk (a process frozen mid-relay) and says
-    so (``progress-<i>``), for the harness to kill -9 it there."""
+    ``over``: a reader done early is still the upstream of the readers after it.
+
+    With a ``victim`` in the job, the victim stops pulling after its first verified chunk (a
+    process frozen mid-relay) and says so (``progress-<i>``); only then do the others join, so the
+    origin strings them behind it, and each says when its first chunk has landed (``progress-<i>``):
+    the harness kills the victim once one of them is pulling from it. They report how many readers
+    the origin has routed around (RELAY_STATS ``dropped``) once done."""
     folder = Path(spec["round"])
-    victim = spec.get("victim") == index
-    progress = functools.partial(_frozen, folder, index, spec["timeout"]) if victim else None
+    victim: int | None = spec.get("victim")
+    first = functools.partial(_first_chunk, folder, index)
+    progress = functools.partial(_frozen, folder, index, spec["timeout"]) if victim == index else first
     with Subscriber(spec["origin"], PREFIX, tensors, timeout=spec["timeout"], progress=progress) as sub:
 
         def fetch() -> dict[str, Any]:
-            return {"generation": sub.update()}
+            if victim is None or victim == index:
+                return {"generation": sub.update()}
+            what = f"reader {victim}'s first chunk"
+            wait_for(marker(folder, "progress", victim).exists, spec["timeout"], what, GO_POLL)
+            number = sub.update()
+            relay = next(g for g in sub.stats()["generations"] if g["generation"] == number)
+            return {"generation": number, "dropped": relay["dropped"]}  # routed around, so far
 
         yield fetch
         _wait_over(folder, spec["timeout"])
@@ -219,6 +230,12 @@ def _frozen(folder: Path, index: int, timeout: float, chunks: int) -> None:
     if chunks >= 1:
         marker(folder, "progress", index).touch()
         _wait_over(folder, timeout)
+
+
+def _first_chunk(folder: Path, index: int, chunks: int) -> None:
+    path = marker(folder, "progress", index)
+    if chunks >= 1 and not path.exists():
+        path.touch()
 
 
 def _wait_over(folder: Path, timeout: float) -> None:
