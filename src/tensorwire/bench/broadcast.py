@@ -15,7 +15,8 @@ round's job: every reader taking part fills preallocated (and touched) tensors b
 go and its end, then hashes each tensor; the harness compares every reader's hashes with the
 published ones and fails the bench on any difference. A new mode is a function in ``MODES`` and,
 where its readers do something new (receive from the relay, say), a reader way in ``READERS``
-(``broadcast_readers.py``: the state_dict, the publisher and the reader processes).
+(``broadcast_readers.py``: the state_dict, the publisher and the reader processes;
+``broadcast_publishers.py``: running the publishers where the origin is).
 The modes measured today:
 
 * ``single``: one reader fetches the whole state_dict from the origin with ``get_many(out=...)``:
@@ -70,22 +71,21 @@ import math
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tensorwire.bench.broadcast_publishers import publishing, run_publisher
 from tensorwire.bench.broadcast_readers import (
     CHANGED_SHARE,
     START_TIMEOUT,
+    STOP_TIMEOUT,
     Layout,
     layout,
     marker,
     model_bytes,
-    publisher_loop_main,
-    publisher_main,
     round_folder,
     write_json,
 )
@@ -96,7 +96,6 @@ from tensorwire.server.process import ServerProcess, wait_for
 from tensorwire.types import MiB
 
 ORIGIN_PORT = 7070  # the origin has a namespace, so an address, of its own
-STOP_TIMEOUT = 10.0
 LOOPBACK_EVERY = 0.05  # mixed, on loopback: seconds between publishes (a tiny model's read is ms)
 
 
@@ -328,7 +327,10 @@ def mixed(h: Harness) -> dict[str, Any]:
     for ``mixed_seconds``: a read is mixed if its bytes differ from what was published as the
     generation it returned, or its tensors carry two generations' tags."""
     log = h.folder / f"published-loop-{h.rounds + 1}.jsonl"
-    with publishing(h, log):
+    every = h.setup.publish_every
+    if every is None:  # a read that takes up to twice the link time is never retired under it
+        every = 2 * h.model_bytes * 8 / (h.setup.rate_gbit * 1e9) if h.setup.netns else LOOPBACK_EVERY
+    with publishing(h.origin_wrapper, h.spec, log, every, h.setup.timeout):
         r = h.run_readers("mixed", h.setup.readers, check=False, mixed_seconds=h.setup.mixed_seconds)
     published = {p["generation"]: p for p in map(json.loads, log.read_text().splitlines())}
     last = published[max(published)]
@@ -398,78 +400,6 @@ def _kinds(failures: Iterable[str]) -> dict[str, int]:
     return out
 
 
-@contextlib.contextmanager
-def publishing(h: Harness, log: Path) -> Iterator[None]:
-    """A publisher in the origin's namespace publishing a new generation every ``publish_every``
-    seconds (appending each to ``log``) from its first publish until leaving."""
-    stop = log.with_suffix(".stop")
-    spec = h.folder / f"{log.stem}.json"
-    every = h.setup.publish_every
-    if every is None:  # a read that takes up to twice the link time is never retired under it
-        every = 2 * h.model_bytes * 8 / (h.setup.rate_gbit * 1e9) if h.setup.netns else LOOPBACK_EVERY
-    write_json(spec, {**h.spec, "stop": str(stop), "every": every})
-    run = _publisher_process if h.origin_wrapper else _publisher_thread
-    with run(h, spec, log) as alive:
-        try:
-            wait_for(lambda: _published_once(alive, log), START_TIMEOUT, "the publisher's first generation")
-            yield
-        finally:
-            stop.touch()
-
-
-@contextlib.contextmanager
-def _publisher_process(h: Harness, spec: Path, log: Path) -> Iterator[Callable[[], bool]]:
-    """The publisher in the origin's namespace (its puts cross no shaped link); on leaving, waited
-    for (it was told to stop), RuntimeError with its log's tail if it failed."""
-    cmd = [*h.origin_wrapper, sys.executable, "-m", "tensorwire.bench.broadcast_readers",
-           "--publish-loop", str(spec), str(log)]  # fmt: skip
-    with open(h.folder / "publisher-loop.log", "ab") as sink:
-        proc = subprocess.Popen(cmd, stdout=sink, stderr=subprocess.STDOUT)
-    try:
-        yield lambda: proc.poll() is None
-    finally:
-        try:
-            proc.wait(h.setup.timeout)
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait(STOP_TIMEOUT)
-    if proc.returncode != 0:
-        tail = (h.folder / "publisher-loop.log").read_text(errors="replace")[-3000:]
-        raise RuntimeError(f"the publisher exited with {proc.returncode}:\n{tail}")
-
-
-@contextlib.contextmanager
-def _publisher_thread(h: Harness, spec: Path, log: Path) -> Iterator[Callable[[], bool]]:
-    """On loopback, the publisher is a thread of this process (torch is imported already)."""
-    errors: list[BaseException] = []
-
-    def guarded() -> None:
-        try:
-            publisher_loop_main(spec, log)
-        except BaseException as exc:
-            errors.append(exc)
-
-    thread = threading.Thread(target=guarded, name="bench-publisher", daemon=True)
-    thread.start()
-    try:
-        yield thread.is_alive
-    finally:
-        thread.join(h.setup.timeout)
-    if errors or thread.is_alive():
-        raise RuntimeError("the publisher failed" if errors else "the publisher did not stop") from (
-            errors[0] if errors else None
-        )
-
-
-def _published_once(alive: Callable[[], bool], log: Path) -> bool:
-    if log.exists() and log.stat().st_size > 0:
-        return True
-    if not alive():
-        raise RuntimeError("the publisher ended before its first publish")
-    return False
-
-
 def _per_mode(h: Harness, mode: str, r: Round, copies: int) -> dict[str, Any]:
     """The keys every mode has, as ``{key: {mode: value}}``: the physical bound (``copies`` model
     copies through the origin's link) and, in namespaces, what the origin's link sent."""
@@ -513,9 +443,9 @@ def harness(setup: Setup, lay: Layout) -> Iterator[Harness]:
 
         def publish_next(changed: int) -> dict[str, Any]:
             write_json(folder / f"spec-{changed}.json", {**spec, "changed": changed})
-            return _run_publisher(origin_wrap, folder, setup.timeout, f"spec-{changed}.json")
+            return run_publisher(origin_wrap, folder, setup.timeout, f"spec-{changed}.json")
 
-        first = _run_publisher(origin_wrap, folder, setup.timeout, "spec.json")
+        first = run_publisher(origin_wrap, folder, setup.timeout, "spec.json")
 
         def restart(index: int, first_round: int) -> None:
             procs[index] = start_reader(wrappers[index], index, folder, first_round)
@@ -523,26 +453,6 @@ def harness(setup: Setup, lay: Layout) -> Iterator[Harness]:
         yield Harness(setup, server.url, folder, procs, first["digests"], size, egress,
                       generation=first["generation"], publish_next=publish_next,
                       origin_wrapper=origin_wrap, spec=spec, restart=restart)  # fmt: skip
-
-
-def _run_publisher(wrapper: Sequence[str], folder: Path, timeout: float, spec: str) -> dict[str, Any]:
-    """The publisher runs where the origin does: in its namespace, a process of its own (its put
-    crosses no shaped link); on loopback, this process (it has torch imported already). Returns
-    the generation's number and digests."""
-    out, log = folder / f"published-{spec}", folder / "publisher.log"
-    if not wrapper:
-        publisher_main(folder / spec, out)
-        return dict(json.loads(out.read_text()))
-    cmd = [*wrapper, sys.executable, "-m", "tensorwire.bench.broadcast_readers", "--publish",
-           str(folder / spec), str(out)]  # fmt: skip
-    with open(log, "wb") as sink:
-        done = subprocess.run(
-            cmd, check=False, stdout=sink, stderr=subprocess.STDOUT, timeout=START_TIMEOUT + timeout
-        )
-    if done.returncode != 0:
-        raise RuntimeError(f"the publisher exited with {done.returncode}:\n{log.read_text()[-3000:]}")
-    result: dict[str, Any] = json.loads(out.read_text())
-    return result
 
 
 def run(setup: Setup) -> dict[str, Any]:

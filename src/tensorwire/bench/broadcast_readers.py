@@ -52,6 +52,7 @@ from tensorwire.server.process import wait_for
 PREFIX = "model"  # the generations' prefix: a tensor ``name`` is read as ``model/name``
 CHANGED_SHARE = 0.01  # of each tensor's elements, given new values in each published change
 START_TIMEOUT = 120.0  # a process imports torch and allocates the model first; a loaded 2-core box
+STOP_TIMEOUT = 10.0  # for a process told to stop (or killed) to exit
 GO_POLL = 0.002  # how often a ready reader looks for the go (its start is at most this late)
 IDLE_POLL = 0.02  # how often an idle reader looks for its next round
 
