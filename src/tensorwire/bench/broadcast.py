@@ -15,7 +15,8 @@ round's job: every reader taking part fills preallocated (and touched) tensors b
 go and its end, then hashes each tensor; the harness compares every reader's hashes with the
 published ones and fails the bench on any difference. A new mode is a function in ``MODES`` and,
 where its readers do something new (receive from the relay, say), a reader way in ``READERS``
-(``broadcast_readers.py``: the state_dict, the publisher and the reader processes).
+(``broadcast_readers.py``: the state_dict, the publisher and the reader processes;
+``broadcast_publishers.py``: running the publishers where the origin is).
 The modes measured today:
 
 * ``single``: one reader fetches the whole state_dict from the origin with ``get_many(out=...)``:
@@ -28,19 +29,37 @@ The modes measured today:
   ``delta_bytes_ratio`` (/ model bytes; target <= 0.05), with ``delta_bytes_source`` saying what
   counted them: the origin's link (veth tx bytes, TCP/IP headers included) in namespaces, the
   reader client's ``DeltaStats.wire_bytes`` (answer data, no frame headers) on loopback.
+* ``fanout``: N readers at once, each a ``tensorwire.broadcast.Subscriber`` whose relay server
+  listens on its namespace's address (the address it reaches the origin from), so the readers feed
+  each other along the origin's chains: ``fanout_s``, ``fanout_vs_single`` (target <= 1.3) and
+  ``origin_egress_ratio["fanout"]`` (target <= 1.1).
+* ``mixed``: a publisher in the origin's namespace publishes a new generation every
+  ``--publish-every`` seconds (default: twice the model's time on a link; 0.05 s on loopback),
+  every byte of the k-th set from k and k in each tensor's first 8 bytes, while the N readers read
+  each new generation through the relay (``wait_and_update``) for ``--mixed-seconds``: ``reads``,
+  ``mixed_reads`` (reads whose bytes differ from what was published as the generation the read
+  returned, or whose tensors carry two generations' tags; target 0), ``mixed_failed_updates``
+  (updates that raised, by error: a generation retired under a slow read, say; their tensors are
+  not counted as reads, as the Subscriber documents) and ``mixed_generations``.
+* ``killed``: a fanout round in which the last reader stops pulling after its first verified
+  chunk (its progress callback says so and blocks: a process frozen mid-relay); the others join
+  only then, strung behind it, and once one of them has received a chunk the victim is kill -9'd.
+  The others must finish bit-exact: ``killed_reader_ok`` (``killed_error`` when not), and
+  ``killed_routed_around`` (RELAY_STATS ``dropped``: readers the origin took out of the chain).
+  The killed reader is started again when a later round needs it.
 
-Every mode also gives ``bound_s[mode]`` (the physical bound: model bytes / link rate, N times that
-for star, all of it through the origin's link) and, in namespaces, ``origin_egress_bytes[mode]``
-and ``origin_egress_ratio[mode]`` (bytes the origin's link sent, from its veth counters, / model
-bytes; TCP/IP headers make 1.0 about 1.05). Modes that need code not built yet (the relay's
-``fanout``, ``mixed``, ``killed``) are listed in ``not_measured`` with the reason, never
-given a number.
+Every mode but ``delta``, ``mixed`` and ``killed`` also gives ``bound_s[mode]`` (the physical
+bound: model bytes / link rate, N times that for star, all of it through the origin's link) and,
+in namespaces, ``origin_egress_bytes[mode]`` and ``origin_egress_ratio[mode]`` (bytes the origin's
+link sent, from its veth counters, / model bytes; TCP/IP headers make 1.0 about 1.05). Modes not
+asked for (``--modes``) are listed in ``not_measured``, never given a number.
 
 Where namespaces cannot be made the bench exits 0 with ``skipped`` and the reason. ``--no-netns``
 runs the same modes on 127.0.0.1 without shaping (``"network": "loopback"``; every process shares
 this machine's cores, so the figures are CPU-bound, and there is no origin link to count).
 
-Run: ``tensorwire bench broadcast [--json] [--readers 8] [--size 256MiB] [--rate 1] [--no-netns]``.
+Run: ``tensorwire bench broadcast [--json] [--readers 8] [--size 256MiB] [--rate 1] [--modes ...]
+[--mixed-seconds 30] [--no-netns]``.
 """
 
 from __future__ import annotations
@@ -53,19 +72,20 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tensorwire.bench.broadcast_publishers import publishing, run_publisher
 from tensorwire.bench.broadcast_readers import (
     CHANGED_SHARE,
     START_TIMEOUT,
+    STOP_TIMEOUT,
     Layout,
     layout,
     marker,
     model_bytes,
-    publisher_main,
     round_folder,
     write_json,
 )
@@ -76,13 +96,7 @@ from tensorwire.server.process import ServerProcess, wait_for
 from tensorwire.types import MiB
 
 ORIGIN_PORT = 7070  # the origin has a namespace, so an address, of its own
-STOP_TIMEOUT = 10.0
-# What comes later in issue 17, and why it has no number yet.
-NOT_BUILT = {
-    "fanout": "the relay (readers forwarding chunks to each other) is not built yet",
-    "mixed": "a publisher publishing while readers read is not measured yet",
-    "killed": "the relay, which a killed reader would have to be routed around, is not built yet",
-}
+LOOPBACK_EVERY = 0.05  # mixed, on loopback: seconds between publishes (a tiny model's read is ms)
 
 
 @dataclass(frozen=True)
@@ -94,7 +108,9 @@ class Setup:
     seed: int = 0
     timeout: float = 300.0  # for one mode's readers, once started
     netns: bool = True
-    modes: tuple[str, ...] = ("single", "star", "delta")
+    modes: tuple[str, ...] = ("single", "star", "delta", "fanout", "mixed", "killed")
+    mixed_seconds: float = 30.0
+    publish_every: float | None = None  # mixed: seconds between publishes (None: the link time)
 
 
 # -- the harness ------------------------------------------------------------------------------------
@@ -108,6 +124,16 @@ class Round:
     reader_s: list[float]
     egress: int | None
     info: list[dict[str, Any]] = field(default_factory=list)
+    cpu_s: list[float] = field(default_factory=list)  # each reader's CPU seconds (all its threads)
+
+
+@dataclass(frozen=True)
+class Started:
+    """A round under way: its reader way, its folder, the origin link's sent bytes at the go."""
+
+    way: str
+    folder: Path
+    egress: int
 
 
 @dataclass
@@ -126,6 +152,10 @@ class Harness:
     rounds: int = field(default=0)
     generation: int = 1  # the newest published
     publish_next: Callable[[int], dict[str, Any]] | None = None  # publishes the k-th change
+    origin_wrapper: Sequence[str] = ()  # runs a command in the origin's namespace
+    spec: dict[str, Any] = field(default_factory=dict)  # what the readers and publishers were given
+    restart: Callable[[int, int], None] | None = None  # reader i started again (killed), from round r
+    killed: set[int] = field(default_factory=set)  # readers a mode killed, started again when needed
 
     def next_generation(self) -> int:
         """Publish the state_dict once more changed (``broadcast_readers.change``); its number."""
@@ -135,33 +165,62 @@ class Harness:
         self.generation, self.expected = published["generation"], published["digests"]
         return self.generation
 
-    def run_readers(self, way: str, count: int, **job: Any) -> Round:
+    def run_readers(self, way: str, count: int, *, check: bool = True, **job: Any) -> Round:
         """Readers 0..count-1 set up ``way`` (``job`` is passed to it: ``at``, ``base``), go
         together once all are ready; every reader's bytes are checked against the newest
-        generation; the round's times and the origin's egress are returned."""
+        generation (unless ``check`` is false: the mode checks them); the round's times and the
+        origin's egress are returned."""
+        started = self.start_round(way, count, **job)
+        try:
+            return self.finish_round(started, range(count), check)
+        finally:
+            (started.folder / "over").touch()
+
+    def start_round(self, way: str, count: int, **job: Any) -> Started:
+        """The first half of ``run_readers``: the job written, the readers ready, the go given."""
         if count > len(self.procs):
             raise ValueError(f"{count} readers asked of a harness of {len(self.procs)}")
         self.rounds += 1
+        for i in sorted(self.killed & set(range(count))):
+            if self.restart is None:
+                raise RuntimeError(f"reader {i} was killed and this harness cannot start it again")
+            self.procs[i].wait(STOP_TIMEOUT)
+            self.restart(i, self.rounds)
+            self.killed.discard(i)
         folder = round_folder(self.folder, self.rounds)
         folder.mkdir()
         write_json(folder / "job", {"at": self.generation, **job, "way": way, "count": count})
-        self._wait(folder, "ready", count, START_TIMEOUT, f"{count} {way} readers to set up")
+        self.wait(folder, "ready", range(count), START_TIMEOUT, f"{count} {way} readers to set up")
         before = self.egress() if self.egress else 0
         (folder / "go").touch()
-        self._wait(folder, "result", count, self.setup.timeout, f"{count} {way} readers to finish")
-        sent = self.egress() - before if self.egress else None
-        results = [json.loads(marker(folder, "result", i).read_text()) for i in range(count)]
-        self._check(way, results)
-        span = max(r["end"] for r in results) - min(r["start"] for r in results)
-        return Round(span, [r["end"] - r["start"] for r in results], sent, [r["info"] for r in results])
+        return Started(way, folder, before)
 
-    def _wait(self, folder: Path, what: str, count: int, timeout: float, label: str) -> None:
+    def finish_round(self, started: Started, readers: Sequence[int], check: bool = True) -> Round:
+        """The second half: the results of ``readers`` awaited (and checked), the round measured.
+        The caller says the round is ``over`` (the relay's readers serve until then)."""
+        way, folder = started.way, started.folder
+        self.wait(folder, "result", readers, self.setup.timeout, f"{len(readers)} {way} readers to finish")
+        sent = self.egress() - started.egress if self.egress else None
+        results = [json.loads(marker(folder, "result", i).read_text()) for i in readers]
+        if check:
+            self._check(way, results)
+        span = max(r["end"] for r in results) - min(r["start"] for r in results)
+        times = [r["end"] - r["start"] for r in results]
+        return Round(span, times, sent, [r["info"] for r in results], [r["cpu"] for r in results])
+
+    def wait(
+        self, folder: Path, what: str, readers: Sequence[int], timeout: float, label: str, *, least: int = 0
+    ) -> None:
+        """Until each of ``readers`` (``least`` of them, if given) has written ``what`` in
+        ``folder``; RuntimeError with its log's tail if one of them exits meanwhile."""
+
         def there() -> bool:
-            for i, proc in enumerate(self.procs):
+            for i in readers:
+                proc = self.procs[i]
                 if proc.poll() is not None:
                     tail = (self.folder / f"reader-{i}.log").read_text(errors="replace")[-3000:]
                     raise RuntimeError(f"reader {i} exited with {proc.returncode}:\n{tail}")
-            return all(marker(folder, what, i).exists() for i in range(count))
+            return sum(marker(folder, what, i).exists() for i in readers) >= (least or len(readers))
 
         wait_for(there, timeout, label, 0.005)
 
@@ -185,10 +244,7 @@ def readers(wrappers: Sequence[Sequence[str]], folder: Path) -> Iterator[list[su
     procs: list[subprocess.Popen[bytes]] = []
     try:
         for i, wrapper in enumerate(wrappers):
-            cmd = [*wrapper, sys.executable, "-m", "tensorwire.bench.broadcast_readers",
-                   "--reader", str(i), str(folder)]  # fmt: skip
-            with open(folder / f"reader-{i}.log", "wb") as log:  # a file: a pipe nobody reads can fill up
-                procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT))
+            procs.append(start_reader(wrapper, i, folder))
         yield procs
     finally:
         (folder / "stop").touch()
@@ -198,6 +254,16 @@ def readers(wrappers: Sequence[Sequence[str]], folder: Path) -> Iterator[list[su
             if proc.poll() is None:
                 proc.kill()
                 proc.wait(STOP_TIMEOUT)
+
+
+def start_reader(
+    wrapper: Sequence[str], index: int, folder: Path, first_round: int = 1
+) -> subprocess.Popen[bytes]:
+    """Reader ``index`` in its namespace, taking part in rounds from ``first_round`` on."""
+    cmd = [*wrapper, sys.executable, "-m", "tensorwire.bench.broadcast_readers",
+           "--reader", str(index), str(folder), "--first-round", str(first_round)]  # fmt: skip
+    with open(folder / f"reader-{index}.log", "ab") as log:  # a file: a pipe nobody reads can fill up
+        return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
 
 
 # -- the modes --------------------------------------------------------------------------------------
@@ -242,7 +308,96 @@ def delta(h: Harness) -> dict[str, Any]:
     }
 
 
-MODES: dict[str, Mode] = {"single": single, "star": star, "delta": delta}
+def fanout(h: Harness) -> dict[str, Any]:
+    """Every reader at once through the relay (``Subscriber.update``): the origin sends the model
+    about once, the readers forward it along their chains."""
+    r = h.run_readers("relay", h.setup.readers)
+    return {
+        "fanout_s": r.seconds,
+        "fanout_reader_s": r.reader_s,
+        # with the span, what the readers asked of this machine's cores (not the origin's, nor the kernel's)
+        "fanout_reader_cpu_s": r.cpu_s,
+        **_per_mode(h, "fanout", r, copies=1),
+    }
+
+
+def mixed(h: Harness) -> dict[str, Any]:
+    """A publisher publishing generation after generation (each tensor's bytes tagged with the
+    generation, ``broadcast_readers.fill``) while every reader reads each new one through the relay
+    for ``mixed_seconds``: a read is mixed if its bytes differ from what was published as the
+    generation it returned, or its tensors carry two generations' tags."""
+    log = h.folder / f"published-loop-{h.rounds + 1}.jsonl"
+    every = h.setup.publish_every
+    if every is None:  # a read that takes up to twice the link time is never retired under it
+        every = 2 * h.model_bytes * 8 / (h.setup.rate_gbit * 1e9) if h.setup.netns else LOOPBACK_EVERY
+    with publishing(h.origin_wrapper, h.spec, log, every, h.setup.timeout):
+        r = h.run_readers("mixed", h.setup.readers, check=False, mixed_seconds=h.setup.mixed_seconds)
+    published = {p["generation"]: p for p in map(json.loads, log.read_text().splitlines())}
+    last = published[max(published)]
+    h.generation, h.expected = last["generation"], last["digests"]  # the newest, for the modes after
+    reads = [read for info in r.info for read in info["reads"]]
+    return {
+        "mixed_reads": len(mixed_reads(published, reads)),
+        "reads": len(reads),
+        "mixed_failed_updates": _kinds(f for info in r.info for f in info["failed"]),
+        "mixed_generations": len(published),
+        "mixed_s": r.seconds,
+    }
+
+
+def killed(h: Harness) -> dict[str, Any]:
+    """A fanout round in which the last reader is kill -9'd mid-relay: once it has verified a chunk
+    (it stops pulling there, as a process frozen mid-relay) and one of the others, strung behind
+    it, has received a chunk (from it: ``broadcast_readers.through_relay``). The others must finish
+    bit-exact; their times include waiting for the victim's first chunk."""
+    n = h.setup.readers
+    victim = n - 1
+    started = h.start_round("relay", n, victim=victim)
+    try:
+        h.wait(started.folder, "progress", [victim], h.setup.timeout, f"reader {victim} to receive a chunk")
+        if victim:
+            label = f"a reader behind reader {victim} to receive a chunk"
+            h.wait(started.folder, "progress", range(victim), h.setup.timeout, label, least=1)
+        h.procs[victim].kill()
+        h.procs[victim].wait(STOP_TIMEOUT)
+        r = h.finish_round(started, range(victim))
+    except (RuntimeError, TimeoutError) as exc:  # a survivor failed, differed or hung
+        return {"killed_reader_ok": False, "killed_error": f"{type(exc).__name__}: {exc}"[:2000]}
+    finally:
+        (started.folder / "over").touch()
+        h.killed.add(victim)  # started again by the next round that needs it
+    return {
+        "killed_reader_ok": True,
+        "killed_s": r.seconds,
+        "killed_reader_s": r.reader_s,
+        "killed_routed_around": max(info["dropped"] for info in r.info),  # readers dropped from chains
+    }
+
+
+MODES: dict[str, Mode] = {
+    "single": single, "star": star, "delta": delta, "fanout": fanout, "mixed": mixed, "killed": killed,
+}  # fmt: skip
+
+
+def mixed_reads(published: dict[int, dict[str, Any]], reads: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The reads whose tensors carry more than one generation's tag, or whose bytes differ from
+    what was published as the generation the read returned (or that was never published)."""
+
+    def wrong(read: dict[str, Any]) -> bool:
+        was = published.get(read["generation"])
+        return len(read["tags"]) > 1 or was is None or was["digests"] != read["digests"]
+
+    return [read for read in reads if wrong(read)]
+
+
+def _kinds(failures: Iterable[str]) -> dict[str, int]:
+    """Failed updates by error, with an example each: ``{"GenerationRetired: ...": count}``."""
+    out: dict[str, int] = {}
+    for failure in failures:
+        kind = failure.split(":", 1)[0]
+        key = next((k for k in out if k.split(":", 1)[0] == kind), failure[:200])
+        out[key] = out.get(key, 0) + 1
+    return out
 
 
 def _per_mode(h: Harness, mode: str, r: Round, copies: int) -> dict[str, Any]:
@@ -275,7 +430,7 @@ def harness(setup: Setup, lay: Layout) -> Iterator[Harness]:
         else:
             listen, origin_wrap, wrappers = "tcp://127.0.0.1:0", [], [[] for _ in range(n)]
         procs = stack.enter_context(readers(wrappers, folder))  # they import torch meanwhile
-        capacity = str(2 * size + 64 * MiB)
+        capacity = str(4 * size + 64 * MiB)  # 2 kept, 1 being published, 1 pinned by a read
         server = stack.enter_context(
             ServerProcess(listen, capacity=capacity, start_timeout=START_TIMEOUT, wrapper=origin_wrap)
         )
@@ -288,31 +443,16 @@ def harness(setup: Setup, lay: Layout) -> Iterator[Harness]:
 
         def publish_next(changed: int) -> dict[str, Any]:
             write_json(folder / f"spec-{changed}.json", {**spec, "changed": changed})
-            return _run_publisher(origin_wrap, folder, setup.timeout, f"spec-{changed}.json")
+            return run_publisher(origin_wrap, folder, setup.timeout, f"spec-{changed}.json")
 
-        first = _run_publisher(origin_wrap, folder, setup.timeout, "spec.json")
+        first = run_publisher(origin_wrap, folder, setup.timeout, "spec.json")
+
+        def restart(index: int, first_round: int) -> None:
+            procs[index] = start_reader(wrappers[index], index, folder, first_round)
+
         yield Harness(setup, server.url, folder, procs, first["digests"], size, egress,
-                      generation=first["generation"], publish_next=publish_next)  # fmt: skip
-
-
-def _run_publisher(wrapper: Sequence[str], folder: Path, timeout: float, spec: str) -> dict[str, Any]:
-    """The publisher runs where the origin does: in its namespace, a process of its own (its put
-    crosses no shaped link); on loopback, this process (it has torch imported already). Returns
-    the generation's number and digests."""
-    out, log = folder / f"published-{spec}", folder / "publisher.log"
-    if not wrapper:
-        publisher_main(folder / spec, out)
-        return dict(json.loads(out.read_text()))
-    cmd = [*wrapper, sys.executable, "-m", "tensorwire.bench.broadcast_readers", "--publish",
-           str(folder / spec), str(out)]  # fmt: skip
-    with open(log, "wb") as sink:
-        done = subprocess.run(
-            cmd, check=False, stdout=sink, stderr=subprocess.STDOUT, timeout=START_TIMEOUT + timeout
-        )
-    if done.returncode != 0:
-        raise RuntimeError(f"the publisher exited with {done.returncode}:\n{log.read_text()[-3000:]}")
-    result: dict[str, Any] = json.loads(out.read_text())
-    return result
+                      generation=first["generation"], publish_next=publish_next,
+                      origin_wrapper=origin_wrap, spec=spec, restart=restart)  # fmt: skip
 
 
 def run(setup: Setup) -> dict[str, Any]:
@@ -340,10 +480,13 @@ def run(setup: Setup) -> dict[str, Any]:
     except Unavailable as exc:
         result["skipped"] = f"network namespaces are not available here: {exc}"
         return result
-    if "single_s" in result and "star_s" in result:
-        result["star_vs_single"] = result["star_s"] / result["single_s"]
-    if result.get("origin_link_use"):
-        result["rate_note"] = _rate_note(result["origin_link_use"])
+    for way in ("star", "fanout"):
+        if "single_s" in result and f"{way}_s" in result:
+            result[f"{way}_vs_single"] = result[f"{way}_s"] / result["single_s"]
+    # fanout's origin link idles while the chain's tail catches up: it says nothing about the CPUs
+    use = {m: u for m, u in result.get("origin_link_use", {}).items() if m != "fanout"}
+    if use:
+        result["rate_note"] = _rate_note(use)
     result["not_measured"] = _not_measured(setup)
     result["seconds"] = time.monotonic() - started
     return result
@@ -368,7 +511,7 @@ def _bytes_by_dtype(lay: Layout) -> dict[str, int]:
 
 
 def _not_measured(setup: Setup) -> dict[str, str]:
-    out = {mode: reason for mode, reason in NOT_BUILT.items() if mode not in MODES}
+    out = {mode: "not asked for (--modes)" for mode in MODES if mode not in setup.modes}
     if not setup.netns:
         out["origin_egress"] = "loopback: the origin has no link of its own whose bytes could be counted"
         out["bound_s"] = "loopback: no link rate to bound the transfer"
@@ -386,6 +529,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--rate", type=float, default=d.rate_gbit, help="namespaces: link speed in Gb/s")
     parser.add_argument("--modes", default=",".join(d.modes), help=f"of {', '.join(MODES)}")
     parser.add_argument("--timeout", type=float, default=d.timeout, help="seconds for each mode's readers")
+    parser.add_argument("--mixed-seconds", type=float, default=d.mixed_seconds,
+                        help="mixed: how long the readers read while the publisher publishes")  # fmt: skip
+    parser.add_argument("--publish-every", type=float, default=None,
+                        help="mixed: seconds between publishes (default: 2 x the link time)")  # fmt: skip
     parser.add_argument("--no-netns", dest="netns", action="store_false",
                         help="on 127.0.0.1, unshaped (labelled loopback in the result)")  # fmt: skip
     args = parser.parse_args(argv)
@@ -396,7 +543,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     if args.readers < 1 or args.tensors < 1:
         parser.error("--readers and --tensors must be at least 1")
     setup = Setup(args.readers, args.size, args.rate, args.tensors, timeout=args.timeout,
-                  netns=args.netns, modes=modes)  # fmt: skip
+                  netns=args.netns, modes=modes, mixed_seconds=args.mixed_seconds,
+                  publish_every=args.publish_every)  # fmt: skip
     return show(run(setup), args.json, _readable)
 
 
@@ -415,9 +563,15 @@ def _readable(r: dict[str, Any]) -> str:
         )
         if mode == "delta":
             note = f"{r['delta_bytes_ratio']:.4f} x the model's bytes (target <= 0.05)"
-        rows.append((mode, f"{r[f'{mode}_s']:.2f} s", note))
-    if "star_vs_single" in r:
-        rows.append(("star / single", f"{r['star_vs_single']:.2f}", ""))
+        if mode == "mixed":
+            note = f"{r['mixed_reads']} of {r['reads']} reads mixed (target 0)"
+        if mode == "killed":
+            note = f"killed_reader_ok {r['killed_reader_ok']} (target true)"
+        took = r.get(f"{mode}_s")
+        rows.append((mode, f"{took:.2f} s" if took is not None else "-", note))
+    for way in ("star", "fanout"):
+        if f"{way}_vs_single" in r:
+            rows.append((f"{way} / single", f"{r[f'{way}_vs_single']:.2f}", ""))
     rows += [(mode, "not measured", why) for mode, why in r.get("not_measured", {}).items()]
     return table(head, rows, 8)
 

@@ -8,13 +8,17 @@ namespace where there is one) is started once for the whole run. It waits for ``
 part allocates and touches its tensors, sets its way up (connects), touches ``ready-<i>``, waits
 for ``go``, fetches (timed, wall clock, so that the readers' spans compare across processes),
 hashes each tensor and writes ``result-<i>``. It exits when ``FOLDER/stop`` appears or its parent
-is gone. A reader way is a context manager in ``READERS``: the relay adds its own there.
+is gone (a reader started again after a kill begins at ``--first-round``). A reader way is a
+context manager in ``READERS``: ``origin`` and ``delta`` read with the client, ``relay`` and
+``mixed`` with a ``Subscriber`` that keeps serving the readers after it until the round's ``over``.
 
 The publisher (``--publish SPEC OUT``) makes the state_dict from the spec's seed, publishes it on
 the origin as a generation of ``PREFIX`` (``publish``) and writes each tensor's digest to OUT. With
 ``changed`` = k in the spec it publishes the state_dict after k rounds of ``change`` (1% of the
 elements of every tensor given new values at random positions, seeded): the generation a
-``delta`` round reads against the one before.
+``delta`` round reads against the one before. The publisher loop (``--publish-loop SPEC OUT``,
+the ``mixed`` mode's) publishes generation after generation, each tensor's bytes tagged with the
+generation (``fill``), appending each one's number and digests to OUT until the spec's ``stop``.
 
 A round's job may name the generation to read (``at``) and the one the reader holds (``base``):
 the ``delta`` way reads ``base`` in full before the go, then ``at`` with ``base=``, and reports
@@ -40,12 +44,15 @@ from typing import Any
 import torch
 import xxhash
 
+from tensorwire.broadcast import Subscriber
 from tensorwire.client import connect
+from tensorwire.errors import TensorwireError, TransferTimeout
 from tensorwire.server.process import wait_for
 
 PREFIX = "model"  # the generations' prefix: a tensor ``name`` is read as ``model/name``
 CHANGED_SHARE = 0.01  # of each tensor's elements, given new values in each published change
 START_TIMEOUT = 120.0  # a process imports torch and allocates the model first; a loaded 2-core box
+STOP_TIMEOUT = 10.0  # for a process told to stop (or killed) to exit
 GO_POLL = 0.002  # how often a ready reader looks for the go (its start is at most this late)
 IDLE_POLL = 0.02  # how often an idle reader looks for its next round
 
@@ -160,10 +167,91 @@ def delta_from_origin(spec: Spec, index: int, tensors: dict[str, torch.Tensor]) 
         yield fetch
 
 
-READERS: dict[str, ReaderWay] = {"origin": from_origin, "delta": delta_from_origin}
+@contextlib.contextmanager
+def through_relay(spec: Spec, index: int, tensors: dict[str, torch.Tensor]) -> Iterator[Fetch]:
+    """The newest generation through the relay (a ``Subscriber``, its relay server on this
+    namespace's address so the readers after it reach it). It keeps serving until the round is
+    ``over``: a reader done early is still the upstream of the readers after it.
+
+    With a ``victim`` in the job, the victim stops pulling after its first verified chunk (a
+    process frozen mid-relay) and says so (``progress-<i>``); only then do the others join, so the
+    origin strings them behind it, and each says when its first chunk has landed (``progress-<i>``):
+    the harness kills the victim once one of them is pulling from it. They report how many readers
+    the origin has routed around (RELAY_STATS ``dropped``) once done."""
+    folder = Path(spec["round"])
+    victim: int | None = spec.get("victim")
+    first = functools.partial(_first_chunk, folder, index)
+    progress = functools.partial(_frozen, folder, index, spec["timeout"]) if victim == index else first
+    with Subscriber(spec["origin"], PREFIX, tensors, timeout=spec["timeout"], progress=progress) as sub:
+
+        def fetch() -> dict[str, Any]:
+            if victim is None or victim == index:
+                return {"generation": sub.update()}
+            what = f"reader {victim}'s first chunk"
+            wait_for(marker(folder, "progress", victim).exists, spec["timeout"], what, GO_POLL)
+            number = sub.update()
+            relay = next(g for g in sub.stats()["generations"] if g["generation"] == number)
+            return {"generation": number, "dropped": relay["dropped"]}  # routed around, so far
+
+        yield fetch
+        _wait_over(folder, spec["timeout"])
 
 
-def reader_main(index: int, folder: Path) -> None:
+@contextlib.contextmanager
+def relay_while_publishing(spec: Spec, index: int, tensors: dict[str, torch.Tensor]) -> Iterator[Fetch]:
+    """For ``mixed_seconds`` after the go, every new generation through the relay as the publisher
+    makes them (``wait_and_update``); each read's generation, its tensors' digests and the tags in
+    their heads (``tag``) are reported, for the harness to check against what was published."""
+    folder = Path(spec["round"])
+    with Subscriber(spec["origin"], PREFIX, tensors, timeout=spec["timeout"]) as sub:
+
+        def fetch() -> dict[str, Any]:
+            reads: list[dict[str, Any]] = []
+            failed: list[str] = []
+            end = time.monotonic() + spec["mixed_seconds"]
+            while time.monotonic() < end:
+                try:
+                    number = sub.wait_and_update(max(end - time.monotonic(), 0.1))
+                except TransferTimeout:
+                    break  # no new generation before the end
+                except TensorwireError as exc:  # refused by the Subscriber's own checks, or retired
+                    failed.append(f"{type(exc).__name__}: {exc}")
+                    continue
+                held = {"generation": number, "digests": digests(tensors), "tags": sorted(tags(tensors))}
+                reads.append(held)
+            return {"reads": reads, "failed": failed}
+
+        yield fetch
+        _wait_over(folder, spec["timeout"])
+
+
+def _frozen(folder: Path, index: int, timeout: float, chunks: int) -> None:
+    """The victim's progress: after its first verified chunk it says so and stops pulling (the
+    Subscriber calls this on its pull path) until it is killed, or the round is over."""
+    if chunks >= 1:
+        marker(folder, "progress", index).touch()
+        _wait_over(folder, timeout)
+
+
+def _first_chunk(folder: Path, index: int, chunks: int) -> None:
+    path = marker(folder, "progress", index)
+    if chunks >= 1 and not path.exists():
+        path.touch()
+
+
+def _wait_over(folder: Path, timeout: float) -> None:
+    wait_for((folder / "over").exists, timeout, "the end of the round", IDLE_POLL)
+
+
+READERS: dict[str, ReaderWay] = {
+    "origin": from_origin,
+    "delta": delta_from_origin,
+    "relay": through_relay,
+    "mixed": relay_while_publishing,
+}
+
+
+def reader_main(index: int, folder: Path, first_round: int = 1) -> None:
     """One reader process (inside its namespace), for every round of the run: it waits for
     ``spec.json``, then for each round's ``job`` (the reader way and how many readers take part),
     takes part in it if its index is among them, and exits once the harness writes ``stop`` (or
@@ -174,7 +262,7 @@ def reader_main(index: int, folder: Path) -> None:
     if not idle(spec_path, timeout=2 * START_TIMEOUT):  # the origin starts meanwhile
         return
     spec = json.loads(spec_path.read_text())
-    for number in itertools.count(1):
+    for number in itertools.count(first_round):
         job_path = round_folder(folder, number) / "job"
         if not idle(job_path, timeout=START_TIMEOUT + spec["timeout"]):
             return
@@ -185,16 +273,16 @@ def reader_main(index: int, folder: Path) -> None:
 
 def read_once(way: str, spec: Spec, index: int, folder: Path) -> None:
     """One round: allocate (and touch) the tensors, set up, say ready, wait for the go, fetch
-    (timed), hash, write ``result-<index>``."""
+    (timed), hash, write ``result-<index>``, tear down (a relay way waits for the round's ``over``)."""
     tensors = empty_state_dict(_layout_from(spec["layout"]))
-    with READERS[way](spec, index, tensors) as fetch:
+    with READERS[way]({**spec, "round": str(folder)}, index, tensors) as fetch:
         marker(folder, "ready", index).touch()
         wait_for((folder / "go").exists, spec["timeout"], "the go signal", GO_POLL)
-        start = time.time()  # wall clock: the readers' starts and ends are compared across processes
+        start, cpu = time.time(), time.process_time()  # wall clock: compared across processes
         info = fetch()
-        end = time.time()
-    result = {"start": start, "end": end, "digests": digests(tensors), "info": info or {}}
-    write_json(marker(folder, "result", index), result)
+        end, cpu = time.time(), time.process_time() - cpu  # all its threads: pull, verify, relay
+        result = {"start": start, "end": end, "cpu": cpu, "digests": digests(tensors), "info": info or {}}
+        write_json(marker(folder, "result", index), result)
 
 
 def _idle_until(path: Path, *, stop: Path, parent: int, timeout: float) -> bool:
@@ -218,6 +306,47 @@ def publisher_main(spec_path: Path, out: Path) -> None:
         tensors = change(tensors, spec["seed"] + 1 + k)
     number = publish(spec["origin"], tensors, spec["timeout"])
     write_json(out, {"generation": number, "digests": digests(tensors)})
+
+
+def publisher_loop_main(spec_path: Path, out: Path) -> None:
+    """Publish generation after generation (every ``every`` seconds at most) until ``stop``
+    appears: the k-th has every tensor's bytes set to k (mod 251, plus 1) and k in its first 8
+    bytes (``tag``), so that a read mixing two generations shows. Each one's number and digests
+    are appended to ``out`` (JSON lines) once published."""
+    spec = json.loads(spec_path.read_text())
+    tensors = empty_state_dict(_layout_from(spec["layout"]))
+    stop = Path(spec["stop"])
+    with connect(spec["origin"], timeout=spec["timeout"]) as client, open(out, "a") as log:
+        for k in itertools.count(1):
+            started = time.monotonic()
+            fill(tensors, k)
+            number = client.publish(PREFIX, dict(tensors)).number
+            log.write(json.dumps({"generation": number, "tag": k, "digests": digests(tensors)}) + "\n")
+            log.flush()
+            if _paused(stop, started + spec["every"]):
+                return
+
+
+def _paused(stop: Path, until: float) -> bool:
+    """Wait until ``until`` (the publisher's pace) or ``stop``, whichever comes first: stopped?"""
+    while time.monotonic() < until and not stop.exists():
+        time.sleep(IDLE_POLL)
+    return stop.exists()
+
+
+def fill(tensors: Mapping[str, torch.Tensor], k: int) -> None:
+    """Every byte ``k % 251 + 1``, then ``k`` in each tensor's first 8 bytes (those of 8 or more)."""
+    for t in tensors.values():
+        raw = t.view(-1).view(torch.uint8)
+        raw.fill_(k % 251 + 1)
+        if raw.numel() >= 8:
+            raw[:8].view(torch.int64)[0] = k
+
+
+def tags(tensors: Mapping[str, torch.Tensor]) -> set[int]:
+    """The ``k`` in the heads of the tensors (``fill``): one value unless a read mixed generations."""
+    heads = [t.view(-1).view(torch.uint8)[:8] for t in tensors.values() if t.nbytes >= 8]
+    return {int(head.view(torch.int64)[0]) for head in heads}
 
 
 def round_folder(folder: Path, number: int) -> Path:
@@ -245,11 +374,15 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m tensorwire.bench.broadcast_readers")
     parser.add_argument("--reader", nargs=2, metavar=("INDEX", "FOLDER"))
     parser.add_argument("--publish", nargs=2, metavar=("SPEC", "OUT"))
+    parser.add_argument("--publish-loop", nargs=2, metavar=("SPEC", "OUT"))
+    parser.add_argument("--first-round", type=int, default=1, help="a reader started again after a kill")
     args = parser.parse_args(argv)
     if args.publish:
         publisher_main(Path(args.publish[0]), Path(args.publish[1]))
+    if args.publish_loop:
+        publisher_loop_main(Path(args.publish_loop[0]), Path(args.publish_loop[1]))
     if args.reader:
-        reader_main(int(args.reader[0]), Path(args.reader[1]))
+        reader_main(int(args.reader[0]), Path(args.reader[1]), args.first_round)
         sys.stdout.flush()
         os._exit(0)  # skip the interpreter's teardown with torch loaded (~0.4 s; children.py)
 
