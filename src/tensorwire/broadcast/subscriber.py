@@ -333,8 +333,10 @@ class Subscriber:
         pulled, reroutes = pipeline.Pulled(manifest.chunks), 0
         while True:
             upstream = placement.address
-            fetch = functools.partial(self._fetch, upstream, manifest, buffers=buffers)
             try:
+                # Opened here, once: the requests in flight share it.
+                channel = await self._channel(upstream)
+                fetch = functools.partial(self._fetch, channel, upstream, manifest, buffers=buffers)
                 if await pipeline.pull(fetch, pulled, self.window, deadline, self._advanced):
                     return
             except TensorwireError as exc:
@@ -357,10 +359,15 @@ class Subscriber:
             await asyncio.to_thread(self.progress, verified)
 
     async def _fetch(
-        self, address: str, manifest: wr.Manifest, chunk: int, buffers: Sequence[memoryview]
+        self,
+        channel: FrameChannel,
+        address: str,
+        manifest: wr.Manifest,
+        chunk: int,
+        buffers: Sequence[memoryview],
     ) -> None:
-        """Pull chunk ``chunk`` from the upstream at ``address`` ("": the origin) into the tensors
-        and verify it against the manifest."""
+        """Pull chunk ``chunk`` over ``channel``, to the upstream at ``address`` ("": the origin),
+        into the tensors and verify it against the manifest."""
         index, offset, length = manifest.span(chunk, 1)
         meta = manifest.metas[index]
         dest = buffers[index][offset : offset + length]
@@ -374,7 +381,6 @@ class Subscriber:
 
         wait_ms = int(self.stall_timeout * 1000)
         body = wr.encode_get(self.prefix, manifest.generation, chunk, 1, wait_ms)
-        channel = await self._channel(address)
         reader = await channel.call(
             Opcode.RELAY_GET, body, sink=sink, what=f"RELAY_GET of chunk {chunk}",
             timeout=self.stall_timeout + 5.0,
