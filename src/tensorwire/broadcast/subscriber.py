@@ -7,15 +7,16 @@ How one ``update()`` goes (docs/protocol.md §15 has the wire side):
    (tensor records, chunk size, one checksum per chunk) and the upstream to pull from — the origin
    itself, or the reader that joined just before (the origin strings readers into pipelined
    chains, chains.py).
-2. Chunks are pulled in order from the upstream (RELAY_GET), straight into the target tensors'
-   memory; each is checked against the manifest's checksum (a relay peer is not trusted: only the
-   manifest, which comes from the origin, is) before it counts as received. As soon as it is, this
-   reader's own relay server (peer.py, a ``Server`` with the cluster's token and TLS) may forward it
-   to the reader after it: every hop forwards chunk k while receiving chunk k+1.
+2. Chunks are pulled in order from the upstream (RELAY_GET, one chunk per request, ``window``
+   requests in flight: pipeline.py), straight into the target tensors' memory; each is checked
+   against the manifest's checksum (a relay peer is not trusted: only the manifest, which comes
+   from the origin, is) before it counts as received. As soon as it and every chunk before it are,
+   this reader's own relay server (peer.py, a ``Server`` with the cluster's token and TLS) may
+   forward it to the reader after it: every hop forwards chunk k while receiving chunk k+1.
 3. An upstream that drops the connection, stalls past ``stall_timeout``, refuses, or sends a chunk
    whose checksum fails is reported to the origin (RELAY_REPORT FAILED); the origin drops it from
    the chain and answers the new upstream (the failed one's own upstream, or itself), and the pull
-   goes on from the chunk it stopped at. Readers after a dead one see their upstream fail and are
+   goes on from the lowest chunk not verified yet. Readers after a dead one see their upstream fail and are
    routed around the same way.
 4. RELAY_REPORT DONE: this reader holds the whole generation and stays an upstream for readers
    that join later, until its next ``update()`` starts overwriting its tensors.
@@ -44,6 +45,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import ipaddress
 import json
 import logging
@@ -58,6 +60,7 @@ import torch
 
 from tensorwire import transport
 from tensorwire._aio import LoopThread
+from tensorwire.broadcast import pipeline
 from tensorwire.broadcast.peer import RelayPeer
 from tensorwire.client import deltas as delta_reads
 from tensorwire.errors import (
@@ -113,7 +116,7 @@ class Subscriber:
 
     ``relay``: serve the chunks to other readers (a relay server on ``listen_host``, default the
     address this host reaches the origin from). ``stall_timeout``: how long an upstream may keep a
-    chunk waiting before it is routed around. ``window``: chunks asked for per request.
+    chunk waiting before it is routed around. ``window``: single-chunk requests kept in flight.
     ``progress(chunks)`` hears, on a worker thread, how many chunks of the generation are verified.
     ``deltas``: a reader holding a generation reads a newer one as a delta from the origin (see
     the module docstring: readers at different generations each get their own delta; a reader
@@ -325,57 +328,68 @@ class Subscriber:
     async def _pull(
         self, manifest: wr.Manifest, placement: wr.Placement, buffers: list[memoryview], deadline: float
     ) -> None:
-        chunk, reroutes = 0, 0
-        while chunk < manifest.chunks:
-            if time.monotonic() > deadline:
-                raise TransferTimeout(
-                    f"the update to generation {manifest.generation} ran out of time at chunk {chunk}"
-                )
+        """Every chunk, ``window`` single-chunk requests in flight (pipeline.py says why); a failed
+        upstream is reported and the pull goes on from the lowest chunk not verified yet."""
+        pulled, reroutes = pipeline.Pulled(manifest.chunks), 0
+        while True:
+            upstream = placement.address
             try:
-                got = await self._fetch(placement.address, manifest, chunk, buffers)
+                # Opened here, once: the requests in flight share it.
+                channel = await self._channel(upstream)
+                fetch = functools.partial(self._fetch, channel, upstream, manifest, buffers=buffers)
+                if await pipeline.pull(fetch, pulled, self.window, deadline, self._advanced):
+                    return
             except TensorwireError as exc:
-                if not placement.address or reroutes >= MAX_REROUTES:
+                if not upstream or reroutes >= MAX_REROUTES:
                     raise  # the origin itself failed: the update fails
-                event(log, logging.WARNING, "relay upstream failed", upstream=placement.address,
-                      generation=manifest.generation, chunk=chunk, error=repr(exc))  # fmt: skip
+                event(log, logging.WARNING, "relay upstream failed", upstream=upstream,
+                      generation=manifest.generation, chunk=pulled.verified, error=repr(exc))  # fmt: skip
                 reroutes += 1
-                await self._drop_channel(placement.address)
+                await self._drop_channel(upstream)
                 placement = await self._report(manifest.generation, wr.Report.FAILED, placement.upstream)
                 continue
-            chunk += got
-            self.peer.advance(chunk)
-            if self.progress is not None:
-                await asyncio.to_thread(self.progress, chunk)
+            raise TransferTimeout(
+                f"the update to generation {manifest.generation} ran out of time at chunk {pulled.verified}"
+            )
 
-    async def _fetch(self, address: str, manifest: wr.Manifest, first: int, buffers: list[memoryview]) -> int:
-        """Pull chunks from ``first`` on from the upstream at ``address`` ("": the origin) into the
-        tensors, verify each against the manifest: how many landed and checked."""
-        index, offset, length = manifest.span(first, self.window)
+    async def _advanced(self, verified: int) -> None:
+        """Chunks 0 .. ``verified``-1 are in and checked: the reader after this one may have them."""
+        self.peer.advance(verified)
+        if self.progress is not None:
+            await asyncio.to_thread(self.progress, verified)
+
+    async def _fetch(
+        self,
+        channel: FrameChannel,
+        address: str,
+        manifest: wr.Manifest,
+        chunk: int,
+        buffers: Sequence[memoryview],
+    ) -> None:
+        """Pull chunk ``chunk`` over ``channel``, to the upstream at ``address`` ("": the origin),
+        into the tensors and verify it against the manifest."""
+        index, offset, length = manifest.span(chunk, 1)
         meta = manifest.metas[index]
         dest = buffers[index][offset : offset + length]
-        landed = [0]
 
         def sink(metas: list[TensorMeta]) -> list[memoryview]:
-            n = metas[0].nbytes if len(metas) == 1 else 0
-            partial = n != length and n % manifest.chunk_bytes
-            if len(metas) != 1 or metas[0].name != meta.name or not 0 < n <= length or partial:
+            if len(metas) != 1 or metas[0].name != meta.name or metas[0].nbytes != length:
                 raise ProtocolError(
-                    f"an upstream answered chunk {first} of {meta.name!r} with something else"
+                    f"an upstream answered chunk {chunk} of {meta.name!r} with something else"
                 )
-            landed[0] = n
-            return [dest[:n]]
+            return [dest]
 
         wait_ms = int(self.stall_timeout * 1000)
-        body = wr.encode_get(self.prefix, manifest.generation, first, self.window, wait_ms)
-        channel = await self._channel(address)
+        body = wr.encode_get(self.prefix, manifest.generation, chunk, 1, wait_ms)
         reader = await channel.call(
-            Opcode.RELAY_GET, body, sink=sink, what=f"RELAY_GET of chunk {first}",
+            Opcode.RELAY_GET, body, sink=sink, what=f"RELAY_GET of chunk {chunk}",
             timeout=self.stall_timeout + 5.0,
         )  # fmt: skip
         reader.done()
-        count = _verify(manifest, first, dest[: landed[0]], address or str(self.origin))
-        self.received += landed[0]
-        return count
+        if checksum(manifest.kind, dest) != manifest.checksums[chunk]:
+            source = address or str(self.origin)
+            raise CorruptFrame(f"chunk {chunk} from {source} does not match the origin's manifest")
+        self.received += length
 
     async def _report(self, generation: int, what: wr.Report, upstream: int) -> wr.Placement:
         body = wr.encode_report(self.prefix, generation, self.reader_id, what, upstream)
@@ -457,17 +471,6 @@ class Subscriber:
         if self._server is not None:
             await self._server.close()
             self._server = None
-
-
-def _verify(manifest: wr.Manifest, first: int, landed: memoryview, source: str) -> int:
-    """Check each chunk of ``landed`` (chunks from ``first`` on) against the manifest; the count.
-    CorruptFrame names the chunk and the upstream that sent it."""
-    size = manifest.chunk_bytes
-    count = -(-landed.nbytes // size)
-    for k in range(count):
-        if checksum(manifest.kind, landed[k * size : (k + 1) * size]) != manifest.checksums[first + k]:
-            raise CorruptFrame(f"chunk {first + k} from {source} does not match the origin's manifest")
-    return count
 
 
 def _targets(prefix: str, into: torch.nn.Module | Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
