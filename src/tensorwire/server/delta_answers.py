@@ -63,10 +63,10 @@ def _chunks(
     lengths = []
     for start in range(0, meta.nbytes, wg.CHUNK_BYTES):
         chunk = view[start : start + wg.CHUNK_BYTES]
-        encoded = b""
+        encoded = None
         if old is not None and left.left > 0:
-            encoded = delta.encode(old[start : start + wg.CHUNK_BYTES], chunk, itemsize, limit=chunk.nbytes)
-        if encoded and encoded[0] != delta.Kind.FULL:
+            encoded = delta.encode_smaller(old[start : start + wg.CHUNK_BYTES], chunk, itemsize)
+        if encoded is not None:
             left.left -= len(encoded)
             data.append(memoryview(encoded))
             lengths.append(len(encoded))

@@ -68,6 +68,13 @@ def encode(base: Buffer, new: Buffer, itemsize: int, *, limit: int | None = None
     """The smallest delta that turns ``base`` into ``new`` (one chunk of a tensor whose elements are
     ``itemsize`` bytes). A delta kind other than FULL is used only when it is smaller than both
     the chunk and ``limit`` (bytes; e.g. to insist on a 10% saving)."""
+    chosen = encode_smaller(base, new, itemsize, limit=limit)
+    return chosen if chosen is not None else bytes([Kind.FULL]) + bytes(new)
+
+
+def encode_smaller(base: Buffer, new: Buffer, itemsize: int, *, limit: int | None = None) -> bytes | None:
+    """``encode``'s delta when a kind other than FULL wins, else None: a sender that has the chunk
+    in memory sends the FULL form from there (a kind byte, then the chunk) instead of a copy."""
     new_b = np.frombuffer(new, dtype=np.uint8)
     base_b = np.frombuffer(base, dtype=np.uint8)
     size = new_b.nbytes
@@ -77,7 +84,7 @@ def encode(base: Buffer, new: Buffer, itemsize: int, *, limit: int | None = None
         for candidate in _candidates(base_b, new_b, _width(itemsize, size)):
             if len(candidate) < best:
                 best, chosen = len(candidate), candidate
-    return chosen if chosen is not None else bytes([Kind.FULL]) + new_b.tobytes()
+    return chosen
 
 
 def _width(itemsize: int, size: int) -> int:
