@@ -51,12 +51,16 @@ def test_window_requests_in_flight_and_each_chunk_counted_as_it_lands() -> None:
 
 
 def test_a_failure_resumes_from_the_lowest_chunk_not_verified() -> None:
-    pulled, seen = pipeline.Pulled(10), []
+    pulled, seen, landed = pipeline.Pulled(10), [], []
+    others = asyncio.Event()
 
     async def bad(chunk: int) -> None:
-        if chunk == 3:  # fails last: the chunks after it land (and are kept) first
-            await asyncio.sleep(0.2)
+        if chunk == 3:  # fails last: every chunk after it lands (and is kept) first
+            await others.wait()
             raise CorruptFrame("chunk 3 does not match")
+        landed.append(chunk)
+        if len(landed) == 9:
+            others.set()
 
     with pytest.raises(CorruptFrame):
         _run(bad, pulled, 4, seen)
