@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import re
 
 import pytest
 
@@ -92,3 +93,25 @@ def test_backoff_doubles_up_to_its_cap_with_jitter_in_the_upper_half() -> None:
     assert [steady(a) for a in (1, 2, 3, 4)] == [0.1, 0.2, 0.25, 0.25]
     jittered = backoff(0.1, 2.0)
     assert all(0.05 <= jittered(1) <= 0.1 for _ in range(100))
+
+
+def test_a_connection_that_hangs_is_given_up_at_the_deadline_not_at_its_connect_timeout() -> None:
+    """A host cut off by a partition answers no SYN: opening a connection to it waits out the
+    connect timeout (10 s for a worker), which the call's deadline must cut short."""
+    opened = asyncio.Event()
+
+    async def hangs() -> str:
+        opened.set()
+        await asyncio.sleep(3600)  # a connect timeout far past the deadline
+        return "never"
+
+    async def call() -> float:
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        what = "PS_PUSH to tcp://10.0.0.9:1"
+        with pytest.raises(TensorwireError, match=re.escape(what)):
+            await retrying(Flaky().op, hangs, NO_WAIT, deadline=Deadline.after(0.2, what))
+        assert opened.is_set()
+        return loop.time() - start
+
+    assert asyncio.run(asyncio.wait_for(call(), 30)) < 10

@@ -11,7 +11,9 @@ connection). Any other error is raised at once.
 Lifecycle of one ``retrying`` call, for each attempt in turn:
 
 1. ``connect()`` hands out a connection: the one still open, or a new one (the caller's own
-   function, so the caller keeps and shares its connection);
+   function, so the caller keeps and shares its connection); with a deadline, opening it waits
+   no longer than the time left (a connect timeout longer than the deadline, to a host cut off
+   by a partition, would otherwise hold the call that long past it);
 2. ``op(connection)`` runs the request on it;
 3. on a failure that may be retried, ``on_retry(error)`` runs (drop the connection, move to
    another replica, log), then the backoff sleep (``policy.delay(attempt)``, cut short at the
@@ -28,7 +30,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TypeVar
 
-from tensorwire._aio import Deadline
+from tensorwire._aio import Deadline, asyncio_timeout
 from tensorwire.errors import TensorwireError
 
 T = TypeVar("T")
@@ -60,6 +62,13 @@ class RetryPolicy:
         return deadline is None or deadline.remaining() > 0
 
 
+async def _connect_within(connect: Callable[[], Awaitable[C]], deadline: Deadline | None) -> C:
+    if deadline is None:
+        return await connect()
+    async with asyncio_timeout(deadline.remaining(), f"a connection for {deadline.what}"):
+        return await connect()
+
+
 async def retrying(
     op: Callable[[C], Awaitable[T]],
     connect: Callable[[], Awaitable[C]],
@@ -75,7 +84,7 @@ async def retrying(
         attempt += 1
         left = False
         try:
-            conn = await connect()
+            conn = await _connect_within(connect, deadline)
             left = True
             return await op(conn)
         except TensorwireError as exc:
