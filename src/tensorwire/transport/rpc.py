@@ -50,6 +50,7 @@ if TYPE_CHECKING:
     from tensorwire.transport import TransportOptions
 
 _TRANSIENT = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.ABORTED}
+_LOST_STATUS = '"execute_batch"'  # in the debug string of a send that failed as the call ended
 
 
 class RpcTransport(Transport):
@@ -210,6 +211,12 @@ class RpcTransport(Transport):
             if key == ERROR_KEY and str(value).isdigit():
                 return error_for_code(int(value), exc.details() or "")
         code = exc.code()
+        if code == grpc.StatusCode.INTERNAL and _LOST_STATUS in (exc.debug_error_string() or ""):
+            # grpc/grpc#36066: a server that ends a streamed call (a put it refused) while a
+            # message is being sent has its status overwritten by this one. Sent again, the call
+            # most likely meets the refusal at its first message and reports it.
+            return ConnectionLost(f"{what} to {self.address} was ended by the server while being sent; "
+                                  "gRPC lost the server's status")  # fmt: skip
         if code == grpc.StatusCode.DEADLINE_EXCEEDED:
             self._closed = True
             return TransferTimeout(
