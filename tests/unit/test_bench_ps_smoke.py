@@ -8,14 +8,15 @@ from tensorwire.bench import ps as bench_ps
 from tensorwire.bench.ps_baselines import Workload
 
 
-def test_ps_throughput_is_measured_in_both_modes() -> None:
+def test_ps_throughput_is_measured() -> None:
+    """Async here, sync in the --comm case below: each mode costs a server and two worker
+    processes (~15 s of make test), and the modes differ only in the workers' flag."""
     tiny = Workload(sizes=(32, 64, 10), batch=16, steps=5, warmup=1)
-    for mode in ("sync", "async"):
-        rate = bench_ps.ps_samples_per_s(tiny, mode, timeout=120)
-        assert math.isfinite(rate) and rate > 0, mode
+    rate = bench_ps.ps_samples_per_s(tiny, "async", timeout=120)
+    assert math.isfinite(rate) and rate > 0
 
 
-def test_ps_comm_measures_both_modes_against_the_socket_bound() -> None:
+def test_ps_comm_measures_a_mode_against_the_socket_bound() -> None:
     tiny = [
         "--params",
         "8192",
@@ -27,12 +28,12 @@ def test_ps_comm_measures_both_modes_against_the_socket_bound() -> None:
         "1",
         "--socket-bytes",
         "1048576",
+        "--modes",
+        "sync",  # the case above measures async (each mode starts its own processes)
     ]
     result = bench_ps.main(["--comm", *tiny])  # `bench ps --comm` hands over to bench/ps_comm.py
     assert result["socket_gbps"] > 0 and result["bytes_per_step"] == 2 * 2 * 4 * 8192
-    for mode in ("sync", "async"):
-        m = result[mode]
-        assert m["ps_comm_bound_s"] == result["bytes_per_step"] / (result["socket_gbps"] * 1e9)
-        assert (
-            m["ps_comm_step_s"] > 0 and m["ps_comm_efficiency"] == m["ps_comm_bound_s"] / m["ps_comm_step_s"]
-        )
+    assert "async" not in result
+    m = result["sync"]
+    assert m["ps_comm_bound_s"] == result["bytes_per_step"] / (result["socket_gbps"] * 1e9)
+    assert m["ps_comm_step_s"] > 0 and m["ps_comm_efficiency"] == m["ps_comm_bound_s"] / m["ps_comm_step_s"]
