@@ -7,7 +7,7 @@
 """
 
 from tensorwire import errors
-from tensorwire.broadcast import Subscriber
+from tensorwire.broadcast import HostReader, Subscriber
 from tensorwire.client.core import AsyncClient, Client, ClientOptions, aconnect, connect
 from tensorwire.security import Security, TlsFiles
 from tensorwire.server.core import Server, ServerThread
@@ -23,6 +23,7 @@ __all__ = [
     "ClientOptions",
     "Generation",
     "GenerationManifest",
+    "HostReader",
     "Limits",
     "Security",
     "Server",

@@ -70,19 +70,19 @@ def test_parked_waits_are_bounded_per_connection_and_per_server(small: tensorwir
 
     tensorwire._aio.run(main())
     # A wait is uncounted when its server task ends, which may be just after its answer reached us.
-    wait_for(lambda: small.server._generation_ops.waiting == 0, 10, "the answered waits to be uncounted")
+    wait_for(lambda: small.server.generation_ops.waiting == 0, 10, "the answered waits to be uncounted")
 
 
 def test_waits_end_with_their_connection(small: tensorwire.ServerThread) -> None:
     async def main() -> None:
         waits, client = await _waits(small.url, 4, "gone")
-        ops = small.server._generation_ops
+        ops = small.server.generation_ops
         await until(lambda: ops.waiting == 4, "four parked waits")
         await client.close()  # type: ignore[attr-defined]
         await asyncio.gather(*waits, return_exceptions=True)
 
     tensorwire._aio.run(main())
-    wait_for(lambda: small.server._generation_ops.waiting == 0, 10, "the waits to end with the connection")
+    wait_for(lambda: small.server.generation_ops.waiting == 0, 10, "the waits to end with the connection")
 
 
 def test_leases_are_bounded_per_connection(small: tensorwire.ServerThread) -> None:

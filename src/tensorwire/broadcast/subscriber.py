@@ -39,6 +39,9 @@ generation it returns (bit for bit). If it raises having written, they may hold 
 ``update()`` fetches the whole generation again (``generation`` is 0 until then). Tensors must be
 contiguous CPU tensors; ``into``'s keys (a ``state_dict``'s, or a module's) are the keys
 ``client.publish(prefix, ...)`` was given.
+
+``share="shm://127.0.0.1:0"`` makes this reader its host's leader: each update's generation is
+also shared over shared memory with the host's other processes (``HostReader``; host.py).
 """
 
 from __future__ import annotations
@@ -61,6 +64,7 @@ import torch
 from tensorwire import transport
 from tensorwire._aio import LoopThread
 from tensorwire.broadcast import pipeline
+from tensorwire.broadcast.host import HostShare
 from tensorwire.broadcast.peer import RelayPeer
 from tensorwire.client import deltas as delta_reads
 from tensorwire.errors import (
@@ -120,7 +124,8 @@ class Subscriber:
     ``progress(chunks)`` hears, on a worker thread, how many chunks of the generation are verified.
     ``deltas``: a reader holding a generation reads a newer one as a delta from the origin (see
     the module docstring: readers at different generations each get their own delta; a reader
-    with nothing gets everything, through the relay).
+    with nothing gets everything, through the relay). ``share`` (e.g. "shm://127.0.0.1:0"): also
+    share each generation with this host's ``HostReader``s, at ``share_url`` (host.py).
     """
 
     def __init__(
@@ -139,6 +144,7 @@ class Subscriber:
         window: int = 4,
         progress: Callable[[int], None] | None = None,
         deltas: bool = True,
+        share: str | None = None,
     ) -> None:
         self.origin = Address.parse(url)
         if relay and self.origin.scheme not in ("tcp", "tls"):
@@ -164,15 +170,21 @@ class Subscriber:
         self._channels: dict[str, FrameChannel] = {}  # "" is the origin
         self._server: Server | None = None
         self._loop = LoopThread("tensorwire-subscriber")
+        start = HostShare.start(share, prefix, self.targets, self.security.token) if share else None
+        self.share = self._loop.call(start, connect_timeout, f"serving {share}") if start else None
+        self.share_url = self.share.url if self.share else ""  # what this host's HostReaders read
 
     # -- the blocking API ------------------------------------------------------------------------
     def update(self, timeout: float | None = None) -> int:
         """Bring the newest generation into the tensors (nothing moves if they hold it already);
         return its number. TransferTimeout after ``timeout`` seconds (default: the constructor's)."""
         wait = self.timeout if timeout is None else timeout
-        return self._loop.call(
+        number = self._loop.call(
             self._update(time.monotonic() + wait), wait + 5.0, f"an update of {self.prefix!r}"
         )
+        if self.share is not None:  # only now: every chunk is in and verified
+            self._loop.call(self.share.publish(number, self.targets), wait, f"sharing on {self.share_url}")
+        return number
 
     def wait_and_update(self, timeout: float) -> int:
         """Wait (the server notifies; no polling) until a generation newer than the one held is
@@ -471,6 +483,8 @@ class Subscriber:
         if self._server is not None:
             await self._server.close()
             self._server = None
+        if self.share is not None:
+            await self.share.close()
 
 
 def _targets(prefix: str, into: torch.nn.Module | Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:

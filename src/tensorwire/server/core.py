@@ -130,8 +130,8 @@ class Server:
         self._add_handlers(store_ops.frame_handlers(), "the store")
         # Generations (generation_ops.py): a parked wait ends well before its connection looks idle.
         self.generations = Generations(self.store, generations)
-        self._generation_ops = GenerationOps(self.generations, store_ops, max_wait=idle_timeout / 2)
-        self._add_handlers(self._generation_ops.frame_handlers(), "generations")
+        self.generation_ops = GenerationOps(self.generations, store_ops, max_wait=idle_timeout / 2)
+        self._add_handlers(self.generation_ops.frame_handlers(), "generations")
         self.extensions: list[Extension] = []
         for extension in extensions:
             self.extend(extension)
@@ -244,7 +244,7 @@ class Server:
             "connections": counts.connections,
             "in_flight": counts.in_flight,
             "requests": sum(row.requests for row in list(counts.rows.values())),
-            **self._generation_ops.status(),
+            **self.generation_ops.status(),
         }
         for extension in self.extensions:
             if isinstance(extension, metrics.Observed):

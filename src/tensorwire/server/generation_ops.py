@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,8 +36,9 @@ from tensorwire.errors import (
 from tensorwire.server import delta_answers
 from tensorwire.server.request import Handler, Request
 from tensorwire.server.store_ops import Parts, StoreOps, cpu
+from tensorwire.store import Reservation
 from tensorwire.store.generations import Generations, Kept, check_names
-from tensorwire.types import TensorMeta
+from tensorwire.types import Generation, TensorMeta
 from tensorwire.wire import delta_reads as dr
 from tensorwire.wire import generations as wg
 from tensorwire.wire import meta as wm
@@ -124,11 +125,37 @@ class GenerationOps:
         except BaseException:
             parts.abort()
             raise
-        gen = self.generations.publish(prefix, res, sums)
+        await req.reply(wg.encode_generation(self._announce(prefix, res, sums)))
+
+    def _announce(
+        self, prefix: str, res: Reservation, sums: Sequence[tuple[int, ...]], number: int = 0
+    ) -> Generation:
+        """Publish ``res`` (verified; ``sums`` its chunk checksums) and wake the prefix's waiters."""
+        gen = self.generations.publish(prefix, res, sums, number)
         event = self._published.pop(prefix, None)
         if event is not None:
             event.set()  # every parked waiter of the prefix wakes and answers
-        await req.reply(wg.encode_generation(gen))
+        return gen
+
+    async def publish_copy(
+        self, prefix: str, tensors: Sequence[tuple[TensorMeta, memoryview]], number: int = 0
+    ) -> Generation:
+        """Publish ``tensors`` (records and their bytes, in this process) as a generation of
+        ``prefix``, numbered ``number`` if that is past the latest (``Generations.publish``): one
+        copy into the store's buffers (shared-memory segments on a server that serves shm://), on
+        a worker thread when large, then visible at once, every tensor together, as a GEN_PUBLISH
+        is. A host leader shares what it received this way (broadcast/host.py)."""
+        self.generations.admit(prefix)
+        store = self.generations.store
+        res = store.reserve([meta for meta, _ in tensors])
+        try:
+            check_names(prefix, [m.name for m in res.metas])
+            sources = [data for _, data in tensors]
+            sums = await cpu(res.nbytes >= _OFF_LOOP_BYTES, _copy_and_sum, res.buffers, sources)
+        except BaseException:
+            store.abort(res)
+            raise
+        return self._announce(prefix, res, sums, number)
 
     # -- reads ----------------------------------------------------------------------------------
     async def get(self, req: Request) -> None:
@@ -294,6 +321,15 @@ def _tensor(kept: Kept, name: str) -> tuple[TensorMeta, memoryview]:
         gen = kept.generation
         raise KeyNotFound(f"generation {gen.number} of {gen.prefix!r} has no tensor {name!r}")
     return pair
+
+
+def _copy_and_sum(dests: Sequence[memoryview], sources: Sequence[memoryview]) -> list[tuple[int, ...]]:
+    """Copy each source into its buffer; the chunk checksums of what was copied."""
+    sums = []
+    for dest, source in zip(dests, sources, strict=True):
+        dest[:] = source
+        sums.append(wg.chunk_checksums(dest))
+    return sums
 
 
 def _timed_out(prefix: str, after: int, waited: float) -> WaitTimeout:

@@ -63,7 +63,10 @@ _PS_OPS = (
     Opcode.ALLREDUCE, Opcode.PS_HEARTBEAT, Opcode.PS_ROLLBACK, Opcode.PS_REPLICATE, Opcode.DIGEST,
     Opcode.PS_BARRIER, Opcode.PS_END,
 )  # fmt: skip
-_SHM_OPS = (Opcode.SHM_ATTACH, Opcode.SHM_GET, Opcode.SHM_PUT, Opcode.SHM_COMMIT, Opcode.SHM_RELEASE)
+_SHM_OPS = (
+    Opcode.SHM_ATTACH, Opcode.SHM_GET, Opcode.SHM_PUT, Opcode.SHM_COMMIT, Opcode.SHM_RELEASE,
+    Opcode.SHM_GEN_VIEW,
+)  # fmt: skip
 SERVED_BY: dict[int, str] = {**dict.fromkeys(_PS_OPS, _NO_PS), **dict.fromkeys(_SHM_OPS, _NO_SHM)}
 SPANNING = frozenset((Opcode.PUT_MANY, Opcode.GEN_PUBLISH))  # opcodes whose parts may span frames
 

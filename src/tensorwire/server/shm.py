@@ -11,9 +11,12 @@ It is an ``Extension`` (request.py) the first shm:// listener adds to its server
 did not come in on an shm:// listener, and the server closes it when it stops.
 
 Per connection (``ShmSession``) the server keeps the puts it handed segments out for and not yet
-committed, and the leases of views. When the connection ends, open puts are aborted (nothing of
-them was ever visible) and leased segments are released *tainted*: the client may still read them
-through a view, so they are never reused, only unlinked once the store frees them.
+committed, and the leases of views: of named tensors (SHM_GET) and of whole generations
+(SHM_GEN_VIEW, §16: the generation stays pinned, so it is never freed, whatever
+``--keep-generations`` retires, while the lease lives). When the connection ends, open puts are
+aborted (nothing of them was ever visible) and leased segments are released *tainted*: the client
+may still read them through a view, so they are never reused, only unlinked once the store frees
+them.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ import itertools
 import os
 import struct
 import weakref
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -33,16 +36,18 @@ from tensorwire import topology, transport
 from tensorwire.errors import InvalidTensor, LimitExceeded, ProtocolError, SharedMemoryUnavailable
 from tensorwire.server.request import Extension, Handler, Request
 from tensorwire.store import Reservation, TensorStore
+from tensorwire.store.generations import Generations, Kept
 from tensorwire.store.memory import Entry
 from tensorwire.store.shm import SegmentPool, clean_stale
 from tensorwire.transport.base import ByteStream, Listener
-from tensorwire.types import Address
+from tensorwire.types import Address, TensorMeta
 from tensorwire.wire import meta as wm
 from tensorwire.wire import shm as ws
 from tensorwire.wire.frame import Opcode
 
 MAX_OPEN_PUTS = 64  # per connection: puts handed segments and not yet committed
 MAX_LEASES = 65536  # per connection: tensors pinned by views
+MAX_GENERATION_VIEWS = 64  # per connection: generations pinned by views (SHM_GEN_VIEW)
 _U64 = struct.Struct("<Q")
 _ids = itertools.count(1)
 
@@ -52,6 +57,9 @@ class ShmHost(Protocol):
 
     @property
     def store(self) -> TensorStore: ...
+
+    @property
+    def generations(self) -> Generations: ...
 
     async def handle(self, stream: ByteStream, transport: str = "tcp") -> None:
         """Serve one connection."""
@@ -74,6 +82,7 @@ class ShmSession:
         self.puts: dict[int, Reservation] = {}
         self.leases: dict[int, list[Entry]] = {}
         self.leased = 0
+        self.views: dict[int, Kept] = {}  # lease -> the generation it pins (SHM_GEN_VIEW)
 
     def close(self) -> None:
         service = self.service
@@ -81,14 +90,16 @@ class ShmSession:
             return
         for res in self.puts.values():
             service.store.abort(res)
+        # A view may outlive its lease: never reuse what it reads.
         for entries in self.leases.values():
-            for entry in entries:  # a view may outlive its lease: never reuse what it reads
-                segment = service.pool.segment_of(entry.data)
-                if segment is not None:
-                    segment.tainted = True
+            service.taint(entry.data for entry in entries)
             service.store.release(entries)
+        for kept in self.views.values():
+            service.taint(data for _, data in kept.tensors.values())
+            service.generations.unpin(kept)
         self.puts.clear()
         self.leases.clear()
+        self.views.clear()
 
 
 class ShmService:
@@ -98,11 +109,12 @@ class ShmService:
     once that listener is up, closed by the server when it stops (or by ``listen`` when that first
     listener fails to start)."""
 
-    def __init__(self, store: TensorStore, directory: Path) -> None:
+    def __init__(self, store: TensorStore, directory: Path, generations: Generations) -> None:
         if not directory.is_dir() or not os.access(directory, os.W_OK):
             raise SharedMemoryUnavailable(f"cannot serve shm://: {directory} is not a writable directory")
         clean_stale(directory)  # what servers killed before their cleanup left behind
         self.store = store
+        self.generations = generations
         self.pool = SegmentPool(directory, self.store.pool_limit)
         self.token = int.from_bytes(os.urandom(8), "little")
         self.probe = self.pool.create_probe(_U64.pack(self.token))
@@ -117,6 +129,7 @@ class ShmService:
             Opcode.SHM_PUT: self.put,
             Opcode.SHM_COMMIT: self.commit,
             Opcode.SHM_RELEASE: self.release,
+            Opcode.SHM_GEN_VIEW: self.view,
         }
         return {op: _shm_only(Opcode(op).name, handler) for op, handler in table.items()}
 
@@ -152,7 +165,8 @@ class ShmService:
         entries = self.store.acquire(names)
         keep: list[Entry] = []  # pinned by a lease, past this request
         try:
-            inline, refs = self._split(entries)
+            slots, refs = self._split([(e.meta, e.data) for e in entries])
+            inline = [entries[i] for i in slots]
             lease = 0
             if flags & ws.GET_LEASE and refs:
                 if session.leased + len(refs) > MAX_LEASES:
@@ -167,16 +181,53 @@ class ShmService:
             kept = {id(e) for e in keep}
             self.store.release([e for e in entries if id(e) not in kept])
 
-    def _split(self, entries: Sequence[Entry]) -> tuple[list[Entry], list[ws.SegmentRef]]:
-        """The entries whose bytes travel inline, and references to those in segments."""
+    def _split(
+        self, tensors: Sequence[tuple[TensorMeta, memoryview]]
+    ) -> tuple[list[int], list[ws.SegmentRef]]:
+        """The indexes of the tensors whose bytes travel inline, and references to those in segments."""
         inline, refs = [], []
-        for i, entry in enumerate(entries):
-            segment = self.pool.segment_of(entry.data)
+        for i, (meta, data) in enumerate(tensors):
+            segment = self.pool.segment_of(data)
             if segment is None:
-                inline.append(entry)
+                inline.append(i)
             else:
-                refs.append(ws.SegmentRef(i, entry.meta, segment.name, segment.generation))
+                refs.append(ws.SegmentRef(i, meta, segment.name, segment.generation))
         return inline, refs
+
+    def taint(self, buffers: Iterable[memoryview]) -> None:
+        """The segments of ``buffers`` may be read by views whose lease is gone: never reuse them."""
+        for data in buffers:
+            segment = self.pool.segment_of(data)
+            if segment is not None:
+                segment.tainted = True
+
+    async def view(self, req: Request) -> None:
+        """SHM_GEN_VIEW: every tensor of one generation, where it lies; its segments stay pinned
+        under one lease (docs/protocol.md §16) until SHM_RELEASE names it or the connection ends."""
+        session = self.session(req)
+        prefix, at = ws.decode_view_request(req.meta)
+        req.meta.done()
+        kept = self.generations.pin(prefix, at)
+        lease = 0
+        try:
+            gen = kept.generation
+            tensors = [kept.tensors[name] for name in gen.names]
+            slots, refs = self._split(tensors)
+            if refs:
+                if len(session.views) >= MAX_GENERATION_VIEWS:
+                    pinned = f"this connection pins {len(session.views)} generations with views"
+                    raise LimitExceeded(f"{pinned}: at most {MAX_GENERATION_VIEWS}")
+                lease = next(_ids)
+                session.views[lease] = kept
+            meta = ws.encode_view_answer(gen, [tensors[i][0] for i in slots], refs, lease)
+            await req.reply(meta, [tensors[i][1] for i in slots])
+        except BaseException:
+            session.views.pop(lease, None)  # the client never learnt the lease: nothing reads it
+            lease = 0
+            raise
+        finally:
+            if not lease:
+                self.generations.unpin(kept)
 
     async def put(self, req: Request) -> None:
         session = self.session(req)
@@ -237,6 +288,9 @@ class ShmService:
             entries = session.leases.pop(lease, [])
             session.leased -= len(entries)
             self.store.release(entries)
+            kept = session.views.pop(lease, None)
+            if kept is not None:
+                self.generations.unpin(kept)
         for put_id in puts:
             res = session.puts.pop(put_id, None)
             if res is not None:
@@ -264,7 +318,7 @@ async def listen(server: ShmHost, address: Address) -> Listener:
     service = _services.get(server)
     first = service is None
     if service is None:
-        service = ShmService(server.store, ws.shm_dir())
+        service = ShmService(server.store, ws.shm_dir(), server.generations)
     try:
         # Counted in metrics as transport="shm": each transfer's path is visible, never a silent one.
         listener = await transport.listen(address, functools.partial(server.handle, transport="shm"))

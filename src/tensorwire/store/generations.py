@@ -125,9 +125,13 @@ class Generations:
                 f" {self.config.max_prefixes} (--max-prefixes)"
             )
 
-    def publish(self, prefix: str, res: Reservation, sums: Sequence[tuple[int, ...]]) -> Generation:
+    def publish(
+        self, prefix: str, res: Reservation, sums: Sequence[tuple[int, ...]], number: int = 0
+    ) -> Generation:
         """Make ``res`` (received and verified; ``sums`` its chunk checksums, in its order) the
-        prefix's next generation; it owns ``res`` from here (freed on failure too)."""
+        prefix's next generation, numbered ``number`` where that is larger than the latest (a host
+        leader numbers its share as its origin did: broadcast/host.py), else the latest + 1; it owns
+        ``res`` from here (freed on failure too)."""
         try:
             self.admit(prefix)
             check_names(prefix, [m.name for m in res.metas])
@@ -136,7 +140,7 @@ class Generations:
             raise
         self.store.keep(res)
         entry = self._prefixes.setdefault(prefix, Prefix())
-        number = entry.latest + 1
+        number = max(number, entry.latest + 1)
         pairs = sorted(zip(res.metas, res.buffers, sums, strict=True), key=lambda p: p[0].name)
         chunk_sums = tuple(ChunkSums(m.with_version(number), s) for m, _, s in pairs)
         digest = wg.root_digest(chunk_sums, wg.CHUNK_BYTES, wg.CHECKSUM_KIND)

@@ -1,5 +1,6 @@
 """A relay origin for tests (``origin``: a server with a ``RelayCoordinator`` and small chunks, so that
-a transfer is many chunks and a fault lands mid-transfer), a model's tensors, bit-exact checks."""
+a transfer is many chunks and a fault lands mid-transfer), a model's tensors, bit-exact checks, and
+where a tensor's memory lies (``segment_mapping``: a view of a shared-memory segment, or a copy)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from tensorwire.security import Security
 from tensorwire.server import ServerThread
 from tensorwire.store import TensorStore
 from tensorwire.store.generations import GenerationConfig
+from tensorwire.wire import shm as ws
 
 PREFIX = "policy/"
 CHUNK = 16 << 10  # small: a transfer is many chunks, so faults land mid-transfer
@@ -45,6 +47,20 @@ def same_bytes(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
     return a.keys() == b.keys() and all(
         torch.equal(a[k].reshape(-1).view(torch.uint8), b[k].reshape(-1).view(torch.uint8)) for k in a
     )
+
+
+def segment_mapping(tensor: torch.Tensor) -> str | None:
+    """The permissions ("r--s": read-only, shared) of the mapping of a tensorwire segment that
+    ``tensor``'s memory lies in, or None when it lies in none (a private copy)."""
+    segments = str(ws.shm_dir() / ws.PREFIX)
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            fields = line.split()
+            if len(fields) >= 6 and fields[5].startswith(segments):
+                low, high = (int(x, 16) for x in fields[0].split("-"))
+                if low <= tensor.data_ptr() < high:
+                    return fields[1]
+    return None
 
 
 @contextmanager

@@ -27,6 +27,8 @@ caller asks ``isinstance(t, Ranged)`` (or opens with ``open_channel``, which ask
 * ``Viewable``: read-only tensors over the server's own pages. shm://.
 * ``Generational``: generations (publish, reads at a generation, manifests, waits, leases;
   docs/protocol.md §14). tcp://, tls://, memory:// (not yet grpc:// nor shm://).
+* ``GenerationViews``: a generation as read-only tensors over the server's own pages, and waits
+  for the next one (§16: how a host leader's followers read it). shm://.
 
 One capability is asked of a request's data rather than of the transport: ``StagedData``, bytes
 that become readable while the request is being sent (device copies into pinned memory).
@@ -288,6 +290,22 @@ class Generational(Protocol):
     async def lease(self, prefix: str, number: int, seconds: float) -> tuple[float, int]:
         """Seconds granted (0 after a release) and the oldest generation the prefix keeps."""
         ...
+
+
+@runtime_checkable
+class GenerationViews(Protocol):
+    """Generations read in place, on the server's own pages (docs/protocol.md §16).
+
+    ``view_generation`` answers with generation ``at`` (0: the newest) of ``prefix`` and a
+    read-only tensor per full name, every one of that one generation; the server keeps the
+    generation (one lease for all of them) until every one of those tensors is freed, or the
+    connection ends (the tensors stay readable then too). ``wait`` returns once a generation after
+    ``after`` exists (GEN_WAIT: the server holds the request, not the connection).
+    """
+
+    async def view_generation(self, prefix: str, at: int) -> tuple[Generation, dict[str, torch.Tensor]]: ...
+
+    async def wait(self, prefix: str, after: int, timeout: float) -> Generation: ...
 
 
 def as_generational(transport: Transport, what: str) -> Generational:

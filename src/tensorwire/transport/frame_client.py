@@ -189,6 +189,14 @@ class FramedTransport(Transport):
         )
         return reader
 
+    # GEN_WAIT: part of ``Generational`` (RangedTransport) and of ``GenerationViews`` (shm.py).
+    async def wait(self, prefix: str, after: int, timeout: float) -> Generation:
+        request = wg.encode_wait(prefix, after, max(1, round(timeout * 1000)))
+        what = f"wait for a generation of {prefix!r} after {after}"
+        # The server answers at ``timeout`` (WaitTimeout); this side's own timer only backs it up.
+        _, reader = await self._call(Opcode.GEN_WAIT, request, what=what, timeout=timeout + self.timeout)
+        return _finish(reader, wg.decode_generation(reader))
+
     async def close(self) -> None:
         await self._fail(ConnectionLost(f"connection to {self.address} was closed by the client"))
 
@@ -463,13 +471,6 @@ class RangedTransport(FramedTransport):
         what = f"manifest of {prefix!r} at generation {at or 'latest'}"
         _, reader = await self._call(Opcode.GEN_MANIFEST, request, what=what)
         return _finish(reader, wg.decode_manifest(reader))
-
-    async def wait(self, prefix: str, after: int, timeout: float) -> Generation:
-        request = wg.encode_wait(prefix, after, max(1, round(timeout * 1000)))
-        what = f"wait for a generation of {prefix!r} after {after}"
-        # The server answers at ``timeout`` (WaitTimeout); this side's own timer only backs it up.
-        _, reader = await self._call(Opcode.GEN_WAIT, request, what=what, timeout=timeout + self.timeout)
-        return _finish(reader, wg.decode_generation(reader))
 
     async def lease(self, prefix: str, number: int, seconds: float) -> tuple[float, int]:
         request = wg.encode_lease(prefix, number, min(round(seconds * 1000), 0xFFFFFFFF))

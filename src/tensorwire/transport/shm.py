@@ -13,6 +13,8 @@ it shares the server's segment directory (SHM_ATTACH: it reads a probe file the 
   change during the copy (else it copies again: the key was overwritten and its old segment reused).
 * ``view``: SHM_GET with a lease: a read-only tensor over the mapped pages; the server pins the
   segment until the tensor's memory is freed (then the client sends SHM_RELEASE).
+* ``view_generation`` (``GenerationViews``): SHM_GEN_VIEW, every tensor of one generation as a view
+  (§16), under one lease, released once the last of them is freed.
 
 Mappings are cached (segments are reused, so a warm put or get maps nothing and faults no page).
 """
@@ -21,12 +23,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import mmap
 import os
+import threading
 import warnings
 import weakref
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -49,7 +53,7 @@ from tensorwire.transport.base import (
     StreamHandler,
 )
 from tensorwire.transport.frame_client import FramedTransport
-from tensorwire.types import Address, TensorMeta
+from tensorwire.types import Address, Generation, TensorMeta
 from tensorwire.wire import meta as wm
 from tensorwire.wire import shm as ws
 from tensorwire.wire.checksum import ChecksumKind
@@ -231,14 +235,7 @@ class ShmTransport(FramedTransport):
     ) -> tuple[list[TensorMeta], dict[int, memoryview], list[ws.SegmentRef], int]:
         """SHM_GET: every tensor's record in request order, the bytes of those sent inline (by
         index), references to those in segments, and the lease id (0 without a lease)."""
-        landed: list[memoryview] = []
-        inline_metas: list[TensorMeta] = []
-
-        def land(metas: list[TensorMeta]) -> list[memoryview]:
-            inline_metas.extend(metas)
-            landed.extend(memoryview(bytearray(m.nbytes)) for m in metas)  # small tensors only
-            return landed
-
+        inline_metas, landed, land = _inline_sink()
         body = bytes([ws.GET_LEASE if lease else 0]) + wm.encode_names(names)
         what = f"the segments of {names[0]!r}" + (f" and {len(names) - 1} more" if len(names) > 1 else "")
         reader = await self.call(Opcode.SHM_GET, body, sink=land, what=what)
@@ -273,6 +270,40 @@ class ShmTransport(FramedTransport):
         weakref.finalize(pages, self._release_soon, asyncio.get_running_loop(), lease)
         return _tensor(pages, ref.meta)
 
+    async def view_generation(self, prefix: str, at: int) -> tuple[Generation, dict[str, torch.Tensor]]:
+        """Generation ``at`` (0: the newest) of ``prefix``: a read-only tensor per full name, over
+        the mapped segments (tensors under 64 KiB: private copies that came inline); one lease
+        keeps them all, released once the last is freed (``GenerationViews``)."""
+        inline_metas, landed, land = _inline_sink()
+        what = f"a view of generation {at or 'latest'} of {prefix!r}"
+        reader = await self.call(
+            Opcode.SHM_GEN_VIEW, ws.encode_view_request(prefix, at), sink=land, what=what
+        )
+        answer = ws.decode_view_answer(reader, inline_metas, prefix)
+        names = answer.generation.names
+        try:
+            pages = [self._pages(ref) for ref in answer.refs]
+        except BaseException:
+            self._later(releases=[answer.lease] if answer.lease else [])
+            raise
+        tensors = {names[slot]: _tensor(np.frombuffer(data, dtype=np.uint8), meta)
+                   for slot, data, meta in zip(answer.inline, landed, inline_metas, strict=True)}  # fmt: skip
+        release = functools.partial(self._release_soon, asyncio.get_running_loop(), answer.lease)
+        shared = _SharedLease(len(pages), release)
+        for ref, page in zip(answer.refs, pages, strict=True):
+            weakref.finalize(page, shared.drop)  # torch keeps ``page`` alive while a tensor uses it
+            tensors[names[ref.item]] = _tensor(page, ref.meta)
+        return answer.generation, tensors
+
+    def _pages(self, ref: ws.SegmentRef) -> np.ndarray:
+        """The leased bytes of ``ref``, mapped; ProtocolError if the segment cannot be what the
+        server said (too small, or handed out again under a lease)."""
+        segment = self._segment(ref, writable=False)
+        generation, capacity = ws.unpack_head(segment)
+        if generation != ref.generation or ref.meta.nbytes > capacity:
+            raise ProtocolError(f"{self.address} leased segment {ref.segment}, which holds something else")
+        return np.frombuffer(segment, dtype=np.uint8, count=ref.meta.nbytes, offset=ws.HEADER_BYTES)
+
     def _release_soon(self, loop: asyncio.AbstractEventLoop, lease: int) -> None:
         """A view's memory was freed (on any thread): release its lease on the loop."""
         with contextlib.suppress(RuntimeError):  # the loop is closed: so is the connection
@@ -301,6 +332,38 @@ class ShmTransport(FramedTransport):
             with contextlib.suppress(asyncio.CancelledError, ConnectionLost):
                 await self._flushing
         self.maps.clear()
+
+
+class _SharedLease:
+    """One lease shared by several views: released when the last of them is freed (any thread)."""
+
+    def __init__(self, views: int, release: Callable[[], None]) -> None:
+        self._left = views
+        self._release = release
+        self._lock = threading.Lock()
+
+    def drop(self) -> None:
+        with self._lock:
+            self._left -= 1
+            last = self._left == 0
+        if last:
+            self._release()
+
+
+def _inline_sink() -> tuple[
+    list[TensorMeta], list[memoryview], Callable[[list[TensorMeta]], list[memoryview]]
+]:
+    """The records and private buffers of the small tensors an answer carries inline, and the sink
+    that fills them in."""
+    metas: list[TensorMeta] = []
+    landed: list[memoryview] = []
+
+    def land(records: list[TensorMeta]) -> list[memoryview]:
+        metas.extend(records)
+        landed.extend(memoryview(bytearray(m.nbytes)) for m in records)  # small tensors only
+        return landed
+
+    return metas, landed, land
 
 
 def _tensor(pages: np.ndarray, meta: TensorMeta) -> torch.Tensor:

@@ -75,6 +75,8 @@ class Opcode(enum.IntEnum):
     RELAY_GET = 49
     RELAY_REPORT = 50
     RELAY_STATS = 51
+    # Per-host fan-out (docs/protocol.md §16): a generation as read-only shared-memory views.
+    SHM_GEN_VIEW = 52
 
 
 class Flags(enum.IntFlag):

@@ -18,7 +18,8 @@ from pathlib import Path
 from typing import NamedTuple
 
 from tensorwire.errors import ProtocolError
-from tensorwire.types import TensorMeta
+from tensorwire.types import Generation, TensorMeta
+from tensorwire.wire import generations as wg
 from tensorwire.wire import meta as wm
 
 SHM_DIR_ENV = "TENSORWIRE_SHM_DIR"  # where segments live (default /dev/shm); read when a side starts
@@ -108,3 +109,58 @@ def decode_release(reader: wm.MetaReader) -> tuple[list[int], list[int]]:
     puts = [reader.u64() for _ in range(reader.count())]
     reader.done()
     return leases, puts
+
+
+# -- SHM_GEN_VIEW (docs/protocol.md §16) ----------------------------------------------------------
+class ViewAnswer(NamedTuple):
+    """An SHM_GEN_VIEW answer: the generation, where its tensors in segments live (``item``: the
+    index in ``generation.names``), the indexes of those sent inline (in the answer's record order)
+    and the lease that pins the segments (0: none, when every tensor came inline)."""
+
+    generation: Generation
+    refs: list[SegmentRef]
+    inline: list[int]
+    lease: int
+
+
+def encode_view_request(prefix: str, at: int) -> bytes:
+    """``prefix | u64 at`` (0: the newest), as GEN_MANIFEST's."""
+    return wg.encode_manifest_request(prefix, at)
+
+
+def decode_view_request(reader: wm.MetaReader) -> tuple[str, int]:
+    return wg.decode_manifest_request(reader)
+
+
+def encode_view_answer(
+    gen: Generation, inline: Sequence[TensorMeta], refs: Sequence[SegmentRef], lease: int
+) -> bytes:
+    """The inline tensors' records (first: the client's sink reads them), the generation block,
+    the refs, the lease."""
+    return wm.encode_records(inline) + wg.encode_generation(gen) + encode_refs(refs) + _GEN.pack(lease)
+
+
+def decode_view_answer(reader: wm.MetaReader, inline: Sequence[TensorMeta], prefix: str) -> ViewAnswer:
+    """What follows the inline records (already read: ``inline``) of an answer to a view of
+    ``prefix``; ProtocolError unless every name of the generation is answered once, inline or by a
+    ref whose record bears that name, and segments come with a lease."""
+    gen = wg.decode_generation(reader)
+    names = gen.names
+    refs = decode_refs(reader, len(names))
+    lease = reader.u64()
+    reader.done()
+    if gen.prefix != prefix:
+        raise ProtocolError(
+            f"a view of {prefix!r} was answered with generation {gen.number} of {gen.prefix!r}"
+        )
+    referenced = {ref.item for ref in refs}
+    slots = [i for i in range(len(names)) if i not in referenced]
+    if len(slots) != len(inline) or any(meta.name != names[i] for i, meta in zip(slots, inline, strict=True)):
+        raise ProtocolError(
+            f"the inline records of a view of {prefix!r} are not its generation's other tensors"
+        )
+    if any(ref.meta.name != names[ref.item] for ref in refs):
+        raise ProtocolError(f"a segment of a view of {prefix!r} is named for another tensor")
+    if refs and not lease:
+        raise ProtocolError(f"a view of {prefix!r} has segments but no lease pinning them")
+    return ViewAnswer(gen, refs, slots, lease)
