@@ -40,6 +40,9 @@ DEFAULT_LEASES_PER_OWNER = 64
 DEFAULT_MAX_WAITERS = 4096
 DEFAULT_WAITERS_PER_OWNER = 64
 DEFAULT_MAX_WAIT_SECONDS = 300.0
+# Prefixes the server publishes itself: a parameter server's relay pulls (``_ps/<job>``,
+# ps/relay.py). No client publishes under it: the job's workers trust what it holds.
+SERVER_PREFIX = "_ps"
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,9 +114,12 @@ class Generations:
         return sum(len(p.kept) for p in self._prefixes.values())
 
     # -- publishing ----------------------------------------------------------------------------
-    def admit(self, prefix: str) -> None:
-        """InvalidName / LimitExceeded unless generations of ``prefix`` may be published."""
+    def admit(self, prefix: str, *, internal: bool = False) -> None:
+        """InvalidName / LimitExceeded unless generations of ``prefix`` may be published (under
+        ``SERVER_PREFIX`` only by the server itself: ``internal``)."""
         validate_name(prefix)
+        if not internal and (prefix == SERVER_PREFIX or prefix.startswith(SERVER_PREFIX + "/")):
+            raise InvalidName(f"prefix {prefix!r}: {SERVER_PREFIX!r} is the server's own")
         if prefix in self._prefixes:
             return
         for other in self._prefixes:
@@ -125,11 +131,14 @@ class Generations:
                 f" {self.config.max_prefixes} (--max-prefixes)"
             )
 
-    def publish(self, prefix: str, res: Reservation, sums: Sequence[tuple[int, ...]]) -> Generation:
+    def publish(
+        self, prefix: str, res: Reservation, sums: Sequence[tuple[int, ...]], *, internal: bool = False
+    ) -> Generation:
         """Make ``res`` (received and verified; ``sums`` its chunk checksums, in its order) the
-        prefix's next generation; it owns ``res`` from here (freed on failure too)."""
+        prefix's next generation; it owns ``res`` from here (freed on failure too). ``internal``:
+        the server publishes it (``admit``)."""
         try:
-            self.admit(prefix)
+            self.admit(prefix, internal=internal)
             check_names(prefix, [m.name for m in res.metas])
         except BaseException:
             self.store.abort(res)
@@ -271,14 +280,26 @@ class Generations:
                 if kept.pins == 0:
                     self.store.free_kept(kept.reservation)
 
+    def forget(self, prefix: str) -> None:
+        """Drop every generation of ``prefix`` and the prefix (its owner ended, a parameter-server
+        job say); those being read are freed by their last reader. Leases on them end."""
+        entry = self._prefixes.pop(prefix, None)
+        if entry is not None:
+            self._free(entry)
+            for held in self._leases.values():
+                held.difference_update({key for key in held if key[0] == prefix})
+
     def close(self) -> None:
         """The server stops: free every generation not being read."""
         for entry in self._prefixes.values():
-            for kept in entry.kept.values():
-                kept.retired = True
-                if kept.pins == 0:
-                    self.store.free_kept(kept.reservation)
-            entry.kept.clear()
+            self._free(entry)
+
+    def _free(self, entry: Prefix) -> None:
+        for kept in entry.kept.values():
+            kept.retired = True
+            if kept.pins == 0:
+                self.store.free_kept(kept.reservation)
+        entry.kept.clear()
 
 
 def check_names(prefix: str, names: Sequence[str]) -> None:
