@@ -23,11 +23,13 @@ server (``attach``), after which ``publish`` may be called from the event loop.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
+from tensorwire.broadcast.chains import Chains
 from tensorwire.errors import ProtocolError
 from tensorwire.ps.job import HeldShard, Job
 from tensorwire.store.generations import SERVER_PREFIX, Generations
@@ -60,13 +62,14 @@ class RelayPublisher:
 
     def __init__(self) -> None:
         self.generations: Generations | None = None
+        self.chains: Chains | None = None  # the relay's tables: what it served, per prefix
         self.published = 0  # versions published (copies made)
         self.published_bytes = 0
         self._last: dict[str, Published] = {}
         self._locks: dict[str, asyncio.Lock] = {}
 
-    def attach(self, generations: Generations) -> None:
-        self.generations = generations
+    def attach(self, generations: Generations, chains: Chains) -> None:
+        self.generations, self.chains = generations, chains
 
     async def publish(self, job: Job, held: Callable[[str], bool]) -> tuple[int, int]:
         """The job's current parameters as a generation: (version, generation number). ``held``
@@ -109,8 +112,13 @@ class RelayPublisher:
             self._locks.pop(job_id, None)
             generations.forget(relay_prefix(job_id))
 
-    def stats(self) -> Mapping[str, int]:
-        return {"relay_published": self.published, "relay_published_bytes": self.published_bytes}
+    def stats(self) -> dict[str, Any]:
+        """PS_STATS' ``relay``: versions published, their bytes, and the bytes the relay served
+        from this server per job (RELAY_GET answers; what its link carried for relay pulls)."""
+        totals = self.chains.totals() if self.chains is not None else {}
+        root = relay_prefix("")
+        served = {p[len(root) :]: n for p, n in totals.items() if p.startswith(root)}
+        return {"published": self.published, "published_bytes": self.published_bytes, "served_bytes": served}
 
 
 def _meta(name: str, meta: TensorMeta) -> TensorMeta:

@@ -145,8 +145,7 @@ class ParamServer:
     def attach(self, server: Server) -> None:
         """Joined ``server`` (``Server.extend``): relay pulls publish into its generations, and
         it serves the relay (its ``RelayCoordinator``, the one it has or a new one)."""
-        self.relay.attach(server.generations)
-        RelayCoordinator.of(server)
+        self.relay.attach(server.generations, RelayCoordinator.of(server).chains)
 
     # The server's own attributes, and its one job's (``sole``), under the names a ParamServer
     # always had.
@@ -294,7 +293,7 @@ class ParamServer:
             "max_jobs": jobs.max_jobs,
             "keep_jobs": jobs.keep_jobs,
             "jobs_limit_refused": jobs.refused,
-            **self.relay.stats(),
+            "relay": self.relay.stats(),
             "jobs": {run.id: run.summary() for run in jobs},
             "ended": [
                 {k: r.get(k) for k in ("job", "ended", "mode", "world", "step", "version")}
