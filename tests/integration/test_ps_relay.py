@@ -55,14 +55,15 @@ def state(out: Path, rank: int) -> dict[str, torch.Tensor]:
     return loaded
 
 
-def test_relay_pulls_train_bit_for_bit_as_direct_ones_and_send_each_version_about_once(tmp_path: Path) -> None:
+def test_relay_pulls_train_bit_for_bit_as_direct_ones_sending_each_version_once(tmp_path: Path) -> None:
     """A sync job of three worker processes pulling through the relay ends with the bits of the
     same job pulling directly (threads, in this process); the server sent each version's
     parameters about once (direct: once per worker)."""
     direct = tmp_path / "direct"
     direct.mkdir()
     with ServerThread(extensions=[ParamServer()]) as reference:
-        run_threads(lambda r: ps_job.train(reference.url, "sync", STEPS, direct, rank=r, world=WORLD), WORLD, 60)
+        train = lambda r: ps_job.train(reference.url, "sync", STEPS, direct, rank=r, world=WORLD)  # noqa: E731
+        run_threads(train, WORLD, 60)
     with ServerProcess() as server:
         assert finish(start(server.url, "relay", "relay", tmp_path / "relay")) == [0] * WORLD
         (stats,) = server_stats([server.url])
@@ -92,7 +93,6 @@ def test_a_server_that_cannot_publish_falls_back_to_direct_pulls_with_a_warning(
     and training goes on as with direct pulls."""
     models = [small() for _ in range(2)]
     with ServerThread(store=TensorStore(capacity=16), extensions=[ParamServer(30.0)]) as server:
-
         results: dict[int, tuple[int, int]] = {}
 
         def work(rank: int) -> None:
