@@ -70,9 +70,8 @@ def measure(
     with local_servers(servers) as urls:
         for pull in ("direct", "relay"):
             worker = functools.partial(train, pull=pull)
-            jobs: list[base.Job] = [
-                (f"ps {pull} worker {rank}", worker, (w, rank, urls, "sync", timeout)) for rank in range(w.workers)
-            ]
+            args = [(w, rank, urls, "sync", timeout) for rank in range(w.workers)]
+            jobs: list[base.Job] = [(f"ps {pull} worker {a[1]}", worker, a) for a in args]
             runs[pull] = _run(f"tensorwire {pull}-pull workers", jobs, timeout, children)
         served = sum(s["relay"]["served_bytes"].get("bench-sync-relay", 0) for s in server_stats(urls))
     direct_egress = sum(r[1] for r in runs["direct"])
