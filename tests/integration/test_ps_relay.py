@@ -40,14 +40,13 @@ def start(server: str, job: str, pull: str, out: Path) -> list[subprocess.Popen[
 
 
 def finish(procs: list[subprocess.Popen[bytes]]) -> list[int]:
-    codes = []
-    for proc in procs:
-        try:
-            codes.append(proc.wait(DEADLINE))
-        except subprocess.TimeoutExpired:
+    """Exit codes; every process still running after the deadline is killed (and fails the test)."""
+    try:
+        return [proc.wait(DEADLINE) for proc in procs]
+    finally:
+        for proc in filter(lambda p: p.poll() is None, procs):
             proc.kill()
-            codes.append(proc.wait())
-    return codes
+            proc.wait()
 
 
 def state(out: Path, rank: int) -> dict[str, torch.Tensor]:

@@ -16,8 +16,9 @@ server's capacity (CapacityExceeded when it does not fit: the worker pulls direc
 the store keeps the last ``--keep-generations`` of them (2 by default); a job that ended has its
 generations dropped at the next publish.
 
-Lifecycle: the ``ParamServer`` makes one ``RelayPublisher``; ``Server.extend`` hands it the
-server (``attach``), after which ``publish`` may be called from the event loop.
+Lifecycle: the ``ParamServer`` makes one ``RelayPublisher``; when the ``ParamServer`` is added to a
+server (``added_to``) it ``attach``es the server's generations and relay tables, after which
+``publish`` may be called from the event loop.
 """
 
 from __future__ import annotations

@@ -142,7 +142,7 @@ class ParamServer:
         self._blank: JobRun | None = None
         self.relay = RelayPublisher()  # versions published for relay pulls (PS_RELAY)
 
-    def attach(self, server: Server) -> None:
+    def added_to(self, server: Server) -> None:
         """Joined ``server`` (``Server.extend``): relay pulls publish into its generations, and
         it serves the relay (its ``RelayCoordinator``, the one it has or a new one)."""
         self.relay.attach(server.generations, RelayCoordinator.of(server).chains)

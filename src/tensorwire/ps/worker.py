@@ -28,6 +28,13 @@ keeps one residual per parameter: one more copy of the gradients, the model's si
 ``pull_codec="int8"`` or ``"bf16"`` pulls the parameters quantised (the servers keep them, and
 their optimizer state, in full precision); a lossy pull is for workers that tolerate it.
 
+Pulls through the relay: ``pull="relay"`` (default ``"direct"``) has each server publish a new
+version once and the job's workers read it through the relay, each forwarding verified chunks to
+the next, so a server's link carries each version about once instead of once per worker
+(``ps/relay_reader.py``; a pull the relay cannot serve falls back to a direct one, with a warning,
+counted in ``worker.relay.fallbacks``). It takes tcp:// or tls:// servers, a CPU model and no
+``pull_codec``: anything else is refused (ValueError) when the worker is made.
+
 Which job: ``job=`` (an id: 1 to 64 letters, digits, ``.``, ``_``, ``-``), else ``$TENSORWIRE_JOB``,
 else one derived from the model's parameter names, shapes and dtypes and the mode, so that a worker
 of another model never joins a job silently. One set of servers runs several jobs at once; a

@@ -159,7 +159,7 @@ class Server:
         self._add_handlers(extension.frame_handlers(), type(extension).__name__)
         self.extensions.append(extension)
         if isinstance(extension, Attached):
-            extension.attach(self)
+            extension.added_to(self)
 
     def _add_handlers(self, handlers: Mapping[int, Handler], owner: str) -> None:
         taken = sorted(opname(op) for op in handlers if op in self.handlers)

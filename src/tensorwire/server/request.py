@@ -200,10 +200,10 @@ class Extension(Protocol):
 class Attached(Protocol):
     """An extension that needs the server it joins (the parameter server publishes its parameters
     into the server's generations for relay pulls, and adds the relay's coordinator):
-    ``Server.extend`` calls ``attach(server)`` once, after the extension's handlers joined the table.
-    ``server`` is the ``Server`` (typed loosely: core.py builds on this module)."""
+    ``Server.extend`` calls ``added_to(server)`` once, after the extension's handlers joined the
+    table. ``server`` is the ``Server`` (typed loosely: core.py builds on this module)."""
 
-    def attach(self, server: Any) -> None: ...
+    def added_to(self, server: Any) -> None: ...
 
 
 @runtime_checkable
