@@ -16,6 +16,15 @@ def test_ps_throughput_is_measured() -> None:
     assert math.isfinite(rate) and rate > 0
 
 
+def test_relay_pulls_are_measured_against_direct_ones() -> None:
+    tiny = Workload(sizes=(32, 64, 10), batch=16, steps=3, warmup=1)
+    result = bench_ps.ps_relay.measure(tiny, 1, timeout=120, children=False)  # threads: quick
+    assert result["relay_fallbacks"] == 0
+    assert math.isclose(result["direct_server_egress_ratio"], tiny.workers)  # every worker pulls it all
+    assert 1 <= result["relay_server_egress_ratio"] < tiny.workers
+    assert result["relay_vs_direct_step_time"] > 0
+
+
 def test_ps_comm_measures_a_mode_against_the_socket_bound() -> None:
     tiny = [
         "--params",

@@ -8,6 +8,9 @@ runs on the same machine in the same minute:
 * ``ps_async``: the same, ``mode="async"``.
 * ``rpc_ps``: the ``torch.distributed.rpc`` batch-update parameter server (1 server + 2 trainers).
 * ``ddp``: ``DistributedDataParallel`` over gloo (2 processes).
+* relay pulls (``bench/ps_relay.py``): ``ps_sync`` again with ``pull="direct"`` and ``pull="relay"``:
+  ``relay_server_egress_ratio`` (what the servers sent per version over the parameter bytes; direct,
+  ``direct_server_egress_ratio``, is about the number of workers) and ``relay_vs_direct_step_time``.
 
 Targets (issue 4): ``async_vs_rpc`` = ps_async / rpc_ps >= 2; ``sync_step_vs_ddp`` = the sync step
 time over DDP's = ddp / ps_sync samples/s <= 1.3.
@@ -21,16 +24,12 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from collections.abc import Sequence
 from typing import Any
 
-import torch
-
 from tensorwire.bench import ps_baselines as base
-from tensorwire.bench import ps_comm
+from tensorwire.bench import ps_comm, ps_relay
 from tensorwire.bench.report import show
-from tensorwire.ps import SGD, Worker
 from tensorwire.ps.launch import local_servers
 
 SERVERS = 2
@@ -38,18 +37,7 @@ SERVERS = 2
 
 def _ps_worker(w: base.Workload, rank: int, urls: list[str], mode: str, timeout: float) -> float:
     """Train one worker through the servers; the seconds its timed steps took."""
-    torch.set_num_threads(1)
-    model = base.make_model(w)
-    batches = base._batches(w, rank)
-    with Worker(model, urls, mode, SGD(lr=w.lr), rank=rank, world_size=w.workers, timeout=timeout) as worker:
-        for x, y in batches[: w.warmup]:
-            base._backward(model, x, y)
-            worker.step()
-        start = time.perf_counter()
-        for x, y in batches[w.warmup :]:
-            base._backward(model, x, y)
-            worker.step()
-        return time.perf_counter() - start
+    return ps_relay.train(w, rank, urls, mode, timeout)[0]
 
 
 def ps_samples_per_s(w: base.Workload, mode: str, timeout: float = 300.0) -> float:
@@ -70,6 +58,7 @@ def run(w: base.Workload, timeout: float) -> dict[str, float | int]:
     result["async_vs_rpc"] = result["ps_async_samples_per_s"] / result["rpc_ps_samples_per_s"]
     result["sync_vs_rpc"] = result["ps_sync_samples_per_s"] / result["rpc_ps_samples_per_s"]
     result["sync_step_vs_ddp"] = result["ddp_samples_per_s"] / result["ps_sync_samples_per_s"]
+    result |= ps_relay.measure(w, SERVERS, timeout)  # sync pulls through the relay vs direct
     return result
 
 
@@ -109,6 +98,9 @@ def _print(result: dict[str, float | int]) -> None:
     Console().print(table)
     print(f"async / rpc PS = {result['async_vs_rpc']:.2f} (target >= 2); "
           f"sync step time / DDP's = {result['sync_step_vs_ddp']:.2f} (target <= 1.3)")  # fmt: skip
+    print(f"server egress per version / parameter bytes: direct {result['direct_server_egress_ratio']:.2f}, "
+          f"relay {result['relay_server_egress_ratio']:.2f}; relay / direct step time "
+          f"{result['relay_vs_direct_step_time']:.2f}")  # fmt: skip
 
 
 if __name__ == "__main__":

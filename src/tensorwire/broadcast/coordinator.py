@@ -53,7 +53,11 @@ class RelayCoordinator:
 
     @classmethod
     def of(cls, server: Server, chains: Chains | None = None) -> RelayCoordinator:
-        """The coordinator of ``server``'s generations, added to it (``tensorwire serve`` does)."""
+        """The coordinator of ``server``'s generations, added to it (``tensorwire serve`` does); the
+        one it has already, if it has one (a ``ParamServer`` adds one for its relay pulls)."""
+        for extension in server.extensions:
+            if isinstance(extension, cls):
+                return extension
         coordinator = cls(GenerationSource(server.generations), chains)
         server.extend(coordinator)
         return coordinator

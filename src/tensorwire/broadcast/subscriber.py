@@ -48,7 +48,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import ipaddress
 import json
 import logging
@@ -63,18 +62,15 @@ import torch
 
 from tensorwire import transport
 from tensorwire._aio import LoopThread
-from tensorwire.broadcast import pipeline
+from tensorwire.broadcast import relay_pull
 from tensorwire.broadcast.host import HostShare
 from tensorwire.broadcast.peer import RelayPeer
 from tensorwire.client import deltas as delta_reads
 from tensorwire.errors import (
-    CorruptFrame,
     GenerationRetired,
     InvalidTensor,
     KeyNotFound,
-    ProtocolError,
     TensorwireError,
-    TransferTimeout,
     VersionChanged,
 )
 from tensorwire.logs import event
@@ -87,7 +83,6 @@ from tensorwire.types import Address, GenerationManifest, TensorMeta
 from tensorwire.wire import generations as wg
 from tensorwire.wire import meta as wm
 from tensorwire.wire import relay as wr
-from tensorwire.wire.checksum import checksum
 from tensorwire.wire.frame import Opcode
 from tensorwire.wire.tensors import byte_view, check_out
 
@@ -95,7 +90,6 @@ T = TypeVar("T")
 log = logging.getLogger("tensorwire.broadcast")
 
 MAX_MANIFEST_CHUNKS = 1 << 24
-MAX_REROUTES = 64  # upstream failures one update survives before it gives up
 MAX_RESTARTS = 3  # generations retired under one update before it gives up
 KEEP_UPDATES = 64  # updates ``stats()["updates"]`` remembers
 
@@ -340,76 +334,10 @@ class Subscriber:
     async def _pull(
         self, manifest: wr.Manifest, placement: wr.Placement, buffers: list[memoryview], deadline: float
     ) -> None:
-        """Every chunk, ``window`` single-chunk requests in flight (pipeline.py says why); a failed
-        upstream is reported and the pull goes on from the lowest chunk not verified yet."""
-        pulled, reroutes = pipeline.Pulled(manifest.chunks), 0
-        while True:
-            upstream = placement.address
-            try:
-                # Opened here, once: the requests in flight share it.
-                channel = await self._channel(upstream)
-                fetch = functools.partial(self._fetch, channel, upstream, manifest, buffers=buffers)
-                if await pipeline.pull(fetch, pulled, self.window, deadline, self._advanced):
-                    return
-            except TensorwireError as exc:
-                if not upstream or reroutes >= MAX_REROUTES:
-                    raise  # the origin itself failed: the update fails
-                event(log, logging.WARNING, "relay upstream failed", upstream=upstream,
-                      generation=manifest.generation, chunk=pulled.verified, error=repr(exc))  # fmt: skip
-                reroutes += 1
-                await self._drop_channel(upstream)
-                placement = await self._report(manifest.generation, wr.Report.FAILED, placement.upstream)
-                continue
-            raise TransferTimeout(
-                f"the update to generation {manifest.generation} ran out of time at chunk {pulled.verified}"
-            )
-
-    async def _advanced(self, verified: int) -> None:
-        """Chunks 0 .. ``verified``-1 are in and checked: the reader after this one may have them."""
-        self.peer.advance(verified)
-        if self.progress is not None:
-            await asyncio.to_thread(self.progress, verified)
-
-    async def _fetch(
-        self,
-        channel: FrameChannel,
-        address: str,
-        manifest: wr.Manifest,
-        chunk: int,
-        buffers: Sequence[memoryview],
-    ) -> None:
-        """Pull chunk ``chunk`` over ``channel``, to the upstream at ``address`` ("": the origin),
-        into the tensors and verify it against the manifest."""
-        index, offset, length = manifest.span(chunk, 1)
-        meta = manifest.metas[index]
-        dest = buffers[index][offset : offset + length]
-
-        def sink(metas: list[TensorMeta]) -> list[memoryview]:
-            if len(metas) != 1 or metas[0].name != meta.name or metas[0].nbytes != length:
-                raise ProtocolError(
-                    f"an upstream answered chunk {chunk} of {meta.name!r} with something else"
-                )
-            return [dest]
-
-        wait_ms = int(self.stall_timeout * 1000)
-        body = wr.encode_get(self.prefix, manifest.generation, chunk, 1, wait_ms)
-        reader = await channel.call(
-            Opcode.RELAY_GET, body, sink=sink, what=f"RELAY_GET of chunk {chunk}",
-            timeout=self.stall_timeout + 5.0,
-        )  # fmt: skip
-        reader.done()
-        if checksum(manifest.kind, dest) != manifest.checksums[chunk]:
-            source = address or str(self.origin)
-            raise CorruptFrame(f"chunk {chunk} from {source} does not match the origin's manifest")
-        self.received += length
+        await relay_pull.pull(self, manifest, placement, buffers, deadline)  # relay_pull.py
 
     async def _report(self, generation: int, what: wr.Report, upstream: int) -> wr.Placement:
-        body = wr.encode_report(self.prefix, generation, self.reader_id, what, upstream)
-        reader = await self._origin_call(Opcode.RELAY_REPORT, body, f"RELAY_REPORT {what.name}")
-        placement = wr.decode_report_reply(reader)
-        if what is wr.Report.FAILED and placement.reader == 0:
-            self.reader_id = 0  # no longer in the relay (the generation was retired): from the origin
-        return placement
+        return await relay_pull.report(self, generation, what, upstream)
 
     async def _stats(self) -> dict[str, Any]:
         reader = await self._origin_call(Opcode.RELAY_STATS, wr.encode_stats(self.prefix), "RELAY_STATS")

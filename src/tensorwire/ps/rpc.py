@@ -160,6 +160,14 @@ class PsChannel:
         reader.done()
         return version
 
+    async def relay(self, clock: int, session: int) -> tuple[int, int]:
+        """PS_RELAY: a pull's gate, then (version, the generation of ``_ps/<job>`` it is published
+        as, to read through the relay: ps/relay_reader.py)."""
+        reader = await self._call(Opcode.PS_RELAY, clock, session, b"")
+        reply = wps.decode_relay_reply(reader)
+        reader.done()
+        return reply
+
     async def heartbeat(self, clock: int, incarnation: int) -> None:
         """PS_HEARTBEAT: this rank is alive (a server that dropped it is rejoined by the next
         push or pull, not here)."""

@@ -53,6 +53,7 @@ from typing import Any, Generic, TypeVar, cast, overload
 
 import torch
 
+from tensorwire.broadcast.coordinator import RelayCoordinator
 from tensorwire.errors import ProtocolError
 from tensorwire.ps import metrics, replication
 from tensorwire.ps.budget import Budget
@@ -61,10 +62,11 @@ from tensorwire.ps.job import CheckpointPolicy, HeldShard, Job, JobConfig, Mode
 from tensorwire.ps.jobs import DEFAULT_MAX_JOBS, JobRun, Jobs, JobSettings
 from tensorwire.ps.lifecycle import Lifecycle
 from tensorwire.ps.membership import Member, Members
+from tensorwire.ps.relay import RelayPublisher
 from tensorwire.ps.replica import Replica
 from tensorwire.ps.state import State
 from tensorwire.security import Security
-from tensorwire.server.core import Handler, Request
+from tensorwire.server.core import Handler, Request, Server
 from tensorwire.wire import ps as wps
 from tensorwire.wire.frame import Opcode
 
@@ -138,6 +140,12 @@ class ParamServer:
         replica.hold(self.jobs)
         self._lifecycle = Lifecycle(self.jobs, replica, self.exchange)
         self._blank: JobRun | None = None
+        self.relay = RelayPublisher()  # versions published for relay pulls (PS_RELAY)
+
+    def added_to(self, server: Server) -> None:
+        """Joined ``server`` (``Server.extend``): relay pulls publish into its generations, and
+        it serves the relay (its ``RelayCoordinator``, the one it has or a new one)."""
+        self.relay.attach(server.generations, RelayCoordinator.of(server).chains)
 
     # The server's own attributes, and its one job's (``sole``), under the names a ParamServer
     # always had.
@@ -219,6 +227,7 @@ class ParamServer:
             Opcode.PS_REPLICATE: self._on_replicate,
             Opcode.PS_BARRIER: life.on_barrier,
             Opcode.PS_END: life.on_end,
+            Opcode.PS_RELAY: self._on_relay,
         }
 
     def rpc_handlers(self) -> Sequence[Any]:
@@ -284,6 +293,7 @@ class ParamServer:
             "max_jobs": jobs.max_jobs,
             "keep_jobs": jobs.keep_jobs,
             "jobs_limit_refused": jobs.refused,
+            "relay": self.relay.stats(),
             "jobs": {run.id: run.summary() for run in jobs},
             "ended": [
                 {k: r.get(k) for k in ("job", "ended", "mode", "world", "step", "version")}
@@ -329,6 +339,17 @@ class ParamServer:
         self._replica.serving()
         head = wps.PsHead.decode(request.meta)
         await self._lifecycle.run_of(head).pulls.on_pull(request, head)
+
+    async def _on_relay(self, request: Request) -> None:
+        """PS_RELAY: a pull's gate, then the version published for the relay (ps/relay.py)."""
+        self._replica.serving()
+        head = wps.PsHead.decode(request.meta)
+        request.meta.done()
+        run = self._lifecycle.run_of(head)
+        await run.pulls.admit(request, head)
+        with request.waiting():
+            version, number = await self.relay.publish(run.job, lambda job: self.jobs.get(job) is not None)
+        await request.reply(wps.encode_relay_reply(version, number))
 
     async def _on_stats(self, request: Request) -> None:
         head = wps.PsHead.decode(request.meta)

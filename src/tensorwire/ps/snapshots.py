@@ -17,7 +17,7 @@ and encoding is counted in the budget (``snapshots``) before it is allocated.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -95,6 +95,28 @@ class Snapshots:
         request.meta.done()
         if codec is not None and codec.sparse:
             raise ProtocolError(f"{codec.name} drops elements: parameters cannot be pulled in it")
+        await self.admit(request, head, names)
+        consistency = self._consistency
+        with request.waiting():
+            snapshot = await self._published(head)
+        snapshot.readers += 1
+        try:
+            metas = [snapshot.metas[name] for name in names]
+            tensors = snapshot.tensors
+            if codec is not None:  # the records describe the payloads (clients land data by records)
+                tensors = await self._encoded(snapshot, codec)
+                metas = [TensorMeta(m.name, torch.uint8, (tensors[m.name].numel(),), tensors[m.name].numel(),
+                                    m.version) for m in metas]  # fmt: skip
+            data = [byte_view(tensors[name]) for name in names]
+            tail = wps.encode_u64(snapshot.version) + wps.encode_codec(codec.name if codec else None)
+            await request.reply(wm.encode_records(metas) + tail, data)
+        finally:
+            snapshot.readers -= 1
+            consistency.notify()
+
+    async def admit(self, request: Request, head: wps.PsHead, names: Sequence[str] = ()) -> None:
+        """What a pull (PS_PULL, or PS_RELAY: ps/relay.py) waits for before it reads: the job's
+        values, then the mode's gate; the slowest live clock it reads at is noted (replicated)."""
         job, consistency = self._job, self._consistency
         with request.waiting():
             await consistency.wait(
@@ -115,22 +137,6 @@ class Snapshots:
                     await self._replica.replicate(replication.Change.READ, head._replace(clock=read))
                     state.read_clock = read
         consistency.check_open()
-        with request.waiting():
-            snapshot = await self._published(head)
-        snapshot.readers += 1
-        try:
-            metas = [snapshot.metas[name] for name in names]
-            tensors = snapshot.tensors
-            if codec is not None:  # the records describe the payloads (clients land data by records)
-                tensors = await self._encoded(snapshot, codec)
-                metas = [TensorMeta(m.name, torch.uint8, (tensors[m.name].numel(),), tensors[m.name].numel(),
-                                    m.version) for m in metas]  # fmt: skip
-            data = [byte_view(tensors[name]) for name in names]
-            tail = wps.encode_u64(snapshot.version) + wps.encode_codec(codec.name if codec else None)
-            await request.reply(wm.encode_records(metas) + tail, data)
-        finally:
-            snapshot.readers -= 1
-            consistency.notify()
 
     async def _published(self, head: wps.PsHead) -> Snapshot:
         """A copy of the parameters at the current version, made by the first pull after a step and

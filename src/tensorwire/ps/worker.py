@@ -28,6 +28,13 @@ keeps one residual per parameter: one more copy of the gradients, the model's si
 ``pull_codec="int8"`` or ``"bf16"`` pulls the parameters quantised (the servers keep them, and
 their optimizer state, in full precision); a lossy pull is for workers that tolerate it.
 
+Pulls through the relay: ``pull="relay"`` (default ``"direct"``) has each server publish a new
+version once and the job's workers read it through the relay, each forwarding verified chunks to
+the next, so a server's link carries each version about once instead of once per worker
+(``ps/relay_reader.py``; a pull the relay cannot serve falls back to a direct one, with a warning,
+counted in ``worker.relay.fallbacks``). It takes tcp:// or tls:// servers, a CPU model and no
+``pull_codec``: anything else is refused (ValueError) when the worker is made.
+
 Which job: ``job=`` (an id: 1 to 64 letters, digits, ``.``, ``_``, ``-``), else ``$TENSORWIRE_JOB``,
 else one derived from the model's parameter names, shapes and dtypes and the mode, so that a worker
 of another model never joins a job silently. One set of servers runs several jobs at once; a
@@ -86,6 +93,7 @@ from tensorwire.ps.device import DeviceStaging
 from tensorwire.ps.job import JobConfig, Mode, default_job_id
 from tensorwire.ps.optim import SGD, OptimizerSpec, spec_of
 from tensorwire.ps.placement import ParamSpec, Placement, plan
+from tensorwire.ps.relay_reader import RelayPulls, check_relay_servers
 from tensorwire.ps.rendezvous import JOB_ENV, SERVERS_ENV, STORE_KEY, env_int, find_job, resolve_servers
 from tensorwire.ps.rpc import Sender, server_stats
 from tensorwire.ps.shards import ModelShards, check_params, check_trainable, model_digest
@@ -150,6 +158,7 @@ class Worker:
         job: str | None = None,
         staging: DeviceStaging | None = None,
         prefer_local: bool = True,
+        pull: str = "direct",
     ) -> None:
         self.model = model
         self.mode = Mode.parse(mode)
@@ -202,10 +211,28 @@ class Worker:
             connect_timeout, timeout + _MARGIN, security=self._security, prefer_local=prefer_local
         )
         self._slots = self._make_slots()  # one per server: everything this worker keeps of it
+        self.relay = self._relay_pulls(pull)  # pull="relay": through the servers' relays
         self._beating: asyncio.Task[None] | None = None
         self._pending: concurrent.futures.Future[PushResult] | None = None
         self._thread: LoopThread | None = None
         self._joined = False
+
+    def _relay_pulls(self, pull: str) -> RelayPulls | None:
+        """``pull="relay"``: the relay pulls (ps/relay_reader.py); ValueError for what cannot go
+        through a relay: quantised pulls (the relay moves the parameters as the server keeps
+        them), a CUDA model (its pulls land in pinned staging), servers not on tcp:// or tls://."""
+        if pull == "direct":
+            return None
+        if pull != "relay":
+            raise ValueError(f"pull must be 'direct' or 'relay', not {pull!r}")
+        if self.pull_codec is not None:
+            raise ValueError("pull='relay' moves full-precision parameters: it takes no pull_codec")
+        if self._tensors.staging is not None:
+            raise ValueError("pull='relay' lands in CPU parameters: a CUDA model pulls directly")
+        check_relay_servers(self.servers)
+        stall = min(10.0, self.timeout)
+        return RelayPulls(self.job, self._options, self._params, exact=self.mode.kind == "sync",
+                          stall_timeout=stall)  # fmt: skip
 
     def _make_slots(self) -> list[ServerSlot]:
         worker = wps.OBSERVER if self.observer else self.rank
@@ -401,6 +428,11 @@ class Worker:
         return max(versions, default=0)
 
     async def _pull_from(self, slot: ServerSlot) -> int:
+        if self.relay is not None:
+            relayed = await self.relay.pull(slot, slot.clock, self._session())
+            if relayed is not None:  # else a warning was logged: pull directly
+                self.bytes_pulled += relayed[1]
+                return relayed[0]
         into = await self._tensors.pull_into(slot.shards, slot.name)
         codec = self.pull_codec.name if self.pull_codec else None
         keys = [s.key for s in slot.shards]
@@ -476,6 +508,8 @@ class Worker:
     async def _leave(self) -> None:
         """Leave every server that can be reached now (no retries: the process may be ending)."""
         await cancel_and_wait(self._beating)
+        if self.relay is not None:
+            await self.relay.close()
         try:
             if self._joined:
                 sender = Sender(self.rank, self.world_size, job=self.job)

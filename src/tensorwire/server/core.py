@@ -28,7 +28,7 @@ from tensorwire.security import Security, TlsFiles, exposure_warning, server_ssl
 from tensorwire.server import metrics
 from tensorwire.server import shm as server_shm
 from tensorwire.server.generation_ops import GenerationOps
-from tensorwire.server.request import Extension, Handler, Request, opname, peer_token_of
+from tensorwire.server.request import Attached, Extension, Handler, Request, opname, peer_token_of
 from tensorwire.server.session import Serving, Session
 from tensorwire.server.store_ops import StoreOps
 from tensorwire.store import TensorStore
@@ -155,9 +155,11 @@ class Server:
     def extend(self, extension: Extension) -> None:
         """Serve ``extension`` too (``Server(extensions=...)`` calls it; the first shm:// listener
         adds its own while the server starts): its frame handlers join the table, and the server
-        closes it when it stops."""
+        closes it when it stops. One that needs the server (``Attached``) is handed it then."""
         self._add_handlers(extension.frame_handlers(), type(extension).__name__)
         self.extensions.append(extension)
+        if isinstance(extension, Attached):
+            extension.added_to(self)
 
     def _add_handlers(self, handlers: Mapping[int, Handler], owner: str) -> None:
         taken = sorted(opname(op) for op in handlers if op in self.handlers)

@@ -197,6 +197,16 @@ class Extension(Protocol):
 
 
 @runtime_checkable
+class Attached(Protocol):
+    """An extension that needs the server it joins (the parameter server publishes its parameters
+    into the server's generations for relay pulls, and adds the relay's coordinator):
+    ``Server.extend`` calls ``added_to(server)`` once, after the extension's handlers joined the
+    table. ``server`` is the ``Server`` (typed loosely: core.py builds on this module)."""
+
+    def added_to(self, server: Any) -> None: ...
+
+
+@runtime_checkable
 class Replicated(Protocol):
     """An extension whose replicas talk to each other (the parameter server). A HELLO offering its
     ``peer_token`` opens a peer session (``Request.from_peer``), also on a server whose clients

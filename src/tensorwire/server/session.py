@@ -61,7 +61,7 @@ _NO_SHM = "this server serves no shared memory (no shm:// listener): {}"
 _PS_OPS = (
     Opcode.PS_INIT, Opcode.PS_JOIN, Opcode.PS_LEAVE, Opcode.PS_PUSH, Opcode.PS_PULL, Opcode.PS_STATS,
     Opcode.ALLREDUCE, Opcode.PS_HEARTBEAT, Opcode.PS_ROLLBACK, Opcode.PS_REPLICATE, Opcode.DIGEST,
-    Opcode.PS_BARRIER, Opcode.PS_END,
+    Opcode.PS_BARRIER, Opcode.PS_END, Opcode.PS_RELAY,
 )  # fmt: skip
 _SHM_OPS = (
     Opcode.SHM_ATTACH, Opcode.SHM_GET, Opcode.SHM_PUT, Opcode.SHM_COMMIT, Opcode.SHM_RELEASE,

@@ -40,6 +40,9 @@ DEFAULT_LEASES_PER_OWNER = 64
 DEFAULT_MAX_WAITERS = 4096
 DEFAULT_WAITERS_PER_OWNER = 64
 DEFAULT_MAX_WAIT_SECONDS = 300.0
+# Prefixes the server publishes itself: a parameter server's relay pulls (``_ps/<job>``,
+# ps/relay.py). No client publishes under it: the job's workers trust what it holds.
+SERVER_PREFIX = "_ps"
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,9 +114,12 @@ class Generations:
         return sum(len(p.kept) for p in self._prefixes.values())
 
     # -- publishing ----------------------------------------------------------------------------
-    def admit(self, prefix: str) -> None:
-        """InvalidName / LimitExceeded unless generations of ``prefix`` may be published."""
+    def admit(self, prefix: str, *, internal: bool = False) -> None:
+        """InvalidName / LimitExceeded unless generations of ``prefix`` may be published (under
+        ``SERVER_PREFIX`` only by the server itself: ``internal``)."""
         validate_name(prefix)
+        if not internal and (prefix == SERVER_PREFIX or prefix.startswith(SERVER_PREFIX + "/")):
+            raise InvalidName(f"prefix {prefix!r}: {SERVER_PREFIX!r} is the server's own")
         if prefix in self._prefixes:
             return
         for other in self._prefixes:
@@ -126,14 +132,20 @@ class Generations:
             )
 
     def publish(
-        self, prefix: str, res: Reservation, sums: Sequence[tuple[int, ...]], number: int = 0
+        self,
+        prefix: str,
+        res: Reservation,
+        sums: Sequence[tuple[int, ...]],
+        number: int = 0,
+        *,
+        internal: bool = False,
     ) -> Generation:
         """Make ``res`` (received and verified; ``sums`` its chunk checksums, in its order) the
         prefix's next generation, numbered ``number`` where that is larger than the latest (a host
         leader numbers its share as its origin did: broadcast/host.py), else the latest + 1; it owns
-        ``res`` from here (freed on failure too)."""
+        ``res`` from here (freed on failure too). ``internal``: the server publishes it (``admit``)."""
         try:
-            self.admit(prefix)
+            self.admit(prefix, internal=internal)
             check_names(prefix, [m.name for m in res.metas])
         except BaseException:
             self.store.abort(res)
@@ -275,14 +287,26 @@ class Generations:
                 if kept.pins == 0:
                     self.store.free_kept(kept.reservation)
 
+    def forget(self, prefix: str) -> None:
+        """Drop every generation of ``prefix`` and the prefix (its owner ended, a parameter-server
+        job say); those being read are freed by their last reader. Leases on them end."""
+        entry = self._prefixes.pop(prefix, None)
+        if entry is not None:
+            self._free(entry)
+            for held in self._leases.values():
+                held.difference_update({key for key in held if key[0] == prefix})
+
     def close(self) -> None:
         """The server stops: free every generation not being read."""
         for entry in self._prefixes.values():
-            for kept in entry.kept.values():
-                kept.retired = True
-                if kept.pins == 0:
-                    self.store.free_kept(kept.reservation)
-            entry.kept.clear()
+            self._free(entry)
+
+    def _free(self, entry: Prefix) -> None:
+        for kept in entry.kept.values():
+            kept.retired = True
+            if kept.pins == 0:
+                self.store.free_kept(kept.reservation)
+        entry.kept.clear()
 
 
 def check_names(prefix: str, names: Sequence[str]) -> None:

@@ -56,6 +56,7 @@ class Opcode(enum.IntEnum):
     PUT_COMMIT = 25
     GET_RANGE = 26
     PS_END = 27  # end a parameter-server job, freeing its state (`tensorwire ps end`, §13.2)
+    PS_RELAY = 28  # publish a job's parameters for a pull through the relay (§13.2)
     # Same-host shared memory (shm://, docs/protocol.md §12; served by server/shm.py).
     SHM_ATTACH = 32
     SHM_GET = 33

@@ -78,6 +78,7 @@ _U16 = struct.Struct("<H")
 _U32 = struct.Struct("<I")
 _U64 = struct.Struct("<Q")
 _JOIN_REPLY = struct.Struct("<QBQQ")
+_RELAY_REPLY = struct.Struct("<QQ")
 _U8_U64 = struct.Struct("<BQ")
 _U64_U32 = struct.Struct("<QI")
 
@@ -185,6 +186,17 @@ def encode_push_reply(version: int, staleness: int) -> bytes:
 def decode_push_reply(reader: MetaReader) -> tuple[int, int]:
     version, staleness = reader.take(_U64_U32)
     return version, staleness
+
+
+def encode_relay_reply(version: int, generation: int) -> bytes:
+    """PS_RELAY's answer: the job's version, and the number of the generation of ``_ps/<job>``
+    it is published as (read it through the relay, docs/protocol.md §15)."""
+    return _RELAY_REPLY.pack(version, generation)
+
+
+def decode_relay_reply(reader: MetaReader) -> tuple[int, int]:
+    version, generation = reader.take(_RELAY_REPLY)
+    return int(version), int(generation)
 
 
 def encode_u64(value: int) -> bytes:

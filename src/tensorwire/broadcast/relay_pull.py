@@ -1,0 +1,139 @@
+"""Pulling one generation through the relay, chunk by chunk, rerouting around failed upstreams.
+
+The reader's side of steps 2 and 3 of an update (subscriber.py's module doc): every chunk pulled
+from the upstream the origin named (RELAY_GET, ``window`` single-chunk requests in flight:
+pipeline.py), straight into the reader's memory, each checked against the origin's manifest before
+it counts (a relay peer is not trusted); an upstream that fails is reported (RELAY_REPORT FAILED)
+and the pull goes on from the origin's new answer. ``Subscriber`` pulls this way, and so does a
+parameter-server worker that pulls through the relay (``ps.Worker(pull="relay")``).
+
+The reader is anything with the attributes and connections of ``RelayReader``: its prefix, its id
+in the generation's relay, its counters, its ``RelayPeer`` (which forwards what it verified) and
+its connections (``""``: the origin).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+from collections.abc import Callable, Sequence
+from typing import Protocol
+
+from tensorwire.broadcast import pipeline
+from tensorwire.broadcast.peer import RelayPeer
+from tensorwire.errors import CorruptFrame, ProtocolError, TensorwireError, TransferTimeout
+from tensorwire.logs import event
+from tensorwire.transport import FrameChannel
+from tensorwire.types import Address, TensorMeta
+from tensorwire.wire import meta as wm
+from tensorwire.wire import relay as wr
+from tensorwire.wire.checksum import checksum
+from tensorwire.wire.frame import Opcode
+
+log = logging.getLogger("tensorwire.broadcast")
+
+MAX_REROUTES = 64  # upstream failures one update survives before it gives up
+
+
+class RelayReader(Protocol):
+    """What a pull through the relay needs of its reader (``Subscriber`` is one)."""
+
+    origin: Address
+    prefix: str
+    reader_id: int  # this reader's id in the generation's relay (0: not in one)
+    received: int  # data bytes pulled through the relay, counted here
+    window: int  # single-chunk requests kept in flight
+    stall_timeout: float  # how long an upstream may keep a chunk waiting
+    peer: RelayPeer
+    progress: Callable[[int], None] | None
+
+    async def _channel(self, address: str) -> FrameChannel: ...
+
+    async def _drop_channel(self, address: str) -> None: ...
+
+    async def _origin_call(self, opcode: int, body: bytes, what: str) -> wm.MetaReader: ...
+
+
+async def pull(
+    reader: RelayReader,
+    manifest: wr.Manifest,
+    placement: wr.Placement,
+    buffers: list[memoryview],
+    deadline: float,
+) -> None:
+    """Every chunk, ``window`` single-chunk requests in flight (pipeline.py says why); a failed
+    upstream is reported and the pull goes on from the lowest chunk not verified yet."""
+    pulled, reroutes = pipeline.Pulled(manifest.chunks), 0
+    while True:
+        upstream = placement.address
+        try:
+            # Opened here, once: the requests in flight share it.
+            channel = await reader._channel(upstream)
+            fetch_one = functools.partial(fetch, reader, channel, upstream, manifest, buffers=buffers)
+            if await pipeline.pull(
+                fetch_one, pulled, reader.window, deadline, functools.partial(advanced, reader)
+            ):
+                return
+        except TensorwireError as exc:
+            if not upstream or reroutes >= MAX_REROUTES:
+                raise  # the origin itself failed: the update fails
+            event(log, logging.WARNING, "relay upstream failed", upstream=upstream,
+                  generation=manifest.generation, chunk=pulled.verified, error=repr(exc))  # fmt: skip
+            reroutes += 1
+            await reader._drop_channel(upstream)
+            placement = await report(reader, manifest.generation, wr.Report.FAILED, placement.upstream)
+            continue
+        raise TransferTimeout(
+            f"the update to generation {manifest.generation} ran out of time at chunk {pulled.verified}"
+        )
+
+
+async def advanced(reader: RelayReader, verified: int) -> None:
+    """Chunks 0 .. ``verified``-1 are in and checked: the reader after this one may have them."""
+    reader.peer.advance(verified)
+    if reader.progress is not None:
+        await asyncio.to_thread(reader.progress, verified)
+
+
+async def fetch(
+    reader: RelayReader,
+    channel: FrameChannel,
+    address: str,
+    manifest: wr.Manifest,
+    chunk: int,
+    *,
+    buffers: Sequence[memoryview],
+) -> None:
+    """Pull chunk ``chunk`` over ``channel``, to the upstream at ``address`` ("": the origin),
+    into the tensors and verify it against the manifest."""
+    index, offset, length = manifest.span(chunk, 1)
+    meta = manifest.metas[index]
+    dest = buffers[index][offset : offset + length]
+
+    def sink(metas: list[TensorMeta]) -> list[memoryview]:
+        if len(metas) != 1 or metas[0].name != meta.name or metas[0].nbytes != length:
+            raise ProtocolError(f"an upstream answered chunk {chunk} of {meta.name!r} with something else")
+        return [dest]
+
+    wait_ms = int(reader.stall_timeout * 1000)
+    body = wr.encode_get(reader.prefix, manifest.generation, chunk, 1, wait_ms)
+    answer = await channel.call(
+        Opcode.RELAY_GET, body, sink=sink, what=f"RELAY_GET of chunk {chunk}",
+        timeout=reader.stall_timeout + 5.0,
+    )  # fmt: skip
+    answer.done()
+    if checksum(manifest.kind, dest) != manifest.checksums[chunk]:
+        source = address or str(reader.origin)
+        raise CorruptFrame(f"chunk {chunk} from {source} does not match the origin's manifest")
+    reader.received += length
+
+
+async def report(reader: RelayReader, generation: int, what: wr.Report, upstream: int) -> wr.Placement:
+    """RELAY_REPORT ``what`` to the origin; where to pull from now (after FAILED)."""
+    body = wr.encode_report(reader.prefix, generation, reader.reader_id, what, upstream)
+    answer = await reader._origin_call(Opcode.RELAY_REPORT, body, f"RELAY_REPORT {what.name}")
+    placement = wr.decode_report_reply(answer)
+    if what is wr.Report.FAILED and placement.reader == 0:
+        reader.reader_id = 0  # no longer in the relay (the generation was retired): from the origin
+    return placement
