@@ -12,6 +12,7 @@ import select
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -255,3 +256,11 @@ def test_a_leader_killed_fails_its_followers_at_once_and_held_views_stay_readabl
         assert sha(views) == sha(model_tensors(2))  # the pages stay mapped after the leader is gone
     finally:
         held.close()
+
+
+def test_a_share_that_cannot_start_leaves_no_loop_thread_behind() -> None:
+    """The constructor raises, so nobody can close the Subscriber: it must stop its loop itself."""
+    before = sum(t.name == "tensorwire-subscriber" for t in threading.enumerate())
+    with pytest.raises(ValueError, match="shm://"):
+        tensorwire.Subscriber("tcp://127.0.0.1:1", "p", {"w": torch.zeros(4)}, share="tcp://127.0.0.1:0")
+    assert sum(t.name == "tensorwire-subscriber" for t in threading.enumerate()) == before

@@ -164,9 +164,18 @@ class Subscriber:
         self._channels: dict[str, FrameChannel] = {}  # "" is the origin
         self._server: Server | None = None
         self._loop = LoopThread("tensorwire-subscriber")
-        start = HostShare.start(share, prefix, self.targets, self.security.token) if share else None
-        self.share = self._loop.call(start, connect_timeout, f"serving {share}") if start else None
+        self.share = self._start_share(share, connect_timeout) if share else None
         self.share_url = self.share.url if self.share else ""  # what this host's HostReaders read
+
+    def _start_share(self, listen: str, timeout: float) -> HostShare:
+        """The host share's server; the loop thread is stopped if it cannot start (the caller never
+        gets an object to close)."""
+        try:
+            start = HostShare.start(listen, self.prefix, self.targets, self.security.token)
+            return self._loop.call(start, timeout, f"serving {listen}")
+        except BaseException:
+            self._loop.stop()
+            raise
 
     # -- the blocking API ------------------------------------------------------------------------
     def update(self, timeout: float | None = None) -> int:
