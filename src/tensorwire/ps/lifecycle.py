@@ -11,8 +11,10 @@ it is admitted or waits for anything.
 
 Who may end a job (PS_END, ``tensorwire ps end JOB``): any client the server admits, as for its
 other requests (with ``--token-file``, only clients that offered the token); while the job has
-live workers only with ``force``. Every change is replicated first (ps/replica.py), in the
-server's one order of changes; a backup makes it with the same code (``make_change``).
+live workers only with ``force``. Who may roll a job back (PS_ROLLBACK): only one of its workers,
+from the session that joined with its rank, after stepping aside (no worker live). Every change is
+replicated first (ps/replica.py), in the server's one order of changes; a backup makes it with the
+same code (``make_change``).
 """
 
 from __future__ import annotations
@@ -260,6 +262,7 @@ class Lifecycle:
         run = self.run_of(head)
         if run.members.live():
             raise ProtocolError(f"cannot roll back while workers {run.members.live()} are live")
+        self._check_stepped_aside(request, run, head)
         policy = run.state.policy
         # Read first (off the loop): a checkpoint that is not complete changes nothing, here or on a backup.
         snapshot = await run.job.run(checkpoint.load, policy.directory, head.clock) if policy else None
@@ -272,6 +275,19 @@ class Lifecycle:
             run.state.restored(snapshot)
             run.consistency.notify()
         await request.reply(wps.encode_u64(run.job.version))
+
+    def _check_stepped_aside(self, request: Request, run: JobRun, head: wps.PsHead) -> None:
+        """Only a worker of the job that stepped aside to roll it back (its rank joined by the
+        session sending it, not left for good) may move the job to an older checkpoint: anyone
+        else could make a server drop acknowledged steps while no worker is live."""
+        state = run.members.workers.get(head.worker)
+        if state is None or state.finished:
+            raise ProtocolError(
+                f"a rollback of job {run.id!r} comes from one of its workers (worker {head.worker} "
+                f"{'left it for good' if state is not None else 'never joined it'})"
+            )
+        if head.seq != state.incarnation:
+            run.members.refuse_identity(request, head, head.seq)
 
     # -- a backup -------------------------------------------------------------------------------
     async def make_change(self, change: replication.Change, head: wps.PsHead, request: Request) -> None:

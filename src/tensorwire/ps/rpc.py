@@ -173,9 +173,10 @@ class PsChannel:
         push or pull, not here)."""
         await self._call(Opcode.PS_HEARTBEAT, clock, incarnation, b"", what="a heartbeat")
 
-    async def rollback(self, version: int) -> int:
-        """PS_ROLLBACK to the server's checkpoint of ``version``: the version it is at now."""
-        reader = await self._call(Opcode.PS_ROLLBACK, version, 0, b"")
+    async def rollback(self, version: int, incarnation: int) -> int:
+        """PS_ROLLBACK to the server's checkpoint of ``version``, by the session that joined with
+        this rank and stepped aside (``incarnation``): the version it is at now."""
+        reader = await self._call(Opcode.PS_ROLLBACK, version, incarnation, b"")
         now = wps.decode_u64(reader)
         reader.done()
         return now

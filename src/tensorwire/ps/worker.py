@@ -371,7 +371,7 @@ class Worker:
             await asyncio.gather(
                 *(slot.rpc.leave(slot.clock, self.incarnation, final=False) for slot in ahead)
             )
-            await asyncio.gather(*(slot.rpc.rollback(target) for slot in ahead))
+            await asyncio.gather(*(slot.rpc.rollback(target, self.incarnation) for slot in ahead))
         raise ProtocolError(f"the servers could not be brought to one step: {clocks}")
 
     async def _join(self, slot: ServerSlot, config: str, first: bool) -> tuple[int, int, int]:
