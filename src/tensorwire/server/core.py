@@ -185,12 +185,11 @@ class Server:
             listen = LISTENERS.get(address.scheme)
             if listen is None:
                 raise ValueError(f"cannot serve {address}: known schemes are {', '.join(LISTENERS)}")
-            self._listeners.append(await listen(self, address))
-            warning = exposure_warning(
-                address.host, address.scheme in ("tls", "grpcs"), bool(self.security.token)
-            )
-            if warning and address.scheme != "memory":
-                log.warning("%s: %s", address, warning)
+            listener = await listen(self, address)
+            self._listeners.append(listener)
+            warning = exposure_warning(address.host, listener.encrypted, bool(self.security.token))
+            if warning and listener.networked:
+                log.warning("%s: %s", listener.address, warning)  # the port it got
         if self._watchdog is None:
             self._watchdog = asyncio.get_running_loop().create_task(self._watch())
         if self.metrics_port is not None and self.exporter is None:

@@ -577,7 +577,9 @@ async def listen(
     if port == 0:
         raise ConnectError(f"cannot listen on {address}")
     await server.start()
-    return RpcListener(server, Address(address.scheme, address.host, port))
+    listener = RpcListener(server, Address(address.scheme, address.host, port))
+    listener.encrypted = tls is not None
+    return listener
 
 
 __all__ = ["TensorServicer", "listen"]

@@ -99,9 +99,13 @@ StreamHandler = Callable[[ByteStream], Awaitable[None]]
 
 
 class Listener(ABC):
-    """A bound server endpoint; ``address`` is the real one (port 0 is resolved)."""
+    """A bound server endpoint; ``address`` is the real one (port 0 is resolved). What it offers
+    its peers is asked of it, not read off the scheme: ``encrypted`` (its connections run inside
+    TLS) and ``networked`` (other hosts can reach it; not an in-process pipe)."""
 
     address: Address
+    encrypted: bool = False
+    networked: bool = True
 
     @abstractmethod
     async def close(self) -> None:

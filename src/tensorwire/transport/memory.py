@@ -109,6 +109,8 @@ class MemoryStream(ByteStream):
 
 
 class MemoryListener(Listener):
+    networked = False  # an in-process pipe: nothing outside this process reaches it
+
     def __init__(self, address: Address, handler: StreamHandler) -> None:
         self.address = address
         self._handler = handler

@@ -153,4 +153,6 @@ async def listen(address: Address, handler: StreamHandler, context: ssl.SSLConte
         wrapped = context.wrap_socket(sock, server_side=True, do_handshake_on_connect=False)
         return TlsStream(wrapped, shake_on_first_use=True)
 
-    return await tcp.listen(address, handler, accept, scheme="tls")
+    listener = await tcp.listen(address, handler, accept, scheme="tls")
+    listener.encrypted = True
+    return listener
