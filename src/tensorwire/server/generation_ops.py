@@ -312,7 +312,7 @@ class GenerationOps:
     def status(self) -> dict[str, Any]:
         gens = self.generations
         return {"generations": {"prefixes": len(gens), "kept": gens.generations, "waiting": self.waiting,
-                                "bytes": gens.store.kept}}  # fmt: skip
+                                "bytes": gens.store.kept, "newest": gens.newest()}}  # fmt: skip
 
 
 def _tensor(kept: Kept, name: str) -> tuple[TensorMeta, memoryview]:
