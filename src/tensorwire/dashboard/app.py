@@ -148,12 +148,13 @@ class Dashboard:
         app.router.add_get("/login", self._login_page)
         app.router.add_post("/login", self._login)
         app.router.add_get("/logout", self._logout)
+        app.router.add_get("/favicon.ico", self._no_icon)  # a browser asks; a 404 is a console error
         return app
 
     @web.middleware
     async def _guard(self, request: web.Request, handler: Any) -> web.StreamResponse:
         """Security headers on every answer; beyond loopback, a login before anything but it."""
-        open_paths = ("/login", "/static/style.css")
+        open_paths = ("/login", "/static/style.css", "/favicon.ico")
         if self.token is not None and request.path not in open_paths and not self._logged_in(request):
             if request.path == "/":
                 response: web.StreamResponse = _redirect("/login")
@@ -179,6 +180,9 @@ class Dashboard:
         if name not in STATIC:
             raise web.HTTPNotFound()
         return web.Response(body=_static(name), content_type=STATIC[name])
+
+    async def _no_icon(self, request: web.Request) -> web.Response:
+        return web.Response(status=204)
 
     async def _snapshot(self, request: web.Request) -> web.Response:
         return web.json_response(self.latest or {})

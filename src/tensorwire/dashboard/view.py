@@ -84,6 +84,8 @@ class View:
         before = self.seen.get(node.url)
         row = _row(node)
         seen = _seen(node, row, now)
+        if before is not None and not node.up:  # a server that is down keeps its last known role
+            seen.role, seen.epoch = before.role, before.epoch
         rates = _rates(before, seen) if before is not None and node.up and before.up else _no_rates()
         row["rates"] = rates
         row["jobs_rates"] = _job_rates(before, seen) if before is not None else {}
@@ -282,8 +284,11 @@ def _changes(node: Node, before: Seen, now: Seen) -> list[tuple[str, str]]:
     if not now.up:
         return []
     events = [] if before.up else [("up", "answers again")]
+    # A replica that became primary, or a primary at a newer epoch (it took over between two
+    # snapshots); a backup following its primary's epoch is no failover.
     became = now.role == "primary" and before.role not in (None, "primary")
-    if became or (before.epoch is not None and now.epoch is not None and now.epoch > before.epoch):
+    newer = now.role == "primary" and (now.epoch or 0) > (before.epoch or 0) and before.epoch is not None
+    if became or newer:
         events.append(
             ("failover", f"failover: {now.role} at epoch {now.epoch} (was {before.role} @{before.epoch})")
         )
