@@ -47,6 +47,12 @@ FAILED_OVER = """([backup, epoch]) => {
 }"""
 
 
+BACKUP_IN_SYNC = """(backup) => {
+    const lag = document.querySelector(`.replica[data-url='${backup}'] .why`);
+    return lag !== null && lag.textContent.startsWith("primary");
+}"""
+
+
 @pytest.fixture
 def browser() -> Iterator[Any]:
     if CHROMIUM is None:
@@ -134,6 +140,9 @@ def test_the_page_shows_both_slots_then_the_failover(browser: Any, tmp_path: Pat
                 shown(
                     page, dashboard, "the job", "() => document.querySelectorAll('#jobs tbody tr').length > 0"
                 )
+                # A standby takes over only once it has heard from its primary (a backup that never
+                # synced holds no state to serve): its row says since when ("primary 0.2s ago").
+                shown(page, dashboard, "the backup in sync", BACKUP_IN_SYNC, arg=backup.url)
                 kill9(primary.proc)()
                 killed = time.monotonic()
                 shown(
