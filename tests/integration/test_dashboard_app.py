@@ -8,6 +8,7 @@ from __future__ import annotations
 import http.client
 import json
 import socket
+import ssl
 import subprocess
 import sys
 import time
@@ -23,7 +24,7 @@ pytest.importorskip("aiohttp", reason="the dashboard extra (aiohttp) is not inst
 from dashboard_kit import DashboardProcess
 
 from tensorwire.ps import ParamServer
-from tensorwire.security import Security, write_token_file
+from tensorwire.security import Security, write_dev_certs, write_token_file
 from tensorwire.server import ServerThread
 from tensorwire.testing.process import ServerProcess, wait_for
 
@@ -175,3 +176,33 @@ def test_serve_dashboard_port_serves_the_servers_own_page() -> None:
         wait_for(lambda: snapshot(url).get("servers"), 30, "a snapshot")
         (row,) = snapshot(url)["servers"]
         assert row["url"] == proc.url and row["up"] and row["role"] == "primary"
+
+
+def test_beyond_loopback_with_a_certificate_the_page_is_https_and_its_cookie_secure(
+    server: ServerThread, tmp_path: Path
+) -> None:
+    certs = write_dev_certs(tmp_path / "certs", ["localhost", "127.0.0.1"], 1)
+    token_file = write_token_file(tmp_path / "token", TOKEN)
+    tls = ["--tls-cert", str(certs["server"]), "--tls-key", str(certs["server_key"])]
+    extra = ["--host", "0.0.0.0", "--token-file", str(token_file), *tls]
+    with DashboardProcess([server.url], extra) as dashboard:
+        assert dashboard.url.startswith("https://")
+        port = urllib.parse.urlsplit(dashboard.url).port
+        context = ssl.create_default_context(cafile=str(certs["ca"]))
+        conn = http.client.HTTPSConnection("127.0.0.1", port, timeout=10, context=context)
+        try:
+            form = urllib.parse.urlencode({"token": TOKEN})
+            conn.request(
+                "POST", "/login", body=form, headers={"Content-Type": "application/x-www-form-urlencoded"}
+            )
+            answer = conn.getresponse()
+            answer.read()
+            cookie = answer.getheader("Set-Cookie") or ""
+        finally:
+            conn.close()
+        assert answer.status == 303 and "Secure" in cookie and "HttpOnly" in cookie and TOKEN not in cookie
+        plain = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+        with pytest.raises((http.client.HTTPException, OSError)):  # no plain http beside it
+            plain.request("GET", "/")
+            plain.getresponse().read()
+        plain.close()
