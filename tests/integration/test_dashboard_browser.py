@@ -158,10 +158,11 @@ def test_the_page_shows_both_slots_then_the_failover(browser: Any, tmp_path: Pat
                 wait_for(
                     lambda: training.steps > steps + 5 or bool(training.errors), 30, "steps on the backup"
                 )
+                # while the job trains on the new primary: its rates are on the page
+                page.screenshot(path=str(tmp_path / "dashboard.png"), full_page=True)
             finally:
                 training.stop()
             down = page.inner_text(f".replica[data-url='{primary.url}']")
-            page.screenshot(path=str(tmp_path / "dashboard.png"), full_page=True)
             if os.environ.get("TENSORWIRE_DASHBOARD_PNG"):
                 shutil.copy(tmp_path / "dashboard.png", os.environ["TENSORWIRE_DASHBOARD_PNG"])
             page.close()

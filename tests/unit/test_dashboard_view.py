@@ -16,7 +16,8 @@ PRIMARY, BACKUP, OTHER = "tcp://10.0.0.1:7070", "tcp://10.0.0.2:7070", "tcp://10
 
 
 def status(role: str, epoch: int, *, jobs: dict[str, Any] | None = None, stored: int = 0) -> dict[str, Any]:
-    ps: dict[str, Any] = {"role": role, "epoch": epoch, "jobs": jobs or {}}
+    ps: dict[str, Any] = {"role": role, "epoch": epoch, "jobs": jobs or {}, "capacity": 1 << 20,
+                          "held_bytes": {"params": 1000, "optimizer": 2000}}  # fmt: skip
     if role == "primary":
         ps["backups"] = {BACKUP: {"up": True, "lag_s": 0.2, "behind": 0}}
     return {

@@ -139,7 +139,28 @@ def _row(node: Node) -> dict[str, Any]:
         "in_flight": s.get("in_flight"),
         "requests": s.get("requests"),
         "lag": s.get("lag"),
+        **_ps_held(node),
     }
+
+
+def _ps_held(node: Node) -> dict[str, int | None]:
+    """What a parameter server's jobs hold (parameters, optimizer state...) against its capacity:
+    apart from the store's bytes (STATUS, else metrics)."""
+    ps = _obj(_obj(node.status).get("ps"))
+    kinds = _obj(ps.get("held_bytes"))
+    held: float | None = (
+        sum(_count(v) for v in kinds.values()) if kinds else node.value("tensorwire_ps_held_bytes")
+    )
+    capacity = (
+        ps.get("capacity") if _count(ps.get("capacity")) else node.value("tensorwire_ps_capacity_bytes")
+    )
+    return {"ps_held": _whole(held), "ps_capacity": _whole(capacity)}
+
+
+def _whole(value: object) -> int | None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        return None
+    return int(value)
 
 
 def _role(node: Node) -> tuple[str | None, int | None]:

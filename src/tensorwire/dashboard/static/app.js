@@ -55,14 +55,18 @@ function renderSlots(doc) {
 
 function renderStores(doc) {
   const rows = doc.servers.map((s) => {
-    const fill = s.capacity ? Math.min(100, (100 * (s.stored || 0)) / s.capacity) : 0;
-    const meter = el("span", {class: "meter"}, el("span"));
-    meter.firstChild.style.width = `${fill.toFixed(1)}%`;
+    const meter = (used, capacity) => {
+      const bar = el("span", {class: "meter"}, el("span"));
+      bar.firstChild.style.width = `${capacity ? Math.min(100, (100 * (used || 0)) / capacity).toFixed(1) : 0}%`;
+      return bar;
+    };
     return el("tr", {"data-url": s.url},
       el("td", {}, s.url),
       el("td", {class: s.up ? "up" : "down"}, s.up ? (s.metrics_error ? "up (no metrics)" : "up") : "down"),
       el("td", {}, s.role ? `${s.role} @${s.epoch}` : ""),
-      el("td", {}, meter, `${bytes(s.stored)} / ${bytes(s.capacity)}`),
+      el("td", {}, meter(s.stored, s.capacity), `${bytes(s.stored)} / ${bytes(s.capacity)}`),
+      el("td", {}, s.ps_capacity ? meter(s.ps_held, s.ps_capacity) : null,
+         s.ps_capacity ? `${bytes(s.ps_held)} / ${bytes(s.ps_capacity)}` : ""),
       el("td", {}, s.tensors ?? ""), el("td", {}, s.connections ?? ""), el("td", {}, s.in_flight ?? ""),
       el("td", {class: s.up ? "wrap muted" : "wrap down"}, s.up ? (s.lag || "") : (s.error || "")));
   });
