@@ -95,9 +95,10 @@ class Dashboard:
     # -- lifecycle ---------------------------------------------------------------------------------
     async def start(self) -> int:
         """Bind and start collecting; the port it got."""
-        runner = web.AppRunner(self.app(), access_log=None, handle_signals=False)
+        # shutdown_timeout: an open event stream is cut after 1 s at close (it never ends by itself)
+        runner = web.AppRunner(self.app(), access_log=None, handle_signals=False, shutdown_timeout=1.0)
         await runner.setup()
-        site = web.TCPSite(runner, self.host, self.port, ssl_context=self.ssl_context, shutdown_timeout=1.0)
+        site = web.TCPSite(runner, self.host, self.port, ssl_context=self.ssl_context)
         await site.start()
         self._runner = runner
         self.port = int(runner.addresses[0][1])
