@@ -43,6 +43,7 @@ DEFAULT_HOST = "127.0.0.1"
 DEFAULT_INTERVAL = 1.0
 COOKIE = "tw_session"
 MAX_SESSIONS = 1024  # logged-in browsers remembered; the oldest is forgotten beyond it
+SESSION_SECONDS = 12 * 3600  # a login lasts a working day, then the token is asked again
 STATIC = {"app.js": "text/javascript", "style.css": "text/css", "index.html": "text/html",
           "login.html": "text/html"}  # fmt: skip
 HEADERS = {
@@ -170,8 +171,8 @@ class Dashboard:
         return response
 
     def _logged_in(self, request: web.Request) -> bool:
-        session = request.cookies.get(COOKIE)
-        return session is not None and session in self._sessions
+        started = self._sessions.get(request.cookies.get(COOKIE, ""))
+        return started is not None and time.monotonic() - started < SESSION_SECONDS
 
     async def _index(self, request: web.Request) -> web.Response:
         return web.Response(body=_static("index.html"), content_type="text/html")
@@ -218,12 +219,20 @@ class Dashboard:
         if self.token is None or not tokens_match(self.token, offered if isinstance(offered, str) else None):
             return web.Response(status=403, text="wrong token\n")
         session = secrets.token_urlsafe(32)
-        self._sessions[session] = time.time()
+        self._sessions[session] = time.monotonic()
         while len(self._sessions) > MAX_SESSIONS:
             self._sessions.pop(next(iter(self._sessions)))
         response = _redirect("/")
         secure = self.ssl_context is not None  # a cookie over https only when the page is https
-        response.set_cookie(COOKIE, session, httponly=True, samesite="Strict", secure=secure, path="/")
+        response.set_cookie(
+            COOKIE,
+            session,
+            httponly=True,
+            samesite="Strict",
+            secure=secure,
+            path="/",
+            max_age=SESSION_SECONDS,
+        )
         return response
 
     async def _logout(self, request: web.Request) -> web.Response:
