@@ -197,6 +197,19 @@ class FramedTransport(Transport):
         _, reader = await self._call(Opcode.GEN_WAIT, request, what=what, timeout=timeout + self.timeout)
         return _finish(reader, wg.decode_generation(reader))
 
+    # GEN_PUBLISH_PART (``PartPublisher``): its bytes travel in frames on every framed transport.
+    async def publish_part(
+        self, prefix: str, batch: PutBatch, *, txn: bytes, index: int, count: int, timeout: float
+    ) -> Generation:
+        ms = max(1, min(round(timeout * 1000), 0xFFFFFFFF))
+        head = wg.encode_part_head(wg.PartHead(prefix, txn, index, count, ms))
+        what = f"part {index} of {count} of a publish under {prefix!r}"
+        # The server answers once every part is in, or at ``timeout``; this timer only backs it up.
+        _, reader = await self._call(
+            Opcode.GEN_PUBLISH_PART, head, batch=batch, what=what, timeout=timeout + self.timeout
+        )
+        return _finish(reader, wg.decode_generation(reader))
+
     async def close(self) -> None:
         await self._fail(ConnectionLost(f"connection to {self.address} was closed by the client"))
 
