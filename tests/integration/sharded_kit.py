@@ -1,13 +1,12 @@
 """One rank of a gloo job for the tensorwire.sharded tests (tests/integration/test_sharded.py,
 tests/fault/test_sharded_faults.py): ``python sharded_kit.py RANK WORLD INIT_FILE SCENARIO OUT``.
 
-The job's processes start once and run a whole scenario (a JSON file): ``table`` puts every layout
-of every world size 1..W (subgroups of the one job: ranks 0..w-1) under its own prefix, then reads
-each stored state back into every layout of every world size, and checks each local shard bit for
-bit against the global tensor; ``kill`` puts a good generation, then a second whose rank ``victim``
-stops (the test kills it) once it has sent nothing. Each rank writes ``OUT/rank<R>.json``: what it
-checked, what failed, and how long the phases took. Run with this directory on no path: it
-imports only tensorwire and torch.
+The job's processes start once and run a whole scenario (a JSON file): ``tables``, one per server,
+each putting every layout of every world size 1..W (subgroups of the one job: ranks 0..w-1) under
+its own prefix, then reading each stored state back into every layout of every world size, and
+checking each local shard bit for bit against the global tensor; ``kill`` puts a good generation,
+then a second whose rank ``victim`` stops (the test kills it) before its part leaves. Each rank
+writes ``OUT/rank<R>.json``: what it checked, what failed, how long the phases took.
 """
 
 from __future__ import annotations
@@ -119,27 +118,38 @@ def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     )
 
 
-def run_table(job: Job, scenario: dict[str, Any], report: dict[str, Any]) -> None:
-    small = bool(scenario.get("small"))
-    worlds = scenario.get("worlds", list(range(1, job.world + 1)))
-    url = scenario["url"]
-    options = scenario.get("options", {})
+def run_tables(job: Job, scenario: dict[str, Any], report: dict[str, Any]) -> None:
+    """Each table of ``scenario["tables"]`` in turn (one per server: tcp://, tls://, ...)."""
+    for table in scenario["tables"]:
+        result: dict[str, Any] = {"puts": [], "reads": 0, "failures": []}
+        report["tables"][table["tag"]] = result
+        try:
+            run_table(job, table, result)
+        except Exception as exc:  # the next table still runs; the test names this one
+            result["failures"].append(f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}")
+            raise
+
+
+def run_table(job: Job, table: dict[str, Any], result: dict[str, Any]) -> None:
+    """Put every layout of every world size of ``table["worlds"]`` (ranks 0..w-1), then read each
+    stored state into every layout of every world size, checking each shard bit for bit."""
+    small = bool(table.get("small"))
+    worlds = table.get("worlds", list(range(1, job.world + 1)))
     stored: list[tuple[str, int]] = []  # (prefix, seed)
     started = time.monotonic()
-    with tensorwire.connect(url, **options) as client:
+    with tensorwire.connect(table["url"], **table.get("options", {})) as client:
         seed = 1
         for w in worlds:
             for name, layout in layouts(w, small).items():
-                prefix = f"{scenario['tag']}/w{w}{name}"
+                prefix = f"{table['tag']}/w{w}{name}"
                 if job.rank < w:
-                    gen = sharded.put_state_dict(
-                        client, prefix, job.state(w, layout, seed, zeros=False), group=job.groups[w]
-                    )
-                    report["puts"].append([prefix, gen.number])
+                    state = job.state(w, layout, seed, zeros=False)
+                    gen = sharded.put_state_dict(client, prefix, state, group=job.groups[w])
+                    result["puts"].append([prefix, gen.number])
                 stored.append((prefix, seed))
                 seed += 1
         dist.barrier()
-        report["put_s"] = time.monotonic() - started
+        result["put_s"] = time.monotonic() - started
         started = time.monotonic()
         for r in worlds:
             for name, layout in layouts(r, small).items():
@@ -148,11 +158,11 @@ def run_table(job: Job, scenario: dict[str, Any], report: dict[str, Any]) -> Non
                 for prefix, seed in stored:
                     into = job.state(r, layout, 0, zeros=True)
                     sharded.get_state_dict(client, prefix, into, group=job.groups[r])
-                    report["reads"] += 1
+                    result["reads"] += 1
                     bad = job.expected(seed, into)
                     if bad:
-                        report["failures"].append(f"{prefix} read as r{r}{name}: {bad} differ")
-        report["get_s"] = time.monotonic() - started
+                        result["failures"].append(f"{prefix} read as r{r}{name}: {bad} differ")
+        result["get_s"] = time.monotonic() - started
         dist.barrier()
 
 
@@ -182,11 +192,11 @@ def main() -> None:
     rank, world = int(sys.argv[1]), int(sys.argv[2])
     init, scenario_path, out = sys.argv[3], Path(sys.argv[4]), Path(sys.argv[5])
     scenario = json.loads(scenario_path.read_text())
-    report: dict[str, Any] = {"rank": rank, "puts": [], "reads": 0, "failures": []}
+    report: dict[str, Any] = {"rank": rank, "puts": [], "tables": {}, "failures": []}
     dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
     try:
         job = Job(rank, world)
-        (run_kill if scenario["kind"] == "kill" else run_table)(job, scenario, report)
+        (run_kill if scenario["kind"] == "kill" else run_tables)(job, scenario, report)
     except BaseException as exc:  # reported to the test, which fails naming it
         report["failures"].append(f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}")
     finally:
