@@ -51,6 +51,7 @@ def _start(world: int, scenario: dict[str, object], out: Path) -> list[subproces
             r"PublishAborted: .*a connection that sent one of its parts closed before the commit \(2 of 3",
         ),
     ],
+    ids=["before-its-part-left", "halfway-through-its-part"],
 )
 def test_a_rank_killed_mid_put_leaves_the_previous_generation_and_frees_every_byte(
     server: ServerThread, tmp_path: Path, mode: str, says: str
