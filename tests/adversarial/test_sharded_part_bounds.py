@@ -94,7 +94,7 @@ def test_parts_whose_names_collide_abort_the_whole_transaction(srv: tensorwire.S
             await _until(lambda: bool(srv.server.generation_ops.parts.open))
             second = _part(b, txn, 1, 3, name="same")
             for future in (first, second):
-                with pytest.raises(PublishAborted, match="part 1 .* names 'p/same', as another part does"):
+                with pytest.raises(PublishAborted, match=r"part 1 .* names 'p/same', as another part does"):
                     await future
             with pytest.raises(tensorwire.errors.KeyNotFound):
                 await a.manifest("p")  # nothing of it is visible

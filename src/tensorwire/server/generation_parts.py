@@ -14,10 +14,11 @@ Lifecycle of a transaction (``_Txn``), keyed by its prefix and 16-byte id:
 3. When the last of ``count`` parts is in, the parts' reservations are merged (names disjoint
    across parts, else the whole transaction is refused) and published as one generation; every
    parked part is answered with it.
-4. Otherwise it is aborted (and its id remembered a while: a late part gets the same error): its timer runs out (``WaitTimeout``), a part fails or collides, or a
+4. Otherwise it is aborted: its timer runs out (``WaitTimeout``), a part fails or collides, or a
    connection that sent (or is sending) one of its parts closes (``PublishAborted``). Every
    reservation is freed and every parked part answered with the error, which says how many of how
-   many parts arrived. Nothing of it was ever visible.
+   many parts arrived. Nothing of it was ever visible. Its id is remembered a while, so that a
+   part arriving late gets the same error at once.
 """
 
 from __future__ import annotations
