@@ -266,9 +266,6 @@ class PartPublishes:
         for task in list(held.answers):
             task.cancel()
 
-    def status(self) -> dict[str, int]:
-        return {"open": len(self.open)}
-
 
 def _failed(txn: _Txn, index: int, exc: TensorwireError) -> PublishAborted:
     which = f"part {index}" if index >= 0 else "its commit"
