@@ -47,6 +47,7 @@ from tensorwire.sharded.layout import (
 )
 from tensorwire.types import Generation, TensorMeta
 from tensorwire.wire import generations as wg
+from tensorwire.wire.names import validate_name
 from tensorwire.wire.tensors import byte_view
 
 if TYPE_CHECKING:
@@ -116,6 +117,7 @@ def get_state_dict(
 
 # -- layouts ------------------------------------------------------------------------------------
 def _layout(name: str, tensor: torch.Tensor, rank: int) -> ShardLayout:
+    validate_name(name)  # here, so that every rank hears of it before any part is sent
     if name.split("/", 1)[0] in _RESERVED:
         raise LayoutMismatch(f"{name!r}: a parameter may not be named {name.split('/', 1)[0]!r} (reserved)")
     dtensor = _as_dtensor(tensor)
