@@ -123,7 +123,9 @@ def _layout(name: str, tensor: torch.Tensor, rank: int) -> ShardLayout:
     dtensor = _as_dtensor(tensor)
     if dtensor is None:
         box = Box((0,) * tensor.dim(), tuple(tensor.shape))
-        return ShardLayout(name, tensor.dtype, tuple(tensor.shape), boxes=(Stored(box, rank, ""),))
+        return ShardLayout(
+            name, tensor.dtype, tuple(tensor.shape), boxes=(Stored(box, rank, f"{name}/{box.key()}"),)
+        )
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
@@ -145,7 +147,9 @@ def _layout(name: str, tensor: torch.Tensor, rank: int) -> ShardLayout:
             f"{name!r}: its local shard is {list(dtensor.to_local().shape)}, not {list(box.sizes)}"
         )
     mesh = tuple(int(n) for n in dtensor.device_mesh.shape)
-    return ShardLayout(name, dtensor.dtype, shape, mesh, tuple(placements), (Stored(box, rank, ""),))
+    return ShardLayout(
+        name, dtensor.dtype, shape, mesh, tuple(placements), (Stored(box, rank, f"{name}/{box.key()}"),)
+    )
 
 
 def _as_dtensor(tensor: torch.Tensor) -> Any:
