@@ -26,7 +26,7 @@ from typing import TypeVar
 import torch
 
 from tensorwire import transport as transports
-from tensorwire.client import deltas, staging, stripe
+from tensorwire.client import deltas, ranges, staging, stripe
 from tensorwire.client import generations as gens
 from tensorwire.client.batches import Landing, TensorBatch
 from tensorwire.client.cache import TensorCache
@@ -45,6 +45,7 @@ from tensorwire.transport.base import (
     new_upload,
 )
 from tensorwire.types import Address, Generation, GenerationManifest, TensorMeta
+from tensorwire.wire import generations as wg
 from tensorwire.wire.names import validate_name, validate_prefix
 from tensorwire.wire.tensors import byte_view, check_out, empty_for, sendable
 
@@ -364,6 +365,30 @@ class AsyncClient:
         prefix's next generation: all visible at once, under the number returned, or none
         (CapacityExceeded, a broken connection: the previous generations stay as they were)."""
         return await gens.publish(self._run, prefix, tensors, progress)
+
+    async def publish_part(
+        self,
+        prefix: str,
+        tensors: Mapping[str, torch.Tensor],
+        *,
+        txn: bytes,
+        index: int,
+        count: int,
+        timeout: float,
+    ) -> Generation:
+        """Part ``index`` of ``count`` of one generation of ``prefix`` whose parts come from several
+        clients (the ranks of a job; ``txn``: 16 bytes they all name): answered, on every part, with
+        the generation once every part is in; else every part gets the error that aborted it
+        (``WaitTimeout`` after ``timeout`` seconds, ``PublishAborted`` when a part failed or its
+        connection closed) and nothing of it is visible (docs/protocol.md §14.8)."""
+        head = wg.PartHead(prefix, txn, index, count, 0)
+        return await gens.publish_part(self._run, prefix, tensors, head, timeout)
+
+    async def read_generation(self, prefix: str, at: gens.At = "latest") -> ranges.AsyncGenerationRead:
+        """Generation ``at`` of ``prefix`` held for reading byte ranges of its tensors, many in
+        flight, each straight into its own buffer (client/ranges.py); ``close`` (or ``async with``)
+        lets it go. Over tcp://, tls://, memory:// (leased ranged reads) and shm:// (mapped views)."""
+        return await ranges.open_read(self._run, await self._capable(), prefix, gens.at_number(at))
 
     async def get_range(
         self, name: str, *, at: gens.At, offset: int, length: int, out: torch.Tensor | None = None

@@ -25,8 +25,10 @@ caller asks ``isinstance(t, Ranged)`` (or opens with ``open_channel``, which ask
 * ``Resumable``: a put that goes on after a broken connection from the last byte the server
   verified. tcp://, tls://, memory://.
 * ``Viewable``: read-only tensors over the server's own pages. shm://.
-* ``Generational``: generations (publish, reads at a generation, manifests, waits, leases;
-  docs/protocol.md §14). tcp://, tls://, memory:// (not yet grpc:// nor shm://).
+* ``Generational``: generations (publish, reads at a generation, one or many byte ranges of one,
+  manifests, waits, leases; docs/protocol.md §14). tcp://, tls://, memory:// (not yet grpc:// nor shm://).
+* ``PartPublisher``: one part of a generation published from several connections (the ranks of a
+  job: GEN_PUBLISH_PART, §14.8). tcp://, tls://, memory://, shm:// (its parts travel in frames).
 * ``GenerationViews``: a generation as read-only tensors over the server's own pages, and waits
   for the next one (§16: how a host leader's followers read it). shm://.
 
@@ -287,6 +289,11 @@ class Generational(Protocol):
         """Bytes ``offset .. offset + len(dest)`` of ``name`` at generation ``at``; its number."""
         ...
 
+    async def get_ranges_at(self, name: str, at: int, ranges: Sequence[tuple[int, memoryview]]) -> int:
+        """Each ``(offset, dest)``: bytes ``offset .. offset + len(dest)`` of ``name`` at generation
+        ``at`` into ``dest``, all in one request (GEN_GET_RANGES); the generation's number."""
+        ...
+
     async def manifest(self, prefix: str, at: int) -> GenerationManifest: ...
 
     async def wait(self, prefix: str, after: int, timeout: float) -> Generation: ...
@@ -310,6 +317,31 @@ class GenerationViews(Protocol):
     async def view_generation(self, prefix: str, at: int) -> tuple[Generation, dict[str, torch.Tensor]]: ...
 
     async def wait(self, prefix: str, after: int, timeout: float) -> Generation: ...
+
+
+@runtime_checkable
+class PartPublisher(Protocol):
+    """Part ``index`` of ``count`` of one generation of ``prefix`` (docs/protocol.md §14.8).
+
+    Every part of a transaction names the same 16-byte ``txn``; each is sent once, from any
+    connection. The answer comes when the transaction ends: the generation, once every part is
+    in; else the error that aborted it (``WaitTimeout`` at ``timeout`` seconds, ``PublishAborted``
+    when a part failed or its connection closed), and nothing of it is visible. Not idempotent.
+    """
+
+    async def publish_part(
+        self, prefix: str, batch: PutBatch, *, txn: bytes, index: int, count: int, timeout: float
+    ) -> Generation: ...
+
+
+def as_part_publisher(transport: Transport, what: str) -> PartPublisher:
+    """``transport`` as ``PartPublisher``; UnsupportedTransport (naming ``what``) if it is not."""
+    if not isinstance(transport, PartPublisher):
+        raise UnsupportedTransport(
+            f"{what} needs multi-part publishes (GEN_PUBLISH_PART), which {transport.address.scheme}://"
+            " does not serve (use tcp://, tls://, shm:// or memory://)"
+        )
+    return transport
 
 
 def as_generational(transport: Transport, what: str) -> Generational:

@@ -78,13 +78,15 @@ class Opcode(enum.IntEnum):
     RELAY_STATS = 51
     # Per-host fan-out (docs/protocol.md §16): a generation as read-only shared-memory views.
     SHM_GEN_VIEW = 52
+    GEN_PUBLISH_PART = 53
+    GEN_GET_RANGES = 54
 
 
 class Flags(enum.IntFlag):
     NONE = 0
     RESPONSE = 0x01
     ERROR = 0x02
-    MORE = 0x04  # request: a part of a PUT_MANY or GEN_PUBLISH; more parts with the same id follow
+    MORE = 0x04  # request: a part of a PUT_MANY, GEN_PUBLISH(_PART); more parts with the same id follow
     COMPRESSED = 0x08  # the data section's chunks carry chunk heads and may be compressed (§5.5)
 
 
