@@ -56,6 +56,7 @@ class Setup:
     tensors: int = 8
     rows: int = 256
     timeout: float = 300.0
+    transport: str = "tcp"  # the ranks' way to the server: tcp:// or shm:// (same host)
 
     @property
     def shape(self) -> tuple[int, int]:
