@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import sys
 import time
 import traceback
@@ -29,6 +30,11 @@ import tensorwire
 from tensorwire import sharded
 from tensorwire.errors import TensorwireError
 from tensorwire.sharded import _agreed
+from tensorwire.types import Address, TensorMeta
+from tensorwire.wire import generations as wg
+from tensorwire.wire import meta as wm
+from tensorwire.wire.checksum import ChecksumKind
+from tensorwire.wire.frame import Flags, Header, Opcode, encode_frame_head
 
 PARAMS: list[tuple[str, tuple[int, ...], torch.dtype]] = [
     ("layer.0.weight", (8, 6), torch.float32),
@@ -167,25 +173,55 @@ def run_table(job: Job, table: dict[str, Any], result: dict[str, Any]) -> None:
 
 
 def run_kill(job: Job, scenario: dict[str, Any], report: dict[str, Any]) -> None:
-    """Generation 1 of ``prefix`` from every rank; then generation 2, where rank ``victim`` takes
-    part in the layout exchange, says so (``OUT/ready``) and waits to be killed before its part
-    leaves: the others' parts wait on the server, which aborts the transaction at ``timeout``."""
+    """Generation 1 of ``prefix`` from every rank (then ``OUT/gen1``; on ``OUT/go`` the job goes
+    on); then generation 2, where rank ``victim`` joins the layout exchange and stops: ``mode``
+    "before" before its part leaves, "mid" halfway through its part's first frame. It writes
+    ``OUT/ready`` and waits to be killed; the others' parts wait on the server meanwhile."""
     prefix, victim, out = scenario["prefix"], scenario["victim"], Path(scenario["out"])
     layout = ((job.world,), ["S0"])
     with tensorwire.connect(scenario["url"]) as client:
         gen = sharded.put_state_dict(client, prefix, job.state(job.world, layout, 1, zeros=False))
         report["puts"].append([prefix, gen.number])
         dist.barrier()
+        if job.rank == 0:
+            (out / "gen1").write_text(str(gen.number))
+        _wait_for_file(out / "go")
         state = job.state(job.world, layout, 2, zeros=False)
         if job.rank == victim:
-            _agreed(state, None, job.rank, job.world, with_txn=True)  # as put_state_dict starts
+            layouts, txn = _agreed(state, None, job.rank, job.world, with_txn=True)  # as put_state_dict does
+            sock = _start_part(scenario, layouts, txn, job) if scenario["mode"] == "mid" else None
             (out / "ready").write_text("stalled")
             time.sleep(600)  # SIGKILLed by the test long before
+            del sock
         try:
             sharded.put_state_dict(client, prefix, state, timeout=scenario["timeout"])
             report["failures"].append("the second put succeeded without the victim's part")
         except TensorwireError as exc:
             report["error"] = f"{type(exc).__name__}: {exc}"
+
+
+def _start_part(scenario: dict[str, Any], layouts: dict[str, Any], txn: bytes, job: Job) -> socket.socket:
+    """Half of the first chunk of the victim's part, sent raw (what a rank killed mid-send left)."""
+    prefix = scenario["prefix"]
+    mine = next(s for s in layouts["layer.0.weight"].boxes if s.rank == job.rank)
+    meta = TensorMeta(f"{prefix}/{mine.tensor}", torch.float32, mine.box.sizes, mine.box.numel * 4)
+    head = wg.encode_part_head(wg.PartHead(prefix, txn, job.rank, job.world, 30_000))
+    block = head + wm.encode_records([meta])
+    header = Header(
+        1, Opcode.GEN_PUBLISH_PART, Flags.MORE, ChecksumKind.XXH3_64, 7, len(block), 4096, meta.nbytes
+    )
+    address = Address.parse(scenario["url"])
+    sock = socket.create_connection((address.host, address.port), timeout=10)
+    sock.sendall(encode_frame_head(header, block) + bytes(meta.nbytes // 2))
+    return sock
+
+
+def _wait_for_file(path: Path, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"waited {timeout}s for {path}")
+        time.sleep(0.02)
 
 
 def main() -> None:

@@ -17,7 +17,8 @@ Lifecycle of a transaction (``_Txn``), keyed by its prefix and 16-byte id:
 4. Otherwise it is aborted: its timer runs out (``WaitTimeout``), a part fails or collides, or a
    connection that sent (or is sending) one of its parts closes (``PublishAborted``). Every
    reservation is freed and every parked part answered with the error, which says how many of how
-   many parts arrived. Nothing of it was ever visible.
+   many parts arrived. Nothing of it was ever visible. Its id is remembered a while, so that a
+   part arriving late gets the same error at once.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -44,6 +46,7 @@ from tensorwire.types import Generation
 from tensorwire.wire import generations as wg
 from tensorwire.wire import meta as wm
 
+_ABORTED_KEPT = 1024  # aborted transaction ids remembered
 _OFF_LOOP_BYTES = 8 << 20  # checksums of a larger part are computed on a worker thread
 # Publishes a merged reservation (its chunk checksums given) and wakes the prefix's waiters.
 Announce = Callable[[str, Reservation, Sequence[tuple[int, ...]]], Generation]
@@ -97,6 +100,9 @@ class PartPublishes:
         self.config = generations.config
         self.max_wait = min(max_wait, self.config.max_wait_seconds)
         self.open: dict[tuple[str, bytes], _Txn] = {}
+        # Recently aborted transactions, so that a part arriving late is refused with the reason
+        # at once rather than opening the transaction again (bounded: the oldest are forgotten).
+        self.aborted: OrderedDict[tuple[str, bytes], TensorwireError] = OrderedDict()
 
     def _held(self, req: Request) -> _PartsHeld:
         held = req.session_state(_PartsHeld)
@@ -120,23 +126,25 @@ class PartPublishes:
     def _open(self, held: _PartsHeld, head: wg.PartHead) -> _Txn:
         """Join (or open) ``head``'s transaction, within every bound, or raise."""
         key = (head.prefix, head.txn)
+        if key in self.aborted:
+            raise self.aborted[key]
         txn = self.open.get(key)
+        if txn not in held.txns and len(held.txns) >= self.config.transactions_per_owner:
+            raise LimitExceeded(self._too_many(len(held.txns), "this connection has parts in"))
         if txn is None:
             self.generations.admit(head.prefix)
-            self._check_open(held, head)
+            self._check_open(head)
             txn = self._start(head)
         if head.count != txn.count:
             raise ProtocolError(f"a part of {txn.describe()} says it has {head.count} parts, not {txn.count}")
         if head.index in txn.parts or head.index in txn.receiving:
             raise ProtocolError(f"part {head.index} of {txn.describe()} was sent twice")
-        if txn not in held.txns and len(held.txns) >= self.config.transactions_per_owner:
-            raise LimitExceeded(self._too_many(len(held.txns), "this connection has parts in"))
         txn.receiving.add(head.index)
         txn.owners.add(held)
         held.txns.add(txn)
         return txn
 
-    def _check_open(self, held: _PartsHeld, head: wg.PartHead) -> None:
+    def _check_open(self, head: wg.PartHead) -> None:
         limits = self.config
         if head.count > limits.max_parts:
             raise LimitExceeded(f"a publish of {head.count} parts: at most {limits.max_parts}")
@@ -149,8 +157,6 @@ class PartPublishes:
             raise ProtocolError("a multi-part publish needs a timeout")
         if len(self.open) >= limits.max_transactions:
             raise LimitExceeded(self._too_many(len(self.open), "this server has open"))
-        if len(held.txns) >= limits.transactions_per_owner:
-            raise LimitExceeded(self._too_many(len(held.txns), "this connection has parts in"))
 
     def _too_many(self, now: int, where: str) -> str:
         most = self.config.max_transactions if "server" in where else self.config.transactions_per_owner
@@ -182,7 +188,9 @@ class PartPublishes:
         except TensorwireError as exc:
             parts.abort()
             self._abort(txn, _failed(txn, head.index, exc))
-            raise
+            if txn.error is None or txn.error is exc:
+                raise
+            raise txn.error from exc  # every part hears the same
         txn.parts[head.index] = (parts.reservation, sums)
         txn.names |= parts.reservation.names
         if len(txn.parts) == txn.count:
@@ -228,6 +236,9 @@ class PartPublishes:
         for res, _ in txn.parts.values():
             self.store.abort(res)
         txn.error = error
+        self.aborted[(txn.prefix, txn.txn)] = error
+        while len(self.aborted) > _ABORTED_KEPT:
+            self.aborted.popitem(last=False)
         self._end(txn)
 
     def _end(self, txn: _Txn) -> None:
