@@ -178,7 +178,13 @@ class AsyncSaver:
         for client in self._clients.values():
             client.close()
         if self._group is not None and dist.is_initialized():
-            dist.destroy_process_group(self._group)
+            # Already gone if its job's default group was destroyed (and maybe made again) first.
+            with contextlib.suppress(RuntimeError, ValueError):
+                dist.destroy_process_group(self._group)
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
 
     def __enter__(self) -> AsyncSaver:
         return self
@@ -218,18 +224,21 @@ def _upload_group(group: ProcessGroup | None) -> ProcessGroup | None:
 
 
 # -- the one-call entry point ----------------------------------------------------------------------
-_DEFAULTS: list[tuple[ProcessGroup | None, AsyncSaver]] = []  # one saver per group, made on first use
+# One saver per (group, default group) pair, made on first use: a default group destroyed and made
+# again (a new job in the same process) gets savers of its own.
+_DEFAULTS: list[tuple[tuple[object, object], AsyncSaver]] = []
 _DEFAULTS_LOCK = threading.Lock()
 
 
 def default_saver(group: ProcessGroup | None = None) -> AsyncSaver:
     """The process's saver for ``group``, made on the first call (a collective: see AsyncSaver)."""
+    key = (group, dist.group.WORLD if dist.is_available() and dist.is_initialized() else None)
     with _DEFAULTS_LOCK:
         for held, saver in _DEFAULTS:
-            if held is group and not saver._closed:
+            if held[0] is key[0] and held[1] is key[1] and not saver.closed:
                 return saver
         saver = AsyncSaver(group)
-        _DEFAULTS.append((group, saver))
+        _DEFAULTS.append((key, saver))
         return saver
 
 
