@@ -89,7 +89,7 @@ def _answer(child: Child, timeout: float) -> dict[str, Any]:
 @contextlib.contextmanager
 def worlds(setup: Setup) -> Iterator[Worlds]:
     """Both worlds' ranks started (in parallel) against one server; all gone on leaving."""
-    capacity = 6 * setup.nbytes + 64 * MiB  # two prefixes, each keeping two generations, and slack
+    capacity = 8 * setup.nbytes + 64 * MiB  # 3 prefixes x 2 kept, a put in flight
     store = dist.TCPStore(HOST, 0, is_master=True, wait_for_workers=False)  # type: ignore[attr-defined]
     listen = f"{setup.transport}://{HOST}:0"
     with ServerThread([listen], TensorStore(capacity)) as server, spawned() as children:
