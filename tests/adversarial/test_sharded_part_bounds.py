@@ -4,7 +4,8 @@ a multi-part publish is bounded, and every way a transaction can fail frees all 
 Parts per transaction, open transactions server-wide and per connection, the timeout a part may
 ask for; parts whose names collide; a transaction left incomplete is freed at its timeout; a
 connection that closes with a part in a transaction aborts it for every other part at once; a part
-arriving after its transaction was aborted is refused with the same error. Each test fails with
+arriving after its transaction was aborted is refused with the same error. And GEN_GET_RANGES, the
+batched ranged read: ranges inside the tensor, their count and their total bytes bounded. Each test fails with
 its check removed from server/generation_parts.py (a bound: the part is taken and waits out its
 timeout instead of being refused).
 """
@@ -19,9 +20,13 @@ import pytest
 import torch
 
 import tensorwire
-from tensorwire.errors import LimitExceeded, PublishAborted, WaitTimeout
+from tensorwire.errors import InvalidTensor, LimitExceeded, ProtocolError, PublishAborted, WaitTimeout
 from tensorwire.store.generations import GenerationConfig
 from tensorwire.testing.process import wait_for
+from tensorwire.transport import TransportOptions, open_channel
+from tensorwire.types import Limits
+from tensorwire.wire import generations as wg
+from tensorwire.wire.frame import Opcode
 
 
 @pytest.fixture
@@ -149,3 +154,30 @@ async def _until(condition: object, timeout: float = 10.0) -> None:
         if loop.time() > deadline:
             raise TimeoutError(f"waited {timeout}s")
         await asyncio.sleep(0.01)
+
+
+# -- GEN_GET_RANGES (the batched ranged read of sharded.get_state_dict) ---------------------------
+@pytest.mark.parametrize(
+    ("ranges", "error", "says"),
+    [
+        ([(0, 8), (1020, 8)], InvalidTensor, r"bytes 1020..1028 are not inside 'p/t0'"),
+        ([(0, 1)] * 65537, ProtocolError, "65537 ranges: 1 to 65536"),
+        ([(0, 1024)] * 80, LimitExceeded, "an answer of 81920 bytes exceeds 65536"),
+    ],
+    ids=["a-range-outside-the-tensor", "too-many-ranges", "too-many-bytes"],
+)
+def test_gen_get_ranges_is_bounded(ranges: list[tuple[int, int]], error: type[Exception], says: str) -> None:
+    with tensorwire.ServerThread(limits=Limits(max_request_bytes=65536)) as server:
+        with tensorwire.connect(server.url) as c:
+            c.publish("p", {"t0": torch.zeros(256)})
+
+        async def main() -> None:
+            channel = await open_channel(server.url, TransportOptions(10.0, 10.0), what="GEN_GET_RANGES")
+            try:
+                request = wg.encode_get_ranges(0, ranges, "p/t0")
+                with pytest.raises(error, match=says):
+                    await channel.call(Opcode.GEN_GET_RANGES, request, what="ranges")
+            finally:
+                await channel.close()
+
+        _run(main())

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 import tensorwire
@@ -127,13 +127,43 @@ def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 def run_tables(job: Job, scenario: dict[str, Any], report: dict[str, Any]) -> None:
     """Each table of ``scenario["tables"]`` in turn (one per server: tcp://, tls://, ...)."""
     for table in scenario["tables"]:
-        result: dict[str, Any] = {"puts": [], "reads": 0, "failures": []}
+        result: dict[str, Any] = {"puts": [], "reads": 0, "failures": [], "refusals": []}
         report["tables"][table["tag"]] = result
         try:
             run_table(job, table, result)
+            if table.get("disagree"):
+                run_disagreement(job, table, result)
         except Exception as exc:  # the next table still runs; the test names this one
             result["failures"].append(f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}")
             raise
+
+
+def run_disagreement(job: Job, table: dict[str, Any], result: dict[str, Any]) -> None:
+    """Ranks 0 and 1 put states that disagree (rank 1: another global shape; then a Partial
+    placement): both are refused, on every rank, and nothing is visible."""
+    if job.rank >= 2:
+        return
+    mesh = job.meshes[(2, (2,))]
+    with tensorwire.connect(table["url"], **table.get("options", {})) as client:
+        shape = (8, 6) if job.rank == 0 else (8, 7)
+        local_shape, _ = compute_local_shape_and_global_offset(shape, mesh, [Shard(0)])
+        local = torch.zeros(local_shape)
+        wrong = DTensor.from_local(
+            local, mesh, [Shard(0)], run_check=False, shape=shape, stride=(shape[1], 1)
+        )
+        partial = DTensor.from_local(local, mesh, [Partial() if job.rank == 1 else Shard(0)], run_check=False,
+                                     shape=shape, stride=(shape[1], 1))  # fmt: skip
+        for what, state in (("shape", {"w": wrong}), ("partial", {"w": partial})):
+            try:
+                sharded.put_state_dict(client, f"{table['tag']}/disagree", state, group=job.groups[2])
+                result["failures"].append(f"a put whose ranks disagree on its {what} succeeded")
+            except TensorwireError as exc:
+                result["refusals"].append(f"{type(exc).__name__}: {exc}")
+        try:
+            client.manifest(f"{table['tag']}/disagree")
+            result["failures"].append("a refused put left a generation")
+        except TensorwireError:
+            pass
 
 
 def run_table(job: Job, table: dict[str, Any], result: dict[str, Any]) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -77,7 +78,7 @@ def tables(tcp: ServerThread, tmp_path_factory: pytest.TempPathFactory) -> Itera
         tls_options = {"tls_ca": str(paths["ca"]), "token": TOKEN}
         small = {"small": True, "worlds": [1, 2]}
         scenario = {"kind": "tables", "tables": [
-            {"tag": "tcp", "url": tcp.url},
+            {"tag": "tcp", "url": tcp.url, "disagree": True},
             {"tag": "tls", "url": tls.url.replace("127.0.0.1", "localhost"), "options": tls_options, **small},
             {"tag": "shm", "url": shm.url, **small},
         ]}  # fmt: skip
@@ -103,6 +104,19 @@ def test_every_layout_pair_of_worlds_1_to_4_round_trips_bit_exactly_over_tcp(
         for prefix, number in report["tables"]["tcp"]["puts"]:
             by_prefix.setdefault(prefix, set()).add(number)
     assert len(by_prefix) == 14 and all(len(numbers) == 1 for numbers in by_prefix.values())
+
+
+def test_a_put_whose_ranks_disagree_is_refused_on_every_rank_and_leaves_nothing(
+    tables: list[dict[str, Any]],
+) -> None:
+    for rank in (0, 1):
+        refusals = tables[rank]["tables"]["tcp"]["refusals"]
+        assert len(refusals) == 2, refusals
+        assert re.match(
+            r"LayoutMismatch: 'w': rank 1 holds it as float32 \[8, 7\].*rank 0 as float32 \[8, 6\]",
+            refusals[0],
+        )
+        assert re.match(r"LayoutMismatch: rank 1: 'w': placement P\(sum\) is not supported", refusals[1])
 
 
 def test_a_smaller_table_over_tls(tables: list[dict[str, Any]]) -> None:

@@ -7,7 +7,8 @@ tensors, each straight into its own writable buffer, many requests in flight; ``
 generation go. Which way depends on what the transport can do (asked of it):
 
 * ``Generational`` (tcp://, tls://, memory://): GEN_MANIFEST, a lease (GEN_LEASE) for as long as
-  the read is open, and one GEN_GET_RANGE per range, received into its buffer with no copy.
+  the read is open, and one GEN_GET_RANGES per batch of a tensor's ranges (up to 2048 of them,
+  16 MiB), each range received into its own buffer with no copy.
 * ``GenerationViews`` (shm://): one SHM_GEN_VIEW maps the generation's pages (the server keeps it
   while the views live) and each range is one copy from the mapped pages into its buffer.
 """
@@ -29,7 +30,9 @@ from tensorwire.transport.base import Generational, GenerationViews, Transport, 
 from tensorwire.types import Generation, TensorMeta
 from tensorwire.wire.tensors import byte_view
 
-_WINDOW = 256  # ranges requested at once (the transport also waits for the server's in-flight room)
+_WINDOW = 16384  # ranges asked for at once (the transport also waits for the server's in-flight room)
+_BATCH_RANGES = 2048  # ranges in one GEN_GET_RANGES
+_BATCH_BYTES = 16 << 20  # bytes in one GEN_GET_RANGES answer (several answers travel at once)
 _LEASE_SECONDS = 120.0  # the server grants at most its --max-lease-seconds
 
 
@@ -84,14 +87,15 @@ class _Ranged(AsyncGenerationRead):
         self._lease = lease
 
     async def _read(self, reads: Sequence[RangeRead]) -> None:
+        """One GEN_GET_RANGES per batch of one tensor's ranges, the batches in flight together."""
         number = self.generation.number
 
-        async def one(r: RangeRead) -> int:
+        async def one(name: str, batch: list[tuple[int, memoryview]]) -> int:
             return await self._run(
-                lambda t: as_generational(t, "a ranged read").get_range_at(r.name, number, r.offset, r.dest)
+                lambda t: as_generational(t, "a ranged read").get_ranges_at(name, number, batch)
             )
 
-        await asyncio.gather(*(one(r) for r in reads))
+        await asyncio.gather(*(one(name, batch) for name, batch in _batches(reads)))
 
     async def close(self) -> None:
         await self._lease.release()
@@ -113,6 +117,23 @@ class _Viewed(AsyncGenerationRead):
     async def close(self) -> None:
         self._bytes.clear()
         self._views = None  # the server's lease ends once the last view is freed
+
+
+def _batches(reads: Sequence[RangeRead]) -> list[tuple[str, list[tuple[int, memoryview]]]]:
+    """``reads`` grouped by tensor, in their order, cut at ``_BATCH_RANGES`` ranges or
+    ``_BATCH_BYTES`` bytes."""
+    by_name: dict[str, list[list[tuple[int, memoryview]]]] = {}
+    sizes: dict[str, int] = {}
+    for r in reads:
+        batches = by_name.setdefault(r.name, [[]])
+        if len(batches[-1]) >= _BATCH_RANGES or (
+            batches[-1] and sizes[r.name] + r.dest.nbytes > _BATCH_BYTES
+        ):
+            batches.append([])
+            sizes[r.name] = 0
+        batches[-1].append((r.offset, r.dest))
+        sizes[r.name] = sizes.get(r.name, 0) + r.dest.nbytes
+    return [(name, batch) for name, batches in by_name.items() for batch in batches]
 
 
 def _readonly_bytes(view: torch.Tensor) -> memoryview:

@@ -211,7 +211,10 @@ class PartPublishes:
             part = f"part {head.index} of {txn.describe()}"
             raise InvalidName(f"{part} names {clash[0]!r}, as another part does")
         big = res.nbytes >= _OFF_LOOP_BYTES
-        return await cpu(big, lambda: [wg.chunk_checksums(b) for b in res.buffers])
+        sums = await cpu(big, lambda: [wg.chunk_checksums(b) for b in res.buffers])
+        if txn.ended.is_set():  # aborted while its checksums were computed on a worker thread
+            raise txn.error or ProtocolError(f"{txn.describe()} has ended")
+        return sums
 
     # -- ending ---------------------------------------------------------------------------------
     def _commit(self, txn: _Txn) -> None:
@@ -265,9 +268,6 @@ class PartPublishes:
         held.heads.clear()
         for task in list(held.answers):
             task.cancel()
-
-    def status(self) -> dict[str, int]:
-        return {"open": len(self.open)}
 
 
 def _failed(txn: _Txn, index: int, exc: TensorwireError) -> PublishAborted:

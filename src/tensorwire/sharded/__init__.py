@@ -47,6 +47,7 @@ from tensorwire.sharded.layout import (
 )
 from tensorwire.types import Generation, TensorMeta
 from tensorwire.wire import generations as wg
+from tensorwire.wire.names import validate_name
 from tensorwire.wire.tensors import byte_view
 
 if TYPE_CHECKING:
@@ -116,12 +117,15 @@ def get_state_dict(
 
 # -- layouts ------------------------------------------------------------------------------------
 def _layout(name: str, tensor: torch.Tensor, rank: int) -> ShardLayout:
+    validate_name(name)  # here, so that every rank hears of it before any part is sent
     if name.split("/", 1)[0] in _RESERVED:
         raise LayoutMismatch(f"{name!r}: a parameter may not be named {name.split('/', 1)[0]!r} (reserved)")
     dtensor = _as_dtensor(tensor)
     if dtensor is None:
         box = Box((0,) * tensor.dim(), tuple(tensor.shape))
-        return ShardLayout(name, tensor.dtype, tuple(tensor.shape), boxes=(Stored(box, rank, ""),))
+        return ShardLayout(
+            name, tensor.dtype, tuple(tensor.shape), boxes=(Stored(box, rank, f"{name}/{box.key()}"),)
+        )
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
@@ -143,7 +147,9 @@ def _layout(name: str, tensor: torch.Tensor, rank: int) -> ShardLayout:
             f"{name!r}: its local shard is {list(dtensor.to_local().shape)}, not {list(box.sizes)}"
         )
     mesh = tuple(int(n) for n in dtensor.device_mesh.shape)
-    return ShardLayout(name, dtensor.dtype, shape, mesh, tuple(placements), (Stored(box, rank, ""),))
+    return ShardLayout(
+        name, dtensor.dtype, shape, mesh, tuple(placements), (Stored(box, rank, f"{name}/{box.key()}"),)
+    )
 
 
 def _as_dtensor(tensor: torch.Tensor) -> Any:

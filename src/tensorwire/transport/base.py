@@ -25,8 +25,8 @@ caller asks ``isinstance(t, Ranged)`` (or opens with ``open_channel``, which ask
 * ``Resumable``: a put that goes on after a broken connection from the last byte the server
   verified. tcp://, tls://, memory://.
 * ``Viewable``: read-only tensors over the server's own pages. shm://.
-* ``Generational``: generations (publish, reads at a generation, manifests, waits, leases;
-  docs/protocol.md §14). tcp://, tls://, memory:// (not yet grpc:// nor shm://).
+* ``Generational``: generations (publish, reads at a generation, one or many byte ranges of one,
+  manifests, waits, leases; docs/protocol.md §14). tcp://, tls://, memory:// (not yet grpc:// nor shm://).
 * ``PartPublisher``: one part of a generation published from several connections (the ranks of a
   job: GEN_PUBLISH_PART, §14.8). tcp://, tls://, memory://, shm:// (its parts travel in frames).
 * ``GenerationViews``: a generation as read-only tensors over the server's own pages, and waits
@@ -283,6 +283,11 @@ class Generational(Protocol):
 
     async def get_range_at(self, name: str, at: int, offset: int, dest: memoryview) -> int:
         """Bytes ``offset .. offset + len(dest)`` of ``name`` at generation ``at``; its number."""
+        ...
+
+    async def get_ranges_at(self, name: str, at: int, ranges: Sequence[tuple[int, memoryview]]) -> int:
+        """Each ``(offset, dest)``: bytes ``offset .. offset + len(dest)`` of ``name`` at generation
+        ``at`` into ``dest``, all in one request (GEN_GET_RANGES); the generation's number."""
         ...
 
     async def manifest(self, prefix: str, at: int) -> GenerationManifest: ...

@@ -479,6 +479,21 @@ class RangedTransport(FramedTransport):
         _, reader = await self._call(Opcode.GEN_GET_RANGE, request, sink=sink, what=what)
         return _finish(reader, numbers[-1])
 
+    async def get_ranges_at(self, name: str, at: int, ranges: Sequence[tuple[int, memoryview]]) -> int:
+        total = sum(dest.nbytes for _, dest in ranges)
+        numbers: list[int] = []
+
+        def sink(metas: list[TensorMeta]) -> list[memoryview]:
+            if len(metas) != 1 or metas[0].nbytes != total or metas[0].name != name:
+                raise ProtocolError(f"the server answered ranges of {name!r} with something else")
+            numbers.append(metas[0].version)
+            return [dest for _, dest in ranges if dest.nbytes]
+
+        request = wg.encode_get_ranges(at, [(o, d.nbytes) for o, d in ranges], name)
+        what = f"get of {len(ranges)} ranges of {name!r} at generation {at or 'latest'}"
+        _, reader = await self._call(Opcode.GEN_GET_RANGES, request, sink=sink, what=what)
+        return _finish(reader, numbers[-1])
+
     async def manifest(self, prefix: str, at: int) -> GenerationManifest:
         request = wg.encode_manifest_request(prefix, at)
         what = f"manifest of {prefix!r} at generation {at or 'latest'}"

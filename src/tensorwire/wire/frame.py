@@ -79,6 +79,7 @@ class Opcode(enum.IntEnum):
     # Per-host fan-out (docs/protocol.md §16): a generation as read-only shared-memory views.
     SHM_GEN_VIEW = 52
     GEN_PUBLISH_PART = 53
+    GEN_GET_RANGES = 54
 
 
 class Flags(enum.IntFlag):

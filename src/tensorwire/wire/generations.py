@@ -205,6 +205,29 @@ def decode_part_head(reader: wm.MetaReader) -> PartHead:
     return PartHead(prefix, bytes(txn), index, count, timeout_ms)
 
 
+MAX_RANGES = 65536  # ranges in one GEN_GET_RANGES
+_RANGE = struct.Struct("<QQ")  # offset, length
+
+
+def encode_get_ranges(at: int, ranges: Sequence[tuple[int, int]], name: str) -> bytes:
+    """GEN_GET_RANGES's block: ``u64 at | u32 count | count x (u64 offset, u64 length) | names``
+    (exactly one name)."""
+    return (
+        _U64.pack(at) + _U32.pack(len(ranges)) + b"".join(_RANGE.pack(o, n) for o, n in ranges)
+        + wm.encode_names([name])
+    )  # fmt: skip
+
+
+def decode_get_ranges(reader: wm.MetaReader) -> tuple[int, list[tuple[int, int]], list[str]]:
+    """The block of a GEN_GET_RANGES; ProtocolError past ``MAX_RANGES`` (before they are read)."""
+    at = reader.u64()
+    count = reader.u32()
+    if not count or count > MAX_RANGES:
+        raise ProtocolError(f"a GEN_GET_RANGES of {count} ranges: 1 to {MAX_RANGES}")
+    ranges = [(o, n) for o, n in (reader.take(_RANGE) for _ in range(count))]
+    return at, ranges, wm.decode_names(reader)
+
+
 def decode_leased(reader: wm.MetaReader) -> tuple[int, int]:
     ms, oldest = reader.take(_LEASED)
     return ms, oldest
