@@ -3,7 +3,7 @@ server, torch.distributed.checkpoint on /dev/shm. Figures are checked for shape,
 
 from __future__ import annotations
 
-from tensorwire.bench import reshard
+from tensorwire.bench import report, reshard
 from tensorwire.bench.reshard_ranks import Setup
 
 
@@ -21,6 +21,11 @@ def test_reshard_measures_both_ways_and_moves_only_the_overlap() -> None:
     assert 1.0 <= result["moved_vs_overlap"] < 1.05, result["moved_vs_overlap"]
     assert result["async_blocked_s"] > 0 and result["sync_put_s"] > 0
     assert result["async_blocking_ratio"] == result["async_blocked_s"] / result["sync_put_s"]
+    rows = report.rows({"benchmarks": {"reshard": {"result": result}}})  # its rows in bench all's table
+    by_peer = {row.peer: row for row in rows}
+    assert by_peer["torch.distributed.checkpoint, /dev/shm"].ratio == result["tw_vs_dcp"]
+    assert by_peer["the layouts' overlap"].ratio == result["moved_vs_overlap"]
+    assert by_peer["synchronous put"].ratio == result["async_blocking_ratio"]
 
 
 def test_overlap_of_the_layouts_counts_each_reading_rank_once() -> None:

@@ -141,3 +141,16 @@ def test_training_state_names_and_restores_a_model_and_its_optimizer() -> None:
     restored, original = fresh_optimizer.state[fresh.weight], optimizer.state[model.weight]
     assert torch.equal(restored["exp_avg"], original["exp_avg"])
     assert float(restored["step"]) == 1.0
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (none on this machine)")
+def test_a_cuda_shard_is_copied_into_a_pinned_buffer_on_the_current_stream() -> None:
+    snapshot = Snapshot()
+    weight = torch.randn(1024, 1024, device="cuda")
+    expected = weight.cpu()
+    copies = snapshot.take({"w": weight})
+    weight.add_(1)  # queued after the copy on the same stream: the snapshot keeps the old values
+    snapshot.wait_copied()
+    assert copies["w"].is_pinned() and copies["w"].device.type == "cpu"
+    assert torch.equal(copies["w"], expected)

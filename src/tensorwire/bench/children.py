@@ -174,7 +174,10 @@ def serve_requests(conn: Connection, handle: Callable[[object], object]) -> None
             answer: tuple[str, object] = ("ok", handle(request))
         except Exception:
             answer = ("error", traceback.format_exc())
-        conn.send(answer)
+        try:
+            conn.send(answer)
+        except OSError:  # the parent is gone (it gave up on another child): nobody to answer
+            return
 
 
 def serve_until_stopped(conn: Connection, start: Callable[[], tuple[object, Callable[[], object]]]) -> None:
