@@ -48,7 +48,7 @@ def _start(world: int, scenario: dict[str, object], out: Path) -> list[subproces
         ("before", r"WaitTimeout: .*timed out after 3s: 2 of 3 parts arrived \(missing: parts \[1\]\)"),
         (
             "mid",
-            r"PublishAborted: .*a connection that sent one of its parts closed before the commit \(2 of 3",
+            r"PublishAborted: .*the connection that sent its part 1 closed before the commit \(2 of 3",
         ),
     ],
     ids=["before-its-part-left", "halfway-through-its-part"],

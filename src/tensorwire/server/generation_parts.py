@@ -60,7 +60,7 @@ class _Txn:
     timer: asyncio.TimerHandle | None = None
     parts: dict[int, tuple[Reservation, list[tuple[int, ...]]]] = field(default_factory=dict)
     receiving: set[int] = field(default_factory=set)  # indices whose frames are arriving
-    owners: set[_PartsHeld] = field(default_factory=set)
+    owners: dict[_PartsHeld, set[int]] = field(default_factory=dict)  # connection -> its parts
     names: set[str] = field(default_factory=set)
     ended: asyncio.Event = field(default_factory=asyncio.Event)
     generation: Generation | None = None
@@ -140,7 +140,7 @@ class PartPublishes:
         if head.index in txn.parts or head.index in txn.receiving:
             raise ProtocolError(f"part {head.index} of {txn.describe()} was sent twice")
         txn.receiving.add(head.index)
-        txn.owners.add(held)
+        txn.owners.setdefault(held, set()).add(head.index)
         held.txns.add(txn)
         return txn
 
@@ -263,7 +263,8 @@ class PartPublishes:
     def _connection_closed(self, held: _PartsHeld) -> None:
         for txn in list(held.txns):
             if not txn.ended.is_set():
-                why = f"{txn.describe()} aborted: a connection that sent one of its parts closed"
+                sent = ", ".join(str(i) for i in sorted(txn.owners.get(held, ())))
+                why = f"{txn.describe()} aborted: the connection that sent its part {sent} closed"
                 self._abort(txn, PublishAborted(f"{why} before the commit ({txn.arrived()})"))
         held.heads.clear()
         for task in list(held.answers):
