@@ -78,6 +78,11 @@ class Opcode(enum.IntEnum):
     RELAY_STATS = 51
     # Per-host fan-out (docs/protocol.md §16): a generation as read-only shared-memory views.
     SHM_GEN_VIEW = 52
+    # RDMA through the Mooncake Transfer Engine (rdma://, docs/protocol.md §17; server/rdma.py).
+    RDMA_ATTACH = 56
+    RDMA_PUT = 57
+    RDMA_GET = 58
+    RDMA_END = 59
 
 
 class Flags(enum.IntFlag):

@@ -1,0 +1,84 @@
+"""rdma:// in the engine's TCP mode: the conformance suite every transport passes, and the path's
+own promises (large tensors move through the engine, small ones in frames, no silent fallback)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import pytest
+import torch
+
+import tensorwire
+from tensorwire import ServerThread
+from tensorwire._aio import run
+from tensorwire.errors import ProtocolError, RdmaUnavailable
+from tensorwire.testing import rdma as kit
+from tensorwire.testing.conformance import CASES, Case, run_case
+from tensorwire.transport import TransportOptions, open_channel, rdma_engine
+from tensorwire.wire import rdma as wr
+from tensorwire.wire.frame import Opcode
+
+pytestmark = pytest.mark.skipif(
+    kit.unavailable() is not None, reason=f"rdma:// cannot run: {kit.unavailable()}"
+)
+
+
+@pytest.fixture(autouse=True)
+def tcp_mode(monkeypatch: pytest.MonkeyPatch) -> None:
+    for key, value in kit.TCP_MODE.items():
+        monkeypatch.setenv(key, value)
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.__name__)
+def test_conformance_over_rdma(case: Case) -> None:
+    run_case(case, "rdma")
+
+
+def test_large_tensors_move_through_the_engine_and_are_unregistered_after() -> None:
+    big, small = torch.randn(1 << 20), torch.arange(100)
+    with ServerThread(["rdma://127.0.0.1:0"]) as srv, tensorwire.connect(srv.url) as client:
+        client.put_many({"big": big, "small": small})
+        out = torch.empty_like(big)
+        client.get("big", out=out)
+        assert torch.equal(out, big)
+        assert torch.equal(client.get("small"), small)
+        status = srv.server.status()["rdma"]
+        assert status["protocol"] == "tcp"
+        # The get's copy is released in the background: poll with a deadline.
+        assert _eventually(lambda: srv.server.status()["rdma"]["registered_buffers"] == 0)
+
+
+def test_a_tcp_listener_of_the_same_server_registers_nothing() -> None:
+    """The same server's tcp:// connections may not make it register memory with its engine."""
+
+    async def attach(url: str) -> None:
+        options = TransportOptions(connect_timeout=5.0, request_timeout=5.0)
+        channel = await open_channel(url, options, what="the test")
+        try:
+            await channel.call(Opcode.RDMA_ATTACH, wr.encode_attach_request("tcp"), what="RDMA_ATTACH")
+        finally:
+            await channel.close()
+
+    with ServerThread(["rdma://127.0.0.1:0", "tcp://127.0.0.1:0"]) as srv:
+        with pytest.raises(ProtocolError, match="only on the rdma"):
+            run(attach(str(srv.addresses[1])))
+        assert srv.server.status()["rdma"]["registered_buffers"] == 0
+
+
+def test_no_silent_fallback_without_rdma_devices(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(rdma_engine.PROTOCOL_ENV, "rdma")
+    probe = rdma_engine.load().TransferEngine()
+    if rdma_engine.rdma_devices(probe.get_local_topology("")):
+        pytest.skip("this host has RDMA devices: the engine's rdma protocol is real here")
+    with pytest.raises(RdmaUnavailable, match="TENSORWIRE_RDMA_PROTOCOL=tcp"):
+        ServerThread(["rdma://127.0.0.1:0"])
+
+
+def _eventually(check: Callable[[], bool], timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if check():
+            return True
+        time.sleep(0.01)
+    return False
