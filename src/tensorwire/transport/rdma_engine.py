@@ -67,6 +67,20 @@ def load() -> Any:
         raise RdmaUnavailable(f"rdma:// needs the Mooncake Transfer Engine ({exc}): {INSTALL_HINT}") from exc
 
 
+def unavailable() -> str | None:
+    """Why an ``Engine`` cannot be built here now (the engine cannot load, or ``rdma`` was asked
+    for on a host without RDMA devices), or None: what a benchmark asks before it starts servers."""
+    try:
+        module = load()
+        if requested_protocol() == "rdma" and not rdma_devices(
+            module.TransferEngine().get_local_topology("")
+        ):
+            return f"no RDMA device on this host; {PROTOCOL_ENV}=tcp measures the engine's TCP mode"
+    except (RdmaUnavailable, ValueError) as exc:
+        return str(exc)
+    return None
+
+
 def cuda_build() -> bool:
     """Whether the installed engine is its CUDA build (it can register device memory: GPU-direct)."""
     try:
