@@ -15,7 +15,9 @@ from tensorwire._aio import run
 from tensorwire.errors import ProtocolError, RdmaUnavailable
 from tensorwire.testing import rdma as kit
 from tensorwire.testing.conformance import CASES, Case, run_case
-from tensorwire.transport import TransportOptions, open_channel, rdma_engine
+from tensorwire.transport import CHANNEL_SCHEMES, TransportOptions, open_channel, open_transport, rdma_engine
+from tensorwire.transport.base import FrameChannel, Ranged, Resumable, Viewable
+from tensorwire.types import Address
 from tensorwire.wire import rdma as wr
 from tensorwire.wire.frame import Opcode
 
@@ -47,6 +49,22 @@ def test_large_tensors_move_through_the_engine_and_are_unregistered_after() -> N
         assert status["protocol"] == "tcp"
         # The get's copy is released in the background: poll with a deadline.
         assert _eventually(lambda: srv.server.status()["rdma"]["registered_buffers"] == 0)
+
+
+def test_rdma_says_what_it_can_do() -> None:
+    """A frame channel (STATUS, the parameter server's requests go over it), not Ranged: its large
+    bytes move through the engine, not frames (asked of the object, as for every transport)."""
+
+    async def ask(url: str) -> tuple[bool, ...]:
+        t = await open_transport(Address.parse(url), TransportOptions(5.0, 5.0))
+        try:
+            return tuple(isinstance(t, kind) for kind in (FrameChannel, Ranged, Resumable, Viewable))
+        finally:
+            await t.close()
+
+    with ServerThread(["rdma://127.0.0.1:0"]) as srv:
+        assert run(ask(srv.url)) == (True, False, False, False)
+    assert "rdma" in CHANNEL_SCHEMES
 
 
 def test_a_tcp_listener_of_the_same_server_registers_nothing() -> None:
