@@ -31,7 +31,16 @@ import threading
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 
-from tensorwire.errors import ConnectionLost, CorruptFrame, ProtocolError, RdmaUnavailable, TensorwireError
+import torch
+
+from tensorwire.errors import (
+    ConnectionLost,
+    CorruptFrame,
+    InvalidTensor,
+    ProtocolError,
+    RdmaUnavailable,
+    TensorwireError,
+)
 from tensorwire.transport import tcp
 from tensorwire.transport.base import Listener, Progress, PutBatch, Sink, StreamHandler
 from tensorwire.transport.frame_client import FramedTransport
@@ -40,6 +49,7 @@ from tensorwire.types import Address, GiB, TensorMeta
 from tensorwire.wire import meta as wm
 from tensorwire.wire import rdma as wr
 from tensorwire.wire.frame import Opcode
+from tensorwire.wire.tensors import byte_view, check_out
 
 MAX_REGIONS = 256  # caller buffers a client engine keeps registered
 MAX_REGISTERED_BYTES = 8 * GiB
@@ -258,6 +268,77 @@ class RdmaTransport(FramedTransport):
         if progress is not None:
             progress(dest.nbytes)
 
+    # -- CUDA tensors: GPU-direct (DeviceDirect) ----------------------------------------------------
+    @property
+    def gpu_direct(self) -> bool:
+        """Whether this process's engine registers device memory (its CUDA build)."""
+        return self.engine.gpu_direct
+
+    async def put_device(self, name: str, tensor: torch.Tensor) -> int:
+        """A CUDA tensor written by the engine straight from device memory; the chunk checksums
+        come from a host copy made meanwhile (they still cover every chunk)."""
+        tensor = tensor.detach().contiguous()
+        meta = TensorMeta(name, tensor.dtype, tuple(tensor.shape), tensor.numel() * tensor.element_size())
+        reader = await self.call(Opcode.RDMA_PUT, wm.encode_records([meta]), what=f"a buffer for {name!r}")
+        reservation = reader.u64()
+        refs = wr.decode_refs(reader, 1)
+        reader.done()
+        loop = asyncio.get_running_loop()
+        host = await loop.run_in_executor(None, lambda: byte_view(tensor.cpu()))
+        try:
+            sums = []
+            for ref in refs:
+                if ref.meta[:4] != meta[:4]:
+                    raise ProtocolError(f"{self.address} handed out a buffer for another tensor")
+                with _device_registered(self.engine, tensor) as local:
+                    await self.engine.write(
+                        self.peer.session, local, ref.address, meta.nbytes, timeout=self.timeout
+                    )
+                sums.append(wr.chunk_checksums(self._checksum, host, self._chunk_size))
+        except BaseException:
+            self._release_soon(reservation)
+            raise
+        inline = [] if refs else [meta]
+        body = wr.encode_end(reservation, wr.End.COMMIT, self._chunk_size, sums, inline)
+        reader = await self.call(Opcode.RDMA_END, body, [host] if inline else [], what=f"commit of {name!r}")
+        return int(_finish_u64(reader))
+
+    async def get_device(self, name: str, out: torch.Tensor) -> int:
+        """``name`` read by the engine straight into ``out``'s device memory, every chunk checked on
+        a host copy; the version read."""
+        if not out.is_contiguous():
+            raise InvalidTensor("a GPU-direct get needs a contiguous out tensor")
+        inline_metas: list[TensorMeta] = []
+        landed: list[memoryview] = []
+
+        def land(records: list[TensorMeta]) -> list[memoryview]:
+            inline_metas.extend(records)
+            landed.extend(memoryview(bytearray(m.nbytes)) for m in records)
+            return landed
+
+        body = wr.encode_get_request(self._chunk_size, [name])
+        reader = await self.call(Opcode.RDMA_GET, body, sink=land, what=f"the buffer of {name!r}")
+        reservation = reader.u64()
+        refs = wr.decode_refs(reader, 1, self._chunk_size)
+        reader.done()
+        try:
+            meta = self._order([name], inline_metas, refs)[0]
+            check_out(meta, out, device_ok=True)
+            if not refs:
+                out.copy_(torch.frombuffer(landed[0], dtype=torch.uint8).view(meta.dtype).reshape(meta.shape))
+                return meta.version
+            with _device_registered(self.engine, out) as local:
+                await self.engine.read(
+                    self.peer.session, local, refs[0].address, meta.nbytes, timeout=self.timeout
+                )
+            host = byte_view(out.cpu())
+            if wr.bad_chunk(self._checksum, host, self._chunk_size, refs[0].checksums) is not None:
+                raise CorruptFrame(f"{name!r} read into device memory fails its checksums")
+            return meta.version
+        finally:
+            if reservation:
+                self._release_soon(reservation)
+
     # -- releases ----------------------------------------------------------------------------------
     def _release_soon(self, reservation: int) -> None:
         """Free a reservation on the server in the background (a lost connection frees them all)."""
@@ -281,6 +362,24 @@ class RdmaTransport(FramedTransport):
             flushing.cancel()
             with contextlib.suppress(asyncio.CancelledError, ConnectionLost):
                 await flushing
+
+
+@contextlib.contextmanager
+def _device_registered(engine: Engine, tensor: torch.Tensor) -> Iterator[int]:
+    """``tensor``'s device memory registered with the engine for one transfer (a CUDA build
+    registers ``cuda:N`` locations directly; the NIC then reads and writes the GPU's memory)."""
+    address, length = tensor.data_ptr(), tensor.numel() * tensor.element_size()
+    engine.register(address, length, location=f"cuda:{tensor.device.index or 0}")
+    try:
+        yield address
+    finally:
+        engine.unregister(address)
+
+
+def _finish_u64(reader: wm.MetaReader) -> int:
+    value = reader.u64()
+    reader.done()
+    return value
 
 
 async def listen_stream(address: Address, handler: StreamHandler) -> Listener:
