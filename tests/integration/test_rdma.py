@@ -32,9 +32,10 @@ def tcp_mode(monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.setenv(key, value)
 
 
+@pytest.mark.parametrize("scheme", ["rdma", "rdmas"])  # rdmas://: the control connection in TLS
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.__name__)
-def test_conformance_over_rdma(case: Case) -> None:
-    run_case(case, "rdma")
+def test_conformance_over_rdma(case: Case, scheme: str) -> None:
+    run_case(case, scheme)
 
 
 def test_large_tensors_move_through_the_engine_and_are_unregistered_after() -> None:

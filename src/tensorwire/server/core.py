@@ -188,7 +188,7 @@ class Server:
                 raise ValueError(f"cannot serve {address}: known schemes are {', '.join(LISTENERS)}")
             self._listeners.append(await listen(self, address))
             warning = exposure_warning(
-                address.host, address.scheme in ("tls", "grpcs"), bool(self.security.token)
+                address.host, address.scheme in ("tls", "grpcs", "rdmas"), bool(self.security.token)
             )
             if warning and address.scheme != "memory":
                 log.warning("%s: %s", address, warning)
@@ -362,7 +362,9 @@ async def _listen_shm(server: Server, address: Address) -> Listener:
 
 
 async def _listen_rdma(server: Server, address: Address) -> Listener:
-    return await server_rdma.listen(server, address)  # the first one adds the RdmaService extension
+    """rdma:// (control on TCP) or rdmas:// (control inside TLS); the first adds the RdmaService."""
+    context = server_ssl_context(_tls_files(server, address)) if address.scheme == "rdmas" else None
+    return await server_rdma.listen(server, address, context)
 
 
 # The server's table of listeners, by scheme (the clients' table is tensorwire.transport.TRANSPORTS).
@@ -374,6 +376,7 @@ LISTENERS: dict[str, Callable[[Server, Address], Awaitable[Listener]]] = {
     "grpcs": _listen_rpc,
     "shm": _listen_shm,
     "rdma": _listen_rdma,
+    "rdmas": _listen_rdma,
 }
 
 

@@ -30,6 +30,7 @@ import functools
 import itertools
 import os
 import socket
+import ssl
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -40,6 +41,7 @@ from tensorwire.errors import CorruptFrame, InvalidTensor, LimitExceeded, Protoc
 from tensorwire.server.request import Extension, Handler, Request
 from tensorwire.store import Reservation, TensorStore
 from tensorwire.store.pool import BufferPool, allocate_private
+from tensorwire.transport import tls
 from tensorwire.transport.base import ByteStream, Listener
 from tensorwire.transport.rdma_engine import HOST_ENV, Engine, address_of, prefault
 from tensorwire.types import Address, GiB, KiB, MiB, TensorMeta
@@ -363,15 +365,19 @@ def engine_host(address: Address) -> str:
     return address.host
 
 
-async def listen(server: RdmaHost, address: Address) -> Listener:
-    """Serve ``rdma://HOST:PORT``: control on TCP at HOST:PORT, bytes through this process's engine."""
+async def listen(server: RdmaHost, address: Address, context: ssl.SSLContext | None = None) -> Listener:
+    """Serve ``rdma://HOST:PORT`` (or ``rdmas://``, with ``context``: the control connection inside
+    TLS): control at HOST:PORT, bytes through this process's engine."""
     service = _services.get(server)
     first = service is None
     if service is None:
         service = RdmaService(server.store, engine_host(address))
     try:
-        handler = functools.partial(server.handle, transport="rdma")
-        listener = await transport.listen(address, handler)
+        handler = functools.partial(server.handle, transport="rdma")  # both kinds: the RDMA_* opcodes
+        if context is not None:
+            listener: Listener = await tls.listen(address, handler, context)
+        else:
+            listener = await transport.listen(address, handler)
     except BaseException:
         if first:
             await service.close()

@@ -81,7 +81,7 @@ async def _open_framed(
 ) -> FramedTransport:
     """The frame protocol over a byte stream: connect (TLS handshake for tls://), then agree on a
     version and authenticate (HELLO)."""
-    if address.scheme == "tls":
+    if address.scheme in ("tls", "rdmas"):  # rdmas://: rdma:// with its control connection in TLS
         context = client_ssl_context(options.security.tls or TlsFiles())
         stream: ByteStream = await tls.connect(address, options.connect_timeout, context)
     else:
@@ -95,7 +95,7 @@ async def _open_framed(
             await transport.hello(options.security.token)
     except ConnectionLost as exc:
         await transport.close()
-        hint = "" if address.scheme == "tls" else " (is it a tls:// server?)"
+        hint = "" if address.scheme in ("tls", "rdmas") else " (is it a tls:// server?)"
         raise ConnectionLost(f"{address} closed the connection before answering HELLO{hint}") from exc
     except BaseException:
         await transport.close()
@@ -146,12 +146,13 @@ TRANSPORTS: dict[str, Callable[[Address, TransportOptions], Awaitable[Transport]
     "grpcs": _open_rpc,
     "shm": _open_shm,
     "rdma": _open_rdma,
+    "rdmas": _open_rdma,
 }
 
 
 # The schemes whose transports are FrameChannels: what open_channel accepts (it checks the object
 # too, so this cannot drift unnoticed). Only for refusing an address before connecting anywhere.
-CHANNEL_SCHEMES = ("tcp", "tls", "memory", "shm", "rdma")
+CHANNEL_SCHEMES = ("tcp", "tls", "memory", "shm", "rdma", "rdmas")
 
 
 def check_scheme(address: Address) -> None:
