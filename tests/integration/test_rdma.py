@@ -101,3 +101,27 @@ def _eventually(check: Callable[[], bool], timeout: float = 10.0) -> bool:
             return True
         time.sleep(0.01)
     return False
+
+
+def test_buffers_inside_or_across_registered_ones_are_served() -> None:
+    """The client keeps the buffers it moved registered; a later get into a slice of one (inside
+    it) or into a buffer that overlaps an idle one (the engine refuses overlapping registrations)
+    still works."""
+    whole = torch.randn(1 << 20)
+    with ServerThread(["rdma://127.0.0.1:0"]) as srv, tensorwire.connect(srv.url) as client:
+        client.put("whole", whole)
+        half = whole[: 1 << 19].clone()
+        client.put("half", half)
+        inside = whole[1 << 18 : (1 << 18) + (1 << 19)]  # a view inside the registered `whole`
+        client.get("half", out=inside)
+        assert torch.equal(inside, half)
+        bigger = torch.empty(1 << 21)
+        client.put("big", bigger.normal_())
+        across = bigger[(1 << 20) - 7 : (1 << 20) - 7 + (1 << 19)]  # inside `bigger` too
+        client.get("half", out=across)
+        assert torch.equal(across, half)
+        fresh = torch.randn(1 << 20)
+        client.put("front", fresh[: 1 << 19])  # registers the front half of `fresh` only
+        straddling = fresh[1 << 18 : (1 << 18) + (1 << 19)]  # half in that region, half past it
+        client.get("half", out=straddling)
+        assert torch.equal(straddling, half)

@@ -40,6 +40,7 @@ from tensorwire.errors import (
     ProtocolError,
     RdmaUnavailable,
     TensorwireError,
+    TransportError,
 )
 from tensorwire.transport import tcp
 from tensorwire.transport.base import Listener, Progress, PutBatch, Sink, StreamHandler
@@ -70,26 +71,33 @@ class Registrations:
     def using(self, buf: memoryview, landing: bool = False) -> Iterator[int]:
         """``buf``'s address, registered for as long as the block runs (and cached after it); a
         ``landing`` buffer (bytes are about to land in it) has its pages faulted in when new."""
-        address = self._acquire(buf, landing)
+        address = address_of(buf)
+        region = self._acquire(buf, address, landing)
         try:
             yield address
         finally:
             with self._lock:
-                held = self._regions.get(address)
+                held = self._regions.get(region)
                 if held is not None:
-                    self._regions[address] = (held[0], held[1] - 1)
+                    self._regions[region] = (held[0], held[1] - 1)
                 self._evict()
 
-    def _acquire(self, buf: memoryview, landing: bool) -> int:
-        address = address_of(buf)
+    def _acquire(self, buf: memoryview, address: int, landing: bool) -> int:
+        """The registered region that holds ``buf`` (its start address), registering it if none
+        does. A cached region keeps its memory alive, so an address inside it is that memory."""
+        end = address + buf.nbytes
         with self._lock:
-            held = self._regions.get(address)
-            if held is not None and held[0].nbytes >= buf.nbytes:
-                self._regions[address] = (held[0], held[1] + 1)
-                self._regions.move_to_end(address)
-                return address
-            if held is not None:  # a longer buffer at the same address: register it instead
-                self._drop(address)
+            for start, (held, uses) in self._regions.items():
+                if start <= address and end <= start + held.nbytes:
+                    self._regions[start] = (held, uses + 1)
+                    self._regions.move_to_end(start)
+                    return start
+            # The engine refuses overlapping registrations: drop the idle regions this one overlaps.
+            overlapping = [a for a, (h, _) in self._regions.items() if a < end and address < a + h.nbytes]
+            if any(self._regions[a][1] for a in overlapping):
+                raise TransportError(f"{buf.nbytes} bytes at {address:#x} overlap a buffer in a transfer now")
+            for start in overlapping:
+                self._drop(start)
             if landing:
                 prefault(buf)
             self.engine.register(address, buf.nbytes)
