@@ -239,30 +239,41 @@ class RdmaService:
         if not names or len(set(names)) != len(names):
             raise ProtocolError("RDMA_GET names no tensor, or one tensor twice")
         entries = self.store.acquire(names)
-        try:
+        try:  # pinned until the answer is out: the inline tensors' bytes go out from them
             large = [i for i, e in enumerate(entries) if self._large(e.meta)]
-            release = self.store.hold(sum(entries[i].meta.nbytes for i in large))
-            try:
-                copies, sums = await self._copy_out(
-                    [entries[i].data for i in large], req.header.checksum, chunk
-                )
-                regions = self._register(session, copies)
-            except BaseException:
-                release()
-                raise
+            entry = await self._copies(
+                session, req, [(i, entries[i].meta, entries[i].data) for i in large], chunk
+            )
+            reservation = self._keep(session, entry) if entry.refs else 0
+            if not entry.refs:
+                self.free(entry)
+            inline = [e for i, e in enumerate(entries) if i not in set(large)]
+            meta = wm.encode_records([e.meta for e in inline]) + wr.encode_u64(reservation)
+            await req.reply(meta + wr.encode_refs(entry.refs, with_checksums=True), [e.data for e in inline])
         finally:
-            self.store.release(entries)  # the copies are what the engine serves
+            self.store.release(entries)
+
+    async def _copies(
+        self,
+        session: RdmaSession,
+        req: Request,
+        large: Sequence[tuple[int, TensorMeta, memoryview]],
+        chunk: int,
+    ) -> Open:
+        """Private copies of the large tensors of a get (counted in the store's ``used``), their
+        chunk checksums, registered for this request."""
+        release = self.store.hold(sum(meta.nbytes for _, meta, _ in large))
+        try:
+            copies, sums = await self._copy_out([data for _, _, data in large], req.header.checksum, chunk)
+            regions = self._register(session, copies)
+        except BaseException:
+            release()
+            raise
         refs = [
-            wr.BufferRef(i, entries[i].meta, address, s)
-            for i, address, s in zip(large, regions, sums, strict=True)
+            wr.BufferRef(i, meta, address, s)
+            for (i, meta, _), address, s in zip(large, regions, sums, strict=True)
         ]
-        entry = Open(regions, sum(c.nbytes for c in copies), refs, copies=copies, release_hold=release)
-        reservation = self._keep(session, entry) if refs else 0
-        if not refs:
-            self.free(entry)
-        inline = [e for i, e in enumerate(entries) if i not in set(large)]
-        meta = wm.encode_records([e.meta for e in inline]) + wr.encode_u64(reservation)
-        await req.reply(meta + wr.encode_refs(refs, with_checksums=True), [e.data for e in inline])
+        return Open(regions, sum(c.nbytes for c in copies), refs, copies=copies, release_hold=release)
 
     def _check_chunk(self, req: Request, chunk: int) -> None:
         limits = req.connection.limits
