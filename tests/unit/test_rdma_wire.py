@@ -4,10 +4,12 @@ cover a tensor's chunks, an engine session that is not host:port)."""
 
 from __future__ import annotations
 
+import importlib
+
 import pytest
 import torch
 
-from tensorwire.errors import ProtocolError
+from tensorwire.errors import ProtocolError, RdmaUnavailable, TransportError
 from tensorwire.transport import rdma_engine
 from tensorwire.types import Limits, TensorMeta
 from tensorwire.wire import meta as wm
@@ -92,3 +94,19 @@ def test_the_protocol_asked_for_is_checked(monkeypatch: pytest.MonkeyPatch) -> N
     monkeypatch.setenv(rdma_engine.PROTOCOL_ENV, "udp")
     with pytest.raises(ValueError, match="rdma, tcp"):
         rdma_engine.requested_protocol()
+
+
+def test_without_the_engine_rdma_says_what_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The engine is an optional extra: loading it where it is missing (or where libibverbs.so.1
+    is) raises RdmaUnavailable, a TransportError, naming both; the ImportError is its cause."""
+    real = importlib.import_module
+
+    def missing(name: str, *args: object) -> object:
+        if name.startswith("mooncake"):
+            raise ImportError("libibverbs.so.1: cannot open shared object file")
+        return real(name, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(importlib, "import_module", missing)
+    with pytest.raises(RdmaUnavailable, match=r"tensorwire\[rdma\].*libibverbs1") as caught:
+        rdma_engine.Engine("127.0.0.1", "tcp")
+    assert isinstance(caught.value, TransportError) and isinstance(caught.value.__cause__, ImportError)
