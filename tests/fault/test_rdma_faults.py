@@ -40,39 +40,47 @@ def _service(srv: ServerThread) -> RdmaService:
     return next(e for e in srv.server.extensions if isinstance(e, RdmaService))
 
 
+@pytest.mark.parametrize("op", ["write", "read"])
 def test_server_killed_mid_transfer_fails_the_client_within_its_timeout(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, op: str
 ) -> None:
+    """The server dies while the client holds a reservation (a put's buffer, a get's copy) and its
+    engine is about to move the bytes: the call fails with a tensorwire error within its timeout."""
     started = threading.Event()
     release = threading.Event()
-    real_write = rdma_engine.Engine.write
+    real = getattr(rdma_engine.Engine, op)
 
-    async def write(self: rdma_engine.Engine, *args: object, **kw: object) -> None:
-        started.set()  # the put holds its reservation: the server dies now
+    async def held(self: rdma_engine.Engine, *args: object, **kw: object) -> None:
+        started.set()  # the request holds its reservation: the server dies now
         assert release.wait(30), "the test never let the transfer go on"
-        await real_write(self, *args, **kw)  # type: ignore[arg-type]
+        await real(self, *args, **kw)
 
-    monkeypatch.setattr(rdma_engine.Engine, "write", write)
     timeout = 10.0
     with ServerProcess("rdma://127.0.0.1:0") as server:
         client = tensorwire.connect(server.url, timeout=timeout, retries=1)
+        tensor = torch.ones(BIG, dtype=torch.uint8)
+        if op == "read":
+            client.put("big", tensor)
+        monkeypatch.setattr(rdma_engine.Engine, op, held)
         errors: list[BaseException] = []
 
-        def put() -> None:
+        def call() -> None:
             try:
-                client.put("big", torch.ones(BIG, dtype=torch.uint8))
+                client.put("big", tensor) if op == "write" else client.get(
+                    "big", out=torch.empty_like(tensor)
+                )
             except BaseException as exc:
                 errors.append(exc)
 
-        worker = threading.Thread(target=put, daemon=True)
+        worker = threading.Thread(target=call, daemon=True)
         worker.start()
-        assert started.wait(30), "the put never reached the engine"
+        assert started.wait(30), "the call never reached the engine"
         server.signal(signal.SIGKILL)
         server.proc.wait(10)
         began = time.monotonic()
         release.set()
         worker.join(timeout * 3)
-        assert not worker.is_alive(), "the put did not fail within its timeout"
+        assert not worker.is_alive(), "the call did not fail within its timeout"
         assert time.monotonic() - began < timeout * 3
         assert errors and isinstance(errors[0], TensorwireError), errors
         client.close()
