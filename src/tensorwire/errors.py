@@ -13,7 +13,8 @@ of these. Each class says whether retrying the same call can help.
     │   ├── TransferTimeout            (also TimeoutError) a wait ran out
     │   │   └── WaitTimeout            the server waited for other workers and gave up; no retry
     │   ├── NotPrimary                 a parameter-server replica that does not serve now: try another
-    │   └── SharedMemoryUnavailable    shm:// asked for, but client and server share no memory; no retry
+    │   ├── SharedMemoryUnavailable    shm:// asked for, but client and server share no memory; no retry
+    │   └── RdmaUnavailable            rdma:// asked for, but no engine or no RDMA device; no retry
     ├── ProtocolError                  a peer broke the wire protocol
     │   ├── CorruptFrame               a checksum failed / bytes damaged; retry can help
     │   │   └── DigestMismatch         what a read at a generation got differs from its digest
@@ -89,6 +90,15 @@ class SharedMemoryUnavailable(TransportError):
     """``shm://`` was asked for but cannot be had: the server is on another host (or in another
     shared-memory namespace), it does not serve shared memory, or the segment directory is missing.
     tensorwire never falls back to a socket on its own; retrying the same address will not help."""
+
+    retryable = False
+
+
+class RdmaUnavailable(TransportError):
+    """``rdma://`` was asked for but cannot be had: the transfer engine is not installed
+    (``pip install tensorwire[rdma]``), its system library ``libibverbs1`` is missing, or this host
+    has no RDMA device and the engine's TCP mode was not asked for (``TENSORWIRE_RDMA_PROTOCOL=tcp``).
+    tensorwire never lets the engine fall back to TCP on its own; retrying will not help."""
 
     retryable = False
 

@@ -32,9 +32,16 @@ from tensorwire.client.batches import Landing, TensorBatch
 from tensorwire.client.cache import TensorCache
 from tensorwire.client.options import ClientOptions, check, retry_policy, transport_options
 from tensorwire.client.retry import retrying
-from tensorwire.errors import ConnectError, InvalidTensor, SharedMemoryUnavailable, VersionChanged
+from tensorwire.errors import (
+    ConnectError,
+    InvalidTensor,
+    SharedMemoryUnavailable,
+    UnsupportedTransport,
+    VersionChanged,
+)
 from tensorwire.logs import event
 from tensorwire.transport.base import (
+    DeviceDirect,
     Ranged,
     Resumable,
     Transport,
@@ -99,6 +106,9 @@ class AsyncClient:
         size = tensor.numel() * tensor.element_size()
         self.cache.invalidate(name)
         self._note_size(name, size)
+        if tensor.is_cuda and _direct(await self._capable()):
+            validate_name(name)
+            return await self._run(lambda t: _as_direct(t).put_device(name, tensor))
         if tensor.is_cuda and isinstance(await self._capable(), Ranged):
             return await self._put_staged(name, tensor)
         k = self._stripe_count(size)
@@ -214,6 +224,8 @@ class AsyncClient:
         """The tensor and the version it was read at: striped when it is large and its size is
         known here (an ``out``, or an earlier transfer), else one GET."""
         if out is not None and out.is_cuda:
+            if _direct(await self._capable()):  # GPU-direct: the engine reads into device memory
+                return out, await self._run(lambda t: _as_direct(t).get_device(name, out))
             if isinstance(await self._capable(), Ranged):
                 return await self._until_steady(lambda: self._get_staged(name, out))
             host, version = await self._get(name, None, progress)  # e.g. gRPC: through a CPU tensor
@@ -507,3 +519,14 @@ async def _view(t: Transport, name: str) -> torch.Tensor:
     if not isinstance(t, Viewable):
         raise SharedMemoryUnavailable(f"get(view=True) needs an shm:// client, not {t.address}")
     return await t.view(name)
+
+
+def _direct(transport: Transport) -> bool:
+    """Whether ``transport`` moves CUDA tensors straight from and into device memory now."""
+    return isinstance(transport, DeviceDirect) and transport.gpu_direct
+
+
+def _as_direct(transport: Transport) -> DeviceDirect:
+    if not isinstance(transport, DeviceDirect):  # a reconnect reached another kind of server
+        raise UnsupportedTransport(f"{transport.address.scheme}:// moves no device memory")
+    return transport

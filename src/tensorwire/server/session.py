@@ -67,7 +67,13 @@ _SHM_OPS = (
     Opcode.SHM_ATTACH, Opcode.SHM_GET, Opcode.SHM_PUT, Opcode.SHM_COMMIT, Opcode.SHM_RELEASE,
     Opcode.SHM_GEN_VIEW,
 )  # fmt: skip
-SERVED_BY: dict[int, str] = {**dict.fromkeys(_PS_OPS, _NO_PS), **dict.fromkeys(_SHM_OPS, _NO_SHM)}
+_NO_RDMA = "this server serves no RDMA (no rdma:// listener): {}"
+_RDMA_OPS = (Opcode.RDMA_ATTACH, Opcode.RDMA_PUT, Opcode.RDMA_GET, Opcode.RDMA_END)
+SERVED_BY: dict[int, str] = {
+    **dict.fromkeys(_PS_OPS, _NO_PS),
+    **dict.fromkeys(_SHM_OPS, _NO_SHM),
+    **dict.fromkeys(_RDMA_OPS, _NO_RDMA),
+}
 # opcodes whose parts may span frames
 SPANNING = frozenset((Opcode.PUT_MANY, Opcode.GEN_PUBLISH, Opcode.GEN_PUBLISH_PART))
 

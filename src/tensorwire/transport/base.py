@@ -31,6 +31,8 @@ caller asks ``isinstance(t, Ranged)`` (or opens with ``open_channel``, which ask
   job: GEN_PUBLISH_PART, §14.8). tcp://, tls://, memory://, shm:// (its parts travel in frames).
 * ``GenerationViews``: a generation as read-only tensors over the server's own pages, and waits
   for the next one (§16: how a host leader's followers read it). shm://.
+* ``DeviceDirect``: CUDA tensors moved from and into device memory by the transport itself
+  (GPU-direct RDMA), where ``gpu_direct`` says it can now. rdma:// with a CUDA build of its engine.
 
 One capability is asked of a request's data rather than of the transport: ``StagedData``, bytes
 that become readable while the request is being sent (device copies into pinned memory).
@@ -342,6 +344,21 @@ def as_part_publisher(transport: Transport, what: str) -> PartPublisher:
             " does not serve (use tcp://, tls://, shm:// or memory://)"
         )
     return transport
+
+
+class DeviceDirect(Protocol):
+    """CUDA tensors moved straight from and into device memory (GPU-direct RDMA: the NIC reads and
+    writes the GPU's memory, no host copy of the bytes on the way). ``gpu_direct`` says whether
+    this transport can now (rdma:// with a CUDA build of the engine); when it is False the caller
+    moves a CUDA tensor through host memory as on any other transport. ``put_device`` returns the
+    new version, ``get_device`` the version it read into ``out`` (same dtype, shape, device)."""
+
+    @property
+    def gpu_direct(self) -> bool: ...
+
+    async def put_device(self, name: str, tensor: torch.Tensor) -> int: ...
+
+    async def get_device(self, name: str, out: torch.Tensor) -> int: ...
 
 
 def as_generational(transport: Transport, what: str) -> Generational:

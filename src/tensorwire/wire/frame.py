@@ -80,6 +80,11 @@ class Opcode(enum.IntEnum):
     SHM_GEN_VIEW = 52
     GEN_PUBLISH_PART = 53
     GEN_GET_RANGES = 54
+    # RDMA through the Mooncake Transfer Engine (rdma://, docs/protocol.md §17; server/rdma.py).
+    RDMA_ATTACH = 56
+    RDMA_PUT = 57
+    RDMA_GET = 58
+    RDMA_END = 59
 
 
 class Flags(enum.IntFlag):
