@@ -346,6 +346,7 @@ def as_part_publisher(transport: Transport, what: str) -> PartPublisher:
     return transport
 
 
+@runtime_checkable
 class DeviceDirect(Protocol):
     """CUDA tensors moved straight from and into device memory (GPU-direct RDMA: the NIC reads and
     writes the GPU's memory, no host copy of the bytes on the way). ``gpu_direct`` says whether
