@@ -43,6 +43,9 @@ GRPC_CODES: dict[ErrorCode, grpc.StatusCode] = {
     ErrorCode.UNSUPPORTED_VERSION: grpc.StatusCode.UNIMPLEMENTED,
     ErrorCode.PERSISTENCE_ERROR: grpc.StatusCode.INTERNAL,
     ErrorCode.SERVER_ERROR: grpc.StatusCode.INTERNAL,
+    ErrorCode.TIMEOUT: grpc.StatusCode.DEADLINE_EXCEEDED,
+    ErrorCode.GENERATION_RETIRED: grpc.StatusCode.NOT_FOUND,
+    ErrorCode.PUBLISH_ABORTED: grpc.StatusCode.ABORTED,
 }
 
 

@@ -84,8 +84,8 @@ class GenerationCalls:
             error: TensorwireError | None = None
             try:
                 await StreamedPut(self.store, self.limits, batch, watchdog).receive(_chained(first, stream))
-            except TensorwireError as exc:  # a corrupt chunk, a full store...: the part failed
-                error = exc
+            except TensorwireError as exc:  # a corrupt chunk, a full store, a call cut off midway
+                error = exc  # (grpcio ends its stream early): the part failed, and so its transaction
             watchdog.close()  # from here the transaction's own timeout bounds the wait
             await self.parts.add(txn, head, batch, error)
             return generation_info(await self.parts.outcome(txn))
