@@ -25,6 +25,8 @@ import torch
 import tensorwire
 from tensorwire.errors import LimitExceeded, PublishAborted
 from tensorwire.security import Security
+from tensorwire.server import Server
+from tensorwire.store import TensorStore
 from tensorwire.store.generations import GenerationConfig
 from tensorwire.testing.process import wait_for
 from tensorwire.types import TensorMeta
@@ -287,3 +289,39 @@ def test_a_part_whose_call_is_cancelled_while_it_waits_for_the_others_aborts_its
 
     _run(main())
     _idle(srv)
+
+
+# -- Lease -----------------------------------------------------------------------------------------
+def test_leases_outlive_their_connection_so_the_peers_holding_one_are_bounded() -> None:
+    """A gRPC lease belongs to its peer (one HTTP/2 connection) and runs out at its time, not when
+    the connection closes: a client that reconnects between leases would otherwise hold
+    ``leases_per_owner`` more each time. The peers holding one are bounded by the connection limit."""
+
+    async def lease_from_a_new_connection(target: str) -> tuple[grpc.StatusCode | None, str]:
+        async with grpc.aio.insecure_channel(target) as channel:
+            lease = channel.unary_unary(f"/{SERVICE}/Lease", pb.LeaseRequest.SerializeToString,
+                                        pb.LeaseReply.FromString)  # fmt: skip
+            try:
+                reply = await lease(pb.LeaseRequest(prefix="g", number=1, milliseconds=30_000), timeout=10)
+            except grpc.aio.AioRpcError as exc:
+                return exc.code(), exc.details() or ""
+            assert reply.granted_ms > 0
+            return None, ""
+
+    async def main() -> None:
+        server = Server(TensorStore(1 << 20), max_connections=2)
+        await server.start("grpc://127.0.0.1:0")
+        try:
+            address = server.addresses[0]
+            async with await tensorwire.aconnect(str(address)) as client:
+                await client.publish_part("g", {"w": torch.zeros(4)}, txn=os.urandom(16), index=0,
+                                          count=1, timeout=5)  # fmt: skip
+            target = f"{address.host}:{address.port}"
+            assert await lease_from_a_new_connection(target) == (None, "")
+            assert await lease_from_a_new_connection(target) == (None, "")
+            code, details = await lease_from_a_new_connection(target)
+            assert code == grpc.StatusCode.OUT_OF_RANGE and "at most 2 (its connection limit)" in details
+        finally:
+            await server.close()
+
+    _run(main())

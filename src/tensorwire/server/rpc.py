@@ -434,7 +434,9 @@ async def listen(
         ("grpc.max_connection_idle_ms", max(int(idle * 1000), 1)),
     ]
     server = grpc.aio.server(options=options, interceptors=interceptors)
-    calls = GenerationCalls(generations, limits, stall_timeout) if generations is not None else None
+    calls = None
+    if generations is not None:
+        calls = GenerationCalls(generations, limits, stall_timeout, max_peers=max_connections)
     service = handlers(TensorServicer(store, limits, stall_timeout), calls)
     server.add_generic_rpc_handlers((service, *extra_handlers))
     host = f"[{address.host}]" if ":" in address.host else address.host

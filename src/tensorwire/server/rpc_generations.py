@@ -13,7 +13,8 @@ generations and one set of open transactions.
   they stream, answered like a ``Get``.
 * ``Manifest`` (GEN_MANIFEST) and ``Lease`` (GEN_LEASE). A gRPC server sees calls, not
   connections: a lease belongs to the calling peer (its address, one per HTTP/2 connection),
-  bounded per peer as per connection on the frame side, and ends when it runs out.
+  bounded per peer as per connection on the frame side (and the peers holding one by the server's
+  connection limit, since a lease outlives its connection), and ends when it runs out.
 """
 
 from __future__ import annotations
@@ -57,13 +58,16 @@ class _Peer:
 class GenerationCalls:
     """The generation calls of ``TensorService`` (module docstring), on one server's generations."""
 
-    def __init__(self, ops: GenerationOps, limits: Limits, stall_timeout: float) -> None:
+    def __init__(self, ops: GenerationOps, limits: Limits, stall_timeout: float, max_peers: int) -> None:
         self.generations = ops.generations
         self.parts = ops.parts
         self.store = ops.generations.store
         self.limits = limits
         self.stall_timeout = stall_timeout
         self._peers: dict[str, _Peer] = {}  # peers holding a lease
+        # A peer's leases outlive its connection (they run out at their time): without this bound
+        # a client that reconnects between leases would hold leases_per_owner more each time.
+        self.max_peers = max_peers
 
     # -- PublishPart ----------------------------------------------------------------------------
     async def PublishPart(self, chunks: AsyncIterator[bytes], context: Any) -> pb.GenerationInfo:
@@ -176,7 +180,12 @@ class GenerationCalls:
         return await answer(context, run)
 
     def _lease(self, name: str, prefix: str, number: int, ms: int) -> pb.LeaseReply:
-        peer = self._peers.get(name) or _Peer(name)
+        peer = self._peers.get(name)
+        if peer is None:
+            if ms and len(self._peers) >= self.max_peers:
+                raise LimitExceeded(f"{len(self._peers)} gRPC peers hold leases on this server: at most"
+                                    f" {self.max_peers} (its connection limit)")  # fmt: skip
+            peer = _Peer(name)
         granted, oldest = self.generations.lease(peer, prefix, number, ms / 1000)
         timer = peer.timers.pop((prefix, number), None)
         if timer is not None:
