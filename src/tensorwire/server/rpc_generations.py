@@ -168,8 +168,10 @@ class GenerationCalls:
     # -- Manifest and Lease ---------------------------------------------------------------------
     async def Manifest(self, request: pb.ManifestRequest, context: Any) -> pb.ManifestReply:
         async def run() -> pb.ManifestReply:
-            kept = self.generations.find(request.prefix, request.at)
-            return manifest_reply(self.generations.manifest(kept))
+            manifest = self.generations.manifest(self.generations.find(request.prefix, request.at))
+            # Built in a worker thread for a generation of many tensors (the manifest is a copy:
+            # nothing of the store is read there).
+            return await off_loop(len(manifest.tensors) * 1024, manifest_reply, manifest)
 
         return await answer(context, run)
 
