@@ -102,8 +102,8 @@ class GenerationCalls:
             raise TransferTimeout(f"the client sent nothing for {self.stall_timeout:.3g}s") from None
         finally:
             watchdog.close()
-            self.store.abort(batch)  # a no-op once the transaction holds it
-            held.close()  # aborts what this part is in, unless it has ended
+            held.close()  # a call that ends before its transaction (cancelled, cut off) aborts it
+            self.store.abort(batch)  # a no-op once the transaction has ended (merged it, or freed it)
 
     # -- GetRanges ------------------------------------------------------------------------------
     async def GetRanges(self, request: pb.RangesRequest, context: Any) -> AsyncIterator[bytes]:
