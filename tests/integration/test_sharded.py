@@ -1,12 +1,14 @@
 """tensorwire.sharded end to end: gloo jobs of 1-4 processes (DTensor on CPU) put sharded state to
 a real server on loopback and read it back on every other world size and placement, bit for bit
 (sharded_kit.py runs a whole layout table inside one job: torch and gloo start once per job).
-Over tcp:// (the full table), tls:// and shm:// (a smaller one); grpc:// is refused naming what it
-lacks; a world of one without torch.distributed; a read whose dtype or shape differs is refused
+Over tcp:// (the full table), tls://, shm://, grpc:// and grpcs:// (a smaller one: grpcs:// with
+a token, over TLS); a transport without multi-part publishes is refused naming what it lacks; a
+world of one without torch.distributed (also over grpc://); a read whose dtype or shape differs is refused
 naming both layouts before any byte moves."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import re
@@ -22,11 +24,13 @@ import torch
 
 import tensorwire
 from tensorwire import sharded
+from tensorwire.client.ranges import open_read
 from tensorwire.errors import LayoutMismatch, UnsupportedTransport
 from tensorwire.security import Security, TlsFiles, write_dev_certs
 from tensorwire.server import ServerThread
 from tensorwire.store import TensorStore
-from tensorwire.types import MiB
+from tensorwire.transport.base import as_part_publisher
+from tensorwire.types import Address, MiB
 
 KIT = Path(__file__).with_name("sharded_kit.py")
 TOKEN = "sharded-over-tls"
@@ -67,13 +71,14 @@ def tcp() -> Iterator[ServerThread]:
 @pytest.fixture(scope="module")
 def tables(tcp: ServerThread, tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[dict[str, Any]]]:
     """One job of 4 processes runs every table: the full one over tcp://, smaller ones (worlds 1
-    and 2) over tls:// and shm://. The reports, by rank."""
+    and 2) over tls://, shm://, grpc:// and grpcs://. The reports, by rank."""
     tmp = tmp_path_factory.mktemp("sharded")
     paths = write_dev_certs(tmp / "certs")
     security = Security(TlsFiles(paths["server"], paths["server_key"]), TOKEN)
     with (
         ServerThread(["tls://127.0.0.1:0"], security=security) as tls,
         ServerThread(["shm://127.0.0.1:0"], store=TensorStore(256 * MiB)) as shm,
+        ServerThread(["grpc://127.0.0.1:0", "grpcs://127.0.0.1:0"], security=security) as grpc,
     ):
         tls_options = {"tls_ca": str(paths["ca"]), "token": TOKEN}
         small = {"small": True, "worlds": [1, 2]}
@@ -81,6 +86,9 @@ def tables(tcp: ServerThread, tmp_path_factory: pytest.TempPathFactory) -> Itera
             {"tag": "tcp", "url": tcp.url, "disagree": True},
             {"tag": "tls", "url": tls.url.replace("127.0.0.1", "localhost"), "options": tls_options, **small},
             {"tag": "shm", "url": shm.url, **small},
+            {"tag": "grpc", "url": str(grpc.addresses[0]), "options": {"token": TOKEN}, **small},
+            {"tag": "grpcs", "url": str(grpc.addresses[1]).replace("127.0.0.1", "localhost"),
+             "options": tls_options, **small},
         ]}  # fmt: skip
         yield run_job(4, scenario, tmp / "job")
 
@@ -127,9 +135,26 @@ def test_a_smaller_table_over_shm(tables: list[dict[str, Any]]) -> None:
     check(tables, "shm", [1, 2], small=True)
 
 
-def test_a_world_of_one_without_torch_distributed(tcp: ServerThread) -> None:
+def test_a_smaller_table_over_grpc(tables: list[dict[str, Any]]) -> None:
+    check(tables, "grpc", [1, 2], small=True)
+
+
+def test_a_smaller_table_over_grpcs_with_a_token(tables: list[dict[str, Any]]) -> None:
+    check(tables, "grpcs", [1, 2], small=True)
+
+
+@pytest.fixture(scope="module")
+def grpc_server() -> Iterator[ServerThread]:
+    with ServerThread(["grpc://127.0.0.1:0"]) as srv:
+        yield srv
+
+
+@pytest.mark.parametrize("over", ["tcp", "grpc"])
+def test_a_world_of_one_without_torch_distributed(
+    over: str, tcp: ServerThread, grpc_server: ServerThread
+) -> None:
     state = {"w": torch.randn(7, 5).to(torch.bfloat16), "b": torch.arange(4.0), "n": torch.tensor(3)}
-    with tensorwire.connect(tcp.url) as client:
+    with tensorwire.connect((tcp if over == "tcp" else grpc_server).url) as client:
         gen = sharded.put_state_dict(client, "solo", state)
         assert set(gen.names) == {"solo/_layout", "solo/w/o0_0", "solo/b/o0", "solo/n/o"}
         into = {k: torch.zeros_like(v) for k, v in state.items()}
@@ -155,9 +180,15 @@ def test_a_read_whose_dtype_or_shape_differs_is_refused_before_any_byte_moves(tc
             sharded.get_state_dict(client, "mismatch", {"missing": torch.zeros(1)})
 
 
-def test_grpc_is_refused_naming_what_it_lacks() -> None:
-    with ServerThread(["grpc://127.0.0.1:0"]) as srv, tensorwire.connect(srv.url) as client:
-        with pytest.raises(UnsupportedTransport, match=r"GEN_PUBLISH_PART.*grpc://"):
-            sharded.put_state_dict(client, "g", {"w": torch.zeros(2)})
-        with pytest.raises(UnsupportedTransport, match=r"generations.*grpc://"):
-            sharded.get_state_dict(client, "g", {"w": torch.zeros(2)})
+def test_a_transport_without_the_capabilities_is_refused_naming_what_it_lacks() -> None:
+    """What sharded needs is asked of the transport object (every transport has it today): one
+    that lacks it is refused, naming it and its scheme."""
+
+    class Bare:  # a transport with none of the generation capabilities
+        address = Address.parse("grpc://127.0.0.1:1")
+
+    bare: Any = Bare()
+    with pytest.raises(UnsupportedTransport, match=r"GEN_PUBLISH_PART.*grpc://"):
+        as_part_publisher(bare, "a multi-part publish")
+    with pytest.raises(UnsupportedTransport, match=r"ranged reads of generations.*grpc://"):
+        asyncio.run(open_read(None, bare, "g", 0))  # type: ignore[arg-type]

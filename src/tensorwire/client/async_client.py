@@ -48,6 +48,7 @@ from tensorwire.transport.base import (
     Viewable,
     as_generational,
     as_ranged,
+    as_ranged_generations,
     as_resumable,
     new_upload,
 )
@@ -413,7 +414,7 @@ class AsyncClient:
     async def manifest(self, prefix: str, at: gens.At = "latest") -> GenerationManifest:
         """Generation ``at`` of ``prefix``, each tensor's metadata and its per-chunk checksums."""
         number = gens.at_number(at)
-        return await self._run(lambda t: as_generational(t, "manifest").manifest(prefix, number))
+        return await self._run(lambda t: as_ranged_generations(t, "manifest").manifest(prefix, number))
 
     async def wait(self, prefix: str, after: int = 0, *, timeout: float) -> Generation:
         """The newest generation of ``prefix`` once one after ``after`` exists (at once if one

@@ -15,7 +15,13 @@ import torch
 
 from tensorwire.client.batches import Landing, TensorBatch
 from tensorwire.errors import DigestMismatch, InvalidTensor
-from tensorwire.transport.base import Progress, Transport, as_generational, as_part_publisher
+from tensorwire.transport.base import (
+    Progress,
+    Transport,
+    as_generational,
+    as_part_publisher,
+    as_ranged_generations,
+)
 from tensorwire.types import Generation, GenerationManifest
 from tensorwire.wire import generations as wg
 from tensorwire.wire.names import validate_name
@@ -169,7 +175,7 @@ class AsyncLease:
 
     def _lease(self, seconds: float) -> Awaitable[tuple[float, int]]:
         prefix, number = self.prefix, self.number
-        return self._run(lambda t: as_generational(t, "lease").lease(prefix, number, seconds))
+        return self._run(lambda t: as_ranged_generations(t, "lease").lease(prefix, number, seconds))
 
     async def __aenter__(self) -> AsyncLease:
         return self

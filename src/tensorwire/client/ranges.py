@@ -6,9 +6,10 @@ Lifecycle: ``open_read`` pins one generation of a prefix and says what it holds 
 tensors, each straight into its own writable buffer, many requests in flight; ``close`` lets the
 generation go. Which way depends on what the transport can do (asked of it):
 
-* ``Generational`` (tcp://, tls://, memory://): GEN_MANIFEST, a lease (GEN_LEASE) for as long as
-  the read is open, and one GEN_GET_RANGES per batch of a tensor's ranges (up to 2048 of them,
-  16 MiB), each range received into its own buffer with no copy.
+* ``RangedGenerations`` (tcp://, tls://, memory://, grpc://, grpcs://): GEN_MANIFEST, a lease
+  (GEN_LEASE) for as long as the read is open, and one GEN_GET_RANGES per batch of a tensor's
+  ranges (up to 2048 of them, 16 MiB), each range received into its own buffer (no copy over the
+  frame protocol; over gRPC, one copy out of each message).
 * ``GenerationViews`` (shm://): one SHM_GEN_VIEW maps the generation's pages (the server keeps it
   while the views live) and each range is one copy from the mapped pages into its buffer.
 """
@@ -26,7 +27,7 @@ import torch
 
 from tensorwire.client.generations import AsyncLease, Run
 from tensorwire.errors import InvalidTensor, UnsupportedTransport
-from tensorwire.transport.base import Generational, GenerationViews, Transport, as_generational
+from tensorwire.transport.base import GenerationViews, RangedGenerations, Transport, as_ranged_generations
 from tensorwire.types import Generation, TensorMeta
 from tensorwire.wire.tensors import byte_view
 
@@ -92,7 +93,7 @@ class _Ranged(AsyncGenerationRead):
 
         async def one(name: str, batch: list[tuple[int, memoryview]]) -> int:
             return await self._run(
-                lambda t: as_generational(t, "a ranged read").get_ranges_at(name, number, batch)
+                lambda t: as_ranged_generations(t, "a ranged read").get_ranges_at(name, number, batch)
             )
 
         await asyncio.gather(*(one(name, batch) for name, batch in _batches(reads)))
@@ -144,8 +145,8 @@ def _readonly_bytes(view: torch.Tensor) -> memoryview:
 
 async def open_read(run: Run, transport: Transport, prefix: str, at: int) -> AsyncGenerationRead:
     """Generation ``at`` (0: the newest) of ``prefix``, pinned for reading ranges of it."""
-    if isinstance(transport, Generational):
-        manifest = await run(lambda t: as_generational(t, "a ranged read").manifest(prefix, at))
+    if isinstance(transport, RangedGenerations):
+        manifest = await run(lambda t: as_ranged_generations(t, "a ranged read").manifest(prefix, at))
         gen = manifest.generation
         lease = AsyncLease(run, prefix, gen.number)
         await lease.renew(_LEASE_SECONDS)
@@ -159,7 +160,7 @@ async def open_read(run: Run, transport: Transport, prefix: str, at: int) -> Asy
 
         gen, views = await run(view)
         return _Viewed(gen, views)
-    as_generational(transport, "a ranged read of a generation")  # raises, naming the transport
+    as_ranged_generations(transport, "a ranged read of a generation")  # raises, naming the transport
     raise AssertionError("unreachable")
 
 

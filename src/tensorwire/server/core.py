@@ -346,6 +346,7 @@ async def _listen_rpc(server: Server, address: Address) -> Listener:
         max_connections=server.max_connections,
         auth_timeout=server.auth_timeout,
         idle_timeout=server.idle_timeout,
+        generations=server.generation_ops,
     )
 
 

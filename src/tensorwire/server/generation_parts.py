@@ -15,7 +15,8 @@ Lifecycle of a transaction (``_Txn``), keyed by its prefix and 16-byte id:
    across parts, else the whole transaction is refused) and published as one generation; every
    parked part is answered with it.
 4. Otherwise it is aborted: its timer runs out (``WaitTimeout``), a part fails or collides, or a
-   connection that sent (or is sending) one of its parts closes (``PublishAborted``). Every
+   connection that sent (or is sending) one of its parts closes (``PublishAborted``; over gRPC,
+   a PublishPart call that ends before the transaction does: ``owner``). Every
    reservation is freed and every parked part answered with the error, which says how many of how
    many parts arrived. Nothing of it was ever visible. Its id is remembered a while, so that a
    part arriving late gets the same error at once.
@@ -81,6 +82,7 @@ class _PartsHeld:
     heads: dict[int, tuple[wg.PartHead, _Txn]] = field(default_factory=dict)  # request id -> part arriving
     answers: set[asyncio.Task[None]] = field(default_factory=set)
     on_close: Callable[[_PartsHeld], None] | None = None
+    sender: str = "connection"  # what sent its parts, as the abort at its close names it
 
     def close(self) -> None:
         if self.on_close is not None:
@@ -182,25 +184,54 @@ class PartPublishes:
             parts.abort()
             raise parts.error or ProtocolError("GEN_PUBLISH_PART carried no head")
         head, txn = opened
+        await self.add(txn, head, parts.reservation, parts.error)
+        await self._answer_when_ended(held, req, txn)
+
+    # -- the same, for a caller that is not a frame connection (gRPC's PublishPart) -------------
+    def owner(self, sender: str) -> _PartsHeld:
+        """A new stake (one gRPC call's): ``join`` with it, and ``close`` it when the call ends,
+        which aborts every transaction it has a part in that has not ended (``sender`` names it
+        in that error: "call", "connection")."""
+        return _PartsHeld(on_close=self._connection_closed, sender=sender)
+
+    def join(self, held: _PartsHeld, head: wg.PartHead) -> _Txn:
+        """Join (or open) ``head``'s transaction before a byte of the part is reserved (every bound
+        of the module docstring, step 1), or raise."""
+        return self._open(held, head)
+
+    async def add(
+        self, txn: _Txn, head: wg.PartHead, res: Reservation, error: TensorwireError | None = None
+    ) -> None:
+        """Part ``head.index`` of ``txn`` is received into ``res`` (``error``: why receiving it
+        failed): held in the transaction, which commits if this was its last part. Else ``res`` is
+        freed, the transaction aborted, and the error every part hears raised."""
         txn.receiving.discard(head.index)
         try:
-            sums = await self._check_part(txn, head, parts)
+            sums = await self._check_part(txn, head, res, error)
         except TensorwireError as exc:
-            parts.abort()
+            self.store.abort(res)
             self._abort(txn, _failed(txn, head.index, exc))
             if txn.error is None or txn.error is exc:
                 raise
             raise txn.error from exc  # every part hears the same
-        txn.parts[head.index] = (parts.reservation, sums)
-        txn.names |= parts.reservation.names
+        txn.parts[head.index] = (res, sums)
+        txn.names |= res.names
         if len(txn.parts) == txn.count:
             self._commit(txn)
-        await self._answer_when_ended(held, req, txn)
 
-    async def _check_part(self, txn: _Txn, head: wg.PartHead, parts: Parts) -> list[tuple[int, ...]]:
-        res = parts.reservation
-        if parts.error is not None:
-            raise parts.error
+    async def outcome(self, txn: _Txn) -> Generation:
+        """Once ``txn`` has ended: its generation, or the error that aborted it (raised)."""
+        await txn.ended.wait()
+        if txn.generation is None:
+            assert txn.error is not None
+            raise txn.error
+        return txn.generation
+
+    async def _check_part(
+        self, txn: _Txn, head: wg.PartHead, res: Reservation, error: TensorwireError | None
+    ) -> list[tuple[int, ...]]:
+        if error is not None:
+            raise error
         if txn.ended.is_set():  # aborted while this part was arriving
             raise txn.error or ProtocolError(f"{txn.describe()} has ended")
         if not res.metas:
@@ -264,7 +295,7 @@ class PartPublishes:
         for txn in list(held.txns):
             if not txn.ended.is_set():
                 sent = ", ".join(str(i) for i in sorted(txn.owners.get(held, ())))
-                why = f"{txn.describe()} aborted: the connection that sent its part {sent} closed"
+                why = f"{txn.describe()} aborted: the {held.sender} that sent its part {sent} closed"
                 self._abort(txn, PublishAborted(f"{why} before the commit ({txn.arrived()})"))
         held.heads.clear()
         for task in list(held.answers):

@@ -17,6 +17,10 @@ raising ``LayoutMismatch`` naming the parameter and both layouts before any byte
 exactly the byte runs of the stored shards that overlap this rank's shard, many in flight, straight
 into the local tensor (a contiguous CPU one: no extra copy).
 
+Over every transport that can do what this asks of it (``PartPublisher`` for the put; for the
+read ``RangedGenerations`` or ``GenerationViews``): tcp://, tls://, memory://, shm://, grpc://,
+grpcs:// (the PublishPart and GetRanges calls, docs/protocol.md §14.9).
+
 Values are plain tensors (whole, the same on every rank: stored once) or DTensors with Shard(d)
 and Replicate placements on meshes of any dimension; Partial (and strided) placements are refused.
 Without torch.distributed initialised the world is one rank.

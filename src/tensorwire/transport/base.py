@@ -25,10 +25,14 @@ caller asks ``isinstance(t, Ranged)`` (or opens with ``open_channel``, which ask
 * ``Resumable``: a put that goes on after a broken connection from the last byte the server
   verified. tcp://, tls://, memory://.
 * ``Viewable``: read-only tensors over the server's own pages. shm://.
+* ``RangedGenerations``: a generation held (manifest, lease) while many byte ranges of its tensors
+  are read (what ``tensorwire.sharded`` reads with). tcp://, tls://, memory://, grpc://, grpcs://.
 * ``Generational``: generations (publish, reads at a generation, one or many byte ranges of one,
-  manifests, waits, leases; docs/protocol.md §14). tcp://, tls://, memory:// (not yet grpc:// nor shm://).
+  manifests, waits, leases; docs/protocol.md §14); ``RangedGenerations`` and more. tcp://, tls://,
+  memory:// (not yet grpc:// nor shm://).
 * ``PartPublisher``: one part of a generation published from several connections (the ranks of a
-  job: GEN_PUBLISH_PART, §14.8). tcp://, tls://, memory://, shm:// (its parts travel in frames).
+  job: GEN_PUBLISH_PART, §14.8). tcp://, tls://, memory://, shm:// (its parts travel in frames),
+  grpc://, grpcs:// (the PublishPart call, §14.9).
 * ``GenerationViews``: a generation as read-only tensors over the server's own pages, and waits
   for the next one (§16: how a host leader's followers read it). shm://.
 * ``DeviceDirect``: CUDA tensors moved from and into device memory by the transport itself
@@ -264,7 +268,25 @@ class Viewable(Protocol):
 
 
 @runtime_checkable
-class Generational(Protocol):
+class RangedGenerations(Protocol):
+    """One generation held while byte ranges of its tensors are read (``client/ranges.py``):
+    ``manifest`` says what generation ``at`` (0: the newest) holds, ``lease`` keeps it (0 seconds:
+    release), ``get_ranges_at`` reads many ranges of one tensor of it in one request."""
+
+    async def get_ranges_at(self, name: str, at: int, ranges: Sequence[tuple[int, memoryview]]) -> int:
+        """Each ``(offset, dest)``: bytes ``offset .. offset + len(dest)`` of ``name`` at generation
+        ``at`` into ``dest``, all in one request (GEN_GET_RANGES); the generation's number."""
+        ...
+
+    async def manifest(self, prefix: str, at: int) -> GenerationManifest: ...
+
+    async def lease(self, prefix: str, number: int, seconds: float) -> tuple[float, int]:
+        """Seconds granted (0 after a release) and the oldest generation the prefix keeps."""
+        ...
+
+
+@runtime_checkable
+class Generational(RangedGenerations, Protocol):
     """Generations of tensors under a prefix (docs/protocol.md §14; README, "Generations").
 
     ``publish`` sends a batch as one generation (parts over several frames, like a put; nothing
@@ -341,7 +363,17 @@ def as_part_publisher(transport: Transport, what: str) -> PartPublisher:
     if not isinstance(transport, PartPublisher):
         raise UnsupportedTransport(
             f"{what} needs multi-part publishes (GEN_PUBLISH_PART), which {transport.address.scheme}://"
-            " does not serve (use tcp://, tls://, shm:// or memory://)"
+            " does not serve (use tcp://, tls://, grpc://, grpcs://, shm:// or memory://)"
+        )
+    return transport
+
+
+def as_ranged_generations(transport: Transport, what: str) -> RangedGenerations:
+    """``transport`` as ``RangedGenerations``; UnsupportedTransport (naming ``what``) if it is not."""
+    if not isinstance(transport, RangedGenerations):
+        raise UnsupportedTransport(
+            f"{what} needs ranged reads of generations, which {transport.address.scheme}:// does not"
+            " serve (use tcp://, tls://, grpc://, grpcs://, shm:// or memory://)"
         )
     return transport
 
