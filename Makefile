@@ -7,16 +7,29 @@ BIN := $(VENV)/bin
 TORCH := torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test test-unit test-integration test-fault gpu-check bench bench-all lint format proto fuzz clean
+.PHONY: system-libs install demo test test-unit test-integration test-fault gpu-check bench bench-all lint format proto fuzz clean
 
 $(STAMP): pyproject.toml
+	$(MAKE) --no-print-directory system-libs
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --disable-pip-version-check -q --upgrade pip
 	$(BIN)/pip install --disable-pip-version-check -q "$(TORCH)"
-	$(BIN)/pip install --disable-pip-version-check -q -e ".[fast,demo,dev,bench,ray,dashboard]" "$(TORCH)"
+	$(BIN)/pip install --disable-pip-version-check -q -e ".[fast,demo,dev,bench,ray,rdma,dashboard]" "$(TORCH)"
 	touch $(STAMP)
 
 install: $(STAMP)
+
+# rdma:// (the Mooncake Transfer Engine) loads libibverbs.so.1 even in its TCP mode. As root, install
+# the system package when it is missing; without root, say so and go on (the rdma tests then skip,
+# printing why). Nothing happens when the library is there already.
+system-libs:
+	@if ldconfig -p 2>/dev/null | grep -q 'libibverbs\.so\.1 '; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+		echo "installing libibverbs1 (rdma://)"; \
+		(apt-get install -y -q libibverbs1 >/dev/null 2>&1 || \
+		 (apt-get update -q >/dev/null && apt-get install -y -q libibverbs1 >/dev/null)) || \
+		echo "could not install libibverbs1: rdma:// tests will skip"; \
+	else echo "libibverbs1 missing and not root: rdma:// tests will skip (apt-get install libibverbs1)"; fi
 
 demo: $(STAMP)
 	$(BIN)/tensorwire demo

@@ -13,7 +13,8 @@ of these. Each class says whether retrying the same call can help.
     │   ├── TransferTimeout            (also TimeoutError) a wait ran out
     │   │   └── WaitTimeout            the server waited for other workers and gave up; no retry
     │   ├── NotPrimary                 a parameter-server replica that does not serve now: try another
-    │   └── SharedMemoryUnavailable    shm:// asked for, but client and server share no memory; no retry
+    │   ├── SharedMemoryUnavailable    shm:// asked for, but client and server share no memory; no retry
+    │   └── RdmaUnavailable            rdma:// asked for, but no engine or no RDMA device; no retry
     ├── ProtocolError                  a peer broke the wire protocol
     │   ├── CorruptFrame               a checksum failed / bytes damaged; retry can help
     │   │   └── DigestMismatch         what a read at a generation got differs from its digest
@@ -26,8 +27,10 @@ of these. Each class says whether retrying the same call can help.
     │   ├── PersistenceError           the data directory could not be written or read
     │   ├── VersionChanged             the tensor changed between the parts of one read; retry can help
     │   ├── GenerationRetired          a read at a generation the server no longer keeps; no retry
+    │   ├── PublishAborted             a multi-part publish lost a part (a rank died): nothing visible
     │   └── VerificationFailed         what a server holds differs from its source; resending can help
     ├── InvalidTensor                  (also ValueError) dtype/shape/size unusable or inconsistent
+    │   └── LayoutMismatch             a sharded state's layouts disagree or do not tile; no retry
     ├── UnsupportedTransport           (also ValueError) this address's transport cannot do what was asked
     ├── AuthenticationError            the server refused the token or client certificate
     │   └── CertificateRefused         (also ConnectError) a TLS handshake failed on certificates; no retry
@@ -87,6 +90,15 @@ class SharedMemoryUnavailable(TransportError):
     """``shm://`` was asked for but cannot be had: the server is on another host (or in another
     shared-memory namespace), it does not serve shared memory, or the segment directory is missing.
     tensorwire never falls back to a socket on its own; retrying the same address will not help."""
+
+    retryable = False
+
+
+class RdmaUnavailable(TransportError):
+    """``rdma://`` was asked for but cannot be had: the transfer engine is not installed
+    (``pip install tensorwire[rdma]``), its system library ``libibverbs1`` is missing, or this host
+    has no RDMA device and the engine's TCP mode was not asked for (``TENSORWIRE_RDMA_PROTOCOL=tcp``).
+    tensorwire never lets the engine fall back to TCP on its own; retrying will not help."""
 
     retryable = False
 
@@ -161,9 +173,24 @@ class VerificationFailed(StoreError):
     retryable = True
 
 
+class PublishAborted(StoreError):
+    """A multi-part publish (GEN_PUBLISH_PART) was given up: a part failed, its connection closed,
+    or its names collided with another part's. Nothing of it is visible and every byte it held is
+    freed; the message says how many of how many parts had arrived. Putting it again can help."""
+
+    retryable = True
+
+
 class InvalidTensor(TensorwireError, ValueError):
     """A tensor cannot be sent or received as described: unknown dtype, inconsistent shape/size,
     or an ``out`` tensor that does not match the stored one."""
+
+
+class LayoutMismatch(InvalidTensor):
+    """A sharded state's layouts cannot be used together (``tensorwire.sharded``): ranks disagree
+    on a parameter's dtype, global shape or placements, shards overlap, leave gaps or lie outside
+    the global shape, or what is read into differs from what was stored. The message names the
+    parameter and both layouts; raised before any byte moves. Retrying cannot help."""
 
 
 class UnsupportedTransport(TensorwireError, ValueError):
@@ -234,6 +261,7 @@ class ErrorCode(enum.IntEnum):
     NOT_PRIMARY = 14
     VERSION_CHANGED = 20  # far from 15: other fast-path transports number theirs from 15
     GENERATION_RETIRED = 21
+    PUBLISH_ABORTED = 22
 
 
 _CODE_TO_ERROR: dict[ErrorCode, type[TensorwireError]] = {
@@ -253,6 +281,7 @@ _CODE_TO_ERROR: dict[ErrorCode, type[TensorwireError]] = {
     ErrorCode.NOT_PRIMARY: NotPrimary,
     ErrorCode.VERSION_CHANGED: VersionChanged,
     ErrorCode.GENERATION_RETIRED: GenerationRetired,
+    ErrorCode.PUBLISH_ABORTED: PublishAborted,
 }
 
 

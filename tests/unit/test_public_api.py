@@ -108,6 +108,7 @@ GIVEN: dict[str, Callable[[], dict[str, object]]] = {
     "Compression": _model_with_grads,
     "Generations": dict,  # the example builds its own models
     "Publish once, read by many": dict,
+    "Sharded state (DTensor, FSDP)": dict,  # a world of one when torch.distributed is not initialised
 }
 BROKEN: dict[str, str] = {}  # examples that do not run as written, and why: strict, so a fix shows up
 EXAMPLE_URL = re.compile(r"\b([a-z]+)://127\.0\.0\.1:\d+")

@@ -102,6 +102,14 @@ BENCHMARKS: dict[str, Benchmark] = {
             ("--no-netns", "--readers", "2", "--size", "1MiB", "--tensors", "12"),
         ),
         Benchmark(
+            "reshard",
+            "Sharded state from 4 ranks (Shard(0)) into 2 (Shard(1)) and back: tensorwire vs "
+            "torch.distributed.checkpoint on /dev/shm, bytes moved vs the overlap, async save "
+            "blocking (--json, --size, --rows, --repeats, --transport).",
+            ("--repeats", "2"),  # ~75 s on 2 cores: the first round pays for fresh pages
+            ("--size", "1MiB", "--rows", "16", "--timeout", "120"),
+        ),
+        Benchmark(
             "sweep",
             "Bandwidth by tensor size (4 KiB to 256 MiB), latency percentiles, CPU s/GB and peak RSS "
             "per transport and peer (--max-size, --json).",

@@ -6,8 +6,9 @@ parent's threads and torch state), usually inside ``with spawned() as children``
 ``("ready", value)``, or the failure's traceback as ``("error", text)``; the parent's
 ``Child.ready()`` returns the value. The child then serves until the parent sends anything or
 closes the pipe (``wait_for_stop``, ``until_stopped`` on an event loop, or the whole sequence in
-``serve_until_stopped``); ``Child.reap`` (or leaving ``spawned()``) stops it, then terminates and
-kills it if it does not exit in time.
+``serve_until_stopped``), or answers requests (``Child.tell``, then ``Child.answer``; the child's
+side is ``serve_requests``) until then; ``Child.reap`` (or leaving ``spawned()``) stops it, then
+terminates and kills it if it does not exit in time.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ Cpus = frozenset[int] | None  # a CPU set to pin a process to, or None to leave 
 
 START_TIMEOUT = 120.0  # a child imports torch first; generous for a loaded 2-core machine
 STOP_TIMEOUT = 10.0
+STOP = "stop"  # what ``Child.stop`` sends
 
 
 class Child:
@@ -51,15 +53,27 @@ class Child:
 
     def ready(self, timeout: float = START_TIMEOUT) -> object:
         """What the child sent with "ready"; raises if it failed, died or took too long."""
+        return self._receive("ready", timeout, "start")
+
+    def tell(self, request: object) -> None:
+        """Send a request to a child that serves them (``serve_requests``); ``answer`` waits for
+        what it answers. Telling several children first, then collecting, runs them together."""
+        self._conn.send(request)
+
+    def answer(self, timeout: float) -> object:
+        """The child's answer to the last ``tell``; raises if it failed, died or took too long."""
+        return self._receive("ok", timeout, "answer")
+
+    def _receive(self, expected: str, timeout: float, what: str) -> object:
         # Waiting on the sentinel too means a crashed child is noticed at once, not at the timeout.
         if not multiprocessing.connection.wait([self._conn, self._proc.sentinel], timeout):
-            raise TimeoutError(f"{self._proc.name} did not start within {timeout:.0f}s")
+            raise TimeoutError(f"{self._proc.name} did not {what} within {timeout:.0f}s")
         try:
             kind, value = self._conn.recv()
         except EOFError:
             self._proc.join(STOP_TIMEOUT)
             raise RuntimeError(f"{self._proc.name} exited with code {self._proc.exitcode}") from None
-        if kind != "ready":
+        if kind != expected:
             raise RuntimeError(f"{self._proc.name} failed:\n{value}")
         return value
 
@@ -67,7 +81,7 @@ class Child:
         """Ask the child to stop; ``reap`` waits for it."""
         if not self._conn.closed:
             with contextlib.suppress(OSError):
-                self._conn.send("stop")
+                self._conn.send(STOP)
             self._conn.close()
 
     def reap(self) -> None:
@@ -144,6 +158,26 @@ async def until_stopped(conn: Connection) -> None:
         await stopped
     finally:
         loop.remove_reader(conn.fileno())
+
+
+def serve_requests(conn: Connection, handle: Callable[[object], object]) -> None:
+    """After "ready": answer each request the parent ``tell``s with ``("ok", handle(request))``, or
+    ``("error", traceback)`` if it raised, until the parent stops the child or closes the pipe."""
+    while True:
+        try:
+            request = conn.recv()
+        except EOFError:
+            return
+        if request == STOP:
+            return
+        try:
+            answer: tuple[str, object] = ("ok", handle(request))
+        except Exception:
+            answer = ("error", traceback.format_exc())
+        try:
+            conn.send(answer)
+        except OSError:  # the parent is gone (it gave up on another child): nobody to answer
+            return
 
 
 def serve_until_stopped(conn: Connection, start: Callable[[], tuple[object, Callable[[], object]]]) -> None:

@@ -180,6 +180,18 @@ def _sweep(r: dict[str, Any]) -> list[Row]:
     return rows
 
 
+def _reshard(r: dict[str, Any]) -> list[Row]:
+    size = f"{int(r.get('size_bytes', 0)) // MiB} MiB"
+    return [
+        Row("reshard", f"{size} 4 ranks -> 2 (Shard(0) -> Shard(1)) and back", _get(r, "tw_s"), "s",
+            "torch.distributed.checkpoint, /dev/shm", _get(r, "dcp_s"), lower_is_better=True),
+        Row("reshard", "bytes moved", _get(r, "bytes_moved"), "B", "the layouts' overlap",
+            _get(r, "overlap_bytes"), lower_is_better=True),
+        Row("reshard", "async save: the training step waits", _get(r, "async_blocked_s"), "s",
+            "synchronous put", _get(r, "sync_put_s"), lower_is_better=True),
+    ]  # fmt: skip
+
+
 def _cpu(r: dict[str, Any], name: str) -> float:
     c = r["cpu_s_per_gb"][name]
     return float(c["client"] + (c["server"] or 0.0))
@@ -202,6 +214,7 @@ ROWS: dict[str, Callable[[dict[str, Any]], list[Row]]] = {
     "chaos": _chaos,
     "compression": _compression,
     "sweep": _sweep,
+    "reshard": _reshard,
 }
 
 

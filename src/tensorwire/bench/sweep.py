@@ -44,6 +44,7 @@ import tensorwire
 from tensorwire.bench.children import Child, Cpus, add_run_options, placement, spawned, starting
 from tensorwire.bench.report import show
 from tensorwire.bench.transfer import _recv_exactly, _serve_tensorwire, parse_size
+from tensorwire.transport import rdma_engine
 from tensorwire.types import KiB, MiB
 from tensorwire.wire.tensors import byte_view
 
@@ -66,6 +67,7 @@ TRANSPORTS: list[Transport] = [
     Transport("tcp", "tcp://127.0.0.1:0"),
     Transport("grpc", "grpc://127.0.0.1:0"),
     Transport("shm", "shm://127.0.0.1:0"),
+    Transport("rdma", "rdma://127.0.0.1:0"),  # skipped, with the reason, where the engine cannot run
     Transport("memory", "memory://bench-sweep", in_process=True),
 ]
 
@@ -317,7 +319,12 @@ def run(plan: Plan, transports: Sequence[Transport] = TRANSPORTS, pin: bool = Tr
     capacity = 4 * max(plan.sizes[-1], plan.cpu_size) + 64 * MiB
     gbps: dict[str, list[float]] = {}
     latency, cpu, rss = {}, {}, {}
+    skipped: dict[str, str] = {}
     for t in transports:
+        missing = rdma_engine.unavailable() if t.listen.startswith("rdma://") else None
+        if missing is not None:
+            skipped[t.name] = missing
+            continue
         r = _transport(t, plan, capacity, cpus)
         gbps[f"{t.name} put"], gbps[f"{t.name} get"] = r["put_gbps"], r["get_gbps"]
         latency[t.name], cpu[t.name], rss[t.name] = r["latency_us"], r["cpu_s_per_gb"], r["peak_rss_bytes"]
@@ -338,7 +345,8 @@ def run(plan: Plan, transports: Sequence[Transport] = TRANSPORTS, pin: bool = Tr
         "cpu_s_per_gb": cpu,
         "peak_rss_bytes": rss,
         "pinned": cpus[0] is not None,
-        "transports": [t.name for t in transports],
+        "transports": [t.name for t in transports if t.name not in skipped],
+        "skipped": skipped,
     }
 
 

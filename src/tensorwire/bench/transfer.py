@@ -10,6 +10,8 @@ the absolute numbers.
   echo round trip on the same kind of event loop.
 * many: tensors per second of one ``put_many`` / ``get_many`` of thousands of 1 KiB tensors.
 * shm: ``put`` / ``get(out=...)`` over ``shm://`` against a memcpy of the same size (bench/shm.py).
+* rdma: ``put`` / ``get(out=...)`` over ``rdma://`` against the bare transfer engine moving the same
+  bytes (bench/rdma.py); None, with ``rdma_note`` saying why, where the engine cannot run.
 
 Servers always run in child processes (``spawn``), so client and server never share an
 interpreter; children report readiness through a pipe and stop when that pipe tells them to (or
@@ -51,6 +53,7 @@ import torch
 import tensorwire
 from tensorwire import _aio
 from tensorwire.bench import fastpaths, pinglag
+from tensorwire.bench import rdma as rdma_bench
 from tensorwire.bench import shm as shm_bench
 from tensorwire.bench.children import (
     Child,
@@ -65,6 +68,7 @@ from tensorwire.bench.report import show, table, throughput_head
 from tensorwire.security import Security, TlsFiles, write_dev_certs
 from tensorwire.server.core import Server
 from tensorwire.store import TensorStore
+from tensorwire.transport import rdma_engine
 from tensorwire.types import KiB, MiB
 from tensorwire.wire.tensors import byte_view
 
@@ -333,7 +337,14 @@ def run(
         children.append(Child(_echo_server, cpus=server_cpus))
         shm_capacity = 4 * size + 64 * MiB  # a server of its own: its tensors live in /dev/shm
         children.append(Child(_serve_tensorwire, shm_capacity, ["shm://127.0.0.1:0"], cpus=server_cpus))
-        bound, sink_port, echo_port, shm_bound = (child.ready() for child in children)
+        rdma_missing = rdma_engine.unavailable()
+        if rdma_missing is None:  # rdma://, and the bare engine it is judged against
+            children.append(
+                Child(_serve_tensorwire, 4 * size + 64 * MiB, ["rdma://127.0.0.1:0"], cpus=server_cpus)
+            )
+            children.append(Child(rdma_bench.engine_peer, size, cpus=server_cpus))
+        ready = [child.ready() for child in children]
+        bound, sink_port, echo_port, shm_bound = ready[:4]
         assert isinstance(bound, list) and isinstance(sink_port, int) and isinstance(echo_port, int)
         assert isinstance(shm_bound, list)
         url, tls_url = bound
@@ -349,6 +360,12 @@ def run(
             tls_put_gbps, tls_get_gbps = _bulk(client, data, iters, name="bench/tls")
         with tensorwire.connect(shm_bound[0]) as client:
             shm = shm_bench.measure(client, data, iters)
+        rdma = rdma_bench.skipped(rdma_missing or "")
+        if rdma_missing is None:
+            rdma_bound, peer = ready[4:6]
+            assert isinstance(rdma_bound, list) and isinstance(peer, tuple)
+            with tensorwire.connect(rdma_bound[0]) as client:
+                rdma = rdma_bench.measure(client, data, iters, peer)
         small_us = _on_loop(_async_small_us(url, small_iters))
         echo_us = _on_loop(_echo_us(echo_port, small_iters))
         fast = fastpaths.measure(url, data, iters, small_iters)  # striping, compression, cache, iperf3
@@ -372,6 +389,7 @@ def run(
         "tls_put_ratio": _ratio(tls_put_gbps, put_gbps),  # what TLS costs: tls:// over tcp://
         "tls_get_ratio": _ratio(tls_get_gbps, get_gbps),
         **shm,
+        **rdma,
         "size_bytes": size,
         "iters": iters,
         "small_iters": small_iters,
@@ -435,6 +453,7 @@ def format_table(r: Result) -> str:
         ("leased 1 KiB get p50", f"{_fmt(r['cache_leased_get_us'], '.1f')} us", "no request"),
     ]
     rows += shm_bench.rows(r, _fmt)
+    rows += rdma_bench.rows(r, _fmt)
     rows += pinglag.rows(r, _fmt)
     return table(throughput_head("transfer", r, f"loop {r['loop']}"), rows, value_width=22)
 

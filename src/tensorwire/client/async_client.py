@@ -26,25 +26,34 @@ from typing import TypeVar
 import torch
 
 from tensorwire import transport as transports
-from tensorwire.client import deltas, staging, stripe
+from tensorwire.client import deltas, ranges, staging, stripe
 from tensorwire.client import generations as gens
 from tensorwire.client.batches import Landing, TensorBatch
 from tensorwire.client.cache import TensorCache
 from tensorwire.client.options import ClientOptions, check, retry_policy, transport_options
 from tensorwire.client.retry import retrying
-from tensorwire.errors import ConnectError, InvalidTensor, SharedMemoryUnavailable, VersionChanged
+from tensorwire.errors import (
+    ConnectError,
+    InvalidTensor,
+    SharedMemoryUnavailable,
+    UnsupportedTransport,
+    VersionChanged,
+)
 from tensorwire.logs import event
 from tensorwire.transport.base import (
+    DeviceDirect,
     Ranged,
     Resumable,
     Transport,
     Viewable,
     as_generational,
     as_ranged,
+    as_ranged_generations,
     as_resumable,
     new_upload,
 )
 from tensorwire.types import Address, Generation, GenerationManifest, TensorMeta
+from tensorwire.wire import generations as wg
 from tensorwire.wire.names import validate_name, validate_prefix
 from tensorwire.wire.tensors import byte_view, check_out, empty_for, sendable
 
@@ -98,6 +107,9 @@ class AsyncClient:
         size = tensor.numel() * tensor.element_size()
         self.cache.invalidate(name)
         self._note_size(name, size)
+        if tensor.is_cuda and _direct(await self._capable()):
+            validate_name(name)
+            return await self._run(lambda t: _as_direct(t).put_device(name, tensor))
         if tensor.is_cuda and isinstance(await self._capable(), Ranged):
             return await self._put_staged(name, tensor)
         k = self._stripe_count(size)
@@ -213,6 +225,8 @@ class AsyncClient:
         """The tensor and the version it was read at: striped when it is large and its size is
         known here (an ``out``, or an earlier transfer), else one GET."""
         if out is not None and out.is_cuda:
+            if _direct(await self._capable()):  # GPU-direct: the engine reads into device memory
+                return out, await self._run(lambda t: _as_direct(t).get_device(name, out))
             if isinstance(await self._capable(), Ranged):
                 return await self._until_steady(lambda: self._get_staged(name, out))
             host, version = await self._get(name, None, progress)  # e.g. gRPC: through a CPU tensor
@@ -365,6 +379,30 @@ class AsyncClient:
         (CapacityExceeded, a broken connection: the previous generations stay as they were)."""
         return await gens.publish(self._run, prefix, tensors, progress)
 
+    async def publish_part(
+        self,
+        prefix: str,
+        tensors: Mapping[str, torch.Tensor],
+        *,
+        txn: bytes,
+        index: int,
+        count: int,
+        timeout: float,
+    ) -> Generation:
+        """Part ``index`` of ``count`` of one generation of ``prefix`` whose parts come from several
+        clients (the ranks of a job; ``txn``: 16 bytes they all name): answered, on every part, with
+        the generation once every part is in; else every part gets the error that aborted it
+        (``WaitTimeout`` after ``timeout`` seconds, ``PublishAborted`` when a part failed or its
+        connection closed) and nothing of it is visible (docs/protocol.md §14.8)."""
+        head = wg.PartHead(prefix, txn, index, count, 0)
+        return await gens.publish_part(self._run, prefix, tensors, head, timeout)
+
+    async def read_generation(self, prefix: str, at: gens.At = "latest") -> ranges.AsyncGenerationRead:
+        """Generation ``at`` of ``prefix`` held for reading byte ranges of its tensors, many in
+        flight, each straight into its own buffer (client/ranges.py); ``close`` (or ``async with``)
+        lets it go. Over tcp://, tls://, memory:// (leased ranged reads) and shm:// (mapped views)."""
+        return await ranges.open_read(self._run, await self._capable(), prefix, gens.at_number(at))
+
     async def get_range(
         self, name: str, *, at: gens.At, offset: int, length: int, out: torch.Tensor | None = None
     ) -> torch.Tensor:
@@ -376,7 +414,7 @@ class AsyncClient:
     async def manifest(self, prefix: str, at: gens.At = "latest") -> GenerationManifest:
         """Generation ``at`` of ``prefix``, each tensor's metadata and its per-chunk checksums."""
         number = gens.at_number(at)
-        return await self._run(lambda t: as_generational(t, "manifest").manifest(prefix, number))
+        return await self._run(lambda t: as_ranged_generations(t, "manifest").manifest(prefix, number))
 
     async def wait(self, prefix: str, after: int = 0, *, timeout: float) -> Generation:
         """The newest generation of ``prefix`` once one after ``after`` exists (at once if one
@@ -482,3 +520,14 @@ async def _view(t: Transport, name: str) -> torch.Tensor:
     if not isinstance(t, Viewable):
         raise SharedMemoryUnavailable(f"get(view=True) needs an shm:// client, not {t.address}")
     return await t.view(name)
+
+
+def _direct(transport: Transport) -> bool:
+    """Whether ``transport`` moves CUDA tensors straight from and into device memory now."""
+    return isinstance(transport, DeviceDirect) and transport.gpu_direct
+
+
+def _as_direct(transport: Transport) -> DeviceDirect:
+    if not isinstance(transport, DeviceDirect):  # a reconnect reached another kind of server
+        raise UnsupportedTransport(f"{transport.address.scheme}:// moves no device memory")
+    return transport

@@ -17,6 +17,7 @@ from tensorwire.client.async_client import AsyncClient, Progress, TensorItems
 from tensorwire.client.deltas import DeltaStats
 from tensorwire.client.generations import DEFAULT_LEASE_SECONDS, At, Lease
 from tensorwire.client.options import ClientOptions
+from tensorwire.client.ranges import GenerationRead
 from tensorwire.errors import TensorwireError, TransferTimeout
 from tensorwire.types import Generation, GenerationManifest, TensorMeta
 
@@ -124,6 +125,22 @@ class Client:
         self, prefix: str, tensors: Mapping[str, torch.Tensor], progress: Progress | None = None
     ) -> Generation:
         return self._call(self._async.publish(prefix, tensors, progress))
+
+    def publish_part(
+        self,
+        prefix: str,
+        tensors: Mapping[str, torch.Tensor],
+        *,
+        txn: bytes,
+        index: int,
+        count: int,
+        timeout: float,
+    ) -> Generation:
+        coro = self._async.publish_part(prefix, tensors, txn=txn, index=index, count=count, timeout=timeout)
+        return self._call(coro, longer=timeout)
+
+    def read_generation(self, prefix: str, at: At = "latest") -> GenerationRead:
+        return GenerationRead(self._call(self._async.read_generation(prefix, at)), self._call)
 
     def get_range(
         self, name: str, *, at: At, offset: int, length: int, out: torch.Tensor | None = None

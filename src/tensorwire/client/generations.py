@@ -15,7 +15,13 @@ import torch
 
 from tensorwire.client.batches import Landing, TensorBatch
 from tensorwire.errors import DigestMismatch, InvalidTensor
-from tensorwire.transport.base import Progress, Transport, as_generational
+from tensorwire.transport.base import (
+    Progress,
+    Transport,
+    as_generational,
+    as_part_publisher,
+    as_ranged_generations,
+)
 from tensorwire.types import Generation, GenerationManifest
 from tensorwire.wire import generations as wg
 from tensorwire.wire.names import validate_name
@@ -53,6 +59,29 @@ async def publish(
     return await run(
         lambda t: as_generational(t, "publish").publish(prefix, batch, progress), idempotent=False
     )
+
+
+async def publish_part(
+    run: Run, prefix: str, tensors: Mapping[str, torch.Tensor], head: wg.PartHead, timeout: float
+) -> Generation:
+    """Part ``head.index`` of ``head.count`` of one generation of ``prefix`` (``tensors`` as
+    ``prefix/key``), answered once every part is in (``PartPublisher``). Not retried once sent."""
+    validate_name(prefix)
+    if not tensors:
+        raise InvalidTensor(f"a part of a generation of {prefix!r} needs at least one tensor")
+    if not 0 < timeout < float("inf"):
+        raise InvalidTensor(f"a multi-part publish needs a finite timeout, not {timeout}")
+    if len(head.txn) != wg.TXN_BYTES or not 0 <= head.index < head.count:
+        raise InvalidTensor(f"part {head.index} of {head.count} of a {len(head.txn)}-byte transaction")
+    batch = TensorBatch([(f"{prefix}/{key}", tensor) for key, tensor in tensors.items()])
+
+    async def op(t: Transport) -> Generation:
+        publisher = as_part_publisher(t, "a multi-part publish")
+        return await publisher.publish_part(
+            prefix, batch, txn=head.txn, index=head.index, count=head.count, timeout=timeout
+        )
+
+    return await run(op, idempotent=False)
 
 
 async def read(
@@ -146,7 +175,7 @@ class AsyncLease:
 
     def _lease(self, seconds: float) -> Awaitable[tuple[float, int]]:
         prefix, number = self.prefix, self.number
-        return self._run(lambda t: as_generational(t, "lease").lease(prefix, number, seconds))
+        return self._run(lambda t: as_ranged_generations(t, "lease").lease(prefix, number, seconds))
 
     async def __aenter__(self) -> AsyncLease:
         return self

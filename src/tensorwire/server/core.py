@@ -26,6 +26,7 @@ from tensorwire.errors import ConnectionLost, LimitExceeded
 from tensorwire.logs import event
 from tensorwire.security import Security, TlsFiles, exposure_warning, server_ssl_context
 from tensorwire.server import metrics
+from tensorwire.server import rdma as server_rdma
 from tensorwire.server import shm as server_shm
 from tensorwire.server.generation_ops import GenerationOps
 from tensorwire.server.request import Attached, Extension, Handler, Request, opname, peer_token_of
@@ -345,6 +346,7 @@ async def _listen_rpc(server: Server, address: Address) -> Listener:
         max_connections=server.max_connections,
         auth_timeout=server.auth_timeout,
         idle_timeout=server.idle_timeout,
+        generations=server.generation_ops,
     )
 
 
@@ -359,6 +361,12 @@ async def _listen_shm(server: Server, address: Address) -> Listener:
     return await server_shm.listen(server, address)  # the first one adds the ShmService extension
 
 
+async def _listen_rdma(server: Server, address: Address) -> Listener:
+    """rdma:// (control on TCP) or rdmas:// (control inside TLS); the first adds the RdmaService."""
+    context = server_ssl_context(_tls_files(server, address)) if address.scheme == "rdmas" else None
+    return await server_rdma.listen(server, address, context)
+
+
 # The server's table of listeners, by scheme (the clients' table is tensorwire.transport.TRANSPORTS).
 LISTENERS: dict[str, Callable[[Server, Address], Awaitable[Listener]]] = {
     "tcp": _listen_frames,
@@ -367,6 +375,8 @@ LISTENERS: dict[str, Callable[[Server, Address], Awaitable[Listener]]] = {
     "grpc": _listen_rpc,
     "grpcs": _listen_rpc,
     "shm": _listen_shm,
+    "rdma": _listen_rdma,
+    "rdmas": _listen_rdma,
 }
 
 

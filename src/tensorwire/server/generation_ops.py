@@ -1,5 +1,6 @@
 """Generations as handlers in the server's one opcode table (docs/protocol.md §14): GEN_PUBLISH,
-GEN_GET, GEN_GET_RANGE, GEN_MANIFEST, GEN_WAIT and GEN_LEASE, over store/generations.py.
+GEN_GET, GEN_GET_RANGE, GEN_GET_RANGES, GEN_MANIFEST, GEN_WAIT, GEN_LEASE and GEN_PUBLISH_PART
+(its transactions in generation_parts.py), over store/generations.py.
 
 A publish is received like a PUT_MANY (``StoreOps.receive_parts``: parts over several frames, a
 refused or broken one never visible), its chunk checksums are computed here from the received,
@@ -34,6 +35,7 @@ from tensorwire.errors import (
     WaitTimeout,
 )
 from tensorwire.server import delta_answers
+from tensorwire.server.generation_parts import PartPublishes
 from tensorwire.server.request import Handler, Request
 from tensorwire.server.store_ops import Parts, StoreOps, cpu
 from tensorwire.store import Reservation
@@ -72,6 +74,7 @@ class GenerationOps:
         self._published: dict[str, asyncio.Event] = {}  # prefix -> set by its next publish
         self._parked_on: dict[str, int] = {}  # prefix -> waits parked on it
         self.waiting = 0  # parked GEN_WAITs, server-wide
+        self.parts = PartPublishes(generations, store_ops, self._announce, max_wait=max_wait)
 
     def frame_handlers(self) -> dict[int, Handler]:
         return {
@@ -82,6 +85,8 @@ class GenerationOps:
             Opcode.GEN_WAIT: self.wait,
             Opcode.GEN_LEASE: self.lease,
             Opcode.GEN_GET_DELTA: self.get_delta,
+            Opcode.GEN_PUBLISH_PART: self.parts.publish_part,
+            Opcode.GEN_GET_RANGES: self.get_ranges,
         }
 
     def _held(self, req: Request) -> _Held:
@@ -231,6 +236,27 @@ class GenerationOps:
         finally:
             self.generations.unpin(kept)
 
+    async def get_ranges(self, req: Request) -> None:
+        """Many byte ranges of one tensor of one generation in one answer: one uint8 record of
+        their total length (its version: the generation number), the ranges' bytes in order."""
+        _no_data(req)
+        at, ranges, names = wg.decode_get_ranges(req.meta)
+        req.meta.done()
+        if len(names) != 1:
+            raise ProtocolError(f"GEN_GET_RANGES names one tensor, not {len(names)}")
+        total = sum(length for _, length in ranges)
+        if total > self.limits.max_request_bytes:
+            raise LimitExceeded(f"an answer of {total} bytes exceeds {self.limits.max_request_bytes}")
+        kept = self.generations.pin(self.generations.prefix_of(names), at)
+        try:
+            meta, data = _tensor(kept, names[0])
+            for offset, length in ranges:
+                wg.check_range(meta, offset, length)
+            record = TensorMeta(meta.name, torch.uint8, (total,), total, meta.version)
+            await req.reply(wm.encode_records([record]), [data[o : o + n] for o, n in ranges if n])
+        finally:
+            self.generations.unpin(kept)
+
     async def manifest(self, req: Request) -> None:
         _no_data(req)
         prefix, at = wg.decode_manifest_request(req.meta)
@@ -312,7 +338,8 @@ class GenerationOps:
     def status(self) -> dict[str, Any]:
         gens = self.generations
         return {"generations": {"prefixes": len(gens), "kept": gens.generations, "waiting": self.waiting,
-                                "bytes": gens.store.kept, "newest": gens.newest()}}  # fmt: skip
+                                "bytes": gens.store.kept, "transactions": len(self.parts.open),
+                                "newest": gens.newest()}}  # fmt: skip
 
 
 def _tensor(kept: Kept, name: str) -> tuple[TensorMeta, memoryview]:

@@ -15,7 +15,7 @@ import contextlib
 import inspect
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Sequence
 from typing import Any, TypeVar
 
 import grpc
@@ -23,24 +23,32 @@ from google.protobuf.message import DecodeError
 
 from tensorwire.errors import (
     ConnectError,
-    CorruptFrame,
     ErrorCode,
     InvalidTensor,
     LimitExceeded,
     ProtocolError,
     TensorwireError,
     TransferTimeout,
-    code_for_error,
 )
 from tensorwire.logs import event
 from tensorwire.security import TlsFiles, grpc_server_credentials, tokens_match
+from tensorwire.server.generation_ops import GenerationOps
 from tensorwire.server.metrics import RequestCounts
+from tensorwire.server.rpc_calls import StreamedPut as _StreamedPut
+from tensorwire.server.rpc_calls import Watchdog as _Watchdog
+from tensorwire.server.rpc_calls import abort as _abort
+from tensorwire.server.rpc_calls import answer as _answer
+from tensorwire.server.rpc_calls import checked_chunk as _checked_chunk
+from tensorwire.server.rpc_calls import off_loop as _off_loop
+from tensorwire.server.rpc_calls import ready as _ready
+from tensorwire.server.rpc_calls import serialize as _serialize
+from tensorwire.server.rpc_generations import GenerationCalls
 from tensorwire.store import Reservation, TensorStore
 from tensorwire.transport.base import Listener
 from tensorwire.types import Address, Limits, TensorMeta
 from tensorwire.v1 import tensor_service_pb2 as pb
 from tensorwire.v1 import tensor_service_pb2_grpc as pb_grpc
-from tensorwire.wire.checksum import ChecksumKind, checksum
+from tensorwire.wire.checksum import ChecksumKind
 from tensorwire.wire.dtypes import dtype_from_name, dtype_name
 from tensorwire.wire.frame import CHECKSUM_KINDS
 from tensorwire.wire.names import validate_prefix
@@ -49,29 +57,12 @@ from tensorwire.wire.rpc import (
     RPC_GET_CHUNK_BYTES,
     SERVICE,
     UNARY_MAX_BYTES,
-    RawChunk,
-    decode_chunk,
-    encode_chunk,
     info_of,
     message_options,
-    meta_of,
 )
 
 log = logging.getLogger("tensorwire.server")
 T = TypeVar("T")
-
-_GRPC_CODES: dict[ErrorCode, grpc.StatusCode] = {
-    ErrorCode.KEY_NOT_FOUND: grpc.StatusCode.NOT_FOUND,
-    ErrorCode.CAPACITY_EXCEEDED: grpc.StatusCode.RESOURCE_EXHAUSTED,
-    ErrorCode.LIMIT_EXCEEDED: grpc.StatusCode.OUT_OF_RANGE,
-    ErrorCode.INVALID_NAME: grpc.StatusCode.INVALID_ARGUMENT,
-    ErrorCode.INVALID_TENSOR: grpc.StatusCode.INVALID_ARGUMENT,
-    ErrorCode.PROTOCOL_ERROR: grpc.StatusCode.INVALID_ARGUMENT,
-    ErrorCode.CORRUPT_FRAME: grpc.StatusCode.DATA_LOSS,
-    ErrorCode.UNSUPPORTED_VERSION: grpc.StatusCode.UNIMPLEMENTED,
-    ErrorCode.PERSISTENCE_ERROR: grpc.StatusCode.INTERNAL,
-    ErrorCode.SERVER_ERROR: grpc.StatusCode.INTERNAL,
-}
 
 
 class TensorServicer(pb_grpc.TensorServiceServicer):
@@ -223,127 +214,11 @@ class TensorServicer(pb_grpc.TensorServiceServicer):
         return self.store.commit(res)
 
 
-class _Watchdog:
-    """Cancels the task it was made in once ``progress()`` has not been called for ``stall``
-    seconds: one timer per call, re-armed only when it fires, instead of a timeout scope around
-    every message (those cost a third of the throughput)."""
-
-    def __init__(self, stall: float) -> None:
-        self.stall = stall
-        self.last = time.monotonic()
-        self.fired = False
-        self._task = asyncio.current_task()
-        self._loop = asyncio.get_running_loop()
-        self._handle = self._loop.call_later(stall, self._check)
-
-    def progress(self) -> None:
-        self.last = time.monotonic()
-
-    def _check(self) -> None:
-        idle = time.monotonic() - self.last
-        if idle < self.stall:
-            self._handle = self._loop.call_later(self.stall - idle, self._check)
-            return
-        self.fired = True
-        log.warning("cutting off a gRPC call that made no progress for %.3gs", idle)
-        if self._task is not None:
-            self._task.cancel()
-
-    def close(self) -> None:
-        self._handle.cancel()
-
-
-class _StreamedPut:
-    """Receives the chunks of one Put into a reservation, checking each as it arrives."""
-
-    def __init__(self, store: TensorStore, limits: Limits, batch: Reservation, watchdog: _Watchdog) -> None:
-        self.store = store
-        self.limits = limits
-        self.batch = batch
-        self.watchdog = watchdog
-        self.current: memoryview | None = None
-        self.filled = 0
-        self.total = 0
-
-    async def receive(self, chunks: AsyncIterator[bytes]) -> None:
-        async for raw in chunks:
-            self.watchdog.progress()
-            chunk = decode_chunk(raw)
-            if chunk.tensor is not None:
-                self._start(chunk.tensor)
-            if chunk.data or chunk.checksum:
-                await self._take(chunk)
-        self._end_of_tensor()
-        if not self.batch.metas:
-            raise ProtocolError("Put carried no tensors")
-
-    def _start(self, info: pb.TensorInfo) -> None:
-        self._end_of_tensor()
-        if len(self.batch.metas) >= self.limits.max_batch:
-            raise LimitExceeded(f"a Put of more than {self.limits.max_batch} tensors")
-        meta = meta_of(info)
-        self.total += meta.nbytes
-        if self.total > self.limits.max_request_bytes:
-            raise LimitExceeded(f"a Put of more than {self.limits.max_request_bytes} bytes")
-        part = self.store.reserve([meta.with_version(0)], self.batch)
-        self.current, self.filled = part.buffers[0], 0
-
-    async def _take(self, chunk: RawChunk) -> None:
-        data = chunk.data
-        if self.current is None:
-            raise ProtocolError("tensor bytes before any tensor header")
-        if self.filled + len(data) > self.current.nbytes:
-            raise InvalidTensor("more bytes than the tensor's shape and dtype hold")
-        if chunk.kind not in CHECKSUM_KINDS:
-            raise ProtocolError(f"unknown checksum kind {chunk.kind}")
-        target = self.current[self.filled : self.filled + len(data)]
-        await _off_loop(len(data), _verified_copy, chunk, target)  # a large chunk: in a worker thread
-        self.filled += len(data)
-
-    def _end_of_tensor(self) -> None:
-        if self.current is not None and self.filled != self.current.nbytes:
-            raise InvalidTensor(f"a tensor ended after {self.filled} of its {self.current.nbytes} bytes")
-        self.current = None
-
-
-async def _ready(value: T) -> T:
-    return value
-
-
-# A message or copy at least this large is handled in a worker thread (xxhash, memcpy and protobuf
-# release the GIL); below it, the hop to the thread costs more than the work.
-_OFF_LOOP_BYTES = 1 << 20
-
-
-async def _off_loop(size: int, work: Callable[..., T], *args: Any) -> T:
-    if size < _OFF_LOOP_BYTES:
-        return work(*args)
-    job = asyncio.ensure_future(asyncio.to_thread(work, *args))
-    try:
-        return await asyncio.shield(job)
-    except asyncio.CancelledError:
-        # The thread writes into (or reads) store buffers that the caller gives back as it unwinds:
-        # a cancelled call waits for it to finish first, or a buffer could be reused under it.
-        await asyncio.wait([job])
-        raise
-
-
 def _parse(message: Any, raw: bytes) -> Any:
     try:
         return message.FromString(raw)
     except DecodeError as exc:
         raise ProtocolError(f"a malformed {message.DESCRIPTOR.name}: {exc}") from None
-
-
-def _checked_chunk(data: memoryview, kind: int) -> bytes:
-    return encode_chunk(data, kind, checksum(kind, data))
-
-
-def _verified_copy(chunk: RawChunk, target: memoryview) -> None:
-    """Copy a chunk's data into its place once its checksum matches (nothing is kept otherwise)."""
-    if checksum(chunk.kind, chunk.data) != chunk.checksum:
-        raise CorruptFrame("a chunk's checksum does not match its data; nothing was kept")
-    target[:] = chunk.data
 
 
 def _tensor_response(data: memoryview, meta: TensorMeta) -> bytes:
@@ -352,21 +227,6 @@ def _tensor_response(data: memoryview, meta: TensorMeta) -> bytes:
         success=True, data=bytes(data), shape=meta.shape, dtype=dtype_name(meta.dtype)
     )
     return _serialize(response)
-
-
-async def _answer(context: Any, run: Callable[[], Awaitable[T]]) -> T:
-    """Run an operation; a tensorwire error becomes a gRPC error with its code in the trailers."""
-    try:
-        return await run()
-    except TensorwireError as exc:
-        await _abort(context, exc)
-        raise AssertionError("unreachable") from exc  # context.abort raises
-
-
-async def _abort(context: Any, exc: BaseException) -> None:
-    code = code_for_error(exc)
-    context.set_trailing_metadata(((ERROR_KEY, str(int(code))),))
-    await context.abort(_GRPC_CODES.get(code, grpc.StatusCode.INTERNAL), str(exc))
 
 
 class RpcListener(Listener):
@@ -381,7 +241,7 @@ class RpcListener(Listener):
             await self._server.stop(grace=0.5)
 
 
-def handlers(servicer: TensorServicer) -> Any:
+def handlers(servicer: TensorServicer, generations: GenerationCalls | None = None) -> Any:
     """The method table of ``TensorService`` (what the generated ``add_..._to_server`` builds),
     except that Put's requests and Get's answers pass as raw bytes: ``wire.rpc`` encodes and
     parses their chunks without the copies the generated message class would make; and the
@@ -398,11 +258,17 @@ def handlers(servicer: TensorServicer) -> Any:
         "List": unary(servicer.List, pb.ListRequest.FromString, _serialize),
         "Ping": unary(servicer.Ping, pb.Empty.FromString, _serialize),
     }
+    # The parts' chunks and the ranges' answers pass as raw bytes, as Put's and Get's do.
+    if generations is not None:
+        methods |= {
+            "PublishPart": grpc.stream_unary_rpc_method_handler(generations.PublishPart, None, _serialize),
+            "GetRanges": grpc.unary_stream_rpc_method_handler(
+                generations.GetRanges, pb.RangesRequest.FromString, None
+            ),
+            "Manifest": unary(generations.Manifest, pb.ManifestRequest.FromString, _serialize),
+            "Lease": unary(generations.Lease, pb.LeaseRequest.FromString, _serialize),
+        }
     return grpc.method_handlers_generic_handler(SERVICE, methods)
-
-
-def _serialize(message: Any) -> bytes:
-    return bytes(message.SerializeToString())
 
 
 class TokenGate(grpc.aio.ServerInterceptor):  # type: ignore[misc]
@@ -441,6 +307,8 @@ _RPC_OPS = {
     **{f"/{SERVICE}/{method}": op for method, op in (
         ("UploadTensor", "put"), ("DownloadTensor", "get"), ("Put", "put"), ("Get", "get"),
         ("Delete", "delete"), ("Stat", "stat"), ("List", "list"), ("Ping", "ping"),
+        ("PublishPart", "gen_publish_part"), ("GetRanges", "gen_get_ranges"),
+        ("Manifest", "gen_manifest"), ("Lease", "gen_lease"),
     )},
     "/train.GradientService/UpdateGradient": "allreduce",
 }  # fmt: skip
@@ -543,6 +411,7 @@ async def listen(
     max_connections: int = 1024,
     auth_timeout: float = 5.0,
     idle_timeout: float = 900.0,
+    generations: GenerationOps | None = None,
 ) -> RpcListener:
     """Serve ``TensorService`` for ``store`` on ``address`` (``grpc://host:0`` picks a free port;
     ``grpcs://`` serves TLS with ``tls``' files; a ``token`` is then required on every call).
@@ -552,7 +421,8 @@ async def listen(
     and HTTP/2 preface within ``auth_timeout`` is closed; one with no call in flight is closed
     after ``idle_timeout``, or after ``auth_timeout`` when a token is required, since a gRPC
     server cannot tell a connection whose calls were refused from one whose calls were let in
-    (clients reconnect on their next call without noticing)."""
+    (clients reconnect on their next call without noticing). With ``generations`` (the server's
+    ``GenerationOps``) it serves the generation calls too (rpc_generations.py)."""
     interceptors: list[Any] = [TokenGate(token, counts)] if token is not None else []
     if counts is not None:  # after the gate: a refused call runs no handler, so it is no request
         interceptors.append(Counting(counts, address.scheme))
@@ -567,7 +437,11 @@ async def listen(
         ("grpc.max_connection_idle_ms", max(int(idle * 1000), 1)),
     ]
     server = grpc.aio.server(options=options, interceptors=interceptors)
-    server.add_generic_rpc_handlers((handlers(TensorServicer(store, limits, stall_timeout)), *extra_handlers))
+    calls = None
+    if generations is not None:
+        calls = GenerationCalls(generations, limits, stall_timeout, max_peers=max_connections)
+    service = handlers(TensorServicer(store, limits, stall_timeout), calls)
+    server.add_generic_rpc_handlers((service, *extra_handlers))
     host = f"[{address.host}]" if ":" in address.host else address.host
     try:
         if tls is not None:

@@ -67,8 +67,15 @@ _SHM_OPS = (
     Opcode.SHM_ATTACH, Opcode.SHM_GET, Opcode.SHM_PUT, Opcode.SHM_COMMIT, Opcode.SHM_RELEASE,
     Opcode.SHM_GEN_VIEW,
 )  # fmt: skip
-SERVED_BY: dict[int, str] = {**dict.fromkeys(_PS_OPS, _NO_PS), **dict.fromkeys(_SHM_OPS, _NO_SHM)}
-SPANNING = frozenset((Opcode.PUT_MANY, Opcode.GEN_PUBLISH))  # opcodes whose parts may span frames
+_NO_RDMA = "this server serves no RDMA (no rdma:// listener): {}"
+_RDMA_OPS = (Opcode.RDMA_ATTACH, Opcode.RDMA_PUT, Opcode.RDMA_GET, Opcode.RDMA_END)
+SERVED_BY: dict[int, str] = {
+    **dict.fromkeys(_PS_OPS, _NO_PS),
+    **dict.fromkeys(_SHM_OPS, _NO_SHM),
+    **dict.fromkeys(_RDMA_OPS, _NO_RDMA),
+}
+# opcodes whose parts may span frames
+SPANNING = frozenset((Opcode.PUT_MANY, Opcode.GEN_PUBLISH, Opcode.GEN_PUBLISH_PART))
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -175,7 +182,8 @@ class Session:
         if op not in OPCODES:
             raise ProtocolError(f"unknown opcode {op}")
         if header.flags & Flags.MORE and op not in SPANNING:
-            raise ProtocolError(f"only PUT_MANY and GEN_PUBLISH can span several frames, not {opname(op)}")
+            only = "only PUT_MANY, GEN_PUBLISH and GEN_PUBLISH_PART can span several frames"
+            raise ProtocolError(f"{only}, not {opname(op)}")
         handler = self.serving.handlers.get(op)
         if handler is None:
             raise ProtocolError(SERVED_BY.get(op, "this server does not serve {}").format(opname(op)))

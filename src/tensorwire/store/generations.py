@@ -16,6 +16,7 @@ Lifecycle of a generation (server/generation_ops.py drives it):
    each prefix and every generation with a live lease; the rest are dropped from the table (a new
    read gets ``GenerationRetired``) and freed once unpinned.
 
+Multi-part publishes (GEN_PUBLISH_PART) are bounded where they wait (generation_parts.py).
 Peer-controlled state is bounded here: prefixes (``max_prefixes``) and leases (``leases_per_owner``
 per connection; a lease lasts at most ``max_lease_seconds``). Waiters are bounded where they
 wait (generation_ops.py). Called from the server's event loop only.
@@ -40,6 +41,9 @@ DEFAULT_LEASES_PER_OWNER = 64
 DEFAULT_MAX_WAITERS = 4096
 DEFAULT_WAITERS_PER_OWNER = 64
 DEFAULT_MAX_WAIT_SECONDS = 300.0
+DEFAULT_MAX_TRANSACTIONS = 64
+DEFAULT_TRANSACTIONS_PER_OWNER = 8
+DEFAULT_MAX_PARTS = 4096
 # Prefixes the server publishes itself: a parameter server's relay pulls (``_ps/<job>``,
 # ps/relay.py). No client publishes under it: the job's workers trust what it holds.
 SERVER_PREFIX = "_ps"
@@ -56,6 +60,11 @@ class GenerationConfig:
     max_waiters: int = DEFAULT_MAX_WAITERS  # GEN_WAIT requests parked, server-wide
     waiters_per_owner: int = DEFAULT_WAITERS_PER_OWNER  # ... on one connection
     max_wait_seconds: float = DEFAULT_MAX_WAIT_SECONDS  # a longer wait is answered at this point
+    # multi-part publishes (GEN_PUBLISH_PART): open at once server-wide, with a part from one
+    # connection, and parts in one; each waits for its others at most max_wait_seconds
+    max_transactions: int = DEFAULT_MAX_TRANSACTIONS
+    transactions_per_owner: int = DEFAULT_TRANSACTIONS_PER_OWNER
+    max_parts: int = DEFAULT_MAX_PARTS
 
     def __post_init__(self) -> None:
         counts = (
@@ -64,6 +73,9 @@ class GenerationConfig:
             self.leases_per_owner,
             self.max_waiters,
             self.waiters_per_owner,
+            self.max_transactions,
+            self.transactions_per_owner,
+            self.max_parts,
         )
         if min(counts) < 1 or self.max_lease_seconds <= 0 or self.max_wait_seconds <= 0:
             raise ValueError(f"generation limits must be positive: {self}")

@@ -330,6 +330,28 @@ class TensorStore:
             for buf in res.buffers:
                 self._pool.give(buf)
 
+    def merge(self, parts: Sequence[Reservation]) -> Reservation:
+        """One open reservation holding every buffer of ``parts`` (open, received reservations of
+        one multi-part publish), which are done from here: what they counted against the capacity
+        moves to it unchanged. InvalidName if two parts name the same tensor (nothing changes)."""
+        names: set[str] = set()
+        for res in parts:
+            if res.done or res.committing:
+                raise RuntimeError("reservation already committed, being committed or aborted")
+            names |= res.names
+        if len(names) != sum(len(res.names) for res in parts):
+            raise InvalidName("two parts of one publish name the same tensor")
+        merged = Reservation(names=names)
+        with self._lock:
+            for res in parts:
+                merged.metas += res.metas
+                merged.buffers += res.buffers
+                merged.nbytes += res.nbytes
+                merged.charge += res.charge
+                merged.slots += res.slots
+                res.done = True  # owned by ``merged``
+        return merged
+
     def keep(self, res: Reservation) -> None:
         """Hold a received reservation's buffers outside the named entries (a generation, whose
         tensors are read through its own table): still counted in ``used`` and against

@@ -3,7 +3,8 @@
 Only this module names the concrete client transports. ``TRANSPORTS`` maps a scheme to the
 function that opens a client ``Transport``: the frame protocol (``RangedTransport``) over a
 ``ByteStream`` for ``tcp://``, ``tls://`` (the same inside TLS) and ``memory://``, the same on
-loopback plus shared-memory segments for ``shm://`` (``transport/shm.py``), and gRPC for
+loopback plus shared-memory segments for ``shm://`` (``transport/shm.py``), the same on TCP plus
+the Mooncake Transfer Engine for ``rdma://`` (``transport/rdma.py``), and gRPC for
 ``grpc://`` and ``grpcs://`` (gRPC over TLS). ``STREAMS`` holds the
 byte-stream kinds (``connect`` and ``listen``); the server's own table of listeners is in
 ``tensorwire.server``. The scheme a client asked for is the one it gets: no silent fallback. The
@@ -31,7 +32,7 @@ from tensorwire._aio import asyncio_timeout
 from tensorwire.errors import ConnectionLost, ProtocolError, TensorwireError, UnsupportedTransport
 from tensorwire.logs import event
 from tensorwire.security import Security, TlsFiles, client_ssl_context
-from tensorwire.transport import memory, shm, tcp, tls
+from tensorwire.transport import memory, rdma, shm, tcp, tls
 from tensorwire.transport.base import (
     ByteStream,
     FrameChannel,
@@ -59,6 +60,7 @@ STREAMS: dict[str, StreamKind] = {
     "tcp": StreamKind(tcp.connect, tcp.listen),
     "memory": StreamKind(memory.connect, memory.listen),
     "shm": StreamKind(tcp.connect, shm.listen_stream),  # the control connection of shm://
+    "rdma": StreamKind(tcp.connect, rdma.listen_stream),  # the control connection of rdma://
 }
 
 
@@ -79,7 +81,7 @@ async def _open_framed(
 ) -> FramedTransport:
     """The frame protocol over a byte stream: connect (TLS handshake for tls://), then agree on a
     version and authenticate (HELLO)."""
-    if address.scheme == "tls":
+    if address.scheme in ("tls", "rdmas"):  # rdmas://: rdma:// with its control connection in TLS
         context = client_ssl_context(options.security.tls or TlsFiles())
         stream: ByteStream = await tls.connect(address, options.connect_timeout, context)
     else:
@@ -93,7 +95,7 @@ async def _open_framed(
             await transport.hello(options.security.token)
     except ConnectionLost as exc:
         await transport.close()
-        hint = "" if address.scheme == "tls" else " (is it a tls:// server?)"
+        hint = "" if address.scheme in ("tls", "rdmas") else " (is it a tls:// server?)"
         raise ConnectionLost(f"{address} closed the connection before answering HELLO{hint}") from exc
     except BaseException:
         await transport.close()
@@ -115,6 +117,21 @@ async def _open_shm(address: Address, options: TransportOptions) -> Transport:
     return transport
 
 
+async def _open_rdma(address: Address, options: TransportOptions) -> Transport:
+    """rdma://: the frame protocol on TCP for control (HELLO with the token), then RDMA_ATTACH starts
+    this process's transfer engine and learns the server's (RdmaUnavailable if either cannot be
+    had, or the server serves no RDMA: never a silent fallback to the frames)."""
+    transport = await _open_framed(address, options, rdma.RdmaTransport)
+    assert isinstance(transport, rdma.RdmaTransport)
+    try:
+        async with asyncio_timeout(options.connect_timeout, f"the RDMA_ATTACH answer from {address}"):
+            await transport.attach()
+    except BaseException:
+        await transport.close()
+        raise
+    return transport
+
+
 async def _open_rpc(address: Address, options: TransportOptions) -> Transport:
     from tensorwire.transport import rpc  # grpcio loads only for grpc:// addresses
 
@@ -128,12 +145,14 @@ TRANSPORTS: dict[str, Callable[[Address, TransportOptions], Awaitable[Transport]
     "grpc": _open_rpc,
     "grpcs": _open_rpc,
     "shm": _open_shm,
+    "rdma": _open_rdma,
+    "rdmas": _open_rdma,
 }
 
 
 # The schemes whose transports are FrameChannels: what open_channel accepts (it checks the object
 # too, so this cannot drift unnoticed). Only for refusing an address before connecting anywhere.
-CHANNEL_SCHEMES = ("tcp", "tls", "memory", "shm")
+CHANNEL_SCHEMES = ("tcp", "tls", "memory", "shm", "rdma", "rdmas")
 
 
 def check_scheme(address: Address) -> None:

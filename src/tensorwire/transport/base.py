@@ -25,10 +25,18 @@ caller asks ``isinstance(t, Ranged)`` (or opens with ``open_channel``, which ask
 * ``Resumable``: a put that goes on after a broken connection from the last byte the server
   verified. tcp://, tls://, memory://.
 * ``Viewable``: read-only tensors over the server's own pages. shm://.
-* ``Generational``: generations (publish, reads at a generation, manifests, waits, leases;
-  docs/protocol.md §14). tcp://, tls://, memory:// (not yet grpc:// nor shm://).
+* ``RangedGenerations``: a generation held (manifest, lease) while many byte ranges of its tensors
+  are read (what ``tensorwire.sharded`` reads with). tcp://, tls://, memory://, grpc://, grpcs://.
+* ``Generational``: generations (publish, reads at a generation, one or many byte ranges of one,
+  manifests, waits, leases; docs/protocol.md §14); ``RangedGenerations`` and more. tcp://, tls://,
+  memory:// (not yet grpc:// nor shm://).
+* ``PartPublisher``: one part of a generation published from several connections (the ranks of a
+  job: GEN_PUBLISH_PART, §14.8). tcp://, tls://, memory://, shm:// (its parts travel in frames),
+  grpc://, grpcs:// (the PublishPart call, §14.9).
 * ``GenerationViews``: a generation as read-only tensors over the server's own pages, and waits
   for the next one (§16: how a host leader's followers read it). shm://.
+* ``DeviceDirect``: CUDA tensors moved from and into device memory by the transport itself
+  (GPU-direct RDMA), where ``gpu_direct`` says it can now. rdma:// with a CUDA build of its engine.
 
 One capability is asked of a request's data rather than of the transport: ``StagedData``, bytes
 that become readable while the request is being sent (device copies into pinned memory).
@@ -260,7 +268,25 @@ class Viewable(Protocol):
 
 
 @runtime_checkable
-class Generational(Protocol):
+class RangedGenerations(Protocol):
+    """One generation held while byte ranges of its tensors are read (``client/ranges.py``):
+    ``manifest`` says what generation ``at`` (0: the newest) holds, ``lease`` keeps it (0 seconds:
+    release), ``get_ranges_at`` reads many ranges of one tensor of it in one request."""
+
+    async def get_ranges_at(self, name: str, at: int, ranges: Sequence[tuple[int, memoryview]]) -> int:
+        """Each ``(offset, dest)``: bytes ``offset .. offset + len(dest)`` of ``name`` at generation
+        ``at`` into ``dest``, all in one request (GEN_GET_RANGES); the generation's number."""
+        ...
+
+    async def manifest(self, prefix: str, at: int) -> GenerationManifest: ...
+
+    async def lease(self, prefix: str, number: int, seconds: float) -> tuple[float, int]:
+        """Seconds granted (0 after a release) and the oldest generation the prefix keeps."""
+        ...
+
+
+@runtime_checkable
+class Generational(RangedGenerations, Protocol):
     """Generations of tensors under a prefix (docs/protocol.md §14; README, "Generations").
 
     ``publish`` sends a batch as one generation (parts over several frames, like a put; nothing
@@ -287,6 +313,11 @@ class Generational(Protocol):
         """Bytes ``offset .. offset + len(dest)`` of ``name`` at generation ``at``; its number."""
         ...
 
+    async def get_ranges_at(self, name: str, at: int, ranges: Sequence[tuple[int, memoryview]]) -> int:
+        """Each ``(offset, dest)``: bytes ``offset .. offset + len(dest)`` of ``name`` at generation
+        ``at`` into ``dest``, all in one request (GEN_GET_RANGES); the generation's number."""
+        ...
+
     async def manifest(self, prefix: str, at: int) -> GenerationManifest: ...
 
     async def wait(self, prefix: str, after: int, timeout: float) -> Generation: ...
@@ -310,6 +341,57 @@ class GenerationViews(Protocol):
     async def view_generation(self, prefix: str, at: int) -> tuple[Generation, dict[str, torch.Tensor]]: ...
 
     async def wait(self, prefix: str, after: int, timeout: float) -> Generation: ...
+
+
+@runtime_checkable
+class PartPublisher(Protocol):
+    """Part ``index`` of ``count`` of one generation of ``prefix`` (docs/protocol.md §14.8).
+
+    Every part of a transaction names the same 16-byte ``txn``; each is sent once, from any
+    connection. The answer comes when the transaction ends: the generation, once every part is
+    in; else the error that aborted it (``WaitTimeout`` at ``timeout`` seconds, ``PublishAborted``
+    when a part failed or its connection closed), and nothing of it is visible. Not idempotent.
+    """
+
+    async def publish_part(
+        self, prefix: str, batch: PutBatch, *, txn: bytes, index: int, count: int, timeout: float
+    ) -> Generation: ...
+
+
+def as_part_publisher(transport: Transport, what: str) -> PartPublisher:
+    """``transport`` as ``PartPublisher``; UnsupportedTransport (naming ``what``) if it is not."""
+    if not isinstance(transport, PartPublisher):
+        raise UnsupportedTransport(
+            f"{what} needs multi-part publishes (GEN_PUBLISH_PART), which {transport.address.scheme}://"
+            " does not serve (use tcp://, tls://, grpc://, grpcs://, shm:// or memory://)"
+        )
+    return transport
+
+
+def as_ranged_generations(transport: Transport, what: str) -> RangedGenerations:
+    """``transport`` as ``RangedGenerations``; UnsupportedTransport (naming ``what``) if it is not."""
+    if not isinstance(transport, RangedGenerations):
+        raise UnsupportedTransport(
+            f"{what} needs ranged reads of generations, which {transport.address.scheme}:// does not"
+            " serve (use tcp://, tls://, grpc://, grpcs://, shm:// or memory://)"
+        )
+    return transport
+
+
+@runtime_checkable
+class DeviceDirect(Protocol):
+    """CUDA tensors moved straight from and into device memory (GPU-direct RDMA: the NIC reads and
+    writes the GPU's memory, no host copy of the bytes on the way). ``gpu_direct`` says whether
+    this transport can now (rdma:// with a CUDA build of the engine); when it is False the caller
+    moves a CUDA tensor through host memory as on any other transport. ``put_device`` returns the
+    new version, ``get_device`` the version it read into ``out`` (same dtype, shape, device)."""
+
+    @property
+    def gpu_direct(self) -> bool: ...
+
+    async def put_device(self, name: str, tensor: torch.Tensor) -> int: ...
+
+    async def get_device(self, name: str, out: torch.Tensor) -> int: ...
 
 
 def as_generational(transport: Transport, what: str) -> Generational:

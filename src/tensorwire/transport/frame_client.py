@@ -197,6 +197,19 @@ class FramedTransport(Transport):
         _, reader = await self._call(Opcode.GEN_WAIT, request, what=what, timeout=timeout + self.timeout)
         return _finish(reader, wg.decode_generation(reader))
 
+    # GEN_PUBLISH_PART (``PartPublisher``): its bytes travel in frames on every framed transport.
+    async def publish_part(
+        self, prefix: str, batch: PutBatch, *, txn: bytes, index: int, count: int, timeout: float
+    ) -> Generation:
+        ms = max(1, min(round(timeout * 1000), 0xFFFFFFFF))
+        head = wg.encode_part_head(wg.PartHead(prefix, txn, index, count, ms))
+        what = f"part {index} of {count} of a publish under {prefix!r}"
+        # The server answers once every part is in, or at ``timeout``; this timer only backs it up.
+        _, reader = await self._call(
+            Opcode.GEN_PUBLISH_PART, head, batch=batch, what=what, timeout=timeout + self.timeout
+        )
+        return _finish(reader, wg.decode_generation(reader))
+
     async def close(self) -> None:
         await self._fail(ConnectionLost(f"connection to {self.address} was closed by the client"))
 
@@ -464,6 +477,21 @@ class RangedTransport(FramedTransport):
         request = wm.encode_get_range(at, offset, length, name)
         what = f"get of bytes {offset}..{offset + length} of {name!r} at generation {at or 'latest'}"
         _, reader = await self._call(Opcode.GEN_GET_RANGE, request, sink=sink, what=what)
+        return _finish(reader, numbers[-1])
+
+    async def get_ranges_at(self, name: str, at: int, ranges: Sequence[tuple[int, memoryview]]) -> int:
+        total = sum(dest.nbytes for _, dest in ranges)
+        numbers: list[int] = []
+
+        def sink(metas: list[TensorMeta]) -> list[memoryview]:
+            if len(metas) != 1 or metas[0].nbytes != total or metas[0].name != name:
+                raise ProtocolError(f"the server answered ranges of {name!r} with something else")
+            numbers.append(metas[0].version)
+            return [dest for _, dest in ranges if dest.nbytes]
+
+        request = wg.encode_get_ranges(at, [(o, d.nbytes) for o, d in ranges], name)
+        what = f"get of {len(ranges)} ranges of {name!r} at generation {at or 'latest'}"
+        _, reader = await self._call(Opcode.GEN_GET_RANGES, request, sink=sink, what=what)
         return _finish(reader, numbers[-1])
 
     async def manifest(self, prefix: str, at: int) -> GenerationManifest:

@@ -28,9 +28,10 @@ from tensorwire.errors import (
 )
 from tensorwire.security import Security, TlsFiles, grpc_channel_credentials
 from tensorwire.transport.base import Progress, PutBatch, Sink, Transport
-from tensorwire.types import Address, Limits, TensorMeta
+from tensorwire.types import Address, Generation, GenerationManifest, Limits, TensorMeta
 from tensorwire.v1 import tensor_service_pb2 as pb
 from tensorwire.v1 import tensor_service_pb2_grpc as pb_grpc
+from tensorwire.wire import generations as wg
 from tensorwire.wire.checksum import ChecksumKind, checksum
 from tensorwire.wire.meta import ServerInfo
 from tensorwire.wire.rpc import (
@@ -40,9 +41,12 @@ from tensorwire.wire.rpc import (
     SERVICE,
     decode_chunk,
     encode_chunk,
+    generation_of,
     info_of,
+    manifest_of,
     message_options,
     meta_of,
+    part_info,
     pb_kind,
 )
 
@@ -54,7 +58,8 @@ _LOST_STATUS = '"execute_batch"'  # in the debug string of a send that failed as
 
 
 class RpcTransport(Transport):
-    """One gRPC channel to one server."""
+    """One gRPC channel to one server. Beyond ``Transport`` it is a ``PartPublisher`` and
+    ``RangedGenerations`` (base.py): what ``tensorwire.sharded`` puts and reads with."""
 
     def __init__(
         self,
@@ -86,6 +91,10 @@ class RpcTransport(Transport):
         # Put and Get pass raw bytes: wire.rpc encodes and parses their chunks without copies.
         self._put_call = self._channel.stream_unary(f"/{SERVICE}/Put", None, pb.PutReply.FromString)
         self._get_call = self._channel.unary_stream(f"/{SERVICE}/Get", _serialize, None)
+        self._part_call = self._channel.stream_unary(
+            f"/{SERVICE}/PublishPart", None, pb.GenerationInfo.FromString
+        )
+        self._ranges_call = self._channel.unary_stream(f"/{SERVICE}/GetRanges", _serialize, None)
         self._closed = False
 
     @property
@@ -115,7 +124,10 @@ class RpcTransport(Transport):
         )
         return int(reply.version)
 
-    async def _chunks(self, batch: PutBatch, progress: Progress | None) -> AsyncIterator[bytes]:
+    async def _chunks(
+        self, batch: PutBatch, progress: Progress | None, part: pb.PartHead | None = None
+    ) -> AsyncIterator[bytes]:
+        """The batch's tensors as Chunk messages (``part``: a PublishPart's head, on the first)."""
         kind = self._kind
         for index in range(batch.parts):
             metas, views = batch.part(index)
@@ -123,8 +135,8 @@ class RpcTransport(Transport):
                 header: pb.TensorInfo | None = info_of(meta)  # rides on the tensor's first chunk
                 for start in range(0, max(view.nbytes, 1), self._chunk):
                     data = view[start : start + self._chunk]
-                    yield encode_chunk(data, kind, checksum(kind, data), header)  # the one copy
-                    header = None
+                    yield encode_chunk(data, kind, checksum(kind, data), header, part)  # the one copy
+                    header, part = None, None
                     if progress is not None:
                         progress(len(data))
 
@@ -139,6 +151,59 @@ class RpcTransport(Transport):
             raise self._translate(exc, "get") from exc
         finally:
             call.cancel()  # a no-op when the stream is done; stops it if landing failed
+
+    # -- generations: what ``tensorwire.sharded`` needs (PartPublisher, RangedGenerations) ------
+    async def publish_part(
+        self, prefix: str, batch: PutBatch, *, txn: bytes, index: int, count: int, timeout: float
+    ) -> Generation:
+        ms = max(1, min(round(timeout * 1000), 0xFFFFFFFF))
+        head = part_info(wg.PartHead(prefix, txn, index, count, ms))
+        # The server answers once every part is in, or at ``timeout``; this deadline only backs it up.
+        call = self._part_call(
+            self._chunks(batch, None, head), timeout=timeout + self.timeout, metadata=self._metadata
+        )
+        what = f"part {index} of {count} of a publish under {prefix!r}"
+        return generation_of(await self._unary(what, call))
+
+    async def get_ranges_at(self, name: str, at: int, ranges: Sequence[tuple[int, memoryview]]) -> int:
+        total = sum(dest.nbytes for _, dest in ranges)
+        numbers: list[int] = []
+
+        def sink(metas: list[TensorMeta]) -> list[memoryview]:
+            if len(metas) != 1 or metas[0].nbytes != total or metas[0].name != name:
+                raise ProtocolError(f"{self.address} answered ranges of {name!r} with something else")
+            numbers.append(metas[0].version)
+            return [dest for _, dest in ranges]
+
+        request = pb.RangesRequest(
+            name=name,
+            at=at,
+            offsets=[o for o, _ in ranges],
+            lengths=[d.nbytes for _, d in ranges],
+            chunk_bytes=self._get_chunk,
+            checksum_kind=pb_kind(self._kind),
+        )
+        call = self._ranges_call(request, timeout=self.timeout, metadata=self._metadata)
+        try:
+            await self._land(call, sink, None)
+        except grpc.aio.AioRpcError as exc:
+            raise self._translate(exc, f"get of {len(ranges)} ranges of {name!r}") from exc
+        finally:
+            call.cancel()
+        return numbers[-1]
+
+    async def manifest(self, prefix: str, at: int) -> GenerationManifest:
+        request = pb.ManifestRequest(prefix=prefix, at=at)
+        what = f"manifest of {prefix!r} at generation {at or 'latest'}"
+        call = self._stub.Manifest(request, timeout=self.timeout, metadata=self._metadata)
+        return manifest_of(await self._unary(what, call))
+
+    async def lease(self, prefix: str, number: int, seconds: float) -> tuple[float, int]:
+        ms = min(round(seconds * 1000), 0xFFFFFFFF)
+        request = pb.LeaseRequest(prefix=prefix, number=number, milliseconds=ms)
+        call = self._stub.Lease(request, timeout=self.timeout, metadata=self._metadata)
+        reply = await self._unary(f"lease on generation {number} of {prefix!r}", call)
+        return reply.granted_ms / 1000, int(reply.oldest)
 
     async def _land(self, call: Any, sink: Sink, progress: Progress | None) -> list[TensorMeta]:
         chunks = call.__aiter__()

@@ -57,18 +57,110 @@ class TensorInfo(_message.Message):
     def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., nbytes: _Optional[int] = ..., version: _Optional[int] = ...) -> None: ...
 
 class Chunk(_message.Message):
-    __slots__ = ("tensor", "data", "checksum_kind", "checksum", "manifest")
+    __slots__ = ("tensor", "data", "checksum_kind", "checksum", "manifest", "part")
     TENSOR_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
     CHECKSUM_KIND_FIELD_NUMBER: _ClassVar[int]
     CHECKSUM_FIELD_NUMBER: _ClassVar[int]
     MANIFEST_FIELD_NUMBER: _ClassVar[int]
+    PART_FIELD_NUMBER: _ClassVar[int]
     tensor: TensorInfo
     data: bytes
     checksum_kind: ChecksumKind
     checksum: int
     manifest: _containers.RepeatedCompositeFieldContainer[TensorInfo]
-    def __init__(self, tensor: _Optional[_Union[TensorInfo, _Mapping]] = ..., data: _Optional[bytes] = ..., checksum_kind: _Optional[_Union[ChecksumKind, str]] = ..., checksum: _Optional[int] = ..., manifest: _Optional[_Iterable[_Union[TensorInfo, _Mapping]]] = ...) -> None: ...
+    part: PartHead
+    def __init__(self, tensor: _Optional[_Union[TensorInfo, _Mapping]] = ..., data: _Optional[bytes] = ..., checksum_kind: _Optional[_Union[ChecksumKind, str]] = ..., checksum: _Optional[int] = ..., manifest: _Optional[_Iterable[_Union[TensorInfo, _Mapping]]] = ..., part: _Optional[_Union[PartHead, _Mapping]] = ...) -> None: ...
+
+class PartHead(_message.Message):
+    __slots__ = ("prefix", "txn", "index", "count", "timeout_ms")
+    PREFIX_FIELD_NUMBER: _ClassVar[int]
+    TXN_FIELD_NUMBER: _ClassVar[int]
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    COUNT_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
+    prefix: str
+    txn: bytes
+    index: int
+    count: int
+    timeout_ms: int
+    def __init__(self, prefix: _Optional[str] = ..., txn: _Optional[bytes] = ..., index: _Optional[int] = ..., count: _Optional[int] = ..., timeout_ms: _Optional[int] = ...) -> None: ...
+
+class GenerationInfo(_message.Message):
+    __slots__ = ("prefix", "number", "digest", "names", "nbytes")
+    PREFIX_FIELD_NUMBER: _ClassVar[int]
+    NUMBER_FIELD_NUMBER: _ClassVar[int]
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
+    NAMES_FIELD_NUMBER: _ClassVar[int]
+    NBYTES_FIELD_NUMBER: _ClassVar[int]
+    prefix: str
+    number: int
+    digest: bytes
+    names: _containers.RepeatedScalarFieldContainer[str]
+    nbytes: int
+    def __init__(self, prefix: _Optional[str] = ..., number: _Optional[int] = ..., digest: _Optional[bytes] = ..., names: _Optional[_Iterable[str]] = ..., nbytes: _Optional[int] = ...) -> None: ...
+
+class RangesRequest(_message.Message):
+    __slots__ = ("name", "at", "offsets", "lengths", "chunk_bytes", "checksum_kind")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    AT_FIELD_NUMBER: _ClassVar[int]
+    OFFSETS_FIELD_NUMBER: _ClassVar[int]
+    LENGTHS_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUM_KIND_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    at: int
+    offsets: _containers.RepeatedScalarFieldContainer[int]
+    lengths: _containers.RepeatedScalarFieldContainer[int]
+    chunk_bytes: int
+    checksum_kind: ChecksumKind
+    def __init__(self, name: _Optional[str] = ..., at: _Optional[int] = ..., offsets: _Optional[_Iterable[int]] = ..., lengths: _Optional[_Iterable[int]] = ..., chunk_bytes: _Optional[int] = ..., checksum_kind: _Optional[_Union[ChecksumKind, str]] = ...) -> None: ...
+
+class ManifestRequest(_message.Message):
+    __slots__ = ("prefix", "at")
+    PREFIX_FIELD_NUMBER: _ClassVar[int]
+    AT_FIELD_NUMBER: _ClassVar[int]
+    prefix: str
+    at: int
+    def __init__(self, prefix: _Optional[str] = ..., at: _Optional[int] = ...) -> None: ...
+
+class ManifestTensor(_message.Message):
+    __slots__ = ("tensor", "checksums")
+    TENSOR_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
+    tensor: TensorInfo
+    checksums: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, tensor: _Optional[_Union[TensorInfo, _Mapping]] = ..., checksums: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class ManifestReply(_message.Message):
+    __slots__ = ("generation", "chunk_bytes", "checksum_kind", "tensors")
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUM_KIND_FIELD_NUMBER: _ClassVar[int]
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    generation: GenerationInfo
+    chunk_bytes: int
+    checksum_kind: ChecksumKind
+    tensors: _containers.RepeatedCompositeFieldContainer[ManifestTensor]
+    def __init__(self, generation: _Optional[_Union[GenerationInfo, _Mapping]] = ..., chunk_bytes: _Optional[int] = ..., checksum_kind: _Optional[_Union[ChecksumKind, str]] = ..., tensors: _Optional[_Iterable[_Union[ManifestTensor, _Mapping]]] = ...) -> None: ...
+
+class LeaseRequest(_message.Message):
+    __slots__ = ("prefix", "number", "milliseconds")
+    PREFIX_FIELD_NUMBER: _ClassVar[int]
+    NUMBER_FIELD_NUMBER: _ClassVar[int]
+    MILLISECONDS_FIELD_NUMBER: _ClassVar[int]
+    prefix: str
+    number: int
+    milliseconds: int
+    def __init__(self, prefix: _Optional[str] = ..., number: _Optional[int] = ..., milliseconds: _Optional[int] = ...) -> None: ...
+
+class LeaseReply(_message.Message):
+    __slots__ = ("granted_ms", "oldest")
+    GRANTED_MS_FIELD_NUMBER: _ClassVar[int]
+    OLDEST_FIELD_NUMBER: _ClassVar[int]
+    granted_ms: int
+    oldest: int
+    def __init__(self, granted_ms: _Optional[int] = ..., oldest: _Optional[int] = ...) -> None: ...
 
 class PutReply(_message.Message):
     __slots__ = ("version",)

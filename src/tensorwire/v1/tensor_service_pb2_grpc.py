@@ -74,6 +74,26 @@ class TensorServiceStub:
                 request_serializer=tensorwire_dot_v1_dot_tensor__service__pb2.Empty.SerializeToString,
                 response_deserializer=tensorwire_dot_v1_dot_tensor__service__pb2.Empty.FromString,
                 _registered_method=True)
+        self.PublishPart = channel.stream_unary(
+                '/tensor_service.TensorService/PublishPart',
+                request_serializer=tensorwire_dot_v1_dot_tensor__service__pb2.Chunk.SerializeToString,
+                response_deserializer=tensorwire_dot_v1_dot_tensor__service__pb2.GenerationInfo.FromString,
+                _registered_method=True)
+        self.GetRanges = channel.unary_stream(
+                '/tensor_service.TensorService/GetRanges',
+                request_serializer=tensorwire_dot_v1_dot_tensor__service__pb2.RangesRequest.SerializeToString,
+                response_deserializer=tensorwire_dot_v1_dot_tensor__service__pb2.Chunk.FromString,
+                _registered_method=True)
+        self.Manifest = channel.unary_unary(
+                '/tensor_service.TensorService/Manifest',
+                request_serializer=tensorwire_dot_v1_dot_tensor__service__pb2.ManifestRequest.SerializeToString,
+                response_deserializer=tensorwire_dot_v1_dot_tensor__service__pb2.ManifestReply.FromString,
+                _registered_method=True)
+        self.Lease = channel.unary_unary(
+                '/tensor_service.TensorService/Lease',
+                request_serializer=tensorwire_dot_v1_dot_tensor__service__pb2.LeaseRequest.SerializeToString,
+                response_deserializer=tensorwire_dot_v1_dot_tensor__service__pb2.LeaseReply.FromString,
+                _registered_method=True)
 
 
 class TensorServiceServicer:
@@ -133,6 +153,39 @@ class TensorServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PublishPart(self, request_iterator, context):
+        """Generations (docs/protocol.md §14, "Over gRPC"): what tensorwire.sharded puts and reads with.
+        PublishPart: one part of a multi-part publish (§14.8), streamed like a Put (its first chunk
+        carries `part`), answered when the whole transaction commits (the generation) or aborts (a
+        gRPC error); a part whose call ends early (cancelled, its connection closed) aborts it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetRanges(self, request, context):
+        """Many byte ranges of one tensor of one generation, answered like a Get: the first chunk's
+        manifest holds one uint8 tensor of the ranges' total length (version: the generation number),
+        then the ranges' bytes, in order, cut into checksummed chunks.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Manifest(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Lease(self, request, context):
+        """Keeps a generation (past the server's keep count) for `milliseconds`, 0 releases; the lease
+        belongs to the calling connection (its peer address) and ends at its time at the latest.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_TensorServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -175,6 +228,26 @@ def add_TensorServiceServicer_to_server(servicer, server):
                     servicer.Ping,
                     request_deserializer=tensorwire_dot_v1_dot_tensor__service__pb2.Empty.FromString,
                     response_serializer=tensorwire_dot_v1_dot_tensor__service__pb2.Empty.SerializeToString,
+            ),
+            'PublishPart': grpc.stream_unary_rpc_method_handler(
+                    servicer.PublishPart,
+                    request_deserializer=tensorwire_dot_v1_dot_tensor__service__pb2.Chunk.FromString,
+                    response_serializer=tensorwire_dot_v1_dot_tensor__service__pb2.GenerationInfo.SerializeToString,
+            ),
+            'GetRanges': grpc.unary_stream_rpc_method_handler(
+                    servicer.GetRanges,
+                    request_deserializer=tensorwire_dot_v1_dot_tensor__service__pb2.RangesRequest.FromString,
+                    response_serializer=tensorwire_dot_v1_dot_tensor__service__pb2.Chunk.SerializeToString,
+            ),
+            'Manifest': grpc.unary_unary_rpc_method_handler(
+                    servicer.Manifest,
+                    request_deserializer=tensorwire_dot_v1_dot_tensor__service__pb2.ManifestRequest.FromString,
+                    response_serializer=tensorwire_dot_v1_dot_tensor__service__pb2.ManifestReply.SerializeToString,
+            ),
+            'Lease': grpc.unary_unary_rpc_method_handler(
+                    servicer.Lease,
+                    request_deserializer=tensorwire_dot_v1_dot_tensor__service__pb2.LeaseRequest.FromString,
+                    response_serializer=tensorwire_dot_v1_dot_tensor__service__pb2.LeaseReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -393,6 +466,114 @@ class TensorService:
             '/tensor_service.TensorService/Ping',
             tensorwire_dot_v1_dot_tensor__service__pb2.Empty.SerializeToString,
             tensorwire_dot_v1_dot_tensor__service__pb2.Empty.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PublishPart(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/tensor_service.TensorService/PublishPart',
+            tensorwire_dot_v1_dot_tensor__service__pb2.Chunk.SerializeToString,
+            tensorwire_dot_v1_dot_tensor__service__pb2.GenerationInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetRanges(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/tensor_service.TensorService/GetRanges',
+            tensorwire_dot_v1_dot_tensor__service__pb2.RangesRequest.SerializeToString,
+            tensorwire_dot_v1_dot_tensor__service__pb2.Chunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Manifest(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tensor_service.TensorService/Manifest',
+            tensorwire_dot_v1_dot_tensor__service__pb2.ManifestRequest.SerializeToString,
+            tensorwire_dot_v1_dot_tensor__service__pb2.ManifestReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Lease(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tensor_service.TensorService/Lease',
+            tensorwire_dot_v1_dot_tensor__service__pb2.LeaseRequest.SerializeToString,
+            tensorwire_dot_v1_dot_tensor__service__pb2.LeaseReply.FromString,
             options,
             channel_credentials,
             insecure,

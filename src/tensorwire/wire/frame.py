@@ -78,13 +78,20 @@ class Opcode(enum.IntEnum):
     RELAY_STATS = 51
     # Per-host fan-out (docs/protocol.md §16): a generation as read-only shared-memory views.
     SHM_GEN_VIEW = 52
+    GEN_PUBLISH_PART = 53
+    GEN_GET_RANGES = 54
+    # RDMA through the Mooncake Transfer Engine (rdma://, docs/protocol.md §17; server/rdma.py).
+    RDMA_ATTACH = 56
+    RDMA_PUT = 57
+    RDMA_GET = 58
+    RDMA_END = 59
 
 
 class Flags(enum.IntFlag):
     NONE = 0
     RESPONSE = 0x01
     ERROR = 0x02
-    MORE = 0x04  # request: a part of a PUT_MANY or GEN_PUBLISH; more parts with the same id follow
+    MORE = 0x04  # request: a part of a PUT_MANY, GEN_PUBLISH(_PART); more parts with the same id follow
     COMPRESSED = 0x08  # the data section's chunks carry chunk heads and may be compressed (§5.5)
 
 

@@ -1,5 +1,5 @@
 """Generations on the wire (docs/protocol.md §14): the metadata blocks of GEN_PUBLISH, GEN_GET,
-GEN_GET_RANGE, GEN_MANIFEST, GEN_WAIT and GEN_LEASE, and the root digest of a generation.
+GEN_GET_RANGE, GEN_MANIFEST, GEN_WAIT, GEN_LEASE and GEN_PUBLISH_PART, and the root digest of a generation.
 
 Bytes in, bytes out: the server (server/generation_ops.py) and the client (client/generations.py)
 share these, so the digest a reader recomputes is the one the server computed, by construction.
@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import struct
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 
 from tensorwire.errors import InvalidTensor, ProtocolError
 from tensorwire.types import ChunkSums, Generation, GenerationManifest, TensorMeta
@@ -36,6 +37,8 @@ _GEN = struct.Struct(f"<Q{DIGEST_BYTES}sQ")  # number, digest, nbytes
 _WAIT = struct.Struct("<QI")  # after, timeout in ms
 _LEASE = struct.Struct("<QI")  # number, ms (0: release)
 _LEASED = struct.Struct("<IQ")  # ms granted, oldest kept
+TXN_BYTES = 16  # a GEN_PUBLISH_PART transaction id
+_PART = struct.Struct(f"<{TXN_BYTES}sIII")  # txn, part index, part count, timeout in ms
 _SUMS_HEAD = struct.Struct("<BI")  # checksum kind, chunk size
 
 
@@ -173,6 +176,56 @@ def decode_lease(reader: wm.MetaReader) -> tuple[str, int, int]:
 def encode_leased(ms: int, oldest: int) -> bytes:
     """GEN_LEASE's answer: ``u32 ms granted | u64 oldest generation kept``."""
     return _LEASED.pack(ms, oldest)
+
+
+@dataclass(frozen=True, slots=True)
+class PartHead:
+    """What every frame of a GEN_PUBLISH_PART starts with: which transaction, which of its parts."""
+
+    prefix: str
+    txn: bytes  # TXN_BYTES, chosen by the job (rank 0) and shared by all its parts
+    index: int  # 0 .. count - 1
+    count: int  # parts in the transaction
+    timeout_ms: int  # how long the server waits for the others (it caps this)
+
+
+def encode_part_head(head: PartHead) -> bytes:
+    """GEN_PUBLISH_PART's block start: ``prefix | 16-byte txn | u32 index | u32 count | u32 timeout
+    in ms`` (records follow, as in GEN_PUBLISH)."""
+    if len(head.txn) != TXN_BYTES:
+        raise InvalidTensor(f"a transaction id is {TXN_BYTES} bytes, not {len(head.txn)}")
+    return encode_prefix(head.prefix) + _PART.pack(head.txn, head.index, head.count, head.timeout_ms)
+
+
+def decode_part_head(reader: wm.MetaReader) -> PartHead:
+    prefix = decode_prefix(reader)
+    txn, index, count, timeout_ms = reader.take(_PART)
+    if not count or index >= count:
+        raise ProtocolError(f"part {index} of {count} is no part of a transaction")
+    return PartHead(prefix, bytes(txn), index, count, timeout_ms)
+
+
+MAX_RANGES = 65536  # ranges in one GEN_GET_RANGES
+_RANGE = struct.Struct("<QQ")  # offset, length
+
+
+def encode_get_ranges(at: int, ranges: Sequence[tuple[int, int]], name: str) -> bytes:
+    """GEN_GET_RANGES's block: ``u64 at | u32 count | count x (u64 offset, u64 length) | names``
+    (exactly one name)."""
+    return (
+        _U64.pack(at) + _U32.pack(len(ranges)) + b"".join(_RANGE.pack(o, n) for o, n in ranges)
+        + wm.encode_names([name])
+    )  # fmt: skip
+
+
+def decode_get_ranges(reader: wm.MetaReader) -> tuple[int, list[tuple[int, int]], list[str]]:
+    """The block of a GEN_GET_RANGES; ProtocolError past ``MAX_RANGES`` (before they are read)."""
+    at = reader.u64()
+    count = reader.u32()
+    if not count or count > MAX_RANGES:
+        raise ProtocolError(f"a GEN_GET_RANGES of {count} ranges: 1 to {MAX_RANGES}")
+    ranges = [(o, n) for o, n in (reader.take(_RANGE) for _ in range(count))]
+    return at, ranges, wm.decode_names(reader)
 
 
 def decode_leased(reader: wm.MetaReader) -> tuple[int, int]:

@@ -56,7 +56,7 @@ class Harness:
 
     @property
     def secure(self) -> bool:
-        return self.scheme in ("tls", "grpcs")
+        return self.scheme in ("tls", "grpcs", "rdmas")
 
     @contextlib.asynccontextmanager
     async def server(

@@ -1,0 +1,260 @@
+"""Sharded state from 4 ranks into 2 and back: tensorwire against ``torch.distributed.checkpoint``.
+
+A state dict of ``--size`` bytes (512 MiB: 8 float32 tensors of ``--rows`` rows) is held by two
+gloo worlds of spawned processes at once: 4 ranks sharding every tensor by rows (``Shard(0)``)
+and 2 ranks sharding it by columns (``Shard(1)``). Each way goes 4 -> 2 -> 4:
+
+* tensorwire (``tw_s``): the 4 ranks ``put_state_dict`` into one tensorwire server (a thread of
+  this process), the 2 ranks ``get_state_dict`` it (each reads only the byte ranges of the saved
+  parts that overlap its columns: one per row of each part), then the 2 put and the 4 get.
+* torch.distributed.checkpoint (``dcp_s``): ``dcp.save`` from the 4 into a fresh directory under
+  /dev/shm (tmpfs: memory, no disk), ``dcp.load`` into the 2, then the 2 save and the 4 load.
+
+Each phase is timed between two barriers of its world and every read is checked against the
+values the state was filled with. ``tw_vs_dcp`` = tw_s / dcp_s (target <= 0.5). ``bytes_moved``:
+the data bytes the server received and sent during tensorwire's phases (its own counters);
+``overlap_bytes``: what the layouts force to move (every part a rank saves, and for each reading
+rank, its overlap with each saved part); ``moved_vs_overlap`` (target <= 1.01). ``socket_gbps``:
+one plain socket stream between two processes, measured in the same run, and ``tw_bound_s`` =
+bytes_moved over it. ``async_blocking_ratio``: what a training-like loop on the 4 ranks waits in
+``AsyncSaver.save`` (the snapshot; buffers already made by an earlier save) over what a
+synchronous ``put_state_dict`` of the same state takes (target <= 0.1); the snapshot's upload runs
+while the loop goes on (``async_commit_s``: from the call to the committed generation).
+
+``--transport``: how the ranks reach the server, ``tcp`` (the default: every byte goes through the
+socket and the server's counters) or ``shm`` (same host: large tensors through shared segments,
+which no counter sees, so ``bytes_moved`` and ``moved_vs_overlap`` are null).
+
+Run: ``tensorwire bench reshard [--json] [--size 512MiB] [--rows 256] [--repeats 1] [--transport tcp]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import shutil
+import statistics
+import tempfile
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+
+from tensorwire.bench import ps_comm
+from tensorwire.bench.children import Child, spawned
+from tensorwire.bench.report import show, table
+from tensorwire.bench.reshard_ranks import HOST, Place, Setup, World, rank_main
+from tensorwire.bench.transfer import parse_size
+from tensorwire.server import ServerThread
+from tensorwire.store import TensorStore
+from tensorwire.types import MiB
+
+SAVERS = World("savers", 4, 0)  # the 4 ranks, Shard(0)
+READERS = World("readers", 2, 1)  # the 2 ranks, Shard(1)
+TMPFS = Path("/dev/shm")
+SOCKET_BYTES = 256 * MiB
+PREFIXES = ("reshard/from4", "reshard/from2")
+TRANSPORTS = ("tcp", "shm")
+
+
+@dataclass
+class Worlds:
+    """The running ranks of both worlds and the server they share."""
+
+    savers: list[Child]
+    readers: list[Child]
+    server: ServerThread
+    timeout: float
+
+    def ask(self, ranks: list[Child], *request: object) -> list[dict[str, Any]]:
+        """One collective request to every rank of a world at once; their answers in rank order."""
+        for child in ranks:
+            child.tell(request)
+        return [_answer(child, self.timeout) for child in ranks]
+
+    def moved(self) -> int:
+        """Data bytes the server has received and sent so far (all operations)."""
+        rows = list(self.server.server.counts.rows.values())
+        return sum(row.received + row.sent for row in rows)
+
+
+def _answer(child: Child, timeout: float) -> dict[str, Any]:
+    answer = child.answer(timeout)
+    assert isinstance(answer, dict)
+    return answer
+
+
+@contextlib.contextmanager
+def worlds(setup: Setup) -> Iterator[Worlds]:
+    """Both worlds' ranks started (in parallel) against one server; all gone on leaving."""
+    capacity = 8 * setup.nbytes + 64 * MiB  # 3 prefixes x 2 kept, a put in flight
+    store = dist.TCPStore(HOST, 0, is_master=True, wait_for_workers=False)  # type: ignore[attr-defined]
+    listen = f"{setup.transport}://{HOST}:0"
+    with ServerThread([listen], TensorStore(capacity)) as server, spawned() as children:
+        for world in (SAVERS, READERS):
+            places = [Place(world, r, store.port, server.url) for r in range(world.size)]
+            children += [Child(rank_main, place, setup) for place in places]
+        for child in children:
+            child.ready(setup.timeout)
+        yield Worlds(children[: SAVERS.size], children[SAVERS.size :], server, setup.timeout)
+
+
+def _slowest(answers: list[dict[str, Any]], key: str = "s") -> float:
+    return max(float(a[key]) for a in answers)
+
+
+def tensorwire_round(w: Worlds) -> dict[str, float]:
+    """4 -> 2 -> 4 through the server: each phase's seconds and the bytes it moved."""
+    phases: dict[str, float] = {}
+    steps: tuple[tuple[str, list[Child], str, str], ...] = (
+        ("put4", w.savers, "tw_put", PREFIXES[0]),
+        ("get2", w.readers, "tw_get", PREFIXES[0]),
+        ("put2", w.readers, "tw_put", PREFIXES[1]),
+        ("get4", w.savers, "tw_get", PREFIXES[1]),
+    )
+    for phase, ranks, op, prefix in steps:
+        before = w.moved()
+        phases[f"{phase}_s"] = _slowest(w.ask(ranks, op, prefix))
+        phases[f"{phase}_bytes"] = w.moved() - before
+    return phases
+
+
+def dcp_round(w: Worlds) -> dict[str, float]:
+    """4 -> 2 -> 4 through torch.distributed.checkpoint files on tmpfs: each phase's seconds."""
+    root = Path(tempfile.mkdtemp(prefix="tensorwire-reshard-", dir=TMPFS if TMPFS.is_dir() else None))
+    try:
+        there, back = str(root / "from4"), str(root / "from2")
+        return {
+            "save4_s": _slowest(w.ask(w.savers, "dcp_save", there)),
+            "load2_s": _slowest(w.ask(w.readers, "dcp_load", there)),
+            "save2_s": _slowest(w.ask(w.readers, "dcp_save", back)),
+            "load4_s": _slowest(w.ask(w.savers, "dcp_load", back)),
+        }
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def overlap_bytes(setup: Setup) -> int:
+    """What the layouts force to move in one round: each put sends every part once, and each get
+    reads, for every reading rank, its overlap with every saved part."""
+    rows, cols = setup.shape
+    per_tensor = 0
+    for saved, read in ((SAVERS, READERS), (READERS, SAVERS)):
+        per_tensor += rows * cols * 4  # the put: every part, once
+        for reader in range(read.size):
+            mine = _box((rows, cols), read, reader)
+            per_tensor += sum(_overlap(mine, _box((rows, cols), saved, s)) for s in range(saved.size)) * 4
+    return setup.tensors * per_tensor
+
+
+Box = tuple[tuple[int, int], tuple[int, int]]  # (start, stop) of the rows, of the columns
+
+
+def _box(shape: tuple[int, int], world: World, rank: int) -> Box:
+    per = shape[world.dim] // world.size
+    part = (rank * per, (rank + 1) * per)
+    return (part, (0, shape[1])) if world.dim == 0 else ((0, shape[0]), part)
+
+
+def _overlap(a: Box, b: Box) -> int:
+    count = 1
+    for (a0, a1), (b0, b1) in zip(a, b, strict=True):
+        count *= max(0, min(a1, b1) - max(a0, b0))
+    return count
+
+
+def _median_phases(rounds: list[dict[str, float]]) -> dict[str, float]:
+    return {key: float(statistics.median(r[key] for r in rounds)) for key in rounds[0]}
+
+
+Rounds = tuple[dict[str, float], dict[str, float], list[dict[str, Any]]]  # tw and dcp phases, async saves
+
+
+def run(setup: Setup, repeats: int = 1) -> dict[str, Any]:
+    setup.check(SAVERS, READERS)
+    socket = ps_comm.socket_gbps(min(setup.nbytes, SOCKET_BYTES))
+    with worlds(setup) as w:
+        tw = _median_phases([tensorwire_round(w) for _ in range(repeats)])
+        dcp = _median_phases([dcp_round(w) for _ in range(repeats)])
+        saves = w.ask(w.savers, "async_save", "reshard/async")
+    return summary(setup, repeats, socket, (tw, dcp, saves))
+
+
+def summary(setup: Setup, repeats: int, socket: float, rounds: Rounds) -> dict[str, Any]:
+    tw, dcp, saves = rounds
+    tw_s = sum(v for k, v in tw.items() if k.endswith("_s"))
+    dcp_s = sum(dcp.values())
+    # Over shm:// the bytes of large tensors go through shared segments, which no counter sees.
+    counted = setup.transport == "tcp"
+    moved = int(sum(v for k, v in tw.items() if k.endswith("_bytes"))) if counted else None
+    overlap = overlap_bytes(setup)
+    blocked, sync = _slowest(saves, "blocked_s"), _slowest(saves, "sync_s")
+    return {
+        "size_bytes": setup.nbytes, "tensors": setup.tensors, "shape": list(setup.shape),
+        "transport": setup.transport,
+        "worlds": [[SAVERS.size, f"Shard({SAVERS.dim})"], [READERS.size, f"Shard({READERS.dim})"]],
+        "repeats": repeats,
+        "tw_s": tw_s, "dcp_s": dcp_s, "tw_vs_dcp": tw_s / dcp_s,
+        "bytes_moved": moved, "overlap_bytes": overlap,
+        "moved_vs_overlap": None if moved is None else moved / overlap,
+        "socket_gbps": socket, "tw_bound_s": (overlap if moved is None else moved) / (socket * 1e9),
+        "async_blocking_ratio": blocked / sync,
+        "async_blocked_s": blocked, "async_first_blocked_s": _slowest(saves, "first_blocked_s"),
+        "async_commit_s": _slowest(saves, "commit_s"), "sync_put_s": sync,
+        "steps_during_upload": min(int(s["steps_during_upload"]) for s in saves),
+        "tw_phases": tw, "dcp_phases": dcp,
+    }  # fmt: skip
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    d = Setup()
+    parser = argparse.ArgumentParser(prog="tensorwire bench reshard", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    parser.add_argument("--json", action="store_true", help="print one JSON line")
+    parser.add_argument("--size", type=parse_size, default=d.size, help="the state dict's bytes (512MiB)")
+    parser.add_argument("--tensors", type=int, default=d.tensors, help="how many tensors it is")
+    parser.add_argument("--rows", type=int, default=d.rows, help="rows of each tensor (divisible by 4)")
+    parser.add_argument("--repeats", type=int, default=1, help="rounds of each way (medians per phase)")
+    parser.add_argument("--timeout", type=float, default=d.timeout, help="seconds for each phase")
+    parser.add_argument(
+        "--transport", choices=TRANSPORTS, default=d.transport, help="the ranks' way to the server"
+    )
+    args = parser.parse_args(argv)
+    setup = Setup(args.size, args.tensors, args.rows, args.timeout, args.transport)
+    return show(run(setup, args.repeats), args.json, _readable)
+
+
+def _readable(r: dict[str, Any]) -> str:
+    rows, cols = r["shape"]
+    head = (f"sharded state {r['size_bytes'] / MiB:,.0f} MiB ({r['tensors']} x {rows} x {cols} float32), "
+            f"4 ranks Shard(0) -> 2 ranks Shard(1) -> 4 ranks, one tensorwire server ({r['transport']}://) "
+            "vs torch.distributed.checkpoint on /dev/shm")  # fmt: skip
+    lines = [
+        ("tensorwire", f"{r['tw_s']:.3f} s", _phases(r["tw_phases"])),
+        ("torch.distributed.checkpoint", f"{r['dcp_s']:.3f} s", _phases(r["dcp_phases"])),
+        ("tw_vs_dcp", f"{r['tw_vs_dcp']:.3f}", "target <= 0.5"),
+        ("bytes moved", _mib(r["bytes_moved"]), f"overlap {_mib(r['overlap_bytes'])}: "
+         f"moved_vs_overlap {_num(r['moved_vs_overlap'], '.4f')} (target <= 1.01)"),
+        ("socket bound", f"{r['tw_bound_s']:.3f} s", f"one socket stream {r['socket_gbps']:.2f} GB/s"),
+        ("async save blocks", f"{r['async_blocked_s']:.3f} s", f"sync put {r['sync_put_s']:.3f} s: "
+         f"async_blocking_ratio {r['async_blocking_ratio']:.3f} (target <= 0.1)"),
+    ]  # fmt: skip
+    return table(head, lines, 10)
+
+
+def _mib(n: int | None) -> str:
+    return "n/a (shm://)" if n is None else f"{n / MiB:,.1f} MiB"
+
+
+def _num(x: float | None, spec: str) -> str:
+    return "n/a" if x is None else format(x, spec)
+
+
+def _phases(p: dict[str, float]) -> str:
+    return ", ".join(f"{k[:-2]} {v:.3f}" for k, v in p.items() if k.endswith("_s"))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,321 @@
+"""GEN_PUBLISH_PART (docs/protocol.md §14.8): one generation published from the parts of several
+connections (the ranks of a job, each uploading only its own shards), visible all at once or not
+at all.
+
+Lifecycle of a transaction (``_Txn``), keyed by its prefix and 16-byte id:
+
+1. The first frame of its first part to arrive opens it (bounded: ``max_transactions`` open
+   server-wide, ``transactions_per_owner`` with a part from one connection, ``max_parts`` parts;
+   its timeout is capped at ``max_wait_seconds``) and starts its timer.
+2. Each part is received like a GEN_PUBLISH (``StoreOps.receive_parts``: capacity reserved before
+   a byte is kept, chunk checksums computed here from the verified bytes) and held, reservation
+   and all, in the transaction; its answer is parked (the connection goes on serving its other
+   frames) until the transaction ends.
+3. When the last of ``count`` parts is in, the parts' reservations are merged (names disjoint
+   across parts, else the whole transaction is refused) and published as one generation; every
+   parked part is answered with it.
+4. Otherwise it is aborted: its timer runs out (``WaitTimeout``), a part fails or collides, or a
+   connection that sent (or is sending) one of its parts closes (``PublishAborted``; over gRPC,
+   a PublishPart call that ends before the transaction does: ``owner``). Every
+   reservation is freed and every parked part answered with the error, which says how many of how
+   many parts arrived. Nothing of it was ever visible. Its id is remembered a while, so that a
+   part arriving late gets the same error at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from tensorwire.errors import (
+    InvalidName,
+    LimitExceeded,
+    ProtocolError,
+    PublishAborted,
+    TensorwireError,
+    WaitTimeout,
+)
+from tensorwire.server.request import Request
+from tensorwire.server.store_ops import Parts, StoreOps, cpu
+from tensorwire.store import Reservation
+from tensorwire.store.generations import Generations, check_names
+from tensorwire.types import Generation
+from tensorwire.wire import generations as wg
+from tensorwire.wire import meta as wm
+
+_ABORTED_KEPT = 1024  # aborted transaction ids remembered
+_OFF_LOOP_BYTES = 8 << 20  # checksums of a larger part are computed on a worker thread
+# Publishes a merged reservation (its chunk checksums given) and wakes the prefix's waiters.
+Announce = Callable[[str, Reservation, Sequence[tuple[int, ...]]], Generation]
+
+
+@dataclass(eq=False)
+class _Txn:
+    prefix: str
+    txn: bytes
+    count: int
+    timer: asyncio.TimerHandle | None = None
+    parts: dict[int, tuple[Reservation, list[tuple[int, ...]]]] = field(default_factory=dict)
+    receiving: set[int] = field(default_factory=set)  # indices whose frames are arriving
+    owners: dict[_PartsHeld, set[int]] = field(default_factory=dict)  # connection -> its parts
+    names: set[str] = field(default_factory=set)
+    ended: asyncio.Event = field(default_factory=asyncio.Event)
+    generation: Generation | None = None
+    error: TensorwireError | None = None
+
+    def describe(self) -> str:
+        return f"transaction {self.txn.hex()[:12]} of {self.prefix!r}"
+
+    def arrived(self) -> str:
+        return f"{len(self.parts)} of {self.count} parts arrived"
+
+
+@dataclass(eq=False)
+class _PartsHeld:
+    """One connection's stake: the transactions it sent parts of, and its parked answers."""
+
+    txns: set[_Txn] = field(default_factory=set)
+    heads: dict[int, tuple[wg.PartHead, _Txn]] = field(default_factory=dict)  # request id -> part arriving
+    answers: set[asyncio.Task[None]] = field(default_factory=set)
+    on_close: Callable[[_PartsHeld], None] | None = None
+    sender: str = "connection"  # what sent its parts, as the abort at its close names it
+
+    def close(self) -> None:
+        if self.on_close is not None:
+            self.on_close(self)
+
+
+class PartPublishes:
+    """The open multi-part publishes of one server (module docstring)."""
+
+    def __init__(
+        self, generations: Generations, store_ops: StoreOps, announce: Announce, *, max_wait: float
+    ) -> None:
+        self.generations = generations
+        self.store_ops = store_ops
+        self.store = generations.store
+        self.announce = announce
+        self.config = generations.config
+        self.max_wait = min(max_wait, self.config.max_wait_seconds)
+        self.open: dict[tuple[str, bytes], _Txn] = {}
+        # Recently aborted transactions, so that a part arriving late is refused with the reason
+        # at once rather than opening the transaction again (bounded: the oldest are forgotten).
+        self.aborted: OrderedDict[tuple[str, bytes], TensorwireError] = OrderedDict()
+
+    def _held(self, req: Request) -> _PartsHeld:
+        held = req.session_state(_PartsHeld)
+        held.on_close = self._connection_closed
+        return held
+
+    async def publish_part(self, req: Request) -> None:
+        held = self._held(req)
+        head = functools.partial(self._head, held, req.header.request_id)
+        await self.store_ops.receive_parts(req, functools.partial(self._received, held), head)
+
+    # -- receiving a part -----------------------------------------------------------------------
+    def _head(self, held: _PartsHeld, rid: int, reader: wm.MetaReader, parts: Parts) -> None:
+        head = wg.decode_part_head(reader)
+        if parts.head is None:  # the part's first frame: before a byte of it is reserved
+            held.heads[rid] = head, self._open(held, head)
+            parts.head = head.prefix
+        elif rid not in held.heads or held.heads[rid][0] != head:
+            raise ProtocolError(f"the frames of one GEN_PUBLISH_PART disagree on its head: {head}")
+
+    def _open(self, held: _PartsHeld, head: wg.PartHead) -> _Txn:
+        """Join (or open) ``head``'s transaction, within every bound, or raise."""
+        key = (head.prefix, head.txn)
+        if key in self.aborted:
+            raise self.aborted[key]
+        txn = self.open.get(key)
+        if txn not in held.txns and len(held.txns) >= self.config.transactions_per_owner:
+            raise LimitExceeded(self._too_many(len(held.txns), "this connection has parts in"))
+        if txn is None:
+            self.generations.admit(head.prefix)
+            self._check_open(head)
+            txn = self._start(head)
+        if head.count != txn.count:
+            raise ProtocolError(f"a part of {txn.describe()} says it has {head.count} parts, not {txn.count}")
+        if head.index in txn.parts or head.index in txn.receiving:
+            raise ProtocolError(f"part {head.index} of {txn.describe()} was sent twice")
+        txn.receiving.add(head.index)
+        txn.owners.setdefault(held, set()).add(head.index)
+        held.txns.add(txn)
+        return txn
+
+    def _check_open(self, head: wg.PartHead) -> None:
+        limits = self.config
+        if head.count > limits.max_parts:
+            raise LimitExceeded(f"a publish of {head.count} parts: at most {limits.max_parts}")
+        if head.timeout_ms / 1000 > self.max_wait:
+            asked = head.timeout_ms / 1000
+            raise LimitExceeded(
+                f"a part waits at most {self.max_wait:.3g}s (the longest this server waits), not {asked:.3g}s"
+            )
+        if not head.timeout_ms:
+            raise ProtocolError("a multi-part publish needs a timeout")
+        if len(self.open) >= limits.max_transactions:
+            raise LimitExceeded(self._too_many(len(self.open), "this server has open"))
+
+    def _too_many(self, now: int, where: str) -> str:
+        most = self.config.max_transactions if "server" in where else self.config.transactions_per_owner
+        return f"{where} {now} multi-part publishes: at most {most}"
+
+    def _start(self, head: wg.PartHead) -> _Txn:
+        txn = _Txn(head.prefix, head.txn, head.count)
+        self.open[(head.prefix, head.txn)] = txn
+        loop = asyncio.get_running_loop()
+        timeout = head.timeout_ms / 1000
+        txn.timer = loop.call_later(timeout, self._expire, txn, timeout)
+        return txn
+
+    def _expire(self, txn: _Txn, timeout: float) -> None:
+        waited = f"{txn.describe()} timed out after {timeout:.3g}s: {txn.arrived()}"
+        missing = sorted(set(range(txn.count)) - set(txn.parts))[:8]
+        self._abort(txn, WaitTimeout(f"{waited} (missing: parts {missing})"))
+
+    async def _received(self, held: _PartsHeld, req: Request, parts: Parts) -> None:
+        """The last frame of a part is in: hold it in its transaction, then answer when it ends."""
+        opened = held.heads.pop(req.header.request_id, None)
+        if opened is None:  # its first frame was refused
+            parts.abort()
+            raise parts.error or ProtocolError("GEN_PUBLISH_PART carried no head")
+        head, txn = opened
+        await self.add(txn, head, parts.reservation, parts.error)
+        await self._answer_when_ended(held, req, txn)
+
+    # -- the same, for a caller that is not a frame connection (gRPC's PublishPart) -------------
+    def owner(self, sender: str) -> _PartsHeld:
+        """A new stake (one gRPC call's): ``join`` with it, and ``close`` it when the call ends,
+        which aborts every transaction it has a part in that has not ended (``sender`` names it
+        in that error: "call", "connection")."""
+        return _PartsHeld(on_close=self._connection_closed, sender=sender)
+
+    def join(self, held: _PartsHeld, head: wg.PartHead) -> _Txn:
+        """Join (or open) ``head``'s transaction before a byte of the part is reserved (every bound
+        of the module docstring, step 1), or raise."""
+        return self._open(held, head)
+
+    async def add(
+        self, txn: _Txn, head: wg.PartHead, res: Reservation, error: TensorwireError | None = None
+    ) -> None:
+        """Part ``head.index`` of ``txn`` is received into ``res`` (``error``: why receiving it
+        failed): held in the transaction, which commits if this was its last part. Else ``res`` is
+        freed, the transaction aborted, and the error every part hears raised."""
+        txn.receiving.discard(head.index)
+        try:
+            sums = await self._check_part(txn, head, res, error)
+        except TensorwireError as exc:
+            self.store.abort(res)
+            self._abort(txn, _failed(txn, head.index, exc))
+            if txn.error is None or txn.error is exc:
+                raise
+            raise txn.error from exc  # every part hears the same
+        txn.parts[head.index] = (res, sums)
+        txn.names |= res.names
+        if len(txn.parts) == txn.count:
+            self._commit(txn)
+
+    async def outcome(self, txn: _Txn) -> Generation:
+        """Once ``txn`` has ended: its generation, or the error that aborted it (raised)."""
+        await txn.ended.wait()
+        if txn.generation is None:
+            assert txn.error is not None
+            raise txn.error
+        return txn.generation
+
+    async def _check_part(
+        self, txn: _Txn, head: wg.PartHead, res: Reservation, error: TensorwireError | None
+    ) -> list[tuple[int, ...]]:
+        if error is not None:
+            raise error
+        if txn.ended.is_set():  # aborted while this part was arriving
+            raise txn.error or ProtocolError(f"{txn.describe()} has ended")
+        if not res.metas:
+            raise ProtocolError(f"part {head.index} of {txn.describe()} carried no tensors")
+        check_names(txn.prefix, [m.name for m in res.metas])
+        clash = sorted(txn.names & res.names)
+        if clash:
+            part = f"part {head.index} of {txn.describe()}"
+            raise InvalidName(f"{part} names {clash[0]!r}, as another part does")
+        big = res.nbytes >= _OFF_LOOP_BYTES
+        sums = await cpu(big, lambda: [wg.chunk_checksums(b) for b in res.buffers])
+        if txn.ended.is_set():  # aborted while its checksums were computed on a worker thread
+            raise txn.error or ProtocolError(f"{txn.describe()} has ended")
+        return sums
+
+    # -- ending ---------------------------------------------------------------------------------
+    def _commit(self, txn: _Txn) -> None:
+        parts = [txn.parts[i] for i in range(txn.count)]
+        try:
+            merged = self.store.merge([res for res, _ in parts])
+        except TensorwireError as exc:
+            self._abort(txn, _failed(txn, -1, exc))
+            return
+        txn.parts.clear()  # owned by ``merged`` now
+        try:
+            txn.generation = self.announce(txn.prefix, merged, [s for _, ss in parts for s in ss])
+        except TensorwireError as exc:  # publish freed ``merged``
+            self._end(txn)
+            txn.error = _failed(txn, -1, exc)
+            return
+        self._end(txn)
+
+    def _abort(self, txn: _Txn, error: TensorwireError) -> None:
+        if txn.ended.is_set():
+            return
+        for res, _ in txn.parts.values():
+            self.store.abort(res)
+        txn.error = error
+        self.aborted[(txn.prefix, txn.txn)] = error
+        while len(self.aborted) > _ABORTED_KEPT:
+            self.aborted.popitem(last=False)
+        self._end(txn)
+
+    def _end(self, txn: _Txn) -> None:
+        if txn.timer is not None:
+            txn.timer.cancel()
+        self.open.pop((txn.prefix, txn.txn), None)
+        for held in txn.owners:
+            held.txns.discard(txn)
+        txn.ended.set()
+
+    async def _answer_when_ended(self, held: _PartsHeld, req: Request, txn: _Txn) -> None:
+        if txn.ended.is_set():
+            await _answer(req, txn)
+            return
+        task = asyncio.get_running_loop().create_task(_answer_later(req, txn))  # parked
+        held.answers.add(task)
+        task.add_done_callback(held.answers.discard)
+
+    def _connection_closed(self, held: _PartsHeld) -> None:
+        for txn in list(held.txns):
+            if not txn.ended.is_set():
+                sent = ", ".join(str(i) for i in sorted(txn.owners.get(held, ())))
+                why = f"{txn.describe()} aborted: the {held.sender} that sent its part {sent} closed"
+                self._abort(txn, PublishAborted(f"{why} before the commit ({txn.arrived()})"))
+        held.heads.clear()
+        for task in list(held.answers):
+            task.cancel()
+
+
+def _failed(txn: _Txn, index: int, exc: TensorwireError) -> PublishAborted:
+    which = f"part {index}" if index >= 0 else "its commit"
+    return PublishAborted(f"{txn.describe()} aborted: {which} failed ({txn.arrived()}): {exc}")
+
+
+async def _answer_later(req: Request, txn: _Txn) -> None:
+    await txn.ended.wait()
+    await _answer(req, txn)
+
+
+async def _answer(req: Request, txn: _Txn) -> None:
+    with contextlib.suppress(TensorwireError):  # the connection is gone: nobody to answer
+        if txn.generation is not None:
+            await req.reply(wg.encode_generation(txn.generation))
+        else:
+            assert txn.error is not None
+            await req.reply_error(txn.error)

@@ -1,0 +1,34 @@
+"""`tensorwire bench reshard` end to end on a tiny state: 6 real rank processes (gloo), a real
+server, torch.distributed.checkpoint on /dev/shm. Figures are checked for shape, never for speed."""
+
+from __future__ import annotations
+
+from tensorwire.bench import report, reshard
+from tensorwire.bench.reshard_ranks import Setup
+
+
+def test_reshard_measures_both_ways_and_moves_only_the_overlap() -> None:
+    result = reshard.main(["--size", "1MiB", "--rows", "16", "--timeout", "120", "--json"])
+    assert result["size_bytes"] == 1 << 20 and result["shape"] == [16, 2048]
+    for phase in ("put4_s", "get2_s", "put2_s", "get4_s"):
+        assert result["tw_phases"][phase] > 0, phase
+    for phase in ("save4_s", "load2_s", "save2_s", "load4_s"):
+        assert result["dcp_phases"][phase] > 0, phase
+    assert result["tw_vs_dcp"] == result["tw_s"] / result["dcp_s"]
+    # every put sends the whole state once and every get only its overlaps: 4 x the state in all
+    assert result["overlap_bytes"] == 4 << 20
+    # the bytes the server's counters saw: all of them, plus layout documents and records
+    assert 1.0 <= result["moved_vs_overlap"] < 1.05, result["moved_vs_overlap"]
+    assert result["async_blocked_s"] > 0 and result["sync_put_s"] > 0
+    assert result["async_blocking_ratio"] == result["async_blocked_s"] / result["sync_put_s"]
+    rows = report.rows({"benchmarks": {"reshard": {"result": result}}})  # its rows in bench all's table
+    by_peer = {row.peer: row for row in rows}
+    assert by_peer["torch.distributed.checkpoint, /dev/shm"].ratio == result["tw_vs_dcp"]
+    assert by_peer["the layouts' overlap"].ratio == result["moved_vs_overlap"]
+    assert by_peer["synchronous put"].ratio == result["async_blocking_ratio"]
+
+
+def test_overlap_of_the_layouts_counts_each_reading_rank_once() -> None:
+    setup = Setup(size=8 * 4 * 16 * 16, tensors=8, rows=16)  # 8 tensors of 16 x 16 float32
+    assert setup.shape == (16, 16)
+    assert reshard.overlap_bytes(setup) == 4 * setup.nbytes  # 2 puts + 2 gets, each the whole once
