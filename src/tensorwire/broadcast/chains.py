@@ -153,3 +153,7 @@ class Chains:
 
     def readers(self) -> int:
         return sum(len(g.readers) for gens in self._prefixes.values() for g in gens.values())
+
+    def readers_by_prefix(self) -> dict[str, int]:
+        """Each prefix's readers (of all its generations held), for STATUS (the dashboard)."""
+        return {p: sum(len(g.readers) for g in gens.values()) for p, gens in list(self._prefixes.items())}

@@ -81,7 +81,9 @@ class RelayCoordinator:
         return [_Collector(self.chains)]
 
     def status(self) -> dict[str, Any]:
-        return {"relay": {"served_bytes": self.chains.totals(), "readers": self.chains.readers()}}
+        chains = self.chains
+        return {"relay": {"served_bytes": chains.totals(), "readers": chains.readers(),
+                          "readers_by_prefix": chains.readers_by_prefix()}}  # fmt: skip
 
     # -- handlers ------------------------------------------------------------------------------
     async def _on_join(self, req: Request) -> None:

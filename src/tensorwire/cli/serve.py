@@ -11,7 +11,9 @@ import asyncio
 import logging
 import os
 import signal
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import click
 import torch
@@ -25,7 +27,9 @@ from tensorwire.security import (
     Security,
     TlsFiles,
     check_cert_host,
+    is_loopback,
     load_token,
+    server_ssl_context,
     write_dev_certs,
 )
 from tensorwire.server.core import Server
@@ -201,6 +205,14 @@ def _rack_param(ctx: click.Context, param: click.Parameter, value: str | None) -
     help="Most scrapes of the metrics endpoint served at once; more are closed at once.",
 )  # fmt: skip
 @click.option(
+    "--dashboard-port", type=click.IntRange(min=0, max=65535), default=None,
+    help="Serve this server's live web page on http://--dashboard-host:PORT/ (`tensorwire dashboard`).",
+)  # fmt: skip
+@click.option(
+    "--dashboard-host", metavar="HOST", default="127.0.0.1", show_default=True,
+    help="Bind the page here; beyond loopback it asks for --token-file's token (HTTPS with --tls-cert).",
+)  # fmt: skip
+@click.option(
     "--rack", "location", metavar="LABEL", callback=_rack_param, default=None,
     help=f"This server's rack (or zone) label, shown in HELLO and STATUS [default: ${topology.RACK_ENV}]; "
     f"its host label is ${topology.HOST_ENV}, else the hostname.",
@@ -249,6 +261,8 @@ def serve(
     metrics_port: int | None,
     metrics_host: str | None,
     metrics_connections: int,
+    dashboard_port: int | None,
+    dashboard_host: str,
     location: topology.Location,
     log_level: str | None,
 ) -> None:
@@ -309,7 +323,11 @@ def serve(
         generations=GenerationConfig(keep=keep_generations, max_lease_seconds=max_lease_seconds),
     )
     RelayCoordinator.of(server)  # readers of its generations relay them to each other (Subscriber)
-    run(_serve(server, listen + grpc_listen, ready_file))
+    page_tls = TlsFiles(tls_cert, tls_key, None) if tls_cert and tls_key else None  # no client certs asked
+    page = Page(dashboard_port, dashboard_host, page_tls) if dashboard_port is not None else None
+    if page is not None and not is_loopback(dashboard_host) and security.token is None:
+        raise click.UsageError(f"--dashboard-host {dashboard_host} is beyond loopback: it needs --token-file")
+    run(_serve(server, listen + grpc_listen, ready_file, page))
 
 
 def _peer_security(replicated: bool, token_file: Path | None, tls: TlsFiles) -> Security:
@@ -350,21 +368,48 @@ def certs(directory: Path, hosts: tuple[str, ...], days: int, overwrite: bool) -
     click.echo(f"client: tensorwire ls --server tls://{host}:7443 --tls-ca {written['ca']}")
 
 
-async def _serve(server: Server, urls: tuple[str, ...], ready_file: Path | None) -> None:
+@dataclass(frozen=True)
+class Page:
+    """``--dashboard-port``: where the server's own page binds, and its TLS files (--tls-cert)."""
+
+    port: int
+    host: str
+    tls: TlsFiles | None
+
+
+async def _start_page(server: Server, page: Page) -> Any:
+    """The server's own dashboard page, reading its state in this process (tensorwire.dashboard)."""
+    from tensorwire.dashboard import sources
+    from tensorwire.dashboard.app import Dashboard
+
+    tls = server_ssl_context(page.tls) if page.tls is not None else None
+    urls = [[str(server.addresses[0])]] if server.addresses else [["local"]]
+    dashboard = Dashboard(sources.local(server), urls, host=page.host, port=page.port,
+                          token=server.security.token, ssl_context=tls)  # fmt: skip
+    await dashboard.start()
+    click.echo(f"tensorwire dashboard on {dashboard.url}")
+    return dashboard
+
+
+async def _serve(server: Server, urls: tuple[str, ...], ready_file: Path | None, page: Page | None) -> None:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
+    dashboard: Any = None
     try:
         addresses = await server.start(*urls)
         for address in addresses:
             click.echo(f"tensorwire serving on {address}")  # click.echo flushes: a pipe reader sees it now
         if server.exporter is not None:
             click.echo(f"tensorwire metrics on {server.exporter.url}")
+        dashboard = await _start_page(server, page) if page is not None else None
         if ready_file is not None:
             _write_atomic(ready_file, "".join(f"{a}\n" for a in addresses).encode())
         await stop.wait()
     finally:
+        if dashboard is not None:
+            await dashboard.close()
         await server.close()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.remove_signal_handler(sig)

@@ -122,6 +122,8 @@ class JobRun:
         return {
             "mode": str(job.mode) if job.mode else None,
             "model": job.config.model if job.config else None,  # digest of names, shapes, dtypes
+            "optimizer": job.config.optimizer.to_dict() if job.config else None,  # the dashboard shows it
+            "pushes_applied": job.pushes,
             "world": job.world,
             "live": len(self.members.live()),
             "step": job.step,

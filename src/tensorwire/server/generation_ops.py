@@ -338,7 +338,8 @@ class GenerationOps:
     def status(self) -> dict[str, Any]:
         gens = self.generations
         return {"generations": {"prefixes": len(gens), "kept": gens.generations, "waiting": self.waiting,
-                                "bytes": gens.store.kept, "transactions": len(self.parts.open)}}  # fmt: skip
+                                "bytes": gens.store.kept, "transactions": len(self.parts.open),
+                                "newest": gens.newest()}}  # fmt: skip
 
 
 def _tensor(kept: Kept, name: str) -> tuple[TensorMeta, memoryview]:

@@ -11,6 +11,9 @@ Exported (counters end in ``_total``; ``op`` is the operation: put, get, ps_push
 * ``tensorwire_requests_total``, ``tensorwire_received_bytes_total`` (request data),
   ``tensorwire_sent_bytes_total`` (response data), ``tensorwire_request_errors_total``: by ``op``
   and ``transport`` (tcp, tls, memory, grpc, ...).
+* ``tensorwire_request_duration_seconds``: histogram of the time a request took to serve (its
+  frame read to its answer sent), by ``op`` and ``transport``, in ``LATENCY_BUCKETS`` (the
+  dashboard's latency percentiles; long-polls such as a generation wait count their wait).
 * ``tensorwire_requests_in_flight``, ``tensorwire_connections`` (gauges);
   ``tensorwire_connections_refused_total`` by ``reason``: limit (``--max-connections``), auth (a
   missing or wrong token, on a connection or a gRPC call), auth_timeout (no authenticated first
@@ -39,6 +42,7 @@ within ``timeout`` seconds.
 
 from __future__ import annotations
 
+import bisect
 import logging
 import socket
 import threading
@@ -61,6 +65,9 @@ if TYPE_CHECKING:
 
 METRICS_PATH = "/metrics"
 _OPS = {int(op): op.name.lower() for op in Opcode}
+# Upper bounds (seconds) of the latency histogram's buckets: 100 µs (a small get on loopback) to 10 s.
+LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
+                   2.5, 5.0, 10.0)  # fmt: skip
 
 
 def op_name(opcode: int) -> str:
@@ -75,6 +82,9 @@ class Row:
     received: int = 0
     sent: int = 0
     errors: int = 0
+    # Requests timed, per LATENCY_BUCKETS bound (not cumulative; the last slot: above them all).
+    latency: list[int] = field(default_factory=lambda: [0] * (len(LATENCY_BUCKETS) + 1))
+    seconds: float = 0.0  # the sum of the timed requests' durations
 
 
 @dataclass(eq=False)
@@ -101,11 +111,15 @@ class RequestCounts:
         self.in_flight += 1
         return row
 
-    def end(self, row: Row, received: int, sent: int, failed: bool) -> None:
+    def end(self, row: Row, received: int, sent: int, failed: bool, seconds: float | None = None) -> None:
+        """The request is done; ``seconds``, when the caller timed it, goes into the latency histogram."""
         row.received += received
         row.sent += sent
         row.errors += failed
         self.in_flight -= 1
+        if seconds is not None:
+            row.latency[bisect.bisect_left(LATENCY_BUCKETS, seconds)] += 1
+            row.seconds += seconds
 
     def refuse(self, reason: str) -> None:
         self.refused[reason] = self.refused.get(reason, 0) + 1
@@ -164,6 +178,7 @@ class ServerCollector:
             for (op, transport), row in rows:
                 family.add_metric([op, transport], getattr(row, attr))
             yield family
+        yield _latency(rows)
         refused, corrupt = dict(counts.refused), counts.checksum_failures
         if server.exporter is not None and server.exporter.refused:
             refused["metrics_limit"] = server.exporter.refused
@@ -190,6 +205,23 @@ class ServerCollector:
         info = GaugeMetricFamily("tensorwire_server_info", "This server.", labels=["version", "addresses"])
         info.add_metric([package_version(), ",".join(str(a) for a in server.addresses)], 1)
         yield info
+
+
+def _latency(rows: list[tuple[tuple[str, str], Row]]) -> Any:
+    from prometheus_client.core import HistogramMetricFamily
+
+    family = HistogramMetricFamily(
+        "tensorwire_request_duration_seconds", "Time to serve a request.", labels=["op", "transport"]
+    )
+    bounds = [*(repr(b) for b in LATENCY_BUCKETS), "+Inf"]
+    for (op, transport), row in rows:
+        counts, total = list(row.latency), 0
+        cumulative = []
+        for bound, n in zip(bounds, counts, strict=True):
+            total += n
+            cumulative.append((bound, total))
+        family.add_metric([op, transport], cumulative, row.seconds)
+    return family
 
 
 def _labelled(name: str, doc: str, label: str, values: dict[str, int]) -> Any:
@@ -326,6 +358,7 @@ def parse(text: str) -> dict[str, list[tuple[dict[str, str], float]]]:
 
 
 __all__ = [
+    "LATENCY_BUCKETS",
     "Exporter",
     "Observed",
     "RequestCounts",

@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import inspect
 import logging
+import time
 from collections.abc import AsyncIterator, Sequence
 from typing import Any, TypeVar
 
@@ -357,6 +358,7 @@ def _counted(handler: Any, counts: RequestCounts, transport: str, op: str) -> An
     if inspect.isasyncgenfunction(behaviour):
 
         async def streamed(request: Any, context: Any) -> Any:
+            started = time.perf_counter()
             counts.begin(op, transport)
             failed = True
             try:
@@ -364,12 +366,13 @@ def _counted(handler: Any, counts: RequestCounts, transport: str, op: str) -> An
                     yield item
                 failed = False
             finally:
-                counts.end(row, 0, 0, failed)
+                counts.end(row, 0, 0, failed, time.perf_counter() - started)
 
         wrapped: Any = streamed
     else:
 
         async def called(request: Any, context: Any) -> Any:
+            started = time.perf_counter()
             counts.begin(op, transport)
             failed = True
             try:
@@ -377,7 +380,7 @@ def _counted(handler: Any, counts: RequestCounts, transport: str, op: str) -> An
                 failed = False
                 return result
             finally:
-                counts.end(row, 0, 0, failed)
+                counts.end(row, 0, 0, failed, time.perf_counter() - started)
 
         wrapped = called
     return handler._replace(**{kind: wrapped, "request_deserializer": received, "response_serializer": sent})

@@ -156,6 +156,7 @@ class Session:
         """Run one request, counted in the metrics; whatever happens, its data section is consumed
         (``Request.finish``) unless the stream is gone."""
         header = request.header
+        started = time.perf_counter()
         row = self.counts.begin(op_name(header.opcode), self.transport)
         self.failed = False
         try:
@@ -170,7 +171,7 @@ class Session:
         else:
             await request.finish()  # a handler that answered without the data: keep the stream in step
         finally:
-            self.counts.end(row, header.data_len, request.sent, self.failed)
+            self.counts.end(row, header.data_len, request.sent, self.failed, time.perf_counter() - started)
 
     async def _dispatch(self, request: Request) -> None:
         header = request.header

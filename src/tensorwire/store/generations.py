@@ -125,6 +125,10 @@ class Generations:
     def generations(self) -> int:
         return sum(len(p.kept) for p in self._prefixes.values())
 
+    def newest(self, most: int = 64) -> dict[str, int]:
+        """The newest generation number of (at most ``most``) prefixes, for STATUS."""
+        return {prefix: p.latest for prefix, p in list(self._prefixes.items())[:most] if p.latest in p.kept}
+
     # -- publishing ----------------------------------------------------------------------------
     def admit(self, prefix: str, *, internal: bool = False) -> None:
         """InvalidName / LimitExceeded unless generations of ``prefix`` may be published (under

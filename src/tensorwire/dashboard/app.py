@@ -1,0 +1,245 @@
+"""The dashboard's web app (aiohttp): the page, its static files, and a live stream of snapshots.
+
+Routes: ``/`` the page, ``/static/<file>`` its script and style (package data, no build step, no
+CDN), ``/events`` a server-sent-events stream (one ``snapshot`` event per collection, about once a
+second), ``/api/snapshot`` the latest document as JSON, ``/login`` and ``/logout``.
+
+Lifecycle: ``Dashboard(source, ...)``; ``await dashboard.start()`` binds (port 0: a free one,
+then ``dashboard.port``) and starts collecting every ``interval`` s; ``await dashboard.close()``
+stops both. ``source`` is an async callable returning one ``collect.Node`` per server: probes
+over the network (``tensorwire dashboard``) or a server's own state (``serve --dashboard-port``).
+
+Security: the page binds 127.0.0.1 unless told otherwise. Beyond loopback it needs the servers'
+token (``token``; it refuses to start without one) and serves HTTPS when given a certificate: a
+browser logs in by posting the token to ``/login``, which compares it in constant time and sets an
+HttpOnly, SameSite=Strict cookie holding a random session id kept here (never the token, which is
+never sent to a browser). Every answer carries a Content-Security-Policy that allows only this
+origin's script and style; the page sets server-sent strings as text, never as markup.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import secrets
+import ssl
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from importlib import resources
+from typing import Any
+
+from aiohttp import web
+
+from tensorwire.dashboard.collect import Node
+from tensorwire.dashboard.view import View
+from tensorwire.security import is_loopback, tokens_match
+
+log = logging.getLogger("tensorwire.dashboard")
+
+DEFAULT_PORT = 8265
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_INTERVAL = 1.0
+COOKIE = "tw_session"
+MAX_SESSIONS = 1024  # logged-in browsers remembered; the oldest is forgotten beyond it
+SESSION_SECONDS = 12 * 3600  # a login lasts a working day, then the token is asked again
+STATIC = {"app.js": "text/javascript", "style.css": "text/css", "index.html": "text/html",
+          "login.html": "text/html"}  # fmt: skip
+HEADERS = {
+    # Only this origin's script and style, no inline code, no framing (clickjacking).
+    "Content-Security-Policy": "default-src 'self'; frame-ancestors 'none'; form-action 'self'",
+    "X-Content-Type-Options": "nosniff",
+    "Referrer-Policy": "no-referrer",
+    "Cache-Control": "no-store",
+}
+Source = Callable[[], Awaitable[Sequence[Node]]]
+
+
+def _redirect(location: str) -> web.Response:
+    return web.Response(status=303, headers={"Location": location})
+
+
+def _static(name: str) -> bytes:
+    return resources.files("tensorwire.dashboard").joinpath("static", name).read_bytes()
+
+
+class Dashboard:
+    """The web app and its collection loop (the module doc has the lifecycle)."""
+
+    def __init__(
+        self,
+        source: Source,
+        slots: list[list[str]],
+        *,
+        host: str = DEFAULT_HOST,
+        port: int = DEFAULT_PORT,
+        token: str | None = None,
+        ssl_context: ssl.SSLContext | None = None,
+        interval: float = DEFAULT_INTERVAL,
+    ) -> None:
+        if not is_loopback(host) and not token:
+            raise ValueError(  # a bad argument, as for any constructor: the CLI checks it first
+                f"the dashboard on {host!r} is reachable beyond loopback: give it the servers' token "
+                "(--token-file), which a browser must enter to see the page"
+            )
+        self.source, self.host, self.port = source, host, port
+        self.token = token if not is_loopback(host) else None  # loopback: no login asked
+        self.ssl_context, self.interval = ssl_context, interval
+        self.view = View(slots)
+        self.latest: dict[str, Any] | None = None
+        self._changed = asyncio.Condition()
+        self._sessions: dict[str, float] = {}
+        self._runner: web.AppRunner | None = None
+        self._task: asyncio.Task[None] | None = None
+
+    # -- lifecycle ---------------------------------------------------------------------------------
+    async def start(self) -> int:
+        """Bind and start collecting; the port it got."""
+        # shutdown_timeout: an open event stream is cut after 1 s at close (it never ends by itself)
+        runner = web.AppRunner(self.app(), access_log=None, handle_signals=False, shutdown_timeout=1.0)
+        await runner.setup()
+        site = web.TCPSite(runner, self.host, self.port, ssl_context=self.ssl_context)
+        await site.start()
+        self._runner = runner
+        self.port = int(runner.addresses[0][1])
+        self._task = asyncio.get_running_loop().create_task(self._collect_forever())
+        return self.port
+
+    @property
+    def url(self) -> str:
+        scheme = "https" if self.ssl_context else "http"
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"{scheme}://{host}:{self.port}/"
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+
+    # -- collecting ------------------------------------------------------------------------------
+    async def _collect_forever(self) -> None:
+        """Every ``interval`` s a snapshot; a collection that fails is logged, never fatal (the
+        probes themselves never raise for a server that is down: that is a row saying why)."""
+        while True:
+            started = time.monotonic()
+            try:
+                nodes = await self.source()
+                await self.publish(self.view.update(nodes, time.time()))
+            except Exception:
+                log.exception("dashboard collection failed")
+            await asyncio.sleep(max(self.interval - (time.monotonic() - started), 0.05))
+
+    async def publish(self, doc: dict[str, Any]) -> None:
+        async with self._changed:
+            self.latest = doc
+            self._changed.notify_all()
+
+    # -- the web app -----------------------------------------------------------------------------
+    def app(self) -> web.Application:
+        app = web.Application(middlewares=[self._guard], client_max_size=4096)
+        app.router.add_get("/", self._index)
+        app.router.add_get("/static/{name}", self._file)
+        app.router.add_get("/events", self._events)
+        app.router.add_get("/api/snapshot", self._snapshot)
+        app.router.add_get("/login", self._login_page)
+        app.router.add_post("/login", self._login)
+        app.router.add_get("/logout", self._logout)
+        app.router.add_get("/favicon.ico", self._no_icon)  # a browser asks; a 404 is a console error
+        return app
+
+    @web.middleware
+    async def _guard(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        """Security headers on every answer; beyond loopback, a login before anything but it."""
+        open_paths = ("/login", "/static/style.css", "/favicon.ico")
+        if self.token is not None and request.path not in open_paths and not self._logged_in(request):
+            if request.path == "/":
+                response: web.StreamResponse = _redirect("/login")
+            else:
+                response = web.Response(status=401, text="log in first: /login\n")
+        else:
+            try:
+                response = await handler(request)
+            except web.HTTPException as exc:
+                response = exc
+        response.headers.update(HEADERS)
+        return response
+
+    def _logged_in(self, request: web.Request) -> bool:
+        started = self._sessions.get(request.cookies.get(COOKIE, ""))
+        return started is not None and time.monotonic() - started < SESSION_SECONDS
+
+    async def _index(self, request: web.Request) -> web.Response:
+        return web.Response(body=_static("index.html"), content_type="text/html")
+
+    async def _file(self, request: web.Request) -> web.Response:
+        name = request.match_info["name"]
+        if name not in STATIC:
+            raise web.HTTPNotFound()
+        return web.Response(body=_static(name), content_type=STATIC[name])
+
+    async def _no_icon(self, request: web.Request) -> web.Response:
+        return web.Response(status=204)
+
+    async def _snapshot(self, request: web.Request) -> web.Response:
+        return web.json_response(self.latest or {})
+
+    async def _events(self, request: web.Request) -> web.StreamResponse:
+        """Server-sent events: the latest snapshot now, then each new one as it is made."""
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", **HEADERS})
+        await response.prepare(request)
+        with contextlib.suppress(ConnectionResetError):  # the browser went away
+            async for doc in self._snapshots():
+                await response.write(f"event: snapshot\ndata: {json.dumps(doc)}\n\n".encode())
+        return response
+
+    async def _snapshots(self) -> AsyncIterator[dict[str, Any]]:
+        """The latest document, then each newer one (a slow reader skips to the newest)."""
+        sent: list[dict[str, Any] | None] = [None]
+        while True:
+            async with self._changed:
+                await self._changed.wait_for(lambda: self.latest is not None and self.latest is not sent[0])
+                doc = sent[0] = self.latest
+            assert doc is not None
+            yield doc
+
+    async def _login_page(self, request: web.Request) -> web.Response:
+        if self.token is None:
+            return _redirect("/")
+        return web.Response(body=_static("login.html"), content_type="text/html")
+
+    async def _login(self, request: web.Request) -> web.Response:
+        form = await request.post()
+        offered = form.get("token")
+        if self.token is None or not tokens_match(self.token, offered if isinstance(offered, str) else None):
+            return web.Response(status=403, text="wrong token\n")
+        session = secrets.token_urlsafe(32)
+        self._sessions[session] = time.monotonic()
+        while len(self._sessions) > MAX_SESSIONS:
+            self._sessions.pop(next(iter(self._sessions)))
+        response = _redirect("/")
+        secure = self.ssl_context is not None  # a cookie over https only when the page is https
+        response.set_cookie(
+            COOKIE,
+            session,
+            httponly=True,
+            samesite="Strict",
+            secure=secure,
+            path="/",
+            max_age=SESSION_SECONDS,
+        )
+        return response
+
+    async def _logout(self, request: web.Request) -> web.Response:
+        self._sessions.pop(request.cookies.get(COOKIE, ""), None)
+        response = _redirect("/login" if self.token else "/")
+        response.del_cookie(COOKIE, path="/")
+        return response
+
+
+__all__ = ["DEFAULT_HOST", "DEFAULT_PORT", "Dashboard", "Source"]
