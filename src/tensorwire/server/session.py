@@ -65,7 +65,7 @@ _PS_OPS = (
 )  # fmt: skip
 _SHM_OPS = (
     Opcode.SHM_ATTACH, Opcode.SHM_GET, Opcode.SHM_PUT, Opcode.SHM_COMMIT, Opcode.SHM_RELEASE,
-    Opcode.SHM_GEN_VIEW,
+    Opcode.SHM_GEN_VIEW, Opcode.SHM_GEN_PART,
 )  # fmt: skip
 SERVED_BY: dict[int, str] = {**dict.fromkeys(_PS_OPS, _NO_PS), **dict.fromkeys(_SHM_OPS, _NO_SHM)}
 # opcodes whose parts may span frames
