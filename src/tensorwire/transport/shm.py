@@ -59,7 +59,7 @@ from tensorwire.types import Address, Generation, TensorMeta
 from tensorwire.wire import generations as wg
 from tensorwire.wire import meta as wm
 from tensorwire.wire import shm as ws
-from tensorwire.wire.checksum import ChecksumKind
+from tensorwire.wire.checksum import ChecksumKind, checksum
 from tensorwire.wire.frame import DEFAULT_CHUNK_BYTES, Opcode
 
 MAPPINGS = 64  # segments a client keeps mapped (least recently used ones are unmapped first)
@@ -204,8 +204,7 @@ class ShmTransport(FramedTransport):
         refs = ws.decode_refs(reader, len(metas))
         reader.done()
         try:
-            self._fill(refs, metas, views, None)
-            sums = [wg.chunk_checksums(v) for v in views]
+            sums = self._fill_summed(refs, metas, views)
         except BaseException:
             self._later(aborts=[put_id])
             raise
@@ -233,6 +232,27 @@ class ShmTransport(FramedTransport):
             self.copied_bytes += ref.meta.nbytes
             if progress is not None:
                 progress(ref.meta.nbytes)
+
+    def _fill_summed(
+        self, refs: Sequence[ws.SegmentRef], metas: Sequence[TensorMeta], views: Sequence[memoryview]
+    ) -> list[tuple[int, ...]]:
+        """``_fill``, and every tensor's chunk checksums (as the manifest's, §14), each chunk summed
+        from the segment right after it is copied there, while it is still in the cache."""
+        sums: list[tuple[int, ...]] = [()] * len(views)
+        for i in _inline(len(views), refs):
+            sums[i] = wg.chunk_checksums(views[i])
+        step = wg.CHUNK_BYTES
+        for ref in refs:
+            if ref.meta[:4] != metas[ref.item][:4]:
+                raise ProtocolError(f"{self.address} handed out a segment for another tensor")
+            data = self._segment(ref, writable=True)[ws.HEADER_BYTES : ws.HEADER_BYTES + ref.meta.nbytes]
+            src, chunks = views[ref.item], []
+            for at in range(0, ref.meta.nbytes, step):
+                data[at : at + step] = src[at : at + step]  # the copy
+                chunks.append(checksum(wg.CHECKSUM_KIND, data[at : at + step]))
+            sums[ref.item] = tuple(chunks)
+            self.copied_bytes += ref.meta.nbytes
+        return sums
 
     def _segment(self, ref: ws.SegmentRef, writable: bool) -> memoryview:
         try:
