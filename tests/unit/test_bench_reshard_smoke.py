@@ -3,21 +3,34 @@ server, torch.distributed.checkpoint on /dev/shm. Figures are checked for shape,
 
 from __future__ import annotations
 
+import pytest
+
 from tensorwire.bench import report, reshard
 from tensorwire.bench.reshard_ranks import Setup
 
 
-def test_reshard_measures_both_ways_and_moves_only_the_overlap() -> None:
-    result = reshard.main(["--size", "1MiB", "--rows", "16", "--timeout", "120", "--json"])
-    assert result["size_bytes"] == 1 << 20 and result["shape"] == [16, 2048]
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_reshard_measures_both_ways_and_moves_only_the_overlap(transport: str) -> None:
+    # 4 MiB: every shard is 64 KiB or more, so over shm:// it lives in a segment (a smaller one
+    # would travel inline, whole, to every reader of a view: docs/protocol.md §16)
+    argv = ["--size", "4MiB", "--rows", "16", "--timeout", "120", "--json", "--transport", transport]
+    result = reshard.main(argv)
+    assert result["size_bytes"] == 4 << 20 and result["shape"] == [16, 8192]
+    assert result["transport"] == transport
+    # the server keeps 2 generations: 3 untimed rounds, the first reported on its own
+    assert result["warmup_rounds"] == 3 and result["tw_cold_s"] > 0 and result["dcp_cold_s"] > 0
+    assert set(result["tw_cold_phases"]) == set(result["tw_phases"])
+    # steady state: every generation lands in the memory of one retired
+    assert result["fresh_bytes"] == 0, result["fresh_bytes"]
     for phase in ("put4_s", "get2_s", "put2_s", "get4_s"):
         assert result["tw_phases"][phase] > 0, phase
     for phase in ("save4_s", "load2_s", "save2_s", "load4_s"):
         assert result["dcp_phases"][phase] > 0, phase
     assert result["tw_vs_dcp"] == result["tw_s"] / result["dcp_s"]
     # every put sends the whole state once and every get only its overlaps: 4 x the state in all
-    assert result["overlap_bytes"] == 4 << 20
-    # the bytes the server's counters saw: all of them, plus layout documents and records
+    assert result["overlap_bytes"] == 16 << 20
+    # what the server's counters saw (and over shm:// what the ranks copied through segments): all
+    # of it, plus layout documents
     assert 1.0 <= result["moved_vs_overlap"] < 1.05, result["moved_vs_overlap"]
     assert result["async_blocked_s"] > 0 and result["sync_put_s"] > 0
     assert result["async_blocking_ratio"] == result["async_blocked_s"] / result["sync_put_s"]

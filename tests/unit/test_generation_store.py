@@ -132,3 +132,30 @@ def test_prefixes_are_bounded_and_never_nest() -> None:
     assert gens.prefix_of(["a/b/w"]) == "a/b"
     with pytest.raises(InvalidName, match="one prefix"):
         gens.prefix_of(["a/b/w", "c/w"])
+
+
+def _publish_mib(gens: Generations, prefix: str, mib: int = 2) -> None:
+    meta = TensorMeta(f"{prefix}/w", torch.uint8, (mib << 20,), mib << 20)
+    res = gens.store.reserve([meta])
+    gens.publish(prefix, res, [wg.chunk_checksums(b) for b in res.buffers])
+
+
+def test_a_retired_generations_buffers_serve_the_next_one_within_the_capacity() -> None:
+    store = TensorStore(capacity=64 << 20)  # pool limit 16 MiB
+    gens = Generations(store, GenerationConfig(keep=2))
+    for _ in range(3):  # the third publish retires the first: its buffer waits in the pool
+        _publish_mib(gens, "p")
+    assert store.pool.fresh == 6 << 20 and store.pool.held == 2 << 20
+    _publish_mib(gens, "p")  # lands in the first one's memory
+    assert store.pool.fresh == 6 << 20
+    assert store.used + store.pool.held <= store.capacity
+
+
+def test_the_pool_of_retired_buffers_gives_way_to_a_put_that_needs_the_room() -> None:
+    store = TensorStore(capacity=12 << 20)  # pool limit 3 MiB
+    gens = Generations(store, GenerationConfig(keep=1))
+    _publish_mib(gens, "p")
+    _publish_mib(gens, "p")  # retires the first: 2 MiB pooled, 2 MiB kept (and its name)
+    assert store.pool.held == 2 << 20
+    _publish_mib(gens, "q", mib=9)  # the pool lets its buffer go: store and pool within the capacity
+    assert store.pool.held == 0 and store.used + store.pool.held <= store.capacity

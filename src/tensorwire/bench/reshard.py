@@ -11,8 +11,18 @@ and 2 ranks sharding it by columns (``Shard(1)``). Each way goes 4 -> 2 -> 4:
   /dev/shm (tmpfs: memory, no disk), ``dcp.load`` into the 2, then the 2 save and the 4 load.
 
 Each phase is timed between two barriers of its world and every read is checked against the
-values the state was filled with. ``tw_vs_dcp`` = tw_s / dcp_s (target <= 0.5). ``bytes_moved``:
-the data bytes the server received and sent during tensorwire's phases (its own counters);
+values the state was filled with. What is timed is the steady state of a job that checkpoints every
+N steps: ``--warmup`` untimed rounds of each way run first (by default the server's
+``--keep-generations`` + 1, the rounds after which a new generation lands in the memory of one the
+server retired, as it does for such a job from its third checkpoint on, rather than in fresh pages,
+which cost several times a copy here; dcp gets one, as each of its saves writes new files anyway).
+The first round is reported on its own, never hidden:
+``tw_cold_s`` and ``dcp_cold_s`` (and ``tw_cold_phases``), a job's first checkpoint.
+``tw_vs_dcp`` = tw_s / dcp_s (target <= 0.5), both steady. ``fresh_bytes``: the bytes of new
+buffers the server took during the timed tensorwire rounds (per round; 0 when every generation
+reused retired memory). ``bytes_moved``: the data bytes the server received and sent during
+tensorwire's phases (its own counters), and over shm:// the bytes the ranks' connections copied
+into and out of its segments (their ``segment_bytes``: the bytes no socket carries);
 ``overlap_bytes``: what the layouts force to move (every part a rank saves, and for each reading
 rank, its overlap with each saved part); ``moved_vs_overlap`` (target <= 1.01). ``socket_gbps``:
 one plain socket stream between two processes, measured in the same run, and ``tw_bound_s`` =
@@ -21,11 +31,13 @@ bytes_moved over it. ``async_blocking_ratio``: what a training-like loop on the 
 synchronous ``put_state_dict`` of the same state takes (target <= 0.1); the snapshot's upload runs
 while the loop goes on (``async_commit_s``: from the call to the committed generation).
 
-``--transport``: how the ranks reach the server, ``tcp`` (the default: every byte goes through the
-socket and the server's counters) or ``shm`` (same host: large tensors through shared segments,
-which no counter sees, so ``bytes_moved`` and ``moved_vs_overlap`` are null).
+``--transport``: how the ranks reach the server. ``shm`` is the default because it is what a user
+whose ranks and server share one host uses (as the ranks and the dcp files here do): the client
+copies each shard once into the server's pages and reads each overlap once out of them, with no
+socket between. ``tcp`` measures the path ranks on other hosts take (every byte through a socket).
 
-Run: ``tensorwire bench reshard [--json] [--size 512MiB] [--rows 256] [--repeats 1] [--transport tcp]``.
+Run: ``tensorwire bench reshard [--json] [--size 512MiB] [--rows 256] [--repeats 1] [--warmup N]
+[--transport shm]``.
 """
 
 from __future__ import annotations
@@ -79,6 +91,14 @@ class Worlds:
         rows = list(self.server.server.counts.rows.values())
         return sum(row.received + row.sent for row in rows)
 
+    def fresh(self) -> int:
+        """Bytes of new (never reused) buffers the server's store has taken so far."""
+        return self.server.server.store.pool.fresh
+
+    @property
+    def keep(self) -> int:
+        return self.server.server.generations.config.keep
+
 
 def _answer(child: Child, timeout: float) -> dict[str, Any]:
     answer = child.answer(timeout)
@@ -115,9 +135,12 @@ def tensorwire_round(w: Worlds) -> dict[str, float]:
         ("get4", w.savers, "tw_get", PREFIXES[1]),
     )
     for phase, ranks, op, prefix in steps:
-        before = w.moved()
-        phases[f"{phase}_s"] = _slowest(w.ask(ranks, op, prefix))
-        phases[f"{phase}_bytes"] = w.moved() - before
+        before, fresh = w.moved(), w.fresh()
+        answers = w.ask(ranks, op, prefix)
+        phases[f"{phase}_s"] = _slowest(answers)
+        copied = sum(int(a["copied"]) for a in answers)  # through shm:// segments: no socket saw them
+        phases[f"{phase}_bytes"] = w.moved() - before + copied
+        phases[f"{phase}_fresh"] = w.fresh() - fresh
     return phases
 
 
@@ -172,23 +195,34 @@ def _median_phases(rounds: list[dict[str, float]]) -> dict[str, float]:
 Rounds = tuple[dict[str, float], dict[str, float], list[dict[str, Any]]]  # tw and dcp phases, async saves
 
 
-def run(setup: Setup, repeats: int = 1) -> dict[str, Any]:
+def run(setup: Setup, repeats: int = 1, warmup: int | None = None) -> dict[str, Any]:
+    """``warmup`` untimed rounds of each way (None: the server's keep + 1), then ``repeats``."""
     setup.check(SAVERS, READERS)
     socket = ps_comm.socket_gbps(min(setup.nbytes, SOCKET_BYTES))
     with worlds(setup) as w:
+        rounds = max(1, w.keep + 1 if warmup is None else warmup)
+        tw_cold = tensorwire_round(w)  # a job's first checkpoint: every buffer is new
+        for _ in range(rounds - 1):
+            tensorwire_round(w)
+        dcp_cold = dcp_round(w)  # every save writes new files: there is no warmer state to reach
         tw = _median_phases([tensorwire_round(w) for _ in range(repeats)])
         dcp = _median_phases([dcp_round(w) for _ in range(repeats)])
         saves = w.ask(w.savers, "async_save", "reshard/async")
-    return summary(setup, repeats, socket, (tw, dcp, saves))
+    result = summary(setup, repeats, socket, (tw, dcp, saves))
+    result.update(warmup_rounds=rounds, tw_cold_s=_total(tw_cold), dcp_cold_s=_total(dcp_cold),
+                  tw_cold_phases=tw_cold)  # fmt: skip
+    return result
+
+
+def _total(phases: dict[str, float]) -> float:
+    return sum(v for k, v in phases.items() if k.endswith("_s"))
 
 
 def summary(setup: Setup, repeats: int, socket: float, rounds: Rounds) -> dict[str, Any]:
     tw, dcp, saves = rounds
-    tw_s = sum(v for k, v in tw.items() if k.endswith("_s"))
+    tw_s = _total(tw)
     dcp_s = sum(dcp.values())
-    # Over shm:// the bytes of large tensors go through shared segments, which no counter sees.
-    counted = setup.transport == "tcp"
-    moved = int(sum(v for k, v in tw.items() if k.endswith("_bytes"))) if counted else None
+    moved = int(sum(v for k, v in tw.items() if k.endswith("_bytes")))
     overlap = overlap_bytes(setup)
     blocked, sync = _slowest(saves, "blocked_s"), _slowest(saves, "sync_s")
     return {
@@ -198,8 +232,9 @@ def summary(setup: Setup, repeats: int, socket: float, rounds: Rounds) -> dict[s
         "repeats": repeats,
         "tw_s": tw_s, "dcp_s": dcp_s, "tw_vs_dcp": tw_s / dcp_s,
         "bytes_moved": moved, "overlap_bytes": overlap,
-        "moved_vs_overlap": None if moved is None else moved / overlap,
-        "socket_gbps": socket, "tw_bound_s": (overlap if moved is None else moved) / (socket * 1e9),
+        "moved_vs_overlap": moved / overlap,
+        "fresh_bytes": int(sum(v for k, v in tw.items() if k.endswith("_fresh"))),
+        "socket_gbps": socket, "tw_bound_s": moved / (socket * 1e9),
         "async_blocking_ratio": blocked / sync,
         "async_blocked_s": blocked, "async_first_blocked_s": _slowest(saves, "first_blocked_s"),
         "async_commit_s": _slowest(saves, "commit_s"), "sync_put_s": sync,
@@ -217,13 +252,15 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--tensors", type=int, default=d.tensors, help="how many tensors it is")
     parser.add_argument("--rows", type=int, default=d.rows, help="rows of each tensor (divisible by 4)")
     parser.add_argument("--repeats", type=int, default=1, help="rounds of each way (medians per phase)")
+    parser.add_argument("--warmup", type=int, default=None,
+                        help="untimed rounds first (default: the server's keep-generations + 1)")  # fmt: skip
     parser.add_argument("--timeout", type=float, default=d.timeout, help="seconds for each phase")
     parser.add_argument(
         "--transport", choices=TRANSPORTS, default=d.transport, help="the ranks' way to the server"
     )
     args = parser.parse_args(argv)
     setup = Setup(args.size, args.tensors, args.rows, args.timeout, args.transport)
-    return show(run(setup, args.repeats), args.json, _readable)
+    return show(run(setup, args.repeats, args.warmup), args.json, _readable)
 
 
 def _readable(r: dict[str, Any]) -> str:
@@ -234,6 +271,8 @@ def _readable(r: dict[str, Any]) -> str:
     lines = [
         ("tensorwire", f"{r['tw_s']:.3f} s", _phases(r["tw_phases"])),
         ("torch.distributed.checkpoint", f"{r['dcp_s']:.3f} s", _phases(r["dcp_phases"])),
+        ("first round (cold)", f"{r['tw_cold_s']:.3f} s", f"dcp {r['dcp_cold_s']:.3f} s; then "
+         f"{r['warmup_rounds']} untimed rounds; fresh bytes per timed round {_mib(r['fresh_bytes'])}"),
         ("tw_vs_dcp", f"{r['tw_vs_dcp']:.3f}", "target <= 0.5"),
         ("bytes moved", _mib(r["bytes_moved"]), f"overlap {_mib(r['overlap_bytes'])}: "
          f"moved_vs_overlap {_num(r['moved_vs_overlap'], '.4f')} (target <= 1.01)"),
@@ -244,8 +283,8 @@ def _readable(r: dict[str, Any]) -> str:
     return table(head, lines, 10)
 
 
-def _mib(n: int | None) -> str:
-    return "n/a (shm://)" if n is None else f"{n / MiB:,.1f} MiB"
+def _mib(n: int) -> str:
+    return f"{n / MiB:,.1f} MiB"
 
 
 def _num(x: float | None, spec: str) -> str:

@@ -56,7 +56,7 @@ class Setup:
     tensors: int = 8
     rows: int = 256
     timeout: float = 300.0
-    transport: str = "tcp"  # the ranks' way to the server: tcp:// or shm:// (same host)
+    transport: str = "shm"  # the ranks' way to the server: shm:// (same host: the default) or tcp://
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -135,15 +135,17 @@ class Rank:
 
     # -- the requests ----------------------------------------------------------------------------
     def tw_put(self, prefix: str) -> dict[str, Any]:
+        before = self.client.segment_bytes
         seconds = self._timed(lambda: sharded.put_state_dict(self.client, prefix, self.state,
                                                              timeout=self.setup.timeout))  # fmt: skip
-        return {"s": seconds}
+        return {"s": seconds, "copied": self.client.segment_bytes - before}
 
     def tw_get(self, prefix: str) -> dict[str, Any]:
         self._clear()
+        before = self.client.segment_bytes
         seconds = self._timed(lambda: sharded.get_state_dict(self.client, prefix, self.state))
         self._verify(f"get_state_dict of {prefix}")
-        return {"s": seconds}
+        return {"s": seconds, "copied": self.client.segment_bytes - before}
 
     def dcp_save(self, directory: str) -> dict[str, Any]:
         return {"s": self._timed(lambda: dcp_save(self.state, checkpoint_id=directory))}

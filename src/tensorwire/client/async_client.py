@@ -42,6 +42,7 @@ from tensorwire.errors import (
 from tensorwire.logs import event
 from tensorwire.transport.base import (
     DeviceDirect,
+    GenerationViews,
     Ranged,
     Resumable,
     Transport,
@@ -396,6 +397,13 @@ class AsyncClient:
         connection closed) and nothing of it is visible (docs/protocol.md §14.8)."""
         head = wg.PartHead(prefix, txn, index, count, 0)
         return await gens.publish_part(self._run, prefix, tensors, head, timeout)
+
+    @property
+    def segment_bytes(self) -> int:
+        """Bytes this client's connection copied into or out of shared-memory segments (shm://:
+        puts, parts, gets and reads of generations; what no socket counter sees); 0 otherwise."""
+        t = self._transport
+        return t.copied_bytes if isinstance(t, GenerationViews) else 0
 
     async def read_generation(self, prefix: str, at: gens.At = "latest") -> ranges.AsyncGenerationRead:
         """Generation ``at`` of ``prefix`` held for reading byte ranges of its tensors, many in

@@ -67,6 +67,10 @@ class Client:
     def delta_stats(self) -> DeltaStats:
         return self._async.delta_stats
 
+    @property
+    def segment_bytes(self) -> int:
+        return self._async.segment_bytes
+
     def _call(self, coro: Coroutine[Any, Any, T], longer: float = 0.0) -> T:
         # The worst case is a backstop: the client's own timers should have fired long before.
         # ``longer``: a call that waits on purpose (``wait``) may take that much more.

@@ -103,17 +103,21 @@ class _Ranged(AsyncGenerationRead):
 
 
 class _Viewed(AsyncGenerationRead):
-    def __init__(self, generation: Generation, views: dict[str, torch.Tensor]) -> None:
+    def __init__(
+        self, generation: Generation, views: dict[str, torch.Tensor], copied: Callable[[int], None]
+    ) -> None:
         metas = {name: TensorMeta(name, v.dtype, tuple(v.shape), v.nbytes, generation.number)
                  for name, v in views.items()}  # fmt: skip
         super().__init__(generation, metas)
         self._bytes = {name: np.frombuffer(_readonly_bytes(v), dtype=np.uint8) for name, v in views.items()}
         self._views: dict[str, torch.Tensor] | None = views
+        self._copied = copied  # counted as the transport's (``GenerationViews.copied_bytes``)
 
     async def _read(self, reads: Sequence[RangeRead]) -> None:
         for r in reads:
             src = self._bytes[r.name][r.offset : r.offset + r.dest.nbytes]
             np.frombuffer(r.dest, dtype=np.uint8)[:] = src
+        self._copied(sum(r.dest.nbytes for r in reads))
 
     async def close(self) -> None:
         self._bytes.clear()
@@ -159,7 +163,7 @@ async def open_read(run: Run, transport: Transport, prefix: str, at: int) -> Asy
             return await t.view_generation(prefix, at)
 
         gen, views = await run(view)
-        return _Viewed(gen, views)
+        return _Viewed(gen, views, transport.note_copied)
     as_ranged_generations(transport, "a ranged read of a generation")  # raises, naming the transport
     raise AssertionError("unreachable")
 

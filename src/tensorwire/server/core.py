@@ -132,6 +132,7 @@ class Server:
         # Generations (generation_ops.py): a parked wait ends well before its connection looks idle.
         self.generations = Generations(self.store, generations)
         self.generation_ops = GenerationOps(self.generations, store_ops, max_wait=idle_timeout / 2)
+        self.part_publishes = self.generation_ops.parts  # SHM_GEN_PART joins its transactions
         self._add_handlers(self.generation_ops.frame_handlers(), "generations")
         self.extensions: list[Extension] = []
         for extension in extensions:

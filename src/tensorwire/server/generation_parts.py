@@ -32,6 +32,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from tensorwire.errors import (
+    CorruptFrame,
     InvalidName,
     LimitExceeded,
     ProtocolError,
@@ -117,8 +118,25 @@ class PartPublishes:
         await self.store_ops.receive_parts(req, functools.partial(self._received, held), head)
 
     # -- receiving a part -----------------------------------------------------------------------
+    async def publish_reserved(
+        self, req: Request, head: wg.PartHead, res: Reservation, sums: Sequence[tuple[int, ...]]
+    ) -> None:
+        """A part whose bytes are in ``res`` already (SHM_GEN_PART: an SHM_PUT's segments, written
+        by the client, and its inline tensors, received and verified), with the chunk checksums
+        the client says they have: it counts only if every chunk checksum computed here from the
+        bytes matches. Owns ``res`` from here (freed on any refusal)."""
+        held = self._held(req)
+        parts = Parts(req.header.request_id, self.store, res, expected=list(sums))
+        try:
+            self._begin(held, req.header.request_id, head, parts)
+        except TensorwireError as exc:
+            parts.error = exc
+        await self._received(held, req, parts)
+
     def _head(self, held: _PartsHeld, rid: int, reader: wm.MetaReader, parts: Parts) -> None:
-        head = wg.decode_part_head(reader)
+        self._begin(held, rid, wg.decode_part_head(reader), parts)
+
+    def _begin(self, held: _PartsHeld, rid: int, head: wg.PartHead, parts: Parts) -> None:
         if parts.head is None:  # the part's first frame: before a byte of it is reserved
             held.heads[rid] = head, self._open(held, head)
             parts.head = head.prefix
@@ -245,6 +263,10 @@ class PartPublishes:
         sums = await cpu(big, lambda: [wg.chunk_checksums(b) for b in res.buffers])
         if txn.ended.is_set():  # aborted while its checksums were computed on a worker thread
             raise txn.error or ProtocolError(f"{txn.describe()} has ended")
+        if parts.expected is not None and parts.expected != sums:  # bytes that came through segments
+            bad = next(m.name for m, a, b in zip(res.metas, sums, parts.expected, strict=True) if a != b)
+            part = f"part {head.index} of {txn.describe()}"
+            raise CorruptFrame(f"{part}: {bad!r} does not hold the bytes its checksums say")
         return sums
 
     # -- ending ---------------------------------------------------------------------------------

@@ -65,7 +65,7 @@ _PS_OPS = (
 )  # fmt: skip
 _SHM_OPS = (
     Opcode.SHM_ATTACH, Opcode.SHM_GET, Opcode.SHM_PUT, Opcode.SHM_COMMIT, Opcode.SHM_RELEASE,
-    Opcode.SHM_GEN_VIEW,
+    Opcode.SHM_GEN_VIEW, Opcode.SHM_GEN_PART,
 )  # fmt: skip
 _NO_RDMA = "this server serves no RDMA (no rdma:// listener): {}"
 _RDMA_OPS = (Opcode.RDMA_ATTACH, Opcode.RDMA_PUT, Opcode.RDMA_GET, Opcode.RDMA_END)

@@ -11,12 +11,13 @@ It is an ``Extension`` (request.py) the first shm:// listener adds to its server
 did not come in on an shm:// listener, and the server closes it when it stops.
 
 Per connection (``ShmSession``) the server keeps the puts it handed segments out for and not yet
-committed, and the leases of views: of named tensors (SHM_GET) and of whole generations
-(SHM_GEN_VIEW, §16: the generation stays pinned, so it is never freed, whatever
-``--keep-generations`` retires, while the lease lives). When the connection ends, open puts are
-aborted (nothing of them was ever visible) and leased segments are released *tainted*: the client
-may still read them through a view, so they are never reused, only unlinked once the store frees
-them.
+committed (SHM_COMMIT publishes one as named tensors; SHM_GEN_PART hands one to a multi-part
+publish, generation_parts.py, once its chunk checksums are checked), and the leases of views: of
+named tensors (SHM_GET) and of whole generations (SHM_GEN_VIEW, §16: the generation stays pinned,
+so it is never freed, whatever ``--keep-generations`` retires, while the lease lives). When the
+connection ends, open puts are aborted (nothing of them was ever visible) and leased segments are
+released *tainted*: the client may still read them through a view, so they are never reused, only
+unlinked once the store frees them.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from typing import Any, Protocol
 
 from tensorwire import topology, transport
 from tensorwire.errors import InvalidTensor, LimitExceeded, ProtocolError, SharedMemoryUnavailable
+from tensorwire.server.generation_parts import PartPublishes
 from tensorwire.server.request import Extension, Handler, Request
 from tensorwire.store import Reservation, TensorStore
 from tensorwire.store.generations import Generations, Kept
@@ -41,6 +43,7 @@ from tensorwire.store.memory import Entry
 from tensorwire.store.shm import SegmentPool, clean_stale
 from tensorwire.transport.base import ByteStream, Listener
 from tensorwire.types import Address, TensorMeta
+from tensorwire.wire import generations as wg
 from tensorwire.wire import meta as wm
 from tensorwire.wire import shm as ws
 from tensorwire.wire.frame import Opcode
@@ -60,6 +63,9 @@ class ShmHost(Protocol):
 
     @property
     def generations(self) -> Generations: ...
+
+    @property
+    def part_publishes(self) -> PartPublishes: ...
 
     async def handle(self, stream: ByteStream, transport: str = "tcp") -> None:
         """Serve one connection."""
@@ -109,12 +115,15 @@ class ShmService:
     once that listener is up, closed by the server when it stops (or by ``listen`` when that first
     listener fails to start)."""
 
-    def __init__(self, store: TensorStore, directory: Path, generations: Generations) -> None:
+    def __init__(
+        self, store: TensorStore, directory: Path, generations: Generations, parts: PartPublishes
+    ) -> None:
         if not directory.is_dir() or not os.access(directory, os.W_OK):
             raise SharedMemoryUnavailable(f"cannot serve shm://: {directory} is not a writable directory")
         clean_stale(directory)  # what servers killed before their cleanup left behind
         self.store = store
         self.generations = generations
+        self.parts = parts
         self.pool = SegmentPool(directory, self.store.pool_limit)
         self.token = int.from_bytes(os.urandom(8), "little")
         self.probe = self.pool.create_probe(_U64.pack(self.token))
@@ -130,6 +139,7 @@ class ShmService:
             Opcode.SHM_COMMIT: self.commit,
             Opcode.SHM_RELEASE: self.release,
             Opcode.SHM_GEN_VIEW: self.view,
+            Opcode.SHM_GEN_PART: self.publish_part,
         }
         return {op: _shm_only(Opcode(op).name, handler) for op, handler in table.items()}
 
@@ -266,6 +276,28 @@ class ShmService:
             raise
         await req.reply(_U64.pack(version))
 
+    async def publish_part(self, req: Request) -> None:
+        """SHM_GEN_PART: an open put of this connection (SHM_PUT; its segments written by the
+        client) becomes part ``index`` of a multi-part publish (§14.8). Its inline tensors are
+        received and verified as SHM_COMMIT's; the part counts once every chunk checksum the
+        server computes from the bytes matches the one the request gives (``PartPublishes``)."""
+        session = self.session(req)
+        head, put_id = wg.decode_shm_part(req.meta)
+        res = session.puts.pop(put_id, None)
+        if res is None:
+            raise ProtocolError(f"SHM_GEN_PART of put {put_id}, which this connection does not hold open")
+        try:
+            sums = wg.decode_part_sums(req.meta, [m.nbytes for m in res.metas])
+            buffers = self._inline_buffers(res, wm.decode_records(req.meta))
+            req.meta.done()
+            if sum(b.nbytes for b in buffers) != req.header.data_len:
+                raise InvalidTensor("the inline records' sizes do not add up to the frame's data length")
+            await req.receive(buffers)  # every chunk verified
+        except BaseException:
+            self.store.abort(res)
+            raise
+        await self.parts.publish_reserved(req, head, res, sums)  # owns ``res`` from here
+
     def _inline_buffers(self, res: Reservation, inline: Sequence[object]) -> list[memoryview]:
         """The reservation's private buffers, which the commit's records must describe in order."""
         pairs = [
@@ -318,7 +350,7 @@ async def listen(server: ShmHost, address: Address) -> Listener:
     service = _services.get(server)
     first = service is None
     if service is None:
-        service = ShmService(server.store, ws.shm_dir(), server.generations)
+        service = ShmService(server.store, ws.shm_dir(), server.generations, server.part_publishes)
     try:
         # Counted in metrics as transport="shm": each transfer's path is visible, never a silent one.
         listener = await transport.listen(address, functools.partial(server.handle, transport="shm"))

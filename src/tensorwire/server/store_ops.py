@@ -63,6 +63,9 @@ class Parts:
     reservation: Reservation = field(default_factory=Reservation)
     error: TensorwireError | None = None
     head: str | None = None  # what each part's block starts with (a GEN_PUBLISH's prefix)
+    # chunk checksums the sender says its bytes have (a part that came through segments: no frame
+    # carried them), checked against those computed from the bytes before the part counts
+    expected: list[tuple[int, ...]] | None = None
 
     def abort(self) -> None:
         self.store.abort(self.reservation)

@@ -21,10 +21,13 @@ class BufferPool:
         self.limit = limit
         self.min_size = min_size
         self.held = 0
+        self.fresh = 0  # bytes of new buffers of the pool's sizes handed out: what costs page faults
         self._free: defaultdict[int, list[memoryview]] = defaultdict(list)
 
     def allocate(self, nbytes: int) -> memoryview:
         """A new buffer, for a put the pool had none for."""
+        if nbytes >= self.min_size:
+            self.fresh += nbytes
         return allocate_private(nbytes)
 
     def take(self, nbytes: int) -> memoryview | None:

@@ -101,6 +101,7 @@ class SegmentPool:
         self.limit = limit
         self.min_size = min_size
         self.held = 0
+        self.fresh = 0  # bytes of new segments handed out (not reused): what costs page faults
         self.closed = False  # after close, new buffers are private memory: nobody would unlink them
         self.prefix = _new_prefix()
         self.collisions = 0  # names found taken by a file this pool did not make (see the module doc)
@@ -112,6 +113,7 @@ class SegmentPool:
     def allocate(self, nbytes: int) -> memoryview:
         if nbytes < self.min_size or self.closed:
             return allocate_private(nbytes)
+        self.fresh += nbytes
         segment = self._create(size_class(nbytes))
         self._live[id(segment.map)] = segment
         return segment.data(nbytes)

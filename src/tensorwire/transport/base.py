@@ -31,8 +31,8 @@ caller asks ``isinstance(t, Ranged)`` (or opens with ``open_channel``, which ask
   manifests, waits, leases; docs/protocol.md §14); ``RangedGenerations`` and more. tcp://, tls://,
   memory:// (not yet grpc:// nor shm://).
 * ``PartPublisher``: one part of a generation published from several connections (the ranks of a
-  job: GEN_PUBLISH_PART, §14.8). tcp://, tls://, memory://, shm:// (its parts travel in frames),
-  grpc://, grpcs:// (the PublishPart call, §14.9).
+  job: GEN_PUBLISH_PART, §14.8). tcp://, tls://, memory://, shm:// (its parts through segments:
+  SHM_GEN_PART), grpc://, grpcs:// (the PublishPart call, §14.9).
 * ``GenerationViews``: a generation as read-only tensors over the server's own pages, and waits
   for the next one (§16: how a host leader's followers read it). shm://.
 * ``DeviceDirect``: CUDA tensors moved from and into device memory by the transport itself
@@ -341,6 +341,13 @@ class GenerationViews(Protocol):
     async def view_generation(self, prefix: str, at: int) -> tuple[Generation, dict[str, torch.Tensor]]: ...
 
     async def wait(self, prefix: str, after: int, timeout: float) -> Generation: ...
+
+    # Bytes copied into or out of the server's pages over this connection (puts into segments,
+    # gets out of them, and the copies callers make out of views, which they ``note_copied``):
+    # what moved, as a socket's byte counters say for the framed transports.
+    copied_bytes: int
+
+    def note_copied(self, nbytes: int) -> None: ...
 
 
 @runtime_checkable

@@ -197,7 +197,7 @@ class FramedTransport(Transport):
         _, reader = await self._call(Opcode.GEN_WAIT, request, what=what, timeout=timeout + self.timeout)
         return _finish(reader, wg.decode_generation(reader))
 
-    # GEN_PUBLISH_PART (``PartPublisher``): its bytes travel in frames on every framed transport.
+    # GEN_PUBLISH_PART (``PartPublisher``): its bytes travel in frames (shm.py overrides it: segments).
     async def publish_part(
         self, prefix: str, batch: PutBatch, *, txn: bytes, index: int, count: int, timeout: float
     ) -> Generation:

@@ -13,6 +13,8 @@ it shares the server's segment directory (SHM_ATTACH: it reads a probe file the 
   change during the copy (else it copies again: the key was overwritten and its old segment reused).
 * ``view``: SHM_GET with a lease: a read-only tensor over the mapped pages; the server pins the
   segment until the tensor's memory is freed (then the client sends SHM_RELEASE).
+* ``publish_part`` (``PartPublisher``): as ``put``, but SHM_GEN_PART hands the filled segments to a
+  multi-part publish with every tensor's chunk checksums, which the server checks the bytes against.
 * ``view_generation`` (``GenerationViews``): SHM_GEN_VIEW, every tensor of one generation as a view
   (§16), under one lease, released once the last of them is freed.
 
@@ -54,9 +56,10 @@ from tensorwire.transport.base import (
 )
 from tensorwire.transport.frame_client import FramedTransport
 from tensorwire.types import Address, Generation, TensorMeta
+from tensorwire.wire import generations as wg
 from tensorwire.wire import meta as wm
 from tensorwire.wire import shm as ws
-from tensorwire.wire.checksum import ChecksumKind
+from tensorwire.wire.checksum import ChecksumKind, checksum
 from tensorwire.wire.frame import DEFAULT_CHUNK_BYTES, Opcode
 
 MAPPINGS = 64  # segments a client keeps mapped (least recently used ones are unmapped first)
@@ -140,6 +143,10 @@ class ShmTransport(FramedTransport):
         self._releases: list[int] = []
         self._aborts: list[int] = []
         self._flushing: asyncio.Task[None] | None = None
+        self.copied_bytes = 0  # into and out of segments (``GenerationViews``)
+
+    def note_copied(self, nbytes: int) -> None:
+        self.copied_bytes += nbytes
 
     async def attach(self) -> None:
         """Prove that this process sees the server's segment directory: SharedMemoryUnavailable if not."""
@@ -163,36 +170,89 @@ class ShmTransport(FramedTransport):
 
     # -- put -----------------------------------------------------------------------------------------
     async def put(self, batch: PutBatch, progress: Progress | None = None) -> int:
-        metas: list[TensorMeta] = []
-        views: list[memoryview] = []
-        for i in range(batch.parts):
-            part_metas, part_views = batch.part(i)
-            metas += part_metas
-            views += part_views
+        metas, views = _gathered(batch)
         what = f"segments for a put of {len(metas)} tensors"
         reader = await self.call(Opcode.SHM_PUT, wm.encode_records(metas), what=what)
         put_id = reader.u64()
         refs = ws.decode_refs(reader, len(metas))
         reader.done()
         try:
-            for ref in refs:
-                if ref.meta[:4] != metas[ref.item][:4]:
-                    raise ProtocolError(f"{self.address} handed out a segment for another tensor")
-                segment = self._segment(ref, writable=True)
-                segment[ws.HEADER_BYTES : ws.HEADER_BYTES + ref.meta.nbytes] = views[ref.item]  # the copy
-                if progress is not None:
-                    progress(ref.meta.nbytes)
+            self._fill(refs, metas, views, progress)
         except BaseException:
             self._later(aborts=[put_id])
             raise
-        in_segments = {ref.item for ref in refs}
-        inline = [i for i in range(len(metas)) if i not in in_segments]
+        inline = _inline(len(metas), refs)
         body = wm.encode_u64(put_id) + wm.encode_records([metas[i] for i in inline])
         data = [views[i] for i in inline]
         reader = await self.call(Opcode.SHM_COMMIT, body, data, what=f"commit of {what}", progress=progress)
         version = reader.u64()
         reader.done()
         return version
+
+    # -- a part of a multi-part publish ---------------------------------------------------------------
+    async def publish_part(
+        self, prefix: str, batch: PutBatch, *, txn: bytes, index: int, count: int, timeout: float
+    ) -> Generation:
+        """GEN_PUBLISH_PART through segments (``PartPublisher``; docs/protocol.md §12.2): SHM_PUT
+        reserves them, each tensor is copied into its segment once, SHM_GEN_PART hands the put to
+        the transaction with every tensor's chunk checksums (the server checks the bytes against
+        them before the part counts) and the small tensors inline."""
+        metas, views = _gathered(batch)
+        what = f"part {index} of {count} of a publish under {prefix!r}"
+        reader = await self.call(Opcode.SHM_PUT, wm.encode_records(metas), what=f"segments for {what}")
+        put_id = reader.u64()
+        refs = ws.decode_refs(reader, len(metas))
+        reader.done()
+        try:
+            sums = self._fill_summed(refs, metas, views)
+        except BaseException:
+            self._later(aborts=[put_id])
+            raise
+        ms = max(1, min(round(timeout * 1000), 0xFFFFFFFF))
+        head = wg.encode_shm_part(wg.PartHead(prefix, txn, index, count, ms), put_id, sums)
+        inline = _inline(len(metas), refs)
+        body = head + wm.encode_records([metas[i] for i in inline])
+        # The server answers once every part is in, or at ``timeout``; this timer only backs it up.
+        reader = await self.call(Opcode.SHM_GEN_PART, body, [views[i] for i in inline], what=what,
+                                 timeout=timeout + self.timeout)  # fmt: skip
+        generation = wg.decode_generation(reader)
+        reader.done()
+        return generation
+
+    def _fill(
+        self, refs: Sequence[ws.SegmentRef], metas: Sequence[TensorMeta], views: Sequence[memoryview],
+        progress: Progress | None,
+    ) -> None:  # fmt: skip
+        """Copy each tensor the server handed a segment for into it (the one copy)."""
+        for ref in refs:
+            if ref.meta[:4] != metas[ref.item][:4]:
+                raise ProtocolError(f"{self.address} handed out a segment for another tensor")
+            segment = self._segment(ref, writable=True)
+            segment[ws.HEADER_BYTES : ws.HEADER_BYTES + ref.meta.nbytes] = views[ref.item]  # the copy
+            self.copied_bytes += ref.meta.nbytes
+            if progress is not None:
+                progress(ref.meta.nbytes)
+
+    def _fill_summed(
+        self, refs: Sequence[ws.SegmentRef], metas: Sequence[TensorMeta], views: Sequence[memoryview]
+    ) -> list[tuple[int, ...]]:
+        """``_fill``, and every tensor's chunk checksums (as the manifest's, §14), each chunk summed
+        from the segment right after it is copied there, while it is still in the cache."""
+        sums: list[tuple[int, ...]] = [()] * len(views)
+        for i in _inline(len(views), refs):
+            sums[i] = wg.chunk_checksums(views[i])
+        step = wg.CHUNK_BYTES
+        for ref in refs:
+            if ref.meta[:4] != metas[ref.item][:4]:
+                raise ProtocolError(f"{self.address} handed out a segment for another tensor")
+            data = self._segment(ref, writable=True)[ws.HEADER_BYTES : ws.HEADER_BYTES + ref.meta.nbytes]
+            src, chunks = views[ref.item], []
+            for at in range(0, ref.meta.nbytes, step):
+                data[at : at + step] = src[at : at + step]  # the copy
+                chunks.append(checksum(wg.CHECKSUM_KIND, data[at : at + step]))
+            sums[ref.item] = tuple(chunks)
+            self.copied_bytes += ref.meta.nbytes
+        return sums
 
     def _segment(self, ref: ws.SegmentRef, writable: bool) -> memoryview:
         try:
@@ -227,6 +287,7 @@ class ShmTransport(FramedTransport):
         if ws.generation(segment) != ref.generation:
             raise _Stale(ref.segment)
         dest[:] = segment[ws.HEADER_BYTES : ws.HEADER_BYTES + ref.meta.nbytes]
+        self.copied_bytes += ref.meta.nbytes
         if ws.generation(segment) != ref.generation:  # reused mid-copy: what we copied may be mixed
             raise _Stale(ref.segment)
 
@@ -348,6 +409,23 @@ class _SharedLease:
             last = self._left == 0
         if last:
             self._release()
+
+
+def _gathered(batch: PutBatch) -> tuple[list[TensorMeta], list[memoryview]]:
+    """Every part's records and bytes, in order (segments are asked for all at once)."""
+    metas: list[TensorMeta] = []
+    views: list[memoryview] = []
+    for i in range(batch.parts):
+        part_metas, part_views = batch.part(i)
+        metas += part_metas
+        views += part_views
+    return metas, views
+
+
+def _inline(count: int, refs: Sequence[ws.SegmentRef]) -> list[int]:
+    """The items of a put the server handed no segment for: they travel inline, in order."""
+    in_segments = {ref.item for ref in refs}
+    return [i for i in range(count) if i not in in_segments]
 
 
 def _inline_sink() -> tuple[

@@ -80,6 +80,8 @@ class Opcode(enum.IntEnum):
     SHM_GEN_VIEW = 52
     GEN_PUBLISH_PART = 53
     GEN_GET_RANGES = 54
+    # A GEN_PUBLISH_PART whose bytes an SHM_PUT's segments hold (docs/protocol.md §12.2, §14.8).
+    SHM_GEN_PART = 55
     # RDMA through the Mooncake Transfer Engine (rdma://, docs/protocol.md §17; server/rdma.py).
     RDMA_ATTACH = 56
     RDMA_PUT = 57

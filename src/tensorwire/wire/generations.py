@@ -205,6 +205,29 @@ def decode_part_head(reader: wm.MetaReader) -> PartHead:
     return PartHead(prefix, bytes(txn), index, count, timeout_ms)
 
 
+def encode_shm_part(head: PartHead, put_id: int, sums: Sequence[Sequence[int]]) -> bytes:
+    """SHM_GEN_PART's block start: the part head, ``u64 put id``, then for each record of the put
+    (in its order) its chunk checksums as ``u64`` (``chunk_count`` of them: the count follows from
+    the record); the inline tensors' records follow, as in SHM_COMMIT."""
+    flat = [s for per in sums for s in per]
+    return encode_part_head(head) + _U64.pack(put_id) + struct.pack(f"<{len(flat)}Q", *flat)
+
+
+def decode_shm_part(reader: wm.MetaReader) -> tuple[PartHead, int]:
+    """SHM_GEN_PART's head and put id (its checksums follow: ``decode_part_sums``)."""
+    return decode_part_head(reader), reader.u64()
+
+
+def decode_part_sums(reader: wm.MetaReader, sizes: Sequence[int]) -> list[tuple[int, ...]]:
+    """The chunk checksums of tensors of ``sizes`` bytes (the put's records, already bounded by
+    the capacity that reserved them), in order."""
+    out = []
+    for nbytes in sizes:
+        n = -(-nbytes // CHUNK_BYTES)
+        out.append(tuple(reader.u64() for _ in range(n)))
+    return out
+
+
 MAX_RANGES = 65536  # ranges in one GEN_GET_RANGES
 _RANGE = struct.Struct("<QQ")  # offset, length
 
