@@ -202,7 +202,7 @@ class PartPublishes:
             parts.abort()
             raise parts.error or ProtocolError("GEN_PUBLISH_PART carried no head")
         head, txn = opened
-        await self.add(txn, head, parts.reservation, parts.error)
+        await self.add(txn, head, parts.reservation, parts.error, expected=parts.expected)
         await self._answer_when_ended(held, req, txn)
 
     # -- the same, for a caller that is not a frame connection (gRPC's PublishPart) -------------
@@ -218,14 +218,21 @@ class PartPublishes:
         return self._open(held, head)
 
     async def add(
-        self, txn: _Txn, head: wg.PartHead, res: Reservation, error: TensorwireError | None = None
+        self,
+        txn: _Txn,
+        head: wg.PartHead,
+        res: Reservation,
+        error: TensorwireError | None = None,
+        *,
+        expected: Sequence[tuple[int, ...]] | None = None,
     ) -> None:
         """Part ``head.index`` of ``txn`` is received into ``res`` (``error``: why receiving it
-        failed): held in the transaction, which commits if this was its last part. Else ``res`` is
-        freed, the transaction aborted, and the error every part hears raised."""
+        failed; ``expected``: the chunk checksums the client says bytes it wrote itself have, as
+        SHM_GEN_PART's segments): held in the transaction, which commits if this was its last part.
+        Else ``res`` is freed, the transaction aborted, and the error every part hears raised."""
         txn.receiving.discard(head.index)
         try:
-            sums = await self._check_part(txn, head, res, error)
+            sums = await self._check_part(txn, head, res, error, expected)
         except TensorwireError as exc:
             self.store.abort(res)
             self._abort(txn, _failed(txn, head.index, exc))
@@ -246,7 +253,12 @@ class PartPublishes:
         return txn.generation
 
     async def _check_part(
-        self, txn: _Txn, head: wg.PartHead, res: Reservation, error: TensorwireError | None
+        self,
+        txn: _Txn,
+        head: wg.PartHead,
+        res: Reservation,
+        error: TensorwireError | None,
+        expected: Sequence[tuple[int, ...]] | None,
     ) -> list[tuple[int, ...]]:
         if error is not None:
             raise error
@@ -263,8 +275,10 @@ class PartPublishes:
         sums = await cpu(big, lambda: [wg.chunk_checksums(b) for b in res.buffers])
         if txn.ended.is_set():  # aborted while its checksums were computed on a worker thread
             raise txn.error or ProtocolError(f"{txn.describe()} has ended")
-        if parts.expected is not None and parts.expected != sums:  # bytes that came through segments
-            bad = next(m.name for m, a, b in zip(res.metas, sums, parts.expected, strict=True) if a != b)
+        if expected is not None and list(expected) != sums:  # bytes that came through segments
+            if len(expected) != len(sums):
+                raise ProtocolError(f"{len(expected)} checksum lists for the {len(sums)} tensors of a part")
+            bad = next(m.name for m, a, b in zip(res.metas, sums, expected, strict=True) if a != b)
             part = f"part {head.index} of {txn.describe()}"
             raise CorruptFrame(f"{part}: {bad!r} does not hold the bytes its checksums say")
         return sums
