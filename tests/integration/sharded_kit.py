@@ -29,7 +29,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 import tensorwire
 from tensorwire import sharded
 from tensorwire.errors import TensorwireError
-from tensorwire.sharded import _agreed
+from tensorwire.sharded.state import _agreed
 from tensorwire.types import Address, TensorMeta
 from tensorwire.wire import generations as wg
 from tensorwire.wire import meta as wm

@@ -14,6 +14,7 @@ import tensorwire
 from tensorwire import sharded
 from tensorwire.errors import ConnectError, TransferTimeout
 from tensorwire.server import ServerThread
+from tensorwire.sharded import state as sharded_state
 from tensorwire.sharded.checkpoint import (
     AsyncSaver,
     Snapshot,
@@ -51,7 +52,7 @@ class FakePut:
 @pytest.fixture
 def fake_put(monkeypatch: pytest.MonkeyPatch) -> Iterator[FakePut]:
     fake = FakePut()
-    monkeypatch.setattr(sharded, "put_state_dict", fake, raising=False)
+    monkeypatch.setattr(sharded_state, "put_state_dict", fake)
     yield fake
     fake.release.set()  # never leave a saver's thread waiting
 

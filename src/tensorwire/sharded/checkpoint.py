@@ -56,9 +56,9 @@ import torch.distributed as dist
 from torch.distributed.checkpoint import state_dict as torch_state
 from torch.distributed.tensor import DTensor
 
-from tensorwire import sharded
 from tensorwire.client import Client, connect
 from tensorwire.errors import TransferTimeout
+from tensorwire.sharded import state
 from tensorwire.types import Generation
 
 DEFAULT_TIMEOUT = 60.0  # seconds for one upload (``put_state_dict``'s timeout)
@@ -203,7 +203,7 @@ class AsyncSaver:
     def _upload(self, client_or_url: ClientOrUrl, prefix: str, copies: dict[str, torch.Tensor]) -> Generation:
         self.snapshot.wait_copied()
         client = self._client(client_or_url)
-        return sharded.put_state_dict(client, prefix, copies, group=self._group, timeout=self.timeout)
+        return state.put_state_dict(client, prefix, copies, group=self._group, timeout=self.timeout)
 
     def _client(self, client_or_url: ClientOrUrl) -> Client:
         if not isinstance(client_or_url, str):
