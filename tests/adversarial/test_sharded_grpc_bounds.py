@@ -298,7 +298,10 @@ def test_leases_outlive_their_connection_so_the_peers_holding_one_are_bounded() 
     ``leases_per_owner`` more each time. The peers holding one are bounded by the connection limit."""
 
     async def lease_from_a_new_connection(target: str) -> tuple[grpc.StatusCode | None, str]:
-        async with grpc.aio.insecure_channel(target) as channel:
+        # A subchannel of its own: grpcio shares one connection between channels to a target
+        # otherwise, and each lease must come from a new peer.
+        local = [("grpc.use_local_subchannel_pool", 1)]
+        async with grpc.aio.insecure_channel(target, options=local) as channel:
             lease = channel.unary_unary(f"/{SERVICE}/Lease", pb.LeaseRequest.SerializeToString,
                                         pb.LeaseReply.FromString)  # fmt: skip
             try:
