@@ -28,7 +28,6 @@ from tensorwire.errors import (
     LimitExceeded,
     ProtocolError,
     TensorwireError,
-    TransferTimeout,
 )
 from tensorwire.logs import event
 from tensorwire.security import TlsFiles, grpc_server_credentials, tokens_match
@@ -138,10 +137,7 @@ class TensorServicer(pb_grpc.TensorServiceServicer):
         except asyncio.CancelledError:
             if not watchdog.fired:
                 raise
-            task = asyncio.current_task()
-            if task is not None:
-                task.uncancel()
-            raise TransferTimeout(f"the client sent nothing for {self.stall_timeout:.3g}s") from None
+            raise watchdog.cut_off() from None
         finally:
             watchdog.close()
             self.store.abort(batch)  # a no-op once committed

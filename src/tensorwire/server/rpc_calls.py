@@ -20,6 +20,7 @@ from tensorwire.errors import (
     LimitExceeded,
     ProtocolError,
     TensorwireError,
+    TransferTimeout,
     code_for_error,
 )
 from tensorwire.store import Reservation, TensorStore
@@ -77,6 +78,14 @@ class Watchdog:
 
     def close(self) -> None:
         self._handle.cancel()
+
+    def cut_off(self) -> TransferTimeout:
+        """What a call this watchdog cancelled (``fired``) raises instead of the cancellation,
+        from the call's own task: the task is uncancelled, so the error reaches the client."""
+        task = asyncio.current_task()
+        if task is not None:
+            task.uncancel()
+        return TransferTimeout(f"the client sent nothing for {self.stall:.3g}s")
 
 
 class StreamedPut:

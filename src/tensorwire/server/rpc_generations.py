@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from tensorwire.errors import KeyNotFound, LimitExceeded, ProtocolError, TensorwireError, TransferTimeout
+from tensorwire.errors import KeyNotFound, LimitExceeded, ProtocolError, TensorwireError
 from tensorwire.server.generation_ops import GenerationOps
 from tensorwire.server.rpc_calls import StreamedPut, Watchdog, abort, answer, checked_chunk, off_loop
 from tensorwire.store import Reservation
@@ -96,10 +96,7 @@ class GenerationCalls:
         except asyncio.CancelledError:
             if not watchdog.fired:
                 raise  # the call was cancelled: ``held.close`` below aborts its transaction
-            task = asyncio.current_task()
-            if task is not None:
-                task.uncancel()
-            raise TransferTimeout(f"the client sent nothing for {self.stall_timeout:.3g}s") from None
+            raise watchdog.cut_off() from None
         finally:
             watchdog.close()
             held.close()  # a call that ends before its transaction (cancelled, cut off) aborts it
