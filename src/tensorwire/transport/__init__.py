@@ -106,25 +106,25 @@ async def _open_framed(
 async def _open_shm(address: Address, options: TransportOptions) -> Transport:
     """shm://: the frame protocol on loopback for control, then SHM_ATTACH proves that this process
     maps the server's segments (SharedMemoryUnavailable if not: never a silent fallback)."""
-    transport = await _open_framed(address, options, shm.ShmTransport)
-    assert isinstance(transport, shm.ShmTransport)
-    try:
-        async with asyncio_timeout(options.connect_timeout, f"the SHM_ATTACH answer from {address}"):
-            await transport.attach()
-    except BaseException:
-        await transport.close()
-        raise
-    return transport
+    return await _open_attached(address, options, shm.ShmTransport, "SHM_ATTACH")
 
 
 async def _open_rdma(address: Address, options: TransportOptions) -> Transport:
     """rdma://: the frame protocol on TCP for control (HELLO with the token), then RDMA_ATTACH starts
     this process's transfer engine and learns the server's (RdmaUnavailable if either cannot be
     had, or the server serves no RDMA: never a silent fallback to the frames)."""
-    transport = await _open_framed(address, options, rdma.RdmaTransport)
-    assert isinstance(transport, rdma.RdmaTransport)
+    return await _open_attached(address, options, rdma.RdmaTransport, "RDMA_ATTACH")
+
+
+async def _open_attached(
+    address: Address, options: TransportOptions, kind: type[shm.ShmTransport | rdma.RdmaTransport], what: str
+) -> Transport:
+    """The frame protocol for control, then the transport's own ``attach`` (``what``), within the
+    connect timeout; closed again if that fails."""
+    transport = await _open_framed(address, options, kind)
+    assert isinstance(transport, kind)
     try:
-        async with asyncio_timeout(options.connect_timeout, f"the RDMA_ATTACH answer from {address}"):
+        async with asyncio_timeout(options.connect_timeout, f"the {what} answer from {address}"):
             await transport.attach()
     except BaseException:
         await transport.close()
