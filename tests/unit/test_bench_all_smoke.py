@@ -71,3 +71,24 @@ def test_report_rows_pair_each_figure_with_its_peer() -> None:
     text = report.markdown(doc, [])
     assert "| transfer | tcp put 1 MiB | 2 GB/s | plain socket: 4 GB/s | 0.50x |" in text
     assert "- grpc: RuntimeError: no port" in text
+
+
+def test_report_rows_of_the_peers_and_of_iperf3() -> None:
+    peers = {
+        "ray_size_bytes": 16 << 20,
+        "size_bytes": 256 << 20,
+        "many": 10,
+        "tw_shm_put_gbps": 10.0,
+        "ray_put_gbps": 0.5,
+        "tw_tcp_small_get_us": 100.0,
+        "mooncake_read_us": 50.0,
+        "tw_tcp_bulk_put_gbps": 2.0,
+        "gloo_send_gbps": None,
+    }
+    transfer = {"put_gbps": 2.0, "get_gbps": 3.0, "iperf_gbps": 4.0, "size_bytes": 1 << 20}
+    doc = {"benchmarks": {"peers": {"result": peers}, "transfer": {"result": transfer}}}  # fmt: skip
+    by_path = {(r.benchmark, r.path, r.peer): r for r in report.rows(doc)}
+    assert by_path[("peers", "shm put 16 MiB", "ray.put")].ratio == 20.0
+    assert by_path[("peers", "tcp 1 KiB get p50", "Mooncake 1 KiB read")].ratio == 2.0
+    assert ("peers", "tcp put 256 MiB", "gloo send") not in by_path  # not measured: no row
+    assert by_path[("transfer", "tcp get(out=) 1 MiB vs iperf3", "iperf3 one stream")].ratio == 0.75

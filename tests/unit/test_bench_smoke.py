@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+from tensorwire.bench.fastpaths import iperf_report_gbps
 from tensorwire.bench.transfer import main
 
 KEYS = [
@@ -57,8 +58,24 @@ def test_transfer_bench_smoke(capsys: pytest.CaptureFixture[str]) -> None:
         value = result[key]
         assert isinstance(value, int | float) and not isinstance(value, bool), key
         assert value > 0, key
-    assert "iperf_gbps" in result  # null where iperf3 is not installed
+    assert "iperf_gbps" in result  # null where iperf3 is not installed, with the reason
+    assert isinstance(result["iperf_note"], str)
+    if result["iperf_gbps"] is not None:
+        assert result["put_vs_iperf"] and result["get_vs_iperf"]
+    else:
+        assert result["put_vs_iperf"] is None and result["get_vs_iperf"] is None
     assert result["size_bytes"] == 1 << 20
     assert result["iters"] == 1
     assert result["loop"] in ("uvloop", "asyncio")
     assert isinstance(result["pinned"], bool)
+
+
+def test_an_iperf_report_without_sum_received_falls_back_to_sum_sent() -> None:
+    # Seen once: iperf3 exited 0 with a report whose "end" had no "sum_received".
+    sent = {"end": {"sum_sent": {"bits_per_second": 8e9}}}
+    assert iperf_report_gbps(json.dumps(sent)) == (1.0, "iperf3 one stream, end.sum_sent")
+    received = {"end": {"sum_received": {"bits_per_second": 16e9}, "sum_sent": {"bits_per_second": 8e9}}}
+    assert iperf_report_gbps(json.dumps(received)) == (2.0, "iperf3 one stream, end.sum_received")
+    gbps, why = iperf_report_gbps(json.dumps({"end": {}, "error": "interrupted"}))
+    assert gbps is None and "interrupted" in why
+    assert iperf_report_gbps("not json") == (None, "iperf3's report is not JSON")

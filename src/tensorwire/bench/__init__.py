@@ -110,6 +110,24 @@ BENCHMARKS: dict[str, Benchmark] = {
             ("--size", "1MiB", "--rows", "16", "--timeout", "120"),
         ),
         Benchmark(
+            "peers",
+            "tensorwire next to Ray's object store, the Mooncake Transfer Engine (TCP) and gloo "
+            "send/recv on the same bytes (--json, --peers ray,mooncake,gloo, --size, --ray-size).",
+            ("--size", "256MiB", "--iters", "3", "--small-iters", "500"),  # ~40 s: Ray's start is most
+            (
+                "--peers",
+                "gloo,mooncake",
+                "--size",
+                "1MiB",
+                "--iters",
+                "1",
+                "--small-iters",
+                "20",
+                "--many",
+                "9",
+            ),
+        ),
+        Benchmark(
             "sweep",
             "Bandwidth by tensor size (4 KiB to 256 MiB), latency percentiles, CPU s/GB and peak RSS "
             "per transport and peer (--max-size, --json).",

@@ -9,7 +9,8 @@ iperf3 ceiling of one TCP stream. Each figure comes with its baseline from the s
   target: never below 0.95).
 * ``cache_hit_get_us``: p50 of a cached 1 KiB get (one STAT), next to ``cache_leased_get_us``
   (within a lease: no request) and ``cache_miss_get_us`` (a plain get).
-* ``iperf_gbps``: iperf3, one TCP stream on loopback, when iperf3 is installed (else null).
+* ``iperf_gbps``: iperf3, one TCP stream on loopback, when iperf3 is installed (else null, and
+  ``iperf_note`` says why); ``put_vs_iperf`` / ``get_vs_iperf``: tcp:// put/get over it (``iperf``).
 
 Rounds of the compared configurations are interleaved and their medians taken, so a burst of
 load from elsewhere hits both sides of a ratio alike.
@@ -132,7 +133,8 @@ def compression(url: str, size: int, iters: int) -> Result:
     }
 
 
-def _p50_us(fn: Callable[[], object], iters: int) -> float:
+def p50_us(fn: Callable[[], object], iters: int) -> float:
+    """Median microseconds of ``fn`` over ``iters`` calls, after a tenth as many warm-ups (5 or more)."""
     for _ in range(max(iters // 10, 5)):
         fn()
     samples = []
@@ -153,17 +155,31 @@ def cache(url: str, iters: int) -> Result:
         plain.put("bench/cached", small)
         out = torch.empty_like(small)
         return {
-            "cache_hit_get_us": _p50_us(lambda: checked.get("bench/cached", out=out), iters),
-            "cache_leased_get_us": _p50_us(lambda: leased.get("bench/cached", out=out), iters),
-            "cache_miss_get_us": _p50_us(lambda: plain.get("bench/cached", out=out), iters),
+            "cache_hit_get_us": p50_us(lambda: checked.get("bench/cached", out=out), iters),
+            "cache_leased_get_us": p50_us(lambda: leased.get("bench/cached", out=out), iters),
+            "cache_miss_get_us": p50_us(lambda: plain.get("bench/cached", out=out), iters),
         }
 
 
-def iperf_gbps(seconds: int = IPERF_SECONDS) -> float | None:
-    """One TCP stream on loopback as iperf3 measures it; None when iperf3 is not installed."""
+IPERF_MISSING = "iperf3 is not installed (apt-get install iperf3)"
+IPERF_TRIES = 3
+
+
+def iperf_gbps(seconds: int = IPERF_SECONDS) -> tuple[float | None, str]:
+    """One TCP stream on loopback as iperf3 measures it, and how it went: (None, why) when iperf3
+    is not installed or no try gave a figure (iperf3 can exit 0 with a report that lacks one)."""
     iperf = shutil.which("iperf3")
     if iperf is None:
-        return None
+        return None, IPERF_MISSING
+    why = "no try ran"
+    for _ in range(IPERF_TRIES):
+        gbps, why = _iperf_once(iperf, seconds)
+        if gbps is not None:
+            return gbps, why
+    return None, f"iperf3 gave no figure in {IPERF_TRIES} tries: {why}"
+
+
+def _iperf_once(iperf: str, seconds: int) -> tuple[float | None, str]:
     with socket.socket() as probe:  # a free port (a race with another program is harmless here)
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
@@ -172,23 +188,43 @@ def iperf_gbps(seconds: int = IPERF_SECONDS) -> float | None:
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
+    why = "the iperf3 server never answered"
     try:
         for _ in range(50):  # the server needs a moment to listen
-            client = subprocess.run(
-                [iperf, "-c", "127.0.0.1", "-p", str(port), "-t", str(seconds), "-J"],
-                capture_output=True,
-                text=True,
-                timeout=seconds + 30,
-                check=False,
-            )
+            try:
+                client = subprocess.run(
+                    [iperf, "-c", "127.0.0.1", "-p", str(port), "-t", str(seconds), "-J"],
+                    capture_output=True,
+                    text=True,
+                    timeout=seconds + 30,
+                    check=False,
+                )
+            except subprocess.TimeoutExpired:
+                return None, f"the iperf3 client ran past {seconds + 30} s"
             if client.returncode == 0:
-                report: dict[str, Any] = json.loads(client.stdout)
-                return float(report["end"]["sum_received"]["bits_per_second"]) / 8e9
+                return iperf_report_gbps(client.stdout)
+            why = f"iperf3 exited {client.returncode}: {client.stderr.strip()[-200:]}"
             time.sleep(0.1)
-        return None
+        return None, why
     finally:
         server.kill()
         server.wait(10)
+
+
+def iperf_report_gbps(text: str) -> tuple[float | None, str]:
+    """GB/s from iperf3's ``-J`` report: ``end.sum_received``, else ``end.sum_sent`` (a report
+    that lacks the first was seen), else (None, why)."""
+    try:
+        report: Any = json.loads(text)
+    except ValueError:
+        return None, "iperf3's report is not JSON"
+    end = report.get("end") if isinstance(report, dict) else None
+    for key in ("sum_received", "sum_sent"):
+        bps = (end or {}).get(key, {}).get("bits_per_second") if isinstance(end, dict) else None
+        if isinstance(bps, int | float) and bps > 0:
+            return float(bps) / 8e9, f"iperf3 one stream, end.{key}"
+    error = report.get("error") if isinstance(report, dict) else None
+    return None, f"iperf3's report has no end.sum_received/sum_sent{f' ({error})' if error else ''}"
 
 
 def measure(url: str, data: torch.Tensor, iters: int, small_iters: int) -> Result:
@@ -198,5 +234,15 @@ def measure(url: str, data: torch.Tensor, iters: int, small_iters: int) -> Resul
         **striping(url, data, iters),
         **compression(url, size, iters),
         **cache(url, small_iters),
-        "iperf_gbps": iperf_gbps(),
+    }
+
+
+def iperf(put_gbps: float, get_gbps: float) -> Result:
+    """iperf3's one stream and tcp:// put/get over it (None, with ``iperf_note``, where it cannot)."""
+    gbps, note = iperf_gbps()
+    return {
+        "iperf_gbps": gbps,
+        "put_vs_iperf": _ratio(put_gbps, gbps),
+        "get_vs_iperf": _ratio(get_gbps, gbps),
+        "iperf_note": note,
     }

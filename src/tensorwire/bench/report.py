@@ -112,7 +112,11 @@ def _fast_paths(r: dict[str, Any], size: str) -> list[Row]:
             lower_is_better=True,
         ),
         Row("transfer", "iperf3 (loopback)", _get(r, "iperf_gbps"), "GB/s"),
-    ]
+        Row("transfer", f"tcp put {size} vs iperf3 (the stable baseline)", _get(r, "put_gbps"), "GB/s",
+            "iperf3 one stream", _get(r, "iperf_gbps")),
+        Row("transfer", f"tcp get(out=) {size} vs iperf3", _get(r, "get_gbps"), "GB/s",
+            "iperf3 one stream", _get(r, "iperf_gbps")),
+    ]  # fmt: skip
     return [row for row in rows if row.figure is not None]
 
 
@@ -192,6 +196,35 @@ def _reshard(r: dict[str, Any]) -> list[Row]:
     ]  # fmt: skip
 
 
+def _peers(r: dict[str, Any]) -> list[Row]:
+    """Each peer next to tensorwire doing the same (absent peers: no rows)."""
+    ray, bulk = _size(int(r.get("ray_size_bytes") or 0)), _size(int(r.get("size_bytes") or 0))
+    g = _get
+    rows = [
+        Row("peers", f"shm put {ray}", g(r, "tw_shm_put_gbps"), "GB/s", "ray.put", g(r, "ray_put_gbps")),
+        Row("peers", f"shm get(out=) {ray}", g(r, "tw_shm_get_gbps"), "GB/s", "ray.get in an actor",
+            g(r, "ray_get_gbps")),
+        Row("peers", f"tcp put {ray}", g(r, "tw_tcp_put_gbps"), "GB/s", "ray.put", g(r, "ray_put_gbps")),
+        Row("peers", "shm 1 KiB get p50", g(r, "tw_shm_get_us"), "us", "Ray 1 KiB actor call",
+            g(r, "ray_call_us"), lower_is_better=True),
+        Row("peers", "tcp 1 KiB get p50", g(r, "tw_tcp_get_us"), "us", "Ray 1 KiB actor call",
+            g(r, "ray_call_us"), lower_is_better=True),
+        Row("peers", f"shm put_many of {r.get('many')} x 1 KiB", g(r, "tw_shm_small_per_s"), "objects/s",
+            "single ray.puts", g(r, "ray_small_per_s")),
+        Row("peers", f"tcp put {bulk}", g(r, "tw_tcp_bulk_put_gbps"), "GB/s", "Mooncake TCP write",
+            g(r, "mooncake_write_gbps")),
+        Row("peers", f"tcp get(out=) {bulk}", g(r, "tw_tcp_bulk_get_gbps"), "GB/s", "Mooncake TCP read",
+            g(r, "mooncake_read_gbps")),
+        Row("peers", "tcp 1 KiB get p50", g(r, "tw_tcp_small_get_us"), "us", "Mooncake 1 KiB read",
+            g(r, "mooncake_read_us"), lower_is_better=True),
+        Row("peers", f"tcp put {bulk}", g(r, "tw_tcp_bulk_put_gbps"), "GB/s", "gloo send",
+            g(r, "gloo_send_gbps")),
+        Row("peers", "tcp 1 KiB get p50", g(r, "tw_tcp_small_get_us"), "us", "gloo 1 KiB ping-pong",
+            g(r, "gloo_us"), lower_is_better=True),
+    ]  # fmt: skip
+    return [row for row in rows if row.figure is not None and row.peer_figure is not None]
+
+
 def _cpu(r: dict[str, Any], name: str) -> float:
     c = r["cpu_s_per_gb"][name]
     return float(c["client"] + (c["server"] or 0.0))
@@ -215,6 +248,7 @@ ROWS: dict[str, Callable[[dict[str, Any]], list[Row]]] = {
     "compression": _compression,
     "sweep": _sweep,
     "reshard": _reshard,
+    "peers": _peers,
 }
 
 

@@ -368,7 +368,8 @@ def run(
                 rdma = rdma_bench.measure(client, data, iters, peer)
         small_us = _on_loop(_async_small_us(url, small_iters))
         echo_us = _on_loop(_echo_us(echo_port, small_iters))
-        fast = fastpaths.measure(url, data, iters, small_iters)  # striping, compression, cache, iperf3
+        fast = fastpaths.measure(url, data, iters, small_iters)  # striping, compression, cache
+        fast.update(fastpaths.iperf(put_gbps, get_gbps))  # the ceiling of one TCP stream
         pings = pinglag.measure(url, ping_put_size)  # how long a big put makes another client wait
     return {
         **fast,
@@ -433,7 +434,12 @@ def format_table(r: Result) -> str:
             f"{_fmt(r['striped_gbps'], '.3f')} GB/s",
             f"{_fmt(r['striped_ratio'], '.2f')} x one stream ({_fmt(r['one_stream_gbps'], '.3f')})",
         ),
-        ("iperf3 one stream", f"{_fmt(r['iperf_gbps'], '.3f')} GB/s", "ceiling (n/a: not installed)"),
+        ("iperf3 one stream", f"{_fmt(r['iperf_gbps'], '.3f')} GB/s", f"ceiling: {r['iperf_note']}"),
+        (
+            "put, get vs iperf3",
+            f"{_fmt(r['put_vs_iperf'], '.2f')}, {_fmt(r['get_vs_iperf'], '.2f')} x",
+            "the stable baseline (the plain socket swings 2x between runs)",
+        ),
         (
             "lz4 put+get, sparse",
             f"{_fmt(r['lz4_gbps'], '.3f')} GB/s",
