@@ -79,3 +79,5 @@ def test_an_iperf_report_without_sum_received_falls_back_to_sum_sent() -> None:
     gbps, why = iperf_report_gbps(json.dumps({"end": {}, "error": "interrupted"}))
     assert gbps is None and "interrupted" in why
     assert iperf_report_gbps("not json") == (None, "iperf3's report is not JSON")
+    odd = {"end": {"sum_received": [], "sum_sent": {"bits_per_second": 8e9}}}  # a field of another shape
+    assert iperf_report_gbps(json.dumps(odd)) == (1.0, "iperf3 one stream, end.sum_sent")

@@ -79,7 +79,8 @@ def _interleaved(
     return {key: nbytes / statistics.median(t) / 1e9 for key, t in times.items()}
 
 
-def _ratio(value: float | None, baseline: float | None) -> float | None:
+def ratio(value: float | None, baseline: float | None) -> float | None:
+    """``value / baseline``, None when either is missing or zero."""
     return value / baseline if value and baseline else None
 
 
@@ -98,7 +99,7 @@ def striping(url: str, data: torch.Tensor, iters: int) -> Result:
     return {
         "striped_gbps": gbps["striped"],
         "one_stream_gbps": gbps["one"],
-        "striped_ratio": _ratio(gbps["striped"], gbps["one"]),
+        "striped_ratio": ratio(gbps["striped"], gbps["one"]),
         "stripes": k,
     }
 
@@ -125,11 +126,11 @@ def compression(url: str, size: int, iters: int) -> Result:
         "raw_compressible_gbps": comp["none"],
         "lz4_gbps": comp["lz4"],
         "zstd_gbps": comp["zstd"],
-        "lz4_ratio": _ratio(comp["lz4"], comp["none"]),
-        "zstd_ratio": _ratio(comp["zstd"], comp["none"]),
+        "lz4_ratio": ratio(comp["lz4"], comp["none"]),
+        "zstd_ratio": ratio(comp["zstd"], comp["none"]),
         "raw_incompressible_gbps": incomp["none"],
         "auto_incompressible_gbps": incomp["auto"],
-        "auto_incompressible_ratio": _ratio(incomp["auto"], incomp["none"]),
+        "auto_incompressible_ratio": ratio(incomp["auto"], incomp["none"]),
     }
 
 
@@ -220,7 +221,8 @@ def iperf_report_gbps(text: str) -> tuple[float | None, str]:
         return None, "iperf3's report is not JSON"
     end = report.get("end") if isinstance(report, dict) else None
     for key in ("sum_received", "sum_sent"):
-        bps = (end or {}).get(key, {}).get("bits_per_second") if isinstance(end, dict) else None
+        total = end.get(key) if isinstance(end, dict) else None
+        bps = total.get("bits_per_second") if isinstance(total, dict) else None
         if isinstance(bps, int | float) and bps > 0:
             return float(bps) / 8e9, f"iperf3 one stream, end.{key}"
     error = report.get("error") if isinstance(report, dict) else None
@@ -242,7 +244,7 @@ def iperf(put_gbps: float, get_gbps: float) -> Result:
     gbps, note = iperf_gbps()
     return {
         "iperf_gbps": gbps,
-        "put_vs_iperf": _ratio(put_gbps, gbps),
-        "get_vs_iperf": _ratio(get_gbps, gbps),
+        "put_vs_iperf": ratio(put_gbps, gbps),
+        "get_vs_iperf": ratio(get_gbps, gbps),
         "iperf_note": note,
     }

@@ -22,7 +22,6 @@ import argparse
 import asyncio
 import contextlib
 import os
-import socket
 import statistics
 import sys
 import time
@@ -36,10 +35,10 @@ import tensorwire
 from tensorwire.bench import peers_ray, transfer
 from tensorwire.bench import rdma as rdma_bench
 from tensorwire.bench.children import Child, add_run_options, spawned, starting
-from tensorwire.bench.fastpaths import p50_us
-from tensorwire.bench.peers_ray import ratio
+from tensorwire.bench.fastpaths import p50_us, ratio
 from tensorwire.bench.report import show, table
 from tensorwire.bench.transfer import parse_size
+from tensorwire.ps.launch import free_port
 from tensorwire.transport import rdma_engine
 from tensorwire.types import KiB, MiB
 from tensorwire.wire.tensors import byte_view
@@ -94,12 +93,6 @@ def _env(name: str, value: str) -> Iterator[None]:
             os.environ.pop(name, None)
         else:
             os.environ[name] = before
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:  # a race with another program is harmless here: init fails
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 # -- tcp:// and the plain socket: what the mooncake and gloo figures are judged against ------------
@@ -195,7 +188,7 @@ def gloo(data: torch.Tensor, tcp: Result, args: argparse.Namespace) -> Result:
 
     src = data.view(torch.uint8)
     small, ack = torch.ones(SMALL_BYTES, dtype=torch.uint8), torch.zeros(1, dtype=torch.uint8)
-    port = _free_port()
+    port = free_port()  # a race with another program is harmless here: init fails
     with spawned() as children:
         children.append(Child(gloo_peer, port, src.numel(), args.iters + 1))  # + 1: the warm-up
         children[0].ready()

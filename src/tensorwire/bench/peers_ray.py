@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 import tensorwire
-from tensorwire.bench.fastpaths import p50_us
+from tensorwire.bench.fastpaths import p50_us, ratio
 from tensorwire.bench.transfer import _median_seconds
 from tensorwire.types import KiB, MiB
 
@@ -42,11 +42,6 @@ def missing() -> str | None:
     if importlib.util.find_spec("ray") is None:
         return "Ray is not installed: pip install 'tensorwire[ray]' (or tensorwire[peers])"
     return None
-
-
-def ratio(value: float | None, peer: float | None) -> float | None:
-    """``value / peer``, None when either is missing or zero."""
-    return value / peer if value and peer else None
 
 
 def _getter_class(ray: Any) -> Any:
