@@ -3,6 +3,8 @@ family the collector builds is the cumulative histogram Prometheus (and the dash
 
 from __future__ import annotations
 
+import time
+
 from prometheus_client import generate_latest
 
 import tensorwire
@@ -25,6 +27,11 @@ def test_the_histogram_is_exported_cumulative_per_op_and_transport() -> None:
     with ServerThread(metrics_port=0) as server:
         with tensorwire.connect(server.url) as client:
             client.list("")
+        # The server counts a request once its answer is out, so the client may hear it first.
+        deadline = time.monotonic() + 5
+        while not server.server.counts.rows.get(("list", "tcp"), metrics.Row()).seconds:
+            assert time.monotonic() < deadline, "the LIST was never counted"
+            time.sleep(0.01)
         samples = metrics.parse(generate_latest(server.server.registry).decode())
     buckets = {
         labels["le"]: value

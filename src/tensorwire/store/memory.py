@@ -66,6 +66,7 @@ class Entry:
     data: memoryview
     pins: int = 0
     retired: bool = False
+    record: bytes = b""  # ``meta`` as a GET answer carries it, encoded on the first read (store_ops)
 
 
 @dataclass(eq=False, slots=True)

@@ -102,6 +102,12 @@ class ByteStream(ABC):
     async def close(self) -> None:
         """Close the stream; pending and later calls raise ConnectionLost."""
 
+    def watch_idle(self, callback: Callable[[], None]) -> bool:
+        """Call ``callback`` once, on the stream's loop, when the stream turns readable (bytes, or
+        the peer's close) while nobody is in ``recv_into``; watching again takes another call.
+        False: this stream cannot tell, so its owner must keep a reader waiting instead."""
+        return False
+
 
 StreamHandler = Callable[[ByteStream], Awaitable[None]]
 

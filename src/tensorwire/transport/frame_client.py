@@ -56,6 +56,9 @@ CLIENT_LIMITS = Limits(max_meta_bytes=256 << 20, max_batch=10_000_000, max_reque
 class _Pending:
     opcode: int
     future: asyncio.Future[tuple[Header, wm.MetaReader]]
+    wait: float  # seconds it may take, its send included
+    deadline: float  # the loop time those seconds end at
+    what: str
     sink: Sink | None = None
     progress: Callable[[int], None] | None = None
 
@@ -86,10 +89,25 @@ class FramedTransport(Transport):
         self.timeout = timeout  # seconds one request may take, its send included
         self._max_inflight = Limits().max_inflight  # the server's own, after HELLO
         self._room: asyncio.Event | None = None  # set when a request finishes while others wait
+        # One timer for all requests, armed for the earliest deadline (see _arm): a timer per
+        # request cost more than the rest of a small request's bookkeeping together.
+        self._sweep: asyncio.TimerHandle | None = None
+        self._sweep_at = 0.0
+        self._answering: _Pending | None = None  # out of the table while its answer is read
         self._closed = False
         self._failure: TensorwireError | None = None
         self._version = PROTOCOL_VERSIONS[-1]
-        self._reader_task = asyncio.get_running_loop().create_task(self._read_loop())
+        # The reader: whoever reads answers off the stream, one at a time. A caller alone in flight
+        # reads its own answer (``_read_until``): waking a reader task that then wakes the caller
+        # cost an event-loop turn per request. A background task reads for callers that find
+        # someone else reading, and when the stream turns readable while nobody reads (the server
+        # closed the connection, or failed it with an error frame); on a stream that cannot say so
+        # (``watch_idle`` is False) it reads for as long as the connection lives.
+        self._reading = False
+        self._reader_task: asyncio.Task[None] | None = None
+        self._watched = stream.watch_idle(self._readable_while_idle)
+        if not self._watched:
+            self._start_reader()
         self.info = wm.ServerInfo(self._version, Limits(), 0, 0)
 
     @property
@@ -247,12 +265,16 @@ class FramedTransport(Transport):
         if self._closed:
             raise self._failure or ConnectionLost(f"connection to {self.address} is closed")
         rid = next(self._ids)
-        future: asyncio.Future[tuple[Header, wm.MetaReader]] = asyncio.get_running_loop().create_future()
-        pending = self._pending[rid] = _Pending(opcode, future, sink, None if batch else progress)
-        # One timer per request, not an asyncio.timeout scope: it is the cheapest finite wait, and
-        # it covers the send as well as the answer.
+        loop = self._loop
+        future: asyncio.Future[tuple[Header, wm.MetaReader]] = loop.create_future()
+        # A deadline, not an asyncio.timeout scope: it is the cheapest finite wait, and it covers
+        # the send as well as the answer.
         wait = self.timeout if timeout is None else timeout
-        timer = self._loop.call_later(wait, self._expire, pending, what, wait)
+        deadline = loop.time() + wait
+        pending = _Pending(opcode, future, wait, deadline, what, sink, None if batch else progress)
+        self._pending[rid] = pending
+        if self._sweep is None or deadline < self._sweep_at:
+            self._arm(deadline)
         try:
             while len(self._pending) > self._max_inflight:  # rare: wait for an answer to free a slot
                 self._room = self._room or asyncio.Event()
@@ -271,37 +293,110 @@ class FramedTransport(Transport):
             except Exception as exc:  # e.g. the caller's progress callback: the frame is half sent
                 await self._fail(ConnectionLost(f"a request to {self.address} stopped mid-frame: {exc!r}"))
                 raise
-            return await future  # settled by the reader, a timer, or _fail
+            if self._reading or future.done():
+                return await future  # settled by the reader, the deadline sweep, or _fail
+            return await self._read_until(future)
         except asyncio.CancelledError:
-            # A request abandoned mid-flight leaves the stream in an unknown state: drop it.
+            # A request abandoned mid-flight leaves the stream in an unknown state: drop it. Its
+            # outcome, if one came meanwhile (a timeout, say), is nobody's to hear any more.
+            if future.done() and not future.cancelled():
+                future.exception()
             self._pending.pop(rid, None)
             await self._fail(ConnectionLost(f"request to {self.address} was abandoned mid-flight"))
             raise
         finally:
-            timer.cancel()
             self._pending.pop(rid, None)
             if self._room is not None:
                 self._room.set()
                 self._room = None
 
-    def _expire(self, pending: _Pending, what: str, wait: float) -> None:
-        """A request's timer ran out: fail it, and drop the connection it is stuck on (also when
+    def _arm(self, deadline: float) -> None:
+        """Have ``_expire_due`` run at ``deadline`` (or earlier, if it is armed for earlier)."""
+        if self._sweep is not None:
+            self._sweep.cancel()
+        self._sweep_at = deadline
+        self._sweep = self._loop.call_at(deadline, self._expire_due)
+
+    def _expire_due(self) -> None:
+        """The earliest deadline came: fail the requests past theirs, then wait for the next one.
+        In a stream of quick requests this runs once per timeout, finding nothing due."""
+        self._sweep = None
+        now = self._loop.time()
+        waiting = [*self._pending.values(), *([self._answering] if self._answering else [])]
+        due = [p for p in waiting if p.deadline <= now and not p.future.done()]
+        if due:
+            self._expire(due[0])
+            return  # the connection is dropped with it: every other request fails too
+        later = [p.deadline for p in waiting if not p.future.done()]
+        if later and not self._closed:
+            self._arm(min(later))
+
+    def _expire(self, pending: _Pending) -> None:
+        """A request's deadline passed: fail it, and drop the connection it is stuck on (also when
         its answer is half received: the reader is cancelled with the connection)."""
-        if pending.future.done():
-            return
-        waited = f"waited {wait:.3g}s for the answer to the {what} from {self.address}"
+        waited = f"waited {pending.wait:.3g}s for the answer to the {pending.what} from {self.address}"
         _settle(pending, error=TransferTimeout(waited))
         lost = ConnectionLost(f"connection to {self.address} dropped: a request on it timed out")
         self._closing = self._loop.create_task(self._fail(lost))
 
-    async def _read_loop(self) -> None:
+    async def _read_until(
+        self, future: asyncio.Future[tuple[Header, wm.MetaReader]]
+    ) -> tuple[Header, wm.MetaReader]:
+        """As the reader, read answers (anyone's) until the one ``future`` waits for is in; then
+        hand the reading over to the background task if others still wait."""
+        self._reading = True
         try:
-            while await self._reader.at_frame_start():
-                await self._read_response()
-            raise ConnectionLost(f"{self.address} closed the connection")
-        except TensorwireError as exc:
-            await self._fail(exc)
+            while not future.done():
+                await self._read_frame()
+        except Exception as exc:
+            await self._read_failed(exc)
+        finally:
+            self._reading = False
+            self._after_reading()
+        return await future  # settled: by its answer, or by the failure that ended the reading
+
+    def _start_reader(self, once: bool = False) -> None:
+        self._reading = True  # now, not when the task starts: no caller may read meanwhile
+        self._reader_task = self._loop.create_task(self._read_loop(once))
+
+    def _after_reading(self) -> None:
+        """The reader stopped: answers others wait for go to the background task; with none, the
+        stream is watched for what the server may send unasked."""
+        if self._closed:
+            return
+        if self._pending or not self._watched:
+            self._start_reader()
+        else:
+            self._stream.watch_idle(self._readable_while_idle)
+
+    def _readable_while_idle(self) -> None:
+        if not self._reading and not self._closed:
+            self._start_reader(once=True)
+
+    async def _read_loop(self, once: bool) -> None:
+        """The background reader: while requests wait for answers (``once``: at least one frame, or
+        the end of the stream; on a stream without ``watch_idle``: for as long as it lives)."""
+        try:
+            while once or self._pending or not self._watched:
+                once = False
+                await self._read_frame()
         except Exception as exc:  # a bug, or a user's callback: never a silently dead reader
+            await self._read_failed(exc)
+        finally:
+            if asyncio.current_task() is self._reader_task:
+                self._reading = False
+                self._reader_task = None
+                self._after_reading()
+
+    async def _read_frame(self) -> None:
+        if not await self._reader.at_frame_start():
+            raise ConnectionLost(f"{self.address} closed the connection")
+        await self._read_response()
+
+    async def _read_failed(self, exc: Exception) -> None:
+        if isinstance(exc, TensorwireError):
+            await self._fail(exc)
+        else:
             await self._fail(ConnectionLost(f"reading from {self.address} failed: {exc!r}"))
 
     async def _read_response(self) -> None:
@@ -316,6 +411,7 @@ class FramedTransport(Transport):
         pending = self._pending.pop(header.request_id, None)
         if pending is not None and pending.future.done():  # timed out, already failed
             pending = None
+        self._answering = pending
         try:
             await self._answer(header, meta, reader, pending)
         except BaseException as exc:
@@ -324,6 +420,8 @@ class FramedTransport(Transport):
             lost = ConnectionLost(f"the connection to {self.address} failed mid-answer: {exc!r}")
             _settle(pending, error=exc if isinstance(exc, TensorwireError) else lost)
             raise
+        finally:
+            self._answering = None
 
     async def _answer(
         self, header: Header, meta: bytes, reader: wm.MetaReader, pending: _Pending | None
@@ -376,14 +474,18 @@ class FramedTransport(Transport):
             return
         self._closed = True
         self._failure = exc
+        if self._sweep is not None:
+            self._sweep.cancel()
+            self._sweep = None
         for pending in list(self._pending.values()):
             _settle(pending, error=exc)
         self._pending.clear()
-        if asyncio.current_task() is not self._reader_task:
-            self._reader_task.cancel()
+        task = self._reader_task
+        if task is not None and task is not asyncio.current_task():
+            task.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
-                await self._reader_task
-        await self._stream.close()
+                await task
+        await self._stream.close()  # a caller that reads wakes to find the stream closed
 
 
 class RangedTransport(FramedTransport):

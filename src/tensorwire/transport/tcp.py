@@ -36,6 +36,8 @@ class TcpStream(ByteStream):
         self._loop = asyncio.get_running_loop()
         self._closed = False
         self._watching = False  # whether the loop watches the socket for readability
+        self._drained = False  # the last read came back short: the socket is (most likely) empty
+        self._on_idle: Callable[[], None] | None = None  # see watch_idle
         self._read_waiter: asyncio.Future[None] | None = None
         self._write_waiter: asyncio.Future[None] | None = None
         try:
@@ -47,13 +49,20 @@ class TcpStream(ByteStream):
     async def recv_into(self, buf: memoryview) -> int:
         # Read first and wait only when the socket is empty; the readiness watch stays registered
         # across waits. (loop.sock_recv_into registers and unregisters it with epoll on every call,
-        # which cost a third of a small request's round trip.)
+        # which cost a third of a small request's round trip.) A read that came back short has
+        # emptied the socket: the next one waits for readiness first rather than pay for a receive
+        # that fails with EAGAIN (a syscall and an exception per frame on each side of a small
+        # round trip). The watch is level-triggered, so bytes that came in meanwhile wake it at once.
+        if self._drained:
+            self._drained = False
+            await self._readable()
         while True:
             if self._closed:
                 raise ConnectionLost(f"connection to {self.peer} is closed")
             try:
                 got = self._sock.recv_into(buf)
                 self.last_active = time.monotonic()
+                self._drained = 0 < got < buf.nbytes
                 return got
             except (BlockingIOError, InterruptedError):
                 await self._readable()
@@ -74,10 +83,22 @@ class TcpStream(ByteStream):
         waiter = self._read_waiter
         if waiter is None or waiter.done():
             # Nobody is reading now: stop watching, or the level-triggered poll would call us on
-            # every loop turn until someone does.
+            # every loop turn until someone does; tell whoever asked (watch_idle).
             self._unwatch()
+            self._drained = False
+            idle, self._on_idle = self._on_idle, None
+            if idle is not None:
+                idle()
             return
         waiter.set_result(None)
+
+    def watch_idle(self, callback: Callable[[], None]) -> bool:
+        if not self._closed:
+            self._on_idle = callback
+            if not self._watching:
+                self._loop.add_reader(self._fd, self._on_readable)
+                self._watching = True
+        return True
 
     def _unwatch(self) -> None:
         if self._watching:
@@ -131,6 +152,7 @@ class TcpStream(ByteStream):
         if self._closed:
             return
         self._closed = True
+        self._on_idle = None
         self._unwatch()
         for waiter in (self._read_waiter, self._write_waiter):
             if waiter is not None:

@@ -151,6 +151,11 @@ def encode_records(metas: Sequence[TensorMeta]) -> bytes:
     return _U32.pack(len(metas)) + b"".join(map(encode_record, metas))
 
 
+def join_records(records: Sequence[bytes]) -> bytes:
+    """A records block (as ``encode_records``) from records encoded already (``encode_record``)."""
+    return _U32.pack(len(records)) + b"".join(records)
+
+
 def decode_records(reader: MetaReader) -> list[TensorMeta]:
     return [reader.record() for _ in range(reader.count())]
 

@@ -49,9 +49,11 @@ from tensorwire.testing.conformance.hostile import (
     truncated_frame_stores_nothing,
 )
 from tensorwire.testing.conformance.lifecycle import (
+    a_connection_dropped_while_idle_is_noticed,
     a_stalled_request_is_cut_off,
     closed_client_and_server,
     connections_are_bounded_and_idle_ones_dropped,
+    each_request_keeps_its_own_deadline,
     silent_server_times_out,
 )
 from tensorwire.testing.conformance.round_trips import (
@@ -99,6 +101,8 @@ STREAM_CASES: list[Case] = [
     an_unfinished_batch_stores_nothing,
     a_stalled_request_is_cut_off,
     connections_are_bounded_and_idle_ones_dropped,
+    a_connection_dropped_while_idle_is_noticed,
+    each_request_keeps_its_own_deadline,
     a_get_naming_a_tensor_twice_is_refused,
     an_unauthenticated_peer_cannot_make_the_server_allocate,
     corrupt_chunk_is_never_stored,
@@ -123,6 +127,7 @@ __all__ = [
     "STREAM_CASES",
     "STREAM_SCHEMES",
     "a_bad_part_refuses_the_whole_batch",
+    "a_connection_dropped_while_idle_is_noticed",
     "a_batch_in_many_frames_is_one_put",
     "a_get_naming_a_tensor_twice_is_refused",
     "a_lying_chunk_head_ends_the_session",
@@ -142,6 +147,7 @@ __all__ = [
     "corrupt_compressed_chunk_is_never_stored",
     "corrupt_get_response_is_retried",
     "damaged_header_is_caught",
+    "each_request_keeps_its_own_deadline",
     "every_dtype_and_shape",
     "expect_error",
     "get_into_out_in_place",

@@ -1,5 +1,5 @@
 """Timeouts and close: a silent server, a closed client and server, a stalled request, idle and
-surplus connections."""
+surplus connections, deadlines of requests in flight together, a drop noticed while idle."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ import time
 
 import torch
 
-from tensorwire import AsyncClient, ClientOptions, errors
+from tensorwire import AsyncClient, ClientOptions, errors, transport
+from tensorwire.client.options import transport_options
 from tensorwire.testing.conformance.frames import (
     expect_error,
     put_frame,
@@ -16,7 +17,8 @@ from tensorwire.testing.conformance.frames import (
     read_reply,
 )
 from tensorwire.testing.conformance.harness import Harness
-from tensorwire.types import TensorMeta
+from tensorwire.transport.frame_client import FramedTransport, RangedTransport
+from tensorwire.types import Address, TensorMeta
 from tensorwire.wire.checksum import ChecksumKind
 from tensorwire.wire.frame import Header, Opcode, encode_frame_head
 
@@ -87,3 +89,55 @@ async def connections_are_bounded_and_idle_ones_dropped(h: Harness) -> None:
             await c.ping()
             await asyncio.sleep(0.6)  # idle past the timeout, on purpose
             await c.ping()
+
+
+async def each_request_keeps_its_own_deadline(h: Harness) -> None:
+    """A short request sent after a long one times out at its own deadline, not the long one's
+    (the client keeps one timer for all, armed for the earliest)."""
+    async with h.black_hole() as url:
+        t = await _transport(url, timeout=30.0, connect=False)
+        try:
+            slow = asyncio.create_task(t.call(Opcode.PING, b"", what="slow ping"))
+            await asyncio.sleep(0)  # one loop turn: the slow request goes out (and arms the timer) first
+            start = time.monotonic()
+            try:
+                await t.call(Opcode.PING, b"", what="quick ping", timeout=0.3)
+            except errors.TransferTimeout as exc:
+                assert "quick ping" in str(exc), exc
+            else:
+                raise AssertionError("a silent server answered")
+            assert time.monotonic() - start < 5, "the short request waited for the long one's deadline"
+            # The timeout dropped the connection: the long request fails with it, now.
+            (outcome,) = await asyncio.wait_for(asyncio.gather(slow, return_exceptions=True), 5)
+            assert isinstance(outcome, errors.TransportError), outcome
+        finally:
+            await t.close()
+
+
+async def a_connection_dropped_while_idle_is_noticed(h: Harness) -> None:
+    """The server drops a connection the client is not using (its idle timeout): the transport sees
+    it without sending anything (it reads its own answers, so nobody else is reading), and so the
+    client's next request, even one never retried (a delete), goes out on a fresh connection
+    instead of failing on the dead one."""
+    async with h.server(idle_timeout=0.3) as srv:
+        t = await _transport(str(srv.addresses[0]), timeout=10.0)
+        try:
+            await t.ping()
+            deadline = time.monotonic() + 5
+            while not t.closed:
+                assert time.monotonic() < deadline, "an idle connection the server dropped looks open"
+                await asyncio.sleep(0.02)
+        finally:
+            await t.close()
+
+
+async def _transport(url: str, timeout: float, connect: bool = True) -> FramedTransport:
+    """A frame transport to ``url``: opened as a client opens it (HELLO), or, for a peer that
+    never answers, on a bare stream."""
+    address = Address.parse(url)
+    if not connect:
+        return RangedTransport(address, await transport.connect_stream(address, 5.0), timeout=timeout)
+    options = transport_options(ClientOptions(timeout=timeout, connect_timeout=5.0, retries=0))
+    opened = await transport.open_transport(address, options)
+    assert isinstance(opened, FramedTransport), opened
+    return opened
