@@ -38,7 +38,8 @@ async def main(url, marker):
     (ref,) = ws.decode_refs(reader, 1)
     segment = t.maps.get(ref.segment, writable=True)
     segment[ws.HEADER_BYTES : ws.HEADER_BYTES + (2 << 20)] = bytes(2 << 20)
-    pathlib.Path(marker).write_text(ref.segment)
+    pathlib.Path(marker + ".part").write_text(ref.segment)
+    pathlib.Path(marker + ".part").rename(marker)  # whole, or not there: the test polls for it
     await asyncio.sleep(600)
 
 asyncio.run(main(sys.argv[1], sys.argv[2]))
