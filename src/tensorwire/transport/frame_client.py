@@ -292,6 +292,7 @@ class FramedTransport(Transport):
                 await self._fail(exc)
             except Exception as exc:  # e.g. the caller's progress callback: the frame is half sent
                 await self._fail(ConnectionLost(f"a request to {self.address} stopped mid-frame: {exc!r}"))
+                _drop_outcome(future)  # the caller hears of its own exception instead
                 raise
             if self._reading or future.done():
                 return await future  # settled by the reader, the deadline sweep, or _fail
@@ -299,8 +300,7 @@ class FramedTransport(Transport):
         except asyncio.CancelledError:
             # A request abandoned mid-flight leaves the stream in an unknown state: drop it. Its
             # outcome, if one came meanwhile (a timeout, say), is nobody's to hear any more.
-            if future.done() and not future.cancelled():
-                future.exception()
+            _drop_outcome(future)
             self._pending.pop(rid, None)
             await self._fail(ConnectionLost(f"request to {self.address} was abandoned mid-flight"))
             raise
@@ -627,6 +627,13 @@ def _finish(reader: wm.MetaReader, value: T) -> T:
     """``value``, once nothing is left unread in the response's metadata block."""
     reader.done()
     return value
+
+
+def _drop_outcome(future: asyncio.Future[tuple[Header, wm.MetaReader]]) -> None:
+    """Mark the outcome of a request nobody will await as heard (no "exception was never
+    retrieved" log when the future is collected)."""
+    if future.done() and not future.cancelled():
+        future.exception()
 
 
 def _settle(
