@@ -49,6 +49,9 @@ _U32 = struct.Struct("<I")
 # from this many metadata bytes or tensors on, that work runs on a worker thread, so the loop
 # keeps serving the others meanwhile.
 _OFF_LOOP_META = 64 << 10
+# The longest record an entry keeps (``_records``): a name of ~70 bytes with 4 dims, well inside
+# the ~400 bytes of ``ENTRY_OVERHEAD`` that an entry's measured objects leave unused.
+RECORD_KEPT_BYTES = 128
 _OFF_LOOP_TENSORS = 2048
 _BUSY_WAIT = 10.0  # most seconds a write waits for another connection to let go of its upload's bytes
 
@@ -424,11 +427,16 @@ def _answer_encoder(compression: wm.Compression | None) -> lossless.Encoder | No
 
 
 def _records(entries: list[Entry]) -> bytes:
-    """A GET answer's records. Each entry's is encoded once, on its first read: encoding the same
-    record again was a tenth of the server's time in a stream of 1 KiB gets."""
+    """A GET answer's records. A short record is kept on its entry, encoded on the first read:
+    encoding the same record again was a tenth of the server's time in a stream of 1 KiB gets. A
+    long one (a long name, many dims: up to ~1.3 KiB) is encoded each time, since what an entry
+    holds beyond its bytes must fit the ``ENTRY_OVERHEAD`` its name is charged."""
     for entry in entries:
         if not entry.record:
-            entry.record = wm.encode_record(entry.meta)
+            record = wm.encode_record(entry.meta)
+            if len(record) > RECORD_KEPT_BYTES:
+                return wm.encode_records([e.meta for e in entries])
+            entry.record = record
     return wm.join_records([e.record for e in entries])
 
 

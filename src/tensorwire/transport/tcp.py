@@ -71,9 +71,7 @@ class TcpStream(ByteStream):
 
     async def _readable(self) -> None:
         waiter = self._read_waiter = self._loop.create_future()
-        if not self._watching:
-            self._loop.add_reader(self._fd, self._on_readable)
-            self._watching = True
+        self._watch()
         try:
             await waiter
         finally:
@@ -95,10 +93,13 @@ class TcpStream(ByteStream):
     def watch_idle(self, callback: Callable[[], None]) -> bool:
         if not self._closed:
             self._on_idle = callback
-            if not self._watching:
-                self._loop.add_reader(self._fd, self._on_readable)
-                self._watching = True
+            self._watch()
         return True
+
+    def _watch(self) -> None:
+        if not self._watching:
+            self._loop.add_reader(self._fd, self._on_readable)
+            self._watching = True
 
     def _unwatch(self) -> None:
         if self._watching:

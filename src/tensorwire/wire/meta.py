@@ -148,7 +148,7 @@ def encode_record(meta: TensorMeta) -> bytes:
 
 
 def encode_records(metas: Sequence[TensorMeta]) -> bytes:
-    return _U32.pack(len(metas)) + b"".join(map(encode_record, metas))
+    return join_records([encode_record(meta) for meta in metas])
 
 
 def join_records(records: Sequence[bytes]) -> bytes:

@@ -116,9 +116,9 @@ async def each_request_keeps_its_own_deadline(h: Harness) -> None:
 
 async def a_connection_dropped_while_idle_is_noticed(h: Harness) -> None:
     """The server drops a connection the client is not using (its idle timeout): the transport sees
-    it without sending anything (it reads its own answers, so nobody else is reading), and so the
-    client's next request, even one never retried (a delete), goes out on a fresh connection
-    instead of failing on the dead one."""
+    it without sending anything, though no reader task runs while it is idle (callers read their
+    own answers). That is what lets a client's next request, even one never retried (a delete),
+    go out on a fresh connection instead of failing on the dead one."""
     async with h.server(idle_timeout=0.3) as srv:
         t = await _transport(str(srv.addresses[0]), timeout=10.0)
         try:
