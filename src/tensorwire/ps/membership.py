@@ -7,6 +7,11 @@ leave of the rank carries it; a request under a rank with another (or no) incarn
 before it changes anything (``member``, ``refuse_identity``), counted and logged.
 
 A joining worker starts at the current step (sync) or the slowest clock (``joining_clock``).
+A PS_JOIN is resent when its connection breaks (the worker's ``ServerSlot.call``; under load,
+after two missed heartbeats), and the first one may have been admitted: a join again from the
+session holding a rank it joined for the first time, before that worker pushed anything, is that
+join resent and answered as the first one (``_resent_first_join``), not taken for a rejoin, which
+would start it a step later and let the step it was in be taken without it.
 
 Barriers (PS_BARRIER): a worker's n-th ``Worker.barrier()`` is generation n, noted as its
 ``barrier`` (replicated); generation n is released once every rank of the world has joined and
@@ -60,6 +65,9 @@ class Member:
     # Left for good (its final PS_LEAVE), not merely dropped or stepped aside: a dropped worker
     # (missed heartbeats under load, a restart) may come back, and its job must still be there.
     finished: bool = False
+    # Admitted as a rank new to the job (no record of it before): a rejoin is not. With ``seq``
+    # still 0 (nothing pushed since), a join again from its session is that first join resent.
+    first: bool = False
 
 
 class Members:
@@ -156,18 +164,39 @@ class Members:
         The caller wakes the waiters (a join may open a gate)."""
         self._job.note_world(head.world)
         before = self.workers.get(head.worker)  # a rejoin keeps its push marks: resends stay duplicates
+        if before is not None and self._resent_first_join(before, head):
+            before.heard = time.monotonic()
+            log.info("worker %d resent its join of job %s: answered as the first one, at clock %d",
+                     head.worker, self._job.id, before.clock)  # fmt: skip
+            return wps.encode_join_reply(
+                before.clock, self._job.config is not None, before.seq, self.barrier_released()
+            )
         clock = self.joining_clock(head.worker)
         seq, reply = (before.seq, before.last_reply) if before else (0, b"")
         released = self.barrier_released()
         barrier = max(before.barrier if before else 0, released)
         self.workers[head.worker] = Member(
-            clock, read_clock=clock, seq=seq, last_reply=reply, incarnation=head.seq, barrier=barrier
+            clock,
+            read_clock=clock,
+            seq=seq,
+            last_reply=reply,
+            incarnation=head.seq,
+            barrier=barrier,
+            first=before is None,
         )
         log.info(
             "worker %d joined job %s at clock %d (live: %s)", head.worker, self._job.id, clock, self.live()
         )
         self.start_watchdog()
         return wps.encode_join_reply(clock, self._job.config is not None, seq, released)
+
+    @staticmethod
+    def _resent_first_join(before: Member, head: wps.PsHead) -> bool:
+        """Whether ``head`` is the PS_JOIN that admitted ``before`` sent again (its answer was lost
+        with its connection, and ``ServerSlot.call`` resent it): the same session, still live, which
+        joined the job for the first time and has pushed nothing since. Such a worker is where it
+        was admitted (sync: step 0, which no step passes without its push), and stays there."""
+        return before.live and before.first and before.seq == 0 and before.incarnation == head.seq
 
     def left(self, worker: int, why: str, *, final: bool = False) -> None:
         """``worker`` is no longer live; ``final``: it left for good (its last PS_LEAVE)."""
