@@ -49,7 +49,11 @@ class LoopThread:
         self._thread.start()
 
     def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+        try:
+            return asyncio.run_coroutine_threadsafe(coro, self.loop)
+        except RuntimeError:  # the loop is closed (a client closed under a call from another thread)
+            coro.close()
+            raise
 
     def call(self, coro: Coroutine[Any, Any, T], timeout: float, what: str) -> T:
         """Run ``coro`` on the loop and wait for it; TransferTimeout naming ``what`` after ``timeout``
@@ -113,6 +117,24 @@ class Deadline:
         """TransferTimeout if the deadline has passed."""
         if time.monotonic() >= self.at:
             raise self.expired()
+
+
+class WouldWait(RuntimeError):
+    """``drive``: the coroutine waited on an event loop, which a thread that runs it alone cannot."""
+
+
+def drive(coro: Coroutine[Any, Any, T]) -> T:
+    """Run ``coro`` to its end in this thread, with no event loop: for coroutines that only ever
+    give the loop a turn (``asyncio.sleep(0)``, a bare yield) and never wait on a future, such as
+    frame I/O on a stream whose waits block (``tcp.LentTcp``). One that waits is closed (its
+    ``finally`` blocks run) and ``WouldWait`` raised."""
+    try:
+        while coro.send(None) is None:
+            pass  # a turn given to nobody
+    except StopIteration as done:
+        return done.value  # type: ignore[no-any-return]
+    coro.close()
+    raise WouldWait("a call run outside the event loop had to wait on it")
 
 
 async def cancel_and_wait(task: asyncio.Task[Any] | None) -> None:

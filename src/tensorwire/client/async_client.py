@@ -101,13 +101,18 @@ class AsyncClient:
     def url(self) -> str:
         return str(self.address)
 
+    @property
+    def current_transport(self) -> Transport | None:
+        """The connection this client holds now (None before the first call, or after close)."""
+        return self._transport
+
     # -- tensors -------------------------------------------------------------------------------
     async def put(self, name: str, tensor: torch.Tensor, progress: Progress | None = None) -> int:
         """Store ``tensor`` under ``name``; return its new version. A large one (``resumable_bytes``)
         survives broken connections: each retry sends only what the server has not verified."""
         size = tensor.numel() * tensor.element_size()
         self.cache.invalidate(name)
-        self._note_size(name, size)
+        self.note_size(name, size)
         if tensor.is_cuda and _direct(await self._capable()):
             validate_name(name)
             return await self._run(lambda t: _as_direct(t).put_device(name, tensor))
@@ -246,7 +251,7 @@ class AsyncClient:
             return landing.finish()[name], landing.versions[name]
 
         tensor, version = await self._run(op)
-        self._note_size(name, tensor.numel() * tensor.element_size())
+        self.note_size(name, tensor.numel() * tensor.element_size())
         return tensor, version
 
     async def _until_steady(self, read: Callable[[], Awaitable[T]]) -> T:
@@ -271,7 +276,23 @@ class AsyncClient:
         t = await self._capable()
         return isinstance(t, Ranged) and t.parallel
 
-    def _note_size(self, name: str, nbytes: int) -> None:
+    def plain_connection(self, name: str, nbytes: int | None, *, put: bool) -> Transport | None:
+        """The open connection a get (``nbytes`` None: of the size last seen) or a put of ``name``
+        would take now as one plain request; None when it would take another path (the cache,
+        stripes, a resumable put) or none is open. What the blocking client asks before it makes
+        the call in its own thread (client/inline.py)."""
+        t = self._transport
+        if t is None or t.closed or self.cache.enabled:
+            return None
+        size = self._sizes.get(name, 0) if nbytes is None else nbytes
+        if self._stripe_count(size) > 1:
+            return None
+        if put and self.options.resumable_bytes and size >= self.options.resumable_bytes:
+            return None
+        return t
+
+    def note_size(self, name: str, nbytes: int) -> None:
+        """Remember the size of a tensor this client moved: whether its next get may be striped."""
         if len(self._sizes) >= 65536:  # a hint, not a registry: start over rather than grow
             self._sizes.clear()
         self._sizes[name] = nbytes
@@ -296,7 +317,7 @@ class AsyncClient:
         meta = await self.stat(name)
         target = out if out is not None else empty_for(meta)
         check_out(meta, target)
-        self._note_size(name, meta.nbytes)
+        self.note_size(name, meta.nbytes)
         if self._stripe_count(meta.nbytes) <= 1:  # it shrank: one GET will do
             return await self._get(name, out, None)
         ops = stripe.get_ops(meta, byte_view(target), k)

@@ -1,6 +1,7 @@
 """``Client``: the blocking client (``tensorwire.connect(url)``). Each method runs the ``AsyncClient``
 method of the same name on a private event-loop thread and waits for it, never longer than the
-options' worst case (nor past their ``deadline``)."""
+options' worst case (nor past their ``deadline``); a plain get or put is made in the caller's own
+thread instead, where the connection allows (client/inline.py)."""
 
 from __future__ import annotations
 
@@ -13,12 +14,13 @@ from typing import Any, TypeVar
 import torch
 
 from tensorwire._aio import LoopThread
+from tensorwire.client import inline
 from tensorwire.client.async_client import AsyncClient, Progress, TensorItems
 from tensorwire.client.deltas import DeltaStats
 from tensorwire.client.generations import DEFAULT_LEASE_SECONDS, At, Lease
 from tensorwire.client.options import ClientOptions
 from tensorwire.client.ranges import GenerationRead
-from tensorwire.errors import TensorwireError, TransferTimeout
+from tensorwire.errors import ConnectError, TensorwireError, TransferTimeout
 from tensorwire.types import Generation, GenerationManifest, TensorMeta
 
 T = TypeVar("T")
@@ -32,10 +34,11 @@ class Client:
         self._worst_case = (options or ClientOptions()).worst_case
         self._deadline = (options or ClientOptions()).deadline
         self._url = url
+        self._forks = _forks[0]  # a forked child must never drive its parent's socket (inline.py)
         self._thread = LoopThread("tensorwire-client")
         self._loop = self._thread.loop
         try:
-            self._async = self._call(_make_async(url, options))
+            self._async = self._thread.call(_make_async(url, options), self._worst_case, f"a client of {url}")
         except BaseException:
             self._stop()
             raise
@@ -71,16 +74,24 @@ class Client:
     def segment_bytes(self) -> int:
         return self._async.segment_bytes
 
-    def _call(self, coro: Coroutine[Any, Any, T], longer: float = 0.0) -> T:
+    def _call(
+        self, coro: Coroutine[Any, Any, T], longer: float = 0.0, *, lend: bool = False, attempts: int = 0
+    ) -> T:
         # The worst case is a backstop: the client's own timers should have fired long before.
-        # ``longer``: a call that waits on purpose (``wait``) may take that much more.
+        # ``longer``: a call that waits on purpose (``wait``) may take that much more. ``lend``: a
+        # call the caller's thread could have made itself: the connection is lent after it.
+        # ``attempts``: made in the caller's thread already (client/inline.py).
         worst = self._worst_case + longer
         deadline = self._deadline
-        if deadline is None:
-            return self._thread.call(coro, worst, f"a call to {self._url}")
-        if deadline.remaining() <= 0:
+        if not self._finalizer.alive:  # closed, or closing under a call from another thread
+            coro.close()
+            raise ConnectError(f"client of {self._url} is closed")
+        if deadline is not None and deadline.remaining() <= 0:
             coro.close()
             raise deadline.expired()
+        coro = inline.on_loop(self._async, coro, lend, attempts)
+        if deadline is None:
+            return self._thread.call(coro, worst, f"a call to {self._url}")
         try:  # cut short at the deadline: the call is cancelled, and its connection dropped
             return self._thread.call(coro, min(worst, deadline.remaining()), f"a call to {self._url}")
         except TransferTimeout as exc:
@@ -88,12 +99,31 @@ class Client:
                 raise
             raise deadline.expired() from exc
 
+    def _inline_timeout(self) -> float | None:
+        """How long a request made in the caller's thread may take (the deadline's remainder; inf:
+        the transport's own timeout); None: not from this process (a fork's copy of the client)."""
+        if _forks[0] != self._forks:
+            return None
+        if self._deadline is None:
+            return float("inf")
+        left = self._deadline.remaining()
+        if left <= 0:
+            raise self._deadline.expired()
+        return left
+
     def connect(self) -> Client:
         self._call(self._async.connect())
         return self
 
     def put(self, name: str, tensor: torch.Tensor, progress: Progress | None = None) -> int:
-        return self._call(self._async.put(name, tensor, progress))
+        attempts = 0
+        if progress is None and (timeout := self._inline_timeout()) is not None:
+            try:
+                return inline.put(self._async, name, tensor, timeout)
+            except inline.Fallback as fallback:
+                attempts = fallback.attempts
+        coro = self._async.put(name, tensor, progress)
+        return self._call(coro, lend=progress is None, attempts=attempts)
 
     def put_many(self, items: TensorItems, progress: Progress | None = None) -> int:
         return self._call(self._async.put_many(items, progress))
@@ -109,7 +139,15 @@ class Client:
         verify: bool = False,
         base: At | None = None,
     ) -> torch.Tensor:
-        return self._call(self._async.get(name, out, progress, view=view, at=at, verify=verify, base=base))
+        plain = progress is None and not view and at is None and not verify and base is None
+        attempts = 0
+        if plain and (timeout := self._inline_timeout()) is not None:
+            try:
+                return inline.get(self._async, name, out, timeout)
+            except inline.Fallback as fallback:
+                attempts = fallback.attempts
+        coro = self._async.get(name, out, progress, view=view, at=at, verify=verify, base=base)
+        return self._call(coro, lend=plain, attempts=attempts)
 
     def get_many(
         self,
@@ -188,6 +226,10 @@ class Client:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+
+# Forks this process has come from; os.getpid() would cost a syscall on every inline call.
+_forks = [0]
+os.register_at_fork(after_in_child=lambda: _forks.__setitem__(0, _forks[0] + 1))
 
 CLOSE_TIMEOUT = 10.0  # closing cancels the read loop and closes a socket: it takes milliseconds
 

@@ -25,6 +25,7 @@ Nothing here depends on the client's classes: a connection is whatever ``connect
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import random
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -35,6 +36,10 @@ from tensorwire.errors import TensorwireError
 
 T = TypeVar("T")
 C = TypeVar("C")
+
+# Attempts the call running in this task already made elsewhere, which count against its policy:
+# the blocking client's attempt in the caller's own thread (client/inline.py) before the loop's.
+PRIOR_ATTEMPTS: contextvars.ContextVar[int] = contextvars.ContextVar("tensorwire_prior_attempts", default=0)
 
 
 def backoff(first: float, cap: float, *, jitter: bool = True) -> Callable[[int], float]:
@@ -79,7 +84,7 @@ async def retrying(
     on_retry: Callable[[TensorwireError], Awaitable[None]] | None = None,
 ) -> T:
     """``op`` on the connection ``connect`` hands out, made again under the module's rule."""
-    attempt = 0
+    attempt = PRIOR_ATTEMPTS.get()
     while True:  # not itertools.count: every call of every client starts here
         attempt += 1
         left = False

@@ -42,7 +42,8 @@ from tensorwire.transport.base import (
     Transport,
     Viewable,
 )
-from tensorwire.transport.frame_client import FramedTransport, RangedTransport
+from tensorwire.transport.frame_client import FramedTransport
+from tensorwire.transport.ranged import RangedTransport
 from tensorwire.types import Address
 from tensorwire.wire import shm as ws
 from tensorwire.wire.checksum import ChecksumKind

@@ -35,6 +35,8 @@ caller asks ``isinstance(t, Ranged)`` (or opens with ``open_channel``, which ask
   SHM_GEN_PART), grpc://, grpcs:// (the PublishPart call, §14.9).
 * ``GenerationViews``: a generation as read-only tensors over the server's own pages, and waits
   for the next one (§16: how a host leader's followers read it). shm://.
+* ``Lendable``: an idle connection lent to a thread that runs requests on it itself, with no
+  event-loop turn or thread hop (what the blocking client's plain gets and puts take). tcp://.
 * ``DeviceDirect``: CUDA tensors moved from and into device memory by the transport itself
   (GPU-direct RDMA), where ``gpu_direct`` says it can now. rdma:// with a CUDA build of its engine.
 
@@ -49,8 +51,8 @@ from __future__ import annotations
 
 import secrets
 from abc import ABC, abstractmethod
-from collections.abc import Awaitable, Callable, Iterator, Sequence
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from collections.abc import Awaitable, Callable, Coroutine, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar, runtime_checkable
 
 from tensorwire.errors import UnsupportedTransport
 from tensorwire.types import Address, Generation, GenerationManifest, TensorMeta
@@ -59,6 +61,8 @@ from tensorwire.wire.meta import MetaReader, ServerInfo
 
 if TYPE_CHECKING:
     import torch
+
+T = TypeVar("T")
 
 Buffer = bytes | bytearray | memoryview
 # Called by a transport with the metadata of the tensors a GET returns; answers with one writable
@@ -107,6 +111,29 @@ class ByteStream(ABC):
         the peer's close) while nobody is in ``recv_into``; watching again takes another call.
         False: this stream cannot tell, so its owner must keep a reader waiting instead."""
         return False
+
+    def lend(self) -> LentStream | None:
+        """A twin of this idle stream for one other thread to drive with blocking waits (its
+        coroutines never suspend), while this one's loop neither reads nor watches it; None: this
+        stream cannot be lent. ``take_back`` ends the loan."""
+        return None
+
+    def take_back(self) -> bool:
+        """End a loan (on the stream's loop): False when something arrived meanwhile unasked (the
+        peer's close, or bytes no request asked for), which leaves the connection unusable."""
+        return True
+
+
+class LentStream(ByteStream):
+    """The twin of a lent stream, driven by one borrowing thread: its waits block that thread until
+    ``deadline`` (and raise TransferTimeout then), so its coroutines never suspend."""
+
+    deadline: float = 0.0  # time.monotonic()
+
+    @abstractmethod
+    def quiet(self) -> bool:
+        """Whether nothing arrived since the last answer: no peer's close, no bytes unasked (asked
+        before each borrowed call; a connection that is not quiet goes back to the loop)."""
 
 
 StreamHandler = Callable[[ByteStream], Awaitable[None]]
@@ -389,6 +416,21 @@ def as_ranged_generations(transport: Transport, what: str) -> RangedGenerations:
             " serve (use tcp://, tls://, grpc://, grpcs://, shm:// or memory://)"
         )
     return transport
+
+
+@runtime_checkable
+class Lendable(Protocol):
+    """An idle connection another thread may drive itself (transport/lending.py): ``lend`` (on the
+    loop) hands it over; ``run_inline`` (on the borrowing thread) runs the transport's own
+    operations to their end there, with no loop turn and no thread hop; ``reclaim`` (on the loop)
+    ends the loan, and so does any request made on the loop. What the blocking client's plain gets
+    and puts run on. tcp:// (not tls://, nor memory://, nor a connection that compresses)."""
+
+    def lend(self) -> bool: ...
+
+    def run_inline(self, op: Callable[[Any], Coroutine[Any, Any, T]], timeout: float) -> T: ...
+
+    async def reclaim(self) -> None: ...
 
 
 @runtime_checkable

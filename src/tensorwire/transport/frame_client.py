@@ -1,13 +1,15 @@
 """The client side of the tensorwire frame protocol over any ByteStream (TCP, in-process).
 
-Requests carry ids and may overlap: a writer lock keeps frames whole, and one reader task
-matches each response to its request. The reader lands GET data straight in the buffers the
-caller's sink hands out, checking each chunk as it arrives.
+Requests carry ids and may overlap: a writer lock keeps frames whole, and whoever holds the reader
+role (a caller alone in flight, else a background task) matches each response to its request,
+landing GET data straight in the buffers the caller's sink hands out, checking each chunk as it
+arrives. While the connection is lent to a thread (lending.py), that thread's requests run the
+same code over the lent stream (``_call_lent``) and the loop's take the connection back first.
 
 ``FramedTransport`` is a ``Transport`` and a ``FrameChannel`` (``call``: any request).
-``RangedTransport``, the one tcp://, tls:// and memory:// open, carries the tensors' bytes in its
-frames and so is also ``Ranged`` and ``Resumable``; ``ShmTransport`` (shm.py) builds on
-``FramedTransport`` and moves bytes through shared segments instead.
+``RangedTransport`` (ranged.py), the one tcp://, tls:// and memory:// open, carries the tensors'
+bytes in its frames and so is also ``Ranged``, ``Resumable`` and ``Lendable``; ``ShmTransport``
+(shm.py) builds on ``FramedTransport`` and moves bytes through shared segments instead.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
@@ -28,10 +32,10 @@ from tensorwire.errors import (
     UnsupportedVersion,
     error_for_code,
 )
-from tensorwire.transport.base import ByteStream, Progress, PutBatch, Sink, Transport
+from tensorwire.transport.base import Buffer, ByteStream, Progress, PutBatch, Sink, Transport
 from tensorwire.transport.frame_io import FrameReader, read_head, recv_data, send_frame, skip_data
-from tensorwire.types import Address, Generation, GenerationManifest, Limits, TensorMeta
-from tensorwire.wire import delta_reads as dr
+from tensorwire.transport.lending import Loan, Outcome
+from tensorwire.types import Address, Generation, Limits, TensorMeta
 from tensorwire.wire import generations as wg
 from tensorwire.wire import lossless
 from tensorwire.wire import meta as wm
@@ -47,6 +51,7 @@ from tensorwire.wire.frame import (
 )
 
 T = TypeVar("T")
+Answer = tuple[Header, wm.MetaReader]
 
 # What a client accepts from a server: generous, but every length is still bounded.
 CLIENT_LIMITS = Limits(max_meta_bytes=256 << 20, max_batch=10_000_000, max_request_bytes=1 << 50)
@@ -55,7 +60,8 @@ CLIENT_LIMITS = Limits(max_meta_bytes=256 << 20, max_batch=10_000_000, max_reque
 @dataclass(slots=True)
 class _Pending:
     opcode: int
-    future: asyncio.Future[tuple[Header, wm.MetaReader]]
+    # Settled by whoever reads the answer; a borrower's (``_call_lent``) is a thread's future.
+    future: asyncio.Future[Answer] | Outcome
     wait: float  # seconds it may take, its send included
     deadline: float  # the loop time those seconds end at
     what: str
@@ -106,6 +112,7 @@ class FramedTransport(Transport):
         self._reading = False
         self._reader_task: asyncio.Task[None] | None = None
         self._watched = stream.watch_idle(self._readable_while_idle)
+        self._loan: Loan | None = None  # while another thread drives the connection (RangedTransport.lend)
         if not self._watched:
             self._start_reader()
         self.info = wm.ServerInfo(self._version, Limits(), 0, 0)
@@ -144,14 +151,14 @@ class FramedTransport(Transport):
             if wants:  # a server from before the wants field: ask as it understands
                 return await self._hello(token, compress)
             return await self._hello(token, False)  # a server from before compression: raw it is
-        return _finish(reader, wm.decode_hello_response(reader))
+        return finish(reader, wm.decode_hello_response(reader))
 
     # -- operations ----------------------------------------------------------------------------
     async def put(self, batch: PutBatch, progress: Progress | None = None) -> int:
-        what = f"put of {_describe(batch.names)}"
+        what = f"put of {describe(batch.names)}"
         op = Opcode.PUT if len(batch.names) == 1 else Opcode.PUT_MANY
         _, reader = await self._call(op, b"", batch=batch, progress=progress, what=what)  # no head
-        return _finish(reader, reader.u64())
+        return finish(reader, reader.u64())
 
     async def get(
         self, names: Sequence[str], sink: Sink, progress: Callable[[int], None] | None = None
@@ -163,23 +170,23 @@ class FramedTransport(Transport):
             landed.append(metas)  # the records are decoded once, by the reader task
             return sink(metas)
 
-        what = f"get of {_describe(names)}"
+        what = f"get of {describe(names)}"
         _, reader = await self._call(op, wm.encode_names(names), sink=land, progress=progress, what=what)
-        return _finish(reader, landed[-1])
+        return finish(reader, landed[-1])
 
     async def delete(self, names: Sequence[str]) -> int:
-        what = f"delete of {_describe(names)}"
+        what = f"delete of {describe(names)}"
         _, reader = await self._call(Opcode.DELETE, wm.encode_names(names), what=what)
-        return _finish(reader, reader.u32())
+        return finish(reader, reader.u32())
 
     async def stat(self, names: Sequence[str]) -> list[TensorMeta]:
-        _, reader = await self._call(Opcode.STAT, wm.encode_names(names), what=f"stat of {_describe(names)}")
-        return _finish(reader, wm.decode_records(reader))
+        _, reader = await self._call(Opcode.STAT, wm.encode_names(names), what=f"stat of {describe(names)}")
+        return finish(reader, wm.decode_records(reader))
 
     async def list(self, prefix: str, limit: int) -> list[TensorMeta]:
         request = wm.encode_list_request(prefix, limit)
         _, reader = await self._call(Opcode.LIST, request, what=f"list of {prefix!r}")
-        return _finish(reader, wm.decode_records(reader))
+        return finish(reader, wm.decode_records(reader))
 
     async def ping(self) -> None:
         _, reader = await self._call(Opcode.PING, b"", what="ping")
@@ -213,7 +220,7 @@ class FramedTransport(Transport):
         what = f"wait for a generation of {prefix!r} after {after}"
         # The server answers at ``timeout`` (WaitTimeout); this side's own timer only backs it up.
         _, reader = await self._call(Opcode.GEN_WAIT, request, what=what, timeout=timeout + self.timeout)
-        return _finish(reader, wg.decode_generation(reader))
+        return finish(reader, wg.decode_generation(reader))
 
     # GEN_PUBLISH_PART (``PartPublisher``): its bytes travel in frames (shm.py overrides it: segments).
     async def publish_part(
@@ -226,7 +233,7 @@ class FramedTransport(Transport):
         _, reader = await self._call(
             Opcode.GEN_PUBLISH_PART, head, batch=batch, what=what, timeout=timeout + self.timeout
         )
-        return _finish(reader, wg.decode_generation(reader))
+        return finish(reader, wg.decode_generation(reader))
 
     async def close(self) -> None:
         await self._fail(ConnectionLost(f"connection to {self.address} was closed by the client"))
@@ -238,7 +245,14 @@ class FramedTransport(Transport):
         return Header(self._version, opcode, flags, self._checksum, rid, len(meta), chunk, data_len)
 
     async def _send_batch(
-        self, opcode: int, rid: int, batch: PutBatch, progress: Progress | None, head: bytes = b""
+        self,
+        stream: ByteStream,
+        opcode: int,
+        rid: int,
+        batch: PutBatch,
+        *,
+        progress: Progress | None,
+        head: bytes = b"",
     ) -> None:
         """Send a put as one frame, or as several (flag MORE on all but the last) when the batch has
         several parts: the server takes part k while this side encodes part k+1. Each part's
@@ -248,7 +262,24 @@ class FramedTransport(Transport):
             meta = head + wm.encode_records(metas)
             flags = 0 if i == batch.parts - 1 else Flags.MORE
             header = self._header(opcode, rid, meta, sum(d.nbytes for d in data), flags)
-            await send_frame(self._stream, header, meta, data, progress, encoder=self.encoder)
+            await send_frame(stream, header, meta, data, progress, encoder=self.encoder)
+
+    async def _send_request(
+        self,
+        stream: ByteStream,
+        opcode: int,
+        rid: int,
+        meta: bytes,
+        *,
+        batch: PutBatch | None,
+        data: Sequence[Buffer],
+        progress: Progress | None,
+    ) -> None:
+        if batch is not None:
+            await self._send_batch(stream, opcode, rid, batch, progress=progress, head=meta)
+            return
+        header = self._header(opcode, rid, meta, sum(memoryview(d).nbytes for d in data))
+        await send_frame(stream, header, meta, data, progress if data else None, encoder=self.encoder)
 
     async def _call(
         self,
@@ -262,6 +293,12 @@ class FramedTransport(Transport):
         what: str = "request",
         timeout: float | None = None,
     ) -> tuple[Header, wm.MetaReader]:
+        if self._loan is not None:  # the connection is lent: to this very thread, or taken back now
+            if self._loan.borrower == threading.get_ident():
+                return await self._call_lent(
+                    opcode, meta, batch=batch, data=data, sink=sink, what=what, timeout=timeout
+                )
+            await self.reclaim()
         if self._closed:
             raise self._failure or ConnectionLost(f"connection to {self.address} is closed")
         rid = next(self._ids)
@@ -281,13 +318,9 @@ class FramedTransport(Transport):
                 await self._room.wait()
             try:
                 async with self._write_lock:
-                    if batch is None:
-                        header = self._header(opcode, rid, meta, sum(d.nbytes for d in data))
-                        await send_frame(
-                            self._stream, header, meta, data, progress if data else None, encoder=self.encoder
-                        )
-                    else:
-                        await self._send_batch(opcode, rid, batch, progress, meta)
+                    await self._send_request(
+                        self._stream, opcode, rid, meta, batch=batch, data=data, progress=progress
+                    )
             except ConnectionLost as exc:
                 await self._fail(exc)
             except Exception as exc:  # e.g. the caller's progress callback: the frame is half sent
@@ -309,6 +342,68 @@ class FramedTransport(Transport):
             if self._room is not None:
                 self._room.set()
                 self._room = None
+
+    async def reclaim(self) -> None:
+        """On the loop: end the loan, once a borrower mid-call is done (each of its requests ends
+        by its deadline); drop the connection if that call broke it, or if the peer closed it or
+        sent something unasked meanwhile, so the next request goes out on a fresh one."""
+        loan = self._loan
+        if loan is None:
+            return
+        while not loan.lock.acquire(blocking=False):  # rare: a call from another thread is running
+            await asyncio.sleep(0.001)
+        try:
+            if self._loan is not loan:
+                return  # taken back meanwhile, by another request or the connection's end
+            self._loan = None
+            self._reader.switch(self._stream)
+            failure = loan.failure
+            if failure is None and not self._stream.take_back():
+                failure = ConnectionLost(f"{self.address} closed the connection while it was lent")
+        finally:
+            loan.lock.release()
+        if failure is not None:
+            await self._fail(failure)
+        else:
+            self._after_reading()  # watched again for what the server may send unasked
+
+    async def _call_lent(
+        self,
+        opcode: int,
+        meta: bytes,
+        *,
+        batch: PutBatch | None,
+        data: Sequence[memoryview],
+        sink: Sink | None,
+        what: str,
+        timeout: float | None,
+    ) -> Answer:
+        """``_call`` on the borrowing thread (``run_inline``): the same frames over the lent stream,
+        whose waits end at the request's deadline (no sweep, no write lock: the borrower is alone)."""
+        loan = self._loan
+        assert loan is not None
+        stream = loan.stream
+        rid = next(self._ids)
+        wait = min(self.timeout if timeout is None else timeout, loan.timeout)
+        outcome = Outcome()
+        pending = _Pending(opcode, outcome, wait, 0.0, what, sink)
+        self._pending[rid] = pending
+        stream.deadline = time.monotonic() + wait
+        try:
+            await self._send_request(stream, opcode, rid, meta, batch=batch, data=data, progress=None)
+            while not outcome.done():
+                await self._read_frame()
+        except TransferTimeout as exc:
+            waited = f"waited {wait:.3g}s for the answer to the {what} from {self.address}"
+            loan.failure = TransferTimeout(waited)
+            raise loan.failure from exc
+        except BaseException as exc:  # the stream is out of step: the loan's end drops it
+            loan.failure = _as_tensorwire(exc, f"a call on {self.address} outside its loop", ConnectionLost)
+            raise
+        finally:
+            self._pending.pop(rid, None)
+        answer: Answer = outcome.result()
+        return answer  # a refusal (KeyNotFound, say) leaves the connection in step
 
     def _arm(self, deadline: float) -> None:
         """Have ``_expire_due`` run at ``deadline`` (or earlier, if it is armed for earlier)."""
@@ -474,6 +569,7 @@ class FramedTransport(Transport):
             return
         self._closed = True
         self._failure = exc
+        self._loan = None  # a borrower mid-call wakes to the stream's close below
         if self._sweep is not None:
             self._sweep.cancel()
             self._sweep = None
@@ -488,142 +584,23 @@ class FramedTransport(Transport):
         await self._stream.close()  # a caller that reads wakes to find the stream closed
 
 
-class RangedTransport(FramedTransport):
-    """The frame protocol with the tensors' bytes in its frames: ``Ranged`` (PUT_RANGE, GET_RANGE,
-    PUT_COMMIT), ``Resumable`` (PUT_RESUMABLE) and ``Generational`` (GEN_*); see their lifecycles
-    in base.py."""
-
-    @property
-    def parallel(self) -> bool:
-        """Whether several connections beat one: where the kernel moves the bytes (sockets)."""
-        return self._stream.parallel
-
-    async def put_range(self, upload: int, meta: TensorMeta, offset: int, data: memoryview) -> None:
-        what = f"put of bytes {offset}..{offset + data.nbytes} of {meta.name!r}"
-        body = wm.encode_resumable(upload, offset, meta)
-        _, reader = await self._call(Opcode.PUT_RANGE, body, data=[data], what=what)
-        reader.done()
-
-    async def get_range(self, meta: TensorMeta, offset: int, dest: memoryview) -> None:
-        length = dest.nbytes
-
-        def sink(metas: list[TensorMeta]) -> list[memoryview]:
-            if len(metas) != 1 or metas[0].nbytes != length or metas[0].name != meta.name:
-                raise ProtocolError(f"the server answered a range of {meta.name!r} with something else")
-            return [dest]
-
-        request = wm.encode_get_range(meta.version, offset, length, meta.name)
-        what = f"get of bytes {offset}..{offset + length} of {meta.name!r}"
-        _, reader = await self._call(Opcode.GET_RANGE, request, sink=sink, what=what)
-        reader.done()
-
-    async def commit(self, upload: int, meta: TensorMeta) -> int:
-        request = wm.encode_resumable(upload, 0, meta)
-        _, reader = await self._call(Opcode.PUT_COMMIT, request, what=f"commit of {meta.name!r}")
-        return _finish(reader, reader.u64())
-
-    async def resume_point(self, upload: int, meta: TensorMeta) -> int:
-        query = wm.encode_resumable(upload, wm.RESUME_QUERY, meta)
-        _, reader = await self._call(Opcode.PUT_RESUMABLE, query, what=f"the resume point of {meta.name!r}")
-        return _finish(reader, reader.u64())
-
-    async def put_resumable(
-        self,
-        upload: int,
-        meta: TensorMeta,
-        data: memoryview,
-        offset: int = 0,
-        progress: Progress | None = None,
-    ) -> int:
-        body = wm.encode_resumable(upload, offset, meta)
-        what = f"put of {meta.name!r} from byte {offset}"
-        _, reader = await self._call(
-            Opcode.PUT_RESUMABLE, body, data=[data[offset:]], what=what, progress=progress
-        )
-        return _finish(reader, reader.u64())
-
-    # -- generations (``Generational``; docs/protocol.md §14) -----------------------------------
-    async def publish(self, prefix: str, batch: PutBatch, progress: Progress | None = None) -> Generation:
-        what = f"publish of {_describe(batch.names)} under {prefix!r}"
-        head = wg.encode_prefix(prefix)
-        _, reader = await self._call(Opcode.GEN_PUBLISH, head, batch=batch, progress=progress, what=what)
-        return _finish(reader, wg.decode_generation(reader))
-
-    async def get_at(self, names: Sequence[str], at: int, sink: Sink) -> tuple[str, int, bytes]:
-        what = f"get of {_describe(names)} at generation {at or 'latest'}"
-        _, reader = await self._call(Opcode.GEN_GET, wg.encode_get(at, names), sink=sink, what=what)
-        return _finish(reader, wg.decode_read_answer(reader))
-
-    async def get_delta_at(self, names: Sequence[str], at: int, base: int, sink: Sink) -> dr.DeltaAnswer:
-        what = f"delta get of {_describe(names)} at generation {at or 'latest'} from {base}"
-        landed: list[TensorMeta] = []
-
-        def keep(metas: list[TensorMeta]) -> list[memoryview]:
-            landed[:] = metas
-            return sink(metas)
-
-        request = dr.encode_request(at, base, names)
-        _, reader = await self._call(Opcode.GEN_GET_DELTA, request, sink=keep, what=what)
-        return _finish(reader, dr.decode_answer(reader, landed))
-
-    async def get_range_at(self, name: str, at: int, offset: int, dest: memoryview) -> int:
-        length = dest.nbytes
-        numbers: list[int] = []
-
-        def sink(metas: list[TensorMeta]) -> list[memoryview]:
-            if len(metas) != 1 or metas[0].nbytes != length or metas[0].name != name:
-                raise ProtocolError(f"the server answered a range of {name!r} with something else")
-            numbers.append(metas[0].version)
-            return [dest]
-
-        request = wm.encode_get_range(at, offset, length, name)
-        what = f"get of bytes {offset}..{offset + length} of {name!r} at generation {at or 'latest'}"
-        _, reader = await self._call(Opcode.GEN_GET_RANGE, request, sink=sink, what=what)
-        return _finish(reader, numbers[-1])
-
-    async def get_ranges_at(self, name: str, at: int, ranges: Sequence[tuple[int, memoryview]]) -> int:
-        total = sum(dest.nbytes for _, dest in ranges)
-        numbers: list[int] = []
-
-        def sink(metas: list[TensorMeta]) -> list[memoryview]:
-            if len(metas) != 1 or metas[0].nbytes != total or metas[0].name != name:
-                raise ProtocolError(f"the server answered ranges of {name!r} with something else")
-            numbers.append(metas[0].version)
-            return [dest for _, dest in ranges if dest.nbytes]
-
-        request = wg.encode_get_ranges(at, [(o, d.nbytes) for o, d in ranges], name)
-        what = f"get of {len(ranges)} ranges of {name!r} at generation {at or 'latest'}"
-        _, reader = await self._call(Opcode.GEN_GET_RANGES, request, sink=sink, what=what)
-        return _finish(reader, numbers[-1])
-
-    async def manifest(self, prefix: str, at: int) -> GenerationManifest:
-        request = wg.encode_manifest_request(prefix, at)
-        what = f"manifest of {prefix!r} at generation {at or 'latest'}"
-        _, reader = await self._call(Opcode.GEN_MANIFEST, request, what=what)
-        return _finish(reader, wg.decode_manifest(reader))
-
-    async def lease(self, prefix: str, number: int, seconds: float) -> tuple[float, int]:
-        request = wg.encode_lease(prefix, number, min(round(seconds * 1000), 0xFFFFFFFF))
-        what = f"lease on generation {number} of {prefix!r}"
-        _, reader = await self._call(Opcode.GEN_LEASE, request, what=what)
-        ms, oldest = _finish(reader, wg.decode_leased(reader))
-        return ms / 1000, oldest
-
-
-def _as_tensorwire(exc: Exception, what: str) -> TensorwireError:
+def _as_tensorwire(
+    exc: BaseException, what: str, kind: type[TensorwireError] = InvalidTensor
+) -> TensorwireError:
     if isinstance(exc, TensorwireError):
         return exc
-    error = InvalidTensor(f"{what} failed: {exc!r}")
+    error = kind(f"{what} failed: {exc!r}")
     error.__cause__ = exc
     return error
 
 
-def _describe(names: Sequence[str]) -> str:
+def describe(names: Sequence[str]) -> str:
+    """How an error names the tensors of a request: the first, and how many more."""
     first = repr(names[0]) if names else "nothing"
     return first if len(names) <= 1 else f"{first} and {len(names) - 1} more"
 
 
-def _finish(reader: wm.MetaReader, value: T) -> T:
+def finish(reader: wm.MetaReader, value: T) -> T:
     """``value``, once nothing is left unread in the response's metadata block."""
     reader.done()
     return value

@@ -88,6 +88,15 @@ class FrameReader:
         self.received = 0
         self._turns = Turns()
 
+    @property
+    def buffered(self) -> int:
+        """Bytes read off the stream and not yet handed out."""
+        return self._end - self._pos
+
+    def switch(self, stream: ByteStream) -> None:
+        """Read from ``stream`` from now on (a lent connection's twin, and back: lending.py)."""
+        self._stream = stream
+
     async def readinto(self, dest: memoryview) -> None:
         """Fill ``dest`` completely; ConnectionLost if the stream ends first."""
         want = dest.nbytes

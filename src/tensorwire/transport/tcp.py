@@ -5,13 +5,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
+import select
 import socket
 import time
 from collections.abc import Awaitable, Callable, Sequence
 
 from tensorwire._aio import cancel_and_wait
 from tensorwire.errors import ConnectError, ConnectionLost, TransferTimeout
-from tensorwire.transport.base import Buffer, ByteStream, Listener, StreamHandler
+from tensorwire.transport.base import Buffer, ByteStream, LentStream, Listener, StreamHandler
 from tensorwire.types import Address
 
 SOCKET_BUFFER = 4 << 20  # larger kernel buffers let one syscall move a whole 4 MiB chunk
@@ -96,6 +98,19 @@ class TcpStream(ByteStream):
             self._watch()
         return True
 
+    def lend(self) -> LentStream | None:
+        if self._closed or self._read_waiter is not None or self._write_waiter is not None:
+            return None
+        self._unwatch()
+        self._on_idle = None
+        return LentTcp(self)
+
+    def take_back(self) -> bool:
+        self._drained = False
+        poll = select.poll()
+        poll.register(self._fd, select.POLLIN)
+        return not poll.poll(0)
+
     def _watch(self) -> None:
         if not self._watching:
             self._loop.add_reader(self._fd, self._on_readable)
@@ -161,6 +176,47 @@ class TcpStream(ByteStream):
         with contextlib.suppress(OSError):
             self._sock.shutdown(socket.SHUT_RDWR)
         self._sock.close()
+
+
+class LentTcp(TcpStream, LentStream):
+    """A lent ``TcpStream``'s socket, driven by a borrowing thread: the same reads and writes, but a
+    wait for readiness blocks that thread in poll(2), no later than ``deadline``, rather than
+    suspending on the loop, so its coroutines run to their end without one (``_aio.drive``)."""
+
+    def __init__(self, owner: TcpStream) -> None:  # the socket is set up: no TcpStream.__init__
+        self._sock = owner._sock
+        self._fd = owner._fd
+        self.peer = owner.peer
+        self.last_active = owner.last_active
+        self._closed = False  # the owner closes the socket; a borrower then fails on it
+        self._drained = True  # lent idle: a read waits for readiness first
+        self._poll = select.poll()
+        self.deadline = 0.0  # time.monotonic() past which a wait raises TransferTimeout
+
+    async def _readable(self) -> None:
+        self._wait(select.POLLIN)
+
+    async def _writable(self) -> None:
+        self._wait(select.POLLOUT)
+
+    def _wait(self, events: int) -> None:
+        self._poll.register(self._fd, events)  # registering again replaces the events
+        left = self.deadline - time.monotonic()
+        if left <= 0 or not self._poll.poll(math.ceil(left * 1000)):
+            raise TransferTimeout(f"{self.peer} did not become ready in time")
+
+    def watch_idle(self, callback: Callable[[], None]) -> bool:
+        return False
+
+    def lend(self) -> LentStream | None:
+        return None
+
+    def quiet(self) -> bool:
+        self._poll.register(self._fd, select.POLLIN)
+        return not self._poll.poll(0)
+
+    async def close(self) -> None:
+        self._closed = True
 
 
 def _resolve(fut: asyncio.Future[None]) -> None:

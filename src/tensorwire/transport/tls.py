@@ -41,6 +41,9 @@ class TlsStream(tcp.TcpStream):
         # once, before its first frame is in, so one handshake runs at a time.
         self._unshaken = shake_on_first_use
 
+    def lend(self) -> None:
+        return None  # its records go through the SSL object; a plain socket twin would skip them
+
     async def handshake(self, timeout: float) -> None:
         """Run the TLS handshake; TransferTimeout or ConnectError (naming the reason) on failure."""
         try:

@@ -17,7 +17,8 @@ from tensorwire.testing.conformance.frames import (
     read_reply,
 )
 from tensorwire.testing.conformance.harness import Harness
-from tensorwire.transport.frame_client import FramedTransport, RangedTransport
+from tensorwire.transport.frame_client import FramedTransport
+from tensorwire.transport.ranged import RangedTransport
 from tensorwire.types import Address, TensorMeta
 from tensorwire.wire.checksum import ChecksumKind
 from tensorwire.wire.frame import Header, Opcode, encode_frame_head

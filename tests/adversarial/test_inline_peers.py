@@ -1,0 +1,137 @@
+"""Hostile servers against the blocking client's inline calls (client/inline.py): a peer that
+trickles its answer cannot hold a caller's thread past the request's timeout, and one that sends
+bytes nobody asked for while the connection is lent cannot make the next call fail on it."""
+
+from __future__ import annotations
+
+import asyncio
+import select
+import threading
+import time
+from collections.abc import Awaitable, Callable, Iterator
+
+import pytest
+import torch
+
+import tensorwire
+from tensorwire import errors, transport
+from tensorwire._aio import LoopThread
+from tensorwire.transport.base import ByteStream
+from tensorwire.transport.frame_io import FrameReader, read_head, send_frame
+from tensorwire.transport.ranged import RangedTransport
+from tensorwire.types import Address, Limits, TensorMeta
+from tensorwire.wire import meta as wm
+from tensorwire.wire.frame import Flags, Header, Opcode, decode_header, encode_frame_head
+from tensorwire.wire.tensors import byte_view
+
+PAYLOAD = torch.arange(256, dtype=torch.int32)
+Answer = Callable[[ByteStream, Header, int], Awaitable[None]]  # stream, request, GETs so far
+
+
+def _response(req: Header, meta: bytes, data_len: int) -> Header:
+    return Header(1, req.opcode, Flags.RESPONSE, req.checksum, req.request_id, len(meta), 4096, data_len)
+
+
+async def _good_get(stream: ByteStream, req: Header) -> None:
+    meta = wm.encode_records([TensorMeta.of("p", PAYLOAD).with_version(1)])
+    await send_frame(stream, _response(req, meta, PAYLOAD.numel() * 4), meta, [byte_view(PAYLOAD)])
+
+
+def _peer(answer_get: Answer) -> Callable[[ByteStream], Awaitable[None]]:
+    """A frame-protocol server that answers HELLO and DELETE plainly, and GETs with ``answer_get``
+    (told how many GETs it had, over all its connections)."""
+    gets = 0
+
+    async def serve(stream: ByteStream) -> None:
+        nonlocal gets
+        reader = FrameReader(stream)
+        while await reader.at_frame_start():
+            req = decode_header(await read_head(reader), Limits())
+            await reader.read(req.meta_len)
+            if req.opcode == Opcode.HELLO:
+                meta = wm.encode_hello_response(wm.ServerInfo(1, Limits(), 1 << 30, 0))
+                await stream.send([encode_frame_head(_response(req, meta, 0), meta)])
+            elif req.opcode == Opcode.DELETE:
+                meta = (1).to_bytes(4, "little")
+                await stream.send([encode_frame_head(_response(req, meta, 0), meta)])
+            else:
+                gets += 1
+                await answer_get(stream, req, gets)
+
+    return serve
+
+
+@pytest.fixture
+def loop() -> Iterator[LoopThread]:
+    thread = LoopThread("hostile-peer")
+    yield thread
+    thread.stop()
+
+
+def _listen(loop: LoopThread, answer_get: Answer) -> tuple[str, Callable[[], None]]:
+    async def start() -> transport.Listener:
+        return await transport.listen(Address.parse("tcp://127.0.0.1:0"), _peer(answer_get))
+
+    listener = loop.call(start(), 10, "the peer to listen")
+    return str(listener.address), lambda: loop.call(listener.close(), 10, "the peer to close")
+
+
+def test_a_trickled_answer_cannot_hold_an_inline_get(loop: LoopThread) -> None:
+    """The first GET is answered (through the loop, which then lends the connection); later ones
+    a byte every 50 ms: the inline get gives up at its timeout, as the loop's would, and counts as
+    the call's first attempt (retries=1: one more GET, through the loop, not two)."""
+    gets: list[int] = []
+
+    async def answer(stream: ByteStream, req: Header, count: int) -> None:
+        gets.append(count)
+        if count == 1:
+            await _good_get(stream, req)
+            return
+        meta = wm.encode_records([TensorMeta.of("p", PAYLOAD).with_version(1)])
+        frame = encode_frame_head(_response(req, meta, PAYLOAD.numel() * 4), meta)
+        for i in range(len(frame)):
+            await stream.send([frame[i : i + 1]])
+            await asyncio.sleep(0.05)
+
+    url, close = _listen(loop, answer)
+    try:
+        with tensorwire.connect(url, timeout=0.5, retries=1, backoff=0.01) as c:
+            assert torch.equal(c.get("p"), PAYLOAD)
+            t = c._async.current_transport
+            assert isinstance(t, RangedTransport) and t._loan is not None  # lent: the next get is inline
+            start = time.monotonic()
+            with pytest.raises(errors.TransferTimeout, match="get of 'p'"):
+                c.get("p")
+            assert time.monotonic() - start < 4  # 0.5 s inline, then 0.5 s for the loop's attempt
+        assert gets == [1, 2, 3], gets
+    finally:
+        close()
+
+
+def test_bytes_sent_unasked_while_lent_drop_the_connection(loop: LoopThread) -> None:
+    """After answering, the peer sends junk the client never asked for, while the connection is
+    lent: the next call, a delete that is never retried, goes out on a fresh connection."""
+    lent = threading.Event()
+    sent = threading.Event()
+
+    async def answer(stream: ByteStream, req: Header, gets: int) -> None:
+        await _good_get(stream, req)
+        if gets == 1:
+            await asyncio.get_running_loop().run_in_executor(None, lent.wait, 10)
+            await stream.send([b"\x00junk, unasked"])
+            sent.set()
+
+    url, close = _listen(loop, answer)
+    try:
+        with tensorwire.connect(url, timeout=5, retries=0) as c:
+            assert torch.equal(c.get("p"), PAYLOAD)
+            first = c._async.current_transport
+            assert isinstance(first, RangedTransport) and first._loan is not None
+            lent.set()
+            assert sent.wait(10)
+            sock = first._stream._sock  # type: ignore[attr-defined]
+            assert select.select([sock], [], [], 10)[0], "the junk never arrived"
+            c.delete("p")  # not retried: it must not go out on the connection with the junk
+            assert first.closed and c._async.current_transport is not first
+    finally:
+        close()
