@@ -48,7 +48,7 @@ def get(client: AsyncClient, name: str, out: torch.Tensor | None, timeout: float
     async def op(t: Transport) -> None:
         await t.get([name], landing.sink)
 
-    _run(client, client.plain_connection(name, nbytes, put=False), op, timeout)
+    _run(client, _lendable(client.plain_connection(name, nbytes, put=False)), op, timeout)
     tensor = landing.finish()[name]
     client.note_size(name, tensor.numel() * tensor.element_size())
     return tensor
@@ -88,9 +88,8 @@ def _lendable(t: object) -> Lendable | None:
 _LENDABLE: dict[type, bool] = {}
 
 
-def _run(client: AsyncClient, conn: object, op: Any, timeout: float) -> None:
-    """``op`` run to its end on ``conn`` in this thread; Fallback to make the call on the loop."""
-    t = _lendable(conn)
+def _run(client: AsyncClient, t: Lendable | None, op: Any, timeout: float) -> None:
+    """``op`` run to its end on ``t`` in this thread; Fallback to make the call on the loop."""
     if t is None:
         raise Fallback(0)
     try:

@@ -293,10 +293,11 @@ class FramedTransport(Transport):
         what: str = "request",
         timeout: float | None = None,
     ) -> tuple[Header, wm.MetaReader]:
-        if self._loan is not None:  # the connection is lent: to this very thread, or taken back now
-            if self._loan.borrower == threading.get_ident():
+        loan = self._loan  # read once: the loop may end the loan (close) while a borrower calls
+        if loan is not None:  # the connection is lent: to this very thread, or taken back now
+            if loan.borrower == threading.get_ident():
                 return await self._call_lent(
-                    opcode, meta, batch=batch, data=data, sink=sink, what=what, timeout=timeout
+                    loan, opcode, meta, batch=batch, data=data, sink=sink, what=what, timeout=timeout
                 )
             await self.reclaim()
         if self._closed:
@@ -369,6 +370,7 @@ class FramedTransport(Transport):
 
     async def _call_lent(
         self,
+        loan: Loan,
         opcode: int,
         meta: bytes,
         *,
@@ -380,8 +382,6 @@ class FramedTransport(Transport):
     ) -> Answer:
         """``_call`` on the borrowing thread (``run_inline``): the same frames over the lent stream,
         whose waits end at the request's deadline (no sweep, no write lock: the borrower is alone)."""
-        loan = self._loan
-        assert loan is not None
         stream = loan.stream
         rid = next(self._ids)
         wait = min(self.timeout if timeout is None else timeout, loan.timeout)

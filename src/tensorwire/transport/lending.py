@@ -61,9 +61,3 @@ class Outcome:
         if self._error is not None:
             raise self._error
         return self._result
-
-    def cancelled(self) -> bool:
-        return False
-
-    def exception(self) -> BaseException | None:
-        return self._error
