@@ -26,7 +26,7 @@ def test_rdma_is_measured_next_to_the_bare_engine(monkeypatch: pytest.MonkeyPatc
         peer = children[0].ready()
         assert isinstance(peer, tuple)
         with tensorwire.connect(srv.url) as client:
-            result = rdma_bench.measure(client, data, 2, peer)
+            result = rdma_bench.measure(client, data, 2, rdma_bench.EnginePeer(*peer))
     for key in rdma_bench.KEYS:
         value = result[key]
         assert isinstance(value, float) and value > 0, key

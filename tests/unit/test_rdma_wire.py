@@ -71,10 +71,10 @@ def test_attach_names_a_known_protocol_and_a_host_port_session() -> None:
     assert wr.decode_attach_request(_reader(wr.encode_attach_request("tcp"))) == "tcp"
     with pytest.raises(ProtocolError):
         wr.decode_attach_request(_reader(wr.encode_attach_request("carrier-pigeon")))
-    answer = wr.Attach("10.0.0.5:15123", "rdma", 65536)
+    answer = wr.Attach("10.0.0.5:15123", "rdma", 65536, 2**64 - 1)
     assert wr.decode_attach_answer(_reader(wr.encode_attach_answer(answer))) == answer
     with pytest.raises(ProtocolError, match="host:port"):
-        wr.decode_attach_answer(_reader(wr.encode_attach_answer(wr.Attach("nowhere", "rdma", 1))))
+        wr.decode_attach_answer(_reader(wr.encode_attach_answer(wr.Attach("nowhere", "rdma", 1, 7))))
 
 
 def test_the_topology_says_whether_there_are_rdma_devices() -> None:

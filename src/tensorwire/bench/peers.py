@@ -106,20 +106,28 @@ def tcp_figures(url: str, sink_port: int, data: torch.Tensor, args: argparse.Nam
 
 
 # -- mooncake --------------------------------------------------------------------------------------
-def mooncake(peer: tuple[str, int], data: torch.Tensor, tcp: Result, args: argparse.Namespace) -> Result:
+def mooncake(
+    peer: rdma_bench.EnginePeer, data: torch.Tensor, tcp: Result, args: argparse.Namespace
+) -> Result:
     """The bare engine (this process's client engine) writing and reading the peer's buffer."""
-    from tensorwire.transport.rdma import registrations_of
+    with rdma_bench.client_engine_for(peer) as engine:
+        return _mooncake(engine, peer, data, tcp, args)
 
-    session, remote = peer
-    engine = rdma_engine.client_engine("127.0.0.1")
-    cache = registrations_of(engine)
+
+def _mooncake(
+    engine: rdma_engine.Engine,
+    peer: rdma_bench.EnginePeer,
+    data: torch.Tensor,
+    tcp: Result,
+    args: argparse.Namespace,
+) -> Result:
     src, out = byte_view(data), torch.zeros_like(data)
     small = torch.zeros(SMALL_BYTES, dtype=torch.uint8)
 
     async def move(kind: str, buf: memoryview) -> None:
-        with cache.using(buf, landing=kind == "read") as local:
+        with engine.cache.using(buf, landing=kind == "read") as local:
             call = engine.write if kind == "write" else engine.read
-            await call(session, local, remote, buf.nbytes, timeout=120.0)
+            await call(peer.session, local, peer.address, buf.nbytes, timeout=120.0)
 
     async def small_reads() -> float:
         samples = []
@@ -265,7 +273,8 @@ def run(args: argparse.Namespace) -> Result:
             result.update(_guarded(peers_ray.KEYS, "ray", peers_ray.missing(),
                                    lambda: peers_ray.measure(bound, args)))  # fmt: skip
         if "mooncake" in args.peers:
-            peer = ready[2] if mooncake_missing is None else None
+            answer = ready[2] if mooncake_missing is None else None
+            peer = rdma_bench.EnginePeer(*answer) if isinstance(answer, tuple) else None
             result.update(_guarded(MOONCAKE_KEYS, "mooncake", mooncake_missing,
                                    lambda: mooncake(peer, data, tcp, args)))  # type: ignore[arg-type]  # fmt: skip
         if "gloo" in args.peers:

@@ -12,17 +12,18 @@ what tensorwire's control path, registration and chunk checksums cost on top of 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from multiprocessing.connection import Connection
+from typing import NamedTuple
 
 import torch
 
 import tensorwire
 from tensorwire.bench.children import starting, wait_for_stop
 from tensorwire.transport import rdma_engine
-from tensorwire.transport.rdma import registrations_of
 from tensorwire.wire.tensors import byte_view
 
 Result = dict[str, float | int | str | None]
@@ -36,36 +37,58 @@ def skipped(reason: str) -> Result:
     return {**dict.fromkeys(KEYS), "rdma_note": reason}
 
 
+class EnginePeer(NamedTuple):
+    """What the engine peer child answers: its engine's name and instance, and its buffer."""
+
+    session: str
+    instance: int
+    address: int
+
+
 def engine_peer(conn: Connection, nbytes: int) -> None:
-    """Child: a bare engine with one registered buffer of ``nbytes``; answers (session, address)."""
+    """Child: a bare engine with one registered buffer of ``nbytes``; answers an ``EnginePeer``."""
     with starting(conn):
         engine = rdma_engine.Engine("127.0.0.1")
         buf = torch.zeros(nbytes, dtype=torch.uint8)
         engine.register(buf.data_ptr(), nbytes)
-        conn.send(("ready", (engine.session, buf.data_ptr())))
+        conn.send(("ready", tuple(EnginePeer(engine.session, engine.instance, buf.data_ptr()))))
     try:
         wait_for_stop(conn)
     finally:
         engine.close()
 
 
-def measure(client: tensorwire.Client, data: torch.Tensor, iters: int, peer: tuple[str, int]) -> Result:
+@contextlib.contextmanager
+def client_engine_for(peer: EnginePeer) -> Iterator[rdma_engine.Engine]:
+    """This process's client engine (the one rdma:// connections share), held while the block runs."""
+    engine = rdma_engine.client_engine("127.0.0.1", peer.session, peer.instance)
+    try:
+        yield engine
+    finally:
+        rdma_engine.release_client_engine(engine)
+
+
+def measure(client: tensorwire.Client, data: torch.Tensor, iters: int, peer: EnginePeer) -> Result:
     """rdma put, get into ``out=``, bare engine write and read: one of each per round, medians."""
     if client.transport != "rdma":
         raise ValueError(f"the rdma benchmark needs an rdma:// client, not {client.url}")
-    session, remote = peer
-    engine = rdma_engine.client_engine("127.0.0.1")
+    with client_engine_for(peer) as engine:
+        return _measure(client, engine, data, iters, peer)
+
+
+def _measure(
+    client: tensorwire.Client, engine: rdma_engine.Engine, data: torch.Tensor, iters: int, peer: EnginePeer
+) -> Result:
     src = byte_view(data)
     out = torch.empty_like(data)
     out.zero_()  # touched once: the timed reads measure transfers, not page faults
     nbytes = src.nbytes
-    # The registrations rdma:// itself makes (and keeps): the engine refuses a buffer twice.
-    cache = registrations_of(engine)
 
     def bare(kind: str) -> None:
         move = engine.write if kind == "write" else engine.read
-        with cache.using(src if kind == "write" else byte_view(out)) as local:
-            asyncio.run(move(session, local, remote, nbytes, timeout=120.0))
+        # The registrations rdma:// itself makes (and keeps): the engine refuses a buffer twice.
+        with engine.cache.using(src if kind == "write" else byte_view(out)) as local:
+            asyncio.run(move(peer.session, local, peer.address, nbytes, timeout=120.0))
 
     steps: dict[str, Callable[[], object]] = {
         "put": lambda: client.put("bench/rdma", data),

@@ -360,7 +360,7 @@ def run(
             rdma_bound, peer = ready[4:6]
             assert isinstance(rdma_bound, list) and isinstance(peer, tuple)
             with tensorwire.connect(rdma_bound[0]) as client:
-                rdma = rdma_bench.measure(client, data, iters, peer)
+                rdma = rdma_bench.measure(client, data, iters, rdma_bench.EnginePeer(*peer))
         small_us, echo_us = _on_loop(_small_and_echo_us(url, echo_port, small_iters))
         fast = fastpaths.measure(url, data, iters, small_iters)  # striping, compression, cache
         fast.update(fastpaths.iperf(put_gbps, get_gbps))  # the ceiling of one TCP stream

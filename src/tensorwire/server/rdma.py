@@ -207,7 +207,7 @@ class RdmaService:
             )
         session = req.session_state(RdmaSession)
         session.service = self
-        answer = wr.Attach(self.engine.session, self.engine.protocol, self.inline_max)
+        answer = wr.Attach(self.engine.session, self.engine.protocol, self.inline_max, self.engine.instance)
         await req.reply(wr.encode_attach_answer(answer))
 
     def _large(self, meta: TensorMeta) -> bool:

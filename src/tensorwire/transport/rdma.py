@@ -16,9 +16,10 @@ and then moves tensors like this (docs/protocol.md §17):
   releases the copies (RDMA_END, sent in the background).
 
 The caller's buffers are registered with this process's engine once and kept registered
-(``Registrations``: registration pins pages and is slow on real NICs), bounded in count and bytes,
-least recently used unregistered first. A cached registration keeps its buffer alive, so its
-address cannot be reused for other memory while the engine still maps it.
+(``Registrations``, the engine's ``cache``). Every connection from this process shares one engine
+(``client_engine``) until a server's engine turns out to be a different one under a name that
+engine reached before: the engine names a peer only ``host:port`` and keeps what it learned of it
+by that name, so a restarted server whose engine drew a freed port gets a fresh client engine.
 """
 
 from __future__ import annotations
@@ -27,8 +28,6 @@ import asyncio
 import contextlib
 import os
 import socket
-import threading
-from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 
 import torch
@@ -40,96 +39,22 @@ from tensorwire.errors import (
     ProtocolError,
     RdmaUnavailable,
     TensorwireError,
-    TransportError,
 )
 from tensorwire.transport import tcp
 from tensorwire.transport.base import Listener, Progress, PutBatch, Sink, StreamHandler
 from tensorwire.transport.frame_client import FramedTransport
-from tensorwire.transport.rdma_engine import HOST_ENV, Engine, address_of, client_engine, prefault
-from tensorwire.types import Address, GiB, TensorMeta
+from tensorwire.transport.rdma_engine import (
+    HOST_ENV,
+    Engine,
+    client_engine,
+    release_client_engine,
+    requested_protocol,
+)
+from tensorwire.types import Address, TensorMeta
 from tensorwire.wire import meta as wm
 from tensorwire.wire import rdma as wr
 from tensorwire.wire.frame import Opcode
 from tensorwire.wire.tensors import byte_view, check_out
-
-MAX_REGIONS = 256  # caller buffers a client engine keeps registered
-MAX_REGISTERED_BYTES = 8 * GiB
-
-
-class Registrations:
-    """Caller buffers registered with one engine, least recently used first (module docstring)."""
-
-    def __init__(self, engine: Engine, max_regions: int = MAX_REGIONS, max_bytes: int = MAX_REGISTERED_BYTES):
-        self.engine = engine
-        self.max_regions = max_regions
-        self.max_bytes = max_bytes
-        self._regions: OrderedDict[int, tuple[memoryview, int]] = OrderedDict()  # address -> (buf, uses)
-        self._bytes = 0
-        self._lock = threading.Lock()
-
-    @contextlib.contextmanager
-    def using(self, buf: memoryview, landing: bool = False) -> Iterator[int]:
-        """``buf``'s address, registered for as long as the block runs (and cached after it); a
-        ``landing`` buffer (bytes are about to land in it) has its pages faulted in when new."""
-        address = address_of(buf)
-        region = self._acquire(buf, address, landing)
-        try:
-            yield address
-        finally:
-            with self._lock:
-                held = self._regions.get(region)
-                if held is not None:
-                    self._regions[region] = (held[0], held[1] - 1)
-                self._evict()
-
-    def _acquire(self, buf: memoryview, address: int, landing: bool) -> int:
-        """The registered region that holds ``buf`` (its start address), registering it if none
-        does. A cached region keeps its memory alive, so an address inside it is that memory."""
-        end = address + buf.nbytes
-        with self._lock:
-            for start, (held, uses) in self._regions.items():
-                if start <= address and end <= start + held.nbytes:
-                    self._regions[start] = (held, uses + 1)
-                    self._regions.move_to_end(start)
-                    return start
-            # The engine refuses overlapping registrations: drop the idle regions this one overlaps.
-            overlapping = [a for a, (h, _) in self._regions.items() if a < end and address < a + h.nbytes]
-            if any(self._regions[a][1] for a in overlapping):
-                raise TransportError(f"{buf.nbytes} bytes at {address:#x} overlap a buffer in a transfer now")
-            for start in overlapping:
-                self._drop(start)
-            if landing:
-                prefault(buf)
-            self.engine.register(address, buf.nbytes)
-            self._regions[address] = (buf, 1)  # keeps the memory alive while the engine maps it
-            self._bytes += buf.nbytes
-            return address
-
-    def _evict(self) -> None:
-        idle = [a for a, (_, uses) in self._regions.items() if uses == 0]
-        while idle and (len(self._regions) > self.max_regions or self._bytes > self.max_bytes):
-            self._drop(idle.pop(0))
-
-    def _drop(self, address: int) -> None:
-        buf, _ = self._regions.pop(address)
-        self._bytes -= buf.nbytes
-        self.engine.unregister(address)
-
-    def __len__(self) -> int:
-        return len(self._regions)
-
-
-_registrations: dict[int, Registrations] = {}
-_registrations_lock = threading.Lock()
-
-
-def registrations_of(engine: Engine) -> Registrations:
-    """The one registration cache of ``engine`` (shared by every transport that uses it)."""
-    with _registrations_lock:
-        cache = _registrations.get(id(engine))
-        if cache is None or cache.engine is not engine:
-            cache = _registrations[id(engine)] = Registrations(engine)
-        return cache
 
 
 def local_host(server: Address) -> str:
@@ -154,19 +79,22 @@ class RdmaTransport(FramedTransport):
     peer: wr.Attach
 
     async def attach(self) -> None:
-        """Start (or reuse) this process's engine and learn the server's; RdmaUnavailable if the
-        engine cannot be had here or the server serves no RDMA."""
-        loop = asyncio.get_running_loop()
-        self.engine = await loop.run_in_executor(None, client_engine, local_host(self.address))
-        self.cache = registrations_of(self.engine)
+        """Learn the server's engine, then get this process's engine that may reach it (made on
+        first use, shared by every connection from here); RdmaUnavailable if the engine cannot be
+        had here or the server serves no RDMA."""
         self._releases: list[int] = []
         self._flushing: asyncio.Task[None] | None = None
-        request = wr.encode_attach_request(self.engine.protocol)
+        request = wr.encode_attach_request(requested_protocol())
         try:
             reader = await self.call(Opcode.RDMA_ATTACH, request, what="RDMA_ATTACH")
         except ProtocolError as exc:
             raise RdmaUnavailable(f"{self.address} does not serve RDMA: {exc}") from exc
         self.peer = wr.decode_attach_answer(reader)
+        here, peer = local_host(self.address), self.peer
+        self.engine = await asyncio.get_running_loop().run_in_executor(
+            None, client_engine, here, peer.session, peer.instance, peer.protocol
+        )
+        self.cache = self.engine.cache
 
     # -- put ---------------------------------------------------------------------------------------
     async def put(self, batch: PutBatch, progress: Progress | None = None) -> int:
@@ -370,6 +298,9 @@ class RdmaTransport(FramedTransport):
             flushing.cancel()
             with contextlib.suppress(asyncio.CancelledError, ConnectionLost):
                 await flushing
+        engine = self.__dict__.pop("engine", None)  # once, however often close is called
+        if engine is not None:
+            release_client_engine(engine)
 
 
 @contextlib.contextmanager
@@ -395,4 +326,4 @@ async def listen_stream(address: Address, handler: StreamHandler) -> Listener:
     return await tcp.listen(address, handler, scheme="rdma")
 
 
-__all__ = ["RdmaTransport", "Registrations", "listen_stream"]
+__all__ = ["RdmaTransport", "listen_stream"]

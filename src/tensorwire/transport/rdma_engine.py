@@ -26,19 +26,23 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import importlib
 import importlib.metadata
 import json
 import logging
 import os
+import secrets
 import threading
-from collections.abc import Callable
+from collections import OrderedDict
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
 
 from tensorwire._aio import asyncio_timeout
 from tensorwire.errors import RdmaUnavailable, TransportError
+from tensorwire.types import GiB
 from tensorwire.wire.rdma import PROTOCOLS
 
 log = logging.getLogger("tensorwire.rdma")
@@ -49,6 +53,8 @@ INSTALL_HINT = (
 )
 CUDA_DISTRIBUTION = "mooncake-transfer-engine"  # the CUDA build; the CPU one is "...-non-cuda"
 TRANSFER_THREADS = 4
+MAX_REGIONS = 256  # caller buffers a client engine keeps registered
+MAX_REGISTERED_BYTES = 8 * GiB
 
 
 def requested_protocol() -> str:
@@ -121,6 +127,7 @@ class Engine:
     """One ``TransferEngine`` of this process (see the module docstring)."""
 
     def __init__(self, host: str, protocol: str | None = None) -> None:
+        self.host = host
         self.protocol = protocol or requested_protocol()
         module = load()
         self._te = module.TransferEngine()
@@ -130,11 +137,16 @@ class Engine:
         if rc != 0:
             raise RdmaUnavailable(f"the transfer engine did not start on {host} ({self.protocol}, rc {rc})")
         self.session = f"{host}:{self._te.get_rpc_port()}"
+        # Told to peers with the session: the session is only host:port, and a port this engine
+        # frees can be drawn again by the next engine on this host.
+        self.instance = secrets.randbits(64)
         self.gpu_direct = cuda_build()
         self._pool = concurrent.futures.ThreadPoolExecutor(TRANSFER_THREADS, thread_name_prefix="tw-rdma")
         self._lock = threading.Lock()
         self.registered: dict[int, int] = {}  # address -> length, what this engine exposes now
+        self._peers: dict[str, int] = {}  # session -> the instance this engine reaches by that name
         self._closed = False
+        self.cache = Registrations(self)
 
     def _check_devices(self) -> None:
         devices = rdma_devices(self._te.get_local_topology(""))
@@ -166,19 +178,32 @@ class Engine:
         if rc != 0:
             log.warning("the engine failed to unregister the buffer at %#x (rc %s)", address, rc)
 
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def claim(self, session: str, instance: int) -> bool:
+        """Whether this engine may reach the peer engine ``instance`` by the name ``session``:
+        False when it has reached another engine by that name. The transfer engine keeps what it
+        learned of a peer (its data port, its buffers) by name for its whole life, so a peer that
+        drew a port an earlier one freed would be written at the earlier one's ports."""
+        with self._lock:
+            return self._peers.setdefault(session, instance) == instance
+
     async def write(self, session: str, local: int, remote: int, length: int, *, timeout: float) -> None:
         """``length`` bytes at ``local`` into the peer's registered ``remote``."""
-        await self._transfer(self._te.transfer_sync_write, "write", (session, local, remote, length), timeout)
+        await self._transfer("transfer_sync_write", "write", (session, local, remote, length), timeout)
 
     async def read(self, session: str, local: int, remote: int, length: int, *, timeout: float) -> None:
         """``length`` bytes of the peer's registered ``remote`` into ``local``."""
-        await self._transfer(self._te.transfer_sync_read, "read", (session, local, remote, length), timeout)
+        await self._transfer("transfer_sync_read", "read", (session, local, remote, length), timeout)
 
     async def _transfer(
-        self, call: Callable[..., int], what: str, args: tuple[str, int, int, int], timeout: float
+        self, method: str, what: str, args: tuple[str, int, int, int], timeout: float
     ) -> None:
         if self._closed:
             raise TransportError("the transfer engine is closed")
+        call: Callable[..., int] = getattr(self._te, method)  # holds the engine while it runs
         session, length = args[0], args[3]
         future = asyncio.get_running_loop().run_in_executor(self._pool, call, *args)
         async with asyncio_timeout(timeout, f"an engine {what} of {length} bytes with {session}"):
@@ -188,24 +213,150 @@ class Engine:
             raise TransportError(f"the engine's {what} of {length} bytes with {session} failed (rc {rc})")
 
     def close(self) -> None:
-        """Unregister everything and stop the transfer threads (transfers under way finish first)."""
+        """Unregister everything, stop the transfer threads (transfers under way finish first) and
+        let the engine go: its ports and threads are freed once the last transfer returns."""
         with self._lock:
+            if self._closed:
+                return
             for address in list(self.registered):
                 self._te.unregister_memory(address)
             self.registered.clear()
             self._closed = True
+            self._te = None
+        self.cache.forget()  # after the engine's lock: the cache takes its own lock, then the engine's
         self._pool.shutdown(wait=False, cancel_futures=True)
 
 
-_client_engines: dict[str, Engine] = {}
-_client_lock = threading.Lock()
+class Registrations:
+    """The caller buffers registered with one engine (``engine.cache``), kept registered after a
+    transfer because registration pins pages and is slow on real NICs; bounded in count and bytes,
+    least recently used unregistered first. A cached registration keeps its buffer alive, so its
+    address cannot be reused for other memory while the engine still maps it."""
+
+    def __init__(self, engine: Engine, max_regions: int = MAX_REGIONS, max_bytes: int = MAX_REGISTERED_BYTES):
+        self.engine = engine
+        self.max_regions = max_regions
+        self.max_bytes = max_bytes
+        self._regions: OrderedDict[int, tuple[memoryview, int]] = OrderedDict()  # address -> (buf, uses)
+        self._bytes = 0
+        self._lock = threading.Lock()
+
+    @contextlib.contextmanager
+    def using(self, buf: memoryview, landing: bool = False) -> Iterator[int]:
+        """``buf``'s address, registered for as long as the block runs (and cached after it); a
+        ``landing`` buffer (bytes are about to land in it) has its pages faulted in when new."""
+        address = address_of(buf)
+        region = self._acquire(buf, address, landing)
+        try:
+            yield address
+        finally:
+            with self._lock:
+                held = self._regions.get(region)
+                if held is not None:
+                    self._regions[region] = (held[0], held[1] - 1)
+                self._evict()
+
+    def _acquire(self, buf: memoryview, address: int, landing: bool) -> int:
+        """The registered region that holds ``buf`` (its start address), registering it if none
+        does. A cached region keeps its memory alive, so an address inside it is that memory."""
+        end = address + buf.nbytes
+        with self._lock:
+            for start, (held, uses) in self._regions.items():
+                if start <= address and end <= start + held.nbytes:
+                    self._regions[start] = (held, uses + 1)
+                    self._regions.move_to_end(start)
+                    return start
+            # The engine refuses overlapping registrations: drop the idle regions this one overlaps.
+            overlapping = [a for a, (h, _) in self._regions.items() if a < end and address < a + h.nbytes]
+            if any(self._regions[a][1] for a in overlapping):
+                raise TransportError(f"{buf.nbytes} bytes at {address:#x} overlap a buffer in a transfer now")
+            for start in overlapping:
+                self._drop(start)
+            if landing:
+                prefault(buf)
+            self.engine.register(address, buf.nbytes)
+            self._regions[address] = (buf, 1)  # keeps the memory alive while the engine maps it
+            self._bytes += buf.nbytes
+            return address
+
+    def _evict(self) -> None:
+        idle = [a for a, (_, uses) in self._regions.items() if uses == 0]
+        while idle and (len(self._regions) > self.max_regions or self._bytes > self.max_bytes):
+            self._drop(idle.pop(0))
+
+    def _drop(self, address: int) -> None:
+        buf, _ = self._regions.pop(address)
+        self._bytes -= buf.nbytes
+        self.engine.unregister(address)
+
+    def forget(self) -> None:
+        """Let every cached buffer go (the engine closed: it unregistered them all)."""
+        with self._lock:
+            self._regions.clear()
+            self._bytes = 0
+
+    def __len__(self) -> int:
+        return len(self._regions)
 
 
-def client_engine(host: str) -> Engine:
-    """This process's client engine for the local address ``host`` (made on first use, kept for
-    the life of the process: registration is what costs, so clients share one engine)."""
-    with _client_lock:
-        engine = _client_engines.get(host)
-        if engine is None or engine.protocol != requested_protocol():
-            engine = _client_engines[host] = Engine(host)
-        return engine
+class ClientEngines:
+    """This process's client engines, one current per local address, shared by every connection
+    from it (registration is what costs). A connection asks for the engine that may reach the
+    server's engine by its name; when the current one has reached another engine by that name
+    (the server restarted and its new engine drew the old one's port), a fresh engine becomes
+    current and the old one is closed once its last connection lets it go."""
+
+    def __init__(self) -> None:
+        self._current: dict[str, Engine] = {}  # local address -> the engine new connections get
+        self._users: dict[Engine, int] = {}
+        self._lock = threading.Lock()
+
+    def acquire(self, host: str, session: str, instance: int, protocol: str) -> Engine:
+        with self._lock:
+            engine = self._current.get(host)
+            if engine is not None and (engine.protocol != protocol or not engine.claim(session, instance)):
+                if engine.protocol == protocol:
+                    log.warning(
+                        "the engine at %s is not the one this process reached by that name before "
+                        "(it restarted): a fresh client engine reaches it",
+                        session,
+                    )
+                del self._current[host]
+                self._close_if_unused(engine)
+                engine = None
+            if engine is None:
+                engine = self._current[host] = Engine(host, protocol)
+                engine.claim(session, instance)
+            self._users[engine] = self._users.get(engine, 0) + 1
+            return engine
+
+    def current(self, host: str) -> Engine | None:
+        """The engine the next connection from ``host`` gets, unless its server's engine is new."""
+        with self._lock:
+            return self._current.get(host)
+
+    def release(self, engine: Engine) -> None:
+        with self._lock:
+            self._users[engine] -= 1
+            if self._current.get(engine.host) is not engine:
+                self._close_if_unused(engine)
+
+    def _close_if_unused(self, engine: Engine) -> None:
+        if not self._users.get(engine):
+            self._users.pop(engine, None)
+            engine.close()
+
+
+client_engines = ClientEngines()  # this process's
+
+
+def client_engine(host: str, session: str, instance: int, protocol: str | None = None) -> Engine:
+    """A client engine at the local address ``host`` that may reach the peer engine ``instance``
+    by its name ``session`` (``protocol`` defaults to ``TENSORWIRE_RDMA_PROTOCOL``); the caller
+    holds it until ``release_client_engine``."""
+    return client_engines.acquire(host, session, instance, protocol or requested_protocol())
+
+
+def release_client_engine(engine: Engine) -> None:
+    """The caller of ``client_engine`` is done with ``engine`` (closed if it is no longer current)."""
+    client_engines.release(engine)

@@ -33,12 +33,14 @@ class End(enum.IntEnum):
 
 
 class Attach(NamedTuple):
-    """An RDMA_ATTACH answer: where the server's engine listens, what it moves bytes with, and the
-    largest tensor that travels inline rather than through the engine."""
+    """An RDMA_ATTACH answer: where the server's engine listens, what it moves bytes with, the
+    largest tensor that travels inline rather than through the engine, and the engine's instance:
+    a random number that tells this engine from an earlier one that listened on the same port."""
 
     session: str
     protocol: str
     inline_max: int
+    instance: int
 
 
 class BufferRef(NamedTuple):
@@ -85,17 +87,18 @@ def decode_attach_request(reader: wm.MetaReader) -> str:
 
 
 def encode_attach_answer(answer: Attach) -> bytes:
-    return wm.encode_names([answer.session, answer.protocol])[4:] + _U64.pack(answer.inline_max)
+    names = wm.encode_names([answer.session, answer.protocol])[4:]
+    return names + _U64.pack(answer.inline_max) + _U64.pack(answer.instance)
 
 
 def decode_attach_answer(reader: wm.MetaReader) -> Attach:
     session, protocol = reader.text(MAX_SESSION_BYTES), reader.text(16)
-    inline_max = reader.u64()
+    inline_max, instance = reader.u64(), reader.u64()
     reader.done()
     host, _, port = session.rpartition(":")
     if not host or not port.isdigit():
         raise ProtocolError(f"RDMA_ATTACH answered engine session {session!r}, not host:port")
-    return Attach(session, protocol, inline_max)
+    return Attach(session, protocol, inline_max, instance)
 
 
 # -- RDMA_PUT / RDMA_GET -------------------------------------------------------------------------
