@@ -72,6 +72,46 @@ def test_plain_gets_and_puts_run_in_the_callers_thread(server: ServerThread) -> 
         assert _lent(c)
 
 
+class _Polls:
+    """Stands in for a lent stream's poll object, keeping the timeout of every poll(2) it makes."""
+
+    def __init__(self, real: Any) -> None:
+        self.real = real
+        self.timeouts: list[int] = []
+
+    def register(self, fd: int, events: int) -> None:
+        self.real.register(fd, events)
+
+    def poll(self, timeout: int) -> list[tuple[int, int]]:
+        self.timeouts.append(timeout)
+        return self.real.poll(timeout)  # type: ignore[no-any-return]
+
+
+def _sleeps_per_get(busy_wait: float, url: str) -> list[bool]:
+    """For each of 20 inline gets, whether its thread slept in poll(2) (a poll with a timeout)."""
+    with tensorwire.connect(url, busy_wait=busy_wait) as c:
+        c.put("inline/spin", torch.randn(1000))  # through the loop, which lends the connection
+        loan = _transport(c)._loan
+        assert loan is not None
+        polls = loan.stream._poll = _Polls(loan.stream._poll)  # type: ignore[attr-defined]
+        slept = []
+        for _ in range(20):
+            polls.timeouts.clear()
+            c.get("inline/spin")
+            slept.append(any(t > 0 for t in polls.timeouts))
+        assert _transport(c)._loan is loan  # every get was inline, on the same loan
+        return slept
+
+
+def test_an_inline_wait_spins_before_it_sleeps(server: ServerThread) -> None:
+    """A thread asleep in poll(2) wakes late on a VM (its idle CPU halts), later than a small
+    answer takes: a borrower polls without sleeping for up to ``busy_wait`` first."""
+    assert all(_sleeps_per_get(0.0, server.url))  # never spinning, every wait sleeps
+    assert not all(_sleeps_per_get(0.01, server.url))  # a loopback answer within 10 ms, mostly
+    with pytest.raises(ValueError, match="busy_wait"):
+        tensorwire.connect(server.url, busy_wait=1.0)  # a spin is not a way to wait
+
+
 def test_what_cannot_go_inline_goes_through_the_loop(server: ServerThread) -> None:
     with tensorwire.connect(server.url) as c:
         c.put("inline/p", torch.ones(10))

@@ -93,7 +93,7 @@ def _run(client: AsyncClient, t: Lendable | None, op: Any, timeout: float) -> No
     if t is None:
         raise Fallback(0)
     try:
-        t.run_inline(op, timeout)
+        t.run_inline(op, timeout, client.options.busy_wait)
     except NotLent:
         raise Fallback(0) from None
     except TensorwireError as exc:

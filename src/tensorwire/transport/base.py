@@ -126,9 +126,11 @@ class ByteStream(ABC):
 
 class LentStream(ByteStream):
     """The twin of a lent stream, driven by one borrowing thread: its waits block that thread until
-    ``deadline`` (and raise TransferTimeout then), so its coroutines never suspend."""
+    ``deadline`` (and raise TransferTimeout then), so its coroutines never suspend; each wait
+    spins first for up to ``spin`` seconds (the borrower's choice: ClientOptions.busy_wait)."""
 
     deadline: float = 0.0  # time.monotonic()
+    spin: float = 0.0
 
     @abstractmethod
     def quiet(self) -> bool:
@@ -428,7 +430,9 @@ class Lendable(Protocol):
 
     def lend(self) -> bool: ...
 
-    def run_inline(self, op: Callable[[Any], Coroutine[Any, Any, T]], timeout: float) -> T: ...
+    def run_inline(
+        self, op: Callable[[Any], Coroutine[Any, Any, T]], timeout: float, spin: float = 0.0
+    ) -> T: ...
 
     async def reclaim(self) -> None: ...
 

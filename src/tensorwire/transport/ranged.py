@@ -54,9 +54,12 @@ class RangedTransport(FramedTransport):
         self._loan = Loan(stream)
         return True
 
-    def run_inline(self, op: Callable[[RangedTransport], Coroutine[Any, Any, T]], timeout: float) -> T:
+    def run_inline(
+        self, op: Callable[[RangedTransport], Coroutine[Any, Any, T]], timeout: float, spin: float = 0.0
+    ) -> T:
         """From a thread other than the loop's: ``op(self)`` (this transport's own operations) run to
-        its end in this thread, each request waiting at most ``timeout`` (and the transport's own).
+        its end in this thread, each request waiting at most ``timeout`` (and the transport's own),
+        each wait spinning first for up to ``spin`` seconds.
         NotLent when the connection is not lent now or another thread is using it; any other error
         is the operation's (a TensorwireError; one that broke the connection ends the loan)."""
         loan = self._loan
@@ -65,7 +68,7 @@ class RangedTransport(FramedTransport):
         try:
             if self._loan is not loan or loan.failure is not None or not loan.stream.quiet():
                 raise NotLent  # a connection the server closed while lent: the loop reopens it
-            loan.borrower, loan.timeout = threading.get_ident(), timeout
+            loan.borrower, loan.timeout, loan.stream.spin = threading.get_ident(), timeout, spin
             try:
                 return drive(op(self))
             except WouldWait as exc:  # a bug, not the peer: say so, and let the loan's end drop it
