@@ -101,5 +101,5 @@ def check(options: ClientOptions) -> ClientOptions:
         raise ValueError(f"checksum must be one of {sorted(CHECKSUMS)}, not {options.checksum!r}")
     lossless.check_mode(options.compression)
     if not 0 <= options.busy_wait <= MAX_BUSY_WAIT:
-        raise ValueError(f"busy_wait must be between 0 and {MAX_BUSY_WAIT} seconds, not {options.busy_wait!r}")
+        raise ValueError(f"busy_wait must be 0 to {MAX_BUSY_WAIT} seconds, not {options.busy_wait!r}")
     return options
