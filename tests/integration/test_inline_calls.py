@@ -4,6 +4,7 @@ process stopped with a real signal."""
 
 from __future__ import annotations
 
+import asyncio
 import signal
 import threading
 import time
@@ -158,6 +159,39 @@ def test_threads_share_one_client(server: ServerThread) -> None:
 
         run_threads(work, 4, timeout=120)
         assert len(c.list("inline/t")) == 4
+
+
+def test_a_request_waiting_for_a_borrower_takes_back_the_loan_lent_since(server: ServerThread) -> None:
+    """A request on the loop waits for a borrower mid-call; meanwhile another request takes the
+    connection back and the loop lends it anew. The first must end the new loan too: it once saw
+    its own loan gone and went on to read the lent stream beside the next borrower (in CI:
+    "concurrent poll() invocation")."""
+    with tensorwire.connect(server.url) as c:
+        c.put("inline/l", torch.ones(4))  # through the loop, which lends the connection
+        t = _transport(c)
+        mid_call, finish = threading.Event(), threading.Event()
+
+        async def held(_: RangedTransport) -> None:
+            mid_call.set()
+            finish.wait(10)
+
+        borrower = threading.Thread(target=t.run_inline, args=(held, 10.0))
+        borrower.start()
+        assert mid_call.wait(10)
+
+        async def race() -> None:
+            waiting = asyncio.ensure_future(t.reclaim())  # finds the borrower mid-call
+            await asyncio.sleep(0)  # its first try at the loan's lock has failed
+            finish.set()
+            borrower.join(10)  # on the loop, so the waiting reclaim cannot run meanwhile
+            await t.reclaim()  # another request takes the connection back ...
+            assert t.lend()  # ... and, done, lends it again
+            await waiting
+            assert t._loan is None, "a reclaim left the connection lent"
+
+        c._thread.call(race(), 10, "the race")
+        assert not borrower.is_alive()
+        assert torch.equal(c.get("inline/l"), torch.ones(4))
 
 
 @pytest.fixture(scope="module")

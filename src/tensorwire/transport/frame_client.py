@@ -349,13 +349,16 @@ class FramedTransport(Transport):
         by its deadline); drop the connection if that call broke it, or if the peer closed it or
         sent something unasked meanwhile, so the next request goes out on a fresh one."""
         loan = self._loan
+        while loan is not None and not loan.lock.acquire(blocking=False):
+            await asyncio.sleep(0.001)  # rare: a call from another thread is running
+            # Read it again: meanwhile another request may have taken it back and lent it anew
+            # (ending only the old loan would leave this request reading a lent stream).
+            loan = self._loan
         if loan is None:
             return
-        while not loan.lock.acquire(blocking=False):  # rare: a call from another thread is running
-            await asyncio.sleep(0.001)
         try:
             if self._loan is not loan:
-                return  # taken back meanwhile, by another request or the connection's end
+                return  # the connection's end took it back
             self._loan = None
             self._reader.switch(self._stream)
             failure = loan.failure
