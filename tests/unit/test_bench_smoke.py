@@ -19,6 +19,8 @@ KEYS = [
     "sync_small_get_us",
     "echo_us",
     "small_ratio",
+    "small_unspun_get_us",
+    "small_unspun_ratio",
     "many_small_per_s",
     "many_get_per_s",
     "tls_put_gbps",

@@ -255,11 +255,15 @@ def _sync_small_us(client: tensorwire.Client, iters: int) -> float:
     return _p50_us(samples)
 
 
-async def _small_and_echo_us(url: str, echo_port: int, iters: int) -> tuple[float, float]:
+async def _small_and_echo_us(
+    url: str, echo_port: int, iters: int, busy_wait: float | None = None
+) -> tuple[float, float]:
     """p50 of a 1 KiB asyncio ``get`` and of a 1 KiB asyncio echo, one of each in turn: both see
     the same moments of a noisy machine, so their ratio holds still between runs (measured one
-    after the other, it moved between 1.6 and 2.6 within ten minutes)."""
-    client = await tensorwire.aconnect(url)
+    after the other, it moved between 1.6 and 2.6 within ten minutes). ``busy_wait``: the client's,
+    instead of its default."""
+    spin = {} if busy_wait is None else {"busy_wait": busy_wait}
+    client = await tensorwire.aconnect(url, **spin)
     reader, writer = await asyncio.open_connection("127.0.0.1", echo_port)
     try:
         out = torch.zeros(SMALL_BYTES // 4)
@@ -362,6 +366,8 @@ def run(
             with tensorwire.connect(rdma_bound[0]) as client:
                 rdma = rdma_bench.measure(client, data, iters, rdma_bench.EnginePeer(*peer))
         small_us, echo_us = _on_loop(_small_and_echo_us(url, echo_port, small_iters))
+        # What the client's spin (busy_wait) buys: the same without it, against its own echoes.
+        unspun_us, unspun_echo_us = _on_loop(_small_and_echo_us(url, echo_port, small_iters, 0.0))
         fast = fastpaths.measure(url, data, iters, small_iters)  # striping, compression, cache
         fast.update(fastpaths.iperf(put_gbps, get_gbps))  # the ceiling of one TCP stream
         pings = pinglag.measure(url, ping_put_size)  # how long a big put makes another client wait
@@ -377,6 +383,8 @@ def run(
         "sync_small_get_us": sync_small_us,
         "echo_us": echo_us,
         "small_ratio": _ratio(small_us, echo_us),
+        "small_unspun_get_us": unspun_us,
+        "small_unspun_ratio": _ratio(unspun_us, unspun_echo_us),
         "many_small_per_s": many_put,
         "many_get_per_s": many_get,
         "tls_put_gbps": tls_put_gbps,
@@ -408,6 +416,11 @@ def format_table(r: Result) -> str:
             "1 KiB get p50 (async)",
             f"{_fmt(r['small_get_us'], '.1f')} us",
             f"{_fmt(r['small_ratio'], '.2f')} x echo",
+        ),
+        (
+            "1 KiB get p50 (async, busy_wait=0)",
+            f"{_fmt(r['small_unspun_get_us'], '.1f')} us",
+            f"{_fmt(r['small_unspun_ratio'], '.2f')} x echo",
         ),
         ("1 KiB get p50 (sync)", f"{_fmt(r['sync_small_get_us'], '.1f')} us", ""),
         ("1 KiB asyncio echo p50", f"{_fmt(r['echo_us'], '.1f')} us", "baseline"),

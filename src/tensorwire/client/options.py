@@ -10,10 +10,11 @@ from tensorwire._aio import Deadline
 from tensorwire.client.retry import RetryPolicy, backoff
 from tensorwire.security import Security, TlsFiles, client_token
 from tensorwire.transport import TransportOptions
+from tensorwire.transport.spin import MAX_SPIN
 from tensorwire.wire import lossless
 from tensorwire.wire.checksum import ChecksumKind
 
-MAX_BUSY_WAIT = 0.01  # a spin is for an answer about to come, not a way to wait
+MAX_BUSY_WAIT = MAX_SPIN
 CHECKSUMS = {"xxh3": ChecksumKind.XXH3_64, "crc32c": ChecksumKind.CRC32C}
 
 
@@ -57,9 +58,10 @@ class ClientOptions:
     # says so), use that instead (`client.transport` says which); if that fails, stay, with a
     # warning and `client.local_fallback` saying why. An shm:// URL that cannot work still raises.
     prefer_local: bool = False
-    # A blocking call on a lent connection (a plain get or put, run in the caller's thread) spins
-    # this many seconds for its answer before it sleeps in poll(2): a CPU that went idle wakes
-    # ~100 us late on a VM, which cost a small get 40% of its round trip here. 0: never spin.
+    # A wait for an answer spins this many seconds before it sleeps (transport/spin.py): a CPU that
+    # went idle wakes ~100 us late on a VM, which cost a small get 40% of its round trip here. A
+    # blocking call on a lent connection (a plain get or put, run in the caller's thread) polls its
+    # socket; a call on an event loop keeps the loop turning. 0: never spin.
     busy_wait: float = 200e-6
 
     def security(self) -> Security:
@@ -87,6 +89,7 @@ def transport_options(options: ClientOptions) -> TransportOptions:
         options.security(),
         options.compression,
         prefer_local=options.prefer_local,
+        busy_wait=options.busy_wait,
     )
 
 

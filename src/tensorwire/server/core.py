@@ -42,6 +42,7 @@ from tensorwire.store.uploads import (
 )
 from tensorwire.transport import tls
 from tensorwire.transport.base import ByteStream, Listener
+from tensorwire.transport.spin import MAX_SPIN
 from tensorwire.types import Address, Limits
 from tensorwire.wire import meta as wm
 from tensorwire.wire import shm as ws
@@ -78,6 +79,7 @@ class Server:
         resumable_min_bytes: int = DEFAULT_RESUMABLE_MIN_BYTES,
         location: topology.Location | None = None,
         generations: GenerationConfig | None = None,
+        busy_poll: float = 0.0,
     ) -> None:
         self.store = store if store is not None else TensorStore()
         # Where it runs (HELLO and STATUS say it; default: TENSORWIRE_HOST / _RACK, read now), and
@@ -103,6 +105,12 @@ class Server:
         # A connection holds its slot unauthenticated for at most this long: its TLS handshake and
         # its first frame (a HELLO with the token, when one is required) must be in by then.
         self.auth_timeout = auth_timeout
+        # After each request a connection's wait for its next one keeps the loop polling this many
+        # seconds before it sleeps (transport/spin.py): a client that sends request after request
+        # then finds the server awake. It costs CPU; off by default (``--busy-poll``).
+        if not 0 <= busy_poll <= MAX_SPIN:
+            raise ValueError(f"busy_poll must be 0 to {MAX_SPIN} seconds, not {busy_poll!r}")
+        self.busy_poll = busy_poll
         self._listeners: list[Listener] = []
         self._sessions: set[Session] = set()
         # Resumable and striped uploads: a bounded table, a quota per client, none for small puts
@@ -312,6 +320,7 @@ class Server:
             return
         self._sessions.add(session)
         self.counts.connections += 1
+        stream.busy_poll(self.busy_poll)
         try:
             await session.run()
         except ConnectionLost as exc:
@@ -404,6 +413,7 @@ class ServerThread:
         metrics_port: int | None = None,
         location: topology.Location | None = None,
         generations: GenerationConfig | None = None,
+        busy_poll: float = 0.0,
     ) -> None:
         self.server = Server(
             store,
@@ -413,6 +423,7 @@ class ServerThread:
             metrics_port=metrics_port,
             location=location,
             generations=generations,
+            busy_poll=busy_poll,
         )
         self._thread = LoopThread("tensorwire-server")
         self._closed = False

@@ -75,6 +75,9 @@ class TransportOptions(NamedTuple):
     # Move to the server's shm:// listener when its HELLO says it runs on this host and serves one
     # (``prefer_local``); a try that fails keeps the first connection, warned and counted.
     prefer_local: bool = False
+    # Each wait for an answer keeps the loop polling this many seconds before it sleeps (a client's
+    # ``busy_wait``; ``ByteStream.busy_poll``).
+    busy_wait: float = 0.0
 
 
 async def _open_framed(
@@ -87,6 +90,7 @@ async def _open_framed(
         stream: ByteStream = await tls.connect(address, options.connect_timeout, context)
     else:
         stream = await connect_stream(address, options.connect_timeout)
+    stream.busy_poll(options.busy_wait)
     chunk = options.chunk_size if options.chunk_size is not None else DEFAULT_CHUNK_BYTES
     transport = kind(
         address, stream, options.checksum, chunk, options.request_timeout, compression=options.compression

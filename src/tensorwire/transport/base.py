@@ -112,6 +112,11 @@ class ByteStream(ABC):
         False: this stream cannot tell, so its owner must keep a reader waiting instead."""
         return False
 
+    def busy_poll(self, seconds: float) -> bool:
+        """From now on, each wait for bytes keeps this stream's loop polling without sleeping for
+        up to ``seconds`` first (transport/spin.py); 0: never. False: this stream cannot."""
+        return False
+
     def lend(self) -> LentStream | None:
         """A twin of this idle stream for one other thread to drive with blocking waits (its
         coroutines never suspend), while this one's loop neither reads nor watches it; None: this

@@ -14,6 +14,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from tensorwire._aio import cancel_and_wait
 from tensorwire.errors import ConnectError, ConnectionLost, TransferTimeout
 from tensorwire.transport.base import Buffer, ByteStream, LentStream, Listener, StreamHandler
+from tensorwire.transport.spin import Spin, busy_loop
 from tensorwire.types import Address
 
 SOCKET_BUFFER = 4 << 20  # larger kernel buffers let one syscall move a whole 4 MiB chunk
@@ -42,6 +43,7 @@ class TcpStream(ByteStream):
         self._on_idle: Callable[[], None] | None = None  # see watch_idle
         self._read_waiter: asyncio.Future[None] | None = None
         self._write_waiter: asyncio.Future[None] | None = None
+        self._spin: Spin | None = None  # see busy_poll
         try:
             host, port = sock.getpeername()[:2]
             self.peer = f"tcp://{host}:{port}"
@@ -74,10 +76,26 @@ class TcpStream(ByteStream):
     async def _readable(self) -> None:
         waiter = self._read_waiter = self._loop.create_future()
         self._watch()
+        spin = self._spin
         try:
-            await waiter
+            if spin is not None and spin.pays():
+                until = time.perf_counter() + spin.seconds
+                busy = busy_loop(self._loop)
+                busy.spin(until)
+                try:
+                    await waiter
+                finally:
+                    busy.done()
+                spin.ended(time.perf_counter() <= until)
+            else:
+                await waiter
         finally:
             self._read_waiter = None
+
+    def busy_poll(self, seconds: float) -> bool:
+        # The loop keeps turning (BusyLoop) while a read waits, up to ``seconds`` a wait.
+        self._spin = Spin(seconds) if seconds > 0 else None
+        return True
 
     def _on_readable(self) -> None:
         waiter = self._read_waiter
@@ -178,9 +196,6 @@ class TcpStream(ByteStream):
         self._sock.close()
 
 
-_MAX_MISSES = 6  # after spins that keep running out, one wait in 64 spins
-
-
 class LentTcp(TcpStream, LentStream):
     """A lent ``TcpStream``'s socket, driven by a borrowing thread: the same reads and writes, but a
     wait for readiness blocks that thread in poll(2), no later than ``deadline``, rather than
@@ -196,8 +211,7 @@ class LentTcp(TcpStream, LentStream):
         self._poll = select.poll()
         self.deadline = 0.0  # time.monotonic() past which a wait raises TransferTimeout
         self.spin = 0.0  # seconds each wait polls without sleeping first (the borrower sets it)
-        self._misses = 0  # spins in a row that ran out
-        self._skip = 0  # waits left that do not spin
+        self._budget = Spin(0.0)  # whether a wait spins (after spins that ran out, not always)
 
     async def _readable(self) -> None:
         self._wait(select.POLLIN)
@@ -207,20 +221,12 @@ class LentTcp(TcpStream, LentStream):
 
     def _wait(self, events: int) -> None:
         self._poll.register(self._fd, events)  # registering again replaces the events
-        if self.spin > 0 and self._spin_pays() and self._spun():
+        self._budget.seconds = self.spin
+        if self._budget.pays() and self._spun():
             return
         left = self.deadline - time.monotonic()
         if left <= 0 or not self._poll.poll(math.ceil(left * 1000)):
             raise TransferTimeout(f"{self.peer} did not become ready in time")
-
-    def _spin_pays(self) -> bool:
-        """Whether this wait should spin: not right after spins that ran out (an answer that takes
-        longer, or a server in this process starved of the GIL by the spin: a 1 KiB get 300 us ->
-        650 us), for twice as many waits after each further one (at most 63)."""
-        if self._skip:
-            self._skip -= 1
-            return False
-        return True
 
     def _spun(self) -> bool:
         """Whether the socket turned ready within ``spin`` seconds of polling without sleeping. A
@@ -229,10 +235,9 @@ class LentTcp(TcpStream, LentStream):
         until = time.perf_counter() + self.spin
         while not self._poll.poll(0):
             if time.perf_counter() >= until:
-                self._misses = min(self._misses + 1, _MAX_MISSES)
-                self._skip = (1 << self._misses) - 1
+                self._budget.ended(caught=False)
                 return False
-        self._misses = 0
+        self._budget.ended(caught=True)
         return True
 
     def watch_idle(self, callback: Callable[[], None]) -> bool:
