@@ -170,7 +170,11 @@ class StoreOps:
         reader.done()
         if metas[0].nbytes != header.data_len:
             raise InvalidTensor("the tensor records' sizes do not add up to the frame's data length")
-        res = self.store.reserve(metas)
+        await self._store_one(req, metas[0])
+
+    async def _store_one(self, req: Request, meta: TensorMeta) -> None:
+        """Reserve ``meta``, receive the request's data into it, publish it and answer."""
+        res = self.store.reserve([meta])
         try:
             await req.receive(res.buffers)
         except BaseException:
@@ -288,13 +292,7 @@ class StoreOps:
         if offset:
             raise ProtocolError(f"no upload here to resume {meta.name!r} at byte {offset} (start again at 0)")
         self.uploads.counts.unslotted += 1
-        res = self.store.reserve([meta])
-        try:
-            await req.receive(res.buffers)
-        except BaseException:
-            self.store.abort(res)
-            raise
-        await self._commit(req, res)
+        await self._store_one(req, meta)
 
     async def put_range(self, req: Request) -> None:
         """One byte range of a striped put (§11.7): into the upload's reservation, noted once every
