@@ -20,6 +20,7 @@ KEYS = [
     "echo_us",
     "small_ratio",
     "small_unspun_get_us",
+    "small_unspun_echo_us",
     "small_unspun_ratio",
     "many_small_per_s",
     "many_get_per_s",

@@ -70,6 +70,8 @@ def _transfer(r: dict[str, Any]) -> list[Row]:
         Row("transfer", f"tls put {size}", _get(r, "tls_put_gbps"), "GB/s", "tcp put", _get(r, "put_gbps")),
         Row("transfer", "1 KiB get p50 (asyncio client)", _get(r, "small_get_us"), "us", "asyncio echo",
             _get(r, "echo_us"), lower_is_better=True),
+        Row("transfer", "1 KiB get p50 (asyncio, busy_wait=0)", _get(r, "small_unspun_get_us"), "us",
+            "asyncio echo", _get(r, "small_unspun_echo_us"), lower_is_better=True),
         Row("transfer", f"put_many of {r.get('many')} x 1 KiB", _get(r, "many_small_per_s"), "tensors/s"),
         Row("transfer", f"1 KiB get p99 during a {int(r.get('ping_put_bytes', 0)) // MiB} MiB put",
             _get(r, "ping_during_put_p99_ms"), "ms", "idle", _get(r, "ping_idle_p99_ms"),

@@ -384,6 +384,7 @@ def run(
         "echo_us": echo_us,
         "small_ratio": _ratio(small_us, echo_us),
         "small_unspun_get_us": unspun_us,
+        "small_unspun_echo_us": unspun_echo_us,
         "small_unspun_ratio": _ratio(unspun_us, unspun_echo_us),
         "many_small_per_s": many_put,
         "many_get_per_s": many_get,
