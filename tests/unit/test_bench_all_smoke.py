@@ -48,7 +48,8 @@ def test_report_rows_pair_each_figure_with_its_peer() -> None:
     doc = {
         "benchmarks": {
             "transfer": {"result": {"put_gbps": 2.0, "get_gbps": 1.0, "socket_gbps": 4.0, "tls_put_gbps": 1.0,
-                                    "small_get_us": 90.0, "echo_us": 60.0, "size_bytes": 1 << 20, "many": 10,
+                                    "small_get_us": 90.0, "echo_us": 60.0, "small_unspun_get_us": 120.0,
+                                    "small_unspun_echo_us": 80.0, "size_bytes": 1 << 20, "many": 10,
                                     "many_small_per_s": 5.0, "shm_get_gbps": 9.0, "memcpy_gbps": 10.0}},
             "ps": {"result": {"ps_async_samples_per_s": 300.0, "rpc_ps_samples_per_s": 100.0,
                               "ps_sync_samples_per_s": 90.0, "ddp_samples_per_s": 100.0}},
@@ -60,6 +61,7 @@ def test_report_rows_pair_each_figure_with_its_peer() -> None:
     assert by_path[("transfer", "tcp put 1 MiB", "plain socket")].ratio == 0.5
     latency = by_path[("transfer", "1 KiB get p50 (asyncio client)", "asyncio echo")]
     assert latency.ratio == 1.5 and latency.lower_is_better
+    assert by_path[("transfer", "1 KiB get p50 (asyncio, busy_wait=0)", "asyncio echo")].ratio == 1.5
     assert by_path[("ps", "PS async, 2 servers", "torch.distributed.rpc PS")].ratio == 3.0
     assert by_path[("transfer", "shm get(out=) 1 MiB", "memcpy")].ratio == 0.9
     assert not any(p.startswith("striped") for _, p, _ in by_path)  # fields it lacks: no rows
