@@ -66,6 +66,7 @@ from tensorwire.bench.children import (
     until_stopped,
 )
 from tensorwire.bench.report import show, table, throughput_head
+from tensorwire.client import ClientOptions
 from tensorwire.security import Security, TlsFiles, write_dev_certs
 from tensorwire.server.core import Server
 from tensorwire.store import TensorStore
@@ -256,14 +257,12 @@ def _sync_small_us(client: tensorwire.Client, iters: int) -> float:
 
 
 async def _small_and_echo_us(
-    url: str, echo_port: int, iters: int, busy_wait: float | None = None
+    url: str, echo_port: int, iters: int, busy_wait: float = ClientOptions().busy_wait
 ) -> tuple[float, float]:
     """p50 of a 1 KiB asyncio ``get`` and of a 1 KiB asyncio echo, one of each in turn: both see
     the same moments of a noisy machine, so their ratio holds still between runs (measured one
-    after the other, it moved between 1.6 and 2.6 within ten minutes). ``busy_wait``: the client's,
-    instead of its default."""
-    spin = {} if busy_wait is None else {"busy_wait": busy_wait}
-    client = await tensorwire.aconnect(url, **spin)
+    after the other, it moved between 1.6 and 2.6 within ten minutes). ``busy_wait``: the client's."""
+    client = await tensorwire.aconnect(url, busy_wait=busy_wait)
     reader, writer = await asyncio.open_connection("127.0.0.1", echo_port)
     try:
         out = torch.zeros(SMALL_BYTES // 4)

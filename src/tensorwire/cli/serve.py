@@ -99,7 +99,7 @@ def _rack_param(ctx: click.Context, param: click.Parameter, value: str | None) -
 @click.option(
     "--busy-poll", type=click.FloatRange(min=0, max=MAX_SPIN), default=0.0, show_default=True,
     metavar="SECONDS", help="After each request, a connection's wait for the next one polls without "
-    "sleeping this long first (200e-6 takes ~100 us off a small request's round trip on a VM); costs CPU.",
+    "sleeping this long first (a CPU gone idle wakes ~100 us late on a VM); costs CPU. 0: never.",
 )  # fmt: skip
 @click.option(
     "--auth-timeout", type=click.FloatRange(min=0.01), default=5.0, show_default=True,

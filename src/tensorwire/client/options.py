@@ -14,7 +14,6 @@ from tensorwire.transport.spin import MAX_SPIN
 from tensorwire.wire import lossless
 from tensorwire.wire.checksum import ChecksumKind
 
-MAX_BUSY_WAIT = MAX_SPIN
 CHECKSUMS = {"xxh3": ChecksumKind.XXH3_64, "crc32c": ChecksumKind.CRC32C}
 
 
@@ -103,6 +102,6 @@ def check(options: ClientOptions) -> ClientOptions:
     if options.checksum not in CHECKSUMS:
         raise ValueError(f"checksum must be one of {sorted(CHECKSUMS)}, not {options.checksum!r}")
     lossless.check_mode(options.compression)
-    if not 0 <= options.busy_wait <= MAX_BUSY_WAIT:
-        raise ValueError(f"busy_wait must be 0 to {MAX_BUSY_WAIT} seconds, not {options.busy_wait!r}")
+    if not 0 <= options.busy_wait <= MAX_SPIN:
+        raise ValueError(f"busy_wait must be 0 to {MAX_SPIN} seconds, not {options.busy_wait!r}")
     return options

