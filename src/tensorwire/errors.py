@@ -28,7 +28,8 @@ of these. Each class says whether retrying the same call can help.
     │   ├── VersionChanged             the tensor changed between the parts of one read; retry can help
     │   ├── GenerationRetired          a read at a generation the server no longer keeps; no retry
     │   ├── PublishAborted             a multi-part publish lost a part (a rank died): nothing visible
-    │   └── VerificationFailed         what a server holds differs from its source; resending can help
+    │   ├── VerificationFailed         what a server holds differs from its source; resending can help
+    │   └── DatasetConflict            a data set command would overwrite or delete other data; no retry
     ├── InvalidTensor                  (also ValueError) dtype/shape/size unusable or inconsistent
     │   └── LayoutMismatch             a sharded state's layouts disagree or do not tile; no retry
     ├── UnsupportedTransport           (also ValueError) this address's transport cannot do what was asked
@@ -171,6 +172,14 @@ class VerificationFailed(StoreError):
     can help (``tensorwire dataset scatter`` re-sends what differs when re-run)."""
 
     retryable = True
+
+
+class DatasetConflict(StoreError):
+    """``tensorwire dataset scatter`` or ``fetch`` would overwrite or delete data that is not its
+    own: a data set of the same name scattered from another tree (or with other options), or files
+    under ``--out`` with other bytes. Raised by clients, never sent by servers, before anything is
+    changed; the message names what is there. Retrying will not help: pass ``--replace``
+    (``replace=True``) to overwrite it, or choose another name (``--name``, ``--out``)."""
 
 
 class PublishAborted(StoreError):
