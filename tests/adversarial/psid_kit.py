@@ -5,6 +5,7 @@ Each names a job: ``JOB`` unless told (a ``ps.Worker``'s is ``worker.job``)."""
 from __future__ import annotations
 
 import json
+import secrets
 from collections.abc import Sequence
 
 import torch
@@ -19,6 +20,7 @@ from tensorwire.wire.frame import Opcode
 from tensorwire.wire.tensors import byte_view
 
 JOB = "psid-kit"
+SESSION = secrets.randbits(63) | 1  # the kit's own worker process, where a test names none
 
 
 def call(
@@ -58,10 +60,22 @@ def join(url: str, worker: int, world: int, incarnation: int, job: str = JOB) ->
 
 
 def init(
-    url: str, worker: int, world: int, cfg: str, values: dict[str, torch.Tensor], *, job: str = JOB
+    url: str,
+    worker: int,
+    world: int,
+    cfg: str,
+    values: dict[str, torch.Tensor],
+    *,
+    job: str = JOB,
+    incarnation: int | None = None,
 ) -> None:
+    """PS_INIT as the session ``incarnation`` that joined as ``worker`` (None: join first as the
+    kit's own session, as a worker does)."""
+    if incarnation is None:
+        incarnation = SESSION
+        join(url, worker, world, incarnation, job)
     metas = flat_metas([(key, t.numel()) for key, t in values.items()])
-    head = wps.PsHead(worker, world, 0, 0, 5000, job).encode()
+    head = wps.PsHead(worker, world, 0, incarnation, 5000, job).encode()
     body = head + wps.encode_config(cfg) + wm.encode_records(metas)
     call(url, Opcode.PS_INIT, body, list(values.values()))
 

@@ -28,7 +28,7 @@ def test_pending_sync_pushes_are_counted_against_the_capacity() -> None:
     with ServerThread(extensions=[ps]) as server:
         for rank, incarnation in enumerate(sessions):
             join(server.url, rank, world, incarnation)
-        init(server.url, 0, world, config("sync"), {KEY: torch.zeros(N)})
+        init(server.url, 0, world, config("sync"), {KEY: torch.zeros(N)}, incarnation=sessions[0])
         grads = {KEY: torch.ones(N)}
         for rank in range(3):
             push(server.url, grads, worker=rank, world=world, incarnation=sessions[rank])
@@ -75,7 +75,7 @@ def test_a_push_whose_payload_no_encoder_writes_changes_nothing(kind: str) -> No
     with ServerThread(extensions=[ps]) as server:
         session = secrets.randbits(63) or 1
         join(server.url, 0, 1, session)
-        init(server.url, 0, 1, config("async", lr=0.1), {KEY: torch.ones(N)})
+        init(server.url, 0, 1, config("async", lr=0.1), {KEY: torch.ones(N)}, incarnation=session)
         with pytest.raises(InvalidTensor):
             push(server.url, {KEY: torch.empty(N)}, incarnation=session, codec=codec, payloads=[payload])
         assert ps.version == 0 and ps.workers[0].seq == 0

@@ -10,22 +10,38 @@ on the first step) and what it keeps per push and per pull:
 * ``snapshots``: the copies of the parameters that pulls send from (one per version, more while
   slow readers still send from older ones), with their encodings in the codecs workers pull in.
 
-The server has one ``Budget`` (its capacity: the ``ParamServer``'s ``capacity``, ``tensorwire
-serve --capacity``); each job counts in a ``Budget`` of its own made with ``part_of=`` the
-server's, so what a job holds is known (``held``, by kind) and every byte of every job counts
-against the one capacity. Each is reserved before it is allocated. A reservation that the capacity
-cannot hold is refused with CapacityExceeded (naming the capacity and ``--capacity``) and nothing
-changes; the server first lets go of what it keeps only for speed (every job's free gradient
-buffers: ``reclaimer``, ``make_room``) to make room.
+The server has one ``Budget`` (its capacity: the ``ParamServer``'s ``capacity``); each job
+counts in a ``Budget`` of its own made with ``part_of=`` the server's, so what a job holds is known
+(``held``, by kind) and every byte of every job counts against the one capacity. Once the
+parameter server joins a server process (``attach``), every count is also made in the process's
+one ledger, the tensor store's ``--capacity`` (store/memory.py ``TensorStore.charge``, as
+``ps.<kind>``): the store's tensors, the jobs and the gradient exchange share it, so together they
+never exceed it. Each is reserved before it is allocated. A reservation that either cannot hold
+is refused with CapacityExceeded (naming ``--capacity``) and nothing changes; the server first
+lets go of what it keeps only for speed (every job's free gradient buffers: ``reclaimer``,
+``make_room``) to make room, also when it is the store that is full.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Protocol
 
 from tensorwire.errors import CapacityExceeded
 
 KINDS = ("params", "optimizer", "gradients", "payloads", "snapshots")
+
+
+class Ledger(Protocol):
+    """The process's one capacity, as the parts that count in it see it (store/memory.py
+    ``TensorStore``): ``check`` then ``count`` on the event loop's thread, ``room`` to ask."""
+
+    @property
+    def room(self) -> int: ...
+
+    def check(self, nbytes: int, what: str) -> None: ...
+
+    def count(self, kind: str, nbytes: int) -> None: ...
 
 
 class Budget:
@@ -38,6 +54,7 @@ class Budget:
         self.refused = 0  # reservations refused: the capacity was full
         self._root: Budget = part_of._root if part_of is not None else self
         self._parent = part_of
+        self._ledger: Ledger | None = None  # the root's: the process's one capacity (``attach``)
         # What lets go of memory kept for speed when room is needed (the jobs' free buffers).
         self._reclaimers: dict[object, Callable[[int], None]] = {}
 
@@ -45,9 +62,20 @@ class Budget:
     def total(self) -> int:
         return sum(self.held.values())
 
+    def attach(self, ledger: Ledger) -> None:
+        """Count in ``ledger`` too from now on (the server process's store): what the jobs hold
+        already (restored from checkpoints at start) is counted there at once, unchecked."""
+        root = self._root
+        if root._ledger is ledger:
+            return
+        root._ledger = ledger
+        for kind, nbytes in root.held.items():
+            ledger.count(f"ps.{kind}", nbytes)
+
     def fits(self, nbytes: int) -> bool:
         root = self._root
-        return root.total + nbytes <= root.capacity
+        ledger = root._ledger
+        return root.total + nbytes <= root.capacity and (ledger is None or nbytes <= ledger.room)
 
     def reclaimer(self, owner: object, reclaim: Callable[[int], None] | None) -> None:
         """Register (or, with None, forget) what ``owner`` lets go of when room is needed:
@@ -71,6 +99,8 @@ class Budget:
             if self._parent is not None:
                 self._parent.refused += 1
             root = self._root
+            if root._ledger is not None and root.total + nbytes <= root.capacity:
+                root._ledger.check(nbytes, what)  # the process's --capacity is full: it says by what
             held = ", ".join(f"{kind} {n}" for kind, n in root.held.items() if n)
             raise CapacityExceeded(
                 f"{what} of {nbytes} bytes exceed {root.capacity}, the parameter server's capacity "
@@ -89,6 +119,8 @@ class Budget:
         self.held[kind] += nbytes
         if self._parent is not None:
             self._parent.add(kind, nbytes)
+        elif self._ledger is not None:
+            self._ledger.count(f"ps.{kind}", nbytes)
 
     def set(self, kind: str, nbytes: int) -> None:
         """What is held of ``kind`` now (a job created or restored: already checked or trusted)."""

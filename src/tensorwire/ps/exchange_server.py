@@ -20,11 +20,14 @@ the codec after its records, gRPC callers add ``codec`` and ``numel`` to the cal
 server decodes each gradient once, on arrival, in a worker thread; the means go back in full
 precision (float32 on gRPC), so every worker still gets the same bits.
 
-What a peer can make the exchange hold is bounded by its ``capacity``, checked before anything is
-allocated: the decoded size of every gradient (a compressed one declares its element count, and
-may decode to 32 times its payload), the payloads while they are decoded, and a fixed cost per
-open round and per tensor name remembered as averaged, so that empty gradients under fresh names
-or steps cannot grow the tables for free. Open rounds expire with their callers' waits. Who a
+What a peer can make the exchange hold is bounded by its ``capacity`` and, once it serves in a
+server process (``attach``), by that process's one ``--capacity`` (the tensor store's ledger, where
+it counts as ``exchange`` beside the store's tensors and the parameter server's jobs), checked
+before anything is allocated: the decoded size of every gradient (a compressed one declares its
+element count, and may decode to 32 times its payload), the payloads while they are decoded, a
+round's mean until every contributor's answer is sent, and a fixed cost per open round and per
+tensor name remembered as averaged, so that empty gradients under fresh names or steps cannot
+grow the tables for free. Open rounds expire with their callers' waits. Who a
 request says it is (rank, world size, step) is checked before anything changes.
 
 A rank belongs to the client that last sent under it (its session: the random number an
@@ -62,6 +65,7 @@ from tensorwire.errors import (
     WaitTimeout,
 )
 from tensorwire.logs import event
+from tensorwire.ps.budget import Ledger
 from tensorwire.server.core import Request
 from tensorwire.types import TensorMeta
 from tensorwire.v1 import gradient_service_pb2 as pb
@@ -80,6 +84,7 @@ NAME_COST = 256
 # The call metadata that places a gRPC gradient in a round (world-size is optional).
 IDENTITY_KEYS = ("worker-id", "step", "tensor-name")
 SESSION_KEY = "session"  # optional call metadata: the caller's session (else its connection)
+LEDGER_KIND = "exchange"  # what the exchange holds, in the store's one ledger
 
 
 @dataclass(eq=False)
@@ -98,6 +103,10 @@ class _Round:
     cost: int
     grads: dict[int, torch.Tensor] = field(default_factory=dict)
     settled: bool = False  # its mean is being taken: nobody can join or leave it any more
+    # Contributors not yet answered from its mean, and the mean's bytes, which stay counted until
+    # the last of them has sent its answer (a peer that reads slowly holds the mean meanwhile).
+    answers: int = 0
+    mean_bytes: int = 0
     result: asyncio.Future[tuple[torch.Tensor, int]] = field(
         default_factory=lambda: asyncio.get_running_loop().create_future()
     )
@@ -111,6 +120,7 @@ class GradientExchange:
         self.wait_timeout = wait_timeout
         self.capacity = capacity  # most bytes open rounds and the exchange's tables may hold
         self.held = 0
+        self._ledger: Ledger | None = None  # the process's one capacity (``attach``)
         self.left: set[int] = set()
         self.rounds_done = 0
         self._rounds: dict[tuple[int, str], _Round] = {}
@@ -135,7 +145,10 @@ class GradientExchange:
         ``session`` is who sends it (see the module doc); None: an in-process caller."""
         world = world or self.default_world
         round_ = self._add(worker, world, step, name, grad, session=session)
-        return await self._wait((step, name), round_, worker, wait)
+        try:
+            return await self._wait((step, name), round_, worker, wait)
+        finally:
+            self._answered(round_)  # the caller makes its answer of the mean at once
 
     def _add(
         self, worker: int, world: int, step: int, name: str, grad: torch.Tensor, *, session: Hashable
@@ -194,13 +207,27 @@ class GradientExchange:
         self._settle(key, round_)
         return round_
 
+    def attach(self, ledger: Ledger) -> None:
+        """Count in ``ledger`` too from now on: the server process's one capacity (its store)."""
+        if self._ledger is not ledger:
+            self._ledger = ledger
+            ledger.count(LEDGER_KIND, self.held)
+
     def _charge(self, nbytes: int, what: str) -> None:
         if self.held + nbytes > self.capacity:
             raise CapacityExceeded(
                 f"the gradient exchange holds {self.held} bytes; {nbytes} more for {what} exceed its "
                 f"{self.capacity} (the server's --capacity)"
             )
+        if self._ledger is not None:
+            self._ledger.check(nbytes, f"the gradient exchange's {what}")
+        self._count(nbytes)
+
+    def _count(self, nbytes: int) -> None:
+        """What the exchange holds moves by ``nbytes`` (checked first where it grows)."""
         self.held += nbytes
+        if self._ledger is not None:
+            self._ledger.count(LEDGER_KIND, nbytes)
 
     async def _wait(
         self, key: tuple[int, str], round_: _Round, worker: int, wait: float | None
@@ -227,10 +254,20 @@ class GradientExchange:
             return
         grad = round_.grads.pop(worker, None)
         if grad is not None:
-            self.held -= _nbytes(grad)
+            self._count(-_nbytes(grad))
         if not round_.grads and self._rounds.get(key) is round_:
             del self._rounds[key]
-            self.held -= round_.cost
+            self._count(-round_.cost)
+
+    def _answered(self, round_: _Round) -> None:
+        """One contributor of a settled round has its answer out (or gave up): once all have, the
+        mean's bytes are given back."""
+        if not round_.settled or round_.answers <= 0:
+            return  # not settled: a withdrawn gradient, never counted among its answers
+        round_.answers -= 1
+        if not round_.answers:
+            self._count(-round_.mean_bytes)
+            round_.mean_bytes = 0
 
     def leave(self, worker: int, session: Hashable = None, *, strict: bool = True) -> None:
         """``worker`` is done: rounds stop waiting for it. Once every worker of a world has left,
@@ -251,7 +288,7 @@ class GradientExchange:
         if not self._rounds and world and set(range(world)) <= self.left:
             self.left.clear()
             self._owners.clear()
-            self.held -= sum(NAME_COST + len(name) for name in self._done)
+            self._count(-sum(NAME_COST + len(name) for name in self._done))
             self._done.clear()
 
     def _settle(self, key: tuple[int, str], round_: _Round) -> None:
@@ -260,9 +297,10 @@ class GradientExchange:
             return
         del self._rounds[key]
         round_.settled = True
+        round_.answers = len(round_.grads)
         step, name = key
         if name not in self._done:  # the name outlives its round: its cost moves over
-            self.held += NAME_COST + len(name)
+            self._count(NAME_COST + len(name))
         self._done[name] = max(step, self._done.get(name, -1))
         self._last_world = round_.world
         grads = [round_.grads[w] for w in sorted(round_.grads)]
@@ -274,7 +312,9 @@ class GradientExchange:
 
     def _deliver(self, round_: _Round, done: asyncio.Task[torch.Tensor], released: int) -> None:
         self._means.discard(done)
-        self.held -= released
+        ok = not done.cancelled() and done.exception() is None
+        round_.mean_bytes = _nbytes(done.result()) if ok and round_.answers else 0
+        self._count(round_.mean_bytes - released)  # the gradients go; the mean stays until answered
         if round_.result.done():
             return
         if done.cancelled():
@@ -314,17 +354,21 @@ class GradientExchange:
         self._own(head.worker, session)
         rounds = [self._put(head.worker, world, head.clock, m.name, g) for m, g in pairs]
         wait = head.wait_ms / 1000 if head.wait_ms else None
-        with request.waiting():
-            results = await asyncio.gather(
-                *(
-                    self._wait((head.clock, m.name), r, head.worker, wait)
-                    for m, r in zip(metas, rounds, strict=True)
-                )
-            )
-        means = [mean for mean, _ in results]
-        count = min((n for _, n in results), default=0)
-        out = [TensorMeta(m.name, m.dtype, m.shape, m.nbytes) for m in metas]
-        await request.reply(wm.encode_records(out) + wps.encode_u32(count), [byte_view(t) for t in means])
+        try:
+            keys = [(head.clock, m.name) for m in metas]
+            with request.waiting():
+                waits = [self._wait(k, r, head.worker, wait) for k, r in zip(keys, rounds, strict=True)]
+                results = await asyncio.gather(*waits, return_exceptions=True)
+            for result in results:  # every wait is over (each answered below), then the first error
+                if isinstance(result, BaseException):
+                    raise result
+            means = [mean for mean, _ in results]  # type: ignore[misc]
+            count = min((n for _, n in results), default=0)  # type: ignore[misc]
+            out = [TensorMeta(m.name, m.dtype, m.shape, m.nbytes) for m in metas]
+            await request.reply(wm.encode_records(out) + wps.encode_u32(count), [byte_view(t) for t in means])
+        finally:
+            for round_ in rounds:  # the means were sent (or never will be): their bytes go
+                self._answered(round_)
 
     async def _received(
         self, request: Request, metas: Sequence[TensorMeta], codec: Codec | None, decoded: int
@@ -343,7 +387,7 @@ class GradientExchange:
             await asyncio.to_thread(decode_all, codec, payloads, grads)
             return grads
         finally:
-            self.held -= decoded + scratch  # ``_add`` charges each gradient it keeps
+            self._count(-(decoded + scratch))  # ``_add`` charges each gradient it keeps
 
     # -- gRPC -----------------------------------------------------------------------------------
     def rpc_handler(self) -> grpc.GenericRpcHandler:
@@ -386,7 +430,7 @@ class GradientExchange:
             nonlocal released
             if not released:
                 released = True
-                self.held -= nbytes
+                self._count(-nbytes)
 
         context.add_done_callback(release)
 
@@ -412,7 +456,7 @@ class GradientExchange:
         try:
             return await asyncio.to_thread(_decode_request, raw, codec, numel)
         finally:
-            self.held -= size  # ``_add`` charges the gradient if it joins a round
+            self._count(-size)  # ``_add`` charges the gradient if it joins a round
 
 
 def frame_session(request: Request, head: wps.PsHead) -> Hashable:

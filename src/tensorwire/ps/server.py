@@ -22,7 +22,7 @@ placed on it (``PS_INIT``), each as an ``nn.Parameter`` over a flat range of ele
 * replica.py ``Replica``: the server's role and epoch, the order of changes, replication,
   failover, fencing, PS_REPLICATE (replication.py: its wire and the connections to the backups);
   one per server process, for all its jobs;
-* budget.py ``Budget``: what the jobs hold against the server's one ``capacity``;
+* budget.py ``Budget``: what the jobs hold, counted in the process's one capacity (the store's);
   exchange_server.py: ALLREDUCE and gRPC UpdateGradient, server-wide (below).
 
 Here: the extension seam (``frame_handlers``, ``rpc_handlers``, ``collectors``, ``status``,
@@ -103,7 +103,8 @@ class ParamServer:
     """The jobs of one server: shards of their parameters, with their optimizers (see the module doc).
 
     ``capacity``: the most bytes all jobs together may hold here, their parameters and what pushes
-    and pulls keep (budget.py); ``tensorwire serve`` passes its ``--capacity``. ``max_jobs``: the
+    and pulls keep (budget.py); once added to a server they (and the gradient exchange) also count
+    in its store's capacity, the process's one ledger (``tensorwire serve --capacity``). ``max_jobs``: the
     most jobs held at once (job ids are chosen by peers); ``keep_jobs``: a job whose last worker
     left keeps its state (for a restart of its workers) instead of ending (ps/jobs.py).
     """
@@ -143,8 +144,12 @@ class ParamServer:
         self.relay = RelayPublisher()  # versions published for relay pulls (PS_RELAY)
 
     def added_to(self, server: Server) -> None:
-        """Joined ``server`` (``Server.extend``): relay pulls publish into its generations, and
-        it serves the relay (its ``RelayCoordinator``, the one it has or a new one)."""
+        """Joined ``server`` (``Server.extend``): its jobs and the gradient exchange count in the
+        process's one capacity, the store's (``--capacity``: budget.py); relay pulls publish into
+        its generations, and it serves the relay (its ``RelayCoordinator``, the one it has or a new
+        one)."""
+        self.budget.attach(server.store)
+        self.exchange.attach(server.store)
         self.relay.attach(server.generations, RelayCoordinator.of(server).chains)
 
     # The server's own attributes, and its one job's (``sole``), under the names a ParamServer

@@ -17,8 +17,10 @@ What counts against the capacity (``used``): the bytes of stored tensors; a fixe
 name plus the name's bytes (``entry_cost``: a store of empty tensors is not free, it is Python
 objects); reservations of puts in flight; old versions that readers still pin after a delete or
 an overwrite (a reply nobody reads must not keep gigabytes alive outside the capacity); and the
-scratch a request decodes into (``scratch``); and the generations a server keeps (``keep``:
-store/generations.py). Besides bytes, at most ``max_tensors`` names.
+scratch a request decodes into (``scratch``); the generations a server keeps (``keep``:
+store/generations.py); and what the other parts of the process hold for their peers (``charge``,
+by kind: the parameter server's jobs, the gradient exchange), so that ``--capacity`` is one ledger
+for the whole process, not one per pool. Besides bytes, at most ``max_tensors`` names.
 
 The store is thread-safe: the server's event loop calls it directly, and runs what may block on
 the disk (``commit`` and ``delete`` with a data directory) through ``call``, on the store's own
@@ -106,6 +108,8 @@ class TensorStore:
         self._scratch = 0  # requests' decoding buffers (``scratch``)
         self._kept = 0  # charge of reservations kept as generations (``keep``)
         self._kept_names = 0  # their tensors, counted against max_tensors
+        self._charged: dict[str, int] = {}  # what other parts of the process hold, by kind (``charge``)
+        self._charged_total = 0
         self.revision = 0  # the last version handed out; versions come from this one counter
         self._lock = threading.Lock()
         self._disk_lock = threading.Lock()  # orders disk writes the same way as versions
@@ -150,7 +154,10 @@ class TensorStore:
     def used(self) -> int:
         """What counts against the capacity: stored tensors and their names' cost, reservations of
         puts in flight, old versions pinned by readers, and requests' decoding scratch."""
-        return self._stored + self._metadata + self._reserved + self._pinned + self._scratch + self._kept
+        return (
+            self._stored + self._metadata + self._reserved + self._pinned + self._scratch + self._kept
+            + self._charged_total
+        )  # fmt: skip
 
     @property
     def stored(self) -> int:
@@ -187,9 +194,56 @@ class TensorStore:
 
     # -- puts ----------------------------------------------------------------------------------
     def reserve(self, metas: Sequence[TensorMeta], extend: Reservation | None = None) -> Reservation:
+    @property
+    def charged(self) -> dict[str, int]:
+        """What other parts of the process hold against the capacity now, by kind (``charge``)."""
+        with self._lock:
+            return {kind: n for kind, n in self._charged.items() if n}
+
+    @property
+    def room(self) -> int:
+        """Bytes that may still be reserved or charged."""
+        return self.capacity - self.used
+
         """Buffers for ``metas``; InvalidName / InvalidTensor / CapacityExceeded leave no trace.
 
         With ``extend``, the buffers are added to that open reservation (a batch that arrives in
+    # -- memory the rest of the process holds ---------------------------------------------------
+    def charge(self, kind: str, nbytes: int, what: str) -> None:
+        """Count ``nbytes`` that another part of the process is about to allocate for a peer
+        (``kind`` says who holds them: ``ps.gradients``, ``exchange``, ...; a name from code, never
+        from a peer) in ``used``; CapacityExceeded naming ``what`` and --capacity if they do not
+        fit, and nothing is counted. ``discharge`` gives them back."""
+        with self._lock:
+            self._check_room(nbytes, 0, what)
+            self._count(kind, nbytes)
+            self._pool.trim(self.capacity - self.used)  # buffers kept for reuse make room first
+
+    def check(self, nbytes: int, what: str) -> None:
+        """CapacityExceeded (naming ``what`` and --capacity) unless ``nbytes`` more fit now."""
+        with self._lock:
+            self._check_room(nbytes, 0, what)
+
+    def count(self, kind: str, nbytes: int) -> None:
+        """Count ``nbytes`` (negative: give back) of ``kind`` without a check: memory that was
+        checked just before (``check``, on the same thread), or that must be held whatever the
+        capacity says (a checkpoint restored at start, a primary's state transfer)."""
+        with self._lock:
+            self._count(kind, nbytes)
+            if nbytes > 0:
+                self._pool.trim(self.capacity - self.used)
+
+    def discharge(self, kind: str, nbytes: int) -> None:
+        """Give back ``nbytes`` of ``kind`` (never more than is charged)."""
+        with self._lock:
+            self._count(kind, -min(nbytes, self._charged.get(kind, 0)))
+
+    def _count(self, kind: str, nbytes: int) -> None:
+        """Move ``kind``'s count by ``nbytes``, never below 0 (lock held)."""
+        before = self._charged.get(kind, 0)
+        after = self._charged[kind] = max(before + nbytes, 0)
+        self._charged_total += after - before
+
         parts) and its new buffers are returned in a reservation of their own; committing
         ``extend`` publishes every part at once.
         """
@@ -240,14 +294,16 @@ class TensorStore:
         with self._lock:
             self._check_room(count * ENTRY_OVERHEAD, 0)
 
-    def _check_room(self, charge: int, slots: int) -> None:
+    def _check_room(self, charge: int, slots: int, what: str = "") -> None:
         """CapacityExceeded unless ``charge`` more bytes and ``slots`` more names fit (lock held)."""
         if charge > self.capacity - self.used:
             raise CapacityExceeded(
-                f"{charge} bytes do not fit: capacity {self.capacity} (--capacity), in use {self.used}"
-                f" (tensors {self._stored}, names {self._metadata}, puts in flight {self._reserved},"
-                f" pinned by readers {self._pinned}, scratch {self._scratch})"
+                f"{what + ' of ' if what else ''}{charge} bytes do not fit: capacity {self.capacity}"
+                f" (--capacity), in use {self.used} (tensors {self._stored}, names {self._metadata},"
+                f" puts in flight {self._reserved}, pinned by readers {self._pinned}, scratch"
+                f" {self._scratch}, generations {self._kept}{others})"
             )
+            others = "".join(f", {kind} {n}" for kind, n in sorted(self._charged.items()) if n)
         if slots and len(self._entries) + self._slots + self._kept_names + slots > self.max_tensors:
             raise CapacityExceeded(
                 f"{slots} more tensors do not fit: the store holds {len(self._entries)} and puts in"
