@@ -189,11 +189,6 @@ class TensorStore:
         """Bytes held by generations (``keep``), their tensors' and names' cost."""
         return self._kept
 
-    def __len__(self) -> int:
-        return len(self._entries)
-
-    # -- puts ----------------------------------------------------------------------------------
-    def reserve(self, metas: Sequence[TensorMeta], extend: Reservation | None = None) -> Reservation:
     @property
     def charged(self) -> dict[str, int]:
         """What other parts of the process hold against the capacity now, by kind (``charge``)."""
@@ -205,9 +200,9 @@ class TensorStore:
         """Bytes that may still be reserved or charged."""
         return self.capacity - self.used
 
-        """Buffers for ``metas``; InvalidName / InvalidTensor / CapacityExceeded leave no trace.
+    def __len__(self) -> int:
+        return len(self._entries)
 
-        With ``extend``, the buffers are added to that open reservation (a batch that arrives in
     # -- memory the rest of the process holds ---------------------------------------------------
     def charge(self, kind: str, nbytes: int, what: str) -> None:
         """Count ``nbytes`` that another part of the process is about to allocate for a peer
@@ -244,6 +239,11 @@ class TensorStore:
         after = self._charged[kind] = max(before + nbytes, 0)
         self._charged_total += after - before
 
+    # -- puts ----------------------------------------------------------------------------------
+    def reserve(self, metas: Sequence[TensorMeta], extend: Reservation | None = None) -> Reservation:
+        """Buffers for ``metas``; InvalidName / InvalidTensor / CapacityExceeded leave no trace.
+
+        With ``extend``, the buffers are added to that open reservation (a batch that arrives in
         parts) and its new buffers are returned in a reservation of their own; committing
         ``extend`` publishes every part at once.
         """
@@ -297,13 +297,13 @@ class TensorStore:
     def _check_room(self, charge: int, slots: int, what: str = "") -> None:
         """CapacityExceeded unless ``charge`` more bytes and ``slots`` more names fit (lock held)."""
         if charge > self.capacity - self.used:
+            others = "".join(f", {kind} {n}" for kind, n in sorted(self._charged.items()) if n)
             raise CapacityExceeded(
                 f"{what + ' of ' if what else ''}{charge} bytes do not fit: capacity {self.capacity}"
                 f" (--capacity), in use {self.used} (tensors {self._stored}, names {self._metadata},"
                 f" puts in flight {self._reserved}, pinned by readers {self._pinned}, scratch"
                 f" {self._scratch}, generations {self._kept}{others})"
             )
-            others = "".join(f", {kind} {n}" for kind, n in sorted(self._charged.items()) if n)
         if slots and len(self._entries) + self._slots + self._kept_names + slots > self.max_tensors:
             raise CapacityExceeded(
                 f"{slots} more tensors do not fit: the store holds {len(self._entries)} and puts in"
