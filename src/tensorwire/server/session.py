@@ -205,12 +205,17 @@ class Session:
             self.spanning = None
 
     def close(self) -> None:
-        """The connection ended: drop what it held."""
+        """The connection ended: drop what it held. Each extension's state is closed on its own: one
+        that fails (logged) must not keep the others' holdings (open puts, leases) for ever."""
         self.abort_spanning()
         for state in self.states.values():
             close = getattr(state, "close", None)
-            if close is not None:
+            if close is None:
+                continue
+            try:
                 close()
+            except Exception:
+                log.exception("closing %s of %s failed", type(state).__name__, self.stream.peer)
 
     async def _authenticate(self, header: Header, meta: bytes) -> bool:
         """The first frame of a connection to a server with a token must be a HELLO that carries

@@ -6,6 +6,7 @@ work across event loops in different threads (the sync client runs its own loop)
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import time
 from collections.abc import Sequence
@@ -31,7 +32,11 @@ class _Pipe:
     def _wake_all(self) -> None:
         waiters, self._waiters = self._waiters, []
         for loop, fut in waiters:
-            loop.call_soon_threadsafe(_resolve, fut)
+            # A waiter's loop may be closed by now (its client stopped without closing the stream):
+            # nobody is left to wake there, and the side that wakes it (a server's watchdog, say)
+            # must not fail for it.
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(_resolve, fut)
 
     async def _wait(self) -> None:
         loop = asyncio.get_running_loop()
@@ -122,7 +127,10 @@ class MemoryListener(Listener):
         """Make a stream pair; serve the server end on the listener's own loop."""
         up, down = _Pipe(), _Pipe()
         server_end = MemoryStream(up, down, "memory://client")
-        self._loop.call_soon_threadsafe(self._start, server_end)
+        try:
+            self._loop.call_soon_threadsafe(self._start, server_end)
+        except RuntimeError as exc:  # the server's loop is closed: its server is gone
+            raise ConnectError(f"the in-process server at {self.address} has stopped") from exc
         return MemoryStream(down, up, str(self.address))
 
     def _start(self, stream: MemoryStream) -> None:

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import math
 import select
 import socket
+import threading
 import time
 from collections.abc import Awaitable, Callable, Sequence
 
@@ -17,6 +19,7 @@ from tensorwire.transport.base import Buffer, ByteStream, LentStream, Listener, 
 from tensorwire.transport.spin import Spin, busy_loop
 from tensorwire.types import Address
 
+log = logging.getLogger("tensorwire.transport")
 SOCKET_BUFFER = 4 << 20  # larger kernel buffers let one syscall move a whole 4 MiB chunk
 
 
@@ -39,11 +42,13 @@ class TcpStream(ByteStream):
         self._loop = asyncio.get_running_loop()
         self._closed = False
         self._watching = False  # whether the loop watches the socket for readability
+        self._writing = False  # whether the loop watches it for room to write (a send is parked)
         self._drained = False  # the last read came back short: the socket is (most likely) empty
         self._on_idle: Callable[[], None] | None = None  # see watch_idle
         self._read_waiter: asyncio.Future[None] | None = None
         self._write_waiter: asyncio.Future[None] | None = None
         self._spin: Spin | None = None  # see busy_poll
+        self._lent: LentTcp | None = None  # the twin a borrowing thread drives (lend), if any
         try:
             host, port = sock.getpeername()[:2]
             self.peer = f"tcp://{host}:{port}"
@@ -74,6 +79,8 @@ class TcpStream(ByteStream):
                 raise ConnectionLost(f"receiving from {self.peer}: {exc}") from exc
 
     async def _readable(self) -> None:
+        if self._closed:  # never watch a closed descriptor: its number may be another socket's now
+            raise ConnectionLost(f"connection to {self.peer} is closed")
         waiter = self._read_waiter = self._loop.create_future()
         self._watch()
         spin = self._spin
@@ -121,16 +128,18 @@ class TcpStream(ByteStream):
             return None
         self._unwatch()
         self._on_idle = None
-        return LentTcp(self)
+        self._lent = LentTcp(self)
+        return self._lent
 
     def take_back(self) -> bool:
+        self._lent = None
         self._drained = False
         poll = select.poll()
         poll.register(self._fd, select.POLLIN)
         return not poll.poll(0)
 
     def _watch(self) -> None:
-        if not self._watching:
+        if not self._watching and not self._closed:
             self._loop.add_reader(self._fd, self._on_readable)
             self._watching = True
 
@@ -174,44 +183,108 @@ class TcpStream(ByteStream):
                     sent = 0
 
     async def _writable(self) -> None:
+        if self._closed:
+            raise ConnectionLost(f"connection to {self.peer} is closed")
         fut = self._write_waiter = self._loop.create_future()
         self._loop.add_writer(self._fd, _resolve, fut)
+        self._writing = True
         try:
             await fut
         finally:
             self._write_waiter = None
+            self._unwatch_writes()  # already done when close woke us: the descriptor is gone
+
+    def _unwatch_writes(self) -> None:
+        if self._writing:
+            self._writing = False
             self._loop.remove_writer(self._fd)
 
     async def close(self) -> None:
+        """Close once; safe from any task on the loop (the watchdog, the session, a listener's
+        close) while a read or a send is parked: each wakes and raises ConnectionLost.
+
+        The order matters. The loop stops watching the descriptor, for reads and for writes, before
+        it is closed: libuv (uvloop) aborts the whole process on a closed descriptor it still polls,
+        and a parked send's own clean-up would run only after the close, by when the number may be
+        a new connection's, whose registration it would remove."""
         if self._closed:
             return
         self._closed = True
         self._on_idle = None
         self._unwatch()
+        self._unwatch_writes()
         for waiter in (self._read_waiter, self._write_waiter):
             if waiter is not None:
                 _resolve(waiter)  # a blocked reader or writer wakes and sees the stream closed
         with contextlib.suppress(OSError):
-            self._sock.shutdown(socket.SHUT_RDWR)
-        self._sock.close()
+            self._sock.shutdown(socket.SHUT_RDWR)  # also wakes a borrower asleep in poll(2)
+        lent, self._lent = self._lent, None
+        if lent is None or lent.let_go():
+            self._sock.close()
 
 
 class LentTcp(TcpStream, LentStream):
     """A lent ``TcpStream``'s socket, driven by a borrowing thread: the same reads and writes, but a
     wait for readiness blocks that thread in poll(2), no later than ``deadline``, rather than
-    suspending on the loop, so its coroutines run to their end without one (``_aio.drive``)."""
+    suspending on the loop, so its coroutines run to their end without one (``_aio.drive``).
+
+    The owner may close the stream (on its loop's thread) while the borrower is in a read or a
+    write, asleep in poll(2) or in the syscall itself. It then only shuts the socket down, which
+    wakes the borrower and fails its I/O; the borrower closes the descriptor on its way out
+    (``let_go``). Closed under a thread still using it, the descriptor's number could be reused by
+    a new socket before that thread's syscall runs, which would then read another connection's
+    bytes."""
 
     def __init__(self, owner: TcpStream) -> None:  # the socket is set up: no TcpStream.__init__
         self._sock = owner._sock
         self._fd = owner._fd
         self.peer = owner.peer
         self.last_active = owner.last_active
-        self._closed = False  # the owner closes the socket; a borrower then fails on it
+        self._closed = False  # this twin's own close (the owner's closes the socket: let_go)
         self._drained = True  # lent idle: a read waits for readiness first
         self._poll = select.poll()
         self.deadline = 0.0  # time.monotonic() past which a wait raises TransferTimeout
         self.spin = 0.0  # seconds each wait polls without sleeping first (the borrower sets it)
         self._budget = Spin(0.0)  # whether a wait spins (after spins that ran out, not always)
+        self._guard = threading.Lock()  # between the owner's close and the borrower's I/O
+        self._inside = False  # the borrower is in a read, a write or a poll on the socket
+        self._orphaned = False  # the owner closed the stream: the socket is no longer ours
+
+    def let_go(self) -> bool:
+        """The owner closed the stream (its socket is shut down already): whether the owner may
+        close the descriptor now; False while the borrower is using it (it closes it itself)."""
+        with self._guard:
+            self._orphaned = True
+            return not self._inside
+
+    def _enter(self) -> None:
+        """The borrower starts a read or a write (explicit calls, not a context manager: this is
+        the blocking client's small-call path, where each microsecond shows)."""
+        with self._guard:
+            if self._orphaned:
+                raise ConnectionLost(f"connection to {self.peer} was closed while lent")
+            self._inside = True
+
+    def _leave(self) -> None:
+        with self._guard:
+            self._inside = False
+            abandoned = self._orphaned
+        if abandoned:
+            self._sock.close()  # the owner let go of it meanwhile: nobody else will
+
+    async def recv_into(self, buf: memoryview) -> int:
+        self._enter()
+        try:
+            return await super().recv_into(buf)
+        finally:
+            self._leave()
+
+    async def send(self, buffers: Sequence[Buffer]) -> None:
+        self._enter()
+        try:
+            await super().send(buffers)
+        finally:
+            self._leave()
 
     async def _readable(self) -> None:
         self._wait(select.POLLIN)
@@ -247,8 +320,15 @@ class LentTcp(TcpStream, LentStream):
         return None
 
     def quiet(self) -> bool:
-        self._poll.register(self._fd, select.POLLIN)
-        return not self._poll.poll(0)
+        try:
+            self._enter()
+        except ConnectionLost:
+            return False  # closed by its owner meanwhile
+        try:
+            self._poll.register(self._fd, select.POLLIN)
+            return not self._poll.poll(0)
+        finally:
+            self._leave()
 
     async def close(self) -> None:
         self._closed = True
@@ -322,10 +402,18 @@ class TcpListener(Listener):
             task = loop.create_task(self._serve(conn))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
+            # Let the connection's task start before the next accept: one the handler refuses at
+            # once (a server over its connection limit) is closed in that first step, so a burst
+            # of connections never holds a descriptor each while the backlog drains.
+            await asyncio.sleep(0)
 
     async def _serve(self, conn: socket.socket) -> None:
         try:
             stream = await self._accept(conn)
+        except Exception as exc:  # a socket the peer reset already, say: this connection only
+            conn.close()
+            log.debug("dropped a connection before serving it: %r", exc)
+            return
         except BaseException:
             conn.close()  # a failed or cancelled TLS handshake must not leak the socket
             raise
