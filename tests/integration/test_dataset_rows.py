@@ -128,11 +128,12 @@ def test_a_shard_more_takes_only_its_files_and_a_shard_less_is_dropped(
     moving = [f"{i:02d}.txt" for i in range(40) if assign_shard(f"{i:02d}.txt", 5) == 4]
     assert 0 < len(moving) < 40 / 5 * 2
 
-    grown = scatter(src, urls, shards=5)  # shard 4 (on node 0) takes its files from the others
+    # Another shard count is another plan: without replace=True nothing is sent (DatasetConflict).
+    grown = scatter(src, urls, shards=5, replace=True)  # shard 4 (on node 0) takes its files from the others
     assert grown.ok and sum(n.sent_items for n in grown.nodes) == len(moving) == grown.nodes[0].sent_items
     assert sum(n.pruned for n in grown.nodes) == len(moving)
 
-    shrunk = scatter(src, urls, shards=4)  # back: the files return, shard 4 and its manifest go
+    shrunk = scatter(src, urls, shards=4, replace=True)  # back: the files return, shard 4 and its manifest go
     assert shrunk.ok and sum(n.sent_items for n in shrunk.nodes) == len(moving)
     assert sum(n.pruned for n in shrunk.nodes) == len(moving) + 1  # its files, and its manifest
     with connect(urls[0]) as client:

@@ -157,7 +157,8 @@ def test_one_file_added_edited_or_removed_moves_only_that_file(
     nodes: list[tuple[ServerProcess, Path]], tmp_path: Path
 ) -> None:
     """The assignment is stable: a re-run after one change sends (or prunes) that file alone.
-    Packing by size (before rendezvous hashing) sent 10 and pruned 9 after the same addition."""
+    Packing by size (before rendezvous hashing) sent 10 and pruned 9 after the same addition.
+    An edited tree is another tree: each re-run says ``replace=True``."""
     urls = [srv.url for srv, _ in nodes]
     src = tmp_path / "stable"
     rng = random.Random(21)
@@ -169,15 +170,15 @@ def test_one_file_added_edited_or_removed_moves_only_that_file(
 
     files["part-1/added.bin"] = rng.randbytes(50_000)
     (src / "part-1/added.bin").write_bytes(files["part-1/added.bin"])
-    assert _sent_pruned(scatter(src, urls)) == (1, 0)
+    assert _sent_pruned(scatter(src, urls, replace=True)) == (1, 0)
 
     files["part-0/00.bin"] += rng.randbytes(40_000)  # a size change reshuffled a packing by size
     (src / "part-0/00.bin").write_bytes(files["part-0/00.bin"])
-    assert _sent_pruned(scatter(src, urls)) == (1, 0)
+    assert _sent_pruned(scatter(src, urls, replace=True)) == (1, 0)
 
     del files["part-2/05.bin"]
     (src / "part-2/05.bin").unlink()
-    assert _sent_pruned(scatter(src, urls)) == (0, 1)
+    assert _sent_pruned(scatter(src, urls, replace=True)) == (0, 1)
 
     held = _held(urls, "stable/")
     assert sorted(name.split("/files/", 1)[1] for names in held.values() for name in names) == sorted(files)

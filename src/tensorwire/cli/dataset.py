@@ -98,20 +98,29 @@ def dataset() -> None:
 @click.option(
     "--json", "as_json", is_flag=True, help="Print the summary as JSON (sent and skipped per node)."
 )
+@click.option(
+    "--replace", is_flag=True,
+    help="Overwrite a data set of this name that the nodes hold from another tree (or with other "
+    "--shards/--by/--block-size, or an edited SRC), pruning what SRC does not have. Without it, "
+    "such a scatter is refused before anything is sent; a re-run of the same SRC needs no flag.",
+)  # fmt: skip
 @_deadline_option("the scatter")
 @security_options
 def scatter(
     *, src: Path, nodes: list[str], shards: int | None, by: str, name: str | None, block_size: int,
-    max_rate: int | None, as_json: bool, deadline: float,
+    max_rate: int | None, as_json: bool, replace: bool, deadline: float,
 ) -> None:  # fmt: skip
-    """Split SRC into shards and send each to a node, verified; a re-run sends only what is missing."""
+    """Split SRC into shards and send each to a node, verified; a re-run sends only what is missing.
+
+    The nodes remember which tree a data set's name holds: scattering another tree (or the same
+    one with other options, or edited) under a name in use is refused unless --replace."""
     options = ClientOptions(**client_options())
     until = Deadline.after(deadline, f"dataset scatter (--deadline {deadline:g}s)")
     with _bars(len(nodes)) as (advance, on_plan):
         report = scatter_shards(src, nodes, shards=shards, by=by,  # type: ignore[arg-type]
                                 dataset=name, block_bytes=block_size, max_rate=max_rate,
                                 options=options, advance=advance, on_plan=on_plan,
-                                deadline=until)  # fmt: skip
+                                deadline=until, replace=replace)  # fmt: skip
     _print_report(report, as_json)
     failed = [node for node in report.nodes if node.error]
     if failed:
@@ -127,22 +136,30 @@ def scatter(
     "--prefer-local/--no-prefer-local", default=True, show_default=True,
     help="Read a server on this host through its shm:// listener, if it serves one.",
 )  # fmt: skip
+@click.option(
+    "--replace", is_flag=True,
+    help="Overwrite files under --out whose bytes differ from the data set's. Without it, such a "
+    "fetch is refused before anything is written.",
+)  # fmt: skip
 @_deadline_option("the fetch")
 @security_options
 def fetch(
-    *, source: str, out: Path, name: str | None, as_json: bool, prefer_local: bool, deadline: float
-) -> None:
+    *, source: str, out: Path, name: str | None, as_json: bool, prefer_local: bool, replace: bool,
+    deadline: float,
+) -> None:  # fmt: skip
     """Write the shards a node holds (from its server, or its data dir) back to files under --out.
 
     Paths come from the node's manifests: each must be a plain relative path, and nothing is
-    written outside --out or through a link found under it."""
+    written outside --out or through a link found under it. A file there with other bytes is
+    not overwritten unless --replace."""
     until = Deadline.after(deadline, f"dataset fetch (--deadline {deadline:g}s)")
     options = ClientOptions(**client_options(), deadline=until, prefer_local=prefer_local)
-    report = fetch_shards(source, out, name, options, deadline=until)
+    report = fetch_shards(source, out, name, options, deadline=until, replace=replace)
     if as_json:
         click.echo(json.dumps(report.as_dict()))
     else:
-        done = f"{len(report.written)} written, {len(report.unchanged)} already there"
+        done = f"{len(report.written)} written ({len(report.replaced)} over other bytes), "
+        done += f"{len(report.unchanged)} already there"
         click.echo(f"{printable(report.dataset, 200)}: shards {report.shards} ({report.by}), "
                    f"{report.bytes} B: {done} -> {out}")  # fmt: skip
 
@@ -178,3 +195,7 @@ def _print_report(report: ScatterReport, as_json: bool) -> None:
         click.echo(f"{node.url}  shards {node.shards}  sent {node.sent_items} items / {node.sent_bytes} B, "
                    f"already there {node.skipped_items} / {node.skipped_bytes} B, "
                    f"pruned {node.pruned}, {node.seconds:.2f}s  {state}")  # fmt: skip
+        if node.replaced:  # said loudly: --replace overwrote another tree here
+            click.echo(f"  replaced {printable(node.replaced)}", err=True)
+        if node.tidy:
+            click.echo(f"  {printable(node.tidy)}", err=True)

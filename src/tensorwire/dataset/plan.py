@@ -29,12 +29,22 @@ with its dtype, shape, size and xxh3-64, written only once all of them are verif
 It lists items, not the rule that placed them, so its format did not change with the assignment:
 a node holding shards placed by size is re-planned by the next scatter like any other change
 (each file whose shard differs is sent once to its new shard and pruned from the old one).
+
+A plan's identity (``plan_identity``) is a digest of what it sends: its name, split, shard count
+and keys, and for every item its name and size and its source file's size and modification time.
+A re-run over an unchanged source has the same identity (so it resumes); another tree, an edited
+one, or other options (``--shards``, ``--by``, ``--block-size``) have another (identity.py: such a
+scatter needs ``--replace`` to overwrite a data set of the same name). Contents are not hashed
+here (that would read the whole source twice): the modification time stands in for them.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
+import re
+import struct
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -53,6 +63,11 @@ FORMAT = "tensorwire.dataset/1"
 TENSOR_SUFFIXES = (".safetensors", ".npy")
 Split = Literal["files", "rows"]
 Expected = tuple[torch.dtype, tuple[int, ...], int]  # an item's dtype, shape and xxh3-64
+# A data set's name may not have a component a shard's prefix has: "a/shard-00001" would lie inside
+# the shards of "a", and a scatter of "a" with one shard would prune it as a shard left over.
+_SHARD_PART = re.compile(r"(^|/)shard-\d+(/|$)")
+IDENTITY_BYTES = 64  # the most characters an identity (a hex digest) has in a manifest
+MAX_MANIFEST_BYTES = 1 << 30  # a manifest read from a server larger than this is refused
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,6 +82,7 @@ class Item:
     tensor: str | None = None  # rows from a .safetensors: the key inside that file
     start: int = 0  # rows: [start, stop) of the source tensor's first dimension
     stop: int = 0
+    mtime_ns: int = 0  # the source file's modification time (part of the plan's identity)
 
     def load(self) -> torch.Tensor:
         """The item's bytes as the tensor that is sent (contiguous, CPU)."""
@@ -122,13 +138,35 @@ def make_plan(
         raise ValueError(f"a data set needs at least one shard, not {shards}")
     if not src.exists():
         raise FileNotFoundError(f"{src}: no such file or folder")
-    name = validate_name(dataset or (src.stem if src.is_file() else src.resolve().name))
+    name = validate_dataset_name(dataset or (src.stem if src.is_file() else src.resolve().name))
     if by == "files":
         return Plan(name, by, _deal_files(src, shards, name))
     if by == "rows":
         keys = _tensor_keys(src)
         return Plan(name, by, _split_rows(keys, shards, name, block_bytes), sorted(keys))
     raise ValueError(f"by must be 'files' or 'rows', not {by!r}")
+
+
+def validate_dataset_name(name: str) -> str:
+    """``name`` if a data set can be called so: a valid tensor name with no ``shard-N`` component
+    (it would lie inside another data set's shards, where that one's scatter prunes)."""
+    validate_name(name)
+    if _SHARD_PART.search(name):
+        raise InvalidName(f"a data set's name cannot have a 'shard-N' part (shards are named so): {name!r}")
+    return name
+
+
+def plan_identity(plan: Plan) -> str:
+    """The plan's identity: a digest (hex) of its name, split, shard count, keys and every item's
+    name and size with its source file's size and modification time (see the module doc)."""
+    h = hashlib.blake2b(digest_size=16, person=b"tw-dataset-id")
+    h.update(json.dumps([FORMAT, plan.dataset, plan.by, len(plan.shards), plan.keys]).encode())
+    for shard in plan.shards:
+        h.update(struct.pack("<Q", len(shard.items)))
+        for item in shard.items:
+            h.update(item.name.encode("utf-8", "surrogateescape") + b"\0")  # a name has no NUL
+            h.update(struct.pack("<QQ", item.nbytes, item.mtime_ns))
+    return h.hexdigest()
 
 
 # -- by files ------------------------------------------------------------------------------------
@@ -149,7 +187,8 @@ def _deal_files(src: Path, count: int, dataset: str) -> list[Shard]:
         except InvalidName as exc:
             bad.append(f"{rel!r} ({exc})")
             continue
-        shard.items.append(Item(name, path.stat().st_size, path, path=rel))
+        st = path.stat()
+        shard.items.append(Item(name, st.st_size, path, path=rel, mtime_ns=st.st_mtime_ns))
     if bad:
         raise InvalidName(f"{len(bad)} file(s) cannot be named on a server: {', '.join(bad[:3])}")
     return shards
@@ -172,6 +211,7 @@ class _Source:
     tensor: str | None  # the key inside a .safetensors file; None for .npy
     dtype: torch.dtype
     shape: tuple[int, ...]
+    mtime_ns: int = 0
 
     @property
     def row_bytes(self) -> int:
@@ -196,13 +236,14 @@ def _tensor_keys(src: Path) -> dict[str, _Source]:
 
 
 def _read_shapes(path: Path) -> Iterator[tuple[str, _Source]]:
+    mtime = path.stat().st_mtime_ns
     if path.suffix == ".npy":
         array = np.load(path, mmap_mode="r", allow_pickle=False)
         try:
             dtype = torch.from_numpy(np.empty(0, dtype=array.dtype)).dtype
         except TypeError as exc:
             raise InvalidTensor(f"{path}: numpy dtype {array.dtype} has no torch counterpart") from exc
-        yield path.stem, _Source(path, None, dtype, tuple(array.shape))
+        yield path.stem, _Source(path, None, dtype, tuple(array.shape), mtime)
         return
     if path.suffix != ".safetensors":
         raise InvalidTensor(f"{path}: --by rows reads .safetensors and .npy files, not {path.suffix!r}")
@@ -212,7 +253,8 @@ def _read_shapes(path: Path) -> Iterator[tuple[str, _Source]]:
         for key in f.keys():  # noqa: SIM118 - safe_open is not a mapping
             part = f.get_slice(key)
             shape = tuple(int(n) for n in part.get_shape())
-            yield key, _Source(path, key, part[0:0].dtype if shape else f.get_tensor(key).dtype, shape)
+            dtype = part[0:0].dtype if shape else f.get_tensor(key).dtype
+            yield key, _Source(path, key, dtype, shape, mtime)
 
 
 def _split_rows(keys: dict[str, _Source], count: int, dataset: str, block_bytes: int) -> list[Shard]:
@@ -228,13 +270,14 @@ def _split_rows(keys: dict[str, _Source], count: int, dataset: str, block_bytes:
                 name = f"{shard.prefix}rows/{key}/{start:012d}"
                 nbytes = (stop - start) * source.row_bytes
                 shard.items.append(Item(name, nbytes, source.path, key=key, tensor=source.tensor,
-                                        start=start, stop=stop))  # fmt: skip
+                                        start=start, stop=stop, mtime_ns=source.mtime_ns))  # fmt: skip
     return shards
 
 
 # -- manifests -----------------------------------------------------------------------------------
-def manifest(plan: Plan, shard: Shard, digests: dict[str, Expected]) -> bytes:
-    """The shard's manifest: every item, with the dtype, shape and xxh3-64 verified on the node."""
+def manifest(plan: Plan, shard: Shard, digests: dict[str, Expected], identity: str) -> bytes:
+    """The shard's manifest: every item, with the dtype, shape and xxh3-64 verified on the node,
+    and the identity of the plan it was written by (``plan_identity``)."""
     items: list[dict[str, Any]] = []
     for item in shard.items:
         dtype, shape, value = digests[item.name]
@@ -246,7 +289,7 @@ def manifest(plan: Plan, shard: Shard, digests: dict[str, Expected]) -> bytes:
             entry.update(key=item.key, start=item.start, stop=item.stop)
         items.append(entry)
     body = {"format": FORMAT, "dataset": plan.dataset, "shard": shard.index, "shards": len(plan.shards),
-            "by": plan.by, "keys": plan.keys, "items": items}  # fmt: skip
+            "by": plan.by, "keys": plan.keys, "identity": identity, "items": items}  # fmt: skip
     return json.dumps(body, indent=1).encode()
 
 
@@ -266,6 +309,9 @@ def parse_manifest(raw: bytes, where: str) -> dict[str, Any]:
         raise InvalidTensor(f"{where}: 'keys' is not a list of strings")
     if not isinstance(items, list):
         raise InvalidTensor(f"{where}: 'items' is not a list")
+    identity = body.get("identity")  # absent in manifests written before identities
+    if identity is not None and not (isinstance(identity, str) and 0 < len(identity) <= IDENTITY_BYTES):
+        raise InvalidTensor(f"{where}: 'identity' is not a digest")
     prefix = where.removesuffix("manifest")
     for i, item in enumerate(items):
         _check_item(item, by, set(keys), prefix, f"{where}: item {i}")

@@ -2,7 +2,10 @@
 
 A ``LocalShards`` finds the complete shards of a data set on one node (those with a manifest:
 a shard without one is still being sent) and reads their items, checking each against the
-xxh3-64 its manifest recorded, so what a training job reads is what the source held.
+xxh3-64 its manifest recorded, so what a training job reads is what the source held. A manifest
+is read only once its size is known to be within ``MAX_MANIFEST_BYTES``, and the shards read
+together must come from one scatter (one identity, plan.py): a node left holding shards of two
+trees under one name (an interrupted ``--replace``) is refused with ``DatasetConflict``.
 """
 
 from __future__ import annotations
@@ -17,8 +20,8 @@ from typing import Any, Protocol
 import torch
 
 from tensorwire.client.core import Client, ClientOptions
-from tensorwire.dataset.plan import parse_manifest
-from tensorwire.errors import InvalidTensor, KeyNotFound, VerificationFailed
+from tensorwire.dataset.plan import MAX_MANIFEST_BYTES, parse_manifest
+from tensorwire.errors import DatasetConflict, InvalidTensor, KeyNotFound, LimitExceeded, VerificationFailed
 from tensorwire.store.persist import SUFFIX, file_name, read_file
 from tensorwire.wire.checksum import ChecksumKind, checksum
 from tensorwire.wire.dtypes import dtype_name
@@ -30,6 +33,8 @@ _MANIFEST = re.compile(r"^(?P<dataset>.+)/shard-(?P<shard>\d{5,})/manifest$")
 class _Store(Protocol):
     def names(self, prefix: str) -> list[str]: ...
     def read(self, name: str) -> torch.Tensor: ...
+    def size(self, name: str) -> int: ...  # bytes of the tensor ``name`` (KeyNotFound if none)
+    def read_bytes(self, name: str, nbytes: int) -> torch.Tensor: ...  # a uint8 tensor of ``size``
     def close(self) -> None: ...
 
 
@@ -53,6 +58,14 @@ class _Server:
 
     def read(self, name: str) -> torch.Tensor:
         return self._conn().get(name)
+
+    def size(self, name: str) -> int:
+        return self._conn().stat(name).nbytes
+
+    def read_bytes(self, name: str, nbytes: int) -> torch.Tensor:
+        """``name`` as ``nbytes`` uint8 bytes, into a buffer of that size (a server that answers
+        with another size is refused, not grown into)."""
+        return self._conn().get(name, torch.empty(nbytes, dtype=torch.uint8))
 
     def close(self) -> None:
         if self._client is not None and self._pid == os.getpid():
@@ -79,6 +92,15 @@ class _DataDir:
             with contextlib.suppress(FileNotFoundError), safe_open(str(path), framework="pt") as f:
                 found.extend(k for k in f.keys() if k.startswith(prefix))  # noqa: SIM118 - deleted meanwhile: gone
         return sorted(found)
+
+    def size(self, name: str) -> int:
+        path = self.path / file_name(name)
+        if not path.exists():
+            raise KeyNotFound(f"no tensor named {name!r} in {self.path}")
+        return path.stat().st_size  # the file: the tensor's bytes and a small header
+
+    def read_bytes(self, name: str, nbytes: int) -> torch.Tensor:
+        return self.read(name)
 
     def read(self, name: str) -> torch.Tensor:
         path = self.path / file_name(name)
@@ -132,10 +154,23 @@ class LocalShards:
         if not found or (dataset is not None and dataset not in found):
             raise KeyNotFound(f"{source} holds no complete shard of {dataset or 'any data set'}")
         name = dataset or next(iter(found))
-        return name, [ShardInfo(k, self._manifest(m)) for k, m in sorted(found[name])]
+        shards = [ShardInfo(k, self._manifest(m)) for k, m in sorted(found[name])]
+        identities = {str(s.manifest.get("identity")) for s in shards}
+        if len(identities) > 1:
+            raise DatasetConflict(
+                f"{source} holds shards of {name!r} from {len(identities)} different scatters (one "
+                "replaced the other and did not finish): re-run that `dataset scatter` to finish it"
+            )
+        return name, shards
 
     def _manifest(self, name: str) -> dict[str, Any]:
-        raw = self.store.read(name)
+        """The manifest ``name``, read only if it is within MAX_MANIFEST_BYTES (it is the server's)."""
+        size = self.store.size(name)
+        if size > MAX_MANIFEST_BYTES:
+            raise LimitExceeded(
+                f"{name}: a manifest of {size} bytes, more than the {MAX_MANIFEST_BYTES} read"
+            )
+        raw = self.store.read_bytes(name, size)
         return parse_manifest(bytes(byte_view(raw.contiguous())), name)
 
     def close(self) -> None:

@@ -13,9 +13,21 @@ end-to-end check of the bytes at rest, not of the transfer); the manifest is wri
 the same way; then names under the shard's prefix that the plan does not have are deleted (a
 reader reads only what a manifest lists, so it never meets one of them half gone). A node holding
 a shard's manifest therefore holds all of it, verified; before the first item of a shard that
-differs from what the node holds, its old manifest is deleted. Once its shards are done, a node
-also drops the shards of the data set numbered past the plan's count (left by a scatter with more
-``--shards``), manifests first.
+differs from what the node holds, its old manifest is deleted.
+
+Three phases, so that a mistake or a failure never costs the only copy of something:
+
+1. survey (identity.py): before anything changes anywhere, every node says which tree the data
+   set's name holds there. Another tree (or options that make another plan: ``--shards``,
+   ``--by``, ``--block-size``, an edited source) is refused with ``DatasetConflict`` unless
+   ``replace``: a second scatter of a different tree under the same name must not prune the
+   first. A node that cannot be surveyed is not written to (its report says why).
+2. send: each node gets the plan's identity record first, then its shards, as above.
+3. tidy, only once every node has verified its shards: each node drops the data set's shards it
+   does not own (those numbered past the plan's count, left by more ``--shards``, and, where no
+   two URLs reach one store, those that now belong to another node), manifests first. Before
+   that, every shard has a verified copy on its owner; if a node failed, nothing is dropped and
+   the report says so (a re-run finishes it).
 
 Files are assigned to shards by rendezvous hashing (plan.py), so after one file is added, edited
 or removed at the source, a re-run sends or prunes that file alone.
@@ -33,10 +45,10 @@ import contextlib
 import re
 import threading
 import time
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -45,9 +57,10 @@ from tensorwire._aio import Deadline, asyncio_timeout, run
 from tensorwire.client.core import AsyncClient, ClientOptions
 from tensorwire.client.options import retry_policy, transport_options
 from tensorwire.client.retry import retrying
+from tensorwire.dataset import identity as ids
 from tensorwire.dataset.digest import Digest, fetch_digests
-from tensorwire.dataset.plan import Expected, Item, Plan, Shard, Split, make_plan, manifest
-from tensorwire.errors import TensorwireError, VerificationFailed
+from tensorwire.dataset.plan import Expected, Item, Plan, Shard, Split, make_plan, manifest, plan_identity
+from tensorwire.errors import DatasetConflict, TensorwireError, VerificationFailed
 from tensorwire.transport.base import FrameChannel
 from tensorwire.types import Address, MiB
 from tensorwire.wire.checksum import ChecksumKind, checksum
@@ -55,6 +68,7 @@ from tensorwire.wire.tensors import byte_view
 
 Advance = Callable[[int, int], None]  # (node index, bytes done)
 WHAT = "dataset scatter"  # who needs the frame protocol, in the error for an address without it
+T = TypeVar("T")
 
 
 @dataclass(slots=True)
@@ -73,6 +87,8 @@ class NodeReport:
     verified: bool = False  # every item and manifest hashed on the node and matched its source
     seconds: float = 0.0
     error: str | None = None
+    replaced: str | None = None  # with replace: what the name held here before (identity.py)
+    tidy: str | None = None  # why shards this node no longer owns were kept (phase 3 not run)
 
 
 @dataclass(slots=True)
@@ -81,6 +97,7 @@ class ScatterReport:
     by: str
     shards: int
     nodes: list[NodeReport] = field(default_factory=list)
+    identity: str = ""  # the plan's (plan.plan_identity)
 
     @property
     def ok(self) -> bool:
@@ -88,7 +105,8 @@ class ScatterReport:
 
     def as_dict(self) -> dict[str, Any]:
         return {"dataset": self.dataset, "by": self.by, "shards": self.shards, "ok": self.ok,
-                "items": sum(n.items for n in self.nodes), "bytes": sum(n.bytes for n in self.nodes),
+                "identity": self.identity, "items": sum(n.items for n in self.nodes),
+                "bytes": sum(n.bytes for n in self.nodes),
                 "nodes": [asdict(n) for n in self.nodes]}  # fmt: skip
 
 
@@ -105,47 +123,57 @@ def scatter(
     advance: Advance | None = None,
     on_plan: Callable[[Plan, list[NodeReport]], None] | None = None,
     deadline: Deadline | None = None,
+    replace: bool = False,
 ) -> ScatterReport:
     """Scatter ``src`` over the servers at ``urls`` (``shards`` defaults to one per node).
 
     ``max_rate`` caps each node's sending in bytes/s (to leave a training job its network).
     Failures of one node do not stop the others; they are recorded in its ``NodeReport.error``.
     ``deadline`` bounds the whole scatter: a node not done by then is cut off (its connections
-    closed) and reported as failed; a re-run resumes it.
+    closed) and reported as failed; a re-run resumes it. DatasetConflict, before anything is
+    sent, if a node holds a data set of that name from another tree (or other options), unless
+    ``replace``: then it is overwritten and what the new plan does not have is pruned.
     """
     if not urls:
         raise ValueError("scatter needs at least one node URL")
     for url in urls:
         check_node(url)
     plan = make_plan(src, shards or len(urls), by, dataset, block_bytes)
-    report = ScatterReport(plan.dataset, plan.by, len(plan.shards))
+    report = ScatterReport(plan.dataset, plan.by, len(plan.shards), identity=plan_identity(plan))
     for i, url in enumerate(urls):
         owned = [s for s in plan.shards if s.index % len(urls) == i]
         node = NodeReport(url, [s.index for s in owned], sum(len(s.items) for s in owned))
         node.bytes = sum(s.nbytes for s in owned)
         report.nodes.append(node)
+    opts = options or ClientOptions()
+    surveyed = _survey(plan, report, opts, deadline)
+    _refuse_conflicts(plan, report, surveyed, replace)
     if on_plan is not None:
         on_plan(plan, report.nodes)
-    opts = options or ClientOptions()
+    claim = ids.record(plan, report.identity, src)
 
     def serve_node(i: int) -> None:
         node = report.nodes[i]
         start = time.monotonic()
         owned = [plan.shards[k] for k in node.shards]
         progress = (lambda n: advance(i, n)) if advance else None
+        seen = surveyed[i]
+        mine = seen is not None and seen.held.identity == report.identity
+        sender = _NodeSender(plan, report.identity, node, opts, max_rate=max_rate, advance=progress,
+                             claim=None if mine else claim)  # fmt: skip
         try:
-            run(_bounded(_NodeSender(plan, node, opts, max_rate, progress).send(owned), deadline))
+            run(_bounded(sender.send(owned), deadline))
         except Exception as exc:  # the thread's boundary: one node's failure is that node's report
             node.error = f"{type(exc).__name__}: {exc}"
         node.seconds = time.monotonic() - start
 
-    threads = [
-        threading.Thread(target=serve_node, args=(i,), name=f"scatter-{i}", daemon=True)
-        for i in range(len(urls))
-    ]
-    for t in threads:
+    reached = [i for i in range(len(urls)) if surveyed[i] is not None]
+    threads = {
+        i: threading.Thread(target=serve_node, args=(i,), name=f"scatter-{i}", daemon=True) for i in reached
+    }
+    for t in threads.values():
         t.start()
-    for i, t in enumerate(threads):
+    for i, t in threads.items():
         # Each node's calls are bounded by the client's timeouts and its loop by the deadline;
         # this join is the backstop for a thread stuck outside both (reading a source file).
         t.join(None if deadline is None else deadline.remaining() + JOIN_GRACE)
@@ -153,30 +181,149 @@ def scatter(
             report.nodes[
                 i
             ].error = f"TransferTimeout: {deadline.what if deadline else 'scatter'} ran out of time"
+    _tidy(plan, report, surveyed, opts, deadline)
     return report
 
 
 JOIN_GRACE = 10.0  # seconds past the deadline a node's thread has to close its connections
 
 
-async def _bounded(coro: Coroutine[Any, Any, None], deadline: Deadline | None) -> None:
+@dataclass(frozen=True, slots=True)
+class _Surveyed:
+    """What phase 1 found on a node: what its name holds, and which store answered."""
+
+    held: ids.Held
+    store_id: int  # 0: the server does not say
+
+
+def _survey(
+    plan: Plan, report: ScatterReport, options: ClientOptions, deadline: Deadline | None
+) -> list[_Surveyed | None]:
+    """Phase 1: what every node holds under the data set's name, all at once on one loop; None
+    for a node that could not be asked (its report says why: nothing is sent to it)."""
+
+    async def one(node: NodeReport) -> _Surveyed | None:
+        client = AsyncClient(node.url, options)
+        try:
+            held = await _bounded(ids.survey(client, plan.dataset), deadline)
+            transport = client.current_transport
+            return _Surveyed(held, transport.info.store_id if transport is not None else 0)
+        except Exception as exc:  # that node's failure, in its report; the others go on
+            node.error = f"{type(exc).__name__}: {exc}"
+            return None
+        finally:
+            with contextlib.suppress(TensorwireError):
+                await client.close()
+
+    async def every() -> list[_Surveyed | None]:
+        return list(await asyncio.gather(*(one(node) for node in report.nodes)))
+
+    return run(every())
+
+
+def _refuse_conflicts(
+    plan: Plan, report: ScatterReport, surveyed: list[_Surveyed | None], replace: bool
+) -> None:
+    """DatasetConflict naming every node whose name holds another tree, unless ``replace`` (then
+    each such node's report says what was replaced)."""
+    found: dict[str, list[str]] = {}  # what is there -> the nodes holding it
+    for node, seen in zip(report.nodes, surveyed, strict=True):
+        conflict = seen.held.conflict(report.identity) if seen is not None else None
+        if conflict is None:
+            continue
+        if replace:
+            node.replaced = conflict
+        else:
+            found.setdefault(conflict, []).append(node.url)
+    if found:
+        what = f"{len(plan.shards)} shards by {plan.by}, {sum(len(s.items) for s in plan.shards)} items"
+        held = "; ".join(f"{_nodes(urls)} {conflict}" for conflict, urls in list(found.items())[:3])
+        raise DatasetConflict(
+            f"refusing to overwrite data set {plan.dataset!r}: {held}. This scatter ({what}) would "
+            "overwrite it and prune what it does not have: pass --replace to do so (only what differs "
+            "is sent), or --name to scatter under another name. Nothing was sent."
+        )
+
+
+def _nodes(urls: list[str]) -> str:
+    """``urls`` as the subject of "hold(s)": the first few of them."""
+    shown = ", ".join(urls[:3]) + (f" and {len(urls) - 3} more" if len(urls) > 3 else "")
+    return f"{shown} holds" if len(urls) == 1 else f"{shown} hold"
+
+
+def _tidy(
+    plan: Plan, report: ScatterReport, surveyed: list[_Surveyed | None], options: ClientOptions,
+    deadline: Deadline | None,
+) -> None:  # fmt: skip
+    """Phase 3: once every node holds its shards verified, each drops the shards it does not own
+    (see the module doc); if one failed, none does, and each report says so."""
+    failed = [node.url for node in report.nodes if not node.verified]
+    if failed:
+        for node in report.nodes:
+            node.tidy = f"shards no longer owned kept: {len(failed)} node(s) did not finish ({failed[0]}...)"
+        return
+    stores = [seen.store_id if seen is not None else 0 for seen in surveyed]
+    owned_by: dict[int, set[int]] = {}
+    for node, store in zip(report.nodes, stores, strict=True):
+        owned_by.setdefault(store, set()).update(node.shards)
+    # Two URLs may reach one store: a shard is kept where any of them owns it. A store that does
+    # not say who it is may be another URL's too: there only shards past the count are dropped.
+    known = 0 not in owned_by
+
+    async def one(node: NodeReport, store: int) -> None:
+        keep = owned_by[store] if known else set(range(len(plan.shards)))
+        client = AsyncClient(node.url, options)
+        try:
+            node.pruned += await _bounded(_drop_shards(client, plan, keep), deadline)
+        except Exception as exc:  # the shards are all verified: this node keeps some it need not
+            node.tidy = f"shards no longer owned kept: {type(exc).__name__}: {exc}"
+        finally:
+            with contextlib.suppress(TensorwireError):
+                await client.close()
+
+    async def every() -> None:
+        await asyncio.gather(*(one(node, store) for node, store in zip(report.nodes, stores, strict=True)))
+
+    run(every())
+
+
+async def _drop_shards(client: AsyncClient, plan: Plan, keep: set[int]) -> int:
+    """Delete the data set's shards on ``client``'s node but those in ``keep``, manifests first (a
+    reader never takes a half-deleted shard as complete); how many names were deleted."""
+    shard = re.compile(re.escape(plan.dataset) + r"/shard-(\d{5,})/")
+    manifests: list[str] = []
+    items: list[str] = []
+    for meta in await client.list(plan.dataset + "/shard-"):
+        found = shard.match(meta.name)
+        if found and int(found[1]) not in keep:
+            (manifests if meta.name == found[0] + "manifest" else items).append(meta.name)
+    for batch in (manifests, items):
+        if batch:
+            await client.delete_many(batch)
+    return len(manifests) + len(items)
+
+
+async def _bounded(coro: Awaitable[T], deadline: Deadline | None) -> T:
     """``coro``, cancelled at ``deadline`` (TransferTimeout naming it): the sender's finally closes
     its connections."""
     if deadline is None:
-        await coro
-        return
+        return await coro
     async with asyncio_timeout(deadline.remaining(), deadline.what):
-        await coro
+        return await coro
 
 
 class _NodeSender:
-    """Sends one node its shards, on one event loop: a client for puts, a connection for DIGEST."""
+    """Sends one node its shards, on one event loop: a client for puts, a connection for DIGEST.
+    ``identity``: the plan's; ``claim``: the identity record to write before anything else (None:
+    the node has it already)."""
 
     def __init__(
-        self, plan: Plan, node: NodeReport, options: ClientOptions, max_rate: float | None,
-        advance: Callable[[int], None] | None,
+        self, plan: Plan, identity: str, node: NodeReport, options: ClientOptions, *,
+        max_rate: float | None, advance: Callable[[int], None] | None, claim: bytes | None,
     ) -> None:  # fmt: skip
         self.plan = plan
+        self.identity = identity
+        self.claim = claim
         self.node = node
         self.max_rate = max_rate
         self.advance = advance or (lambda n: None)
@@ -187,9 +334,11 @@ class _NodeSender:
 
     async def send(self, shards: Sequence[Shard]) -> None:
         try:
+            if self.claim is not None:  # first: an interrupted run leaves the name claimed by this tree
+                record = torch.frombuffer(bytearray(self.claim), dtype=torch.uint8)
+                await self.client.put(ids.identity_name(self.plan.dataset), record)
             for shard in shards:
                 await self._send_shard(shard)
-            await self._prune_extra_shards()
         finally:
             await self.digests.close()
             await self.client.close()
@@ -235,24 +384,8 @@ class _NodeSender:
             await self.client.delete_many(stale)
             self.node.pruned += len(stale)
 
-    async def _prune_extra_shards(self) -> None:
-        """Delete the data set's shards numbered past the plan's count: no node owns them now, so
-        they are stale wherever they are (a shard that moved to another node stays, as it may be
-        this node under another address). Manifests go first: no reader takes them as complete."""
-        shard = re.compile(re.escape(self.plan.dataset) + r"/shard-(\d{5,})/")
-        manifests: list[str] = []
-        items: list[str] = []
-        for meta in await self.client.list(self.plan.dataset + "/"):
-            found = shard.match(meta.name)
-            if found and int(found[1]) >= len(self.plan.shards):
-                (manifests if meta.name == found[0] + "manifest" else items).append(meta.name)
-        for batch in (manifests, items):
-            if batch:
-                await self.client.delete_many(batch)
-        self.node.pruned += len(manifests) + len(items)
-
     async def _write_manifest(self, shard: Shard, sources: dict[str, Expected]) -> None:
-        raw = manifest(self.plan, shard, sources)
+        raw = manifest(self.plan, shard, sources, self.identity)
         expected = (torch.uint8, (len(raw),), checksum(ChecksumKind.XXH3_64, raw))
         held = await self.digests.get([shard.manifest_name])
         if not _matches(held.get(shard.manifest_name), expected):
