@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from tensorwire.dataset import Plan, make_plan
-from tensorwire.dataset.plan import assign_shard
+from tensorwire.dataset.plan import assign_shard, plan_identity
 from tensorwire.errors import InvalidName, InvalidTensor
 
 
@@ -86,3 +86,20 @@ def test_sources_that_cannot_be_scattered_are_refused(tmp_path: Path) -> None:
         make_plan(tmp_path / "bad", 2)
     with pytest.raises(FileNotFoundError):
         make_plan(tmp_path / "missing", 2)
+
+
+def test_a_plans_identity_is_its_tree_and_its_options(tmp_path: Path) -> None:
+    """The same tree, planned again: the same identity (a re-run resumes). Another shard count,
+    split, name, an edited or touched file, one file more: another (a scatter needs --replace)."""
+    import os
+
+    src = _folder(tmp_path / "set", [f"d{i % 2}/f{i}" for i in range(8)])
+    ours = plan_identity(make_plan(src, 3))
+    assert plan_identity(make_plan(src, 3)) == ours
+    assert plan_identity(make_plan(src, 4)) != ours
+    assert plan_identity(make_plan(src, 3, dataset="other")) != ours
+    os.utime(src / "d0" / "f0", ns=(1, 1))  # same bytes, another modification time
+    touched = plan_identity(make_plan(src, 3))
+    assert touched != ours
+    (src / "d1" / "new").write_bytes(b"")
+    assert plan_identity(make_plan(src, 3)) not in (ours, touched)
