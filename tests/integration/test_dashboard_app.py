@@ -31,12 +31,19 @@ from tensorwire.testing.process import ServerProcess, wait_for
 TOKEN = "the-servers-token-for-the-dashboard-test"
 
 
+CONTEXT: dict[str, ssl.SSLContext] = {}  # the client context for https:// pages of a test
+
+
 def request(
     url: str, method: str = "GET", body: str | None = None, **headers: str
 ) -> tuple[int, dict[str, str], str]:
-    """One HTTP request (no redirects followed): status, headers, body."""
+    """One HTTP(S) request (no redirects followed): status, headers, body."""
     parts = urllib.parse.urlsplit(url)
-    conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=10)
+    conn: http.client.HTTPConnection
+    if parts.scheme == "https":
+        conn = http.client.HTTPSConnection(parts.hostname, parts.port, timeout=10, context=CONTEXT["https"])
+    else:
+        conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=10)
     try:
         conn.request(method, parts.path or "/", body=body, headers=headers)
         answer = conn.getresponse()
@@ -55,7 +62,11 @@ def snapshot(url: str, **headers: str) -> dict[str, Any]:
 def events(url: str, count: int, **headers: str) -> list[dict[str, Any]]:
     """The first ``count`` snapshots of the SSE stream (each within the socket's timeout)."""
     parts = urllib.parse.urlsplit(url)
-    conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=10)
+    conn: http.client.HTTPConnection
+    if parts.scheme == "https":
+        conn = http.client.HTTPSConnection(parts.hostname, parts.port, timeout=10, context=CONTEXT["https"])
+    else:
+        conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=10)
     try:
         conn.request("GET", "/events", headers=headers)
         answer = conn.getresponse()
@@ -114,7 +125,10 @@ def test_beyond_loopback_the_page_needs_the_token_and_never_sends_it(
         check=False, capture_output=True, text=True, timeout=60, env={"PATH": "/usr/bin:/bin"},
     )  # fmt: skip
     assert refused.returncode == 2 and "--token-file" in refused.stderr
-    extra = ["--host", "0.0.0.0", "--token-file", str(token_file), "--interval", "0.3"]
+    certs = write_dev_certs(tmp_path / "certs", ["localhost", "127.0.0.1"], 1)
+    CONTEXT["https"] = ssl.create_default_context(cafile=str(certs["ca"]))
+    tls = ["--tls-cert", str(certs["server"]), "--tls-key", str(certs["server_key"])]
+    extra = ["--host", "0.0.0.0", "--token-file", str(token_file), "--interval", "0.3", *tls]
     with DashboardProcess([server.url], extra) as dashboard:
         local = dashboard.url.replace("0.0.0.0", "127.0.0.1")
         answers = [request(local), request(local + "events"), request(local + "api/snapshot")]

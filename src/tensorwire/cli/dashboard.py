@@ -1,9 +1,11 @@
 """``tensorwire dashboard URL...``: a live web page of a cluster (``tensorwire.dashboard``).
 
 The page is built from what ``tensorwire status`` reads (each server's STATUS and metrics),
-collected about once a second. It binds 127.0.0.1 by default; ``--host`` beyond loopback needs
-the servers' token (a browser logs in with it; it is never sent to the browser) and serves HTTPS
-with ``--tls-cert``/``--tls-key``.
+collected about once a second. It binds 127.0.0.1 by default and there answers only requests
+whose Host names this machine (``--allowed-host`` adds names: a proxy's, say). ``--host`` beyond
+loopback needs the servers' token (a browser logs in with it; it is never sent to the browser) and
+a certificate (``--tls-cert``/``--tls-key``: the page is HTTPS only there), and with
+``--tls-client-ca`` asks browsers for client certificates, as the servers do.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import click
 
 from tensorwire._aio import run
 from tensorwire.cli.options import FILE
+from tensorwire.dashboard.guard import Limits
 from tensorwire.security import TlsFiles, client_token, is_loopback, load_token, server_ssl_context
 
 if TYPE_CHECKING:  # the app needs the `dashboard` extra (aiohttp): imported when the command runs
@@ -37,9 +40,20 @@ if TYPE_CHECKING:  # the app needs the `dashboard` extra (aiohttp): imported whe
 @click.option("--token-file", type=FILE, help="The servers' shared token (default: $TENSORWIRE_TOKEN).")
 @click.option("--tls-cert", type=FILE, help="Serve the page over HTTPS with this certificate (PEM).")
 @click.option("--tls-key", type=FILE, help="Its private key (PEM).")
+@click.option("--tls-client-ca", type=FILE,
+              help="Ask browsers for a client certificate this CA signed (as servers do).")  # fmt: skip
+@click.option("--allowed-host", "allowed_hosts", multiple=True, metavar="NAME",
+              help="Also answer requests for this Host name (repeatable): a proxy's, or this machine's DNS "
+              "name. On loopback only localhost, 127.0.0.1 and ::1 are answered otherwise.")  # fmt: skip
+@click.option("--max-connections", type=click.IntRange(min=1), default=Limits.max_connections,
+              show_default=True, help="HTTP connections open at once (TLS handshakes included); more are "
+              "closed at once.")  # fmt: skip
+@click.option("--max-streams", type=click.IntRange(min=1), default=Limits.max_streams, show_default=True,
+              help="Live event streams (open pages) at once, all browsers together.")  # fmt: skip
 def dashboard(
     *, servers: tuple[str, ...], port: int, host: str, timeout: float, interval: float,
     tls_ca: Path | None, token_file: Path | None, tls_cert: Path | None, tls_key: Path | None,
+    tls_client_ca: Path | None, allowed_hosts: tuple[str, ...], max_connections: int, max_streams: int,
 ) -> None:  # fmt: skip
     """A live web page of the cluster of SERVERS: slots and failovers, stores, traffic, jobs.
 
@@ -54,10 +68,18 @@ def dashboard(
         raise click.UsageError(f"--host {host} is beyond loopback: give --token-file (the servers' token)")
     if bool(tls_cert) != bool(tls_key):
         raise click.UsageError("--tls-cert and --tls-key go together")
-    tls = server_ssl_context(TlsFiles(tls_cert, tls_key, None)) if tls_cert else None
+    if not is_loopback(host) and not tls_cert:
+        raise click.UsageError(
+            f"--host {host} is beyond loopback: give --tls-cert and --tls-key (the login would send the "
+            "token in the clear over plain HTTP)"
+        )
+    if tls_client_ca and not tls_cert:
+        raise click.UsageError("--tls-client-ca needs --tls-cert and --tls-key")
+    tls = server_ssl_context(TlsFiles(tls_cert, tls_key, tls_client_ca)) if tls_cert else None
     source = sources.network(servers, timeout, tls_ca=str(tls_ca) if tls_ca else None, token=token)
+    limits = Limits(max_connections=max_connections, max_streams=max_streams)
     page = Dashboard(source, slots_of(servers), host=host, port=port, token=token, ssl_context=tls,
-                     interval=interval)  # fmt: skip
+                     interval=interval, allowed_hosts=allowed_hosts, limits=limits)  # fmt: skip
     run(_serve(page))
 
 

@@ -216,7 +216,13 @@ def _rack_param(ctx: click.Context, param: click.Parameter, value: str | None) -
 )  # fmt: skip
 @click.option(
     "--dashboard-host", metavar="HOST", default="127.0.0.1", show_default=True,
-    help="Bind the page here; beyond loopback it asks for --token-file's token (HTTPS with --tls-cert).",
+    help="Bind the page here; beyond loopback it needs --token-file (a browser logs in with it) and "
+    "--tls-cert (HTTPS only; with --tls-client-ca browsers need client certificates, as clients do).",
+)  # fmt: skip
+@click.option(
+    "--dashboard-allowed-host", "dashboard_allowed_hosts", multiple=True, metavar="NAME",
+    help="Also answer page requests for this Host name (repeatable; on loopback only localhost, "
+    "127.0.0.1 and ::1 are answered otherwise: DNS rebinding).",
 )  # fmt: skip
 @click.option(
     "--rack", "location", metavar="LABEL", callback=_rack_param, default=None,
@@ -270,6 +276,7 @@ def serve(
     metrics_connections: int,
     dashboard_port: int | None,
     dashboard_host: str,
+    dashboard_allowed_hosts: tuple[str, ...],
     location: topology.Location,
     log_level: str | None,
 ) -> None:
@@ -331,10 +338,14 @@ def serve(
         generations=GenerationConfig(keep=keep_generations, max_lease_seconds=max_lease_seconds),
     )
     RelayCoordinator.of(server)  # readers of its generations relay them to each other (Subscriber)
-    page_tls = TlsFiles(tls_cert, tls_key, None) if tls_cert and tls_key else None  # no client certs asked
-    page = Page(dashboard_port, dashboard_host, page_tls) if dashboard_port is not None else None
-    if page is not None and not is_loopback(dashboard_host) and security.token is None:
-        raise click.UsageError(f"--dashboard-host {dashboard_host} is beyond loopback: it needs --token-file")
+    page_tls = TlsFiles(tls_cert, tls_key, tls_client_ca) if tls_cert and tls_key else None  # as clients
+    allowed = dashboard_allowed_hosts
+    page = None if dashboard_port is None else Page(dashboard_port, dashboard_host, page_tls, allowed)
+    if page is not None and not is_loopback(dashboard_host) and (security.token is None or page_tls is None):
+        raise click.UsageError(
+            f"--dashboard-host {dashboard_host} is beyond loopback: it needs --token-file and --tls-cert/"
+            "--tls-key (a login over plain HTTP would send the token in the clear)"
+        )
     run(_serve(server, listen + grpc_listen, ready_file, page))
 
 
@@ -383,20 +394,24 @@ class Page:
     port: int
     host: str
     tls: TlsFiles | None
+    allowed_hosts: tuple[str, ...] = ()
 
 
 async def _start_page(server: Server, page: Page) -> Any:
-    """The server's own dashboard page, reading its state in this process (tensorwire.dashboard)."""
+    """The server's own dashboard page, reading its state in this process (tensorwire.dashboard),
+    on a thread and event loop of its own: its HTTP and streams cost the serving loop nothing."""
     from tensorwire.dashboard import sources
     from tensorwire.dashboard.app import Dashboard
+    from tensorwire.dashboard.listen import PageThread
 
     tls = server_ssl_context(page.tls) if page.tls is not None else None
     urls = [[str(server.addresses[0])]] if server.addresses else [["local"]]
-    dashboard = Dashboard(sources.local(server), urls, host=page.host, port=page.port,
-                          token=server.security.token, ssl_context=tls)  # fmt: skip
-    await dashboard.start()
+    dashboard = Dashboard(sources.local(server), urls, host=page.host, port=page.port, ssl_context=tls,
+                          token=server.security.token, allowed_hosts=page.allowed_hosts)  # fmt: skip
+    thread = PageThread(dashboard)
+    await asyncio.to_thread(thread.start)
     click.echo(f"tensorwire dashboard on {dashboard.url}")
-    return dashboard
+    return thread
 
 
 async def _serve(server: Server, urls: tuple[str, ...], ready_file: Path | None, page: Page | None) -> None:
@@ -417,7 +432,7 @@ async def _serve(server: Server, urls: tuple[str, ...], ready_file: Path | None,
         await stop.wait()
     finally:
         if dashboard is not None:
-            await dashboard.close()
+            await asyncio.to_thread(dashboard.close)
         await server.close()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.remove_signal_handler(sig)

@@ -39,15 +39,29 @@ class Observed(Protocol):
     def addresses(self) -> Sequence[Any]: ...
 
 
-def local(server: Observed) -> Callable[[], Awaitable[list[Node]]]:
+def local(server: Observed, timeout: float = 10.0) -> Callable[[], Awaitable[list[Node]]]:
     """The server's own STATUS and metrics, read in its process (no token or TLS to go through).
-    The metrics are rendered on a worker thread, as the exporter does, off the serving loop."""
+    Made on the server's event loop; called from the page's own (``listen.PageThread``), the
+    STATUS is read on the server's loop, which owns that state (within ``timeout``), and the
+    metrics are rendered on a worker thread, as the exporter does: the page costs the serving
+    loop one STATUS read per snapshot, whatever its readers do."""
     from prometheus_client import generate_latest
+
+    home = asyncio.get_running_loop()
+
+    async def status() -> dict[str, Any]:
+        return server.status()
 
     async def snapshot() -> list[Node]:
         url = str(server.addresses[0]) if server.addresses else "local"
+        if asyncio.get_running_loop() is home:
+            doc = server.status()
+        else:
+            doc = await asyncio.wait_for(
+                asyncio.wrap_future(asyncio.run_coroutine_threadsafe(status(), home)), timeout
+            )
         page = await asyncio.to_thread(generate_latest, server.registry)
-        return [Node(url, status=server.status(), samples=metrics.parse(page.decode()))]
+        return [Node(url, status=doc, samples=metrics.parse(page.decode()))]
 
     return snapshot
 
