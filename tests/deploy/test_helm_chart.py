@@ -33,7 +33,11 @@ SLOT_LABEL = "tensorwire.io/slot"
 SECRET_FLAGS = ("--token-file", "--peer-token-file", "--tls-cert", "--tls-key", "--tls-ca", "--peer-tls-ca")
 CERT_MANAGER_KEYS = {"tls.crt", "tls.key", "ca.crt"}  # what a cert-manager Certificate's Secret holds
 
+# The chart makes no token of its own (one made at render time would change at every render): a
+# release names a Secret (auth.existingSecret) or gives the tokens.
+TOKENS = {"token": "client-token-0123456789abcdef", "peerToken": "peer-token-0123456789abcdef"}
 FULL = {
+    "auth": TOKENS,
     "ps": {"slots": 3, "replicas": 2, "antiAffinity": {"topologyKey": "topology.kubernetes.io/zone"},
            "persistence": {"enabled": True}},
     "tls": {"enabled": True,
@@ -45,10 +49,13 @@ FULL = {
     "example": {"enabled": True},
 }  # fmt: skip
 VALUE_SETS = {
-    "defaults": {},
+    "defaults": {"auth": TOKENS},  # the defaults, and the tokens every release brings
     "full": FULL,
-    "no-replicas": {"ps": {"slots": 1, "replicas": 0, "antiAffinity": {"hostname": "preferred"}}},
-}
+    "no-replicas": {"auth": {"token": TOKENS["token"]},
+                    "ps": {"slots": 1, "replicas": 0, "antiAffinity": {"hostname": "preferred"}}},
+    "existing-secret": {"auth": {"existingSecret": "tw-tokens"}, "store": {"enabled": True}},
+    "no-auth": {"auth": {"enabled": False}, "ps": {"replicas": 0}, "store": {"enabled": True}},
+}  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -149,7 +156,7 @@ def test_values_that_cannot_work_are_refused(helm: Any) -> None:
         ({"ps": {"slot": 3}}, "additional properties 'slot'"),  # a typo is not silently ignored
     ]:
         with pytest.raises(helm.HelmError, match=says):
-            render(helm, values)
+            render(helm, {"auth": TOKENS, **values})
 
 
 # -- the parameter-server slots ---------------------------------------------------------------------
@@ -312,17 +319,22 @@ def test_probes_exec_tensorwire_probe(case: Any) -> None:
 
 
 def secret_files(docs: list[dict[str, Any]], workload: dict[str, Any]) -> dict[str, tuple[str, set[str]]]:
-    """Each directory a Secret is mounted at in ``workload``: (the Secret's name, its keys)."""
+    """Each directory a Secret is mounted at in ``workload``: (the Secret's name, the keys it
+    projects there, each one the release's Secret has when the release makes it)."""
     pod = workload["spec"]["template"]["spec"]
-    volumes = {v["name"]: v["secret"]["secretName"] for v in pod.get("volumes", []) if "secret" in v}
+    volumes = {v["name"]: v["secret"] for v in pod.get("volumes", []) if "secret" in v}
     keys = {s["metadata"]["name"]: set(s["data"]) for s in of_kind(docs, "Secret")}
     keys |= {c["spec"]["secretName"]: CERT_MANAGER_KEYS for c in of_kind(docs, "Certificate")}
     mounted = {}
     for mount in container(workload)["volumeMounts"]:
         if mount["name"] in volumes:
             assert mount["readOnly"]
-            name = volumes[mount["name"]]
-            mounted[mount["mountPath"]] = (name, keys[name])  # a Secret the release makes
+            secret = volumes[mount["name"]]
+            projected = {item["key"] for item in secret.get("items", [])}
+            assert all(item["key"] == item["path"] for item in secret.get("items", []))
+            made = keys.get(secret["secretName"])  # None: a Secret the release names, not makes
+            assert made is None or projected <= made, (secret, made)
+            mounted[mount["mountPath"]] = (secret["secretName"], projected or made or set())
     return mounted
 
 

@@ -116,33 +116,59 @@ exec:
 {{ toYaml .probe }}
 {{- end }}
 
-{{/* The Secret volumes (auth and TLS) and where they are mounted. */}}
+{{/* Whether the release needs the auth Secret: the clients' token, or the slots' peer token. */}}
+{{- define "tensorwire.authKeys" -}}
+{{- $keys := list -}}
+{{- if .Values.auth.enabled }}{{ $keys = append $keys "token" }}{{ end -}}
+{{- if gt (int .Values.ps.replicas) 0 }}{{ $keys = append $keys "peer-token" }}{{ end -}}
+{{ toJson $keys }}
+{{- end }}
+
+{{/* The Secret volumes of one pod, each projecting only the keys that pod reads (a store pod never
+holds the peer token, a worker never the servers' private key): pass (dict "root" $ "auth" KEYS
+"tls" KEYS), lists of keys; an empty list: no volume. */}}
 {{- define "tensorwire.secretVolumes" -}}
-{{- if or .Values.auth.enabled (gt (int .Values.ps.replicas) 0) }}
+{{- $root := .root -}}
+{{- if .auth }}
 - name: auth
   secret:
-    secretName: {{ include "tensorwire.authSecret" . }}
+    secretName: {{ include "tensorwire.authSecret" $root }}
     defaultMode: 0440
+    items:
+      {{- range .auth }}
+      - {key: {{ . }}, path: {{ . }}}
+      {{- end }}
 {{- end }}
-{{- if .Values.tls.enabled }}
+{{- if and $root.Values.tls.enabled .tls }}
 - name: tls
   secret:
-    secretName: {{ include "tensorwire.tlsSecret" . }}
+    secretName: {{ include "tensorwire.tlsSecret" $root }}
     defaultMode: 0440
+    items:
+      {{- range .tls }}
+      - {key: {{ . }}, path: {{ . }}}
+      {{- end }}
 {{- end }}
 {{- end }}
 
 {{- define "tensorwire.secretMounts" -}}
-{{- if or .Values.auth.enabled (gt (int .Values.ps.replicas) 0) }}
+{{- $root := .root -}}
+{{- if .auth }}
 - name: auth
-  mountPath: {{ include "tensorwire.authDir" . }}
+  mountPath: {{ include "tensorwire.authDir" $root }}
   readOnly: true
 {{- end }}
-{{- if .Values.tls.enabled }}
+{{- if and $root.Values.tls.enabled .tls }}
 - name: tls
-  mountPath: {{ include "tensorwire.tlsDir" . }}
+  mountPath: {{ include "tensorwire.tlsDir" $root }}
   readOnly: true
 {{- end }}
+{{- end }}
+
+{{/* The TLS files a server reads: its certificate and key, and the CA its probe (and a primary,
+its standbys) verify against. */}}
+{{- define "tensorwire.serverTlsKeys" -}}
+{{ toJson (list "tls.crt" "tls.key" "ca.crt") }}
 {{- end }}
 
 {{/* The topology every server and worker reads: the node, and its zone as the rack. */}}
