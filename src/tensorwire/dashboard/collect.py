@@ -11,6 +11,11 @@ whole probe by ``DEADLINE_FACTOR`` times it (a server that answers each read jus
 stretch it): a server that is down is a ``Node`` that says why, within that time; a probe never
 raises, nor holds up the others.
 
+A server with a token shows a scrape without it (this one: the token goes to the server, never to
+the metrics URL it reports) every client-chosen label value as a pseudonym (``server.metrics``);
+``probe`` puts back those of the job ids and prefixes its STATUS names, which only a holder of the
+token can (``metrics.unmask``).
+
 What a server answers is untrusted: the metrics URL it reports is scraped only if it is plain
 ``http(s)://host:port/...`` (never ``file://`` or another scheme; redirects are not followed), the
 page is read up to ``MAX_METRICS_BYTES``, and every STATUS field ``summary`` reads is type-checked.
@@ -46,6 +51,7 @@ from tensorwire.wire.frame import Opcode
 DEFAULT_TIMEOUT = 2.0
 DEADLINE_FACTOR = 3  # one server's whole probe (connect, STATUS, scrape) ends within this x timeout
 MAX_METRICS_BYTES = 16 << 20  # a metrics page read beyond this is refused, not held in memory
+MAX_UNMASKED = 4096  # label values taken from a STATUS answer to put back into its metrics
 METRICS_SCHEMES = ("http", "https")
 Samples = dict[str, list[tuple[dict[str, str], float]]]
 
@@ -219,7 +225,8 @@ async def _probe(node: Node, options: ClientOptions) -> Node:
     if node.metrics_url:
         target = node.metrics_url
         try:
-            node.samples = await _in_daemon_thread(lambda: scrape(target, options.timeout))
+            scraped = await _in_daemon_thread(lambda: scrape(target, options.timeout))
+            node.samples = metrics.unmask(scraped, options.token, named(node.status))
         except (OSError, ValueError) as exc:
             node.metrics_error = str(exc) or type(exc).__name__
             if node.status is None:
@@ -245,6 +252,23 @@ async def _ask(node: Node, options: ClientOptions) -> bool:
         except ValueError as exc:
             node.metrics_error = f"not scraped: {exc}"
     return True
+
+
+def named(status: dict[str, Any] | None) -> list[str]:
+    """The job ids and generation prefixes a STATUS answer names (what its metrics may label
+    series with), at most ``MAX_UNMASKED``."""
+    doc = _obj(status)
+    ps, gens, relay = _obj(doc.get("ps")), _obj(doc.get("generations")), _obj(doc.get("relay"))
+    found: dict[str, None] = {}
+    for mapping in (
+        ps.get("jobs"),
+        gens.get("newest"),
+        relay.get("served_bytes"),
+        relay.get("readers_by_prefix"),
+    ):
+        for key in list(_obj(mapping))[:MAX_UNMASKED]:
+            found.setdefault(str(key), None)
+    return list(found)[:MAX_UNMASKED]
 
 
 def collect(urls: Sequence[str], timeout: float = DEFAULT_TIMEOUT, **client: Any) -> list[Node]:

@@ -38,11 +38,24 @@ made-up opcode or gRPC method), and ``transport``, ``reason`` and ``role`` come 
 so a peer cannot add series. The HTTP endpoint serves at most ``max_connections`` scrapes at a
 time (one thread each) and drops a connection that does not send its request, or take its answer,
 within ``timeout`` seconds.
+
+Who sees what. A server without a token is open to anyone who reaches it (its STATUS answers
+anyone), and so is its metrics page. A server with a token serves its page in full only to a scrape
+that carries that token as a bearer credential (``Authorization: Bearer TOKEN``, what Prometheus's
+``authorization: {credentials_file: ...}`` sends). Any other scrape gets the same families and
+series, with every label value a client chose (a job id, a generation prefix: any label outside
+``SERVER_LABELS``) replaced by its ``pseudonym``: ``anon-`` and 16 hex digits of an HMAC keyed by
+the token. Pseudonyms are stable across restarts (charts keep their series) and bounded in number
+as the values are; only a holder of the token can tell which value one stands for
+(``tensorwire status`` and the dashboard map them back for the values STATUS names, without
+sending the token anywhere but the server).
 """
 
 from __future__ import annotations
 
 import bisect
+import hashlib
+import hmac
 import logging
 import socket
 import threading
@@ -52,6 +65,7 @@ from socketserver import ThreadingMixIn
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer
 
+from tensorwire.security import tokens_match
 from tensorwire.wire.frame import Opcode
 
 log = logging.getLogger("tensorwire.server.metrics")
@@ -64,6 +78,11 @@ if TYPE_CHECKING:
     from tensorwire.types import Address
 
 METRICS_PATH = "/metrics"
+# Labels whose values the server chose (fixed sets, its own configuration): shown to any scrape.
+# Every other label's values may come from clients and are pseudonyms to a scrape without the token.
+SERVER_LABELS = frozenset({"op", "transport", "reason", "role", "kind", "le", "quantile", "backup", "version",
+                           "addresses"})  # fmt: skip
+PSEUDONYM_PREFIX = "anon-"
 _OPS = {int(op): op.name.lower() for op in Opcode}
 # Upper bounds (seconds) of the latency histogram's buckets: 100 µs (a small get on loopback) to 10 s.
 LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
@@ -305,9 +324,63 @@ class _BoundedServer(ThreadingMixIn, WSGIServer):
         log.debug("metrics request from %s failed", client_address, exc_info=True)
 
 
+def pseudonym(key: str, value: str) -> str:
+    """What a scrape without the token sees in place of the client-chosen label ``value``."""
+    digest = hmac.new(key.encode(), value.encode(), hashlib.sha256).hexdigest()
+    return PSEUDONYM_PREFIX + digest[:16]
+
+
+class _Pseudonymized:
+    """The families of ``registry``, every label outside ``SERVER_LABELS`` a pseudonym."""
+
+    def __init__(self, registry: CollectorRegistry, key: str) -> None:
+        self._registry, self._key = registry, key
+
+    def collect(self) -> Iterator[Any]:
+        from prometheus_client.metrics_core import Metric
+
+        for family in self._registry.collect():
+            masked = Metric(family.name, family.documentation, family.type, family.unit)
+            masked.samples = [sample._replace(labels=self._mask(sample.labels)) for sample in family.samples]
+            yield masked
+
+    def _mask(self, labels: dict[str, str]) -> dict[str, str]:
+        return {k: v if k in SERVER_LABELS else pseudonym(self._key, v) for k, v in labels.items()}
+
+
+def bearer(environ: dict[str, Any]) -> str | None:
+    """The token of an ``Authorization: Bearer TOKEN`` header, or None."""
+    scheme, _, credentials = str(environ.get("HTTP_AUTHORIZATION", "")).strip().partition(" ")
+    return (credentials.strip() or None) if scheme.lower() == "bearer" else None
+
+
+def _choose_view(full: Any, public: Any, token: str) -> Any:
+    """A WSGI app: ``full`` for a scrape that carries ``token`` as its bearer, else ``public``."""
+
+    def app(environ: dict[str, Any], start_response: Any) -> Any:
+        return (full if tokens_match(token, bearer(environ)) else public)(environ, start_response)
+
+    return app
+
+
+def metrics_app(registry: CollectorRegistry, token: str | None) -> Any:
+    """The WSGI app of the metrics page: everything to anyone without a token, else in full to a
+    scrape bearing it and with client-chosen label values as pseudonyms to the others."""
+    from prometheus_client import CollectorRegistry, make_wsgi_app
+
+    full = make_wsgi_app(registry)
+    if not token:
+        return full
+    public = CollectorRegistry(auto_describe=False)
+    public.register(_Pseudonymized(registry, token))
+    return _choose_view(full, make_wsgi_app(public), token)
+
+
 class Exporter:
     """The HTTP endpoint Prometheus scrapes (``http://host:port/metrics``), in a daemon thread:
-    at most ``max_connections`` at a time, each dropped if silent or unread for ``timeout`` s."""
+    at most ``max_connections`` at a time, each dropped if silent or unread for ``timeout`` s.
+    With a ``token`` (the server's), a scrape without it sees client-chosen label values only as
+    pseudonyms (the module doc)."""
 
     def __init__(
         self,
@@ -316,15 +389,15 @@ class Exporter:
         port: int,
         max_connections: int = 16,
         timeout: float = 5.0,
+        *,
+        token: str | None = None,
     ) -> None:
-        from prometheus_client import make_wsgi_app
-
         self.host = host
         family, _, _, _, sockaddr = socket.getaddrinfo(
             host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
         )[0]
         server = _BoundedServer((str(sockaddr[0]), port), family, max_connections, timeout)
-        server.set_app(make_wsgi_app(registry))
+        server.set_app(metrics_app(registry, token))
         self._server = server
         self._thread = threading.Thread(target=server.serve_forever, name="tensorwire-metrics", daemon=True)
         self._thread.start()
@@ -344,6 +417,21 @@ class Exporter:
         self._server.shutdown()
         self._server.server_close()
         self._thread.join(5.0)
+
+
+def unmask(samples: dict[str, list[tuple[dict[str, str], float]]], token: str | None,
+           values: Iterable[str]) -> dict[str, list[tuple[dict[str, str], float]]]:  # fmt: skip
+    """``samples`` of a page scraped without the token, each pseudonym of one of ``values`` (the
+    job ids and prefixes STATUS names) put back, as only a holder of the token can."""
+    if not token:
+        return samples
+    known = {pseudonym(token, v): v for v in values}
+    if not known:
+        return samples
+    return {
+        name: [({k: known.get(v, v) for k, v in labels.items()}, value) for labels, value in rows]
+        for name, rows in samples.items()
+    }
 
 
 def parse(text: str) -> dict[str, list[tuple[dict[str, str], float]]]:
@@ -366,7 +454,10 @@ __all__ = [
     "Scraped",
     "ServerCollector",
     "build_registry",
+    "metrics_app",
     "op_name",
     "package_version",
     "parse",
+    "pseudonym",
+    "unmask",
 ]
