@@ -209,6 +209,7 @@ class Server:
                 self.metrics_port,
                 max_connections=self.metrics_connections,
                 timeout=self.auth_timeout,
+                token=self.security.token,  # without it a scrape sees client-chosen labels as pseudonyms
             )
         event(log, logging.INFO, "server started", addresses=[str(a) for a in self.addresses],
               metrics=self.exporter.url if self.exporter else None, pid=os.getpid())  # fmt: skip
