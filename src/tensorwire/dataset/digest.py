@@ -13,7 +13,8 @@ Bounds, on both sides of a peer: a request names at most ``MAX_NAMES`` tensors, 
 must fit the server's metadata limit (``Limits.max_meta_bytes``), else LimitExceeded. Hashing runs
 on the service's own few threads (``hash_threads``), so a flood of DIGESTs queues behind itself
 and never takes the threads the store's commits use; a tensor stays pinned until its hash is done,
-even when the request that asked is cut off meanwhile (its bytes are not reused under the hash).
+even when the request that asked is cut off meanwhile (its bytes are not reused under the hash),
+and the queued hash of a request cut off before it started is dropped with its pin.
 A sender accepts an answer only of names it asked for, each once.
 """
 
@@ -143,7 +144,9 @@ class DigestService:
                 return checksum(kind, data)
             finally:
                 self.store.release([entry])
-        # xxhash releases the GIL: the loop keeps serving while a large tensor hashes.
-        future = asyncio.get_running_loop().run_in_executor(self._pool, checksum, kind, data)
-        future.add_done_callback(lambda _: self.store.release([entry]))
-        return await asyncio.shield(future)
+        # xxhash releases the GIL: the loop keeps serving while a large tensor hashes. The pin goes
+        # with the job itself: at once if a cut-off request's job had not started (cancelled in
+        # the queue), else when the thread is done with the bytes.
+        job = self._pool.submit(checksum, kind, data)
+        job.add_done_callback(lambda _: self.store.release([entry]))
+        return await asyncio.wrap_future(job)  # cancelling this cancels a job not yet started
