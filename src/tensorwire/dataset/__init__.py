@@ -8,8 +8,11 @@
 
 ``scatter`` (scatter.py) cuts the source into shards (plan.py) and sends them in parallel, checking
 every item against the node's own hash of what it holds (DIGEST, digest.py) and writing each
-shard's manifest last, so a re-run sends only what is missing. ``fetch`` (fetch.py) and
-``ShardDataset`` (shards.py) read the complete shards a node holds (reader.py).
+shard's manifest last, so a re-run sends only what is missing. Each node records which tree a
+data set's name holds (identity.py): a scatter of another tree under that name is refused unless
+``replace=True`` (``--replace``). ``fetch`` (fetch.py) and ``ShardDataset`` (shards.py) read the
+complete shards a node holds (reader.py); ``fetch`` overwrites no file of other bytes under its
+``--out`` unless ``replace=True``.
 """
 
 from tensorwire.dataset.digest import Digest, DigestService

@@ -30,7 +30,8 @@ Three phases, so that a mistake or a failure never costs the only copy of someth
    the report says so (a re-run finishes it).
 
 Files are assigned to shards by rendezvous hashing (plan.py), so after one file is added, edited
-or removed at the source, a re-run sends or prunes that file alone.
+or removed at the source, a re-run sends or prunes that file alone (with ``replace``: an edited
+tree is another tree, whose scatter overwrites and prunes what the nodes hold).
 
 What a re-run after an interruption sends: only items the node does not hold, verified. An item
 in flight when the sender died is not visible on the node (a put becomes visible only once all
