@@ -48,6 +48,8 @@ from tensorwire.wire import meta as wm
 from tensorwire.wire import shm as ws
 
 log = logging.getLogger("tensorwire.server")
+# Connections over --max-connections told why at once (the rest are closed unanswered): see _refuse.
+DEFAULT_REFUSALS = 16
 
 
 class Server:
@@ -80,6 +82,7 @@ class Server:
         location: topology.Location | None = None,
         generations: GenerationConfig | None = None,
         busy_poll: float = 0.0,
+        refusals: int = DEFAULT_REFUSALS,
     ) -> None:
         self.store = store if store is not None else TensorStore()
         # Where it runs (HELLO and STATUS say it; default: TENSORWIRE_HOST / _RACK, read now), and
@@ -101,6 +104,15 @@ class Server:
         # Each connection holds a session and its read buffer: bound how many, and drop those idle
         # for idle_timeout seconds (a client reconnects on its next call without noticing).
         self.max_connections = max_connections
+        # A connection over that limit is told why (LimitExceeded) while fewer than ``refusals``
+        # others are being told, each for at most auth_timeout (over TLS the answer waits for the
+        # peer's handshake); beyond that it is closed at once, unanswered. So refused, handshaking
+        # and admitted connections together hold at most max_connections + refusals descriptors,
+        # whatever a flood of silent sockets does (see ``_refuse``).
+        if refusals < 0:
+            raise ValueError(f"refusals must be 0 or more, not {refusals!r}")
+        self.refusals = refusals
+        self._refusing = 0  # over-limit connections being told so now
         self.idle_timeout = idle_timeout
         # A connection holds its slot unauthenticated for at most this long: its TLS handshake and
         # its first frame (a HELLO with the token, when one is required) must be in by then.
@@ -287,15 +299,23 @@ class Server:
             now = time.monotonic()
             self.uploads.expire(now)
             for session in list(self._sessions):
-                quiet = now - session.stream.last_active
-                if not session.admitted and now - session.opened > self.auth_timeout:
-                    await self._close_unadmitted(session)
-                elif session.busy and quiet > self.stall_timeout:
-                    log.warning("closing %s: no progress for %.3gs mid-request", session.stream.peer, quiet)
-                    await session.stream.close()
-                elif not session.busy and quiet > self.idle_timeout:
-                    log.info("closing %s: idle for %.3gs", session.stream.peer, quiet)
-                    await session.stream.close()
+                # One connection's failure to close must not end the watchdog: every later
+                # connection would then keep its slot for ever.
+                try:
+                    await self._check(session, now)
+                except Exception:
+                    log.exception("the watchdog could not close %s", session.stream.peer)
+
+    async def _check(self, session: Session, now: float) -> None:
+        quiet = now - session.stream.last_active
+        if not session.admitted and now - session.opened > self.auth_timeout:
+            await self._close_unadmitted(session)
+        elif session.busy and quiet > self.stall_timeout:
+            log.warning("closing %s: no progress for %.3gs mid-request", session.stream.peer, quiet)
+            await session.stream.close()
+        elif not session.busy and quiet > self.idle_timeout:
+            log.info("closing %s: idle for %.3gs", session.stream.peer, quiet)
+            await session.stream.close()
 
     async def _close_unadmitted(self, session: Session) -> None:
         """A connection did not finish its TLS handshake and send its first frame (authenticated,
@@ -305,20 +325,39 @@ class Server:
         event(log, logging.WARNING, "connection closed", peer=session.stream.peer, reason=reason)
         await session.stream.close()
 
-    async def handle(self, stream: ByteStream, transport: str = "tcp") -> None:
-        """Serve one connection until the peer leaves or its bytes stop making frames."""
-        session = Session(self._serving, stream, transport)
-        if len(self._sessions) >= self.max_connections:
-            self.counts.refuse("limit")
-            event(log, logging.WARNING, "connection refused", peer=stream.peer, reason="limit",
-                  connections=len(self._sessions))  # fmt: skip
+    async def _refuse(self, stream: ByteStream, transport: str) -> None:
+        """A connection over ``max_connections``: answered LimitExceeded while fewer than
+        ``refusals`` others are being answered, else closed at once (by the listener, when this
+        returns). An answer may take a while (over TLS it needs the peer's handshake first; a
+        silent peer holds it until auth_timeout), and each one holds a descriptor meanwhile: a
+        flood of silent sockets must not hold one each, or the process runs out of descriptors
+        and its other clients' persisted puts fail (EMFILE). Refusing at once rather than pausing
+        the accept loop keeps the listen backlog moving: a client learns at once that it must try
+        later, instead of waiting in the backlog behind the flood."""
+        answered = self._refusing < self.refusals
+        self.counts.refuse("limit")
+        event(log, logging.WARNING, "connection refused", peer=stream.peer, reason="limit",
+              connections=len(self._sessions), answered=answered)  # fmt: skip
+        if not answered:
+            return
+        self._refusing += 1
+        try:
             refusal = LimitExceeded(
                 f"the server has {self.max_connections} connections already (--max-connections)"
             )
+            session = Session(self._serving, stream, transport)
             # Within the auth deadline: over TLS the answer needs the peer's handshake first.
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(session.send_error(0, refusal), self.auth_timeout)
+        finally:
+            self._refusing -= 1
+
+    async def handle(self, stream: ByteStream, transport: str = "tcp") -> None:
+        """Serve one connection until the peer leaves or its bytes stop making frames."""
+        if len(self._sessions) >= self.max_connections:
+            await self._refuse(stream, transport)
             return
+        session = Session(self._serving, stream, transport)
         self._sessions.add(session)
         self.counts.connections += 1
         stream.busy_poll(self.busy_poll)
