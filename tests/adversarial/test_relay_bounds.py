@@ -16,7 +16,8 @@ from tensorwire.broadcast import Chains, RelayPeer
 from tensorwire.broadcast.coordinator import MAX_GET_CHUNKS
 from tensorwire.errors import InvalidName, ProtocolError, VersionChanged, WaitTimeout
 from tensorwire.server import ServerThread
-from tensorwire.testing.relay import CHUNK, PREFIX, model_tensors, origin, publish
+from tensorwire.testing.process import wait_for
+from tensorwire.testing.relay import CHUNK, PREFIX, RelayConn, model_tensors, origin, publish
 from tensorwire.transport import TransportOptions
 from tensorwire.types import TensorMeta
 from tensorwire.wire import meta as wm
@@ -46,6 +47,7 @@ def call(url: str, opcode: int, body: bytes, sink: bool = False) -> tuple[wm.Met
 
 
 def join(url: str, relay: str, prefix: str = PREFIX) -> wr.Placement:
+    """A join over a connection that closes at once: what it registered goes with it."""
     reader, _ = call(url, Opcode.RELAY_JOIN, wr.encode_join(prefix, 0, relay))
     return wr.decode_join_reply(reader, 1 << 20)[1]
 
@@ -74,44 +76,55 @@ def test_a_join_advertising_a_bad_address_is_refused_and_registers_nothing(relay
 def test_readers_per_generation_are_bounded_and_the_rest_read_from_the_origin() -> None:
     with origin(chains=Chains(max_readers=3, max_chain=2)) as (srv, coordinator):
         publish(srv.url, model_tensors(1))
-        placements = [join(srv.url, f"tcp://127.0.0.1:{7000 + i}") for i in range(10)]
-        assert coordinator.chains.readers() == 3
+        conns = [RelayConn(srv.url) for _ in range(10)]
+        try:
+            placements = [c.join(f"tcp://127.0.0.1:{7000 + i}")[1] for i, c in enumerate(conns)]
+            assert coordinator.chains.readers() == 3
+        finally:
+            for conn in conns:
+                conn.close()
         assert [p.reader != 0 for p in placements] == [True] * 3 + [False] * 7
         assert all(p.upstream == 0 and p.address == "" for p in placements[3:])
         # max_chain=2: the third reader starts a new chain at the origin.
         assert placements[1].upstream == placements[0].reader and placements[2].upstream == 0
+        wait_for(lambda: coordinator.chains.readers() == 0, 10, "the readers to go with their connections")
 
 
 def test_generations_and_prefixes_kept_are_bounded() -> None:
-    with origin(chains=Chains(keep=2, max_prefixes=3)) as (srv, coordinator):
+    chains = Chains(keep=2, max_prefixes=3, max_per_owner=64)
+    with origin(chains=chains) as (srv, coordinator), RelayConn(srv.url) as conn:
         for seed in range(5):
             publish(srv.url, model_tensors(seed))
-            join(srv.url, "tcp://127.0.0.1:7000")
+            conn.join("tcp://127.0.0.1:7000")
         stats = coordinator.chains.stats(PREFIX)
         assert len(stats["generations"]) == 2  # type: ignore[arg-type]
+        assert coordinator.chains.readers() == 1  # each join replaced the connection's last one
         with tensorwire.connect(srv.url) as client:
             for i in range(6):
                 client.put(f"p{i}/w", model_tensors(0)["fc2.weight"])
-                join(srv.url, "tcp://127.0.0.1:7001", prefix=f"p{i}/")
+                conn.join(f"tcp://127.0.0.1:{7001 + i}", prefix=f"p{i}/")
         assert len(coordinator.chains.served_total) <= 3 and coordinator.chains.readers() <= 3
+        # Retired generations and dropped prefixes take their readers' addresses with them.
+        assert coordinator.chains.addresses() == coordinator.chains.readers()
 
 
 def test_a_report_drops_only_the_reporters_own_upstream() -> None:
     with origin() as (srv, coordinator):
         generation = publish(srv.url, model_tensors(1))
-        first, second, third = (join(srv.url, f"tcp://127.0.0.1:{7000 + i}") for i in range(3))
-        forged = [
-            (third.reader, first.reader),  # the first one is not the third one's upstream
-            (12345, second.reader),  # no such reporter
-        ]
-        for reporter, victim in forged:
-            body = wr.encode_report(PREFIX, generation, reporter, wr.Report.FAILED, victim)
-            call(srv.url, Opcode.RELAY_REPORT, body)
-        assert coordinator.chains.readers() == 3
-        body = wr.encode_report(PREFIX, generation, third.reader, wr.Report.FAILED, second.reader)
-        reader, _ = call(srv.url, Opcode.RELAY_REPORT, body)
-        assert wr.decode_report_reply(reader).upstream == first.reader  # around the reported one
-        assert coordinator.chains.readers() == 2
+        conns = [RelayConn(srv.url) for _ in range(3)]
+        try:
+            first, second, third = (c.join(f"tcp://127.0.0.1:{7000 + i}")[1] for i, c in enumerate(conns))
+            reporter = conns[2]
+            # The first one is not the third one's upstream; 12345 is no reader at all.
+            for victim in (first.reader, 12345):
+                assert reporter.report(generation, third.reader, wr.Report.FAILED, victim).upstream == 0
+            assert coordinator.chains.readers() == 3
+            # The third reads from the origin now: a report about the second one drops nobody.
+            reporter.report(generation, third.reader, wr.Report.FAILED, second.reader)
+            assert coordinator.chains.readers() == 3
+        finally:
+            for conn in conns:
+                conn.close()
 
 
 def test_one_relay_get_answer_is_capped_and_a_chunk_outside_the_generation_refused() -> None:

@@ -8,16 +8,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from click.testing import CliRunner
 from prometheus_client import generate_latest
 
 import tensorwire
 from tensorwire import transport
 from tensorwire._aio import run
 from tensorwire.broadcast import RelayCoordinator
-from tensorwire.cli import main
 from tensorwire.errors import AuthenticationError, InvalidTensor
-from tensorwire.security import Security, TlsFiles
+from tensorwire.security import Security
 from tensorwire.server import ServerThread, metrics
 from tensorwire.testing.process import ServerProcess, run_threads
 from tensorwire.testing.relay import (
@@ -27,6 +25,7 @@ from tensorwire.testing.relay import (
     model_tensors,
     origin,
     publish,
+    reader_certs,
     same_bytes,
     subscribers,
 )
@@ -153,13 +152,18 @@ def test_tensorwire_serve_relays_its_generations_to_four_readers() -> None:
 
 
 def test_over_tls_every_hop_is_tls_with_the_token(tmp_path: Path) -> None:
-    assert CliRunner().invoke(main, ["certs", str(tmp_path)]).exit_code == 0
-    served = TlsFiles(cert=tmp_path / "server.pem", key=tmp_path / "server-key.pem")
-    reader_files = TlsFiles(cert=served.cert, key=served.key, ca=tmp_path / "ca.pem")
+    """Every hop is TLS and asks what the origin asks: a client certificate signed by the cluster's
+    CA (each reader's certificate serves both ways) and the token (the relay's, derived from it)."""
+    served, reader_files = reader_certs(tmp_path)
     model = model_tensors(1)
     with ServerThread(["tls://127.0.0.1:0"], security=Security(tls=served, token="tok")) as srv:
         RelayCoordinator.of(srv.server)
-        with tensorwire.connect(srv.url, token="tok", tls_ca=str(reader_files.ca)) as trainer:
+        tls = {
+            "tls_ca": str(reader_files.ca),
+            "tls_cert": str(reader_files.cert),
+            "tls_key": str(reader_files.key),
+        }
+        with tensorwire.connect(srv.url, token="tok", **tls) as trainer:
             trainer.publish("policy", model)
         targets = [blank_like(model) for _ in range(3)]
         with subscribers(srv.url, "policy", targets, token="tok", tls=reader_files) as subs:

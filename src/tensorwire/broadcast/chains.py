@@ -5,9 +5,21 @@ form pipelined chains: a new reader's upstream is the last reader that joined, u
 ``max_chain`` long; then a new chain starts at the origin (reader id 0). So the origin sends each
 chunk once per chain, and a reader is at most ``max_chain`` hops from it.
 
+Who may change the table: every registration belongs to an ``Owner`` (the connection that made it,
+coordinator.py). Only its owner may report on it (DONE, FAILED, LEAVE: ``owned``), its address is
+registered by no other owner while it lives, and it goes when its owner does (``drop_owner``: the
+connection closed), so no table waits for a restart to empty.
+
+A reader that reports its upstream failed reads from the origin from then on, not from the failed
+one's own upstream (which may be failing too: fake readers joined one after another would cost an
+honest reader one stall each), and an owner drops at most one upstream per generation (a hostile
+reader cannot report its way through a chain of honest ones).
+
 Every table is bounded: ``max_readers`` registered readers per generation (more still read, from
-the origin, unregistered), ``keep`` generations per prefix (older ones are retired with their
-readers), ``max_prefixes`` prefixes (the least recently joined is dropped).
+the origin, unregistered), ``max_per_owner`` prefixes an owner holds registrations under (one
+each: a join replaces the owner's earlier registration under the prefix; more is LimitExceeded),
+``keep`` generations per prefix (older ones are retired with their readers), ``max_prefixes``
+prefixes (the least recently joined is dropped).
 """
 
 from __future__ import annotations
@@ -17,17 +29,27 @@ from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from tensorwire.errors import InvalidName, LimitExceeded
 from tensorwire.wire import relay as wr
 
 ORIGIN = 0  # the upstream id of a reader that pulls from the origin itself
 
 
-@dataclass(slots=True)
+@dataclass(eq=False)
+class Owner:
+    """One party that registers readers (a connection to the origin): what it holds, by prefix."""
+
+    held: dict[str, tuple[int, int]] = field(default_factory=dict)  # prefix -> (generation, reader id)
+    drops: dict[str, int] = field(default_factory=dict)  # prefix -> the generation it last dropped in
+
+
+@dataclass(slots=True, eq=False)
 class Reader:
     id: int
     address: str
     upstream: int
     depth: int  # hops from the origin when it joined
+    owner: Owner
     done: bool = False
 
 
@@ -39,7 +61,7 @@ class Generation:
     readers: dict[int, Reader] = field(default_factory=dict)
     served: int = 0  # data bytes the origin sent for it (RELAY_GET)
     joined: int = 0  # RELAY_JOINs answered for it, registered or not
-    dropped: int = 0  # readers routed around after a failure report
+    dropped: int = 0  # readers routed around: reported failed, or gone before they were done
 
     def placement(self, reader: Reader | None) -> wr.Placement:
         if reader is None:
@@ -63,15 +85,22 @@ class Chains:
     """The relays of every prefix (see the module docstring)."""
 
     def __init__(
-        self, max_readers: int = 256, max_chain: int = 32, keep: int = 2, max_prefixes: int = 64
+        self,
+        max_readers: int = 256,
+        max_chain: int = 32,
+        keep: int = 2,
+        max_prefixes: int = 64,
+        max_per_owner: int = 4,
     ) -> None:
-        if min(max_readers, max_chain, keep, max_prefixes) < 1:
+        if min(max_readers, max_chain, keep, max_prefixes, max_per_owner) < 1:
             raise ValueError("relay bounds must be at least 1")
         self.max_readers = max_readers
         self.max_chain = max_chain
         self.keep = keep
         self.max_prefixes = max_prefixes
+        self.max_per_owner = max_per_owner
         self._prefixes: OrderedDict[str, OrderedDict[int, Generation]] = OrderedDict()
+        self._addresses: dict[str, Reader] = {}  # every registered address, to its reader
         self._ids = itertools.count(1)
         self.served_total: dict[str, int] = {}  # per prefix, retired generations included
 
@@ -81,48 +110,70 @@ class Chains:
         if gens is None:
             gens = self._prefixes[prefix] = OrderedDict()
             while len(self._prefixes) > self.max_prefixes:
-                dropped, _ = self._prefixes.popitem(last=False)
+                dropped, old = self._prefixes.popitem(last=False)
                 self.served_total.pop(dropped, None)
+                for stale in old.values():
+                    self._retire(stale)
         self._prefixes.move_to_end(prefix)
-        gen = gens.get(manifest.generation)
-        if gen is None:
-            gen = gens[manifest.generation] = Generation(manifest)
-            for old in sorted(gens)[: max(len(gens) - self.keep, 0)]:
-                del gens[old]
+        known = gens.get(manifest.generation)
+        if known is not None:
+            return known
+        gen = gens[manifest.generation] = Generation(manifest)
+        for number in sorted(gens)[: max(len(gens) - self.keep, 0)]:
+            self._retire(gens.pop(number))
         return gen
 
     def find(self, prefix: str, generation: int) -> Generation | None:
         gens = self._prefixes.get(prefix)
         return gens.get(generation) if gens is not None else None
 
-    def join(self, prefix: str, gen: Generation, address: str) -> Reader | None:
-        """Register a reader relaying at ``address`` (None: not registered, it reads from the
-        origin). The same address in an older generation of the prefix leaves that one: its memory
-        now receives this generation."""
+    def join(self, prefix: str, gen: Generation, address: str, owner: Owner) -> Reader | None:
+        """Register ``owner``'s reader relaying at ``address`` (None: not registered, it reads from
+        the origin); ``owner``'s earlier registration under the prefix leaves first (its memory now
+        receives this generation). InvalidName if another owner registered ``address``,
+        LimitExceeded if ``owner`` holds ``max_per_owner`` prefixes already."""
         gen.joined += 1
-        if not address or len(gen.readers) >= self.max_readers:
+        self.release(owner, prefix)
+        if not address:
             return None
-        for other in self._prefixes.get(prefix, {}).values():
-            for reader in [r for r in other.readers.values() if r.address == address]:
-                self.leave(other, reader.id)
+        if address in self._addresses:
+            raise InvalidName(f"relay address {address} is registered by another connection")
+        if len(owner.held) >= self.max_per_owner:
+            raise LimitExceeded(
+                f"this connection relays {len(owner.held)} prefixes already, the most one connection may"
+                f" (the coordinator's max_per_owner): relay another prefix over a connection of its own"
+            )
+        if len(gen.readers) >= self.max_readers:
+            return None
         tail = next(reversed(gen.readers.values()), None)
         if tail is None or tail.depth >= self.max_chain:
             upstream, depth = ORIGIN, 1
         else:
             upstream, depth = tail.id, tail.depth + 1
-        reader = Reader(next(self._ids), address, upstream, depth)
+        reader = Reader(next(self._ids), address, upstream, depth, owner)
         gen.readers[reader.id] = reader
+        owner.held[prefix] = (gen.manifest.generation, reader.id)
+        self._addresses[address] = reader
         return reader
 
-    def failed(self, gen: Generation, reader_id: int, upstream: int) -> wr.Placement:
-        """``reader_id`` could not read from ``upstream``: drop that one (only if it really is the
-        reporter's upstream; a report cannot drop anyone else) and answer where to go now."""
+    @staticmethod
+    def owned(gen: Generation, reader_id: int, owner: Owner) -> Reader | None:
+        """Reader ``reader_id`` if ``owner`` registered it (None if it is not registered)."""
         reader = gen.readers.get(reader_id)
-        if reader is None:
-            return gen.placement(None)
-        if upstream != ORIGIN and reader.upstream == upstream:
+        return reader if reader is not None and reader.owner is owner else None
+
+    def failed(self, prefix: str, gen: Generation, reader: Reader, upstream: int) -> wr.Placement:
+        """``reader`` could not read from ``upstream``: drop that one (only if it really is the
+        reader's upstream, and only one per owner and generation) and answer the origin."""
+        owner, number = reader.owner, gen.manifest.generation
+        if upstream != ORIGIN and reader.upstream == upstream and owner.drops.get(prefix) != number:
             self.leave(gen, upstream)
             gen.dropped += 1
+            owner.drops.pop(prefix, None)
+            owner.drops[prefix] = number
+            while len(owner.drops) > self.max_prefixes:  # bounded as the prefixes are
+                del owner.drops[next(iter(owner.drops))]
+        reader.upstream, reader.depth = ORIGIN, 1
         return gen.placement(reader)
 
     def leave(self, gen: Generation, reader_id: int) -> None:
@@ -130,9 +181,42 @@ class Chains:
         gone = gen.readers.pop(reader_id, None)
         if gone is None:
             return
+        self._unindex(gone)
         for reader in gen.readers.values():
             if reader.upstream == reader_id:
                 reader.upstream = gone.upstream
+
+    def release(self, owner: Owner, prefix: str) -> None:
+        """``owner``'s registration under ``prefix`` leaves, whichever generation it is in."""
+        held = owner.held.pop(prefix, None)
+        if held is not None:
+            gen = self.find(prefix, held[0])
+            if gen is not None and self.owned(gen, held[1], owner) is not None:
+                self.leave(gen, held[1])
+
+    def drop_owner(self, owner: Owner) -> None:
+        """``owner`` is gone (its connection closed): its readers leave; those not done yet count
+        as dropped (their readers are routed around them)."""
+        for prefix, (number, reader_id) in list(owner.held.items()):
+            gen = self.find(prefix, number)
+            reader = self.owned(gen, reader_id, owner) if gen is not None else None
+            if gen is not None and reader is not None:
+                gen.dropped += not reader.done
+                self.leave(gen, reader_id)
+        owner.held.clear()
+        owner.drops.clear()
+
+    def _retire(self, gen: Generation) -> None:
+        for reader in gen.readers.values():
+            self._unindex(reader)
+
+    def _unindex(self, reader: Reader) -> None:
+        """Forget ``reader``'s address and its owner's record of it."""
+        if self._addresses.get(reader.address) is reader:
+            del self._addresses[reader.address]
+        for prefix, held in list(reader.owner.held.items()):
+            if held[1] == reader.id:
+                del reader.owner.held[prefix]
 
     def count_served(self, prefix: str, gen: Generation | None, nbytes: int) -> None:
         if gen is not None:
@@ -153,6 +237,10 @@ class Chains:
 
     def readers(self) -> int:
         return sum(len(g.readers) for gens in self._prefixes.values() for g in gens.values())
+
+    def addresses(self) -> int:
+        """Addresses registered (one per registered reader: the index is kept in step)."""
+        return len(self._addresses)
 
     def readers_by_prefix(self) -> dict[str, int]:
         """Each prefix's readers (of all its generations held), for STATUS (the dashboard)."""

@@ -10,27 +10,41 @@ It serves four opcodes (docs/protocol.md §15):
   generation (``relay_stats``, the ``tensorwire_relay_served_bytes`` metric): what the origin's
   link carried for the relay.
 - RELAY_REPORT: a reader is done (it stays an upstream for later readers), leaves, or could not
-  read from its upstream (that one is dropped and the reader gets a new upstream).
+  read from its upstream (that one is dropped and the reader reads from the origin).
 - RELAY_STATS: the table and the counts of one prefix as JSON.
 
 Every request comes over a connection the server admitted: with a token configured, a reader that
 does not present it never reaches these handlers, so it never joins a relay.
+
+Identity: a registration belongs to the connection that joined (``RelaySession``, chains.py's
+``Owner``): only a report over that connection speaks for it (one naming another connection's
+reader is refused, counted in ``identity_refused`` and logged), and the registration goes when the
+connection closes. The address a reader registers is checked against that connection: the same
+scheme (a tls:// origin takes no tcp:// relay) and the very IP address it comes from (no reader
+points the others at a third host, its loopback or a name), held by no other connection. Under
+the server's own prefix (``_ps``, parameter-server relay pulls: ps/relay.py) only a connection the
+parameter server admitted for that job (the PS_RELAY of one of its live workers) is registered;
+anyone else (an observer, a stranger) reads from the origin and is nobody's upstream.
 """
 
 from __future__ import annotations
 
 import ipaddress
 import json
+import logging
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from tensorwire.broadcast.chains import Chains, Generation
+from tensorwire.broadcast.chains import Chains, Generation, Owner, Reader
 from tensorwire.broadcast.source import GenerationSource, Source
 from tensorwire.errors import InvalidName, ProtocolError, VersionChanged
+from tensorwire.logs import event
 from tensorwire.server import Handler, Request, Server
+from tensorwire.store.generations import SERVER_PREFIX
 from tensorwire.types import Address, TensorMeta
 from tensorwire.wire import meta as wm
 from tensorwire.wire import relay as wr
@@ -39,7 +53,46 @@ from tensorwire.wire.frame import Opcode
 MAX_GET_CHUNKS = 64  # chunks one RELAY_GET answer carries at most
 MAX_GET_BYTES = 64 << 20  # and bytes
 RELAY_SCHEMES = ("tcp", "tls")
+MAX_ADMITTED = 16  # restricted prefixes one connection is admitted to relay under (the last ones)
 _HOST_LABEL = re.compile(r"^(?!-)[A-Za-z0-9-]{1,63}(?<!-)$")
+log = logging.getLogger("tensorwire.broadcast")
+
+
+@dataclass(eq=False)
+class RelaySession(Owner):
+    """One connection's part in the relay (``Request.session_state``): the readers it registered
+    (``Owner``) and the restricted prefixes it was admitted to relay under. Its registrations go
+    when the connection closes."""
+
+    admitted: dict[str, None] = field(default_factory=dict)  # an ordered set, the newest last
+    on_close: Callable[[Owner], None] | None = None
+
+    def close(self) -> None:
+        if self.on_close is not None:
+            self.on_close(self)
+
+
+def relay_session(req: Request, chains: Chains) -> RelaySession:
+    """The relay's state of ``req``'s connection (made on first use; dropped from ``chains`` when
+    the connection closes)."""
+    session = req.session_state(RelaySession)
+    session.on_close = chains.drop_owner
+    return session
+
+
+def admit(req: Request, chains: Chains, prefix: str) -> None:
+    """``req``'s connection may register readers under the restricted ``prefix`` (the parameter
+    server admits a live worker's connection for its job's prefix)."""
+    admitted = relay_session(req, chains).admitted
+    admitted.pop(prefix, None)
+    admitted[prefix] = None
+    while len(admitted) > MAX_ADMITTED:
+        del admitted[next(iter(admitted))]
+
+
+def restricted(prefix: str) -> bool:
+    """Whether relaying under ``prefix`` takes an admission: the server's own prefix."""
+    return prefix == SERVER_PREFIX or prefix.startswith(SERVER_PREFIX + "/")
 
 
 class RelayCoordinator:
@@ -50,6 +103,8 @@ class RelayCoordinator:
     def __init__(self, source: Source, chains: Chains | None = None) -> None:
         self.source = source
         self.chains = chains or Chains()
+        self.identity_refused = 0  # reports naming a reader another connection registered
+        self.unadmitted = 0  # joins under a restricted prefix read from the origin, unregistered
 
     @classmethod
     def of(cls, server: Server, chains: Chains | None = None) -> RelayCoordinator:
@@ -82,15 +137,18 @@ class RelayCoordinator:
 
     def status(self) -> dict[str, Any]:
         chains = self.chains
-        return {"relay": {"served_bytes": chains.totals(), "readers": chains.readers(),
-                          "readers_by_prefix": chains.readers_by_prefix()}}  # fmt: skip
+        relay = {"served_bytes": chains.totals(), "readers": chains.readers(),
+                 "readers_by_prefix": chains.readers_by_prefix()}  # fmt: skip
+        relay.update(identity_refused=self.identity_refused, unadmitted=self.unadmitted)
+        return {"relay": relay}
 
     # -- handlers ------------------------------------------------------------------------------
     async def _on_join(self, req: Request) -> None:
         _no_data(req)
         prefix, after, relay = wr.decode_join(req.meta)
+        session = relay_session(req, self.chains)
         if relay:
-            check_relay_address(relay)
+            check_relay_address(relay, req.transport, req.peer)
         manifest = await self.source.manifest(prefix)
         if manifest.generation == after:  # nothing newer: no manifest, no place in a relay
             await req.reply(
@@ -98,7 +156,10 @@ class RelayCoordinator:
             )
             return
         gen = self.chains.generation(prefix, manifest)
-        reader = self.chains.join(prefix, gen, relay)
+        if relay and restricted(prefix) and prefix not in session.admitted:
+            relay = ""  # an observer or a stranger: it reads from the origin, nobody reads from it
+            self.unadmitted += 1
+        reader = self.chains.join(prefix, gen, relay, session)
         await req.reply(wr.encode_join_reply(manifest, gen.placement(reader)))
 
     async def _on_get(self, req: Request) -> None:
@@ -123,20 +184,36 @@ class RelayCoordinator:
     async def _on_report(self, req: Request) -> None:
         _no_data(req)
         prefix, generation, reader_id, what, upstream = wr.decode_report(req.meta)
+        session = relay_session(req, self.chains)
         gen = self.chains.find(prefix, generation)
-        placement = wr.Placement(0, 0, "")
-        if gen is not None:
-            placement = self._apply(gen, reader_id, what, upstream)
+        reader = self.chains.owned(gen, reader_id, session) if gen is not None else None
+        placement = wr.Placement(0, 0, "")  # not (or no longer) in the relay: read from the origin
+        if gen is not None and reader is not None:
+            placement = self._apply(prefix, gen, reader, what, upstream)
+        elif gen is not None and reader_id in gen.readers:
+            self._refuse_identity(req, prefix, reader_id, what)
         await req.reply(wr.encode_report_reply(placement))
 
-    def _apply(self, gen: Generation, reader_id: int, what: wr.Report, upstream: int) -> wr.Placement:
+    def _apply(
+        self, prefix: str, gen: Generation, reader: Reader, what: wr.Report, upstream: int
+    ) -> wr.Placement:
         if what is wr.Report.FAILED:
-            return self.chains.failed(gen, reader_id, upstream)
-        if what is wr.Report.DONE and reader_id in gen.readers:
-            gen.readers[reader_id].done = True
+            return self.chains.failed(prefix, gen, reader, upstream)
+        if what is wr.Report.DONE:
+            reader.done = True
         elif what is wr.Report.LEAVE:
-            self.chains.leave(gen, reader_id)
+            self.chains.leave(gen, reader.id)
         return wr.Placement(0, 0, "")
+
+    def _refuse_identity(self, req: Request, prefix: str, reader_id: int, what: wr.Report) -> None:
+        """A report for a reader another connection registered: nothing changes; counted, logged."""
+        self.identity_refused += 1
+        event(log, logging.WARNING, "refused a relay report for another connection's reader", peer=req.peer,
+              prefix=prefix, reader=reader_id, report=what.name, refused=self.identity_refused)  # fmt: skip
+        raise ProtocolError(
+            f"RELAY_REPORT {what.name} for reader {reader_id} of {prefix!r} refused: another connection "
+            "registered it (a reader reports over the connection it joined on)"
+        )
 
     async def _on_stats(self, req: Request) -> None:
         _no_data(req)
@@ -150,21 +227,49 @@ def _chunks_in(manifest: wr.Manifest) -> int:
     return max(MAX_GET_BYTES // manifest.chunk_bytes, 1)
 
 
-def check_relay_address(url: str) -> Address:
-    """The address a reader advertises for its relay server: tcp:// or tls://, a host name made of
-    valid labels or an IP address, a port in 1..65535. Anything else is refused (InvalidName): the
-    origin hands it to other readers, who connect to it."""
+def check_relay_address(url: str, transport: str, peer: str) -> Address:
+    """The address a reader advertises for its relay server, joining over a ``transport``
+    connection from ``peer``: tcp:// or tls:// as that connection is (no plain text under a TLS
+    origin), the IP address that connection comes from (not a name, nor anyone else's address: the
+    origin hands it to other readers, who connect to it), a port in 1..65535. Anything else is
+    refused (InvalidName)."""
     try:
         address = Address.parse(url)
     except ValueError as exc:
         raise InvalidName(f"relay address {url!r}: {exc}") from exc
     if address.scheme not in RELAY_SCHEMES:
         raise InvalidName(f"relay address {url!r}: the scheme must be one of {', '.join(RELAY_SCHEMES)}")
+    if address.scheme != transport:
+        raise InvalidName(
+            f"relay address {url!r}: a reader joining over {transport}:// relays over {transport}://"
+        )
     if not 1 <= address.port <= 65535:
         raise InvalidName(f"relay address {url!r}: the port must be in 1..65535")
     if not _valid_host(address.host):
         raise InvalidName(f"relay address {url!r}: {address.host!r} is not a host name or IP address")
+    if _ip(address.host) is None or _ip(address.host) != _peer_ip(peer):
+        raise InvalidName(
+            f"relay address {url!r}: a reader registers the IP address its connection comes from"
+            f" ({peer}), where its relay server listens (Subscriber(listen_host=...))"
+        )
     return address
+
+
+def _ip(host: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
+    """``host`` as an IP address (an IPv4-mapped IPv6 one as IPv4), None for a name."""
+    try:
+        ip = ipaddress.ip_address(host.strip("[]"))
+    except ValueError:
+        return None
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        return ip.ipv4_mapped
+    return ip
+
+
+def _peer_ip(peer: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
+    """The IP address of a connection's ``peer`` ("tcp://HOST:PORT"), None when unknown."""
+    host = peer.partition("://")[2].rpartition(":")[0]
+    return _ip(host) if host else None
 
 
 def _valid_host(host: str) -> bool:

@@ -6,6 +6,11 @@ that brought a generation (through the relay or as a delta, verified whole), it 
 once into a local server's shared-memory segments and publishes them there as one generation with
 the same number (``HostShare``). ``sub.share_url`` is the address to hand the followers; the share
 asks for the leader's token, and shm:// proves that a follower shares the leader's segment directory.
+The share is a listener of its own, so it holds to the origin's rules: it binds the loopback address
+it was given (shm:// takes no other), asks for the token the origin asks for (a leader that
+authenticates with a client certificate and no token cannot share: shm:// has no TLS to check one
+with), serves only what followers read with (``SHARE_OPCODES``: no follower can write, publish or
+park anything else in it) and at most ``MAX_SHARE_CONNECTIONS`` of them.
 
 A **follower** is a ``HostReader(share_url, prefix)``: ``update()`` returns the newest generation's
 number and ``tensors``, read-only views over the leader's segments (no copy, no network), all of
@@ -34,6 +39,7 @@ import torch
 
 from tensorwire import transport
 from tensorwire._aio import LoopThread, asyncio_timeout
+from tensorwire.broadcast.peer import serve_only
 from tensorwire.errors import (
     ConnectError,
     ConnectionLost,
@@ -51,7 +57,14 @@ from tensorwire.transport import TransportOptions
 from tensorwire.transport.base import GenerationViews, Transport
 from tensorwire.types import Address, Generation, MiB, TensorMeta
 from tensorwire.wire import generations as wg
+from tensorwire.wire.frame import Opcode
 from tensorwire.wire.tensors import byte_view
+
+# What a follower sends: HELLO, SHM_ATTACH, SHM_GEN_VIEW, SHM_RELEASE (its views freed), GEN_WAIT.
+SHARE_OPCODES = frozenset(
+    (Opcode.HELLO, Opcode.SHM_ATTACH, Opcode.SHM_GEN_VIEW, Opcode.SHM_RELEASE, Opcode.GEN_WAIT)
+)
+MAX_SHARE_CONNECTIONS = 64  # followers on one host (each holds one connection)
 
 
 def share_prefix(prefix: str) -> str:
@@ -78,17 +91,30 @@ class HostShare:
         listen: str,
         prefix: str,
         targets: Mapping[str, torch.Tensor],
-        token: str | None,
+        security: Security,
         keep: int = DEFAULT_KEEP,
     ) -> HostShare:
         """Serve ``listen`` (an shm:// address on loopback; port 0 picks one) for followers of
-        ``prefix``, whose tensors are ``targets`` (by full name)."""
+        ``prefix``, whose tensors are ``targets`` (by full name), asking them for ``security``'s
+        token (the leader's)."""
         if Address.parse(listen).scheme != "shm":
             raise ValueError(f"a host share serves shm:// (followers map its segments), not {listen!r}")
+        if security.token is None and security.tls is not None and security.tls.cert is not None:
+            raise ValueError(
+                "this leader authenticates to its origin with a client certificate, which a share over "
+                "shm:// cannot ask its followers for: give it a token too (the share asks for it)"
+            )
         room = sum(t.nbytes + entry_cost(name) for name, t in targets.items())
         store = TensorStore(capacity=(keep + 2) * room + MiB)
-        server = Server(store, security=Security(token=token), generations=GenerationConfig(keep=keep))
-        (address,) = await server.start(listen)
+        config = GenerationConfig(keep=keep)
+        share = Security(token=security.token)
+        server = Server(store, security=share, generations=config, max_connections=MAX_SHARE_CONNECTIONS)
+        try:
+            (address,) = await server.start(listen)
+        except BaseException:
+            await server.close()
+            raise
+        serve_only(server, SHARE_OPCODES)  # after start: the shm:// listener adds its handlers there
         return cls(server, str(address), prefix)
 
     async def publish(self, number: int, targets: Mapping[str, torch.Tensor]) -> Generation | None:

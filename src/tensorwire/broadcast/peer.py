@@ -9,27 +9,50 @@ parked until it is, at most ``wait_ms`` (capped by ``max_wait``): then WaitTimeo
 downstream reports this one as stalled. A RELAY_GET for a newer generation than the one held
 waits for it at most ``JOIN_GRACE``: the origin may name this reader as an upstream a moment before
 the reader has read the origin's answer and started holding it.
+
+The relay server (``serve``) asks its peers for what the origin asks for, and serves nothing else:
+
+- the relay token (``relay_token``), derived from the cluster's token, instead of the token itself:
+  a reader sends the cluster's token only to the origin, never to an address a peer registered,
+  and a peer that harvests the relay token learns nothing the origin accepts;
+- under tls://, a client certificate signed by the cluster's CA (``tls.ca``, which also signs the
+  origin and the readers' own certificates): a reader's certificate is its relay server's and its
+  client certificate towards its peers, so it must be valid for both (serverAuth and clientAuth,
+  its relay host in its names);
+- only HELLO and RELAY_GET (``PEER_OPCODES``), at most ``MAX_PEER_CONNECTIONS`` connections, bound to
+  the one interface it was asked for (default: the one this host reaches the origin from).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Mapping, Sequence
+import hashlib
+import hmac
+import ipaddress
+import socket
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from tensorwire.errors import ProtocolError, VersionChanged, WaitTimeout
-from tensorwire.server import Handler, Request
-from tensorwire.types import TensorMeta
+from tensorwire.security import Security, TlsFiles
+from tensorwire.server import Handler, Request, Server
+from tensorwire.store import TensorStore
+from tensorwire.transport import TransportOptions
+from tensorwire.types import Address, TensorMeta
 from tensorwire.wire import meta as wm
 from tensorwire.wire import relay as wr
 from tensorwire.wire.frame import Opcode
 
 MAX_GET_CHUNKS = 64
 JOIN_GRACE = 2.0  # seconds a RELAY_GET waits for this reader to start holding a newer generation
+MAX_PEER_CONNECTIONS = 32  # a relay server's downstream readers (one each, a few after reroutes)
+PEER_IDLE_TIMEOUT = 120.0  # seconds a downstream's connection may sit idle on a relay server
+PEER_OPCODES = frozenset((Opcode.HELLO, Opcode.RELAY_GET))  # all a relay server serves
+_RELAY_TOKEN_CONTEXT = b"tensorwire relay peer v1"
 
 
 @dataclass(slots=True)
@@ -138,3 +161,94 @@ class RelayPeer:
                 await asyncio.wait_for(holding.moved.wait(), left)
             except TimeoutError:
                 continue
+
+
+# -- the relay server and its peers' credentials ------------------------------------------------
+def relay_token(token: str | None) -> str | None:
+    """What relay servers ask their peers for: HMAC-SHA256 of a fixed context under the cluster's
+    token. Only holders of the token can make it; the origin does not accept it."""
+    if token is None:
+        return None
+    return hmac.new(token.encode(), _RELAY_TOKEN_CONTEXT, hashlib.sha256).hexdigest()
+
+
+def check_peer_tls(security: Security, scheme: str) -> None:
+    """ValueError unless a reader of a ``scheme`` origin can serve and reach relay peers as the
+    module docstring says: under tls://, its certificate, key and the cluster's CA."""
+    files = security.tls
+    if scheme == "tls" and (files is None or None in (files.cert, files.key, files.ca)):
+        raise ValueError(
+            "a relay over tls:// needs this reader's certificate and key (its relay server's, and its "
+            "client certificate towards its peers) and the cluster's CA (tls.ca: it checks the peers' "
+            "certificates); pass them, or relay=False"
+        )
+
+
+def peer_options(options: TransportOptions, peer_timeout: float) -> TransportOptions:
+    """How a reader connects to an upstream a peer registered: within ``peer_timeout``, offering the
+    relay token (never the cluster's), its certificate checked against the cluster's CA only."""
+    security = Security(tls=options.security.tls, token=relay_token(options.security.token))
+    return options._replace(connect_timeout=min(options.connect_timeout, peer_timeout), security=security)
+
+
+def serving_security(security: Security) -> Security:
+    """What a relay server asks of its peers (the module docstring): the relay token and, under
+    TLS, a client certificate signed by the cluster's CA."""
+    files = security.tls
+    tls = TlsFiles(cert=files.cert, key=files.key, ca=files.ca) if files is not None else None
+    return Security(tls=tls, token=relay_token(security.token))
+
+
+async def serve(
+    peer: RelayPeer, origin: Address, security: Security, host: str | None, stall_timeout: float
+) -> tuple[Server, str]:
+    """Start ``peer``'s relay server on ``host`` (default: the address this host reaches
+    ``origin`` from), port 0, the origin's scheme; (the server, the address to register)."""
+    host = host or local_host_towards(origin)
+    server = Server(
+        TensorStore(capacity=0, max_tensors=1), security=serving_security(security), extensions=[peer],
+        stall_timeout=stall_timeout, max_connections=MAX_PEER_CONNECTIONS, idle_timeout=PEER_IDLE_TIMEOUT,
+    )  # fmt: skip
+    serve_only(server, PEER_OPCODES)
+    try:
+        (address,) = await server.start(f"{origin.scheme}://{bracketed(host)}:0")
+    except BaseException:
+        await server.close()
+        raise
+    bound = address.host
+    if _unspecified(bound):  # asked for every interface: the others reach it where the origin does
+        bound = local_host_towards(origin)
+    return server, f"{address.scheme}://{bracketed(bound)}:{address.port}"
+
+
+def serve_only(server: Server, opcodes: Collection[int]) -> None:
+    """Take every opcode but ``opcodes`` out of ``server``'s table (its sessions read it per
+    request): a secondary listener serves what it is for and nothing a peer could fill or change."""
+    for op in [op for op in server.handlers if op not in opcodes]:
+        del server.handlers[op]
+
+
+def local_host_towards(origin: Address) -> str:
+    """The address this host reaches ``origin`` from (a UDP connect sends nothing)."""
+    try:
+        infos = socket.getaddrinfo(origin.host, origin.port or 1, type=socket.SOCK_DGRAM)
+        family, _, _, _, sockaddr = infos[0]
+        with socket.socket(family, socket.SOCK_DGRAM) as probe:
+            probe.connect(sockaddr)
+            return str(probe.getsockname()[0])
+    except OSError as exc:
+        raise ValueError(f"cannot tell which local address reaches {origin}; pass listen_host") from exc
+
+
+def bracketed(host: str) -> str:
+    with contextlib.suppress(ValueError):
+        if ipaddress.ip_address(host).version == 6:
+            return f"[{host}]"
+    return host
+
+
+def _unspecified(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_unspecified
+    except ValueError:
+        return False

@@ -7,6 +7,14 @@ it counts (a relay peer is not trusted); an upstream that fails is reported (REL
 and the pull goes on from the origin's new answer. ``Subscriber`` pulls this way, and so does a
 parameter-server worker that pulls through the relay (``ps.Worker(pull="relay")``).
 
+An upstream is an address another reader registered, so it is not trusted until it serves: its
+connection must open within ``peer_timeout`` (TCP, TLS, HELLO), under the origin's scheme only, with
+the relay token rather than the cluster's (peer.py says why), and each chunk must come within
+``stall_timeout``; past either bound the upstream is reported and the origin answers itself as the
+new upstream (chains.py), so a hostile or dead peer costs an honest reader at most one such stall
+per generation. A pull that is done closes its upstream's connection (the next generation's
+upstream is another).
+
 The reader is anything with the attributes and connections of ``RelayReader``: its prefix, its id
 in the generation's relay, its counters, its ``RelayPeer`` (which forwards what it verified) and
 its connections (``""``: the origin).
@@ -20,9 +28,10 @@ import logging
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
+from tensorwire._aio import asyncio_timeout
 from tensorwire.broadcast import pipeline
 from tensorwire.broadcast.peer import RelayPeer
-from tensorwire.errors import CorruptFrame, ProtocolError, TensorwireError, TransferTimeout
+from tensorwire.errors import CorruptFrame, InvalidName, ProtocolError, TensorwireError, TransferTimeout
 from tensorwire.logs import event
 from tensorwire.transport import FrameChannel
 from tensorwire.types import Address, TensorMeta
@@ -34,6 +43,7 @@ from tensorwire.wire.frame import Opcode
 log = logging.getLogger("tensorwire.broadcast")
 
 MAX_REROUTES = 64  # upstream failures one update survives before it gives up
+ORIGIN_GRACE = 5.0  # seconds an answer from the origin may take past the stall bound
 
 
 class RelayReader(Protocol):
@@ -45,6 +55,7 @@ class RelayReader(Protocol):
     received: int  # data bytes pulled through the relay, counted here
     window: int  # single-chunk requests kept in flight
     stall_timeout: float  # how long an upstream may keep a chunk waiting
+    peer_timeout: float  # how long connecting to an upstream peer may take
     peer: RelayPeer
     progress: Callable[[int], None] | None
 
@@ -69,11 +80,13 @@ async def pull(
         upstream = placement.address
         try:
             # Opened here, once: the requests in flight share it.
-            channel = await reader._channel(upstream)
+            channel = await _upstream(reader, upstream)
             fetch_one = functools.partial(fetch, reader, channel, upstream, manifest, buffers=buffers)
             if await pipeline.pull(
                 fetch_one, pulled, reader.window, deadline, functools.partial(advanced, reader)
             ):
+                if upstream:
+                    await reader._drop_channel(upstream)  # the next generation reads from another
                 return
         except TensorwireError as exc:
             if not upstream or reroutes >= MAX_REROUTES:
@@ -87,6 +100,18 @@ async def pull(
         raise TransferTimeout(
             f"the update to generation {manifest.generation} ran out of time at chunk {pulled.verified}"
         )
+
+
+async def _upstream(reader: RelayReader, address: str) -> FrameChannel:
+    """The connection to ``address`` (``""``: the origin); an upstream peer's must be of the origin's
+    scheme (no plain text under a TLS origin) and open within ``peer_timeout``."""
+    if not address:
+        return await reader._channel("")
+    scheme = address.partition("://")[0]
+    if scheme != reader.origin.scheme:
+        raise InvalidName(f"upstream {address} is not {reader.origin.scheme}:// as the origin is")
+    async with asyncio_timeout(reader.peer_timeout, f"connecting to the upstream at {address}"):
+        return await reader._channel(address)
 
 
 async def advanced(reader: RelayReader, verified: int) -> None:
@@ -118,9 +143,10 @@ async def fetch(
 
     wait_ms = int(reader.stall_timeout * 1000)
     body = wr.encode_get(reader.prefix, manifest.generation, chunk, 1, wait_ms)
+    grace = reader.peer_timeout if address else ORIGIN_GRACE  # a peer's chunk is short to send
     answer = await channel.call(
         Opcode.RELAY_GET, body, sink=sink, what=f"RELAY_GET of chunk {chunk}",
-        timeout=reader.stall_timeout + 5.0,
+        timeout=reader.stall_timeout + grace,
     )  # fmt: skip
     answer.done()
     if checksum(manifest.kind, dest) != manifest.checksums[chunk]:

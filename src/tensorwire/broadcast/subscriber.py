@@ -13,11 +13,11 @@ How one ``update()`` goes (docs/protocol.md §15 has the wire side):
    from the origin, is) before it counts as received. As soon as it and every chunk before it are,
    this reader's own relay server (peer.py, a ``Server`` with the cluster's token and TLS) may
    forward it to the reader after it: every hop forwards chunk k while receiving chunk k+1.
-3. An upstream that drops the connection, stalls past ``stall_timeout``, refuses, or sends a chunk
-   whose checksum fails is reported to the origin (RELAY_REPORT FAILED); the origin drops it from
-   the chain and answers the new upstream (the failed one's own upstream, or itself), and the pull
-   goes on from the lowest chunk not verified yet. Readers after a dead one see their upstream fail and are
-   routed around the same way.
+3. An upstream that cannot be reached within ``peer_timeout``, drops the connection, stalls past
+   ``stall_timeout``, refuses, or sends a chunk whose checksum fails is reported to the origin
+   (RELAY_REPORT FAILED); the origin drops it from the chain and answers itself as the new upstream,
+   and the pull goes on from the lowest chunk not verified yet. A reader sends the cluster's token
+   only to the origin: its peers get the relay token derived from it (peer.py).
 4. RELAY_REPORT DONE: this reader holds the whole generation and stays an upstream for readers
    that join later, until its next ``update()`` starts overwriting its tensors.
 
@@ -48,10 +48,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ipaddress
 import json
 import logging
-import socket
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Mapping, Sequence
@@ -62,6 +60,7 @@ import torch
 
 from tensorwire import transport
 from tensorwire._aio import LoopThread
+from tensorwire.broadcast import peer as relay_peer
 from tensorwire.broadcast import relay_pull
 from tensorwire.broadcast.host import HostShare
 from tensorwire.broadcast.peer import RelayPeer
@@ -76,7 +75,6 @@ from tensorwire.errors import (
 from tensorwire.logs import event
 from tensorwire.security import Security, TlsFiles, client_tls, client_token
 from tensorwire.server import Server
-from tensorwire.store import TensorStore
 from tensorwire.transport import FrameChannel, TransportOptions
 from tensorwire.transport.base import Transport, as_generational
 from tensorwire.types import Address, GenerationManifest, TensorMeta
@@ -113,13 +111,17 @@ class Subscriber:
     or a ``state_dict``), in place: see the module docstring.
 
     ``relay``: serve the chunks to other readers (a relay server on ``listen_host``, default the
-    address this host reaches the origin from). ``stall_timeout``: how long an upstream may keep a
-    chunk waiting before it is routed around. ``window``: single-chunk requests kept in flight.
+    address this host reaches the origin from; under tls:// it needs ``tls`` with this reader's
+    certificate, key and the cluster's CA: peer.py). ``stall_timeout``: how long an upstream may
+    keep a chunk waiting before it is routed around; ``peer_timeout``: how long connecting to an
+    upstream may take. ``window``: single-chunk requests kept in flight.
     ``progress(chunks)`` hears, on a worker thread, how many chunks of the generation are verified.
     ``deltas``: a reader holding a generation reads a newer one as a delta from the origin (see
     the module docstring: readers at different generations each get their own delta; a reader
     with nothing gets everything, through the relay). ``share`` (e.g. "shm://127.0.0.1:0"): also
-    share each generation with this host's ``HostReader``s, at ``share_url`` (host.py).
+    share each generation with this host's ``HostReader``s, at ``share_url`` (host.py); a share
+    that cannot take a generation is logged and counted (``share_failures``), and the update, which
+    brought it into ``into``, still returns it.
     """
 
     def __init__(
@@ -139,6 +141,7 @@ class Subscriber:
         progress: Callable[[int], None] | None = None,
         deltas: bool = True,
         share: str | None = None,
+        peer_timeout: float = 2.0,
     ) -> None:
         self.origin = Address.parse(url)
         if relay and self.origin.scheme not in ("tcp", "tls"):
@@ -146,8 +149,11 @@ class Subscriber:
         self.prefix = prefix
         self.targets = _targets(prefix, into)
         self.security = Security(tls=client_tls(tls), token=client_token(token))  # or $TENSORWIRE_*
+        if relay:
+            relay_peer.check_peer_tls(self.security, self.origin.scheme)
         self.timeout = timeout
         self.stall_timeout = stall_timeout
+        self.peer_timeout = peer_timeout
         self.window = max(1, min(window, 64))
         self.progress = progress
         self.generation = 0  # the generation the tensors hold (0: none yet)
@@ -158,9 +164,11 @@ class Subscriber:
         self.delta_stats = delta_reads.DeltaStats()  # what this reader's delta reads moved
         self.updates: deque[UpdateRecord] = deque(maxlen=KEEP_UPDATES)  # the last few, newest last
         self.received = 0  # data bytes pulled through the relay, all updates
+        self.share_failures = 0  # generations the host share could not take (logged each time)
         self._relay = relay
         self._listen_host = listen_host
         self._options = TransportOptions(connect_timeout, timeout, security=self.security)
+        self._peer_options = relay_peer.peer_options(self._options, peer_timeout)
         self._channels: dict[str, FrameChannel] = {}  # "" is the origin
         self._server: Server | None = None
         self._loop = LoopThread("tensorwire-subscriber")
@@ -171,7 +179,7 @@ class Subscriber:
         """The host share's server; the loop thread is stopped if it cannot start (the caller never
         gets an object to close)."""
         try:
-            start = HostShare.start(listen, self.prefix, self.targets, self.security.token)
+            start = HostShare.start(listen, self.prefix, self.targets, self.security)
             return self._loop.call(start, timeout, f"serving {listen}")
         except BaseException:
             self._loop.stop()
@@ -186,8 +194,19 @@ class Subscriber:
             self._update(time.monotonic() + wait), wait + 5.0, f"an update of {self.prefix!r}"
         )
         if self.share is not None:  # only now: every chunk is in and verified
-            self._loop.call(self.share.publish(number, self.targets), wait, f"sharing on {self.share_url}")
+            self._share(self.share, number, wait)
         return number
+
+    def _share(self, share: HostShare, number: int, wait: float) -> None:
+        """Share generation ``number`` with this host's followers. A share that cannot take it (its
+        followers pin older ones and fill its store) fails them, not this reader, whose update
+        brought the generation: a warning and ``share_failures`` say so."""
+        try:
+            self._loop.call(share.publish(number, self.targets), wait, f"sharing on {share.url}")
+        except TensorwireError as exc:
+            self.share_failures += 1
+            event(log, logging.WARNING, "host share did not take the generation", share=self.share_url,
+                  generation=number, failures=self.share_failures, error=repr(exc))  # fmt: skip
 
     def wait_and_update(self, timeout: float) -> int:
         """Wait (the server notifies; no polling) until a generation newer than the one held is
@@ -378,10 +397,12 @@ class Subscriber:
         raise AssertionError("unreachable")
 
     async def _channel(self, address: str) -> FrameChannel:
+        """The connection to ``address`` (``""``: the origin, with the cluster's credentials; else
+        an upstream peer, with the relay's: peer.py)."""
         channel = self._channels.get(address)
         if channel is None or channel.closed:
-            target = address or str(self.origin)
-            channel = await transport.open_channel(target, self._options, what="a Subscriber")
+            target, options = (address, self._peer_options) if address else (str(self.origin), self._options)
+            channel = await transport.open_channel(target, options, what="a Subscriber")
             self._channels[address] = channel
         return channel
 
@@ -396,11 +417,9 @@ class Subscriber:
         if not self._relay:
             return ""
         if self._server is None:
-            host = self._listen_host or _local_host_towards(self.origin)
-            server = Server(TensorStore(capacity=0, max_tensors=1), security=_relay_security(self.security),
-                            extensions=[self.peer], stall_timeout=self.stall_timeout)  # fmt: skip
-            (address,) = await server.start(f"{self.origin.scheme}://{_bracketed(host)}:0")
-            self._server, self.relay_address = server, str(address)
+            self._server, self.relay_address = await relay_peer.serve(
+                self.peer, self.origin, self.security, self._listen_host, self.stall_timeout
+            )
         return self.relay_address
 
     async def _leave(self, generation: int) -> None:
@@ -438,32 +457,3 @@ def full_name(prefix: str, key: str) -> str:
     """The published name of ``key`` under ``prefix``: ``prefix/key`` (as ``client.publish`` names
     it), or ``prefix + key`` for a prefix that ends with "/" (plain puts under a common prefix)."""
     return prefix + key if prefix.endswith("/") else f"{prefix}/{key}"
-
-
-def _relay_security(security: Security) -> Security:
-    """What the relay server asks of its peers: the cluster's token, over TLS with this reader's
-    certificate and key (``tls.cert``/``tls.key``; its peers check them against ``tls.ca``). Not
-    mutual TLS: ``tls.ca`` signs the origin, not the peers' client certificates; the token is
-    what admits a peer."""
-    files = security.tls
-    tls = TlsFiles(cert=files.cert, key=files.key) if files is not None else None
-    return Security(tls=tls, token=security.token)
-
-
-def _local_host_towards(origin: Address) -> str:
-    """The address this host reaches ``origin`` from (a UDP connect sends nothing)."""
-    try:
-        infos = socket.getaddrinfo(origin.host, origin.port or 1, type=socket.SOCK_DGRAM)
-        family, _, _, _, sockaddr = infos[0]
-        with socket.socket(family, socket.SOCK_DGRAM) as probe:
-            probe.connect(sockaddr)
-            return str(probe.getsockname()[0])
-    except OSError as exc:
-        raise ValueError(f"cannot tell which local address reaches {origin}; pass listen_host") from exc
-
-
-def _bracketed(host: str) -> str:
-    with contextlib.suppress(ValueError):
-        if ipaddress.ip_address(host).version == 6:
-            return f"[{host}]"
-    return host

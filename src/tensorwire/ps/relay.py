@@ -16,6 +16,12 @@ server's capacity (CapacityExceeded when it does not fit: the worker pulls direc
 the store keeps the last ``--keep-generations`` of them (2 by default); a job that ended has its
 generations dropped at the next publish.
 
+Who relays: the PS_RELAY of a live worker (its session checked, as for a pull) admits the
+connection it came over to register in the job's chains (``admit``; the worker joins over that same
+connection, ps/relay_reader.py). An observer's PS_RELAY admits nothing, and a RELAY_JOIN from a
+connection not admitted reads from the server, unregistered (broadcast/coordinator.py): readers
+outside the job are never upstream of its workers, so they cannot make the workers' pulls wait.
+
 Lifecycle: the ``ParamServer`` makes one ``RelayPublisher``; when the ``ParamServer`` is added to a
 server (``added_to``) it ``attach``es the server's generations and relay tables, after which
 ``publish`` may be called from the event loop.
@@ -31,8 +37,10 @@ from typing import Any
 import torch
 
 from tensorwire.broadcast.chains import Chains
+from tensorwire.broadcast.coordinator import admit
 from tensorwire.errors import ProtocolError
 from tensorwire.ps.job import HeldShard, Job
+from tensorwire.server import Request
 from tensorwire.store.generations import SERVER_PREFIX, Generations
 from tensorwire.store.memory import Reservation
 from tensorwire.types import TensorMeta
@@ -71,6 +79,12 @@ class RelayPublisher:
 
     def attach(self, generations: Generations, chains: Chains) -> None:
         self.generations, self.chains = generations, chains
+
+    def admit(self, request: Request, job: str) -> None:
+        """``request`` (a PS_RELAY) came from a live worker of ``job``: its connection may register
+        in the job's chains (see the module doc). Call it only once the worker's session is checked."""
+        if self.chains is not None:
+            admit(request, self.chains, relay_prefix(job))
 
     async def publish(self, job: Job, held: Callable[[str], bool]) -> tuple[int, int]:
         """The job's current parameters as a generation: (version, generation number). ``held``

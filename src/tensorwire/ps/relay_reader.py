@@ -9,8 +9,11 @@ With ``pull="relay"``, a worker pulls each server's shards of a new version like
    (broadcast/relay_pull.py): the server strings the job's workers into chains, and each worker
    pulls the chunks from the one before it (or from the server), straight into the module's
    parameters, checks each against the server's manifest, and forwards it to the next through a
-   relay server of its own (``RelayPeer`` on port 0, the job's token and TLS certificate). A dead
-   or corrupt upstream is routed around (RELAY_REPORT FAILED).
+   relay server of its own (``RelayPeer`` on port 0: the relay token derived from the job's token,
+   and under TLS its certificate and the cluster's CA, broadcast/peer.py). A dead or corrupt
+   upstream is routed around (RELAY_REPORT FAILED). The join and the reports go over the connection
+   that carried the PS_RELAY: the server admitted that connection (a live worker's) to register in
+   the job's chains, so no reader outside the job (an observer) is ever upstream of a worker.
 
 So the server's link carries each version about once, instead of once per worker. In ``sync``
 mode every worker reads the generation its PS_RELAY named (the next one cannot exist before all
@@ -37,21 +40,23 @@ from collections.abc import Callable, Sequence
 import torch
 
 from tensorwire import transport
+from tensorwire.broadcast import peer as relay_peer
 from tensorwire.broadcast import relay_pull
 from tensorwire.broadcast.peer import RelayPeer
-from tensorwire.broadcast.subscriber import (
-    MAX_MANIFEST_CHUNKS,
-    _bracketed,
-    _local_host_towards,
-    _relay_security,
+from tensorwire.broadcast.subscriber import MAX_MANIFEST_CHUNKS
+from tensorwire.errors import (
+    ProtocolError,
+    TensorwireError,
+    UnsupportedTransport,
+    VersionChanged,
+    WaitTimeout,
+    WorkerDropped,
 )
-from tensorwire.errors import ProtocolError, TensorwireError, VersionChanged, WaitTimeout, WorkerDropped
 from tensorwire.logs import event
 from tensorwire.ps.placement import Shard
 from tensorwire.ps.relay import relay_name, relay_prefix
 from tensorwire.ps.slot import ServerSlot
 from tensorwire.server import Server
-from tensorwire.store import TensorStore
 from tensorwire.transport import FrameChannel, TransportOptions
 from tensorwire.types import Address
 from tensorwire.wire import meta as wm
@@ -76,7 +81,14 @@ class SlotReader:
     """One server's relay, as this worker reads it (a ``broadcast.relay_pull.RelayReader``)."""
 
     def __init__(
-        self, job: str, url: str, options: TransportOptions, stall_timeout: float, window: int
+        self,
+        job: str,
+        url: str,
+        options: TransportOptions,
+        stall_timeout: float,
+        window: int,
+        *,
+        peer_timeout: float = 2.0,
     ) -> None:
         self.prefix = relay_prefix(job)
         self.job = job
@@ -85,20 +97,30 @@ class SlotReader:
         self.received = 0
         self.window = window
         self.stall_timeout = stall_timeout
+        self.peer_timeout = peer_timeout
         self.peer = RelayPeer(max_wait=stall_timeout)
         self.progress: Callable[[int], None] | None = None
         self.relay_address = ""
         self.holds = 0  # the generation this worker's memory holds and serves (0: none)
         self._options = options
+        self._peer_options = relay_peer.peer_options(options, peer_timeout)
         self._channels: dict[str, FrameChannel] = {}  # "" is the origin
+        self._control: FrameChannel | None = None  # the slot's connection: joins and reports
         self._server: Server | None = None
 
     async def read(
-        self, url: str, number: int, exact: bool, buffers: Callable[[wr.Manifest], list[memoryview]]
+        self,
+        url: str,
+        number: int,
+        exact: bool,
+        buffers: Callable[[wr.Manifest], list[memoryview]],
+        control: FrameChannel | None = None,
     ) -> None:
         """Generation ``number`` (``exact``; else the newest, at least ``number``) from the replica
-        at ``url`` through the relay, into ``buffers(manifest)``."""
+        at ``url`` through the relay, into ``buffers(manifest)``; the join and the reports over
+        ``control`` (the connection the PS_RELAY came over) while it is open."""
         await self._at(url)
+        self._control = control
         deadline = time.monotonic() + self._options.request_timeout
         join = wr.encode_join(self.prefix, 0, await self._relay_url())
         manifest, placement = wr.decode_join_reply(
@@ -134,14 +156,19 @@ class SlotReader:
 
     # -- connections (relay_pull.RelayReader) -----------------------------------------------------
     async def _origin_call(self, opcode: int, body: bytes, what: str) -> wm.MetaReader:
-        channel = await self._channel("")
+        """A join or a report: over the slot's connection, which the server admitted to register
+        (else over this reader's own, which registers nothing: it reads from the server)."""
+        control = self._control
+        channel = control if control is not None and not control.closed else await self._channel("")
         return await channel.call(opcode, body, what=f"{what} of {self.prefix!r}")
 
     async def _channel(self, address: str) -> FrameChannel:
+        """The connection to ``address`` (``""``: the server, for chunks; else an upstream peer,
+        with the relay's credentials: broadcast/peer.py)."""
         channel = self._channels.get(address)
         if channel is None or channel.closed:
-            target = address or str(self.origin)
-            channel = await transport.open_channel(target, self._options, what="a relay pull")
+            target, options = (address, self._peer_options) if address else (str(self.origin), self._options)
+            channel = await transport.open_channel(target, options, what="a relay pull")
             self._channels[address] = channel
         return channel
 
@@ -155,11 +182,13 @@ class SlotReader:
         """This worker's relay server for this slot, started on first use."""
         if self._server is None:
             security = self._options.security
-            server = Server(TensorStore(capacity=0, max_tensors=1), security=_relay_security(security),
-                            extensions=[self.peer], stall_timeout=self.stall_timeout)  # fmt: skip
-            host = _local_host_towards(self.origin)
-            (address,) = await server.start(f"{self.origin.scheme}://{_bracketed(host)}:0")
-            self._server, self.relay_address = server, str(address)
+            try:
+                relay_peer.check_peer_tls(security, self.origin.scheme)
+            except ValueError as exc:  # the pull falls back to a direct one, with a warning
+                raise UnsupportedTransport(str(exc)) from exc
+            self._server, self.relay_address = await relay_peer.serve(
+                self.peer, self.origin, security, None, self.stall_timeout
+            )
         return self.relay_address
 
     async def _leave(self, generation: int) -> None:
@@ -223,7 +252,8 @@ class RelayPulls:
             return None
         received = reader.received
         try:
-            await reader.read(slot.url, number, self.exact, lambda m: self._bind(slot.shards, m))
+            bind = lambda m: self._bind(slot.shards, m)  # noqa: E731
+            await reader.read(slot.url, number, self.exact, bind, slot.conn)
         except (TensorwireError, TimeoutError) as exc:
             self._fell_back(reader, slot, f"generation {number}", exc)
             return None

@@ -1,23 +1,35 @@
 """A relay origin for tests (``origin``: a server with a ``RelayCoordinator`` and small chunks, so that
-a transfer is many chunks and a fault lands mid-transfer), a model's tensors, bit-exact checks, and
-where a tensor's memory lies (``segment_mapping``: a view of a shared-memory segment, or a copy)."""
+a transfer is many chunks and a fault lands mid-transfer), a model's tensors, bit-exact checks,
+where a tensor's memory lies (``segment_mapping``: a view of a shared-memory segment, or a copy),
+a connection that speaks the relay's opcodes by hand and stays open (``RelayConn``: a hostile
+reader), and readers' TLS certificates (``reader_certs``)."""
 
 from __future__ import annotations
 
+import datetime
+import ipaddress
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import torch
 
 import tensorwire
+from tensorwire import transport
+from tensorwire._aio import LoopThread
 from tensorwire.broadcast import Chains, RelayCoordinator
 from tensorwire.broadcast.source import StoreSource
-from tensorwire.security import Security
+from tensorwire.security import Security, TlsFiles, write_dev_certs
 from tensorwire.server import ServerThread
 from tensorwire.store import TensorStore
 from tensorwire.store.generations import GenerationConfig
+from tensorwire.transport import FrameChannel, TransportOptions
+from tensorwire.types import TensorMeta
+from tensorwire.wire import meta as wm
+from tensorwire.wire import relay as wr
 from tensorwire.wire import shm as ws
+from tensorwire.wire.frame import Opcode
 
 PREFIX = "policy/"
 CHUNK = 16 << 10  # small: a transfer is many chunks, so faults land mid-transfer
@@ -100,3 +112,94 @@ def subscribers(
     finally:
         for sub in subs:
             sub.close()
+
+
+class RelayConn:
+    """One connection to ``url`` that stays open (its registrations live as long as it does),
+    sending relay requests built by hand: what a hostile reader sends. ``close`` ends it."""
+
+    def __init__(self, url: str, token: str | None = None, tls: TlsFiles | None = None) -> None:
+        self._loop = LoopThread("tensorwire-relay-conn")
+        options = TransportOptions(5.0, 10.0, security=Security(tls=tls, token=token))
+        try:
+            opening = transport.open_channel(url, options, what="a test's relay connection")
+            self._channel: FrameChannel = self._loop.call(opening, 15.0, f"connecting to {url}")
+        except BaseException:
+            self._loop.stop()
+            raise
+
+    def call(self, opcode: int, body: bytes, sink: bool = False) -> tuple[wm.MetaReader, list[TensorMeta]]:
+        """One request; with ``sink``, its answer's data lands in fresh buffers (records returned)."""
+        landed: list[TensorMeta] = []
+
+        def land(metas: list[TensorMeta]) -> list[memoryview]:
+            landed.extend(metas)
+            return [memoryview(bytearray(m.nbytes)) for m in metas]
+
+        what = Opcode(opcode).name
+        call = self._channel.call(opcode, body, sink=land if sink else None, what=what)
+        return self._loop.call(call, 30.0, what), landed
+
+    def join(self, relay: str, prefix: str = PREFIX, after: int = 0) -> tuple[wr.Manifest, wr.Placement]:
+        reader, _ = self.call(Opcode.RELAY_JOIN, wr.encode_join(prefix, after, relay))
+        return wr.decode_join_reply(reader, 1 << 20)
+
+    def report(
+        self, generation: int, reader: int, what: wr.Report, upstream: int = 0, prefix: str = PREFIX
+    ) -> wr.Placement:
+        body = wr.encode_report(prefix, generation, reader, what, upstream)
+        answer, _ = self.call(Opcode.RELAY_REPORT, body)
+        return wr.decode_report_reply(answer)
+
+    def close(self) -> None:
+        try:
+            self._loop.call(self._channel.close(), 10.0, "closing a test's relay connection")
+        finally:
+            self._loop.stop()
+
+    def __enter__(self) -> RelayConn:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def reader_certs(directory: Path, hosts: tuple[str, ...] = ("127.0.0.1",)) -> tuple[TlsFiles, TlsFiles]:
+    """A development CA in ``directory`` and (the origin's files, a reader's): a reader's certificate
+    serves both ways (serverAuth for its relay server, naming ``hosts``; clientAuth towards its peers
+    and the origin), as a relay over TLS needs (broadcast/peer.py)."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+
+    paths = write_dev_certs(directory, hosts)
+    ca_cert = x509.load_pem_x509_certificate(paths["ca"].read_bytes())
+    ca_key = serialization.load_pem_private_key(paths["ca_key"].read_bytes(), None)
+    assert isinstance(ca_key, ec.EllipticCurvePrivateKey)
+    key = ec.generate_private_key(ec.SECP256R1())
+    now = datetime.datetime.now(datetime.UTC)
+    usages = [x509.oid.ExtendedKeyUsageOID.SERVER_AUTH, x509.oid.ExtendedKeyUsageOID.CLIENT_AUTH]
+    names: list[x509.GeneralName] = [x509.IPAddress(ipaddress.ip_address(h)) for h in hosts]
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(x509.Name([x509.NameAttribute(x509.oid.NameOID.COMMON_NAME, "tensorwire test reader")]))
+        .issuer_name(ca_cert.subject)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+        .add_extension(x509.ExtendedKeyUsage(usages), critical=False)
+        .add_extension(x509.SubjectAlternativeName(names), critical=False)
+        .sign(ca_key, hashes.SHA256())
+    )
+    reader_cert, reader_key = directory / "reader.pem", directory / "reader-key.pem"
+    reader_cert.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    reader_key.write_bytes(
+        key.private_bytes(
+            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+        )
+    )
+    reader_key.chmod(0o600)
+    served = TlsFiles(cert=paths["server"], key=paths["server_key"], ca=paths["ca"])
+    return served, TlsFiles(cert=reader_cert, key=reader_key, ca=paths["ca"])
