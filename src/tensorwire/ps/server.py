@@ -352,6 +352,8 @@ class ParamServer:
         request.meta.done()
         run = self._lifecycle.run_of(head)
         await run.pulls.admit(request, head)
+        if head.worker != wps.OBSERVER:  # a live worker (admit checked its session) relays its job
+            self.relay.admit(request, run.job.id)
         with request.waiting():
             version, number = await self.relay.publish(run.job, lambda job: self.jobs.get(job) is not None)
         await request.reply(wps.encode_relay_reply(version, number))
