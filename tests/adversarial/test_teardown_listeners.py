@@ -26,6 +26,7 @@ import tensorwire
 from tensorwire._aio import NO_UVLOOP_ENV, LoopThread, run
 from tensorwire.cli.status import ask_status
 from tensorwire.client import ClientOptions
+from tensorwire.errors import TensorwireError
 from tensorwire.server import Server
 from tensorwire.store import TensorStore
 from tensorwire.testing.process import ServerProcess, wait_for
@@ -108,6 +109,25 @@ def test_a_grpc_put_whose_client_vanishes_is_dropped(grpc_server: ServerProcess)
     future.cancel()
     wait_for(lambda: _store(grpc_server)["reserved"] == 0, 10, "the half-sent Put to be dropped")
     _alive(grpc_server)
+
+
+@pytest.mark.parametrize("loop", ["uvloop", "asyncio"])
+def test_a_grpc_client_whose_server_vanishes_mid_get_raises_a_typed_error(
+    loop: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv(NO_UVLOOP_ENV, raising=False)
+    if loop == "asyncio":
+        monkeypatch.setenv(NO_UVLOOP_ENV, "1")  # the client's own loop (read when it is built)
+    with ServerProcess(capacity="512MiB", extra=["--listen", "grpc://127.0.0.1:0"]) as srv:
+        with tensorwire.connect(srv.url, retries=0) as c:
+            c.put("big", BIG)
+
+        def vanish(_: int) -> None:
+            if srv.proc.poll() is None:
+                srv.proc.kill()  # the server is gone in the middle of the answer
+
+        with tensorwire.connect(srv.urls[1], retries=0, timeout=10.0) as c, pytest.raises(TensorwireError):
+            c.get("big", progress=vanish)
 
 
 # -- memory:// ----------------------------------------------------------------------------------

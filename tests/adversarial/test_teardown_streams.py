@@ -89,7 +89,7 @@ class Servers:
     def _start(self, loop: str) -> Served:
         env = {NO_UVLOOP_ENV: "1"} if loop == "asyncio" else {}
         tls = ["--tls-cert", str(self.certs["server"]), "--tls-key", str(self.certs["server_key"])]
-        timeouts = ["--stall-timeout", "0.3", "--auth-timeout", "0.5"]
+        timeouts = ["--stall-timeout", "0.3", "--auth-timeout", "0.5", "--idle-timeout", "1"]
         extra = ["--listen", "tls://127.0.0.1:0", "--listen", "shm://127.0.0.1:0", *tls, *timeouts]
         with pytest.MonkeyPatch.context() as mp:  # the child inherits the environment
             mp.delenv(NO_UVLOOP_ENV, raising=False)
@@ -189,6 +189,14 @@ def test_a_stalled_tls_handshake_is_closed_at_the_auth_deadline(served: Served) 
         sock.sendall(b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03")  # the start of a ClientHello
         assert sock.recv(1) == b"", "the handshake that never finished was not closed"
     served.assert_alive("tls")
+
+
+@pytest.mark.parametrize("scheme", ["tcp", "tls", "shm"])
+def test_an_idle_connection_is_closed_and_the_server_runs_on(served: Served, scheme: str) -> None:
+    with raw(served, scheme) as sock:
+        _request(sock, Opcode.PING, b"", 1)  # a request served, then nothing: its read watch armed
+        assert sock.recv(1) == b"", "the idle connection was not closed"
+    served.assert_alive(scheme)
 
 
 def _status_store(served: Served) -> dict[str, int]:
