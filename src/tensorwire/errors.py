@@ -35,6 +35,8 @@ of these. Each class says whether retrying the same call can help.
     ├── UnsupportedTransport           (also ValueError) this address's transport cannot do what was asked
     ├── AuthenticationError            the server refused the token or client certificate
     │   └── CertificateRefused         (also ConnectError) a TLS handshake failed on certificates; no retry
+    ├── NotAuthorized                  (also PermissionError) not this client's to change: another job's
+    │                                  (its job token) or an operator's (the operator token); no retry
     ├── WorkerDropped                  the server does not count this worker in the job: rejoin
     ├── ServerError                    an unexpected failure inside the server
     │   └── ReplicationRefused         a backup refused the primary's peer credentials: change not made
@@ -222,6 +224,14 @@ class CertificateRefused(AuthenticationError, ConnectError):
     retryable = False
 
 
+class NotAuthorized(TensorwireError, PermissionError):
+    """The server knows this client but will not let it do this: a parameter-server job belongs to
+    the workers that hold its job token (``$TENSORWIRE_JOB_TOKEN``), and ending one also to the
+    servers' operator (``serve --operator-token-file``). The message names the credential that was
+    missing or did not match; the connection stays open. Retrying with the same credential will
+    not help."""
+
+
 class WorkerDropped(TensorwireError):
     """The parameter server does not count this worker in its job: it missed its heartbeats, left,
     or the server restarted from a checkpoint. ``ps.Worker`` rejoins and carries on."""
@@ -271,6 +281,7 @@ class ErrorCode(enum.IntEnum):
     VERSION_CHANGED = 20  # far from 15: other fast-path transports number theirs from 15
     GENERATION_RETIRED = 21
     PUBLISH_ABORTED = 22
+    NOT_AUTHORIZED = 23
 
 
 _CODE_TO_ERROR: dict[ErrorCode, type[TensorwireError]] = {
@@ -291,6 +302,7 @@ _CODE_TO_ERROR: dict[ErrorCode, type[TensorwireError]] = {
     ErrorCode.VERSION_CHANGED: VersionChanged,
     ErrorCode.GENERATION_RETIRED: GenerationRetired,
     ErrorCode.PUBLISH_ABORTED: PublishAborted,
+    ErrorCode.NOT_AUTHORIZED: NotAuthorized,
 }
 
 

@@ -94,15 +94,36 @@ def ps_stats(servers: tuple[str, ...], job: str | None, as_table: bool) -> None:
 @click.argument("job", callback=_job_param)
 @click.argument("servers", nargs=-1, required=True, callback=url_param)
 @click.option("--force", is_flag=True, help="End it even while workers are live (they then get an error).")
+@click.option(
+    "--job-token-file", type=FILE,
+    help="A file holding the job's token, which its workers share (default: $TENSORWIRE_JOB_TOKEN).",
+)  # fmt: skip
+@click.option(
+    "--operator-token-file", type=FILE,
+    help="A file holding the servers' operator token (serve --operator-token-file): it ends any job.",
+)  # fmt: skip
 @security_options
-def ps_end(job: str, servers: tuple[str, ...], force: bool) -> None:
+def ps_end(
+    job: str,
+    servers: tuple[str, ...],
+    force: bool,
+    job_token_file: Path | None,
+    operator_token_file: Path | None,
+) -> None:
     """End JOB on each of SERVERS: its state freed, its last checkpoint written (with
-    --checkpoint-dir). Refused while it has live workers, unless --force. Any client the servers
-    admit may do it (with --token-file, one that offers the token)."""
+    --checkpoint-dir). Refused while it has live workers, unless --force. A job its workers started
+    with a job token ends only for a client that offers it (--job-token-file, $TENSORWIRE_JOB_TOKEN)
+    or the servers' operator token (--operator-token-file); one started without, for any client the
+    servers admit (with --token-file, one that offers the token)."""
     from tensorwire.ps.rpc import end_job
+    from tensorwire.security import load_token
 
+    if job_token_file is not None and operator_token_file is not None:
+        raise click.UsageError("give --job-token-file or --operator-token-file, not both")
+    given = job_token_file or operator_token_file
     security = ClientOptions(**client_options()).security()
-    end_job(list(servers), job, force=force, security=security)
+    credential = load_token(given) if given is not None else None
+    end_job(list(servers), job, force=force, security=security, credential=credential)
     click.echo(f"ended job {job} on {len(servers)} server(s)")
 
 

@@ -187,6 +187,11 @@ def _rack_param(ctx: click.Context, param: click.Parameter, value: str | None) -
     "required with --backup/--standby. Only a connection that offers it may replicate.",
 )  # fmt: skip
 @click.option(
+    "--operator-token-file", type=FILE,
+    help="Parameter server: the operator's secret (not the clients' token): `ps end --operator-token-file` "
+    "with it ends any job, also one its workers started with a job token.",
+)  # fmt: skip
+@click.option(
     "--peer-tls-ca", type=FILE, help="Parameter server: CA of the tls:// --backup servers' certificates."
 )
 @click.option(
@@ -267,6 +272,7 @@ def serve(
     standby: bool,
     failover_timeout: float,
     peer_token_file: Path | None,
+    operator_token_file: Path | None,
     peer_tls_ca: Path | None,
     peer_tls_cert: Path | None,
     peer_tls_key: Path | None,
@@ -297,6 +303,9 @@ def serve(
     )
     if peer.token is not None and peer.token == security.token:
         raise click.UsageError("--peer-token-file must hold another secret than --token-file")
+    operator = load_token(operator_token_file) if operator_token_file else None
+    if operator is not None and operator in (security.token, peer.token):
+        raise click.UsageError("--operator-token-file must differ from --token-file and --peer-token-file")
     store = TensorStore(capacity, data_dir, max_tensors=max_tensors)
     policy = (
         CheckpointPolicy(checkpoint_dir, checkpoint_every, checkpoint_seconds) if checkpoint_dir else None
@@ -313,6 +322,7 @@ def serve(
         peer=peer,
         max_jobs=max_jobs,
         keep_jobs=keep_jobs,
+        operator_token=operator,
     )
     if policy is not None:
         for job in ps_server.jobs.restore_all(policy.directory):

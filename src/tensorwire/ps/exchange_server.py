@@ -272,13 +272,12 @@ class GradientExchange:
     def leave(self, worker: int, session: Hashable = None, *, strict: bool = True) -> None:
         """``worker`` is done: rounds stop waiting for it. Once every worker of a world has left,
         the exchange forgets the run (the next one starts again at step 0). ``session``: who asks;
-        None: the server itself (a dropped worker). If the rank is another session's: ProtocolError
-        (``strict``), else nothing changes (a job's worker leaving, whose rank in the exchange is
-        another client's)."""
+        None: the server itself. If the rank is another session's: ProtocolError (``strict``); not
+        ``strict`` (a job's worker leaving or dropped), nothing changes unless ``session`` holds it."""
         if not 0 <= worker < MAX_WORLD:
             return  # no round can wait for a rank no world has
-        if not strict and not self.held_by(worker, session) and worker in self._owners:
-            return
+        if not strict and not self.held_by(worker, session):
+            return  # the exchange's rank of that number is another client's (or nobody's)
         self.check_owner(worker, session)
         self._owners.pop(worker, None)
         self.left.add(worker)

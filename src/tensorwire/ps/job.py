@@ -12,6 +12,15 @@
 * The checks: the records a worker sends (``check_records``), its rank and world
   (``Job.check_worker``), and its job (``Job.check_same_job``): a worker that names a job but runs
   another (model, mode, optimizer, world) is refused naming every difference.
+* Who owns a job (``Job.owner``, ``Job.authorize``): the holders of its job token, a secret its
+  workers share (``$TENSORWIRE_JOB_TOKEN``; ``tensorwire ps launch`` makes one per run). The
+  request that opens a job makes the token it offers the job's (its SHA-256 digest is kept, in
+  checkpoints and state transfers too); every later PS_JOIN and PS_INIT must offer the same, and
+  PS_END the same or the servers' operator token (ps/lifecycle.py), else NotAuthorized naming what
+  was missing. A job opened without a token is open: every client the server admits may join or
+  end it, as before job tokens (the server says so in its log, when it requires a client token,
+  and in PS_STATS: ``owner``). Requests that act as a rank need no token: they are bound to the
+  session that joined with it (ps/membership.py), which offered it.
 
 Lifecycle of a ``Job``: empty until a worker's ``PS_INIT`` (or a backup's CREATE) ``install``s
 the shards, or a checkpoint or state transfer is loaded into it (ps/state.py); its counters then
@@ -24,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import hmac
 import json
 import logging
 import re
@@ -35,7 +45,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from tensorwire.errors import CapacityExceeded, InvalidTensor, ProtocolError
+from tensorwire.errors import CapacityExceeded, InvalidTensor, NotAuthorized, ProtocolError
 from tensorwire.logs import event
 from tensorwire.ps.budget import Budget
 from tensorwire.ps.optim import OptimizerSpec, from_dict
@@ -48,6 +58,13 @@ T = TypeVar("T")
 MAX_WORLD = 1 << 16
 MAX_SSP_BOUND = 1 << 30
 _MODEL = re.compile(r"\d{1,9}:[0-9a-f]{16,64}")  # JobConfig.model: "<parameters>:<digest>"
+OPEN = b""  # the owner of a job opened without a job token: every client the server admits
+TOKEN_HELP = "$TENSORWIRE_JOB_TOKEN, ps.Worker(job_token=...)"
+
+
+def token_digest(token: bytes) -> bytes:
+    """What a server keeps of a job token (never the token): its SHA-256; ``OPEN`` for none."""
+    return hashlib.sha256(token).digest() if token else OPEN
 
 
 @dataclass(frozen=True)
@@ -202,6 +219,10 @@ class Job:
         self.pushes = 0
         self.generation = 0  # bumped when the shards are replaced (a job created, a checkpoint restored)
         self.jobs_refused = 0  # joins and inits of another job (model, mode, optimizer, world)
+        # The digest of its job token (``token_digest``); OPEN: none; None: not claimed yet (a job
+        # opened by a backup before its primary said, or restored from a checkpoint without one).
+        self.owner: bytes | None = None
+        self.unauthorized = 0  # joins, inits and ends refused: not the job's token
         self.lock = SharedLock()  # pulls copy the values shared; a step or a checkpoint exclusive
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="tensorwire-ps")
 
@@ -259,6 +280,46 @@ class Job:
         return self.config.to_json() if self.config else "nothing yet"
 
     # -- checks ---------------------------------------------------------------------------------
+    def owned_by(self, credential: bytes) -> bool:
+        """Whether ``credential`` is this job's token (or none, for an open or unclaimed one)."""
+        if self.owner is None:
+            return True
+        return hmac.compare_digest(self.owner, token_digest(credential))
+
+    def authorize(self, credential: bytes, what: str) -> bool:
+        """A request that joins or initialises the job offered ``credential`` (its job token; b"":
+        none): the first makes it the job's (True: claimed); a later one must be the same, else
+        NotAuthorized (counted, logged) naming what was missing, before anything changes."""
+        if self.owner is None:
+            self.owner = token_digest(credential)
+            return True
+        if self.owned_by(credential):
+            return False
+        raise self.refuse(credential, what)
+
+    def refuse(self, credential: bytes, what: str, operator: bool = False) -> NotAuthorized:
+        """The NotAuthorized for ``what`` offering ``credential`` (counted; logged the first time,
+        then at every power of two); ``operator``: the servers' operator token would do too."""
+        self.unauthorized += 1
+        if self.unauthorized & (self.unauthorized - 1) == 0:
+            event(log, logging.WARNING, "refused a request: not the job's token", job=self.id, request=what,
+                  offered=bool(credential), refused_so_far=self.unauthorized)  # fmt: skip
+        also = " or the servers' operator token (--operator-token-file)" if operator else ""
+        if self.owner == OPEN:
+            return NotAuthorized(
+                f"{what}: job {self.id!r} was started without a job token, and this request offers "
+                "one: it is another job (another job needs another id, ps.Worker(job=...))"
+            )
+        if not credential:
+            return NotAuthorized(
+                f"{what}: job {self.id!r} belongs to the holders of its job token ({TOKEN_HELP}){also}; "
+                "this request offers none"
+            )
+        return NotAuthorized(
+            f"{what}: job {self.id!r} belongs to the holders of another job token{also} than the one "
+            "this request offers (another job needs another id, ps.Worker(job=...))"
+        )
+
     def check_worker(self, head: wps.PsHead) -> None:
         if head.worker == wps.OBSERVER:
             raise ProtocolError("an observer cannot join or create a job")

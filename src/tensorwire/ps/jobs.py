@@ -128,6 +128,7 @@ class JobRun:
             "live": len(self.members.live()),
             "step": job.step,
             "version": job.version,
+            "owner": _owner_said(job.owner),
         }
 
     def stats(self) -> dict[str, Any]:
@@ -155,6 +156,8 @@ class JobRun:
             "workers_dropped": members.dropped,
             "identity_refused": members.identity_refused,
             "jobs_refused": job.jobs_refused,
+            "owner": _owner_said(job.owner),
+            "unauthorized_refused": job.unauthorized,
             "job_held_bytes": dict(self.budget.held),
             "checkpoint": {"restored": self.state.restored_from, "skipped": self.state.skipped},
             "staleness": {str(k): v for k, v in sorted(consistency.staleness.items())},
@@ -344,6 +347,11 @@ class Jobs:
                 del self.runs[name]
                 run.free()
         return restored
+
+
+def _owner_said(owner: bytes | None) -> str:
+    """Who owns a job, for PS_STATS: never the digest itself."""
+    return "unclaimed" if owner is None else "job token" if owner else "open"
 
 
 def _job_directories(root: Path) -> Iterator[str]:

@@ -2,9 +2,11 @@
 
 ``tensorwire ps launch --servers 2 --workers 2 train.py ARGS`` starts the servers on free loopback
 ports, then runs ``python train.py ARGS`` W times with the variables torchrun would set (``RANK``,
-``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``) and ``TENSORWIRE_SERVERS``, which
-``ps.Worker`` reads. When one worker fails the others are stopped (in ``sync`` mode they would
-wait for it); whatever happens, every process started here is ended before ``run`` returns.
+``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``), ``TENSORWIRE_SERVERS`` and a fresh
+``TENSORWIRE_JOB_TOKEN`` (the run's job belongs to its workers, ps/job.py; unless the launcher's
+environment names one), which ``ps.Worker`` reads. When one worker fails the others are stopped
+(in ``sync`` mode they would wait for it); whatever happens, every process started here is ended
+before ``run`` returns.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -23,7 +26,7 @@ from pathlib import Path
 
 from tensorwire import topology
 from tensorwire.logs import event
-from tensorwire.ps.worker import SERVERS_ENV
+from tensorwire.ps.worker import JOB_TOKEN_ENV, SERVERS_ENV
 from tensorwire.security import write_token_file
 from tensorwire.server.process import ServerProcess
 
@@ -100,11 +103,13 @@ def _addresses(servers: Sequence[ServerProcess], replicas: int) -> list[str]:
 def start_workers(
     command: Sequence[str], workers: int, servers: Sequence[str], env: Mapping[str, str] | None = None
 ) -> list[subprocess.Popen[bytes]]:
-    """Start ``command`` once per rank, with the rank variables and the servers in its environment."""
+    """Start ``command`` once per rank, with the rank variables, the servers and the job's token
+    (one per call, unless ``env`` or this process's environment has one) in its environment."""
     procs: list[subprocess.Popen[bytes]] = []
+    token = {JOB_TOKEN_ENV: secrets.token_hex(24)}  # the workers' job is theirs (ps/job.py)
     try:
         for rank in range(workers):
-            child = {**os.environ, **(env or {})}
+            child = {**token, **os.environ, **(env or {})}
             child.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(workers),
                          LOCAL_WORLD_SIZE=str(workers), **{SERVERS_ENV: ",".join(servers)})  # fmt: skip
             procs.append(subprocess.Popen(list(command), env=child))

@@ -9,26 +9,31 @@ whose rank or world does not fit, or that runs another model, mode or optimizer 
 its id, is refused naming each difference (``Job.check_worker``, ``Job.check_same_job``), before
 it is admitted or waits for anything.
 
-Who may end a job (PS_END, ``tensorwire ps end JOB``): any client the server admits, as for its
-other requests (with ``--token-file``, only clients that offered the token); while the job has
-live workers only with ``force``. Who may roll a job back (PS_ROLLBACK): only one of its workers,
-from the session that joined with its rank, after stepping aside (no worker live). Every change is
-replicated first (ps/replica.py), in the server's one order of changes; a backup makes it with the
+Who may join or initialise a job: a client offering the job's token (ps/job.py ``Job.authorize``:
+the request that opens the job makes its token the job's); a PS_INIT only from the session that
+joined with its rank. Who may end a job (PS_END, ``tensorwire ps end JOB``): a client offering the
+job's token or the servers' operator token (``serve --operator-token-file``), any client the server
+admits for a job started without a token; while the job has live workers only with ``force``. Who
+may roll a job back (PS_ROLLBACK): only one of its workers, from the session that joined with its
+rank, after stepping aside (no worker live). Every change is replicated first (ps/replica.py), in
+the server's one order of changes (a JOIN carries the job's owner); a backup makes it with the
 same code (``make_change``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import hmac
 import logging
 import time
 
 import torch
 
 from tensorwire.errors import NotPrimary, ProtocolError, ReplicationRefused, WorkerDropped
+from tensorwire.logs import event
 from tensorwire.ps import checkpoint, replication
 from tensorwire.ps.exchange_server import GradientExchange, frame_session
-from tensorwire.ps.job import JobConfig, check_records, check_replicated, described_job
+from tensorwire.ps.job import OPEN, JobConfig, check_records, check_replicated, described_job, token_digest
 from tensorwire.ps.jobs import JobRun, Jobs
 from tensorwire.ps.replica import Replica
 from tensorwire.server.core import Request
@@ -43,10 +48,16 @@ log = logging.getLogger("tensorwire.ps")
 class Lifecycle:
     """The requests that open, join, leave and end jobs (see the module doc)."""
 
-    def __init__(self, jobs: Jobs, replica: Replica, exchange: GradientExchange) -> None:
+    def __init__(
+        self, jobs: Jobs, replica: Replica, exchange: GradientExchange, *, operator: str | None = None
+    ) -> None:
         self.jobs = jobs
         self._replica = replica
         self._exchange = exchange
+        # The digest of the servers' operator token (``serve --operator-token-file``): it may end
+        # any job. None: no operator; a job's own token (or none, for an open job) ends it.
+        self._operator = token_digest(operator.encode()) if operator else None
+        self.say_open = False  # log a job opened without a token (the server admits only some clients)
 
     def run_of(self, head: wps.PsHead) -> JobRun:
         """The job a worker's request names; WorkerDropped (rejoin) if this server has none of it."""
@@ -70,12 +81,14 @@ class Lifecycle:
         head = wps.PsHead.decode(request.meta)
         config = JobConfig.from_json(wps.decode_config(request.meta))
         metas = wm.decode_records(request.meta)
+        credential = wps.decode_credential(request.meta)
         request.meta.done()
         # Without data it only checks that the server's job is the worker's (a rejoining worker).
         check_only = request.header.data_len == 0 and any(m.nbytes for m in metas)
         check_records(metas, None if check_only else request.header.data_len)
         run = self._opened(head)
         try:
+            self._authorize(run, credential, "PS_INIT")
             await self._init(run, request, head, config, metas, check_only=check_only)
         finally:
             self.jobs.prune(run)
@@ -94,6 +107,7 @@ class Lifecycle:
         if check_only and job.config is None and not run.initializing:
             raise ProtocolError(f"PS_INIT without values, but job {run.id!r} has no parameters here yet")
         job.check_worker(head)
+        run.members.member(request, head, head.seq)  # the session that joined with the rank: seq
         if job.config is None and not run.initializing:
             copies = 1 + config.optimizer.state_copies
             run.budget.check(copies * request.header.data_len, "the job's parameters and optimizer state")
@@ -132,15 +146,23 @@ class Lifecycle:
         self._replica.serving()
         head = wps.PsHead.decode(request.meta)
         described = described_job(request.meta)
+        credential = wps.decode_credential(request.meta) if described is not None else b""
         request.meta.done()
         if not head.seq:
             raise ProtocolError("PS_JOIN needs the worker process's incarnation (random, not 0) in seq")
         self.jobs.check_not_ended(head.job, head.seq)
         run = self._opened(head)
         try:
+            self._authorize(run, credential, "PS_JOIN")
             await self._join(run, request, head, described)
         finally:
             self.jobs.prune(run)
+
+    def _authorize(self, run: JobRun, credential: bytes, what: str) -> None:
+        """``credential`` must be the job's token (the first request makes it so: ps/job.py)."""
+        if run.job.authorize(credential, what) and run.job.owner == OPEN and self.say_open:
+            event(log, logging.WARNING, "a job was started without a job token: every client this server "
+                  "admits may join or end it ($TENSORWIRE_JOB_TOKEN gives it one)", job=run.id)  # fmt: skip
 
     async def _join(
         self,
@@ -159,7 +181,8 @@ class Lifecycle:
             async with consistency.step_lock():  # a step being taken does not count it
                 members.check_rank_free(head)
                 job.check_joining_job(described)  # the job may have been created meanwhile
-                await self._replica.replicate(replication.Change.JOIN, head)
+                owner = replication.encode_owner(run.job.owner)
+                await self._replica.replicate(replication.Change.JOIN, head, owner)
                 reply = self._admit(run, head)
             await consistency.apply_ready_steps()  # a rejoin for the next step may complete this one
         await request.reply(reply)
@@ -201,8 +224,12 @@ class Lifecycle:
         await request.reply(b"")
 
     async def drop(self, run: JobRun, worker: int) -> None:
-        """A worker the heartbeat watchdog found silent: out of the exchange and the job."""
-        self._exchange.leave(worker)
+        """A worker the heartbeat watchdog found silent: out of the job, and out of the exchange
+        where its own session holds the rank there (a rank of the exchange that another client
+        holds is that client's, whatever a job's worker of the same number does)."""
+        member = run.members.workers.get(worker)
+        if member is not None:
+            self._exchange.leave(worker, ("seq", member.incarnation), strict=False)
         run.members.dropped += 1
         async with self._replica.in_order():
             # Stepped down meanwhile: its primary decides. A backup refusing the credentials:
@@ -236,10 +263,12 @@ class Lifecycle:
         self._replica.serving()
         head = wps.PsHead.decode(request.meta)
         force = wps.decode_flag(request.meta)
+        credential = wps.decode_credential(request.meta)
         request.meta.done()
         run = self.jobs.get(head.job) if head.job else None
         if run is None:
             raise ProtocolError(f"this server holds no job {head.job!r}")
+        self._check_may_end(run, credential)
         live = run.members.live()
         if live and not force:
             raise ProtocolError(
@@ -252,6 +281,16 @@ class Lifecycle:
                 run, "ended by tensorwire ps end" + (" --force" if force else ""), force=force
             )
         await request.reply(b"")
+
+    def _check_may_end(self, run: JobRun, credential: bytes) -> None:
+        """NotAuthorized unless ``credential`` is the job's token or the operator's (a job started
+        without a token: anyone's)."""
+        if run.job.owner in (None, OPEN) or run.job.owned_by(credential):
+            return
+        operator = self._operator
+        if operator is not None and hmac.compare_digest(operator, token_digest(credential)):
+            return
+        raise run.job.refuse(credential, "PS_END", operator=operator is not None)
 
     async def on_rollback(self, request: Request) -> None:
         """Go back to the job's checkpoint of version ``clock``: after a restart of several
@@ -299,6 +338,9 @@ class Lifecycle:
             if change == replication.Change.CREATE:
                 await self._make_create(run, head, request)
                 return
+            owner = replication.decode_owner(request.meta)
+            if owner is not None:  # the primary's say (a job restored there may be claimed since)
+                run.job.owner = owner
             async with run.consistency.step_lock():
                 self._admit(run, head)
             await run.consistency.apply_ready_steps()

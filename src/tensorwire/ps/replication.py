@@ -95,7 +95,7 @@ class Change(enum.IntEnum):
 
     PING = 0
     CREATE = 1  # body: config, records; data: the values
-    JOIN = 2
+    JOIN = 2  # body: [the job's owner] (``encode_owner``)
     LEAVE = 3  # body: u8 final (the worker is done: the job may end)
     PUSH = 4  # body: records; data: the gradients
     DROP = 5
@@ -120,6 +120,28 @@ def decode(reader: wm.MetaReader) -> tuple[wps.PsHead, Change, int]:
         return head, Change(kind), epoch
     except ValueError:
         raise ProtocolError(f"unknown replication change {kind}") from None
+
+
+_OWNER_KINDS = {0: None, 1: b""}  # not claimed yet, open; 2: a 32-byte token digest follows
+
+
+def encode_owner(owner: bytes | None) -> bytes:
+    """A job's owner (ps/job.py ``Job.owner``), with its JOIN: ``u8 kind | [32-byte digest]``."""
+    if owner is None:
+        return b"\x00"
+    return b"\x01" if not owner else b"\x02" + owner
+
+
+def decode_owner(reader: wm.MetaReader) -> bytes | None:
+    """The owner a JOIN carries (None: not said, or not claimed yet)."""
+    if not reader.remaining:
+        return None
+    kind = reader.raw(1)[0]
+    if kind in _OWNER_KINDS:
+        return _OWNER_KINDS[kind]
+    if kind != 2:
+        raise ProtocolError(f"unknown job owner kind {kind}")
+    return reader.raw(32)
 
 
 def check_epoch(epoch: int) -> None:

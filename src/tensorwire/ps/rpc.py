@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, NamedTuple, Protocol, TypeVar
 
@@ -33,6 +34,7 @@ from tensorwire.wire import ps as wps
 from tensorwire.wire.frame import Opcode
 
 T = TypeVar("T")
+JOB_TOKEN_ENV = "TENSORWIRE_JOB_TOKEN"  # the job's token, which its workers share (ps/job.py)
 
 
 class Caller(Protocol):
@@ -59,6 +61,9 @@ class Sender(NamedTuple):
     world: int = 0
     wait_ms: int = 0  # how long the server may wait on other workers (0: its own default)
     job: str = ""  # the job (wire.ps.check_job_id); "": none (the exchange, the server's stats)
+    # The job's token (its workers share it: $TENSORWIRE_JOB_TOKEN), offered by the requests that
+    # join, initialise or end the job (b"": none, an open job); for PS_END, or the operator's.
+    credential: bytes = b""
 
 
 class PsChannel:
@@ -81,17 +86,25 @@ class PsChannel:
         last barrier generation released)."""
         # The job as this worker sees it: a server running another one refuses before admitting it.
         job = wps.encode_config(config) + wm.encode_records(records)
+        job += wps.encode_credential(self.sender.credential)
         reader = await self._call(Opcode.PS_JOIN, clock, incarnation, job)
         reply = wps.decode_join_reply(reader)
         reader.done()
         return reply
 
     async def init(
-        self, clock: int, config: str, records: Sequence[TensorMeta], data: Sequence[memoryview]
+        self,
+        clock: int,
+        incarnation: int,
+        config: str,
+        records: Sequence[TensorMeta],
+        data: Sequence[memoryview],
     ) -> tuple[bool, int]:
-        """PS_INIT: create the job with ``data`` as its values, or (no data) check it is this one."""
+        """PS_INIT, by the session that joined with this rank (``incarnation``): create the job with
+        ``data`` as its values, or (no data) check it is this one."""
         body = wps.encode_config(config) + wm.encode_records(records)
-        reader = await self._call(Opcode.PS_INIT, clock, 0, body, data)
+        body += wps.encode_credential(self.sender.credential)
+        reader = await self._call(Opcode.PS_INIT, clock, incarnation, body, data)
         reply = wps.decode_init_reply(reader)
         reader.done()
         return reply
@@ -123,8 +136,10 @@ class PsChannel:
         return released
 
     async def end(self, force: bool = False) -> None:
-        """PS_END: end the sender's job on this server (``force``: even with live workers)."""
-        reader = await self._call(Opcode.PS_END, 0, 0, wps.encode_flag(force))
+        """PS_END: end the sender's job on this server (``force``: even with live workers), offering
+        the sender's credential (the job's token or the operator's)."""
+        body = wps.encode_flag(force) + wps.encode_credential(self.sender.credential)
+        reader = await self._call(Opcode.PS_END, 0, 0, body)
         reader.done()
 
     async def push(
@@ -248,17 +263,21 @@ def end_job(
     timeout: float = 10.0,
     token: str | None = None,
     security: Security | None = None,
+    credential: str | None = None,
 ) -> None:
     """PS_END of ``job`` on every server (``tensorwire ps end``): its state freed, its last
     checkpoint written. Refused while it has live workers, unless ``force``. A server given as its
-    replicas (``a|b``) is asked at the one that answers as the primary."""
+    replicas (``a|b``) is asked at the one that answers as the primary. ``credential``: the job's
+    token or the servers' operator token (default: ``$TENSORWIRE_JOB_TOKEN``); NotAuthorized if
+    the job has a token and this is neither."""
     wps.check_job_id(job)
     security = security or Security(None, client_token(token))
+    offered = (credential or os.environ.get(JOB_TOKEN_ENV) or "").encode()
     for server in servers:
         replicas = server.split("|")
         for i, url in enumerate(replicas):
             try:
-                _each([url], lambda rpc: rpc.end(force), security, timeout, job)
+                _each([url], lambda rpc: rpc.end(force), security, timeout, job, credential=offered)
                 break
             except (NotPrimary, ConnectError):
                 if i == len(replicas) - 1:
@@ -271,6 +290,8 @@ def _each(
     security: Security,
     timeout: float,
     job: str,
+    *,
+    credential: bytes = b"",
 ) -> list[T]:
     """``ask`` of every server at once, on a connection of its own (an observer's, for ``job``)."""
     options = transports.TransportOptions(timeout, timeout, security=security)
@@ -278,7 +299,7 @@ def _each(
     async def one(url: str) -> T:
         conn = await transports.open_channel(url, options, what="a parameter-server request")
         try:
-            return await ask(PsChannel(conn, Sender(job=job)))
+            return await ask(PsChannel(conn, Sender(job=job, credential=credential)))
         finally:
             await conn.close()
 

@@ -107,6 +107,8 @@ class ParamServer:
     in its store's capacity, the process's one ledger (``tensorwire serve --capacity``). ``max_jobs``: the
     most jobs held at once (job ids are chosen by peers); ``keep_jobs``: a job whose last worker
     left keeps its state (for a restart of its workers) instead of ending (ps/jobs.py).
+    ``operator_token``: the servers' operator token (``serve --operator-token-file``), which may end
+    any job; a job's own token (ps/job.py) always may.
     """
 
     def __init__(
@@ -123,6 +125,7 @@ class ParamServer:
         peer: Security | None = None,
         max_jobs: int = DEFAULT_MAX_JOBS,
         keep_jobs: bool = False,
+        operator_token: str | None = None,
     ) -> None:
         self.capacity = capacity
         self.wait_timeout = wait_timeout
@@ -139,7 +142,8 @@ class ParamServer:
             keep_jobs=keep_jobs,
         )
         replica.hold(self.jobs)
-        self._lifecycle = Lifecycle(self.jobs, replica, self.exchange)
+        self._lifecycle = Lifecycle(self.jobs, replica, self.exchange, operator=operator_token)
+        self.operator = operator_token is not None
         self._blank: JobRun | None = None
         self.relay = RelayPublisher()  # versions published for relay pulls (PS_RELAY)
 
@@ -150,6 +154,10 @@ class ParamServer:
         one)."""
         self.budget.attach(server.store)
         self.exchange.attach(server.store)
+        # A server that admits only some clients: a job they start without a token is said (ps/job.py).
+        security = server.security
+        self._lifecycle.say_open = security.token is not None or (security.tls is not None and
+                                                                  security.tls.ca is not None)  # fmt: skip
         self.relay.attach(server.generations, RelayCoordinator.of(server).chains)
 
     # The server's own attributes, and its one job's (``sole``), under the names a ParamServer
@@ -298,6 +306,7 @@ class ParamServer:
             "max_jobs": jobs.max_jobs,
             "keep_jobs": jobs.keep_jobs,
             "jobs_limit_refused": jobs.refused,
+            "operator": self.operator,  # whether an operator token may end any job
             "relay": self.relay.stats(),
             "jobs": {run.id: run.summary() for run in jobs},
             "ended": [

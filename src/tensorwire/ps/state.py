@@ -69,6 +69,7 @@ class State:
             "pushes": job.pushes,
             "workers": {str(w): [s.clock, s.seq, s.last_reply.hex()] for w, s in workers.items()},
             "optimizer": optimizer_rest,
+            "owner": job.owner.hex() if job.owner is not None else None,  # its token's digest, "": open
         }
         params = {key: shard.param.detach() for key, shard in job.shards.items()}
         if live:
@@ -97,6 +98,7 @@ class State:
         if optimizer is not None:
             optimizer.load_state_dict(checkpoint.optimizer_state(snapshot.optimizer, state["optimizer"]))
         job.config, job.shards, job.optimizer = config, shards, optimizer
+        job.owner = _owner(state.get("owner"))
         job.generation += 1
         job.world, job.step, job.version, job.pushes = (
             state["world"],
@@ -171,3 +173,13 @@ class State:
             event(log, logging.WARNING, "restored an older checkpoint: the newer ones are not complete",
                   restored=str(snapshot.path), skipped=len(snapshot.skipped), step=job.step)  # fmt: skip
         log.info("restored checkpoint %d of %s (step %d)", job.version, snapshot.path.parent, job.step)
+
+
+def _owner(said: object) -> bytes | None:
+    """A job's owner as a checkpoint or a state transfer keeps it (hex; None in one written before
+    job tokens: the first worker to rejoin claims it)."""
+    if said is None:
+        return None
+    if not isinstance(said, str) or len(said) not in (0, 64):
+        raise ValueError(f"a job's owner is a hex SHA-256 digest or empty, not {str(said)[:80]!r}")
+    return bytes.fromhex(said)

@@ -41,6 +41,12 @@ of another model never joins a job silently. One set of servers runs several job
 worker that names a job but runs another model, mode, optimizer or world is refused, naming the
 difference. ``barrier()`` returns once every live worker of the job has called it as often.
 
+Who owns the job: ``job_token=`` (a secret every worker of the job shares), else
+``$TENSORWIRE_JOB_TOKEN``: the first worker's makes the job its own, and the servers refuse
+(NotAuthorized) a worker that joins or initialises it with another or none, and a ``tensorwire ps
+end`` without it (or the servers' operator token). ``tensorwire ps launch`` gives its workers
+one. Without one the job is open: every client the servers admit may join or end it.
+
 A model on a CUDA device trains as a CPU one does (the servers keep CPU tensors): its gradients
 go device -> pinned host memory -> wire, the copy of each piece overlapping the send of the one
 before; pulled parameters go wire -> pinned -> device, in place, on a side stream that the training
@@ -95,7 +101,7 @@ from tensorwire.ps.optim import SGD, OptimizerSpec, spec_of
 from tensorwire.ps.placement import ParamSpec, Placement, plan
 from tensorwire.ps.relay_reader import RelayPulls, check_relay_servers
 from tensorwire.ps.rendezvous import JOB_ENV, SERVERS_ENV, STORE_KEY, env_int, find_job, resolve_servers
-from tensorwire.ps.rpc import Sender, server_stats
+from tensorwire.ps.rpc import JOB_TOKEN_ENV, Sender, server_stats
 from tensorwire.ps.shards import ModelShards, check_params, check_trainable, model_digest
 from tensorwire.ps.slot import RETRY_CAP, ServerSlot
 from tensorwire.security import TlsFiles, client_security
@@ -103,6 +109,7 @@ from tensorwire.wire import ps as wps
 
 __all__ = [
     "JOB_ENV",
+    "JOB_TOKEN_ENV",
     "SERVERS_ENV",
     "STORE_KEY",
     "PushResult",
@@ -159,6 +166,7 @@ class Worker:
         staging: DeviceStaging | None = None,
         prefer_local: bool = True,
         pull: str = "direct",
+        job_token: str | None = None,
     ) -> None:
         self.model = model
         self.mode = Mode.parse(mode)
@@ -177,6 +185,10 @@ class Worker:
         self.job = wps.check_job_id(
             default_job_id(model_digest(self._params), self.mode) if named is None else named
         )
+        # The job's token (a secret its workers share; see the module doc): never logged or shown.
+        self._job_token = (job_token or os.environ.get(JOB_TOKEN_ENV) or "").encode()
+        if len(self._job_token) > wps.MAX_CREDENTIAL_BYTES:
+            raise ValueError(f"a job token is at most {wps.MAX_CREDENTIAL_BYTES} bytes")
         self.barriers = 0  # the last barrier generation this worker passed
         self.push_codec, self.pull_codec = resolve(push_codec), resolve(pull_codec)
         if self.pull_codec is not None and self.pull_codec.sparse:
@@ -236,7 +248,7 @@ class Worker:
 
     def _make_slots(self) -> list[ServerSlot]:
         worker = wps.OBSERVER if self.observer else self.rank
-        sender = Sender(worker, self.world_size, int(self.timeout * 1000), self.job)
+        sender = Sender(worker, self.world_size, int(self.timeout * 1000), self.job, self._job_token)
         return [
             ServerSlot(name, self.placement.on_server(i), rank=self.rank, sender=sender,
                        options=self._options, timeout=self.timeout)
@@ -394,7 +406,7 @@ class Worker:
         only check that the server's job is this one (same mode, optimizer and shards)."""
         records = [self._tensors.meta(s) for s in slot.shards]
         data = self._tensors.values(slot.shards) if with_values else []
-        await slot.rpc.init(slot.clock, config, records, data)
+        await slot.rpc.init(slot.clock, self.incarnation, config, records, data)
 
     async def _recover(self) -> None:
         """A server no longer counts this worker (it restarted, or dropped the worker after missed

@@ -8,8 +8,9 @@ then an opcode's own fields:
 =========  ===============================================  =========================================
 opcode     request after the head                           response
 =========  ===============================================  =========================================
-PS_INIT    config (string, JSON) | records; data: values    u8 created | u64 step
-PS_JOIN    [config | records] (``seq`` = incarnation)       u64 clock | u8 initialized | u64 seq |
+PS_INIT    config (string, JSON) | records | [credential];  u8 created | u64 step
+           data: values (``seq`` = incarnation)
+PS_JOIN    [config | records [credential]] (``seq`` = inc.)  u64 clock | u8 initialized | u64 seq |
                                                             u64 barrier
 PS_LEAVE   [u8 final] (``seq`` = incarnation)               (nothing)
 PS_PUSH    records | [codec] | [u64 incarnation]; data      u64 version | u32 staleness
@@ -19,8 +20,12 @@ ALLREDUCE  records; data: gradients (``clock`` = step)      records | u32 contri
 HEARTBEAT  (nothing; ``seq`` = incarnation)                 u32 live (0: dropped, rejoin)
 ROLLBACK   (nothing; ``clock`` = the version to go back to)  u64 version
 BARRIER    (nothing; ``clock`` = generation, ``seq`` = inc.)  u64 generation released
-END        u8 force                                         (nothing)
+END        u8 force | [credential]                          (nothing)
 =========  ===============================================  =========================================
+
+A credential (``encode_credential``: ``"JT" | u8 length | bytes``) is the job's token, which a job's
+workers share and the request that opens a job makes its owner's (ps/job.py ``Job.owner``), or
+for PS_END the servers' operator token; none: an open job.
 
 A job id is what a name is, made safe for a directory name and a metric label: 1 to
 ``MAX_JOB_BYTES`` ASCII letters, digits, ``.``, ``_`` and ``-``, starting with a letter or a digit
@@ -70,6 +75,8 @@ MAX_STATS_BYTES = MAX_DOCUMENT_BYTES
 MAX_CODEC_BYTES = 64
 MAX_JOB_BYTES = 64
 JOB_TAG = b"JB"  # opens the job block: a frame of a worker older than jobs is told from a new one
+CREDENTIAL_TAG = b"JT"  # opens a credential block (a job token, an operator token)
+MAX_CREDENTIAL_BYTES = 255
 
 _HEAD = struct.Struct("<IIQQI")
 _JOB = re.compile(rf"[A-Za-z0-9][A-Za-z0-9._-]{{0,{MAX_JOB_BYTES - 1}}}")
@@ -136,6 +143,29 @@ def decode_job(reader: MetaReader) -> str:
         return check_job_id(raw.decode("ascii"), empty=True)
     except (UnicodeDecodeError, ValueError) as exc:
         raise ProtocolError(f"unusable job id {raw[:80]!r}: {exc}") from None
+
+
+def encode_credential(token: bytes) -> bytes:
+    """The credential a PS_JOIN (after its job), PS_INIT or PS_END may end with: a job token or
+    the operator's, ``"JT" | u8 length | bytes``; nothing for none."""
+    if not token:
+        return b""
+    if len(token) > MAX_CREDENTIAL_BYTES:
+        raise LimitExceeded(f"a job or operator token of {len(token)} bytes exceeds {MAX_CREDENTIAL_BYTES}")
+    return CREDENTIAL_TAG + _U8.pack(len(token)) + token
+
+
+def decode_credential(reader: MetaReader) -> bytes:
+    """The credential block where the request may end (``b""``: none); ProtocolError for anything
+    else there."""
+    if not reader.remaining:
+        return b""
+    if reader.remaining < len(CREDENTIAL_TAG) + 1 or reader.raw(len(CREDENTIAL_TAG)) != CREDENTIAL_TAG:
+        raise ProtocolError("bytes where a credential block (a job or operator token) may end the request")
+    (n,) = reader.take(_U8)
+    if not n:
+        raise ProtocolError("an empty credential block (send none instead)")
+    return reader.raw(n)
 
 
 def encode_config(config: str) -> bytes:
