@@ -15,6 +15,7 @@ the shm:// control connection, each with a reader that asks for a large tensor a
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import socket
 import ssl
@@ -31,9 +32,10 @@ import tensorwire
 from tensorwire._aio import NO_UVLOOP_ENV, run
 from tensorwire.cli.status import ask_status
 from tensorwire.client import ClientOptions
-from tensorwire.errors import TensorwireError
+from tensorwire.errors import ConnectionLost, TensorwireError
 from tensorwire.security import write_dev_certs
 from tensorwire.testing.process import ServerProcess, wait_for
+from tensorwire.transport.tcp import TcpStream
 from tensorwire.types import Address, MiB, TensorMeta
 from tensorwire.wire import meta as wm
 from tensorwire.wire.checksum import ChecksumKind
@@ -237,3 +239,39 @@ def test_an_shm_put_left_half_committed_is_dropped_with_its_connection(served: S
         wait_for(lambda: served.cuts() > before, 10, "the stall cut")
         wait_for(lambda: _status_store(served)["reserved"] == 0, 10, "the open put to be dropped")
     served.assert_alive("shm")
+
+
+# -- two waits on one stream ----------------------------------------------------------------------
+
+
+def _tcp_pair() -> tuple[socket.socket, socket.socket]:
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        near = socket.create_connection(listener.getsockname())
+        far, _ = listener.accept()
+    return near, far
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+def test_close_wakes_a_read_and_a_second_wait_for_the_same_readiness(loop: str) -> None:
+    """Over TLS a send may need the peer's records while the session reads (and a read may need
+    room to write while a send waits): the second wait joins the first rather than replace it,
+    whose task nothing would wake again, not even close (it would hang with its slot)."""
+
+    async def main() -> None:
+        near, far = _tcp_pair()
+        try:
+            stream = TcpStream(near)
+            reading = asyncio.ensure_future(stream.recv_into(memoryview(bytearray(8))))
+            await asyncio.sleep(0)  # a turn: the read parks (nothing was sent)
+            second = asyncio.ensure_future(stream._readable())  # what TlsStream.send does on WANT_READ
+            await asyncio.sleep(0)
+            await stream.close()
+            with pytest.raises(ConnectionLost):
+                await asyncio.wait_for(reading, 5)
+            await asyncio.wait_for(second, 5)
+        finally:
+            far.close()
+
+    factory = pytest.importorskip("uvloop").new_event_loop if loop == "uvloop" else asyncio.new_event_loop
+    with asyncio.Runner(loop_factory=factory) as runner:
+        runner.run(main())

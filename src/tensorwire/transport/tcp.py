@@ -81,6 +81,9 @@ class TcpStream(ByteStream):
     async def _readable(self) -> None:
         if self._closed:  # never watch a closed descriptor: its number may be another socket's now
             raise ConnectionLost(f"connection to {self.peer} is closed")
+        if self._read_waiter is not None:
+            await _join(self._read_waiter)
+            return
         waiter = self._read_waiter = self._loop.create_future()
         self._watch()
         spin = self._spin
@@ -185,6 +188,9 @@ class TcpStream(ByteStream):
     async def _writable(self) -> None:
         if self._closed:
             raise ConnectionLost(f"connection to {self.peer} is closed")
+        if self._write_waiter is not None:
+            await _join(self._write_waiter)
+            return
         fut = self._write_waiter = self._loop.create_future()
         self._loop.add_writer(self._fd, _resolve, fut)
         self._writing = True
@@ -337,6 +343,19 @@ class LentTcp(TcpStream, LentStream):
 def _resolve(fut: asyncio.Future[None]) -> None:
     if not fut.done():
         fut.set_result(None)
+
+
+async def _join(waiter: asyncio.Future[None]) -> None:
+    """Wait for readiness another task of the same stream waits for already (over TLS, a send may
+    need the peer's records while the session reads, and a read may need room to write), rather
+    than replace its waiter: a replaced one is woken by nothing, not even ``close``, and its task
+    would hang with the connection's slot. The caller retries its I/O whatever woke this one."""
+    try:
+        await asyncio.shield(waiter)
+    except asyncio.CancelledError:
+        task = asyncio.current_task()
+        if task is not None and task.cancelling():
+            raise  # this task's own cancellation; the other waiter's is no reason to stop
 
 
 async def connect(address: Address, timeout: float) -> TcpStream:
