@@ -21,10 +21,12 @@ from tensorwire.broadcast.peer import relay_token
 from tensorwire.errors import AuthenticationError, InvalidName, ProtocolError, TransportError
 from tensorwire.security import Security, TlsFiles
 from tensorwire.server import ServerThread
+from tensorwire.testing.process import wait_for
 from tensorwire.testing.relay import (
     PREFIX,
     RelayConn,
     blank_like,
+    model_bytes,
     model_tensors,
     origin,
     publish,
@@ -122,6 +124,32 @@ def test_upstreams_that_never_serve_cost_a_reader_one_short_stall_then_the_origi
         finally:
             for fake in fakes:
                 fake.close()
+
+
+def test_an_upstream_that_serves_slowly_gets_half_the_time_left_then_the_origin() -> None:
+    model = model_tensors(1)
+    done = threading.Event()
+
+    def crawl(chunks: int) -> None:  # the upstream verifies, so forwards, a chunk every 0.2 s
+        done.wait(0.2)
+
+    with origin() as (srv, coordinator):
+        publish(srv.url, model)
+        slow = tensorwire.Subscriber(srv.url, PREFIX, blank_like(model), listen_host="127.0.0.1", window=1,
+                                     progress=crawl)  # fmt: skip
+        crawling = threading.Thread(target=lambda: slow.update(timeout=60), daemon=True)
+        try:
+            crawling.start()
+            wait_for(lambda: coordinator.chains.readers() == 1, 10, "the slow reader to join")
+            target = blank_like(model)
+            with tensorwire.Subscriber(srv.url, PREFIX, target, listen_host="127.0.0.1") as honest:
+                honest.update(timeout=3)  # from the slow one, whole, it would take over 4 s
+                assert same_bytes(model, target)
+                assert honest.received < model_bytes(model) + 1  # no chunk twice
+        finally:
+            done.set()
+            crawling.join(30)
+            slow.close()
 
 
 def test_the_origins_token_goes_only_to_the_origin() -> None:

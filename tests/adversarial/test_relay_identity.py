@@ -8,10 +8,12 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from prometheus_client import generate_latest
 
 import tensorwire
 from tensorwire.broadcast import Chains, RelayCoordinator
 from tensorwire.errors import InvalidName, LimitExceeded, ProtocolError
+from tensorwire.server import metrics
 from tensorwire.testing.process import wait_for
 from tensorwire.testing.relay import PREFIX, RelayConn, model_tensors, origin, publish
 from tensorwire.wire import relay as wr
@@ -38,6 +40,8 @@ def test_a_report_over_another_connection_is_refused_and_changes_nothing() -> No
         gen = only_generation(coordinator)
         assert gen["readers"] == 1 and gen["done"] == 0
         assert srv.server.status()["relay"]["identity_refused"] == 3
+        scraped = metrics.parse(generate_latest(srv.server.registry).decode())
+        assert ({"reason": "identity"}, 3.0) in scraped["tensorwire_relay_refused_total"]
         victim.report(generation, placed.reader, wr.Report.DONE)  # its own connection: applied
         gen = only_generation(coordinator)
         assert gen["done"] == 1

@@ -133,7 +133,7 @@ class RelayCoordinator:
 
     # -- metrics (server.metrics.Observed) --------------------------------------------------------
     def collectors(self) -> list[Any]:
-        return [_Collector(self.chains)]
+        return [_Collector(self)]
 
     def status(self) -> dict[str, Any]:
         chains = self.chains
@@ -288,20 +288,27 @@ def _no_data(req: Request) -> None:
 
 
 class _Collector:
-    """``tensorwire_relay_served_bytes{prefix}`` and ``tensorwire_relay_readers``, per scrape."""
+    """``tensorwire_relay_served_bytes{prefix}``, ``tensorwire_relay_readers`` and
+    ``tensorwire_relay_refused{reason}`` (reports for another connection's reader: "identity";
+    joins under ``_ps`` not admitted: "unadmitted"), per scrape."""
 
-    def __init__(self, chains: Chains) -> None:
-        self._chains = chains
+    def __init__(self, coordinator: RelayCoordinator) -> None:
+        self._coordinator = coordinator
 
     def collect(self) -> Any:
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+        chains = self._coordinator.chains
         served = CounterMetricFamily(
             "tensorwire_relay_served_bytes", "Bytes the origin sent to relay readers.", labels=["prefix"]
         )
-        for prefix, nbytes in self._chains.totals().items():
+        for prefix, nbytes in chains.totals().items():
             served.add_metric([prefix], nbytes)
         yield served
-        yield GaugeMetricFamily(
-            "tensorwire_relay_readers", "Readers registered in relays.", self._chains.readers()
+        yield GaugeMetricFamily("tensorwire_relay_readers", "Readers registered in relays.", chains.readers())
+        refused = CounterMetricFamily(
+            "tensorwire_relay_refused", "Relay requests refused or not registered.", labels=["reason"]
         )
+        refused.add_metric(["identity"], self._coordinator.identity_refused)
+        refused.add_metric(["unadmitted"], self._coordinator.unadmitted)
+        yield refused

@@ -9,11 +9,12 @@ parameter-server worker that pulls through the relay (``ps.Worker(pull="relay")`
 
 An upstream is an address another reader registered, so it is not trusted until it serves: its
 connection must open within ``peer_timeout`` (TCP, TLS, HELLO), under the origin's scheme only, with
-the relay token rather than the cluster's (peer.py says why), and each chunk must come within
-``stall_timeout``; past either bound the upstream is reported and the origin answers itself as the
-new upstream (chains.py), so a hostile or dead peer costs an honest reader at most one such stall
-per generation. A pull that is done closes its upstream's connection (the next generation's
-upstream is another).
+the relay token rather than the cluster's (peer.py says why), each chunk must come within
+``stall_timeout``, and the whole generation within half the update's time left (a peer that sends
+valid chunks slowly, each just inside the stall bound, cannot spend it all); past any bound the
+upstream is reported and the origin answers itself as the new upstream (chains.py), so a hostile,
+slow or dead peer costs an honest reader at most one such wait per generation. A pull that is
+done closes its upstream's connection (the next generation's upstream is another).
 
 The reader is anything with the attributes and connections of ``RelayReader``: its prefix, its id
 in the generation's relay, its counters, its ``RelayPeer`` (which forwards what it verified) and
@@ -25,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import time
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
@@ -74,19 +76,14 @@ async def pull(
     deadline: float,
 ) -> None:
     """Every chunk, ``window`` single-chunk requests in flight (pipeline.py says why); a failed
-    upstream is reported and the pull goes on from the lowest chunk not verified yet."""
+    upstream is reported and the pull goes on from the lowest chunk not verified yet. An upstream
+    peer gets half the time left (one that sends valid chunks just inside the stall bound, slowly,
+    cannot spend it all): then it counts as failed, and the origin has the other half."""
     pulled, reroutes = pipeline.Pulled(manifest.chunks), 0
     while True:
         upstream = placement.address
         try:
-            # Opened here, once: the requests in flight share it.
-            channel = await _upstream(reader, upstream)
-            fetch_one = functools.partial(fetch, reader, channel, upstream, manifest, buffers=buffers)
-            if await pipeline.pull(
-                fetch_one, pulled, reader.window, deadline, functools.partial(advanced, reader)
-            ):
-                if upstream:
-                    await reader._drop_channel(upstream)  # the next generation reads from another
+            if await _pull_from(reader, upstream, manifest, buffers, pulled=pulled, deadline=deadline):
                 return
         except TensorwireError as exc:
             if not upstream or reroutes >= MAX_REROUTES:
@@ -100,6 +97,28 @@ async def pull(
         raise TransferTimeout(
             f"the update to generation {manifest.generation} ran out of time at chunk {pulled.verified}"
         )
+
+
+async def _pull_from(
+    reader: RelayReader,
+    upstream: str,
+    manifest: wr.Manifest,
+    buffers: list[memoryview],
+    *,
+    pulled: pipeline.Pulled,
+    deadline: float,
+) -> bool:
+    """``pulled``'s missing chunks from ``upstream`` (``""``: the origin): True once all are in,
+    False when the origin ran out of time; an upstream peer out of its time is TransferTimeout."""
+    until = deadline if not upstream else time.monotonic() + max(deadline - time.monotonic(), 0.0) / 2
+    channel = await _upstream(reader, upstream)  # opened here, once: the requests in flight share it
+    fetch_one = functools.partial(fetch, reader, channel, upstream, manifest, buffers=buffers)
+    done = await pipeline.pull(fetch_one, pulled, reader.window, until, functools.partial(advanced, reader))
+    if upstream and done:
+        await reader._drop_channel(upstream)  # the next generation reads from another
+    elif upstream:
+        raise TransferTimeout(f"the upstream at {upstream} did not send the generation in half the time left")
+    return done
 
 
 async def _upstream(reader: RelayReader, address: str) -> FrameChannel:
