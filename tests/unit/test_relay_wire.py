@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tensorwire.broadcast.chains import ORIGIN, Chains
+from tensorwire.broadcast.chains import ORIGIN, Chains, Owner
 from tensorwire.errors import LimitExceeded, ProtocolError
 from tensorwire.types import Limits, TensorMeta
 from tensorwire.wire import meta as wm
@@ -60,13 +60,17 @@ def test_requests_round_trip() -> None:
 def test_chains_string_readers_and_route_around_the_dropped() -> None:
     chains = Chains(max_chain=3)
     gen = chains.generation("p", _manifest())
-    a, b, c, d = (chains.join("p", gen, f"tcp://h:{i}") for i in range(1, 5))
+    owners = [Owner() for _ in range(4)]
+    a, b, c, d = (chains.join("p", gen, f"tcp://h:{i}", owners[i - 1]) for i in range(1, 5))
     assert a and b and c and d
     assert (a.upstream, b.upstream, c.upstream, d.upstream) == (ORIGIN, a.id, b.id, ORIGIN)
-    assert chains.failed(gen, c.id, b.id) == wr.Placement(c.id, a.id, "tcp://h:1")
+    # c's upstream failed: b is dropped, and c reads from the origin (not from b's upstream).
+    assert chains.failed("p", gen, c, b.id) == wr.Placement(c.id, ORIGIN, "")
     assert b.id not in gen.readers and gen.dropped == 1
     chains.leave(gen, a.id)
     assert gen.readers[c.id].upstream == ORIGIN
     newer = chains.generation("p", _manifest(4))
-    chains.join("p", newer, "tcp://h:3")  # c's address moves to the newer generation
+    chains.join("p", newer, "tcp://h:3", owners[2])  # c's owner joins the newer generation: c leaves
     assert c.id not in gen.readers
+    chains.drop_owner(owners[3])  # d's connection closed before it was done
+    assert d.id not in gen.readers and gen.dropped == 2 and chains.addresses() == 1
