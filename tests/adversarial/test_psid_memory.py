@@ -41,7 +41,8 @@ def test_pending_sync_pushes_are_counted_against_the_capacity() -> None:
 
 def test_pulls_keep_one_version_in_a_bounded_number_of_codecs() -> None:
     """Codec names are a peer's choice (``int8:1``, ``int8:2``, ...): each would be another copy of
-    the parameters. A bounded number per version is kept, each counted."""
+    the parameters. A bounded number per version is kept, each counted; readers outside the job
+    (observers) add at most one of their own, so they cannot take the workers' codecs."""
     ps = ParamServer()
     net = torch.nn.Linear(64, 64)
     with (
@@ -49,12 +50,17 @@ def test_pulls_keep_one_version_in_a_bounded_number_of_codecs() -> None:
         Worker(net, [server.url], "async", SGD(), rank=0, world_size=1, heartbeat=0) as worker,
     ):
         keys = [s.key for s in worker.placement.on_server(0)]
+        me = worker.incarnation
         for chunk in range(1, 5):
-            pull(server.url, 0xFFFFFFFF, keys, 0, codec=f"int8:{chunk}", job=worker.job)
+            pull(server.url, 0, keys, me, codec=f"int8:{chunk}", job=worker.job)
         with pytest.raises(LimitExceeded, match="at most 4 codecs"):
-            pull(server.url, 0xFFFFFFFF, keys, 0, codec="int8:5", job=worker.job)
+            pull(server.url, 0, keys, me, codec="int8:5", job=worker.job)
+        pull(server.url, 0xFFFFFFFF, keys, 0, codec="int8:2", job=worker.job)  # shares the workers'
+        pull(server.url, 0xFFFFFFFF, keys, 0, codec="fp16", job=worker.job)  # its own one
+        with pytest.raises(LimitExceeded, match=r"observers' pulls .* at most 1 codecs"):
+            pull(server.url, 0xFFFFFFFF, keys, 0, codec="bf16", job=worker.job)
         held = server_stats([server.url])[0]["held_bytes"]["snapshots"]
-        assert held >= 4 * sum(s.numel for s in worker.placement.on_server(0))  # the encodings count
+        assert held >= 5 * sum(s.numel for s in worker.placement.on_server(0))  # the encodings count
 
 
 def hostile_payloads() -> dict[str, tuple[str, torch.Tensor]]:

@@ -88,10 +88,12 @@ def small() -> torch.nn.Module:
 def test_a_server_that_cannot_publish_falls_back_to_direct_pulls_with_a_warning(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    """A store too small for a copy of the parameters: every pull falls back, logged and counted,
-    and training goes on as with direct pulls."""
+    """A store too small for a published copy of the parameters: every pull falls back, logged and
+    counted, and training goes on as with direct pulls. Its capacity, the process's one, holds the
+    job (72 bytes of parameters, gradients and pull copies: a few hundred bytes), not a publish
+    (each published tensor also costs 1 KiB of names)."""
     models = [small() for _ in range(2)]
-    with ServerThread(store=TensorStore(capacity=16), extensions=[ParamServer(30.0)]) as server:
+    with ServerThread(store=TensorStore(capacity=1024), extensions=[ParamServer(30.0)]) as server:
         results: dict[int, tuple[int, int]] = {}
 
         def work(rank: int) -> None:
