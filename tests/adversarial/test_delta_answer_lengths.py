@@ -26,7 +26,9 @@ def lying(lengths: tuple[int, ...], data: bytes) -> Callable[..., Built]:
     """A ``build`` that answers the one tensor with ``lengths`` and ``data`` instead."""
     real = delta_answers.build
 
-    def build(new: Kept, base: Kept | None, pairs: Sequence[tuple[TensorMeta, memoryview]]) -> Built:
+    def build(
+        new: Kept, base: Kept | None, pairs: Sequence[tuple[TensorMeta, memoryview]], *rest: object
+    ) -> Built:
         answer, _ = real(new, base, pairs)
         tensor = replace(answer.tensors[0], lengths=lengths)
         return replace(answer, tensors=(tensor,)), [memoryview(data)]

@@ -323,7 +323,7 @@ def test_leases_outlive_their_connection_so_the_peers_holding_one_are_bounded() 
             assert await lease_from_a_new_connection(target) == (None, "")
             assert await lease_from_a_new_connection(target) == (None, "")
             code, details = await lease_from_a_new_connection(target)
-            assert code == grpc.StatusCode.OUT_OF_RANGE and "at most 2 (its connection limit)" in details
+            assert code == grpc.StatusCode.OUT_OF_RANGE and "at most 2 (--max-connections)" in details
         finally:
             await server.close()
 

@@ -1,7 +1,7 @@
 """SHM_GEN_VIEW (docs/protocol.md §16) against peers that misbehave: a connection may pin at most
-MAX_GENERATION_VIEWS generations, and what it pinned ends with it (tainted); the opcode is refused
-on a tcp:// listener; a client refuses answers that name other tensors, another prefix, segments
-without a lease, or a segment that cannot hold what the answer says."""
+--leases-per-connection generations (64 by default), and what it pinned ends with it (tainted);
+the opcode is refused on a tcp:// listener; a client refuses answers that name other tensors,
+another prefix, segments without a lease, or a segment that cannot hold what the answer says."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from tensorwire._aio import run
 from tensorwire.errors import LimitExceeded, ProtocolError
 from tensorwire.server import ServerThread
 from tensorwire.server import shm as server_shm
-from tensorwire.server.shm import MAX_GENERATION_VIEWS
+from tensorwire.store.generation_config import DEFAULT_LEASES_PER_OWNER as MAX_GENERATION_VIEWS
 from tensorwire.testing.process import wait_for
 from tensorwire.transport import TransportOptions
 from tensorwire.transport.shm import ShmTransport
@@ -57,7 +57,9 @@ def test_a_connection_pins_a_bounded_number_of_generations_and_its_pins_end_with
     async def pin_too_many() -> None:
         views = await _open(served)
         held = [await views.view_generation(PREFIX, 0) for _ in range(MAX_GENERATION_VIEWS)]
-        with pytest.raises(LimitExceeded, match="generations with views"):
+        with pytest.raises(
+            LimitExceeded, match="generations with views: at most 64 \\(--leases-per-connection\\)"
+        ):
             await views.view_generation(PREFIX, 0)
         assert len(held) == MAX_GENERATION_VIEWS
         await views.close()  # the held views outlive the connection: their segments are tainted

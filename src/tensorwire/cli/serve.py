@@ -34,7 +34,12 @@ from tensorwire.security import (
 )
 from tensorwire.server.core import Server
 from tensorwire.store import TensorStore
-from tensorwire.store.generations import DEFAULT_KEEP, DEFAULT_MAX_LEASE_SECONDS, GenerationConfig
+from tensorwire.store.generation_config import (
+    DEFAULT_KEEP,
+    DEFAULT_MAX_LEASE_SECONDS,
+    FLAGS,
+    GenerationConfig,
+)
 from tensorwire.store.memory import DEFAULT_MAX_TENSORS
 from tensorwire.store.uploads import DEFAULT_MAX_UPLOADS, DEFAULT_UPLOADS_PER_CLIENT
 from tensorwire.transport.spin import MAX_SPIN
@@ -61,6 +66,47 @@ def _rack_param(ctx: click.Context, param: click.Parameter, value: str | None) -
         return topology.here(value)
     except ValueError as exc:
         raise click.BadParameter(str(exc), ctx, param) from exc
+
+
+# The bounds on what clients make the server hold for generations (GenerationConfig; every refusal
+# names its flag): (field, help). Their defaults are GenerationConfig's own.
+_GENERATION_BOUNDS = (
+    ("max_prefixes", "Most prefixes with generations, server-wide (GEN_DROP frees one)."),
+    ("prefixes_per_client", "Most prefixes with generations one client host makes."),
+    ("leases_per_owner", "Most leases (and generation views) one connection holds on generations."),
+    ("leases_per_client", "Most leases on generations one client host holds, over all its connections."),
+    ("max_waiters", "Most generation waits (client.wait) parked at once, server-wide."),
+    ("waiters_per_owner", "Most generation waits parked on one connection."),
+    ("waiters_per_client", "Most generation waits parked from one client host."),
+    (
+        "max_wait_seconds",
+        "Longest a generation wait or a multi-part publish waits (at most half --idle-timeout).",
+    ),
+    ("max_transactions", "Most multi-part publishes (sharded puts) open at once, server-wide."),
+    ("transactions_per_owner", "Most multi-part publishes one connection has parts in."),
+    ("transactions_per_client", "Most multi-part publishes one client host has parts in."),
+    ("max_parts", "Most parts (ranks) in one multi-part publish."),
+)
+
+
+def _collect_bounds(ctx: click.Context, param: click.Parameter, value: object) -> object:
+    """Gather the generation bounds into one ``generation_limits`` argument."""
+    assert param.name is not None
+    ctx.params.setdefault("generation_limits", {})[param.name] = value
+    return value
+
+
+def generation_bounds(command: Any) -> Any:
+    """``--max-prefixes`` ... ``--max-parts`` (``_GENERATION_BOUNDS``), each a GenerationConfig
+    field, passed to ``serve`` together as ``generation_limits``."""
+    defaults = GenerationConfig()
+    for name, text in reversed(_GENERATION_BOUNDS):
+        default = getattr(defaults, name)
+        kind = click.FloatRange(min=0.01) if isinstance(default, float) else click.IntRange(min=1)
+        option = click.option(FLAGS[name], name, type=kind, default=default, show_default=True, help=text,
+                              callback=_collect_bounds, expose_value=False)  # fmt: skip
+        command = option(command)
+    return command
 
 
 @click.command()
@@ -130,6 +176,7 @@ def _rack_param(ctx: click.Context, param: click.Parameter, value: str | None) -
     "--max-lease-seconds", type=click.FloatRange(min=0.01), default=DEFAULT_MAX_LEASE_SECONDS,
     show_default=True, help="Longest lease on a generation a reader gets (a longer one is cut to this).",
 )  # fmt: skip
+@generation_bounds
 @click.option("--tls-cert", type=FILE, help="Server certificate (PEM) for tls:// and grpcs:// addresses.")
 @click.option("--tls-key", type=FILE, help="Its private key (PEM).")
 @click.option("--tls-client-ca", type=FILE, help="Require client certificates signed by this CA (mTLS).")
@@ -256,6 +303,7 @@ def serve(
     resumable_min_bytes: int,
     keep_generations: int,
     max_lease_seconds: float,
+    generation_limits: dict[str, Any],
     tls_cert: Path | None,
     tls_key: Path | None,
     tls_client_ca: Path | None,
@@ -345,7 +393,9 @@ def serve(
         uploads_per_client=uploads_per_client,
         resumable_min_bytes=resumable_min_bytes,
         location=location,
-        generations=GenerationConfig(keep=keep_generations, max_lease_seconds=max_lease_seconds),
+        generations=GenerationConfig(
+            keep=keep_generations, max_lease_seconds=max_lease_seconds, **generation_limits
+        ),
     )
     RelayCoordinator.of(server)  # readers of its generations relay them to each other (Subscriber)
     page_tls = TlsFiles(tls_cert, tls_key, tls_client_ca) if tls_cert and tls_key else None  # as clients

@@ -458,9 +458,15 @@ class AsyncClient:
     ) -> gens.AsyncLease:
         """Keep generation ``number`` of ``prefix`` for ``seconds`` (``AsyncLease``: ``async with``
         releases it; ``renew`` extends it); GenerationRetired if it is gone already."""
-        lease = gens.AsyncLease(self._run, prefix, gens.at_number(number))
+        lease = gens.AsyncLease(self._run, prefix, number)
         await lease.renew(seconds)
         return lease
+
+    async def drop_generations(self, prefix: str) -> int:
+        """Remove every generation of ``prefix`` and the prefix itself (from the server's data
+        directory too), freeing its place among the server's ``--max-prefixes``; how many
+        generations it had. KeyNotFound if it has none."""
+        return await gens.drop(self._run, prefix)
 
     async def delete(self, name: str) -> None:
         """Remove ``name``; KeyNotFound if there is no such tensor."""

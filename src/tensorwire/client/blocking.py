@@ -198,6 +198,9 @@ class Client:
     def lease(self, prefix: str, number: int, seconds: float = DEFAULT_LEASE_SECONDS) -> Lease:
         return Lease(self._call(self._async.lease(prefix, number, seconds)), self._call)
 
+    def drop_generations(self, prefix: str) -> int:
+        return self._call(self._async.drop_generations(prefix))
+
     def delete(self, name: str) -> None:
         self._call(self._async.delete(name))
 

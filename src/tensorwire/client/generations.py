@@ -14,8 +14,9 @@ from typing import Any, Literal, Protocol, TypeVar
 import torch
 
 from tensorwire.client.batches import Landing, TensorBatch
-from tensorwire.errors import DigestMismatch, InvalidTensor
+from tensorwire.errors import DigestMismatch, InvalidTensor, UnsupportedTransport
 from tensorwire.transport.base import (
+    FrameChannel,
     Progress,
     Transport,
     as_generational,
@@ -24,6 +25,7 @@ from tensorwire.transport.base import (
 )
 from tensorwire.types import Generation, GenerationManifest
 from tensorwire.wire import generations as wg
+from tensorwire.wire.frame import Opcode
 from tensorwire.wire.names import validate_name
 from tensorwire.wire.tensors import byte_view
 
@@ -124,6 +126,25 @@ async def get_range(
     return target
 
 
+async def drop(run: Run, prefix: str) -> int:
+    """Every generation of ``prefix`` and the prefix itself (GEN_DROP), from the data directory too;
+    how many generations there were. KeyNotFound if it has none. Not retried once sent."""
+    validate_name(prefix)
+
+    async def op(t: Transport) -> int:
+        as_generational(t, "drop_generations")  # UnsupportedTransport, naming the transport
+        if not isinstance(t, FrameChannel):
+            raise UnsupportedTransport(f"drop_generations is not served over {t.address.scheme}://")
+        reader = await t.call(
+            Opcode.GEN_DROP, wg.encode_prefix(prefix), what=f"drop the generations of {prefix!r}"
+        )
+        count = wg.decode_dropped(reader)
+        reader.done()
+        return count
+
+    return await run(op, idempotent=False)
+
+
 def verify_read(manifest: GenerationManifest, tensors: Mapping[str, torch.Tensor], digest: bytes) -> None:
     """DigestMismatch unless every tensor read has the dtype, shape and chunk checksums the
     manifest gives it, and the manifest's root digest is ``digest`` (what the read answered)."""
@@ -157,6 +178,12 @@ class AsyncLease:
     connection that took it."""
 
     def __init__(self, run: Run, prefix: str, number: int) -> None:
+        if isinstance(number, bool) or not isinstance(number, int) or number < 1:
+            # "latest" would move under the lease: the server refuses it too (docs/protocol.md §14)
+            raise InvalidTensor(
+                f"a lease names a generation by its number (1, 2, ...), not {number!r}: read the newest"
+                " one's number first (client.manifest(prefix).generation.number)"
+            )
         self._run = run
         self.prefix = prefix
         self.number = number

@@ -4,17 +4,22 @@ full chunk.
 
 Memory: a FULL chunk is sent from the kept generation's own bytes (a one-byte kind, then a view
 of the chunk: no copy), so only the encoded deltas are held while the answer is sent, and at most
-``budget`` bytes of them per answer; past it the remaining chunks go FULL. A delta is kept only
-when smaller than its chunk, so an answer is never larger than the full read plus one byte per
-chunk. Runs on a worker thread for large reads; both generations are pinned by the caller.
+``budget`` bytes of them per answer; past it the remaining chunks go FULL. The encoded deltas
+count against the store's capacity (``Charges``: ``TensorStore.hold``) until the answer is sent,
+so many slow readers cannot hold more than ``--capacity`` between them: a delta that does not fit
+is sent FULL instead (counted in ``Charges.refused``). A delta is kept only when smaller than its
+chunk, so an answer is never larger than the full read plus one byte per chunk. Runs on a worker
+thread for large reads; both generations are pinned by the caller.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 
+from tensorwire.errors import CapacityExceeded
 from tensorwire.store.generations import Kept
+from tensorwire.store.memory import TensorStore
 from tensorwire.types import TensorMeta
 from tensorwire.wire import delta
 from tensorwire.wire import generations as wg
@@ -27,14 +32,43 @@ _FULL = memoryview(bytes([delta.Kind.FULL]))
 @dataclass(slots=True)
 class _Budget:
     left: int
+    charges: Charges | None
+
+
+@dataclass(eq=False)
+class Charges:
+    """The encoded deltas of one answer, counted against ``store``'s capacity until ``release``
+    (after the answer is sent). Thread-safe as the store is: ``build`` runs on a worker thread."""
+
+    store: TensorStore
+    releases: list[Callable[[], None]] = field(default_factory=list)
+    refused: int = 0  # deltas sent FULL because the store had no room for them
+
+    def take(self, nbytes: int) -> bool:
+        try:
+            self.releases.append(self.store.hold(nbytes))
+        except CapacityExceeded:
+            self.refused += 1
+            return False
+        return True
+
+    def release(self) -> None:
+        for release in self.releases:
+            release()
+        self.releases.clear()
 
 
 def build(
-    new: Kept, base: Kept | None, pairs: Sequence[tuple[TensorMeta, memoryview]], budget: int = DEFAULT_BUDGET
+    new: Kept,
+    base: Kept | None,
+    pairs: Sequence[tuple[TensorMeta, memoryview]],
+    budget: int = DEFAULT_BUDGET,
+    charges: Charges | None = None,
 ) -> tuple[DeltaAnswer, list[memoryview]]:
-    """The answer's block contents and its data (views, in order) for ``pairs`` (tensors of ``new``)."""
+    """The answer's block contents and its data (views, in order) for ``pairs`` (tensors of
+    ``new``); each delta kept is taken from ``charges`` (released by the caller once sent)."""
     sums = {entry.meta.name: entry.checksums for entry in new.sums}
-    left = _Budget(budget)
+    left = _Budget(budget, charges)
     data: list[memoryview] = []
     tensors = []
     for meta, view in pairs:
@@ -66,6 +100,8 @@ def _chunks(
         encoded = None
         if old is not None and left.left > 0:
             encoded = delta.encode_smaller(old[start : start + wg.CHUNK_BYTES], chunk, itemsize)
+        if encoded is not None and left.charges is not None and not left.charges.take(len(encoded)):
+            encoded = None  # no room to hold it while it is sent: the chunk itself (no copy)
         if encoded is not None:
             left.left -= len(encoded)
             data.append(memoryview(encoded))

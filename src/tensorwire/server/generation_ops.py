@@ -10,9 +10,18 @@ GEN_WAIT does not hold up its connection: when no newer generation exists yet, t
 parked on the prefix's ``asyncio.Event`` (set by every publish; no polling anywhere) in a task of
 its own, and the session goes on serving the connection's next frames; the parked request is
 answered when a publish wakes it or its timeout passes (``WaitTimeout`` naming the prefix and the
-generation). Parked waits are bounded per connection and server-wide, and end with their
-connection. Leases end with their connection too, and a timer retires a leased generation when
-its lease runs out.
+generation). Parked waits are bounded per connection, per client host and server-wide, and end
+with their connection. Leases end with their connection too, and a timer retires a leased
+generation when its lease runs out.
+
+Memory a reader makes the server hold while it is slow to read counts against the store's one
+capacity (``TensorStore.hold``): the copy of a wait's answer (one generation block, encoded once
+per generation however many waits it wakes) while it is sent, a manifest's encoding, a delta
+answer's encoded deltas (delta_answers.py). Where there is no room the request is refused
+(CapacityExceeded naming --capacity), or a delta answer sends full chunks instead.
+
+A publish returns once its generation is in the data directory, when there is one
+(``Generations.publish_durable``).
 """
 
 from __future__ import annotations
@@ -20,13 +29,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-from collections.abc import Callable, Sequence
+import logging
+from collections import Counter
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from tensorwire.errors import (
+    CapacityExceeded,
     GenerationRetired,
     KeyNotFound,
     LimitExceeded,
@@ -34,12 +46,14 @@ from tensorwire.errors import (
     TensorwireError,
     WaitTimeout,
 )
+from tensorwire.logs import event
 from tensorwire.server import delta_answers
 from tensorwire.server.generation_parts import PartPublishes
 from tensorwire.server.request import Handler, Request
 from tensorwire.server.store_ops import Parts, StoreOps, cpu
-from tensorwire.store import Reservation
+from tensorwire.store import Reservation, TensorStore
 from tensorwire.store.generations import Generations, Kept, check_names
+from tensorwire.store.uploads import client_of
 from tensorwire.types import Generation, TensorMeta
 from tensorwire.wire import delta_reads as dr
 from tensorwire.wire import generations as wg
@@ -48,12 +62,14 @@ from tensorwire.wire.frame import Opcode, chunk_count
 from tensorwire.wire.names import validate_name
 
 _OFF_LOOP_BYTES = 8 << 20  # checksums of a larger generation are computed on a worker thread
+log = logging.getLogger("tensorwire.server.generations")
 
 
 @dataclass(eq=False)
 class _Held:
     """What one connection holds here: its parked waits; its leases are keyed by this object."""
 
+    client: str = ""  # its client host (``client_of``), whose quotas it counts against
     waits: set[asyncio.Task[None]] = field(default_factory=set)
     timers: dict[tuple[str, int], asyncio.TimerHandle] = field(default_factory=dict)  # lease ends
     on_close: Callable[[_Held], None] | None = None
@@ -74,6 +90,8 @@ class GenerationOps:
         self._published: dict[str, asyncio.Event] = {}  # prefix -> set by its next publish
         self._parked_on: dict[str, int] = {}  # prefix -> waits parked on it
         self.waiting = 0  # parked GEN_WAITs, server-wide
+        self._client_waits: Counter[str] = Counter()  # ... by client host
+        self.deltas_full_for_capacity = 0  # delta chunks sent in full: no room to hold the delta
         self.parts = PartPublishes(generations, store_ops, self._announce, max_wait=max_wait)
 
     def frame_handlers(self) -> dict[int, Handler]:
@@ -87,11 +105,14 @@ class GenerationOps:
             Opcode.GEN_GET_DELTA: self.get_delta,
             Opcode.GEN_PUBLISH_PART: self.parts.publish_part,
             Opcode.GEN_GET_RANGES: self.get_ranges,
+            Opcode.GEN_DROP: self.drop,
         }
 
     def _held(self, req: Request) -> _Held:
         held = req.session_state(_Held)
-        held.on_close = self._connection_closed
+        if held.on_close is None:
+            held.on_close = self._connection_closed
+            held.client = client_of(req.peer)
         return held
 
     def _connection_closed(self, held: _Held) -> None:
@@ -104,12 +125,13 @@ class GenerationOps:
 
     # -- publish --------------------------------------------------------------------------------
     async def publish(self, req: Request) -> None:
-        await self.store_ops.receive_parts(req, self._published_parts, self._head)
+        head = functools.partial(self._head, client_of(req.peer))
+        await self.store_ops.receive_parts(req, self._published_parts, head)
 
-    def _head(self, reader: wm.MetaReader, parts: Parts) -> None:
+    def _head(self, client: str, reader: wm.MetaReader, parts: Parts) -> None:
         prefix = wg.decode_prefix(reader)
         if parts.head is None:
-            self.generations.admit(prefix)  # before a byte is reserved
+            self.generations.admit(prefix, client=client)  # before a byte is reserved
             parts.head = prefix
         elif prefix != parts.head:
             raise ProtocolError(f"parts of one GEN_PUBLISH name prefixes {parts.head!r} and {prefix!r}")
@@ -130,13 +152,21 @@ class GenerationOps:
         except BaseException:
             parts.abort()
             raise
-        await req.reply(wg.encode_generation(self._announce(prefix, res, sums)))
+        gen = await self._announce(prefix, res, sums, client=client_of(req.peer))
+        await req.reply(wg.encode_generation(gen))
 
-    def _announce(
-        self, prefix: str, res: Reservation, sums: Sequence[tuple[int, ...]], number: int = 0
+    async def _announce(
+        self,
+        prefix: str,
+        res: Reservation,
+        sums: Sequence[tuple[int, ...]],
+        number: int = 0,
+        *,
+        client: str | None = None,
     ) -> Generation:
-        """Publish ``res`` (verified; ``sums`` its chunk checksums) and wake the prefix's waiters."""
-        gen = self.generations.publish(prefix, res, sums, number)
+        """Publish ``res`` (verified; ``sums`` its chunk checksums; it owns ``res`` from here),
+        durably where the store has a data directory, and wake the prefix's waiters."""
+        gen = await self.generations.publish_durable(prefix, res, sums, number, client=client)
         event = self._published.pop(prefix, None)
         if event is not None:
             event.set()  # every parked waiter of the prefix wakes and answers
@@ -160,7 +190,7 @@ class GenerationOps:
         except BaseException:
             store.abort(res)
             raise
-        return self._announce(prefix, res, sums, number)
+        return await self._announce(prefix, res, sums, number)
 
     # -- reads ----------------------------------------------------------------------------------
     async def get(self, req: Request) -> None:
@@ -195,6 +225,7 @@ class GenerationOps:
         prefix = self.generations.prefix_of(names)
         kept = self.generations.pin(prefix, at)
         old: Kept | None = None
+        charges = delta_answers.Charges(self.generations.store)
         try:
             old = self._pin_base(prefix, base)
             pairs = [_tensor(kept, name) for name in names]
@@ -203,12 +234,22 @@ class GenerationOps:
             if total > self.limits.max_request_bytes:
                 raise LimitExceeded(f"an answer of {total} bytes exceeds {self.limits.max_request_bytes}")
             big = old is not None and total >= _OFF_LOOP_BYTES
-            answer, data = await cpu(big, delta_answers.build, kept, old, pairs)
+            budget = delta_answers.DEFAULT_BUDGET
+            answer, data = await cpu(big, delta_answers.build, kept, old, pairs, budget, charges)
+            self._count_full(charges)
             await req.reply(dr.encode_answer(answer), data)
         finally:
+            charges.release()
             self.generations.unpin(kept)
             if old is not None:
                 self.generations.unpin(old)
+
+    def _count_full(self, charges: delta_answers.Charges) -> None:
+        """Deltas sent as full chunks for want of room: counted (STATUS) and logged."""
+        if charges.refused:
+            self.deltas_full_for_capacity += charges.refused
+            event(log, logging.INFO, "delta answer: chunks sent in full, no room to hold their deltas",
+                  chunks=charges.refused, used=self.generations.store.used)  # fmt: skip
 
     def _pin_base(self, prefix: str, base: int) -> Kept | None:
         """Generation ``base`` pinned, or None where there is none to diff against (0: none)."""
@@ -263,7 +304,8 @@ class GenerationOps:
         req.meta.done()
         kept = self.generations.find(prefix, at)
         body = await cpu(len(kept.sums) >= 2048, wg.encode_manifest, self.generations.manifest(kept))
-        await req.reply(body)
+        with _held_while_sent(self.generations.store, 2 * len(body)):  # the body, and its frame's copy
+            await req.reply(body)
 
     # -- waits and leases -----------------------------------------------------------------------
     async def wait(self, req: Request) -> None:
@@ -271,33 +313,45 @@ class GenerationOps:
         _no_data(req)
         prefix, after, timeout_ms = wg.decode_wait(req.meta)
         req.meta.done()
-        latest = self.generations.latest(prefix)
-        if latest is not None and latest.number > after:
-            await req.reply(wg.encode_generation(latest))
+        block = self.generations.announcement(prefix, after)
+        if block is not None:
+            with _held_while_sent(self.generations.store, len(block)):
+                await req.reply(block)
             return
         validate_name(prefix)
         if not timeout_ms:
             raise _timed_out(prefix, after, 0)
         held = self._held(req)
-        limits = self.generations.config
-        if len(held.waits) >= limits.waiters_per_owner:
-            parked = f"this connection has {len(held.waits)} waits parked"
-            raise LimitExceeded(f"{parked}: at most {limits.waiters_per_owner} (--waiters-per-connection)")
-        if self.waiting >= limits.max_waiters:
-            parked = f"{self.waiting} waits are parked on this server"
-            raise LimitExceeded(f"{parked}: at most {limits.max_waiters} (--max-waiters)")
+        self._check_park(held)
         timeout = min(timeout_ms / 1000, self.max_wait)
         # Counted here, not in the task: the session reads the next frame before the task runs.
         self.waiting += 1
+        self._client_waits[held.client] += 1
         self._parked_on[prefix] = self._parked_on.get(prefix, 0) + 1
         task = asyncio.get_running_loop().create_task(self._park(req, prefix, after, timeout))
         held.waits.add(task)
         task.add_done_callback(functools.partial(self._unparked, prefix, held))
 
+    def _check_park(self, held: _Held) -> None:
+        """LimitExceeded, naming the bound and its flag, unless one more wait may park."""
+        limits = self.generations.config
+        if len(held.waits) >= limits.waiters_per_owner:
+            parked = f"this connection has {len(held.waits)} waits parked"
+            raise LimitExceeded(f"{parked}: {limits.most('waiters_per_owner')}")
+        if self._client_waits[held.client] >= limits.waiters_per_client:
+            parked = f"this client ({held.client}) has {self._client_waits[held.client]} waits parked"
+            raise LimitExceeded(f"{parked}: {limits.most('waiters_per_client')}")
+        if self.waiting >= limits.max_waiters:
+            parked = f"{self.waiting} waits are parked on this server"
+            raise LimitExceeded(f"{parked}: {limits.most('max_waiters')}")
+
     def _unparked(self, prefix: str, held: _Held, task: asyncio.Task[None]) -> None:
         """A parked wait ended (answered, or cancelled with its connection, even before it ran)."""
         held.waits.discard(task)
         self.waiting -= 1
+        self._client_waits[held.client] -= 1
+        if self._client_waits[held.client] <= 0:
+            del self._client_waits[held.client]
         self._parked_on[prefix] -= 1
         if not self._parked_on[prefix]:  # the last waiter of the prefix: forget its event
             del self._parked_on[prefix]
@@ -308,9 +362,9 @@ class GenerationOps:
         deadline = loop.time() + timeout
         with contextlib.suppress(TensorwireError):  # the connection is gone: nobody to answer
             while True:
-                latest = self.generations.latest(prefix)
-                if latest is not None and latest.number > after:
-                    await req.reply(wg.encode_generation(latest))
+                block = self.generations.announcement(prefix, after)
+                if block is not None:
+                    await self._notify(req, block)
                     return
                 left = deadline - loop.time()
                 if left <= 0:
@@ -320,25 +374,51 @@ class GenerationOps:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(event.wait(), left)
 
+    async def _notify(self, req: Request, block: bytes) -> None:
+        """A parked wait's answer: its frame's copy of ``block`` counts against the capacity while
+        it is sent (a reader that does not read keeps it); with no room, CapacityExceeded instead."""
+        try:
+            with _held_while_sent(self.generations.store, len(block)):
+                await req.reply(block)
+        except CapacityExceeded as exc:
+            await req.reply_error(exc)
+
     async def lease(self, req: Request) -> None:
         _no_data(req)
         prefix, number, ms = wg.decode_lease(req.meta)
         req.meta.done()
         held = self._held(req)
-        granted, oldest = self.generations.lease(held, prefix, number, ms / 1000)
+        granted, oldest = self.generations.lease(held, prefix, number, ms / 1000, client=held.client)
         timer = held.timers.pop((prefix, number), None)
         if timer is not None:
             timer.cancel()
         if granted:  # retire it when the lease runs out (one timer per lease: a renewal replaces it)
             # A little past the end: asyncio may run a timer up to its clock resolution early.
-            later = asyncio.get_running_loop().call_later(granted + 0.01, self.generations.retire, prefix)
-            held.timers[(prefix, number)] = later
+            ran_out = functools.partial(self._lease_ran_out, held, prefix, number)
+            held.timers[(prefix, number)] = asyncio.get_running_loop().call_later(granted + 0.01, ran_out)
         await req.reply(wg.encode_leased(round(granted * 1000), oldest))
+
+    def _lease_ran_out(self, held: _Held, prefix: str, number: int) -> None:
+        held.timers.pop((prefix, number), None)  # the connection's timers: only its live leases
+        self.generations.retire(prefix)
+
+    async def drop(self, req: Request) -> None:
+        """GEN_DROP: every generation of a prefix goes, and the prefix (``Generations.drop``);
+        answered once that is durable."""
+        _no_data(req)
+        prefix = wg.decode_prefix(req.meta)
+        req.meta.done()
+        with req.waiting():  # the data directory's removal, on the disk thread
+            count = await self.generations.drop(prefix)
+        await req.reply(wg.encode_dropped(count))
 
     def status(self) -> dict[str, Any]:
         gens = self.generations
         return {"generations": {"prefixes": len(gens), "kept": gens.generations, "waiting": self.waiting,
                                 "bytes": gens.store.kept, "transactions": len(self.parts.open),
+                                "leases": gens.leases, "durable": gens.disk is not None,
+                                "disk_errors": gens.disk_errors,
+                                "deltas_full_for_capacity": self.deltas_full_for_capacity,
                                 "newest": gens.newest()}}  # fmt: skip
 
 
@@ -357,6 +437,17 @@ def _copy_and_sum(dests: Sequence[memoryview], sources: Sequence[memoryview]) ->
         dest[:] = source
         sums.append(wg.chunk_checksums(dest))
     return sums
+
+
+@contextlib.contextmanager
+def _held_while_sent(store: TensorStore, nbytes: int) -> Iterator[None]:
+    """``nbytes`` of an answer counted against the capacity while inside (CapacityExceeded,
+    naming --capacity, where there is no room)."""
+    release = store.hold(nbytes)
+    try:
+        yield
+    finally:
+        release()
 
 
 def _timed_out(prefix: str, after: int, waited: float) -> WaitTimeout:

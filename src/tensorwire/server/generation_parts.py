@@ -5,21 +5,32 @@ at all.
 Lifecycle of a transaction (``_Txn``), keyed by its prefix and 16-byte id:
 
 1. The first frame of its first part to arrive opens it (bounded: ``max_transactions`` open
-   server-wide, ``transactions_per_owner`` with a part from one connection, ``max_parts`` parts;
-   its timeout is capped at ``max_wait_seconds``) and starts its timer.
+   server-wide, ``transactions_per_owner`` with a part from one connection,
+   ``transactions_per_client`` from one client host, ``max_parts`` parts; its timeout is capped at
+   the server's longest wait) and starts its timer.
 2. Each part is received like a GEN_PUBLISH (``StoreOps.receive_parts``: capacity reserved before
    a byte is kept, chunk checksums computed here from the verified bytes) and held, reservation
    and all, in the transaction; its answer is parked (the connection goes on serving its other
    frames) until the transaction ends.
 3. When the last of ``count`` parts is in, the parts' reservations are merged (names disjoint
-   across parts, else the whole transaction is refused) and published as one generation; every
-   parked part is answered with it.
+   across parts, else the whole transaction is refused) and published as one generation (written
+   to the data directory first, when there is one: ``Generations.publish_durable``; from here
+   nothing aborts it, not its timer, not a part's connection closing); every parked part is
+   answered with it.
 4. Otherwise it is aborted: its timer runs out (``WaitTimeout``), a part fails or collides, or a
    connection that sent (or is sending) one of its parts closes (``PublishAborted``; over gRPC,
    a PublishPart call that ends before the transaction does: ``owner``). Every
    reservation is freed and every parked part answered with the error, which says how many of how
    many parts arrived. Nothing of it was ever visible. Its id is remembered a while, so that a
    part arriving late gets the same error at once.
+
+Who may speak for a transaction: its 16-byte id is its credential. The ranks of one job share it
+(rank 0 draws it at random and sends it to the others over their own process group); a part, and
+so the commit its arrival may bring, or the abort its failure or its connection's end brings, is
+taken only with the whole id, and only for the prefix it was opened under. The server never shows
+it: errors and logs name a transaction by a hash of its id, so nothing they reach lets another
+client join or abort it. A part with a head that disagrees with the transaction's (its count) is
+refused without touching it.
 """
 
 from __future__ import annotations
@@ -27,8 +38,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-from collections import OrderedDict
-from collections.abc import Callable, Sequence
+import hashlib
+from collections import Counter, OrderedDict
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
 from tensorwire.errors import (
@@ -37,6 +49,7 @@ from tensorwire.errors import (
     LimitExceeded,
     ProtocolError,
     PublishAborted,
+    ServerError,
     TensorwireError,
     WaitTimeout,
 )
@@ -44,14 +57,16 @@ from tensorwire.server.request import Request
 from tensorwire.server.store_ops import Parts, StoreOps, cpu
 from tensorwire.store import Reservation
 from tensorwire.store.generations import Generations, check_names
+from tensorwire.store.uploads import client_of
 from tensorwire.types import Generation
 from tensorwire.wire import generations as wg
 from tensorwire.wire import meta as wm
 
 _ABORTED_KEPT = 1024  # aborted transaction ids remembered
 _OFF_LOOP_BYTES = 8 << 20  # checksums of a larger part are computed on a worker thread
-# Publishes a merged reservation (its chunk checksums given) and wakes the prefix's waiters.
-Announce = Callable[[str, Reservation, Sequence[tuple[int, ...]]], Generation]
+# Publishes a merged reservation (its chunk checksums given; it owns it from there), durably where
+# there is a data directory, and wakes the prefix's waiters.
+Announce = Callable[[str, Reservation, Sequence[tuple[int, ...]]], Awaitable[Generation]]
 
 
 @dataclass(eq=False)
@@ -63,13 +78,17 @@ class _Txn:
     parts: dict[int, tuple[Reservation, list[tuple[int, ...]]]] = field(default_factory=dict)
     receiving: set[int] = field(default_factory=set)  # indices whose frames are arriving
     owners: dict[_PartsHeld, set[int]] = field(default_factory=dict)  # connection -> its parts
+    clients: set[str] = field(default_factory=set)  # client hosts with a part in it
     names: set[str] = field(default_factory=set)
     ended: asyncio.Event = field(default_factory=asyncio.Event)
+    committing: asyncio.Task[None] | None = None  # its last part is in: being published
     generation: Generation | None = None
     error: TensorwireError | None = None
 
     def describe(self) -> str:
-        return f"transaction {self.txn.hex()[:12]} of {self.prefix!r}"
+        # A hash, not the id: errors and logs must not hand out a transaction's credential.
+        tag = hashlib.blake2b(self.txn, digest_size=6, person=b"tensorwire-txn").hexdigest()
+        return f"transaction #{tag} of {self.prefix!r}"
 
     def arrived(self) -> str:
         return f"{len(self.parts)} of {self.count} parts arrived"
@@ -84,6 +103,7 @@ class _PartsHeld:
     answers: set[asyncio.Task[None]] = field(default_factory=set)
     on_close: Callable[[_PartsHeld], None] | None = None
     sender: str = "connection"  # what sent its parts, as the abort at its close names it
+    client: str = ""  # its client host (``client_of``), whose quota its transactions count against
 
     def close(self) -> None:
         if self.on_close is not None:
@@ -103,13 +123,16 @@ class PartPublishes:
         self.config = generations.config
         self.max_wait = min(max_wait, self.config.max_wait_seconds)
         self.open: dict[tuple[str, bytes], _Txn] = {}
+        self._client_txns: Counter[str] = Counter()  # open transactions with a part from each host
         # Recently aborted transactions, so that a part arriving late is refused with the reason
         # at once rather than opening the transaction again (bounded: the oldest are forgotten).
         self.aborted: OrderedDict[tuple[str, bytes], TensorwireError] = OrderedDict()
 
     def _held(self, req: Request) -> _PartsHeld:
         held = req.session_state(_PartsHeld)
-        held.on_close = self._connection_closed
+        if held.on_close is None:
+            held.on_close = self._connection_closed
+            held.client = client_of(req.peer)
         return held
 
     async def publish_part(self, req: Request) -> None:
@@ -149,38 +172,47 @@ class PartPublishes:
         if key in self.aborted:
             raise self.aborted[key]
         txn = self.open.get(key)
-        if txn not in held.txns and len(held.txns) >= self.config.transactions_per_owner:
-            raise LimitExceeded(self._too_many(len(held.txns), "this connection has parts in"))
+        limits = self.config
+        if txn not in held.txns and len(held.txns) >= limits.transactions_per_owner:
+            have = f"this connection has parts in {len(held.txns)} multi-part publishes"
+            raise LimitExceeded(f"{have}: {limits.most('transactions_per_owner')}")
+        joins = txn is None or held.client not in txn.clients
+        if joins and self._client_txns[held.client] >= limits.transactions_per_client:
+            have = f"this client ({held.client}) has parts in {self._client_txns[held.client]} publishes"
+            raise LimitExceeded(f"{have}: {limits.most('transactions_per_client')}")
         if txn is None:
-            self.generations.admit(head.prefix)
+            self.generations.admit(head.prefix, client=held.client)
             self._check_open(head)
             txn = self._start(head)
         if head.count != txn.count:
             raise ProtocolError(f"a part of {txn.describe()} says it has {head.count} parts, not {txn.count}")
         if head.index in txn.parts or head.index in txn.receiving:
             raise ProtocolError(f"part {head.index} of {txn.describe()} was sent twice")
+        if txn.committing is not None:
+            raise ProtocolError(f"{txn.describe()} has all its parts already")
         txn.receiving.add(head.index)
         txn.owners.setdefault(held, set()).add(head.index)
+        if held.client not in txn.clients:
+            txn.clients.add(held.client)
+            self._client_txns[held.client] += 1
         held.txns.add(txn)
         return txn
 
     def _check_open(self, head: wg.PartHead) -> None:
         limits = self.config
         if head.count > limits.max_parts:
-            raise LimitExceeded(f"a publish of {head.count} parts: at most {limits.max_parts}")
+            raise LimitExceeded(f"a publish of {head.count} parts: {limits.most('max_parts')}")
         if head.timeout_ms / 1000 > self.max_wait:
             asked = head.timeout_ms / 1000
             raise LimitExceeded(
-                f"a part waits at most {self.max_wait:.3g}s (the longest this server waits), not {asked:.3g}s"
+                f"a part waits at most {self.max_wait:.3g}s (the longest this server waits: half its"
+                f" --idle-timeout, at most --max-wait-seconds), not {asked:.3g}s"
             )
         if not head.timeout_ms:
             raise ProtocolError("a multi-part publish needs a timeout")
         if len(self.open) >= limits.max_transactions:
-            raise LimitExceeded(self._too_many(len(self.open), "this server has open"))
-
-    def _too_many(self, now: int, where: str) -> str:
-        most = self.config.max_transactions if "server" in where else self.config.transactions_per_owner
-        return f"{where} {now} multi-part publishes: at most {most}"
+            have = f"this server has open {len(self.open)} multi-part publishes"
+            raise LimitExceeded(f"{have}: {limits.most('max_transactions')}")
 
     def _start(self, head: wg.PartHead) -> _Txn:
         txn = _Txn(head.prefix, head.txn, head.count)
@@ -206,11 +238,11 @@ class PartPublishes:
         await self._answer_when_ended(held, req, txn)
 
     # -- the same, for a caller that is not a frame connection (gRPC's PublishPart) -------------
-    def owner(self, sender: str) -> _PartsHeld:
-        """A new stake (one gRPC call's): ``join`` with it, and ``close`` it when the call ends,
-        which aborts every transaction it has a part in that has not ended (``sender`` names it
-        in that error: "call", "connection")."""
-        return _PartsHeld(on_close=self._connection_closed, sender=sender)
+    def owner(self, sender: str, client: str = "") -> _PartsHeld:
+        """A new stake (one gRPC call's, from ``client``, its host): ``join`` with it, and ``close``
+        it when the call ends, which aborts every transaction it has a part in that has not ended
+        (``sender`` names it in that error: "call", "connection")."""
+        return _PartsHeld(on_close=self._connection_closed, sender=sender, client=client)
 
     def join(self, held: _PartsHeld, head: wg.PartHead) -> _Txn:
         """Join (or open) ``head``'s transaction before a byte of the part is reserved (every bound
@@ -241,8 +273,8 @@ class PartPublishes:
             raise txn.error from exc  # every part hears the same
         txn.parts[head.index] = (res, sums)
         txn.names |= res.names
-        if len(txn.parts) == txn.count:
-            self._commit(txn)
+        if len(txn.parts) == txn.count:  # in a task of its own: no part's end may cut it short
+            txn.committing = asyncio.get_running_loop().create_task(self._commit(txn))
 
     async def outcome(self, txn: _Txn) -> Generation:
         """Once ``txn`` has ended: its generation, or the error that aborted it (raised)."""
@@ -284,24 +316,32 @@ class PartPublishes:
         return sums
 
     # -- ending ---------------------------------------------------------------------------------
-    def _commit(self, txn: _Txn) -> None:
+    async def _commit(self, txn: _Txn) -> None:
+        if txn.timer is not None:
+            txn.timer.cancel()  # every part is in: only the publish itself may fail now
         parts = [txn.parts[i] for i in range(txn.count)]
         try:
             merged = self.store.merge([res for res, _ in parts])
         except TensorwireError as exc:
+            txn.committing = None
             self._abort(txn, _failed(txn, -1, exc))
             return
         txn.parts.clear()  # owned by ``merged`` now
         try:
-            txn.generation = self.announce(txn.prefix, merged, [s for _, ss in parts for s in ss])
+            txn.generation = await self.announce(txn.prefix, merged, [s for _, ss in parts for s in ss])
         except TensorwireError as exc:  # publish freed ``merged``
-            self._end(txn)
             txn.error = _failed(txn, -1, exc)
-            return
-        self._end(txn)
+        except asyncio.CancelledError:  # the server stops
+            txn.error = PublishAborted(f"{txn.describe()} aborted: the server stopped during its commit")
+            raise
+        except Exception as exc:  # a fault of ours: every part hears of it, none waits forever
+            txn.error = _failed(txn, -1, ServerError(f"{type(exc).__name__}: {exc}"))
+            raise
+        finally:
+            self._end(txn)
 
     def _abort(self, txn: _Txn, error: TensorwireError) -> None:
-        if txn.ended.is_set():
+        if txn.ended.is_set() or txn.committing is not None:  # a commit under way ends it itself
             return
         for res, _ in txn.parts.values():
             self.store.abort(res)
@@ -317,6 +357,11 @@ class PartPublishes:
         self.open.pop((txn.prefix, txn.txn), None)
         for held in txn.owners:
             held.txns.discard(txn)
+        for client in txn.clients:
+            self._client_txns[client] -= 1
+            if self._client_txns[client] <= 0:
+                del self._client_txns[client]
+        txn.clients.clear()
         txn.ended.set()
 
     async def _answer_when_ended(self, held: _PartsHeld, req: Request, txn: _Txn) -> None:

@@ -13,8 +13,11 @@ generations and one set of open transactions.
   they stream, answered like a ``Get``.
 * ``Manifest`` (GEN_MANIFEST) and ``Lease`` (GEN_LEASE). A gRPC server sees calls, not
   connections: a lease belongs to the calling peer (its address, one per HTTP/2 connection),
-  bounded per peer as per connection on the frame side (and the peers holding one by the server's
-  connection limit, since a lease outlives its connection), and ends when it runs out.
+  bounded per peer as per connection on the frame side, per client host with the frame side's
+  leases (``leases_per_client``: a client that reconnects between leases gets no more), and the
+  peers holding one by the server's ``--max-connections``, since a lease outlives its connection:
+  it ends when it runs out (``--max-lease-seconds``) or is released. A manifest's answer counts
+  against the capacity until grpcio has sent it (``TensorStore.hold``).
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from tensorwire.server.generation_ops import GenerationOps
 from tensorwire.server.rpc_calls import StreamedPut, Watchdog, abort, answer, checked_chunk, off_loop
 from tensorwire.store import Reservation
 from tensorwire.store.generations import Kept
+from tensorwire.store.uploads import client_of
 from tensorwire.types import Limits, TensorMeta
 from tensorwire.v1 import tensor_service_pb2 as pb
 from tensorwire.wire import generations as wg
@@ -52,6 +56,7 @@ class _Peer:
     """One gRPC peer's leases: the owner ``Generations`` keys them by, and their end timers."""
 
     name: str
+    client: str  # its host (``peer_host``), whose quota its leases count against
     timers: dict[tuple[str, int], asyncio.TimerHandle] = field(default_factory=dict)
 
 
@@ -71,10 +76,11 @@ class GenerationCalls:
 
     # -- PublishPart ----------------------------------------------------------------------------
     async def PublishPart(self, chunks: AsyncIterator[bytes], context: Any) -> pb.GenerationInfo:
-        return await answer(context, lambda: self._publish_part(chunks))
+        client = peer_host(str(context.peer()))
+        return await answer(context, lambda: self._publish_part(chunks, client))
 
-    async def _publish_part(self, chunks: AsyncIterator[bytes]) -> pb.GenerationInfo:
-        held = self.parts.owner("call")
+    async def _publish_part(self, chunks: AsyncIterator[bytes], client: str) -> pb.GenerationInfo:
+        held = self.parts.owner("call", client)
         batch = Reservation()
         watchdog = Watchdog(self.stall_timeout)
         try:
@@ -168,13 +174,18 @@ class GenerationCalls:
             manifest = self.generations.manifest(self.generations.find(request.prefix, request.at))
             # Built in a worker thread for a generation of many tensors (the manifest is a copy:
             # nothing of the store is read there).
-            return await off_loop(len(manifest.tensors) * 1024, manifest_reply, manifest)
+            reply = await off_loop(len(manifest.tensors) * 1024, manifest_reply, manifest)
+            # grpcio keeps the answer (and its serialized copy) until the peer has read it.
+            release = self.store.hold(2 * reply.ByteSize())
+            context.add_done_callback(lambda _: release())
+            return reply
 
         return await answer(context, run)
 
     async def Lease(self, request: pb.LeaseRequest, context: Any) -> pb.LeaseReply:
         async def run() -> pb.LeaseReply:
-            return self._lease(str(context.peer()), request.prefix, request.number, request.milliseconds)
+            peer = str(context.peer())
+            return self._lease(peer, request.prefix, request.number, request.milliseconds)
 
         return await answer(context, run)
 
@@ -183,9 +194,9 @@ class GenerationCalls:
         if peer is None:
             if ms and len(self._peers) >= self.max_peers:
                 raise LimitExceeded(f"{len(self._peers)} gRPC peers hold leases on this server: at most"
-                                    f" {self.max_peers} (its connection limit)")  # fmt: skip
-            peer = _Peer(name)
-        granted, oldest = self.generations.lease(peer, prefix, number, ms / 1000)
+                                    f" {self.max_peers} (--max-connections)")  # fmt: skip
+            peer = _Peer(name, peer_host(name))
+        granted, oldest = self.generations.lease(peer, prefix, number, ms / 1000, client=peer.client)
         timer = peer.timers.pop((prefix, number), None)
         if timer is not None:
             timer.cancel()
@@ -209,6 +220,14 @@ class GenerationCalls:
         else:
             self._peers.pop(peer.name, None)
             self.generations.drop_owner(peer)
+
+
+def peer_host(peer: str) -> str:
+    """The client host of a gRPC peer (``ipv4:10.0.0.5:41234`` -> ``10.0.0.5``, ``ipv6:[::1]:5``
+    -> ``::1``): the same key ``client_of`` gives a frame connection from that host, so both faces
+    of a server count one host's quota together."""
+    kind, sep, rest = peer.partition(":")
+    return client_of(rest) if sep and kind in ("ipv4", "ipv6") else client_of(peer)
 
 
 async def _chained(first: bytes, rest: AsyncIterator[bytes]) -> AsyncIterator[bytes]:

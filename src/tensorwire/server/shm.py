@@ -50,7 +50,6 @@ from tensorwire.wire.frame import Opcode
 
 MAX_OPEN_PUTS = 64  # per connection: puts handed segments and not yet committed
 MAX_LEASES = 65536  # per connection: tensors pinned by views
-MAX_GENERATION_VIEWS = 64  # per connection: generations pinned by views (SHM_GEN_VIEW)
 _U64 = struct.Struct("<Q")
 _ids = itertools.count(1)
 
@@ -224,9 +223,10 @@ class ShmService:
             tensors = [kept.tensors[name] for name in gen.names]
             slots, refs = self._split(tensors)
             if refs:
-                if len(session.views) >= MAX_GENERATION_VIEWS:
+                limits = self.generations.config  # a view holds its generation as a lease does
+                if len(session.views) >= limits.leases_per_owner:
                     pinned = f"this connection pins {len(session.views)} generations with views"
-                    raise LimitExceeded(f"{pinned}: at most {MAX_GENERATION_VIEWS}")
+                    raise LimitExceeded(f"{pinned}: {limits.most('leases_per_owner')}")
                 lease = next(_ids)
                 session.views[lease] = kept
             meta = ws.encode_view_answer(gen, [tensors[i][0] for i in slots], refs, lease)

@@ -1,84 +1,70 @@
 """The generations a server keeps: per prefix, numbered tensor sets published atomically,
-retained by count and by lease (docs/protocol.md §14; README, "Generations").
+retained by count and by lease, and kept in the data directory when there is one (docs/protocol.md
+§14; README, "Generations").
 
 Lifecycle of a generation (server/generation_ops.py drives it):
 
 1. ``admit(prefix)`` before its bytes are received: the prefix is valid, not nested in (or
-   around) another prefix with generations, and within ``max_prefixes``.
+   around) another prefix with generations, and within ``max_prefixes`` (and, for a new prefix,
+   ``prefixes_per_client`` of the client that makes it).
 2. Its tensors are received into a ``TensorStore`` reservation (capacity is checked there: a
    generation that does not fit is refused before a byte is kept, and the previous ones stay).
-3. ``publish(prefix, reservation, checksums)`` keeps the reservation (``TensorStore.keep``: its
-   bytes still count against the capacity), gives it the prefix's next number, and retires what
-   no longer needs keeping. It is visible at once, every tensor together.
+3. ``publish_durable`` (``publish`` where nothing is written): ``prepare`` keeps the reservation
+   (``TensorStore.keep``: its bytes still count against the capacity) and numbers it (the prefix's
+   next number); with a data directory it is written there (store/generation_disk.py, on the
+   store's disk thread: one publish at a time, so numbers and files agree) before ``install``
+   makes it visible, every tensor together, and retires what no longer needs keeping. So once a
+   publish has returned, its generation survives a kill -9. A server's own generations
+   (``SERVER_PREFIX``, a parameter server's relay copies) are memory-only: they are made again
+   from the job's state.
 4. Reads ``pin`` one generation for their duration and ``unpin`` it after; a generation retired
    while pinned is freed by its last reader, so a read in flight always finishes consistently.
-5. ``retire`` (run by ``publish``, ``sweep`` and lease changes) keeps the last ``keep`` numbers of
+5. ``retire`` (run by ``publish``, ``find`` and lease changes) keeps the last ``keep`` numbers of
    each prefix and every generation with a live lease; the rest are dropped from the table (a new
-   read gets ``GenerationRetired``) and freed once unpinned.
+   read gets ``GenerationRetired``) and from the disk, and freed once unpinned. ``drop`` removes a
+   whole prefix (GEN_DROP), so the prefix table is never one that only an operator's rm empties.
 
-Multi-part publishes (GEN_PUBLISH_PART) are bounded where they wait (generation_parts.py).
-Peer-controlled state is bounded here: prefixes (``max_prefixes``) and leases (``leases_per_owner``
-per connection; a lease lasts at most ``max_lease_seconds``). Waiters are bounded where they
-wait (generation_ops.py). Called from the server's event loop only.
+At start the generations in the data directory are read back (each checked against the root
+digest recorded with it), numbered as they were; "latest" is the newest of them; leases, which
+belong to connections, do not survive a restart.
+
+Peer-controlled state is bounded here: prefixes (``max_prefixes``; ``prefixes_per_client`` made by
+one client host) and leases (``leases_per_owner`` per connection, ``leases_per_client`` per client
+host; a lease lasts at most ``max_lease_seconds``, names a generation by number, never "latest",
+and ends with its connection). Waiters and transactions are bounded where they wait
+(generation_ops.py, generation_parts.py). Every refusal names the ``tensorwire serve`` flag that
+sets its bound (``FLAGS``). Called from the server's event loop only.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import logging
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from tensorwire.errors import GenerationRetired, InvalidName, KeyNotFound, LimitExceeded
+from tensorwire.errors import (
+    GenerationRetired,
+    InvalidName,
+    KeyNotFound,
+    LimitExceeded,
+    PersistenceError,
+    ProtocolError,
+)
+from tensorwire.logs import event
+from tensorwire.store.generation_config import DEFAULT_KEEP, SERVER_PREFIX, GenerationConfig
+from tensorwire.store.generation_disk import GenerationDisk, StoredGeneration
 from tensorwire.store.memory import Reservation, TensorStore
 from tensorwire.types import ChunkSums, Generation, GenerationManifest, TensorMeta
 from tensorwire.wire import generations as wg
 from tensorwire.wire.names import validate_name
 
-DEFAULT_KEEP = 2
-DEFAULT_MAX_LEASE_SECONDS = 60.0
-DEFAULT_MAX_PREFIXES = 1024
-DEFAULT_LEASES_PER_OWNER = 64
-DEFAULT_MAX_WAITERS = 4096
-DEFAULT_WAITERS_PER_OWNER = 64
-DEFAULT_MAX_WAIT_SECONDS = 300.0
-DEFAULT_MAX_TRANSACTIONS = 64
-DEFAULT_TRANSACTIONS_PER_OWNER = 8
-DEFAULT_MAX_PARTS = 4096
-# Prefixes the server publishes itself: a parameter server's relay pulls (``_ps/<job>``,
-# ps/relay.py). No client publishes under it: the job's workers trust what it holds.
-SERVER_PREFIX = "_ps"
+__all__ = ["DEFAULT_KEEP", "SERVER_PREFIX", "GenerationConfig", "Generations", "Kept", "check_names"]
 
-
-@dataclass(frozen=True, slots=True)
-class GenerationConfig:
-    """How many generations a server keeps and how much state peers may make it hold."""
-
-    keep: int = DEFAULT_KEEP  # the last this many generations of each prefix (--keep-generations)
-    max_lease_seconds: float = DEFAULT_MAX_LEASE_SECONDS  # a longer lease is granted this long
-    max_prefixes: int = DEFAULT_MAX_PREFIXES  # prefixes with generations, server-wide
-    leases_per_owner: int = DEFAULT_LEASES_PER_OWNER  # leases one connection holds at once
-    max_waiters: int = DEFAULT_MAX_WAITERS  # GEN_WAIT requests parked, server-wide
-    waiters_per_owner: int = DEFAULT_WAITERS_PER_OWNER  # ... on one connection
-    max_wait_seconds: float = DEFAULT_MAX_WAIT_SECONDS  # a longer wait is answered at this point
-    # multi-part publishes (GEN_PUBLISH_PART): open at once server-wide, with a part from one
-    # connection, and parts in one; each waits for its others at most max_wait_seconds
-    max_transactions: int = DEFAULT_MAX_TRANSACTIONS
-    transactions_per_owner: int = DEFAULT_TRANSACTIONS_PER_OWNER
-    max_parts: int = DEFAULT_MAX_PARTS
-
-    def __post_init__(self) -> None:
-        counts = (
-            self.keep,
-            self.max_prefixes,
-            self.leases_per_owner,
-            self.max_waiters,
-            self.waiters_per_owner,
-            self.max_transactions,
-            self.transactions_per_owner,
-            self.max_parts,
-        )
-        if min(counts) < 1 or self.max_lease_seconds <= 0 or self.max_wait_seconds <= 0:
-            raise ValueError(f"generation limits must be positive: {self}")
+log = logging.getLogger("tensorwire.store.generations")
 
 
 @dataclass(eq=False)
@@ -92,15 +78,21 @@ class Kept:
     pins: int = 0
     leases: dict[object, float] = field(default_factory=dict)  # owner -> deadline (clock)
     retired: bool = False
+    durable: bool = False  # written to the data directory (removed from it when retired)
+    block: bytes = b""  # its generation block (wg.encode_generation), made once: ``announcement``
 
 
 @dataclass(eq=False)
 class Prefix:
     latest: int = 0
     kept: dict[int, Kept] = field(default_factory=dict)  # number -> generation, oldest first
+    client: str | None = None  # the client host that made it (None: the server, or a restart)
 
     def oldest(self) -> int:
         return next(iter(self.kept), self.latest + 1)
+
+
+LeaseKey = tuple[str, int]  # (prefix, number)
 
 
 class Generations:
@@ -116,7 +108,17 @@ class Generations:
         self.config = config or GenerationConfig()
         self.clock = clock
         self._prefixes: dict[str, Prefix] = {}
-        self._leases: dict[object, set[tuple[str, int]]] = {}  # owner -> its leases
+        self._leases: dict[object, set[LeaseKey]] = {}  # owner -> its leases
+        self._owner_client: dict[object, str] = {}  # owner -> its client host
+        self._client_leases: Counter[str] = Counter()
+        self._client_prefixes: Counter[str] = Counter()
+        self.disk_errors = 0  # retired generations whose files could not be removed (logged)
+        self._removals: set[asyncio.Task[None]] = set()
+        self._writing: asyncio.Lock | None = None  # one durable publish at a time (made on a loop)
+        data_dir = store.data_dir
+        self.disk = GenerationDisk(data_dir) if data_dir is not None else None
+        if self.disk is not None:
+            self._load(self.disk)
 
     def __len__(self) -> int:
         return len(self._prefixes)
@@ -125,14 +127,19 @@ class Generations:
     def generations(self) -> int:
         return sum(len(p.kept) for p in self._prefixes.values())
 
+    @property
+    def leases(self) -> int:
+        return sum(len(held) for held in self._leases.values())
+
     def newest(self, most: int = 64) -> dict[str, int]:
         """The newest generation number of (at most ``most``) prefixes, for STATUS."""
         return {prefix: p.latest for prefix, p in list(self._prefixes.items())[:most] if p.latest in p.kept}
 
     # -- publishing ----------------------------------------------------------------------------
-    def admit(self, prefix: str, *, internal: bool = False) -> None:
+    def admit(self, prefix: str, *, internal: bool = False, client: str | None = None) -> None:
         """InvalidName / LimitExceeded unless generations of ``prefix`` may be published (under
-        ``SERVER_PREFIX`` only by the server itself: ``internal``)."""
+        ``SERVER_PREFIX`` only by the server itself: ``internal``; a new prefix by ``client``,
+        its host, within its quota)."""
         validate_name(prefix)
         if not internal and (prefix == SERVER_PREFIX or prefix.startswith(SERVER_PREFIX + "/")):
             raise InvalidName(f"prefix {prefix!r}: {SERVER_PREFIX!r} is the server's own")
@@ -141,11 +148,68 @@ class Generations:
         for other in self._prefixes:
             if prefix.startswith(other + "/") or other.startswith(prefix + "/"):
                 raise InvalidName(f"prefix {prefix!r} nests with {other!r}, which has generations")
-        if len(self._prefixes) >= self.config.max_prefixes:
-            raise LimitExceeded(
-                f"{len(self._prefixes)} prefixes have generations already: at most"
-                f" {self.config.max_prefixes} (--max-prefixes)"
-            )
+        limits = self.config
+        if len(self._prefixes) >= limits.max_prefixes:
+            have = f"{len(self._prefixes)} prefixes have generations already"
+            raise LimitExceeded(f"{have}: {limits.most('max_prefixes')}")
+        if client is not None and self._client_prefixes[client] >= limits.prefixes_per_client:
+            have = f"this client ({client}) made {self._client_prefixes[client]} prefixes with generations"
+            raise LimitExceeded(f"{have}: {limits.most('prefixes_per_client')}; GEN_DROP frees one")
+
+    def prepare(
+        self,
+        prefix: str,
+        res: Reservation,
+        sums: Sequence[tuple[int, ...]],
+        number: int = 0,
+        *,
+        internal: bool = False,
+        client: str | None = None,
+    ) -> Kept:
+        """``res`` (received and verified; ``sums`` its chunk checksums, in its order) kept and
+        numbered as the prefix's next generation (``number`` where that is larger than the latest:
+        a host leader numbers its share as its origin did, broadcast/host.py), not yet visible:
+        ``install`` makes it so, ``discard`` gives it up. It owns ``res`` from here."""
+        try:
+            self.admit(prefix, internal=internal, client=client)
+            check_names(prefix, [m.name for m in res.metas])
+        except BaseException:
+            self.store.abort(res)
+            raise
+        self.store.keep(res)
+        entry = self._prefixes.get(prefix)
+        number = max(number, (entry.latest if entry is not None else 0) + 1)
+        pairs = sorted(zip(res.metas, res.buffers, sums, strict=True), key=lambda p: p[0].name)
+        chunk_sums = tuple(ChunkSums(m.with_version(number), s) for m, _, s in pairs)
+        digest = wg.root_digest(chunk_sums, wg.CHUNK_BYTES, wg.CHECKSUM_KIND)
+        names = tuple(m.name for m, _, _ in pairs)
+        gen = Generation(prefix, number, digest, names, sum(m.nbytes for m in res.metas))
+        tensors = {m.name: (m.with_version(number), b) for m, b, _ in pairs}
+        return Kept(gen, tensors, chunk_sums, res)
+
+    def install(self, kept: Kept, client: str | None = None) -> Generation:
+        """Make a prepared generation visible (the newest of its prefix) and retire what it
+        replaces. Admitted again: a prefix may have been made (or dropped) meanwhile."""
+        gen = kept.generation
+        try:
+            self.admit(gen.prefix, internal=True, client=client)
+        except BaseException:
+            self.discard(kept)
+            raise
+        entry = self._prefixes.get(gen.prefix)
+        if entry is None:
+            entry = self._prefixes[gen.prefix] = Prefix(client=client)
+            if client is not None:
+                self._client_prefixes[client] += 1
+        entry.kept[gen.number] = kept
+        entry.latest = max(entry.latest, gen.number)
+        self.retire(gen.prefix)
+        return gen
+
+    def discard(self, kept: Kept) -> None:
+        """A prepared generation that is not installed (its write failed): its memory goes."""
+        kept.retired = True
+        self.store.free_kept(kept.reservation)
 
     def publish(
         self,
@@ -155,30 +219,61 @@ class Generations:
         number: int = 0,
         *,
         internal: bool = False,
+        client: str | None = None,
     ) -> Generation:
-        """Make ``res`` (received and verified; ``sums`` its chunk checksums, in its order) the
-        prefix's next generation, numbered ``number`` where that is larger than the latest (a host
-        leader numbers its share as its origin did: broadcast/host.py), else the latest + 1; it owns
-        ``res`` from here (freed on failure too). ``internal``: the server publishes it (``admit``)."""
+        """``prepare`` and ``install`` at once, in memory only: the server's own generations
+        (``internal``), and every generation of a store without a data directory."""
+        return self.install(self.prepare(prefix, res, sums, number, internal=internal, client=client), client)
+
+    async def publish_durable(
+        self,
+        prefix: str,
+        res: Reservation,
+        sums: Sequence[tuple[int, ...]],
+        number: int = 0,
+        *,
+        client: str | None = None,
+    ) -> Generation:
+        """``publish``, written to the data directory first when there is one (module docstring,
+        step 3): PersistenceError, and nothing visible, if it cannot be written."""
+        if self.disk is None:
+            return self.publish(prefix, res, sums, number, client=client)
+        if self._writing is None:
+            self._writing = asyncio.Lock()
         try:
-            self.admit(prefix, internal=internal)
-            check_names(prefix, [m.name for m in res.metas])
+            await self._writing.acquire()  # numbers are handed out and written in the same order
         except BaseException:
-            self.store.abort(res)
+            self.store.abort(res)  # cancelled while another publish was being written
             raise
-        self.store.keep(res)
-        entry = self._prefixes.setdefault(prefix, Prefix())
-        number = max(number, entry.latest + 1)
-        pairs = sorted(zip(res.metas, res.buffers, sums, strict=True), key=lambda p: p[0].name)
-        chunk_sums = tuple(ChunkSums(m.with_version(number), s) for m, _, s in pairs)
-        digest = wg.root_digest(chunk_sums, wg.CHUNK_BYTES, wg.CHECKSUM_KIND)
-        names = tuple(m.name for m, _, _ in pairs)
-        gen = Generation(prefix, number, digest, names, sum(m.nbytes for m in res.metas))
-        tensors = {m.name: (m.with_version(number), b) for m, b, _ in pairs}
-        entry.kept[number] = Kept(gen, tensors, chunk_sums, res)
-        entry.latest = number
-        self.retire(prefix)
-        return gen
+        try:
+            kept = self.prepare(prefix, res, sums, number, client=client)
+            await self._write(self.disk, kept)
+            kept.durable = True
+            try:
+                return self.install(kept, client)
+            except BaseException:  # refused after all (a bound reached meanwhile): its files go too
+                self._on_disk(self.disk.remove, prefix, kept.generation.number)
+                raise
+        finally:
+            self._writing.release()
+
+    async def _write(self, disk: GenerationDisk, kept: Kept) -> None:
+        pairs = [kept.tensors[name] for name in kept.generation.names]
+        write = asyncio.ensure_future(self.store.call(disk.write, kept.generation, pairs))
+        try:
+            await asyncio.shield(write)
+        except asyncio.CancelledError:
+            # The disk thread still reads the buffers: they go back to the pool once it is done
+            # (its files are then a generation whose publish never returned: kept, or replaced
+            # by the next one of the same number).
+            write.add_done_callback(lambda _: self.discard(kept))
+            raise
+        except BaseException as exc:
+            self.discard(kept)
+            if isinstance(exc, PersistenceError):
+                raise PersistenceError(f"generation {kept.generation.number} of {kept.generation.prefix!r}"
+                                       f" not published: {exc}") from exc  # fmt: skip
+            raise
 
     # -- reading -------------------------------------------------------------------------------
     def latest(self, prefix: str) -> Generation | None:
@@ -186,6 +281,17 @@ class Generations:
         if entry is None or entry.latest not in entry.kept:
             return None
         return entry.kept[entry.latest].generation
+
+    def announcement(self, prefix: str, after: int) -> bytes | None:
+        """The generation block of the newest generation of ``prefix`` if it is past ``after``:
+        encoded once per generation, however many waiters it wakes."""
+        entry = self._prefixes.get(prefix)
+        kept = entry.kept.get(entry.latest) if entry is not None else None
+        if kept is None or kept.generation.number <= after:
+            return None
+        if not kept.block:
+            kept.block = wg.encode_generation(kept.generation)
+        return kept.block
 
     def pin(self, prefix: str, at: int) -> Kept:
         """Generation ``at`` of ``prefix`` (``wg.LATEST``: the newest), pinned until ``unpin``."""
@@ -234,49 +340,87 @@ class Generations:
         return GenerationManifest(kept.generation, wg.CHUNK_BYTES, int(wg.CHECKSUM_KIND), kept.sums)
 
     # -- leases --------------------------------------------------------------------------------
-    def lease(self, owner: object, prefix: str, number: int, seconds: float) -> tuple[float, int]:
-        """Keep generation ``number`` for ``owner`` for ``seconds`` (at most ``max_lease_seconds``;
-        0 releases); returns the seconds granted and the oldest generation kept."""
+    def lease(
+        self, owner: object, prefix: str, number: int, seconds: float, *, client: str = ""
+    ) -> tuple[float, int]:
+        """Keep generation ``number`` for ``owner`` (a connection; ``client`` its host) for
+        ``seconds`` (at most ``max_lease_seconds``; 0 releases ``owner``'s own lease, no one
+        else's); returns the seconds granted and the oldest generation kept. ``number`` names a
+        generation: 0 ("latest") is refused, since a lease on whatever is newest would move."""
+        if number == wg.LATEST:
+            raise ProtocolError(
+                f"a lease names a generation of {prefix!r} by its number, not 'latest' (0): read the"
+                " newest one's number first (GEN_MANIFEST, GEN_WAIT)"
+            )
         key = (prefix, number)
-        held = self._leases.setdefault(owner, set())
         if seconds <= 0:
-            entry = self._prefixes.get(prefix)
-            kept = entry.kept.get(number) if entry is not None else None
-            if kept is not None:
-                kept.leases.pop(owner, None)
-            held.discard(key)
+            self._end_lease(owner, key)
             self.retire(prefix)
             return 0.0, self._oldest(prefix)
         kept = self.find(prefix, number)
-        self._forget_expired(owner, held)
-        if key not in held and len(held) >= self.config.leases_per_owner:
-            raise LimitExceeded(
-                f"this connection holds {len(held)} leases: at most {self.config.leases_per_owner}"
-            )
+        fresh = key not in self._leases.get(owner, ())
+        if fresh:
+            self._check_lease_room(owner, client)
         granted = min(seconds, self.config.max_lease_seconds)
         kept.leases[owner] = self.clock() + granted
-        held.add(key)
+        if fresh:  # counted only once granted: a refused owner leaves nothing in the tables
+            self._leases.setdefault(owner, set()).add(key)
+            self._owner_client[owner] = client
+            self._client_leases[client] += 1
         return granted, self._oldest(prefix)
 
-    def _forget_expired(self, owner: object, held: set[tuple[str, int]]) -> None:
-        """Drop ``owner``'s leases that ran out (or whose generation is gone) from its count."""
+    def _check_lease_room(self, owner: object, client: str) -> None:
+        limits = self.config
+        self._forget_expired(owner)
+        held = len(self._leases.get(owner, ()))
+        if held >= limits.leases_per_owner:
+            have = f"this connection holds {held} leases"
+            raise LimitExceeded(f"{have}: {limits.most('leases_per_owner')}")
+        if self._client_leases[client] >= limits.leases_per_client:
+            for other in [o for o, c in self._owner_client.items() if c == client]:
+                self._forget_expired(other)
+        if self._client_leases[client] >= limits.leases_per_client:
+            have = f"this client ({client}) holds {self._client_leases[client]} leases"
+            raise LimitExceeded(f"{have}: {limits.most('leases_per_client')}")
+
+    def _forget_expired(self, owner: object) -> None:
+        """End ``owner``'s leases that ran out (or whose generation is gone)."""
         now = self.clock()
-        for prefix, number in list(held):
-            entry = self._prefixes.get(prefix)
-            kept = entry.kept.get(number) if entry is not None else None
+        for key in list(self._leases.get(owner, ())):
+            kept = self._kept(*key)
             if kept is None or kept.leases.get(owner, 0.0) <= now:
-                held.discard((prefix, number))
-                if kept is not None:
-                    kept.leases.pop(owner, None)
+                self._end_lease(owner, key)
+
+    def _end_lease(self, owner: object, key: LeaseKey) -> None:
+        """``owner``'s lease on ``key`` ends (if it has one): the one place a lease is uncounted."""
+        held = self._leases.get(owner)
+        kept = self._kept(*key)
+        if kept is not None:
+            kept.leases.pop(owner, None)
+        if held is None or key not in held:
+            return
+        held.discard(key)
+        client = self._owner_client.get(owner, "")
+        self._client_leases[client] -= 1
+        if self._client_leases[client] <= 0:
+            del self._client_leases[client]
+        if not held:  # an owner is in the tables only while it holds a lease
+            del self._leases[owner]
+            self._owner_client.pop(owner, None)
 
     def drop_owner(self, owner: object) -> None:
         """A connection ended: its leases end with it."""
-        for prefix, number in self._leases.pop(owner, set()):
-            entry = self._prefixes.get(prefix)
-            kept = entry.kept.get(number) if entry is not None else None
-            if kept is not None:
-                kept.leases.pop(owner, None)
-                self.retire(prefix)
+        keys = list(self._leases.get(owner, ()))
+        for key in keys:
+            self._end_lease(owner, key)
+        self._leases.pop(owner, None)
+        self._owner_client.pop(owner, None)
+        for prefix in {prefix for prefix, _ in keys}:
+            self.retire(prefix)
+
+    def _kept(self, prefix: str, number: int) -> Kept | None:
+        entry = self._prefixes.get(prefix)
+        return entry.kept.get(number) if entry is not None else None
 
     def _oldest(self, prefix: str) -> int:
         entry = self._prefixes.get(prefix)
@@ -295,27 +439,68 @@ class Generations:
                 break
             for owner, deadline in list(kept.leases.items()):
                 if deadline <= now:
-                    del kept.leases[owner]
-                    self._leases.get(owner, set()).discard((prefix, number))
+                    self._end_lease(owner, (prefix, number))
             if not kept.leases:
                 del entry.kept[number]
-                kept.retired = True
-                if kept.pins == 0:
-                    self.store.free_kept(kept.reservation)
+                self._retired(kept)
+
+    async def drop(self, prefix: str) -> int:
+        """GEN_DROP: every generation of ``prefix`` and the prefix itself go, at once, and from
+        the data directory before this returns; those being read are freed by their last reader,
+        leases on them end. Returns how many generations went; KeyNotFound if it has none (a
+        prefix of the server's own, ``SERVER_PREFIX``, is not a client's to drop)."""
+        validate_name(prefix)
+        if prefix == SERVER_PREFIX or prefix.startswith(SERVER_PREFIX + "/"):
+            raise KeyNotFound(f"prefix {prefix!r} has no generations a client may drop")
+        if self.disk is None:
+            return self._drop(prefix)
+        if self._writing is None:
+            self._writing = asyncio.Lock()
+        async with self._writing:  # not while a publish of it is being written
+            count = self._drop(prefix)
+            await self.store.call(self.disk.remove_prefix, prefix)
+        return count
+
+    def _drop(self, prefix: str) -> int:
+        if prefix not in self._prefixes:
+            raise KeyNotFound(f"prefix {prefix!r} has no generations")
+        return self._forget(prefix)[0]
 
     def forget(self, prefix: str) -> None:
         """Drop every generation of ``prefix`` and the prefix (its owner ended, a parameter-server
         job say); those being read are freed by their last reader. Leases on them end."""
+        _, durable = self._forget(prefix)
+        if durable and self.disk is not None:
+            self._on_disk(self.disk.remove_prefix, prefix)
+
+    def _forget(self, prefix: str) -> tuple[int, bool]:
+        """Drop ``prefix`` from memory: how many generations it had, and whether any was durable."""
         entry = self._prefixes.pop(prefix, None)
-        if entry is not None:
-            self._free(entry)
-            for held in self._leases.values():
-                held.difference_update({key for key in held if key[0] == prefix})
+        if entry is None:
+            return 0, False
+        if entry.client is not None:
+            self._client_prefixes[entry.client] -= 1
+            if self._client_prefixes[entry.client] <= 0:
+                del self._client_prefixes[entry.client]
+        for owner, held in list(self._leases.items()):
+            for key in [key for key in held if key[0] == prefix]:
+                self._end_lease(owner, key)
+        count, durable = len(entry.kept), any(kept.durable for kept in entry.kept.values())
+        self._free(entry)
+        return count, durable
 
     def close(self) -> None:
-        """The server stops: free every generation not being read."""
+        """The server stops: free every generation not being read (their files stay)."""
         for entry in self._prefixes.values():
             self._free(entry)
+
+    def _retired(self, kept: Kept) -> None:
+        kept.retired = True
+        if kept.pins == 0:
+            self.store.free_kept(kept.reservation)
+        if kept.durable and self.disk is not None:
+            gen = kept.generation
+            self._on_disk(self.disk.remove, gen.prefix, gen.number)
 
     def _free(self, entry: Prefix) -> None:
         for kept in entry.kept.values():
@@ -323,6 +508,59 @@ class Generations:
             if kept.pins == 0:
                 self.store.free_kept(kept.reservation)
         entry.kept.clear()
+
+    def _on_disk(self, fn: Callable[..., None], *args: object) -> None:
+        """Remove files on the store's disk thread, after every write queued before (at start,
+        before any loop runs: at once). A failure is logged and counted: the files of a retired
+        generation that stay are retired again at the next start."""
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            with contextlib.suppress(PersistenceError):
+                fn(*args)
+            return
+        task = loop.create_task(self.store.call(fn, *args))
+        self._removals.add(task)
+        task.add_done_callback(self._removed)
+
+    def _removed(self, task: asyncio.Task[None]) -> None:
+        self._removals.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            self.disk_errors += 1
+            event(log, logging.WARNING, "retired generation left on disk", error=str(task.exception()))
+
+    # -- the data directory, at start ----------------------------------------------------------
+    def _load(self, disk: GenerationDisk) -> None:
+        """Every generation of the data directory back in memory, as it was published; then each
+        prefix keeps its last ``keep`` (files of generations retired before a crash go now)."""
+        for stored in disk.load():
+            self._restore(stored)
+        for prefix in list(self._prefixes):
+            self.retire(prefix)
+        if self._prefixes:
+            event(log, logging.INFO, "generations restored", prefixes=len(self._prefixes),
+                  generations=self.generations, bytes=self.store.kept)  # fmt: skip
+
+    def _restore(self, stored: StoredGeneration) -> None:
+        metas = [TensorMeta(m.name, m.dtype, m.shape, m.nbytes) for m, _ in stored.tensors]
+        res = self.store.reserve(metas)  # CapacityExceeded (naming --capacity): the server does not start
+        try:
+            for buffer, (_, data) in zip(res.buffers, stored.tensors, strict=True):
+                buffer.cast("B")[:] = data.numpy().data.cast("B")
+            sums = [wg.chunk_checksums(b) for b in res.buffers]
+        except BaseException:
+            self.store.abort(res)
+            raise
+        kept = self.prepare(stored.prefix, res, sums, stored.number, internal=True)
+        gen = kept.generation
+        if gen.number != stored.number or gen.digest != stored.digest:
+            self.discard(kept)
+            raise PersistenceError(
+                f"generation {stored.number} of {stored.prefix!r} in the data directory does not read"
+                " back as it was published (its root digest differs): the files are damaged"
+            )
+        kept.durable = True
+        self.install(kept)
 
 
 def check_names(prefix: str, names: Sequence[str]) -> None:

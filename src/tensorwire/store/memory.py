@@ -151,6 +151,11 @@ class TensorStore:
         return self._disk is not None
 
     @property
+    def data_dir(self) -> Path | None:
+        """The data directory (``--data-dir``), where generations are kept too (store/generations.py)."""
+        return self._disk.path if self._disk is not None else None
+
+    @property
     def used(self) -> int:
         """What counts against the capacity: stored tensors and their names' cost, reservations of
         puts in flight, old versions pinned by readers, and requests' decoding scratch."""

@@ -13,9 +13,11 @@ right tensor; the others (complex32, complex128, float8 fnuz/e8m0, float4, bits*
 memory, which is the safetensors (little-endian) layout on every platform torch ships for.
 
 Besides those files the directory may hold ``.tmp-<uuid>`` (a file being written),
-``journal-<uuid>.json`` (a batch being committed) and ``revision.slots`` (the last version handed
-out; see "Deletes on a full disk"); anything else is ignored. A stored tensor's file that is a
-symbolic link is refused at start: tensorwire never makes one, and it would read another file.
+``journal-<uuid>.json`` (a batch being committed), ``revision.slots`` (the last version handed
+out; see "Deletes on a full disk") and ``generations/`` (published generations: written and read
+by store/generation_disk.py, with this module's file helpers); anything else is ignored. A stored
+tensor's file that is a symbolic link is refused at start: tensorwire never makes one, and it
+would read another file.
 
 Crash safety
 ------------
@@ -152,7 +154,7 @@ def encode_header(meta: TensorMeta) -> bytes:
     return struct.pack("<Q", len(raw)) + raw
 
 
-def _check_item(meta: TensorMeta, data: memoryview) -> None:
+def check_item(meta: TensorMeta, data: memoryview) -> None:
     """Refuse, before anything touches the disk, an item that could not be read back as given."""
     if meta.name == "__metadata__":
         raise InvalidTensor("a tensor called '__metadata__' cannot be stored in a safetensors file")
@@ -192,7 +194,7 @@ class DataDir:
     def write(self, items: Sequence[tuple[TensorMeta, memoryview]]) -> None:
         """Persist a batch atomically: after a crash, reload sees all of it or none of it."""
         for meta, data in items:
-            _check_item(meta, data)
+            check_item(meta, data)
         if not items:
             return
         self._finish_pending()
@@ -260,7 +262,7 @@ class DataDir:
 
     def _legacy_revision(self) -> int:
         path = self._path / REVISION_FILE
-        _refuse_link(path)
+        refuse_link(path)
         try:
             return int(path.read_text(encoding="ascii"))
         except FileNotFoundError:
@@ -294,7 +296,7 @@ class DataDir:
         for entry in sorted(self._listdir()):
             if entry.endswith(SUFFIX):
                 path = self._path / entry
-                _refuse_link(path)
+                refuse_link(path)
                 yield read_file(path)
 
     # ------------------------------------------------------------------------------ filesystem
@@ -307,7 +309,7 @@ class DataDir:
         except OSError as exc:
             raise PersistenceError(f"cannot create data directory {self._path}: {exc}") from exc
         # The new directory's own entry must be durable too, or a crash could lose every file in it.
-        _sync_dir(self._path.parent)
+        sync_dir(self._path.parent)
 
     def _listdir(self) -> list[str]:
         try:
@@ -316,24 +318,13 @@ class DataDir:
             raise PersistenceError(f"cannot list data directory {self._path}: {exc}") from exc
 
     def _sync_dir(self) -> None:
-        _sync_dir(self._path)
+        sync_dir(self._path)
 
     def _new_temp(self) -> pathlib.Path:
         return self._path / f"{TEMP_PREFIX}{uuid.uuid4().hex}"
 
     def _write_durably(self, path: pathlib.Path, chunks: Sequence[bytes | memoryview]) -> None:
-        """Create ``path`` holding ``chunks`` and fsync it; on failure, remove what was written."""
-        try:
-            # "x" (O_CREAT | O_EXCL) never follows a symbolic link: a link planted under this
-            # name makes the open fail instead of writing through it.
-            with open(path, "xb") as f:
-                for chunk in chunks:
-                    f.write(chunk)  # a memoryview goes straight to the file, without a copy
-                f.flush()
-                os.fsync(f.fileno())
-        except OSError as exc:
-            _unlink_quietly(path)
-            raise PersistenceError(f"cannot write {path}: {exc}") from exc
+        write_durably(path, chunks)
 
     def _rename(self, temp: str, final: str) -> None:
         src, dst = self._path / temp, self._path / final
@@ -460,7 +451,22 @@ def _read_slots(fd: int) -> list[int]:
     return found
 
 
-def _sync_dir(path: pathlib.Path) -> None:
+def write_durably(path: pathlib.Path, chunks: Sequence[bytes | memoryview]) -> None:
+    """Create ``path`` holding ``chunks`` and fsync it; on failure, remove what was written."""
+    try:
+        # "x" (O_CREAT | O_EXCL) never follows a symbolic link: a link planted under this
+        # name makes the open fail instead of writing through it.
+        with open(path, "xb") as f:
+            for chunk in chunks:
+                f.write(chunk)  # a memoryview goes straight to the file, without a copy
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as exc:
+        _unlink_quietly(path)
+        raise PersistenceError(f"cannot write {path}: {exc}") from exc
+
+
+def sync_dir(path: pathlib.Path) -> None:
     """fsync a directory, which makes the creations, renames and deletions in it durable."""
     try:
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
@@ -472,7 +478,7 @@ def _sync_dir(path: pathlib.Path) -> None:
         raise PersistenceError(f"cannot fsync directory {path}: {exc}") from exc
 
 
-def _refuse_link(path: pathlib.Path) -> None:
+def refuse_link(path: pathlib.Path) -> None:
     """tensorwire never makes a symbolic link in a data directory; one there would be read (or
     written) through, into a file elsewhere, so it is refused."""
     if path.is_symlink():
@@ -481,7 +487,7 @@ def _refuse_link(path: pathlib.Path) -> None:
 
 def _read_journal(journal: pathlib.Path) -> list[tuple[str, str]]:
     """The (temp, final) renames of a journal; PersistenceError if it is unreadable or malformed."""
-    _refuse_link(journal)
+    refuse_link(journal)
     try:
         body = json.loads(journal.read_bytes())
         renames = [(str(temp), str(final)) for temp, final in body["renames"]]

@@ -71,6 +71,7 @@ class Opcode(enum.IntEnum):
     GEN_WAIT = 44
     GEN_LEASE = 45
     GEN_GET_DELTA = 46
+    GEN_DROP = 47  # every generation of a prefix, and the prefix (docs/protocol.md §14)
     # The relay (docs/protocol.md §15; tensorwire.broadcast): readers of one generation feed each other.
     RELAY_JOIN = 48
     RELAY_GET = 49

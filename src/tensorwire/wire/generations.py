@@ -1,5 +1,6 @@
 """Generations on the wire (docs/protocol.md §14): the metadata blocks of GEN_PUBLISH, GEN_GET,
-GEN_GET_RANGE, GEN_MANIFEST, GEN_WAIT, GEN_LEASE and GEN_PUBLISH_PART, and the root digest of a generation.
+GEN_GET_RANGE, GEN_MANIFEST, GEN_WAIT, GEN_LEASE, GEN_DROP and GEN_PUBLISH_PART, and the root
+digest of a generation.
 
 Bytes in, bytes out: the server (server/generation_ops.py) and the client (client/generations.py)
 share these, so the digest a reader recomputes is the one the server computed, by construction.
@@ -176,6 +177,15 @@ def decode_lease(reader: wm.MetaReader) -> tuple[str, int, int]:
 def encode_leased(ms: int, oldest: int) -> bytes:
     """GEN_LEASE's answer: ``u32 ms granted | u64 oldest generation kept``."""
     return _LEASED.pack(ms, oldest)
+
+
+def encode_dropped(count: int) -> bytes:
+    """GEN_DROP's answer (its request is ``prefix``): ``u64 generations dropped``."""
+    return _U64.pack(count)
+
+
+def decode_dropped(reader: wm.MetaReader) -> int:
+    return reader.u64()
 
 
 @dataclass(frozen=True, slots=True)
