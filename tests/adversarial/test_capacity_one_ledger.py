@@ -10,7 +10,7 @@ import threading
 
 import pytest
 import torch
-from psid_kit import call, config, flat_metas, init, join
+from psid_kit import call, config, flat_metas, init, join, push
 
 from tensorwire import connect
 from tensorwire.errors import CapacityExceeded, WaitTimeout
@@ -69,7 +69,7 @@ def test_tensors_do_not_fit_beside_a_job() -> None:
             client.put("half", torch.zeros(HALF // 4))
         assert store.used <= store.capacity
         assert server_stats([server.url])[0]["held_bytes"]["params"] == MORE
-        assert store.charged["ps.params"] == MORE  # STATUS shows the store's charges by kind
+        assert server.server.status()["store"]["charged"]["ps.params"] == MORE  # STATUS shows them by kind
 
 
 def test_an_exchange_round_does_not_fit_beside_the_tensors_the_store_holds() -> None:
@@ -107,3 +107,28 @@ def test_tensors_do_not_fit_beside_an_exchange_round() -> None:
         assert failure and isinstance(failure[0], WaitTimeout)  # rank 1 never came
         wait_for(lambda: not store.charged.get("exchange"), 10, "the round's bytes to be given back")
         client.put("half", torch.zeros(HALF // 4))  # fits again
+
+
+def test_a_put_makes_the_jobs_idle_gradient_buffers_go() -> None:
+    """A job keeps a push's gradient buffers for the next one (fresh pages are slow): counted in
+    the one capacity, they must not keep a put out. The put lets them go, as a job's own
+    reservation would."""
+    server, store = serve()
+    elements = N // 20  # a fifth of the capacity in bytes
+    incarnation = secrets.randbits(63) or 1
+    with server, connect(server.url) as client:
+        join(server.url, 0, 1, incarnation, "small")
+        key = f"w#0:{elements}"
+        init(
+            server.url,
+            0,
+            1,
+            config("async"),
+            {key: torch.zeros(elements)},
+            incarnation=incarnation,
+            job="small",
+        )
+        push(server.url, {key: torch.ones(elements)}, incarnation=incarnation, job="small")
+        assert store.charged["ps.gradients"] == 4 * elements  # kept for the next push
+        client.put("big", torch.zeros((N - 6 * elements) // 4))  # fits once they go
+        assert "ps.gradients" not in store.charged and store.used <= store.capacity

@@ -19,11 +19,14 @@ one ledger, the tensor store's ``--capacity`` (store/memory.py ``TensorStore.cha
 never exceed it. Each is reserved before it is allocated. A reservation that either cannot hold
 is refused with CapacityExceeded (naming ``--capacity``) and nothing changes; the server first
 lets go of what it keeps only for speed (every job's free gradient buffers: ``reclaimer``,
-``make_room``) to make room, also when it is the store that is full.
+``make_room``) to make room, also when it is the store that is full; and a put into the store
+that needs the room makes them go too (the store's ``reclaimer``: only on the event loop, where
+the jobs' state is changed).
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
 from typing import Protocol
 
@@ -42,6 +45,8 @@ class Ledger(Protocol):
     def check(self, nbytes: int, what: str) -> None: ...
 
     def count(self, kind: str, nbytes: int) -> None: ...
+
+    def reclaimer(self, owner: object, reclaim: Callable[[int], None] | None) -> None: ...
 
 
 class Budget:
@@ -71,6 +76,16 @@ class Budget:
         root._ledger = ledger
         for kind, nbytes in root.held.items():
             ledger.count(f"ps.{kind}", nbytes)
+        ledger.reclaimer(root, root._room_for_ledger)
+
+    def _room_for_ledger(self, nbytes: int) -> None:
+        """The store needs ``nbytes`` of room (a put): let go of what the jobs keep for speed, if
+        asked on the event loop (the jobs' own thread; elsewhere, nothing is let go)."""
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            return
+        self.make_room(nbytes)
 
     def fits(self, nbytes: int) -> bool:
         root = self._root

@@ -262,6 +262,7 @@ class Server:
                 "metadata": store.metadata,
                 "pinned": store.pinned,
                 "scratch": store.scratch_bytes,
+                "charged": store.charged,  # what other parts of the process hold, by kind (ps.*, exchange)
                 "max_tensors": store.max_tensors,
                 "uploads": len(self.uploads),
             },

@@ -25,7 +25,9 @@ Exported (counters end in ``_total``; ``op`` is the operation: put, get, ps_push
   ``tensorwire_store_capacity_bytes``, ``tensorwire_store_tensors`` (gauges);
   ``tensorwire_store_used_bytes`` (what counts against the capacity), of which
   ``tensorwire_store_metadata_bytes`` (stored names' cost), ``tensorwire_store_pinned_bytes`` (old
-  versions readers still hold) and ``tensorwire_store_scratch_bytes`` (decoding scratch).
+  versions readers still hold), ``tensorwire_store_scratch_bytes`` (decoding scratch) and
+  ``tensorwire_store_charged_bytes`` by ``kind`` (what the parameter server's jobs, ``ps.params``,
+  ``ps.gradients``, ..., and the gradient exchange, ``exchange``, hold in the one capacity).
 * ``tensorwire_uploads_open`` (gauge) and ``tensorwire_uploads_dropped_total`` by ``reason``
   (replaced, expired, refused; unslotted: small resumable puts served without upload state).
 * ``tensorwire_server_info`` (1, labelled ``version`` and ``addresses``), and prometheus-client's
@@ -217,6 +219,12 @@ class ServerCollector:
         yield GaugeMetricFamily("tensorwire_store_metadata_bytes", "Stored names' cost.", store.metadata)
         yield GaugeMetricFamily("tensorwire_store_pinned_bytes", "Old versions readers hold.", store.pinned)
         yield GaugeMetricFamily("tensorwire_store_scratch_bytes", "Decoding scratch.", store.scratch_bytes)
+        charged = GaugeMetricFamily(
+            "tensorwire_store_charged_bytes", "What the PS and the exchange hold.", labels=["kind"]
+        )
+        for kind, nbytes in store.charged.items():  # kinds are the code's names (ps.params, exchange)
+            charged.add_metric([kind], nbytes)
+        yield charged
         uploads = server.uploads
         yield GaugeMetricFamily("tensorwire_uploads_open", "Open resumable or striped uploads.", len(uploads))
         dropped = {k: getattr(uploads.counts, k) for k in ("replaced", "expired", "refused", "unslotted")}

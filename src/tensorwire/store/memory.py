@@ -20,7 +20,9 @@ an overwrite (a reply nobody reads must not keep gigabytes alive outside the cap
 scratch a request decodes into (``scratch``); the generations a server keeps (``keep``:
 store/generations.py); and what the other parts of the process hold for their peers (``charge``,
 by kind: the parameter server's jobs, the gradient exchange), so that ``--capacity`` is one ledger
-for the whole process, not one per pool. Besides bytes, at most ``max_tensors`` names.
+for the whole process, not one per pool. What another part keeps only for speed (the parameter
+server's idle gradient buffers) it lets go of when a put needs the room (``reclaimer``). Besides
+bytes, at most ``max_tensors`` names.
 
 The store is thread-safe: the server's event loop calls it directly, and runs what may block on
 the disk (``commit`` and ``delete`` with a data directory) through ``call``, on the store's own
@@ -110,6 +112,7 @@ class TensorStore:
         self._kept_names = 0  # their tensors, counted against max_tensors
         self._charged: dict[str, int] = {}  # what other parts of the process hold, by kind (``charge``)
         self._charged_total = 0
+        self._reclaimers: dict[object, Callable[[int], None]] = {}  # ``reclaimer``
         self.revision = 0  # the last version handed out; versions come from this one counter
         self._lock = threading.Lock()
         self._disk_lock = threading.Lock()  # orders disk writes the same way as versions
@@ -238,6 +241,22 @@ class TensorStore:
         with self._lock:
             self._count(kind, -min(nbytes, self._charged.get(kind, 0)))
 
+    def reclaimer(self, owner: object, reclaim: Callable[[int], None] | None) -> None:
+        """Register (None: forget) what ``owner`` lets go of when a put needs room: ``reclaim(n)``
+        frees memory it keeps only for speed while ``n`` more bytes do not fit. It is called without
+        the store's lock, from the thread asking for the room."""
+        if reclaim is None:
+            self._reclaimers.pop(owner, None)
+        else:
+            self._reclaimers[owner] = reclaim
+
+    def _make_room(self, nbytes: int) -> None:
+        """Let the reclaimers free what they keep for speed while ``nbytes`` more do not fit."""
+        for reclaim in list(self._reclaimers.values()):
+            if nbytes <= self.room:
+                return
+            reclaim(nbytes)
+
     def _count(self, kind: str, nbytes: int) -> None:
         """Move ``kind``'s count by ``nbytes``, never below 0 (lock held)."""
         before = self._charged.get(kind, 0)
@@ -262,6 +281,7 @@ class TensorStore:
             raise InvalidName("a batch names the same tensor twice")
         total = sum(m.nbytes for m in metas)
         charge = total + sum(entry_cost(m.name) for m in metas)
+        self._make_room(charge)
         with self._lock:
             if extend is not None and extend.done:  # aborted while this part was being decoded
                 raise StoreError("the batch this part belongs to was given up; nothing was stored")
@@ -334,6 +354,7 @@ class TensorStore:
         unary answer: grpcio keeps the message until it is sent, however slowly the peer reads) in
         ``used`` (as ``scratch``); CapacityExceeded if they do not fit. Returns the release, which
         may be called more than once."""
+        self._make_room(nbytes)
         with self._lock:
             self._check_room(nbytes, 0)
             self._scratch += nbytes
