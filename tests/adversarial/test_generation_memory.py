@@ -1,13 +1,15 @@
 """Memory a reader of generations makes the server hold counts against the store's one capacity
 (issue 32, class 5): a delta answer's encoded deltas while a reader that does not read keeps them
 (and they are given back when it goes), full chunks instead of deltas where there is no room, and
-a manifest's encoding. Real servers on loopback; the slow reader is a raw socket that asks and
-never reads."""
+a manifest's encoding, a gRPC GetRanges message. Real servers on loopback; the slow reader is a
+raw socket (or gRPC call) that asks and never reads."""
 
 from __future__ import annotations
 
+import asyncio
 import socket
 
+import grpc
 import pytest
 import torch
 
@@ -17,9 +19,11 @@ from tensorwire.store import TensorStore
 from tensorwire.store.memory import entry_cost
 from tensorwire.testing.process import wait_for
 from tensorwire.types import Address, MiB
+from tensorwire.v1 import tensor_service_pb2 as pb
 from tensorwire.wire import delta_reads as dr
 from tensorwire.wire.checksum import ChecksumKind
 from tensorwire.wire.frame import Header, Opcode, encode_frame_head
+from tensorwire.wire.rpc import SERVICE
 
 ELEMS = 8 << 20  # 32 MiB of float32: eight 4 MiB chunks
 
@@ -87,3 +91,30 @@ def test_a_manifest_counts_against_the_capacity_while_it_is_sent() -> None:
         c.delete("filler")
         assert len(c.manifest("m").tensors) == 100
         wait_for(lambda: store.scratch_bytes == 0, 10, "the answer's bytes to be given back once sent")
+
+
+def test_a_grpc_ranges_answer_counts_against_the_capacity_while_a_reader_does_not_read() -> None:
+    store = TensorStore(capacity=256 * MiB)
+    with tensorwire.ServerThread(["tcp://127.0.0.1:0", "grpc://127.0.0.1:0"], store=store) as srv:
+        with tensorwire.connect(srv.url) as c:
+            c.publish("g", {"w": torch.zeros(16 << 20, dtype=torch.uint8)})
+        address = srv.addresses[1]
+
+        async def main() -> None:
+            async with grpc.aio.insecure_channel(f"{address.host}:{address.port}") as channel:
+                ranges = channel.unary_stream(
+                    f"/{SERVICE}/GetRanges", pb.RangesRequest.SerializeToString, None
+                )
+                request = pb.RangesRequest(name="g/w", offsets=[0], lengths=[16 << 20], chunk_bytes=4 << 20)
+                call = ranges(request, timeout=30)
+                await call.read()  # the first message, then no more reading
+                deadline = asyncio.get_running_loop().time() + 20
+                while store.scratch_bytes < 4 * MiB:  # the message grpcio holds for it is counted
+                    assert asyncio.get_running_loop().time() < deadline, "a held message was not counted"
+                    await asyncio.sleep(0.01)
+                call.cancel()
+
+        asyncio.run(main())
+        wait_for(
+            lambda: store.scratch_bytes == 0, 20, "the held message to be given back when the call ended"
+        )

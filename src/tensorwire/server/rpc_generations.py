@@ -16,15 +16,16 @@ generations and one set of open transactions.
   bounded per peer as per connection on the frame side, per client host with the frame side's
   leases (``leases_per_client``: a client that reconnects between leases gets no more), and the
   peers holding one by the server's ``--max-connections``, since a lease outlives its connection:
-  it ends when it runs out (``--max-lease-seconds``) or is released. A manifest's answer counts
-  against the capacity until grpcio has sent it (``TensorStore.hold``).
+  it ends when it runs out (``--max-lease-seconds``) or is released. A manifest's answer, and the
+  copy of each GetRanges message, count against the capacity until grpcio has sent them
+  (``TensorStore.hold``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import functools
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -121,6 +122,7 @@ class GenerationCalls:
             await abort(context, ProtocolError(f"unknown checksum kind {kind}"))
         kept, meta, data = await self._pinned(request.name, request.at, ranges, context)
         watchdog = Watchdog(self.stall_timeout)
+        release: Callable[[], None] | None = None
         try:
             total = sum(n for _, n in ranges)
             record = TensorMeta(meta.name, torch.uint8, (total,), total, meta.version)
@@ -128,10 +130,24 @@ class GenerationCalls:
             for pieces in _cut(data, ranges, chunk):
                 watchdog.progress()
                 size = sum(p.nbytes for p in pieces)
+                if release is not None:
+                    release()  # the previous message was taken: grpcio asks for the next one
+                release = await self._hold(size, context)  # its copy, until grpcio has sent it
                 yield await off_loop(size, _joined_chunk, pieces, kind)
         finally:
+            if release is not None:
+                release()
             watchdog.close()
             self.generations.unpin(kept)
+
+    async def _hold(self, nbytes: int, context: Any) -> Callable[[], None]:
+        """``nbytes`` of an answer counted against the capacity (the call is refused, naming
+        --capacity, where there is no room)."""
+        try:
+            return self.store.hold(nbytes)
+        except TensorwireError as exc:
+            await abort(context, exc)
+            raise
 
     async def _ranges(self, request: pb.RangesRequest, context: Any) -> list[tuple[int, int]]:
         """The request's ranges, counted and summed against the limits before any is used."""
