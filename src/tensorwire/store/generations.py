@@ -79,7 +79,10 @@ class Kept:
     leases: dict[object, float] = field(default_factory=dict)  # owner -> deadline (clock)
     retired: bool = False
     durable: bool = False  # written to the data directory (removed from it when retired)
-    block: bytes = b""  # its generation block (wg.encode_generation), made once: ``announcement``
+    # Its generation block (wg.encode_generation), made once for every wait it answers
+    # (``announcement``): 4 bytes and a name per tensor, within the ``entry_cost`` each tensor's name
+    # already counts against the capacity, so it needs no charge of its own.
+    block: bytes = b""
 
 
 @dataclass(eq=False)
