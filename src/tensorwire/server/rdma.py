@@ -19,6 +19,11 @@ an rdma:// listener's connection, for that request's lifetime: at most ``MAX_OPE
 and ``max_registered`` bytes, unregistered when the request ends or its connection closes (a
 client killed with SIGKILL included: its TCP connection ends, ``RdmaSession.close`` frees all).
 
+In the engine's TCP mode unregistering does not end a peer's request already under way, so the
+engine is told only about memory of its own (``rdma_memory.EngineMemory``): a put lands there and
+is copied into the store's reservation after RDMA_END unregisters it, its checksums checked on
+the copy; a get's copy is such memory. Stored bytes and reservations are then never within reach.
+
 It is an ``Extension`` (request.py) the first rdma:// listener adds to its server; its handlers
 refuse requests that did not come in on an rdma:// listener.
 """
@@ -38,6 +43,7 @@ from typing import Any, Protocol
 
 from tensorwire import transport
 from tensorwire.errors import CorruptFrame, InvalidTensor, LimitExceeded, ProtocolError
+from tensorwire.server.rdma_memory import EngineMemory
 from tensorwire.server.request import Extension, Handler, Request
 from tensorwire.store import Reservation, TensorStore
 from tensorwire.store.pool import BufferPool, allocate_private
@@ -76,6 +82,7 @@ class Open:
     reservation: Reservation | None = None  # a put
     copies: list[memoryview] = field(default_factory=list)  # a get
     release_hold: Callable[[], None] | None = None  # a get's copies, counted in the store's used
+    landings: list[memoryview] = field(default_factory=list)  # TCP mode: where a put's bytes land, by ref
 
 
 class RdmaSession:
@@ -112,9 +119,14 @@ class RdmaService:
         *,
         max_registered: int = DEFAULT_MAX_REGISTERED,
         inline_max: int = INLINE_MAX,
+        max_engine_memory: int = DEFAULT_MAX_REGISTERED,
     ) -> None:
         self.store = store
         self.engine = Engine(host)  # RdmaUnavailable here: the listener does not start
+        # TCP mode: the only memory the engine is told about (rdma_memory.py), at most this much.
+        self.memory = (
+            EngineMemory(self.engine, store, max_engine_memory) if self.engine.protocol == "tcp" else None
+        )
         self.max_registered = max_registered
         self.inline_max = inline_max
         # A get's copies: reused, so a warm get faults no page (a fresh one costs more than the copy).
@@ -138,13 +150,19 @@ class RdmaService:
 
     def status(self) -> dict[str, Any]:
         """STATUS's ``rdma`` part: what the engine exposes now (the fault tests poll it)."""
-        engine = self.engine
-        return {"rdma": {"session": engine.session, "protocol": engine.protocol, "open": self.open,
-                         "registered_buffers": len(engine.registered),
-                         "registered_bytes": sum(engine.registered.values())}}  # fmt: skip
+        engine, memory = self.engine, self.memory
+        registered = sum(engine.registered.values())
+        doc = {"session": engine.session, "protocol": engine.protocol, "open": self.open,
+               "registered_buffers": len(engine.registered), "registered_bytes": registered,
+               "ports": engine.sockets.describe()}  # fmt: skip
+        if memory is not None:
+            doc["engine_memory"] = {"held": memory.held, "idle": memory.idle, "reclaims": memory.reclaims}
+        return {"rdma": doc}
 
     async def close(self) -> None:
-        self.engine.close()
+        self.engine.close()  # its connections close with it: no peer request touches its memory after
+        if self.memory is not None:
+            await self.memory.close()
 
     def session(self, req: Request) -> RdmaSession:
         session = req.session_state(RdmaSession)
@@ -188,12 +206,16 @@ class RdmaService:
         self.open -= 1
 
     def free(self, entry: Open) -> None:
-        """What an ended request held goes back: a put's reservation, a get's copies."""
+        """What an ended request held goes back: a put's reservation, a get's copies (to the
+        engine's memory in TCP mode, which keeps them from anything else)."""
         if entry.reservation is not None:
             self.store.abort(entry.reservation)  # a no-op once committed
-        for buf in entry.copies:
-            self.copies.give(buf)
-        entry.copies = []
+        for buf in [*entry.copies, *entry.landings]:
+            if self.memory is not None:
+                self.memory.give(buf)
+            else:
+                self.copies.give(buf)
+        entry.copies, entry.landings = [], []
         if entry.release_hold is not None:
             entry.release_hold()
 
@@ -220,15 +242,23 @@ class RdmaService:
         if not metas:
             raise ProtocolError("RDMA_PUT carries no tensors")
         res = self.store.reserve(metas)
+        landings: list[memoryview] = []
         try:
             large = [i for i, meta in enumerate(res.metas) if self._large(meta)]
-            await asyncio.get_running_loop().run_in_executor(None, _prefault, [res.buffers[i] for i in large])
-            regions = self._register(session, [res.buffers[i] for i in large])
+            targets = [res.buffers[i] for i in large]
+            if self.memory is not None:  # TCP mode: land apart, copied into the reservation at commit
+                for target in targets:
+                    landings.append(await self.memory.take(target.nbytes))
+                targets = landings
+            else:
+                await asyncio.get_running_loop().run_in_executor(None, _prefault, targets)
+            regions = self._register(session, targets)
         except BaseException:
             self.store.abort(res)
+            self._give_back(landings)
             raise
         refs = [wr.BufferRef(i, res.metas[i], address) for i, address in zip(large, regions, strict=True)]
-        entry = Open(regions, sum(res.buffers[i].nbytes for i in large), refs, reservation=res)
+        entry = Open(regions, sum(t.nbytes for t in targets), refs, reservation=res, landings=landings)
         reservation = self._keep(session, entry)
         await req.reply(wr.encode_u64(reservation) + wr.encode_refs(refs, with_checksums=False))
 
@@ -260,14 +290,19 @@ class RdmaService:
         large: Sequence[tuple[int, TensorMeta, memoryview]],
         chunk: int,
     ) -> Open:
-        """Private copies of the large tensors of a get (counted in the store's ``used``), their
-        chunk checksums, registered for this request."""
+        """Private copies of the large tensors of a get (counted in the store's ``used``; in TCP mode
+        in the engine's memory), their chunk checksums, registered for this request."""
         release = self.store.hold(sum(meta.nbytes for _, meta, _ in large))
+        copies: list[memoryview] = []
         try:
-            copies, sums = await self._copy_out([data for _, _, data in large], req.header.checksum, chunk)
+            copies = await self._take_copies([data for _, _, data in large])
+            sums = await self._checksummed_copies(
+                [data for _, _, data in large], copies, req.header.checksum, chunk
+            )
             regions = self._register(session, copies)
         except BaseException:
             release()
+            self._give_back(copies)
             raise
         refs = [
             wr.BufferRef(i, meta, address, s)
@@ -282,12 +317,24 @@ class RdmaService:
                 f"chunk size {chunk} outside {limits.min_chunk_bytes}..{limits.max_chunk_bytes}"
             )
 
-    async def _copy_out(
-        self, sources: Sequence[memoryview], kind: int, chunk: int
-    ) -> tuple[list[memoryview], list[tuple[int, ...]]]:
-        """Private copies of ``sources`` and their chunk checksums (off the loop: a copy of a large
-        tensor takes milliseconds)."""
-        copies = [self.copies.take(s.nbytes) or allocate_private(s.nbytes) for s in sources]
+    async def _take_copies(self, sources: Sequence[memoryview]) -> list[memoryview]:
+        """A buffer for each source's copy: the engine's memory in TCP mode, else the copies pool."""
+        if self.memory is None:
+            return [self.copies.take(s.nbytes) or allocate_private(s.nbytes) for s in sources]
+        copies: list[memoryview] = []
+        try:
+            for src in sources:
+                copies.append(await self.memory.take(src.nbytes))
+        except BaseException:
+            self._give_back(copies)
+            raise
+        return copies
+
+    async def _checksummed_copies(
+        self, sources: Sequence[memoryview], copies: Sequence[memoryview], kind: int, chunk: int
+    ) -> list[tuple[int, ...]]:
+        """Copy ``sources`` into ``copies`` and checksum the copies' chunks (off the loop: a copy of
+        a large tensor takes milliseconds)."""
 
         def work() -> list[tuple[int, ...]]:
             sums = []
@@ -296,7 +343,12 @@ class RdmaService:
                 sums.append(wr.chunk_checksums(kind, dest, chunk))
             return sums
 
-        return copies, await asyncio.get_running_loop().run_in_executor(None, work)
+        return await asyncio.get_running_loop().run_in_executor(None, work)
+
+    def _give_back(self, buffers: Sequence[memoryview]) -> None:
+        for buf in buffers:
+            if self.memory is not None:
+                self.memory.give(buf)
 
     async def end(self, req: Request) -> None:
         session = self.session(req)
@@ -334,8 +386,11 @@ class RdmaService:
         await req.receive(buffers)
         kind = req.header.checksum
         written = [(ref, res.buffers[ref.item]) for ref in entry.refs]
+        landed = entry.landings  # TCP mode: the bytes are checked once copied where they are stored
 
         def verify() -> str | None:
+            for (_, stored), source in zip(written, landed, strict=False):
+                stored[:] = source
             for (ref, buf), sums in zip(written, commit.checksums, strict=True):
                 bad = wr.bad_chunk(kind, buf, commit.chunk, sums)
                 if bad is not None:

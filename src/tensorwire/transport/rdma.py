@@ -15,11 +15,13 @@ and then moves tensors like this (docs/protocol.md §17):
   (``out``), checks every chunk (``CorruptFrame`` if one differs: a retry reads again), and
   releases the copies (RDMA_END, sent in the background).
 
-The caller's buffers are registered with this process's engine once and kept registered
-(``Registrations``, the engine's ``cache``). Every connection from this process shares one engine
-(``client_engine``) until a server's engine turns out to be a different one under a name that
-engine reached before: the engine names a peer only ``host:port`` and keeps what it learned of it
-by that name, so a restarted server whose engine drew a freed port gets a fresh client engine.
+The caller's buffers are registered with this process's engine for the transfer that moves them
+(``Registrations``, the engine's ``cache``; none in TCP mode, where the engine does not need it),
+and stay alive until the engine's thread is done with them, even when the call gave up first.
+Every connection from this process shares one engine (``client_engine``) until a server's engine
+turns out to be a different one under a name that engine reached before: the engine names a peer
+only ``host:port`` and keeps what it learned of it by that name, so a restarted server whose
+engine drew a freed port gets a fresh client engine.
 """
 
 from __future__ import annotations
@@ -132,7 +134,9 @@ class RdmaTransport(FramedTransport):
         loop = asyncio.get_running_loop()
         sums = loop.run_in_executor(None, wr.chunk_checksums, self._checksum, view, self._chunk_size)
         with self.cache.using(view) as local:
-            await self.engine.write(self.peer.session, local, ref.address, view.nbytes, timeout=self.timeout)
+            await self.engine.write(
+                self.peer.session, local, ref.address, view.nbytes, timeout=self.timeout, keep=view
+            )
         if progress is not None:
             progress(view.nbytes)
         return await sums
@@ -193,8 +197,10 @@ class RdmaTransport(FramedTransport):
             raise ProtocolError(
                 f"the buffer for {ref.meta.name!r} holds {dest.nbytes}, not {ref.meta.nbytes}"
             )
-        with self.cache.using(dest, landing=True) as local:
-            await self.engine.read(self.peer.session, local, ref.address, dest.nbytes, timeout=self.timeout)
+        with self.cache.using(dest, landing=True) as local:  # unregistered before its bytes are checked
+            await self.engine.read(
+                self.peer.session, local, ref.address, dest.nbytes, timeout=self.timeout, keep=dest
+            )
         loop = asyncio.get_running_loop()
         bad = await loop.run_in_executor(
             None, wr.bad_chunk, self._checksum, dest, self._chunk_size, ref.checksums
@@ -228,7 +234,7 @@ class RdmaTransport(FramedTransport):
                     raise ProtocolError(f"{self.address} handed out a buffer for another tensor")
                 with _device_registered(self.engine, tensor) as local:
                     await self.engine.write(
-                        self.peer.session, local, ref.address, meta.nbytes, timeout=self.timeout
+                        self.peer.session, local, ref.address, meta.nbytes, timeout=self.timeout, keep=tensor
                     )
                 sums.append(wr.chunk_checksums(self._checksum, host, self._chunk_size))
         except BaseException:
@@ -265,7 +271,7 @@ class RdmaTransport(FramedTransport):
                 return meta.version
             with _device_registered(self.engine, out) as local:
                 await self.engine.read(
-                    self.peer.session, local, refs[0].address, meta.nbytes, timeout=self.timeout
+                    self.peer.session, local, refs[0].address, meta.nbytes, timeout=self.timeout, keep=out
                 )
             host = byte_view(out.cpu())
             if wr.bad_chunk(self._checksum, host, self._chunk_size, refs[0].checksums) is not None:

@@ -20,6 +20,21 @@ segment descriptor, which lists every registered buffer (address and length); it
 reads and writes any byte inside a registered buffer for whoever asks, with no authentication.
 Only registered ranges: anything else is refused. That is why a server registers a buffer only
 for the authenticated request it was reserved for, and unregisters it before it trusts its bytes.
+The library opens those ports on every interface, whatever address it is given: an engine asked
+for a loopback address is confined to the loopback interface (``rdma_sockets``), one asked for
+another address warns that it listens everywhere. In TCP mode an engine checks a peer's address
+once per request and then keeps moving bytes for as long as the peer sends, even after the buffer
+is unregistered: a server keeps such memory apart (``server/rdma_memory.py``), and a client
+registers nothing in TCP mode (its engine does not need its own buffers registered to move them).
+
+A client registers its buffers for one transfer (``Registrations``): registered memory is
+readable and writable by any engine peer, so the caller's tensors are exposed only while a
+transfer moves them. ``TENSORWIRE_RDMA_KEEP_REGISTERED=1`` keeps them registered between transfers
+(registration pins pages, slow on a real NIC) for a fabric whose every host is trusted.
+
+Transfers run on the engine's own threads; the buffers one touches are kept alive until that
+thread returns, even when the awaiting call has already given up (a timeout, a closed
+connection), and a transfer the engine's close cancels fails with ``TransportError``.
 """
 
 from __future__ import annotations
@@ -42,12 +57,15 @@ import numpy as np
 
 from tensorwire._aio import asyncio_timeout
 from tensorwire.errors import RdmaUnavailable, TransportError
+from tensorwire.security import is_loopback
+from tensorwire.transport.rdma_sockets import WILDCARDS, EnginePorts
 from tensorwire.types import GiB
 from tensorwire.wire.rdma import PROTOCOLS
 
 log = logging.getLogger("tensorwire.rdma")
 PROTOCOL_ENV = "TENSORWIRE_RDMA_PROTOCOL"  # "rdma" (default) or "tcp": the engine's TCP mode
 HOST_ENV = "TENSORWIRE_RDMA_HOST"  # the address peers reach this engine at, when a server binds a wildcard
+KEEP_ENV = "TENSORWIRE_RDMA_KEEP_REGISTERED"  # "1": a client keeps its buffers registered between transfers
 INSTALL_HINT = (
     "pip install 'tensorwire[rdma]' and the system library libibverbs1 (apt-get install libibverbs1)"
 )
@@ -133,10 +151,14 @@ class Engine:
         self._te = module.TransferEngine()
         if self.protocol == "rdma":
             self._check_devices()
-        rc = self._te.initialize(host, "P2PHANDSHAKE", self.protocol, "")
+        rc, self.sockets = EnginePorts.around(
+            lambda: self._te.initialize(host, "P2PHANDSHAKE", self.protocol, "")
+        )
         if rc != 0:
             raise RdmaUnavailable(f"the transfer engine did not start on {host} ({self.protocol}, rc {rc})")
-        self.session = f"{host}:{self._te.get_rpc_port()}"
+        rpc_port = int(self._te.get_rpc_port())
+        self.session = f"{host}:{rpc_port}"
+        self.data_ports = [port for port in self.sockets.ports if port != rpc_port]
         # Told to peers with the session: the session is only host:port, and a port this engine
         # frees can be drawn again by the next engine on this host.
         self.instance = secrets.randbits(64)
@@ -147,6 +169,39 @@ class Engine:
         self._peers: dict[str, int] = {}  # session -> the instance this engine reaches by that name
         self._closed = False
         self.cache = Registrations(self)
+        try:
+            self._expose(host)
+        except BaseException:
+            self.close()
+            raise
+
+    def _expose(self, host: str) -> None:
+        """Keep the engine's ports to the interface asked for where the library lets us: loopback
+        (else refuse to run); for another address say that the library listens everywhere."""
+        if is_loopback(host):
+            if not self.sockets.listening:
+                raise RdmaUnavailable(f"cannot find the transfer engine's ports to keep them on {host}")
+            try:
+                self.sockets.confine_to_loopback()
+            except OSError as exc:
+                raise RdmaUnavailable(
+                    f"cannot keep the transfer engine's ports {self.sockets.ports} on loopback ({exc}); the "
+                    "library listens on every interface (SO_BINDTODEVICE needs Linux 5.7 or CAP_NET_RAW)"
+                ) from exc
+        elif host not in WILDCARDS and self.sockets.listening:
+            log.warning(
+                "the transfer engine asked for %s listens on every interface (ports %s): the Mooncake "
+                "library binds them so; any host that reaches them can read and write the buffers "
+                "registered for requests under way (README, RDMA)",
+                host,
+                ", ".join(map(str, self.sockets.ports)),
+            )
+
+    def cut_connections(self) -> bool:
+        """Cut the connections peers opened to this engine's data ports (TCP mode), and wait for
+        the engine to close them: afterwards no request of a peer touches memory the engine was
+        told about before. False if some stayed open (``rdma_sockets.EnginePorts.cut``)."""
+        return self.sockets.cut(self.data_ports)
 
     def _check_devices(self) -> None:
         devices = rdma_devices(self._te.get_local_topology(""))
@@ -190,24 +245,36 @@ class Engine:
         with self._lock:
             return self._peers.setdefault(session, instance) == instance
 
-    async def write(self, session: str, local: int, remote: int, length: int, *, timeout: float) -> None:
-        """``length`` bytes at ``local`` into the peer's registered ``remote``."""
-        await self._transfer("transfer_sync_write", "write", (session, local, remote, length), timeout)
+    async def write(
+        self, session: str, local: int, remote: int, length: int, *, timeout: float, keep: object = None
+    ) -> None:
+        """``length`` bytes at ``local`` into the peer's registered ``remote``; ``keep`` (what owns
+        the memory at ``local``) stays alive until the engine's thread is done with it."""
+        await self._transfer("transfer_sync_write", "write", (session, local, remote, length), timeout, keep)
 
-    async def read(self, session: str, local: int, remote: int, length: int, *, timeout: float) -> None:
-        """``length`` bytes of the peer's registered ``remote`` into ``local``."""
-        await self._transfer("transfer_sync_read", "read", (session, local, remote, length), timeout)
+    async def read(
+        self, session: str, local: int, remote: int, length: int, *, timeout: float, keep: object = None
+    ) -> None:
+        """``length`` bytes of the peer's registered ``remote`` into ``local`` (``keep``: as ``write``)."""
+        await self._transfer("transfer_sync_read", "read", (session, local, remote, length), timeout, keep)
 
     async def _transfer(
-        self, method: str, what: str, args: tuple[str, int, int, int], timeout: float
+        self, method: str, what: str, args: tuple[str, int, int, int], timeout: float, keep: object
     ) -> None:
-        if self._closed:
+        with self._lock:
+            te = self._te
+        if te is None:
             raise TransportError("the transfer engine is closed")
-        call: Callable[..., int] = getattr(self._te, method)  # holds the engine while it runs
+        call: Callable[..., int] = getattr(te, method)  # holds the engine while it runs
         session, length = args[0], args[3]
-        future = asyncio.get_running_loop().run_in_executor(self._pool, call, *args)
+        try:
+            # ``keep`` rides with the call: the memory lives until the engine's thread returns, even
+            # if the wait below ends first (a timeout, a cancelled request).
+            future = asyncio.get_running_loop().run_in_executor(self._pool, _call, call, args, keep)
+        except RuntimeError as exc:  # the pool was shut down: the engine closed meanwhile
+            raise TransportError("the transfer engine is closed") from exc
         async with asyncio_timeout(timeout, f"an engine {what} of {length} bytes with {session}"):
-            rc = await future
+            rc = await _engine_result(future)
         if rc != 0:
             # The peer's engine refused (the buffer is no longer registered) or is gone.
             raise TransportError(f"the engine's {what} of {length} bytes with {session} failed (rc {rc})")
@@ -227,16 +294,38 @@ class Engine:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
 
+def _call(call: Callable[..., int], args: tuple[str, int, int, int], keep: object) -> int:
+    """One transfer on an engine thread; ``keep`` is only held (by this frame) until it returns."""
+    del keep  # still referenced by the pool's work item until the call returns
+    return call(*args)
+
+
+async def _engine_result(future: asyncio.Future[int]) -> int:
+    """The result of a transfer; TransportError when the engine's close cancelled it before it
+    began (not the caller's cancellation, which goes on as usual)."""
+    try:
+        return await future
+    except asyncio.CancelledError:
+        task = asyncio.current_task()
+        if future.cancelled() and task is not None and not task.cancelling():
+            raise TransportError("the transfer engine closed before the transfer began") from None
+        raise
+
+
 class Registrations:
-    """The caller buffers registered with one engine (``engine.cache``), kept registered after a
-    transfer because registration pins pages and is slow on real NICs; bounded in count and bytes,
-    least recently used unregistered first. A cached registration keeps its buffer alive, so its
-    address cannot be reused for other memory while the engine still maps it."""
+    """The caller buffers registered with one engine (``engine.cache``) for its transfers: in TCP
+    mode none (the engine moves a caller's bytes without it, and registered memory is what a peer
+    can reach); in RDMA mode each for one transfer, unless ``TENSORWIRE_RDMA_KEEP_REGISTERED=1``
+    keeps them registered after it (registration pins pages and is slow on real NICs), bounded in
+    count and bytes, least recently used unregistered first. A registration keeps its buffer
+    alive, so its address cannot be reused for other memory while the engine still maps it."""
 
     def __init__(self, engine: Engine, max_regions: int = MAX_REGIONS, max_bytes: int = MAX_REGISTERED_BYTES):
         self.engine = engine
         self.max_regions = max_regions
         self.max_bytes = max_bytes
+        self.needed = engine.protocol != "tcp"
+        self.keep = self.needed and os.environ.get(KEEP_ENV, "").strip() == "1"
         self._regions: OrderedDict[int, tuple[memoryview, int]] = OrderedDict()  # address -> (buf, uses)
         self._bytes = 0
         self._lock = threading.Lock()
@@ -246,6 +335,9 @@ class Registrations:
         """``buf``'s address, registered for as long as the block runs (and cached after it); a
         ``landing`` buffer (bytes are about to land in it) has its pages faulted in when new."""
         address = address_of(buf)
+        if not self.needed:
+            yield address
+            return
         region = self._acquire(buf, address, landing)
         try:
             yield address
@@ -281,8 +373,13 @@ class Registrations:
 
     def _evict(self) -> None:
         idle = [a for a, (_, uses) in self._regions.items() if uses == 0]
-        while idle and (len(self._regions) > self.max_regions or self._bytes > self.max_bytes):
+        while idle and (
+            not self.keep or len(self._regions) > self.max_regions or self._bytes > self.max_bytes
+        ):
             self._drop(idle.pop(0))
+
+    def _over(self) -> bool:
+        return len(self._regions) > self.max_regions or self._bytes > self.max_bytes
 
     def _drop(self, address: int) -> None:
         buf, _ = self._regions.pop(address)
