@@ -8,7 +8,8 @@ on the first step) and what it keeps per push and per pull:
   or waiting for its sync step (so at most one per live worker at a time), kept for reuse after;
 * ``payloads``: a compressed push's payloads, while they are received and decoded;
 * ``snapshots``: the copies of the parameters that pulls send from (one per version, more while
-  slow readers still send from older ones), with their encodings in the codecs workers pull in.
+  slow readers still send from older ones), with their encodings in the codecs workers pull in;
+* ``restore``: a checkpoint being read beside the job it replaces (PS_ROLLBACK).
 
 The server has one ``Budget`` (its capacity: the ``ParamServer``'s ``capacity``); each job
 counts in a ``Budget`` of its own made with ``part_of=`` the server's, so what a job holds is known
@@ -32,7 +33,7 @@ from typing import Protocol
 
 from tensorwire.errors import CapacityExceeded
 
-KINDS = ("params", "optimizer", "gradients", "payloads", "snapshots")
+KINDS = ("params", "optimizer", "gradients", "payloads", "snapshots", "restore")
 
 
 class Ledger(Protocol):

@@ -303,16 +303,24 @@ class Lifecycle:
             raise ProtocolError(f"cannot roll back while workers {run.members.live()} are live")
         self._check_stepped_aside(request, run, head)
         policy = run.state.policy
-        # Read first (off the loop): a checkpoint that is not complete changes nothing, here or on a backup.
-        snapshot = await run.job.run(checkpoint.load, policy.directory, head.clock) if policy else None
-        if snapshot is None:
-            raise WorkerDropped(
-                f"no checkpoint of version {head.clock} of job {run.id!r} here to roll back to"
-            )
-        async with self._replica.in_order():
-            await self._replica.replicate(replication.Change.ROLLBACK, head)
-            run.state.restored(snapshot)
-            run.consistency.notify()
+        # The checkpoint is read beside the job it replaces: a second copy of the job, counted (as
+        # ``restore``) while both are held.
+        held = run.budget.held["params"] + run.budget.held["optimizer"]
+        run.gradients.make_room(held)
+        run.budget.reserve("restore", held, f"reading job {run.id!r}'s checkpoint beside the job")
+        try:
+            # Read first (off the loop): one that is not complete changes nothing, here or on a backup.
+            snapshot = await run.job.run(checkpoint.load, policy.directory, head.clock) if policy else None
+            if snapshot is None:
+                raise WorkerDropped(
+                    f"no checkpoint of version {head.clock} of job {run.id!r} here to roll back to"
+                )
+            async with self._replica.in_order():
+                await self._replica.replicate(replication.Change.ROLLBACK, head)
+                run.state.restored(snapshot)
+                run.consistency.notify()
+        finally:
+            run.budget.release("restore", held)
         await request.reply(wps.encode_u64(run.job.version))
 
     def _check_stepped_aside(self, request: Request, run: JobRun, head: wps.PsHead) -> None:
