@@ -5,7 +5,9 @@ connection counts from the moment it is accepted, its TLS handshake included: at
 ``Limits.max_connections`` are open at once (one more is closed at once and counted in
 ``refused``), a handshake has ``Limits.handshake_timeout`` to finish, and each connection is
 served by the aiohttp request handler the app runner makes (``protocol``), whose keepalive timeout
-closes a connection that sends no request.
+closes a connection idle between requests. A connection whose first request's head has not come
+in within ``Limits.idle_timeout`` (silent, or sending it byte by byte) is closed here: aiohttp
+before 3.14 watches no connection before its first request.
 
 ``PageThread`` runs a ``Dashboard`` on a thread and event loop of its own (``serve
 --dashboard-port``): the page's HTTP parsing, its streams and its slow readers then cost the
@@ -33,15 +35,26 @@ ACCEPT_BACKOFF = 0.1  # after accept(2) fails (out of descriptors): wait, rather
 
 
 class _Counted(asyncio.Protocol):
-    """The request handler of one connection, whose end frees its slot (``release``, once)."""
+    """The request handler of one connection, whose end frees its slot (``release``, once), and
+    which is closed if its first request's head is not in within ``first_head`` seconds."""
 
-    def __init__(self, inner: asyncio.Protocol, release: Callable[[], None]) -> None:
-        self.inner, self.release = inner, release
+    def __init__(self, inner: asyncio.Protocol, release: Callable[[], None], first_head: float) -> None:
+        self.inner, self.release, self.first_head = inner, release, first_head
+        self._tail = b""  # the last bytes before the first head's end is seen (it may span reads)
+        self._timer: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._timer = asyncio.get_running_loop().call_later(self.first_head, transport.abort)
         self.inner.connection_made(transport)
 
     def data_received(self, data: bytes) -> None:
+        if self._timer is not None:
+            seen = self._tail + data
+            if b"\r\n\r\n" in seen:
+                self._timer.cancel()
+                self._timer = None
+            else:
+                self._tail = seen[-3:]
         self.inner.data_received(data)
 
     def eof_received(self) -> bool | None:
@@ -54,6 +67,8 @@ class _Counted(asyncio.Protocol):
         self.inner.resume_writing()
 
     def connection_lost(self, exc: Exception | None) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
         try:
             self.inner.connection_lost(exc)
         finally:
@@ -143,7 +158,7 @@ class Listener:
 
         try:
             conn.setblocking(False)
-            handler = _Counted(self.protocol(), release)
+            handler = _Counted(self.protocol(), release, self.limits.idle_timeout)
             tls: dict[str, Any] = {}
             if self.ssl_context is not None:
                 tls = {"ssl": self.ssl_context, "ssl_handshake_timeout": self.limits.handshake_timeout}
