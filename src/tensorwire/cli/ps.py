@@ -51,7 +51,8 @@ def ps_launch(
 ) -> None:
     """Start SERVERS parameter servers and WORKERS copies of `python SCRIPT ARGS...` on this machine.
 
-    Each worker gets RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE and TENSORWIRE_SERVERS, which
+    Each worker gets RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, TENSORWIRE_SERVERS and the
+    run's TENSORWIRE_JOB_TOKEN (a fresh one, unless set here: the job is its workers'), which
     `tensorwire.ps.Worker` reads. Exits with the first failing worker's code."""
     from tensorwire.ps import launch
 
