@@ -144,7 +144,7 @@ def prefault(buf: memoryview) -> None:
 class Engine:
     """One ``TransferEngine`` of this process (see the module docstring)."""
 
-    def __init__(self, host: str, protocol: str | None = None) -> None:
+    def __init__(self, host: str, protocol: str | None = None, *, exposes: bool = True) -> None:
         self.host = host
         self.protocol = protocol or requested_protocol()
         module = load()
@@ -170,14 +170,15 @@ class Engine:
         self._closed = False
         self.cache = Registrations(self)
         try:
-            self._expose(host)
+            self._expose(host, exposes)
         except BaseException:
             self.close()
             raise
 
-    def _expose(self, host: str) -> None:
+    def _expose(self, host: str, exposes: bool) -> None:
         """Keep the engine's ports to the interface asked for where the library lets us: loopback
-        (else refuse to run); for another address say that the library listens everywhere."""
+        (else refuse to run); for another address say that the library listens everywhere (if the
+        engine ``exposes`` memory at all: a client engine in TCP mode registers none)."""
         if is_loopback(host):
             if not self.sockets.listening:
                 raise RdmaUnavailable(f"cannot find the transfer engine's ports to keep them on {host}")
@@ -188,7 +189,7 @@ class Engine:
                     f"cannot keep the transfer engine's ports {self.sockets.ports} on loopback ({exc}); the "
                     "library listens on every interface (SO_BINDTODEVICE needs Linux 5.7 or CAP_NET_RAW)"
                 ) from exc
-        elif host not in WILDCARDS and self.sockets.listening:
+        elif exposes and host not in WILDCARDS and self.sockets.listening:
             log.warning(
                 "the transfer engine asked for %s listens on every interface (ports %s): the Mooncake "
                 "library binds them so; any host that reaches them can read and write the buffers "
@@ -422,7 +423,8 @@ class ClientEngines:
                 self._close_if_unused(engine)
                 engine = None
             if engine is None:
-                engine = self._current[host] = Engine(host, protocol)
+                # A client engine in TCP mode registers nothing (Registrations): nothing to warn of.
+                engine = self._current[host] = Engine(host, protocol, exposes=protocol != "tcp")
                 engine.claim(session, instance)
             self._users[engine] = self._users.get(engine, 0) + 1
             return engine
