@@ -44,6 +44,7 @@ class _Counted(asyncio.Protocol):
         self._timer: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)  # a stream: TCP, or TLS over it
         self._timer = asyncio.get_running_loop().call_later(self.first_head, transport.abort)
         self.inner.connection_made(transport)
 
