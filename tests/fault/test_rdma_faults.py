@@ -146,15 +146,16 @@ def _lying_write(kind: str) -> object:
     real_write = rdma_engine.Engine.write
 
     async def write(
-        self: rdma_engine.Engine, session: str, local: int, remote: int, length: int, *, timeout: float
-    ) -> None:
+        self: rdma_engine.Engine, session: str, local: int, remote: int, length: int, *, timeout: float,
+        keep: object = None,
+    ) -> None:  # fmt: skip
         if kind == "short":  # a transfer that stops half way
-            await real_write(self, session, local, remote, length // 2, timeout=timeout)
+            await real_write(self, session, local, remote, length // 2, timeout=timeout, keep=keep)
             return
         junk = torch.full((length,), 0x5A, dtype=torch.uint8)  # a write that lands other bytes
         self.register(junk.data_ptr(), length)
         try:
-            await real_write(self, session, junk.data_ptr(), remote, length, timeout=timeout)
+            await real_write(self, session, junk.data_ptr(), remote, length, timeout=timeout, keep=junk)
         finally:
             self.unregister(junk.data_ptr())
 
@@ -178,9 +179,10 @@ def test_a_corrupt_get_is_caught_and_read_again(monkeypatch: pytest.MonkeyPatch)
     damaged: list[int] = []
 
     async def read(
-        self: rdma_engine.Engine, session: str, local: int, remote: int, length: int, *, timeout: float
-    ) -> None:
-        await real_read(self, session, local, remote, length, timeout=timeout)
+        self: rdma_engine.Engine, session: str, local: int, remote: int, length: int, *, timeout: float,
+        keep: object = None,
+    ) -> None:  # fmt: skip
+        await real_read(self, session, local, remote, length, timeout=timeout, keep=keep)
         if not damaged:  # the first read lands a flipped byte
             damaged.append(local)
             byte = ctypes.c_uint8.from_address(local + length // 2)
