@@ -133,6 +133,35 @@ def test_a_stalled_engine_write_cannot_change_what_is_stored(ended_by: str) -> N
     run(case())
 
 
+def test_a_server_closed_under_a_parked_engine_write_ends_cleanly() -> None:
+    """The server stops (its engine closes) while a peer's write into a put's buffer is parked in
+    the engine: the close returns, the peer's connection is cut, and this process goes on (a new
+    server starts and serves)."""
+
+    async def case() -> None:
+        server, ports = await _server()
+        channel = await _channel(server)
+        _, address = await _reserve(channel, "x")
+        with socket.create_connection(("127.0.0.1", _data_port(server, ports)), timeout=10) as peer:
+            peer.sendall(struct.pack("<QQB7x", BIG, address, ENGINE_WRITE) + b"\xee" * 4096)
+            await asyncio.sleep(0.2)  # not synchronisation: the write is under way in the engine
+            await channel.close()
+            await server.close()
+            peer.settimeout(10)
+            with contextlib.suppress(OSError):
+                assert peer.recv(1) == b""  # cut by the engine's close
+        again, _ = await _server()
+        try:
+            channel = await _channel(again)
+            assert isinstance(channel, RdmaTransport)
+            await channel.put(TensorBatch([("x", torch.ones(BIG, dtype=torch.uint8))]))
+            await channel.close()
+        finally:
+            await again.close()
+
+    run(case())
+
+
 async def _commit(channel: RdmaTransport, reservation: int, address: int, data: torch.Tensor) -> None:
     """Write ``data`` into the reserved buffer through the client's engine, then commit it."""
     view = data.numpy().data.cast("B")
