@@ -250,3 +250,22 @@ def test_an_engine_asked_for_loopback_is_not_reachable_from_another_interface() 
 
     with _namespace() as (ns, host_address):
         run(case(ns, host_address))
+
+
+def test_the_engines_idle_memory_counts_against_the_capacity_and_gives_way_to_a_put() -> None:
+    """TCP mode: after a put, the buffer it landed in stays with the engine (charged to the store as
+    ``rdma.engine``); a later put that needs the room has it reclaimed (the engine's connections
+    cut first) rather than refused, and the client's retry rides over the cut connection."""
+    import tensorwire
+    from tensorwire import ServerThread
+
+    mib = 1 << 20
+    with ServerThread(["rdma://127.0.0.1:0"], store=TensorStore(10 * mib)) as srv:
+        with tensorwire.connect(srv.url) as client:
+            client.put("a", torch.ones(4 * mib, dtype=torch.uint8))
+            assert srv.server.store.charged.get("rdma.engine") == 4 * mib  # the idle landing
+            client.delete("a")
+            client.put("b", torch.ones(7 * mib, dtype=torch.uint8))  # 7 + 4 idle > 10: the idle goes
+        assert _stored(srv.server, "b") == bytes([1]) * 7 * mib
+        memory = srv.server.status()["rdma"]["engine_memory"]
+        assert memory["reclaims"] >= 1 and srv.server.store.used <= 10 * mib

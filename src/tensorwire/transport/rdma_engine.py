@@ -198,11 +198,12 @@ class Engine:
                 ", ".join(map(str, self.sockets.ports)),
             )
 
-    def cut_connections(self) -> bool:
-        """Cut the connections peers opened to this engine's data ports (TCP mode), and wait for
-        the engine to close them: afterwards no request of a peer touches memory the engine was
-        told about before. False if some stayed open (``rdma_sockets.EnginePorts.cut``)."""
-        return self.sockets.cut(self.data_ports)
+    def cut_connections(self, timeout: float = 2.0) -> bool:
+        """Cut the connections peers opened to this engine's data ports (TCP mode), and wait (up
+        to ``timeout``) for the engine to close them: afterwards no request of a peer touches
+        memory the engine was told about before. False if some stayed open
+        (``rdma_sockets.EnginePorts.cut``)."""
+        return self.sockets.cut(self.data_ports, timeout)
 
     def _check_devices(self) -> None:
         devices = rdma_devices(self._te.get_local_topology(""))
