@@ -23,7 +23,7 @@ import socket
 import ssl
 import threading
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from tensorwire.dashboard.guard import Limits
 
@@ -44,8 +44,8 @@ class _Counted(asyncio.Protocol):
         self._timer: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)  # a stream: TCP, or TLS over it
-        self._timer = asyncio.get_running_loop().call_later(self.first_head, transport.abort)
+        stream = cast(asyncio.Transport, transport)  # TCP, or TLS over it (uvloop's are not subclasses)
+        self._timer = asyncio.get_running_loop().call_later(self.first_head, stream.abort)
         self.inner.connection_made(transport)
 
     def data_received(self, data: bytes) -> None:

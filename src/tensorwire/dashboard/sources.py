@@ -57,9 +57,13 @@ def local(server: Observed, timeout: float = 10.0) -> Callable[[], Awaitable[lis
         if asyncio.get_running_loop() is home:
             doc = server.status()
         else:
-            doc = await asyncio.wait_for(
-                asyncio.wrap_future(asyncio.run_coroutine_threadsafe(status(), home)), timeout
-            )
+            ask = status()
+            try:
+                asked = asyncio.run_coroutine_threadsafe(ask, home)
+            except RuntimeError:  # the server's loop is closed: it is stopping
+                ask.close()
+                raise
+            doc = await asyncio.wait_for(asyncio.wrap_future(asked), timeout)
         page = await asyncio.to_thread(generate_latest, server.registry)
         return [Node(url, status=doc, samples=metrics.parse(page.decode()))]
 
