@@ -26,6 +26,7 @@ import pytest
 
 pytest.importorskip("aiohttp", reason="the dashboard extra (aiohttp) is not installed")
 
+from tensorwire._aio import run
 from tensorwire.dashboard.app import Dashboard
 from tensorwire.dashboard.collect import Node
 from tensorwire.dashboard.guard import Limits
@@ -66,7 +67,7 @@ def running(dashboard: Dashboard) -> Iterator[Dashboard]:
         finally:
             await dashboard.close()
 
-    thread = threading.Thread(target=asyncio.run, args=(main(),), daemon=True)
+    thread = threading.Thread(target=run, args=(main(),), daemon=True)  # uvloop, as the CLI
     thread.start()
     assert started.wait(30), "the page did not start"
     if failed:
