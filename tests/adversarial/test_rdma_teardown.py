@@ -79,9 +79,7 @@ def test_an_engine_closed_under_queued_and_running_transfers() -> None:
         await engine.write(session, address_of(src.data), remote, 4096, timeout=10.0, keep=src)
         os.kill(proc.pid, signal.SIGSTOP)
         tasks = [
-            asyncio.ensure_future(
-                engine.write(session, address_of(src.data), remote, SIZE, timeout=2.0)
-            )
+            asyncio.ensure_future(engine.write(session, address_of(src.data), remote, SIZE, timeout=2.0))
             for _ in range(TRANSFER_THREADS + 2)
         ]
         await asyncio.to_thread(wait_for, lambda: engine._pool._work_queue.qsize() == 2, 10, "two queued")
