@@ -6,7 +6,8 @@ data that depends only on (rank, step): one fixed rule with 20% of the labels ra
 every step. Every ``--interval`` seconds (default 20) a random server or worker is killed with
 SIGKILL and started again (a server as a standby on its port, which the slot's primary brings up
 to date; a worker with its rank, which rejoins at the job's step). The same job runs once without
-faults. ``--token``: every server also requires a client token (``--token-file``), so that the
+faults. ``--token``: every server also requires a client token (``--token-file``) and the job
+has an owner (a job token its workers share, which every failover must carry), so that the
 replicas must authenticate to each other with their peer token (a primary that could not would
 lose acknowledged updates at the next failover, which ``lost_updates`` counts).
 
@@ -26,6 +27,7 @@ import argparse
 import json
 import os
 import random
+import secrets
 import statistics
 import subprocess
 import sys
@@ -40,6 +42,7 @@ import torch
 import torch.nn.functional as F
 
 from tensorwire.ps.launch import free_port, replica_flags
+from tensorwire.ps.worker import JOB_TOKEN_ENV
 from tensorwire.security import TOKEN_ENV, load_token, write_token_file
 from tensorwire.server.process import ServerProcess, wait_for
 
@@ -119,6 +122,9 @@ class Cluster:
     slots: list[list[ServerProcess]] = field(default_factory=list)
     workers: dict[int, subprocess.Popen[bytes]] = field(default_factory=dict)
     client_token: str | None = None  # what workers and the controller offer (with ``token``)
+    # With ``token`` the job has an owner too (ps/job.py): restarted workers rejoin with it, and the
+    # servers must carry it through every failover and state transfer or the rejoin is refused.
+    job_token: str | None = None
     flags: list[str] = field(default_factory=list)  # every server's
 
     def start(self) -> None:
@@ -127,6 +133,7 @@ class Cluster:
             path = write_token_file(self.out / "client.token")
             self.client_token = load_token(path)
             self.flags += ["--token-file", str(path)]
+            self.job_token = secrets.token_hex(24)
         for number in range(SLOTS):
             # Each knows the other: the backup replicates to its old primary once it takes over.
             urls = [f"tcp://127.0.0.1:{free_port()}" for _ in range(2)]
@@ -146,6 +153,8 @@ class Cluster:
         token = self.client_token
         if token is not None:
             env[TOKEN_ENV] = token  # ps.Worker reads it
+        if self.job_token is not None:
+            env[JOB_TOKEN_ENV] = self.job_token
         cmd = [sys.executable, "-m", "tensorwire.bench.chaos", "--worker", self.servers, str(self.steps),
                str(self.out)]  # fmt: skip
         self.workers[rank] = subprocess.Popen(cmd, env=env)
