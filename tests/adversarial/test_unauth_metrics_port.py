@@ -8,15 +8,19 @@ connections``), closes the rest at once, and drops a silent connection after ``a
 
 from __future__ import annotations
 
+import logging
 import socket
 import threading
 import urllib.request
+
+import pytest
 
 from tensorwire.server import Server, metrics
 from tensorwire.testing.process import wait_for
 
 
-def test_silent_connections_to_the_metrics_port_are_bounded() -> None:
+def test_silent_connections_to_the_metrics_port_are_bounded(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.WARNING, "tensorwire.server.metrics")
     server = Server(metrics_connections=4, auth_timeout=0.5)
     threads = threading.active_count()
     exporter = metrics.Exporter(
@@ -42,6 +46,9 @@ def test_silent_connections_to_the_metrics_port_are_bounded() -> None:
         wait_for(lambda: threading.active_count() <= threads + 1, 10, "the silent connections to be dropped")
         with urllib.request.urlopen(exporter.url, timeout=10) as answer:
             assert b"tensorwire_connections_refused_total" in answer.read()
+        # Refusals are said, not only counted, and a flood says it in a few lines (1st, 2nd, 4th, ...).
+        said = [r for r in caplog.records if "--metrics-connections" in r.getMessage()]
+        assert 1 <= len(said) <= exporter.refused.bit_length(), [r.getMessage() for r in said]
     finally:
         for sock in silent:
             sock.close()

@@ -308,11 +308,15 @@ class _BoundedServer(ThreadingMixIn, WSGIServer):
         self.read_timeout = timeout
         self.refused = 0
         self._slots = threading.BoundedSemaphore(slots)
+        self._limit = slots
         super().__init__(address, _Handler)
 
     def process_request(self, request: Any, client_address: Any) -> None:
         if not self._slots.acquire(blocking=False):
             self.refused += 1  # one accept thread: no race
+            if self.refused & (self.refused - 1) == 0:  # the 1st, 2nd, 4th, ...: a flood logs ~log2(n) lines
+                log.warning("metrics endpoint refused %s: %d scrapes at once already (--metrics-connections);"
+                            " %d refused so far", client_address[0], self._limit, self.refused)  # fmt: skip
             self.shutdown_request(request)
             return
         try:
