@@ -124,6 +124,9 @@ def server_ssl_context(files: TlsFiles) -> ssl.SSLContext:
     cert, key = _require_pair(files, "server")
     ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+    # A TLS 1.2 client could otherwise ask for a new handshake mid-connection, costing the server a
+    # handshake's CPU each time outside any deadline (OpenSSL 3 refuses it already; say so here).
+    ctx.options |= ssl.OP_NO_RENEGOTIATION
     _load_chain(ctx, cert, key)
     if files.ca is not None:
         # A client CA means "only clients holding a certificate it signed may connect".

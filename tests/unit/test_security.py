@@ -195,6 +195,12 @@ def test_tls_round_trip(certs: dict[str, Path], hostname: str) -> None:
     assert server.error is None
 
 
+def test_server_contexts_refuse_renegotiation(certs: dict[str, Path]) -> None:
+    """A TLS 1.2 client may not ask for a new handshake mid-connection: each would cost the server a
+    handshake's CPU outside every deadline (the server says so itself, not only OpenSSL 3's default)."""
+    assert server_ssl_context(server_files(certs)).options & ssl.OP_NO_RENEGOTIATION
+
+
 def test_tls_wrong_hostname_refused(certs: dict[str, Path]) -> None:
     client_ctx = client_ssl_context(TlsFiles(ca=certs["ca"]))
     with (
