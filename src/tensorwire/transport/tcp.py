@@ -349,7 +349,13 @@ async def _join(waiter: asyncio.Future[None]) -> None:
     """Wait for readiness another task of the same stream waits for already (over TLS, a send may
     need the peer's records while the session reads, and a read may need room to write), rather
     than replace its waiter: a replaced one is woken by nothing, not even ``close``, and its task
-    would hang with the connection's slot. The caller retries its I/O whatever woke this one."""
+    would hang with the connection's slot. The caller retries its I/O whatever woke this one.
+
+    A waiter already woken still yields once: its owner has not run yet, and a caller whose retried
+    I/O wants to wait again (a TLS record half in) would otherwise loop without ever letting it."""
+    if waiter.done():
+        await asyncio.sleep(0)
+        return
     try:
         await asyncio.shield(waiter)
     except asyncio.CancelledError:
