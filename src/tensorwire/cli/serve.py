@@ -11,7 +11,7 @@ import asyncio
 import logging
 import os
 import signal
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +22,7 @@ from tensorwire import logs, topology
 from tensorwire._aio import run
 from tensorwire._fs import write_file
 from tensorwire.cli.options import DEFAULT_URL, FILE, parse_url, size_param, url_param
+from tensorwire.dashboard.guard import Limits
 from tensorwire.security import (
     DEV_CERT_HOSTS,
     Security,
@@ -263,6 +264,12 @@ def generation_bounds(command: Any) -> Any:
     help="Most scrapes of the metrics endpoint served at once; more are closed at once.",
 )  # fmt: skip
 @click.option(
+    "--metrics-token-file", type=FILE,
+    help="Prometheus's read-only secret (not --token-file): only a scrape bearing it (Authorization: "
+    "Bearer) sees job ids and prefixes; on a server with a token or client certificates the others "
+    "see them as pseudonyms.",
+)  # fmt: skip
+@click.option(
     "--dashboard-port", type=click.IntRange(min=0, max=65535), default=None,
     help="Serve this server's live web page on http://--dashboard-host:PORT/ (`tensorwire dashboard`).",
 )  # fmt: skip
@@ -275,6 +282,14 @@ def generation_bounds(command: Any) -> Any:
     "--dashboard-allowed-host", "dashboard_allowed_hosts", multiple=True, metavar="NAME",
     help="Also answer page requests for this Host name (repeatable; on loopback only localhost, "
     "127.0.0.1 and ::1 are answered otherwise: DNS rebinding).",
+)  # fmt: skip
+@click.option(
+    "--dashboard-max-connections", type=click.IntRange(min=1), default=Limits.max_connections,
+    show_default=True, help="The page's HTTP connections open at once (TLS handshakes included).",
+)  # fmt: skip
+@click.option(
+    "--dashboard-max-streams", type=click.IntRange(min=1), default=Limits.max_streams, show_default=True,
+    help="The page's live event streams (open pages) at once, all browsers together.",
 )  # fmt: skip
 @click.option(
     "--rack", "location", metavar="LABEL", callback=_rack_param, default=None,
@@ -328,9 +343,12 @@ def serve(
     metrics_port: int | None,
     metrics_host: str | None,
     metrics_connections: int,
+    metrics_token_file: Path | None,
     dashboard_port: int | None,
     dashboard_host: str,
     dashboard_allowed_hosts: tuple[str, ...],
+    dashboard_max_connections: int,
+    dashboard_max_streams: int,
     location: topology.Location,
     log_level: str | None,
 ) -> None:
@@ -354,6 +372,13 @@ def serve(
     operator = load_token(operator_token_file) if operator_token_file else None
     if operator is not None and operator in (security.token, peer.token):
         raise click.UsageError("--operator-token-file must differ from --token-file and --peer-token-file")
+    if metrics_token_file is not None and metrics_port is None:
+        raise click.UsageError("--metrics-token-file needs --metrics-port (it is the metrics page's secret)")
+    scrape = load_token(metrics_token_file) if metrics_token_file else None
+    if scrape is not None and scrape in (security.token, peer.token, operator):
+        raise click.UsageError(
+            "--metrics-token-file must differ from --token-file, --peer-token-file and --operator-token-file"
+        )
     store = TensorStore(capacity, data_dir, max_tensors=max_tensors)
     policy = (
         CheckpointPolicy(checkpoint_dir, checkpoint_every, checkpoint_seconds) if checkpoint_dir else None
@@ -389,6 +414,7 @@ def serve(
         metrics_port=metrics_port,
         metrics_host=metrics_host,
         metrics_connections=metrics_connections,
+        metrics_token=scrape,
         max_uploads=max_uploads,
         uploads_per_client=uploads_per_client,
         resumable_min_bytes=resumable_min_bytes,
@@ -400,7 +426,9 @@ def serve(
     RelayCoordinator.of(server)  # readers of its generations relay them to each other (Subscriber)
     page_tls = TlsFiles(tls_cert, tls_key, tls_client_ca) if tls_cert and tls_key else None  # as clients
     allowed = dashboard_allowed_hosts
-    page = None if dashboard_port is None else Page(dashboard_port, dashboard_host, page_tls, allowed)
+    limits = Limits(max_connections=dashboard_max_connections, max_streams=dashboard_max_streams,
+                    flags="--dashboard-")  # fmt: skip
+    page = None if dashboard_port is None else Page(dashboard_port, dashboard_host, page_tls, allowed, limits)
     if page is not None and not is_loopback(dashboard_host) and (security.token is None or page_tls is None):
         raise click.UsageError(
             f"--dashboard-host {dashboard_host} is beyond loopback: it needs --token-file and --tls-cert/"
@@ -455,6 +483,7 @@ class Page:
     host: str
     tls: TlsFiles | None
     allowed_hosts: tuple[str, ...] = ()
+    limits: Limits = field(default_factory=Limits)
 
 
 async def _start_page(server: Server, page: Page) -> Any:
@@ -467,7 +496,8 @@ async def _start_page(server: Server, page: Page) -> Any:
     tls = server_ssl_context(page.tls) if page.tls is not None else None
     urls = [[str(server.addresses[0])]] if server.addresses else [["local"]]
     dashboard = Dashboard(sources.local(server), urls, host=page.host, port=page.port, ssl_context=tls,
-                          token=server.security.token, allowed_hosts=page.allowed_hosts)  # fmt: skip
+                          token=server.security.token, allowed_hosts=page.allowed_hosts,
+                          limits=page.limits)  # fmt: skip
     thread = PageThread(dashboard)
     await asyncio.to_thread(thread.start)
     click.echo(f"tensorwire dashboard on {dashboard.url}")

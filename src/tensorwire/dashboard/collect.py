@@ -11,10 +11,11 @@ whole probe by ``DEADLINE_FACTOR`` times it (a server that answers each read jus
 stretch it): a server that is down is a ``Node`` that says why, within that time; a probe never
 raises, nor holds up the others.
 
-A server with a token shows a scrape without it (this one: the token goes to the server, never to
-the metrics URL it reports) every client-chosen label value as a pseudonym (``server.metrics``);
-``probe`` puts back those of the job ids and prefixes its STATUS names, which only a holder of the
-token can (``metrics.unmask``).
+A server that asks for a token or a client certificate shows a scrape without its metrics token
+(this one: no secret goes to the metrics URL a server reports) every client-chosen label value as
+a pseudonym (``server.metrics``); ``probe`` puts back those of the job ids and prefixes its STATUS
+names, under the key the (authenticated) STATUS answer carries (``metrics_key``, taken out of the
+answer so that no screen or JSON shows it; ``metrics.unmask``).
 
 What a server answers is untrusted: the metrics URL it reports is scraped only if it is plain
 ``http(s)://host:port/...`` (never ``file://`` or another scheme; redirects are not followed), the
@@ -52,6 +53,7 @@ DEFAULT_TIMEOUT = 2.0
 DEADLINE_FACTOR = 3  # one server's whole probe (connect, STATUS, scrape) ends within this x timeout
 MAX_METRICS_BYTES = 16 << 20  # a metrics page read beyond this is refused, not held in memory
 MAX_UNMASKED = 4096  # label values taken from a STATUS answer to put back into its metrics
+MAX_KEY_CHARS = 256  # a pseudonym key longer than this in a STATUS answer is ignored
 METRICS_SCHEMES = ("http", "https")
 Samples = dict[str, list[tuple[dict[str, str], float]]]
 
@@ -67,6 +69,7 @@ class Node:
     samples: Samples = field(default_factory=dict)
     metrics_error: str | None = None
     answered: bool = False  # a gRPC server answered a ping (it has no STATUS call)
+    metrics_key: str | None = field(default=None, repr=False)  # its pseudonyms' key (STATUS), never shown
 
     @property
     def up(self) -> bool:
@@ -226,7 +229,7 @@ async def _probe(node: Node, options: ClientOptions) -> Node:
         target = node.metrics_url
         try:
             scraped = await _in_daemon_thread(lambda: scrape(target, options.timeout))
-            node.samples = metrics.unmask(scraped, options.token, named(node.status))
+            node.samples = metrics.unmask(scraped, node.metrics_key, named(node.status))
         except (OSError, ValueError) as exc:
             node.metrics_error = str(exc) or type(exc).__name__
             if node.status is None:
@@ -245,6 +248,7 @@ async def _ask(node: Node, options: ClientOptions) -> bool:
     if node.status is None:
         node.answered = True
         return False
+    node.metrics_key = take_key(node.status)
     reported = node.status.get("metrics")
     if reported is not None:
         try:
@@ -252,6 +256,13 @@ async def _ask(node: Node, options: ClientOptions) -> bool:
         except ValueError as exc:
             node.metrics_error = f"not scraped: {exc}"
     return True
+
+
+def take_key(status: dict[str, Any]) -> str | None:
+    """The pseudonym key a STATUS answer carries (``metrics_key``), taken out of it (it is for
+    mapping pseudonyms back, not for showing); None when absent or not a short string."""
+    key = status.pop("metrics_key", None)
+    return key if isinstance(key, str) and 0 < len(key) <= MAX_KEY_CHARS else None
 
 
 def named(status: dict[str, Any] | None) -> list[str]:
@@ -424,4 +435,5 @@ def _lag(ps: dict[str, Any], node: Node) -> str | None:
 __all__ = [
     "DEADLINE_FACTOR", "DEFAULT_TIMEOUT", "MAX_METRICS_BYTES", "Node", "Samples", "answers", "ask_status",
     "check_metrics_url", "collect", "probe", "probe_all", "scrape", "split_urls", "status_or_ping", "summary",
+    "take_key",
 ]  # fmt: skip

@@ -36,10 +36,14 @@ class Limits:
     login_global_burst: int = 20  # all clients together, at once...
     login_global_per_minute: float = 60.0  # ...and then this many a minute
     throttle_table: int = 4096  # client addresses the login throttle remembers
+    connections_per_client: int = 16  # HTTP connections one client address may hold open
+    # How the flags that set these bounds begin, for the messages that name them: `tensorwire
+    # dashboard --max-streams`, `tensorwire serve --dashboard-max-streams`.
+    flags: str = "--"
 
     def __post_init__(self) -> None:
         for name in ("max_connections", "max_streams", "streams_per_client", "login_burst",
-                     "login_global_burst", "throttle_table"):  # fmt: skip
+                     "login_global_burst", "throttle_table", "connections_per_client"):  # fmt: skip
             if getattr(self, name) < 1:
                 raise ValueError(f"Limits.{name} must be at least 1")
 
@@ -148,7 +152,7 @@ class StreamSlots:
     def take(self, client: str) -> str | None:
         lim = self.limits
         if sum(self.open.values()) >= lim.max_streams:
-            why = f"{lim.max_streams} event streams are open (--max-streams)"
+            why = f"{lim.max_streams} event streams are open ({lim.flags}max-streams)"
         elif self.open.get(client, 0) >= lim.streams_per_client:
             why = f"this client has {lim.streams_per_client} event streams open already"
         else:

@@ -12,7 +12,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Protocol
 
 from tensorwire.client.core import ClientOptions
-from tensorwire.dashboard.collect import Node, probe_all
+from tensorwire.dashboard.collect import Node, probe_all, take_key
 from tensorwire.server import metrics
 
 
@@ -64,7 +64,9 @@ def local(server: Observed, timeout: float = 10.0) -> Callable[[], Awaitable[lis
                 ask.close()
                 raise
             doc = await asyncio.wait_for(asyncio.wrap_future(asked), timeout)
-        page = await asyncio.to_thread(generate_latest, server.registry)
+        page = await asyncio.to_thread(generate_latest, server.registry)  # in full: no pseudonyms here
+        doc = dict(doc)
+        take_key(doc)  # not for the page to show
         return [Node(url, status=doc, samples=metrics.parse(page.decode()))]
 
     return snapshot

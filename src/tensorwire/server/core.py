@@ -76,6 +76,7 @@ class Server:
         metrics_port: int | None = None,
         metrics_host: str | None = None,
         metrics_connections: int = 16,
+        metrics_token: str | None = None,
         max_uploads: int = DEFAULT_MAX_UPLOADS,
         uploads_per_client: int = DEFAULT_UPLOADS_PER_CLIENT,
         resumable_min_bytes: int = DEFAULT_RESUMABLE_MIN_BYTES,
@@ -125,6 +126,7 @@ class Server:
         self.busy_poll = busy_poll
         self._listeners: list[Listener] = []
         self._sessions: set[Session] = set()
+        self._cut: set[Session] = set()  # closed by the watchdog, their handlers not yet returned
         # Resumable and striped uploads: a bounded table, a quota per client, none for small puts
         # (uploads.py says how a full table makes room).
         self.uploads = Uploads(
@@ -142,6 +144,11 @@ class Server:
         self.metrics_host = metrics_host
         # Scrapes served at once (a thread each); each must send its request within auth_timeout.
         self.metrics_connections = metrics_connections
+        # Prometheus's read-only secret (--metrics-token-file): only a scrape bearing it sees the
+        # values clients chose (job ids, prefixes); never one a client or a replica could use here.
+        if metrics_token is not None and metrics_token in ("", self.security.token, self.peer_token):
+            raise ValueError("the metrics token must be another secret than the clients' and the peer token")
+        self.metrics_token = metrics_token
         self.exporter: metrics.Exporter | None = None
         self._registry: Any = None
         self._started = time.time()
@@ -221,7 +228,11 @@ class Server:
                 self.metrics_port,
                 max_connections=self.metrics_connections,
                 timeout=self.auth_timeout,
-                token=self.security.token,  # without it a scrape sees client-chosen labels as pseudonyms
+                scrape_token=self.metrics_token,
+                # Anyone a server asks for a token or a certificate sees client-chosen labels only as
+                # pseudonyms, under a key derived from the token, else the metrics token (metrics.py).
+                private=self.security.token is not None or bool(self.security.tls and self.security.tls.ca),
+                key=metrics.pseudonym_key(self.security.token, self.metrics_token),
             )
         event(log, logging.INFO, "server started", addresses=[str(a) for a in self.addresses],
               metrics=self.exporter.url if self.exporter else None, pid=os.getpid())  # fmt: skip
@@ -253,6 +264,7 @@ class Server:
             "host": self.location.host,
             "rack": self.location.rack,
             "metrics": self.exporter.url if self.exporter else None,
+            "metrics_key": self.exporter.key if self.exporter else None,  # to map its pseudonyms back
             "store": {
                 "tensors": len(store),
                 "bytes": store.stored,
@@ -308,13 +320,18 @@ class Server:
                     log.exception("the watchdog could not close %s", session.stream.peer)
 
     async def _check(self, session: Session, now: float) -> None:
+        if session in self._cut:  # closed once already (its handler is still finishing): not again
+            return
         quiet = now - session.stream.last_active
         if not session.admitted and now - session.opened > self.auth_timeout:
+            self._cut.add(session)
             await self._close_unadmitted(session)
         elif session.busy and quiet > self.stall_timeout:
+            self._cut.add(session)
             log.warning("closing %s: no progress for %.3gs mid-request", session.stream.peer, quiet)
             await session.stream.close()
         elif not session.busy and quiet > self.idle_timeout:
+            self._cut.add(session)
             log.info("closing %s: idle for %.3gs", session.stream.peer, quiet)
             await session.stream.close()
 
@@ -371,6 +388,7 @@ class Server:
         finally:
             self.counts.connections -= 1
             self._sessions.discard(session)
+            self._cut.discard(session)
             session.close()
 
 
@@ -452,6 +470,7 @@ class ServerThread:
         *,
         extensions: Sequence[Extension] = (),
         metrics_port: int | None = None,
+        metrics_token: str | None = None,
         location: topology.Location | None = None,
         generations: GenerationConfig | None = None,
         busy_poll: float = 0.0,
@@ -462,6 +481,7 @@ class ServerThread:
             security=security,
             extensions=extensions,
             metrics_port=metrics_port,
+            metrics_token=metrics_token,
             location=location,
             generations=generations,
             busy_poll=busy_poll,

@@ -17,7 +17,8 @@ Exported (counters end in ``_total``; ``op`` is the operation: put, get, ps_push
 * ``tensorwire_requests_in_flight``, ``tensorwire_connections`` (gauges);
   ``tensorwire_connections_refused_total`` by ``reason``: limit (``--max-connections``), auth (a
   missing or wrong token, on a connection or a gRPC call), auth_timeout (no authenticated first
-  frame within ``--auth-timeout``), metrics_limit (a scrape over ``--metrics-connections``).
+  frame within ``--auth-timeout``), metrics_limit (a scrape over ``--metrics-connections``),
+  metrics_auth (a scrape whose bearer is not ``--metrics-token-file``'s).
 * ``tensorwire_checksum_failures_total`` by ``transport``: data chunks that failed their checksum.
 * ``tensorwire_upload_resumes_total``: resumable puts resumed after a break (client retries the
   server sees; resent parameter-server pushes are ``tensorwire_ps_duplicate_pushes_total``).
@@ -41,16 +42,25 @@ so a peer cannot add series. The HTTP endpoint serves at most ``max_connections`
 time (one thread each) and drops a connection that does not send its request, or take its answer,
 within ``timeout`` seconds.
 
-Who sees what. A server without a token is open to anyone who reaches it (its STATUS answers
-anyone), and so is its metrics page. A server with a token serves its page in full only to a scrape
-that carries that token as a bearer credential (``Authorization: Bearer TOKEN``, what Prometheus's
-``authorization: {credentials_file: ...}`` sends). Any other scrape gets the same families and
-series, with every label value a client chose (a job id, a generation prefix: any label outside
-``SERVER_LABELS``) replaced by its ``pseudonym``: ``anon-`` and 16 hex digits of an HMAC keyed by
-the token. Pseudonyms are stable across restarts (charts keep their series) and bounded in number
-as the values are; only a holder of the token can tell which value one stands for
-(``tensorwire status`` and the dashboard map them back for the values STATUS names, without
-sending the token anywhere but the server).
+Who sees what. Labels outside ``SERVER_LABELS`` (a job id, a generation prefix) carry values a
+client chose; they are shown only to whom the server trusts with them:
+
+* A server that asks nobody for anything (no token, no client CA) and has no metrics token is
+  open (its STATUS answers anyone), and so is its page.
+* Otherwise (a token, client certificates, or ``--metrics-token-file``) the page is served in full
+  only to a scrape that bears the metrics token (``Authorization: Bearer METRICS_TOKEN``, what
+  Prometheus's ``authorization: {credentials_file: ...}`` sends): a read-only secret of its own,
+  never the clients' token, which would cross the network in the clear (the endpoint is plain
+  HTTP) and let whoever saw it write and delete tensors. A scrape that bears another bearer (the
+  clients' token, say) is refused (401, counted as ``reason="metrics_auth"`` and logged); one
+  without gets the same families and series, each client-chosen value replaced by its
+  ``pseudonym``: ``anon-`` and 16 hex digits of HMAC-SHA256 under the server's pseudonym key.
+* The key (``pseudonym_key``) is derived from the clients' token, else from the metrics token, so
+  pseudonyms are stable across restarts (charts keep their series); a server with neither (client
+  certificates only) draws a random one per process. It is not guessable without those secrets,
+  and STATUS (an authenticated request) carries it as ``metrics_key``, so ``tensorwire status``
+  and the dashboard put back the pseudonyms of the values STATUS names (``unmask``) without
+  sending any secret to the metrics port. Pseudonyms are as many as the values (no new series).
 """
 
 from __future__ import annotations
@@ -59,6 +69,7 @@ import bisect
 import hashlib
 import hmac
 import logging
+import secrets as random_secrets
 import socket
 import threading
 from collections.abc import Iterable, Iterator
@@ -85,6 +96,7 @@ METRICS_PATH = "/metrics"
 SERVER_LABELS = frozenset({"op", "transport", "reason", "role", "kind", "le", "quantile", "backup", "version",
                            "addresses"})  # fmt: skip
 PSEUDONYM_PREFIX = "anon-"
+PSEUDONYM_CONTEXT = b"tensorwire metrics pseudonyms v1"  # what the key is derived over
 _OPS = {int(op): op.name.lower() for op in Opcode}
 # Upper bounds (seconds) of the latency histogram's buckets: 100 µs (a small get on loopback) to 10 s.
 LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
@@ -201,8 +213,11 @@ class ServerCollector:
             yield family
         yield _latency(rows)
         refused, corrupt = dict(counts.refused), counts.checksum_failures
-        if server.exporter is not None and server.exporter.refused:
-            refused["metrics_limit"] = server.exporter.refused
+        exporter = server.exporter
+        if exporter is not None and exporter.refused:
+            refused["metrics_limit"] = exporter.refused
+        if exporter is not None and exporter.refused_bearers:
+            refused["metrics_auth"] = exporter.refused_bearers
         yield _labelled("tensorwire_connections_refused", "Connections refused.", "reason", refused)
         yield _labelled("tensorwire_checksum_failures", "Corrupt chunks.", "transport", corrupt)
         yield CounterMetricFamily(
@@ -336,8 +351,18 @@ class _BoundedServer(ThreadingMixIn, WSGIServer):
         log.debug("metrics request from %s failed", client_address, exc_info=True)
 
 
+def pseudonym_key(*secrets: str | None) -> str:
+    """The key of a server's pseudonyms (hex): HMAC-SHA256 of a fixed context under the first of
+    ``secrets`` given (the clients' token, then the metrics token), so the same across restarts and
+    never the secret itself (STATUS carries it); with none, a random key for this process."""
+    for secret in secrets:
+        if secret:
+            return hmac.new(secret.encode(), PSEUDONYM_CONTEXT, hashlib.sha256).hexdigest()
+    return random_secrets.token_hex(32)
+
+
 def pseudonym(key: str, value: str) -> str:
-    """What a scrape without the token sees in place of the client-chosen label ``value``."""
+    """What a scrape without the metrics token sees in place of the client-chosen label ``value``."""
     digest = hmac.new(key.encode(), value.encode(), hashlib.sha256).hexdigest()
     return PSEUDONYM_PREFIX + digest[:16]
 
@@ -366,33 +391,64 @@ def bearer(environ: dict[str, Any]) -> str | None:
     return (credentials.strip() or None) if scheme.lower() == "bearer" else None
 
 
-def _choose_view(full: Any, public: Any, token: str) -> Any:
-    """A WSGI app: ``full`` for a scrape that carries ``token`` as its bearer, else ``public``."""
+class _Views:
+    """The WSGI app of a private page: in full to a scrape bearing ``scrape_token``, 401 to one
+    bearing anything else (counted in ``refused``, logged the 1st, 2nd, 4th, ... time), the
+    pseudonymous ``public`` app to one bearing nothing."""
 
-    def app(environ: dict[str, Any], start_response: Any) -> Any:
-        return (full if tokens_match(token, bearer(environ)) else public)(environ, start_response)
+    def __init__(self, full: Any, public: Any, scrape_token: str | None) -> None:
+        self.full, self.public, self.scrape_token = full, public, scrape_token
+        self.refused = 0
+        self._lock = threading.Lock()  # one thread per scrape
 
-    return app
+    def __call__(self, environ: dict[str, Any], start_response: Any) -> Any:
+        offered = bearer(environ)
+        if offered is None:
+            return self.public(environ, start_response)
+        if self.scrape_token is not None and tokens_match(self.scrape_token, offered):
+            return self.full(environ, start_response)
+        return self._refuse(environ, start_response)
+
+    def _refuse(self, environ: dict[str, Any], start_response: Any) -> list[bytes]:
+        with self._lock:
+            self.refused += 1
+            refused = self.refused
+        if refused & (refused - 1) == 0:
+            log.warning("metrics endpoint refused a scrape from %s: its bearer is not the metrics token "
+                        "(--metrics-token-file; the clients' token is never accepted here); %d refused so "
+                        "far", environ.get("REMOTE_ADDR", "?"), refused)  # fmt: skip
+        why = (
+            b"the bearer is not this server's metrics token (--metrics-token-file); the clients' token "
+            b"is not accepted here. Scrape without a bearer to see job ids and prefixes as pseudonyms.\n"
+        )
+        start_response(
+            "401 Unauthorized", [("Content-Type", "text/plain"), ("Content-Length", str(len(why)))]
+        )
+        return [why]
 
 
-def metrics_app(registry: CollectorRegistry, token: str | None) -> Any:
-    """The WSGI app of the metrics page: everything to anyone without a token, else in full to a
-    scrape bearing it and with client-chosen label values as pseudonyms to the others."""
+def metrics_app(registry: CollectorRegistry, scrape_token: str | None = None, key: str | None = None) -> Any:
+    """The WSGI app of the metrics page (the module doc): with no ``key`` everything to anyone (an
+    open server); else in full only to a scrape bearing ``scrape_token`` and with client-chosen
+    label values as pseudonyms under ``key`` to a scrape with no bearer."""
     from prometheus_client import CollectorRegistry, make_wsgi_app
 
     full = make_wsgi_app(registry)
-    if not token:
+    if key is None:
         return full
     public = CollectorRegistry(auto_describe=False)
-    public.register(_Pseudonymized(registry, token))
-    return _choose_view(full, make_wsgi_app(public), token)
+    public.register(_Pseudonymized(registry, key))
+    return _Views(full, make_wsgi_app(public), scrape_token)
 
 
 class Exporter:
     """The HTTP endpoint Prometheus scrapes (``http://host:port/metrics``), in a daemon thread:
     at most ``max_connections`` at a time, each dropped if silent or unread for ``timeout`` s.
-    With a ``token`` (the server's), a scrape without it sees client-chosen label values only as
-    pseudonyms (the module doc)."""
+
+    ``private``: the server asks its clients for a token or a certificate, so a scrape sees
+    client-chosen label values only as pseudonyms under ``key`` unless it bears ``scrape_token``
+    (the metrics token; given alone, it makes the page private too). ``key`` defaults to one
+    derived from ``scrape_token`` (``pseudonym_key``); ``key`` is None for an open page."""
 
     def __init__(
         self,
@@ -402,14 +458,21 @@ class Exporter:
         max_connections: int = 16,
         timeout: float = 5.0,
         *,
-        token: str | None = None,
+        scrape_token: str | None = None,
+        private: bool = False,
+        key: str | None = None,
     ) -> None:
+        if scrape_token is not None and not scrape_token:
+            raise ValueError("an empty metrics token would let nobody in (or, read carelessly, everyone)")
         self.host = host
+        self.key = (key or pseudonym_key(scrape_token)) if private or scrape_token else None
         family, _, _, _, sockaddr = socket.getaddrinfo(
             host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
         )[0]
         server = _BoundedServer((str(sockaddr[0]), port), family, max_connections, timeout)
-        server.set_app(metrics_app(registry, token))
+        app = metrics_app(registry, scrape_token, self.key)
+        self._views = app if isinstance(app, _Views) else None
+        server.set_app(app)
         self._server = server
         self._thread = threading.Thread(target=server.serve_forever, name="tensorwire-metrics", daemon=True)
         self._thread.start()
@@ -419,6 +482,11 @@ class Exporter:
     def refused(self) -> int:
         """Connections closed at once because ``max_connections`` were open."""
         return self._server.refused
+
+    @property
+    def refused_bearers(self) -> int:
+        """Scrapes refused (401) for a bearer that is not the metrics token."""
+        return self._views.refused if self._views is not None else 0
 
     @property
     def url(self) -> str:
@@ -431,13 +499,13 @@ class Exporter:
         self._thread.join(5.0)
 
 
-def unmask(samples: dict[str, list[tuple[dict[str, str], float]]], token: str | None,
+def unmask(samples: dict[str, list[tuple[dict[str, str], float]]], key: str | None,
            values: Iterable[str]) -> dict[str, list[tuple[dict[str, str], float]]]:  # fmt: skip
-    """``samples`` of a page scraped without the token, each pseudonym of one of ``values`` (the
-    job ids and prefixes STATUS names) put back, as only a holder of the token can."""
-    if not token:
+    """``samples`` of a page scraped without the metrics token, each pseudonym of one of ``values``
+    (the job ids and prefixes STATUS names) put back under ``key`` (STATUS's ``metrics_key``)."""
+    if not key:
         return samples
-    known = {pseudonym(token, v): v for v in values}
+    known = {pseudonym(key, v): v for v in values}
     if not known:
         return samples
     return {
@@ -471,5 +539,6 @@ __all__ = [
     "package_version",
     "parse",
     "pseudonym",
+    "pseudonym_key",
     "unmask",
 ]
