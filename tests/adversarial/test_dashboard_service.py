@@ -161,11 +161,17 @@ def test_the_throttle_holds_in_all_and_its_table_is_bounded() -> None:
     now = [0.0]
     limits = Limits(login_burst=2, login_global_burst=5, login_global_per_minute=60, throttle_table=4)
     throttle = LoginThrottle(limits, clock=lambda: now[0])
-    waits = [throttle.admit(f"10.0.0.{i}") for i in range(100)]  # one try each from many addresses
+    waits = []
+    for i in range(100):  # one wrong try each from many addresses
+        waits.append(wait := throttle.admit(f"10.0.0.{i}"))
+        if not wait:
+            throttle.failed(f"10.0.0.{i}")
     assert waits[:5] == [0.0] * 5 and all(w > 0 for w in waits[5:])
     assert len(throttle) == 4  # addresses remembered: bounded
     now[0] += 1.0  # a second later one more try in all, for anyone
-    assert throttle.admit("10.0.1.1") == 0.0 and throttle.admit("10.0.1.2") > 0
+    assert throttle.admit("10.0.1.1") == 0.0
+    throttle.failed("10.0.1.1")
+    assert throttle.admit("10.0.1.2") > 0
 
 
 def open_stream(port: int, source: str = "127.0.0.1") -> tuple[socket.socket, bytes]:

@@ -48,12 +48,16 @@ if TYPE_CHECKING:  # the app needs the `dashboard` extra (aiohttp): imported whe
 @click.option("--max-connections", type=click.IntRange(min=1), default=Limits.max_connections,
               show_default=True, help="HTTP connections open at once (TLS handshakes included); more are "
               "closed at once.")  # fmt: skip
+@click.option("--connections-per-client", type=click.IntRange(min=1), default=Limits.connections_per_client,
+              show_default=True, help="HTTP connections one client address (IPv6: a /64) may hold "
+              "open.")  # fmt: skip
 @click.option("--max-streams", type=click.IntRange(min=1), default=Limits.max_streams, show_default=True,
               help="Live event streams (open pages) at once, all browsers together.")  # fmt: skip
 def dashboard(
     *, servers: tuple[str, ...], port: int, host: str, timeout: float, interval: float,
     tls_ca: Path | None, token_file: Path | None, tls_cert: Path | None, tls_key: Path | None,
-    tls_client_ca: Path | None, allowed_hosts: tuple[str, ...], max_connections: int, max_streams: int,
+    tls_client_ca: Path | None, allowed_hosts: tuple[str, ...], max_connections: int,
+    connections_per_client: int, max_streams: int,
 ) -> None:  # fmt: skip
     """A live web page of the cluster of SERVERS: slots and failovers, stores, traffic, jobs.
 
@@ -77,7 +81,8 @@ def dashboard(
         raise click.UsageError("--tls-client-ca needs --tls-cert and --tls-key")
     tls = server_ssl_context(TlsFiles(tls_cert, tls_key, tls_client_ca)) if tls_cert else None
     source = sources.network(servers, timeout, tls_ca=str(tls_ca) if tls_ca else None, token=token)
-    limits = Limits(max_connections=max_connections, max_streams=max_streams)
+    limits = Limits(max_connections=max_connections, connections_per_client=connections_per_client,
+                    max_streams=max_streams)  # fmt: skip
     page = Dashboard(source, slots_of(servers), host=host, port=port, token=token, ssl_context=tls,
                      interval=interval, allowed_hosts=allowed_hosts, limits=limits)  # fmt: skip
     run(_serve(page))

@@ -17,11 +17,13 @@ plain HTTP there, where the token would cross the network in the clear); with a 
 context it asks for client certificates, as the servers do. A browser logs in by posting the token
 to ``/login``, which compares it in constant time and sets an HttpOnly, Secure, SameSite=Strict
 cookie holding a random session id kept here (never the token, which is never sent to a browser);
-login attempts are throttled per client address and in all (``guard.LoginThrottle``). Every answer
+login attempts are throttled per client address, and failed ones in all (``guard.LoginThrottle``;
+a browser with a valid session is never throttled). Every answer
 carries a Content-Security-Policy that allows only this origin's script and style; the page sets
 server-sent strings as text, never as markup.
 
-Bounds (``guard.Limits``): connections open at once (TLS handshakes included; ``listen.Listener``),
+Bounds (``guard.Limits``): connections open at once, in all and per client address (TLS handshakes
+included; ``listen.Listener``),
 idle connections closed after ``idle_timeout``, a request body within ``read_timeout``, event
 streams in all and per client address, and a stream whose reader does not take an event within
 ``write_timeout`` is dropped (a slow reader holds one event, never a growing queue).
@@ -279,9 +281,10 @@ class Dashboard:
         return web.Response(body=_static("login.html"), content_type="text/html")
 
     async def _login(self, request: web.Request) -> web.Response:
-        if self.token is None:
+        if self.token is None or self._logged_in(request):  # a valid session: nothing to throttle
             return _redirect("/")
-        wait = self.throttle.admit(client_key(request.remote))
+        client = client_key(request.remote)
+        wait = self.throttle.admit(client)
         if wait:
             return web.Response(status=429, text="too many login attempts; wait\n",
                                 headers={"Retry-After": retry_after(wait)})  # fmt: skip
@@ -291,7 +294,9 @@ class Dashboard:
             return web.Response(status=408, text="the login form did not arrive in time\n")
         offered = form.get("token")
         if not tokens_match(self.token, offered if isinstance(offered, str) else None):
+            self.throttle.failed(client)
             return web.Response(status=403, text="wrong token\n")
+        self.throttle.succeeded(client)
         session = secrets.token_urlsafe(32)
         self._forget_expired()
         self._sessions[session] = time.monotonic()

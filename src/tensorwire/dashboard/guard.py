@@ -3,8 +3,8 @@ against DNS rebinding (``HostCheck``), the login throttle (``LoginThrottle``) an
 event streams (``StreamSlots``). Pure bookkeeping, no aiohttp: ``app`` applies them to requests.
 
 Every table here is bounded: the throttle remembers at most ``Limits.throttle_table`` client
-addresses (the least recently seen is forgotten first; the global bucket still holds then), the
-stream slots at most ``Limits.max_streams`` streams in all.
+addresses, and as many that logged in (the least recently seen is forgotten first; the global
+bucket still holds then), the stream slots at most ``Limits.max_streams`` streams in all.
 """
 
 from __future__ import annotations
@@ -33,8 +33,9 @@ class Limits:
     write_timeout: float = 10.0  # a stream event the browser does not take within this ends the stream
     login_burst: int = 5  # login attempts one client address may make at once...
     login_per_minute: float = 5.0  # ...and then this many a minute
-    login_global_burst: int = 20  # all clients together, at once...
+    login_global_burst: int = 20  # FAILED attempts, all clients together, at once...
     login_global_per_minute: float = 60.0  # ...and then this many a minute
+    trust_seconds: float = 12 * 3600.0  # an address that logged in skips the global bucket this long
     throttle_table: int = 4096  # client addresses the login throttle remembers
     connections_per_client: int = 16  # HTTP connections one client address may hold open
     # How the flags that set these bounds begin, for the messages that name them: `tensorwire
@@ -102,24 +103,41 @@ class _Bucket:
 
     def take(self, burst: int, rate: float, now: float) -> float:
         """0.0 if a token was taken, else the seconds until one is there."""
+        wait = self.peek(burst, rate, now)
+        if wait == 0.0:
+            self.level -= 1.0
+        return wait
+
+    def peek(self, burst: int, rate: float, now: float) -> float:
+        """0.0 if a token is there (none is taken), else the seconds until one is."""
         self.level = min(float(burst), self.level + (now - self.t) * rate)
         self.t = now
-        if self.level >= 1.0:
-            self.level -= 1.0
-            return 0.0
-        return (1.0 - self.level) / rate
+        return 0.0 if self.level >= 1.0 else (1.0 - self.level) / rate
+
+    def charge(self, burst: int, rate: float, now: float) -> None:
+        """Take a token whether or not one is there (down to a debt of ``burst``): what was spent
+        while others were in flight is paid for by the next ones."""
+        self.peek(burst, rate, now)
+        self.level = max(self.level - 1.0, -float(burst))
 
 
 class LoginThrottle:
-    """Login attempts, limited per client address and in all (token buckets). ``admit`` says how
-    long a client must wait (0.0: go ahead). The per-client table is bounded: beyond
-    ``Limits.throttle_table`` addresses the least recently seen is forgotten."""
+    """Login attempts, limited per client address (every attempt) and in all (failed attempts
+    only: a bucket every client drains, so that guesses from many addresses are slowed too).
+    ``admit`` says how long a client must wait (0.0: go ahead); the page then reports how the
+    attempt went (``failed``, ``succeeded``). Successes never drain the global bucket, and an
+    address that logged in within ``Limits.trust_seconds`` is not held by it (only by its own): a
+    flood of wrong tokens from many addresses keeps out new addresses, not those that know the
+    token. (A browser with a valid session never gets here: the page lets it through first.) The
+    tables are bounded: beyond ``Limits.throttle_table`` addresses the least recently seen is
+    forgotten."""
 
     def __init__(self, limits: Limits, clock: Callable[[], float] = time.monotonic) -> None:
         self.limits, self.clock = limits, clock
         self.refused = 0
         self._clients: OrderedDict[str, _Bucket] = OrderedDict()
-        self._all = _Bucket(limits.login_global_burst, clock())
+        self._trusted: OrderedDict[str, float] = OrderedDict()  # address -> when it last logged in
+        self._failures = _Bucket(limits.login_global_burst, clock())
 
     def admit(self, client: str) -> float:
         lim, now = self.limits, self.clock()
@@ -128,13 +146,32 @@ class LoginThrottle:
         while len(self._clients) > lim.throttle_table:
             self._clients.popitem(last=False)
         wait = bucket.take(lim.login_burst, lim.login_per_minute / 60.0, now)
-        if wait == 0.0:
-            wait = self._all.take(lim.login_global_burst, lim.login_global_per_minute / 60.0, now)
+        if wait == 0.0 and not self.trusted(client, now):
+            wait = self._failures.peek(lim.login_global_burst, self._global_rate, now)
             if wait:
                 bucket.level += 1.0  # the global refusal does not spend the client's own attempt
         if wait:
             self.refused += 1
         return wait
+
+    def failed(self, client: str) -> None:
+        """A wrong token: charged to every client's bucket (the client's own was at ``admit``)."""
+        self._failures.charge(self.limits.login_global_burst, self._global_rate, self.clock())
+
+    def succeeded(self, client: str) -> None:
+        """The right token: ``client`` is no longer held by the global bucket for a while."""
+        self._trusted.pop(client, None)
+        self._trusted[client] = self.clock()
+        while len(self._trusted) > self.limits.throttle_table:
+            self._trusted.popitem(last=False)
+
+    def trusted(self, client: str, now: float) -> bool:
+        since = self._trusted.get(client)
+        return since is not None and now - since < self.limits.trust_seconds
+
+    @property
+    def _global_rate(self) -> float:
+        return self.limits.login_global_per_minute / 60.0
 
     def __len__(self) -> int:
         return len(self._clients)

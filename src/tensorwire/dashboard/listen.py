@@ -2,10 +2,11 @@
 
 ``Listener`` accepts connections itself rather than through ``loop.create_server``, so that every
 connection counts from the moment it is accepted, its TLS handshake included: at most
-``Limits.max_connections`` are open at once (one more is closed at once and counted in
-``refused``), a handshake has ``Limits.handshake_timeout`` to finish, and each connection is
-served by the aiohttp request handler the app runner makes (``protocol``), whose keepalive timeout
-closes a connection idle between requests. A connection whose first request's head has not come
+``Limits.max_connections`` are open at once and ``Limits.connections_per_client`` from one client
+address (IPv6: one /64; one more is closed at once and counted in ``refused``), a handshake has
+``Limits.handshake_timeout`` to finish, and each connection is served by the aiohttp request
+handler the app runner makes (``protocol``), whose keepalive timeout closes a connection idle
+between requests. A connection whose first request's head has not come
 in within ``Limits.idle_timeout`` (silent, or sending it byte by byte) is closed here: aiohttp
 before 3.14 watches no connection before its first request.
 
@@ -25,7 +26,7 @@ import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, cast
 
-from tensorwire.dashboard.guard import Limits
+from tensorwire.dashboard.guard import Limits, client_key
 
 if TYPE_CHECKING:
     from tensorwire.dashboard.app import Dashboard
@@ -107,6 +108,7 @@ class Listener:
         self.protocol, self.host, self.ssl_context, self.limits = protocol, host, ssl_context, limits
         self.port = port
         self.open = 0
+        self.by_client: dict[str, int] = {}  # open connections per client address (none at 0)
         self.refused = 0
         self._sock: socket.socket | None = None
         self._accepting: asyncio.Task[None] | None = None
@@ -134,28 +136,35 @@ class Listener:
         loop = asyncio.get_running_loop()
         while True:
             try:
-                conn, _ = await loop.sock_accept(sock)
+                conn, peer = await loop.sock_accept(sock)
             except OSError as exc:  # EMFILE and the like: the process is short of descriptors
                 log.warning("the dashboard could not accept a connection: %s", exc)
                 await asyncio.sleep(ACCEPT_BACKOFF)
                 continue
-            if self.open >= self.limits.max_connections:
+            client = client_key(peer[0] if isinstance(peer, tuple) else None)
+            held = self.by_client.get(client, 0)
+            if self.open >= self.limits.max_connections or held >= self.limits.connections_per_client:
                 self.refused += 1
                 conn.close()
                 continue
             self.open += 1
-            task = loop.create_task(self._serve(conn))
+            self.by_client[client] = held + 1
+            task = loop.create_task(self._serve(conn, client))
             self._handshakes.add(task)
             task.add_done_callback(self._handshakes.discard)
 
-    async def _serve(self, conn: socket.socket) -> None:
-        """Hand ``conn`` to a request handler, after its TLS handshake (bounded) where there is one."""
+    async def _serve(self, conn: socket.socket, client: str) -> None:
+        """Hand ``conn`` (from ``client``) to a request handler, after its TLS handshake (bounded)
+        where there is one."""
         released = False
 
         def release() -> None:
             nonlocal released
             if not released:
                 released, self.open = True, self.open - 1
+                left = self.by_client.pop(client, 1) - 1
+                if left > 0:
+                    self.by_client[client] = left
 
         try:
             conn.setblocking(False)
