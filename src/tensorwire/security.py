@@ -67,6 +67,7 @@ __all__ = [
     "TLS_KEY_ENV",
     "tokens_match",
     "write_dev_certs",
+    "write_reader_certs",
     "DEV_CERT_HOSTS",
     "check_cert_host",
     "is_loopback",
@@ -349,7 +350,9 @@ def write_dev_certs(
     """Write a development CA and a server and client certificate it signed into ``directory``.
 
     For development and tests only: the CA key sits next to the certificates, unencrypted. The
-    server certificate names every host in ``hosts`` (DNS names or IP addresses). Keys are EC P-256,
+    server certificate names every host in ``hosts`` (DNS names or IP addresses) and serves as a
+    client certificate too (a relay reader's certificate is both: broadcast/peer.py; for readers
+    on other hosts, ``write_reader_certs`` makes one per host). Keys are EC P-256,
     written with mode 0o600. Raises ``FileExistsError`` if any of the six files exists, unless
     ``overwrite``. Returns the paths under the keys ca, ca_key, server, server_key, client, client_key.
     """
@@ -387,12 +390,12 @@ def _dev_cert_pems(hosts: list[str], days: int) -> dict[str, bytes]:
     server_key = ec.generate_private_key(ec.SECP256R1())
     server_cert = _build_leaf(
         ca_cert, ca_key, server_key, name=_name("tensorwire development server"), validity=validity,
-        usage=x509.oid.ExtendedKeyUsageOID.SERVER_AUTH, san=_san(hosts),
+        usages=_both_ways(), san=_san(hosts),
     )  # fmt: skip
     client_key = ec.generate_private_key(ec.SECP256R1())
     client_cert = _build_leaf(
         ca_cert, ca_key, client_key, name=_name("tensorwire development client"), validity=validity,
-        usage=x509.oid.ExtendedKeyUsageOID.CLIENT_AUTH, san=None,
+        usages=[x509.oid.ExtendedKeyUsageOID.CLIENT_AUTH], san=None,
     )  # fmt: skip
     return {
         "ca": _cert_pem(ca_cert),
@@ -402,6 +405,56 @@ def _dev_cert_pems(hosts: list[str], days: int) -> dict[str, bytes]:
         "client": _cert_pem(client_cert),
         "client_key": _key_pem(client_key),
     }
+
+
+def write_reader_certs(
+    directory: Path, hosts: Sequence[str], days: int = 365, *, overwrite: bool = False
+) -> dict[str, Path]:
+    """Write one relay reader certificate per host in ``hosts`` into ``directory``, signed by the
+    development CA there (``write_dev_certs`` made it: ca.pem, ca-key.pem): ``reader-HOST.pem`` and
+    ``reader-HOST-key.pem``, naming HOST (the address its relay server is reached at) and valid for
+    both a server and a client, as a relay over TLS needs (broadcast/peer.py). Development only, as
+    ``write_dev_certs``. ``FileExistsError`` if one exists, unless ``overwrite``; FileNotFoundError
+    without the CA. Returns the paths under the keys reader:HOST and reader_key:HOST."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+
+    directory = Path(directory)
+    names = [check_cert_host(h) for h in hosts]
+    paths: dict[str, Path] = {}
+    for host in names:
+        stem = "reader-" + host.replace(":", "-").replace("*", "_")
+        paths[f"reader:{host}"] = directory / f"{stem}.pem"
+        paths[f"reader_key:{host}"] = directory / f"{stem}-key.pem"
+    existing = [str(p) for p in paths.values() if os.path.lexists(p)]
+    if existing and not overwrite:
+        raise FileExistsError(
+            f"refusing to overwrite {', '.join(existing)} (certs --overwrite; overwrite=True)"
+        )
+    ca_cert = x509.load_pem_x509_certificate((directory / _DEV_FILES["ca"]).read_bytes())
+    ca_key = serialization.load_pem_private_key((directory / _DEV_FILES["ca_key"]).read_bytes(), None)
+    if not isinstance(ca_key, ec.EllipticCurvePrivateKey):
+        raise ValueError(f"{directory / _DEV_FILES['ca_key']} is not the EC key `tensorwire certs` writes")
+    now = datetime.datetime.now(datetime.UTC)
+    validity = (now - datetime.timedelta(minutes=5), now + datetime.timedelta(days=days))
+    for host in names:
+        key = ec.generate_private_key(ec.SECP256R1())
+        cert = _build_leaf(
+            ca_cert, ca_key, key, name=_name(f"tensorwire relay reader {host}"), validity=validity,
+            usages=_both_ways(), san=_san([host]),
+        )  # fmt: skip
+        _write_pem(paths[f"reader:{host}"], _cert_pem(cert), private=False, overwrite=overwrite)
+        _write_pem(paths[f"reader_key:{host}"], _key_pem(key), private=True, overwrite=overwrite)
+    return paths
+
+
+def _both_ways() -> list[x509.ObjectIdentifier]:
+    """serverAuth and clientAuth: a relay reader's certificate serves its relay server and is its
+    client certificate towards its peers and the origin (broadcast/peer.py)."""
+    from cryptography import x509
+
+    return [x509.oid.ExtendedKeyUsageOID.SERVER_AUTH, x509.oid.ExtendedKeyUsageOID.CLIENT_AUTH]
 
 
 def _name(common_name: str) -> x509.Name:
@@ -454,7 +507,7 @@ def _build_leaf(
     *,
     name: x509.Name,
     validity: tuple[datetime.datetime, datetime.datetime],
-    usage: x509.ObjectIdentifier,
+    usages: Sequence[x509.ObjectIdentifier],
     san: x509.SubjectAlternativeName | None,
 ) -> x509.Certificate:
     from cryptography import x509
@@ -471,7 +524,7 @@ def _build_leaf(
         .not_valid_after(validity[1])
         .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
         .add_extension(_key_usage(cert_sign=False), critical=True)
-        .add_extension(x509.ExtendedKeyUsage([usage]), critical=False)
+        .add_extension(x509.ExtendedKeyUsage(list(usages)), critical=False)
         .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
         .add_extension(x509.AuthorityKeyIdentifier.from_issuer_subject_key_identifier(ca_ski), critical=False)
     )

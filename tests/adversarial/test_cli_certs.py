@@ -78,3 +78,62 @@ def test_without_overwrite_a_planted_link_is_refused(tmp_path: Path) -> None:
     result = CliRunner().invoke(cli.main, ["certs", str(tmp_path)])
     assert result.exit_code == 1 and result.output.startswith("error: ")
     assert not (tmp_path / "nowhere").exists()
+
+
+def _usages(path: Path) -> set[str]:
+    from cryptography import x509
+
+    known = {
+        x509.ExtendedKeyUsageOID.SERVER_AUTH: "serverAuth",
+        x509.ExtendedKeyUsageOID.CLIENT_AUTH: "clientAuth",
+    }
+    cert = x509.load_pem_x509_certificate(path.read_bytes())
+    return {
+        known.get(oid, oid.dotted_string)
+        for oid in cert.extensions.get_extension_for_class(x509.ExtendedKeyUsage).value
+    }
+
+
+def test_the_server_certificate_also_serves_as_a_relay_readers(tmp_path: Path) -> None:
+    # A relay reader's certificate is its relay server's and its client certificate towards its
+    # peers, which ask for one: the README's single-host setup hands readers server.pem.
+    _certs(tmp_path)
+    assert _usages(tmp_path / "server.pem") == {"serverAuth", "clientAuth"}
+    assert _usages(tmp_path / "client.pem") == {"clientAuth"}
+
+
+def test_reader_certificates_are_signed_by_the_ca_already_there(tmp_path: Path) -> None:
+    from cryptography import x509
+
+    _certs(tmp_path)
+    ca = (tmp_path / "ca.pem").read_bytes()
+    result = CliRunner().invoke(
+        cli.main, ["certs", str(tmp_path), "--reader", OTHER_HOST, "--reader", "fd00::7"]
+    )
+    assert result.exit_code == 0, result.output
+    assert (tmp_path / "ca.pem").read_bytes() == ca  # not a new CA: the origin and the others trust it
+    for stem, host in ((f"reader-{OTHER_HOST}", OTHER_HOST), ("reader-fd00--7", "fd00::7")):
+        cert = x509.load_pem_x509_certificate((tmp_path / f"{stem}.pem").read_bytes())
+        names = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+        assert [str(ip) for ip in names.get_values_for_type(x509.IPAddress)] == [host]
+        assert _usages(tmp_path / f"{stem}.pem") == {"serverAuth", "clientAuth"}
+        assert (tmp_path / f"{stem}-key.pem").stat().st_mode & 0o777 == 0o600
+    again = CliRunner().invoke(cli.main, ["certs", str(tmp_path), "--reader", OTHER_HOST])
+    assert again.exit_code == 1 and "--overwrite" in again.output  # never replaced unasked
+    # Its relay server serves with it; a peer checking against the CA accepts it (as a server here).
+    reader = TlsFiles(tmp_path / f"reader-{OTHER_HOST}.pem", tmp_path / f"reader-{OTHER_HOST}-key.pem")
+    with (
+        ServerThread([f"tls://{OTHER_HOST}:0"], security=Security(reader)) as srv,
+        tensorwire.connect(srv.url, tls_ca=str(tmp_path / "ca.pem"), retries=0) as c,
+    ):
+        c.ping()
+
+
+def test_reader_certificates_in_an_empty_directory_come_with_a_ca(tmp_path: Path) -> None:
+    result = CliRunner().invoke(cli.main, ["certs", str(tmp_path / "new"), "--reader", OTHER_HOST])
+    assert result.exit_code == 0, result.output
+    assert {p.name for p in (tmp_path / "new").iterdir()} >= {
+        "ca.pem",
+        "server.pem",
+        f"reader-{OTHER_HOST}.pem",
+    }

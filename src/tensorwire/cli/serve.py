@@ -32,6 +32,7 @@ from tensorwire.security import (
     load_token,
     server_ssl_context,
     write_dev_certs,
+    write_reader_certs,
 )
 from tensorwire.server.core import Server
 from tensorwire.store import TensorStore
@@ -456,13 +457,35 @@ def _peer_security(replicated: bool, token_file: Path | None, tls: TlsFiles) -> 
     help="Also issue the server certificate for this DNS name or IP address, as clients on other "
     "hosts reach the server (repeatable; localhost, 127.0.0.1 and ::1 are always included).",
 )  # fmt: skip
+@click.option(
+    "--reader", "readers", multiple=True, metavar="IP", callback=_host_param,
+    help="Also issue a relay reader's certificate for the host at this address (reader-IP.pem: a "
+    "server and a client certificate, as a Subscriber relaying over tls:// needs), signed by the CA "
+    "in DIRECTORY, which is written first if there is none (repeatable).",
+)  # fmt: skip
 @click.option("--days", type=click.IntRange(min=1), default=365, show_default=True)
 @click.option("--overwrite", is_flag=True, help="Replace certificates already in DIRECTORY.")
-def certs(directory: Path, hosts: tuple[str, ...], days: int, overwrite: bool) -> None:
+def certs(
+    directory: Path, hosts: tuple[str, ...], readers: tuple[str, ...], days: int, overwrite: bool
+) -> None:
     """Write a development CA and server/client certificates into DIRECTORY (not for production).
 
     A client checks that the name it connects to (tls://NAME:PORT) is in the server certificate:
-    give every name and address other hosts use with --host, e.g. --host trainer-0 --host 10.0.0.5."""
+    give every name and address other hosts use with --host, e.g. --host trainer-0 --host 10.0.0.5.
+    A relay reader over tls:// needs a certificate naming its own host's address, valid as a server's
+    and a client's: --reader 10.0.0.7 writes one (with a CA already in DIRECTORY, only that)."""
+    if not readers or not (directory / "ca-key.pem").exists():
+        _dev_certs(directory, hosts, days, overwrite)
+    if readers:
+        written = write_reader_certs(directory, readers, days, overwrite=overwrite)
+        for role, path in written.items():
+            click.echo(f"{role:10} {path}")
+        cert, key = written[f"reader:{readers[0]}"], written[f"reader_key:{readers[0]}"]
+        click.echo(f"reader: Subscriber(url, prefix, model, tls=TlsFiles(cert='{cert}', key='{key}', "
+                   f"ca='{directory / 'ca.pem'}')) on {readers[0]}")  # fmt: skip
+
+
+def _dev_certs(directory: Path, hosts: tuple[str, ...], days: int, overwrite: bool) -> None:
     names = tuple(dict.fromkeys([*DEV_CERT_HOSTS, *hosts]))
     written = write_dev_certs(directory, names, days, overwrite=overwrite)
     for role, path in written.items():
