@@ -128,7 +128,9 @@ async def get_range(
 
 async def drop(run: Run, prefix: str) -> int:
     """Every generation of ``prefix`` and the prefix itself (GEN_DROP), from the data directory too;
-    how many generations there were. KeyNotFound if it has none. Not retried once sent."""
+    how many generations there were. KeyNotFound if it has none; NotAuthorized while another
+    connection holds a lease on one of them (this one's own leases end with the drop). Not retried
+    once sent."""
     validate_name(prefix)
 
     async def op(t: Transport) -> int:

@@ -21,7 +21,10 @@ answer's encoded deltas (delta_answers.py). Where there is no room the request i
 (CapacityExceeded naming --capacity), or a delta answer sends full chunks instead.
 
 A publish returns once its generation is in the data directory, when there is one
-(``Generations.publish_durable``).
+(``Generations.publish_durable``); from its last byte on, the request waits on the server
+(``Request.waiting``), not on its peer, so the stall watchdog leaves a publish behind a slow disk
+alone. GEN_DROP is refused while another connection holds a lease on the prefix
+(``Generations.drop``).
 """
 
 from __future__ import annotations
@@ -145,14 +148,19 @@ class GenerationOps:
             parts.abort()
             raise error
         assert prefix is not None
-        try:
-            check_names(prefix, [m.name for m in res.metas])
-            big = res.nbytes >= _OFF_LOOP_BYTES
-            sums = await cpu(big, lambda: [wg.chunk_checksums(b) for b in res.buffers])
-        except BaseException:
-            parts.abort()
-            raise
-        gen = await self._announce(prefix, res, sums, client=client_of(req.peer))
+        # Every byte is in: from here the request waits on the server (its checksums, then the data
+        # directory's write, behind any other publish being written), not on its peer, however long
+        # a slow disk takes; the stall watchdog must not cut the connection (its publisher would
+        # hear it failed while its generation is published).
+        with req.waiting():
+            try:
+                check_names(prefix, [m.name for m in res.metas])
+                big = res.nbytes >= _OFF_LOOP_BYTES
+                sums = await cpu(big, lambda: [wg.chunk_checksums(b) for b in res.buffers])
+            except BaseException:
+                parts.abort()
+                raise
+            gen = await self._announce(prefix, res, sums, client=client_of(req.peer))
         await req.reply(wg.encode_generation(gen))
 
     async def _announce(
@@ -409,7 +417,7 @@ class GenerationOps:
         prefix = wg.decode_prefix(req.meta)
         req.meta.done()
         with req.waiting():  # the data directory's removal, on the disk thread
-            count = await self.generations.drop(prefix)
+            count = await self.generations.drop(prefix, self._held(req))
         await req.reply(wg.encode_dropped(count))
 
     def status(self) -> dict[str, Any]:
@@ -417,7 +425,7 @@ class GenerationOps:
         return {"generations": {"prefixes": len(gens), "kept": gens.generations, "waiting": self.waiting,
                                 "bytes": gens.store.kept, "transactions": len(self.parts.open),
                                 "leases": gens.leases, "durable": gens.disk is not None,
-                                "disk_errors": gens.disk_errors,
+                                "disk_errors": gens.disk_errors, "quarantined": gens.quarantined,
                                 "deltas_full_for_capacity": self.deltas_full_for_capacity,
                                 "newest": gens.newest()}}  # fmt: skip
 

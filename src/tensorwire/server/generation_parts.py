@@ -234,8 +234,9 @@ class PartPublishes:
             parts.abort()
             raise parts.error or ProtocolError("GEN_PUBLISH_PART carried no head")
         head, txn = opened
-        await self.add(txn, head, parts.reservation, parts.error, expected=parts.expected)
-        await self._answer_when_ended(held, req, txn)
+        with req.waiting():  # every byte is in: its checksums are the server's work, not the peer's
+            await self.add(txn, head, parts.reservation, parts.error, expected=parts.expected)
+        await self._answer_when_ended(held, req, txn)  # parked: the commit (a disk write) waits alone
 
     # -- the same, for a caller that is not a frame connection (gRPC's PublishPart) -------------
     def owner(self, sender: str, client: str = "") -> _PartsHeld:

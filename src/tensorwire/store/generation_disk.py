@@ -14,9 +14,19 @@ fsynced, ``generation.json`` last, the directory fsynced), then renamed to its n
 prefix directory fsynced: the rename is atomic, so after a crash a numbered directory is either
 absent or complete. A removal renames the numbered directory to ``.tmp-`` first (atomic too), then
 deletes it. Opening the directory deletes every ``.tmp-`` entry: a write that never finished, or
-a removal that did. A numbered directory that does not read back whole (a file missing, a
-checksum that does not give the digest recorded) is a ``PersistenceError`` at start, as a corrupt
-tensor file is: never a silent loss.
+a removal that did.
+
+A write whose publish is given up while it runs (its connection closed, the server stopping:
+``Ticket.abandon``) is never renamed into place: it stops at the next file and its ``.tmp-``
+directory goes. Had it been renamed already, ``abandon`` says so and the caller removes it. So a
+generation whose publisher was told it failed does not come back at the next start.
+
+What cannot be restored at start (a numbered directory that does not read back whole, a file
+missing, a checksum that does not give the digest recorded, a link where tensorwire never makes
+one, a prefix that nests with another's) is set aside, never silently dropped and never a reason
+to stop every start: ``set_aside`` moves it under ``<data dir>/generations-quarantine/`` (named by
+its prefix directory and number), where an operator can look at it or delete it; the server logs
+it and counts it (STATUS ``generations.quarantined``).
 
 Not thread-safe: its owner (store/generations.py) calls it from the store's one disk thread, or
 before the server serves.
@@ -30,8 +40,9 @@ import json
 import os
 import pathlib
 import shutil
+import threading
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -50,6 +61,7 @@ from tensorwire.store.persist import (
 from tensorwire.types import Generation, TensorMeta
 
 ROOT = "generations"
+QUARANTINE = "generations-quarantine"  # beside ROOT: what could not be restored (module docstring)
 MANIFEST = "generation.json"
 FORMAT = 1
 _NUMBER_DIGITS = 20
@@ -63,6 +75,40 @@ class StoredGeneration:
     number: int
     digest: bytes
     tensors: list[tuple[TensorMeta, torch.Tensor]]
+    path: pathlib.Path  # its directory (what ``set_aside`` moves if it cannot be restored)
+
+
+# Hears of what the data directory holds that cannot be restored: its path and why.
+SetAside = Callable[[pathlib.Path, Exception], None]
+
+
+class Ticket:
+    """Between one generation's write (on the disk thread) and its publish (on the loop): a publish
+    given up before the write renamed the generation into place leaves nothing behind."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._abandoned = False
+        self._installed = False
+
+    @property
+    def abandoned(self) -> bool:
+        return self._abandoned
+
+    def abandon(self) -> bool:
+        """The publish is given up. True: too late, the generation is in place (remove it)."""
+        with self._lock:
+            self._abandoned = True
+            return self._installed
+
+    def install(self, rename: Callable[[], None]) -> None:
+        """``rename`` the written generation into place unless its publish was given up
+        (PersistenceError then: the write's ``.tmp-`` directory is removed)."""
+        with self._lock:
+            if self._abandoned:
+                raise PersistenceError("its publish was given up during the write")
+            rename()
+            self._installed = True
 
 
 def prefix_dir(prefix: str) -> str:
@@ -87,10 +133,14 @@ class GenerationDisk:
             sync_dir(self.root.parent)
 
     # -- writing -------------------------------------------------------------------------------
-    def write(self, gen: Generation, tensors: Sequence[tuple[TensorMeta, memoryview]]) -> None:
+    def write(
+        self, gen: Generation, tensors: Sequence[tuple[TensorMeta, memoryview]], ticket: Ticket | None = None
+    ) -> None:
         """Make ``gen`` (``tensors``: its records, version = its number, and bytes) durable;
-        PersistenceError (nothing left behind) if it cannot be. A directory of the same number
-        already there (a write whose publish was cancelled) is replaced."""
+        PersistenceError (nothing left behind) if it cannot be, or if ``ticket`` is abandoned
+        before it is in place. A directory of the same number already there (one a crash left
+        between its rename and its removal) is replaced."""
+        ticket = ticket or Ticket()
         for meta, data in tensors:
             try:
                 check_item(meta, data)
@@ -101,10 +151,12 @@ class GenerationDisk:
         try:
             _mkdir(temp)
             for meta, data in tensors:
+                if ticket.abandoned:  # stop at once: nothing of it will be kept
+                    raise PersistenceError("its publish was given up during the write")
                 write_durably(temp / file_name(meta.name), (encode_header(meta), data))
             write_durably(temp / MANIFEST, (_manifest(gen),))
             sync_dir(temp)
-            self._install(home, temp, number_dir(gen.number))
+            self._install(home, temp, number_dir(gen.number), ticket)
         except BaseException:
             _remove_tree(temp)
             raise
@@ -117,16 +169,20 @@ class GenerationDisk:
             sync_dir(self.root)
         return home
 
-    def _install(self, home: pathlib.Path, temp: pathlib.Path, final: str) -> None:
+    def _install(self, home: pathlib.Path, temp: pathlib.Path, final: str, ticket: Ticket) -> None:
         target = home / final
         refuse_link(target)
         old = home / f"{TEMP_PREFIX}{uuid.uuid4().hex}" if target.exists() else None
-        try:
-            if old is not None:
-                os.replace(target, old)
-            os.replace(temp, target)
-        except OSError as exc:
-            raise PersistenceError(f"cannot rename {temp} to {target}: {exc}") from exc
+
+        def rename() -> None:
+            try:
+                if old is not None:
+                    os.replace(target, old)
+                os.replace(temp, target)
+            except OSError as exc:
+                raise PersistenceError(f"cannot rename {temp} to {target}: {exc}") from exc
+
+        ticket.install(rename)
         sync_dir(home)
         if old is not None:
             _remove_tree(old)
@@ -153,19 +209,25 @@ class GenerationDisk:
         _remove_tree(trash)
 
     # -- reading back --------------------------------------------------------------------------
-    def load(self) -> Iterator[StoredGeneration]:
+    def load(self, set_aside: SetAside) -> Iterator[StoredGeneration]:
         """Every generation kept, by prefix directory and, within one, oldest first; deletes what
-        a crash left half-written (``.tmp-``) on the way."""
-        for home in self._entries(self.root):
-            numbers = self._entries(home)
+        a crash left half-written (``.tmp-``) on the way, and hands what does not read back whole
+        to ``set_aside`` (which moves it aside: ``quarantine``) instead of stopping there."""
+        for home in self._entries(self.root, set_aside):
+            numbers = self._entries(home, set_aside)
             for path in numbers:
-                yield self._read(home, path)
-            if not numbers:
-                with contextlib.suppress(OSError):
-                    home.rmdir()  # a prefix whose last generation went
+                try:
+                    stored = self._read(home, path)
+                except PersistenceError as exc:
+                    set_aside(path, exc)
+                    continue
+                yield stored
+            with contextlib.suppress(OSError):  # fails unless empty: a prefix whose last generation
+                home.rmdir()  # went (or was set aside)
 
-    def _entries(self, directory: pathlib.Path) -> list[pathlib.Path]:
-        """The sub-directories of ``directory`` in name order, its ``.tmp-`` ones deleted."""
+    def _entries(self, directory: pathlib.Path, set_aside: SetAside) -> list[pathlib.Path]:
+        """The sub-directories of ``directory`` in name order, its ``.tmp-`` ones deleted, a link
+        (tensorwire never makes one: it would read another place) set aside."""
         try:
             names = sorted(os.listdir(directory))
         except OSError as exc:
@@ -176,10 +238,30 @@ class GenerationDisk:
             if name.startswith(TEMP_PREFIX):
                 _remove_tree(path)
             elif path.is_symlink():
-                raise PersistenceError(f"{path} is a symbolic link; tensorwire never writes one")
+                set_aside(path, PersistenceError(f"{path} is a symbolic link; tensorwire never writes one"))
             elif path.is_dir():
                 found.append(path)
         return found
+
+    def quarantine(self, path: pathlib.Path) -> pathlib.Path:
+        """Move ``path`` (a generation's directory, or a link in its place) under ``QUARANTINE``,
+        durably; where it went. PersistenceError naming ``path`` if it cannot be moved (the
+        server then does not start: an operator removes it)."""
+        aside = self.root.parent / QUARANTINE
+        target = aside / f"{path.parent.name[:16]}-{path.name}-{uuid.uuid4().hex[:8]}"
+        try:
+            refuse_link(aside)
+            if not aside.is_dir():
+                _mkdir(aside)
+                sync_dir(aside.parent)
+            os.replace(path, target)
+            sync_dir(aside)
+            sync_dir(path.parent)
+        except (OSError, PersistenceError) as exc:
+            raise PersistenceError(
+                f"{path} cannot be restored and cannot be set aside ({exc}): move or remove it by hand"
+            ) from exc
+        return target
 
     def _read(self, home: pathlib.Path, path: pathlib.Path) -> StoredGeneration:
         record = _read_manifest(path / MANIFEST)
@@ -192,7 +274,7 @@ class GenerationDisk:
             refuse_link(file)
             meta, data = read_file(file)
             tensors.append((meta, data))
-        return StoredGeneration(prefix, number, digest, tensors)
+        return StoredGeneration(prefix, number, digest, tensors, path)
 
 
 def _manifest(gen: Generation) -> bytes:

@@ -26,7 +26,20 @@ Lifecycle of a generation (server/generation_ops.py drives it):
 
 At start the generations in the data directory are read back (each checked against the root
 digest recorded with it), numbered as they were; "latest" is the newest of them; leases, which
-belong to connections, do not survive a restart.
+belong to connections, do not survive a restart. Restoring is not publishing: the bounds a client's
+publish is admitted under (``max_prefixes``, ``prefixes_per_client``) do not apply to what the
+server kept (an operator who lowers a bound gets no new prefix until there is room, never a server
+that cannot start). A generation that cannot be restored (damaged, or a prefix that nests with
+another's) is set aside (generation_disk.py ``quarantine``), logged and counted (``quarantined``),
+and the server starts with the rest. A publish given up during its write (its connection closed,
+the server stopping) leaves nothing on disk (generation_disk.py ``Ticket``): a publisher told it
+failed never finds its generation back after a restart.
+
+Who may drop a prefix (GEN_DROP, ``drop``): any client the server admits, while no other
+connection (or gRPC peer) holds a live lease on one of its generations; its own leases end with
+the drop. A lease is what a reader takes to keep a generation (a sharded checkpoint it is reading,
+a rollback target): a drop must not pull it away from under it. Publishing cannot either: it never
+retires a leased generation.
 
 Peer-controlled state is bounded here: prefixes (``max_prefixes``; ``prefixes_per_client`` made by
 one client host) and leases (``leases_per_owner`` per connection, ``leases_per_client`` per client
@@ -40,23 +53,28 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
+import pathlib
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from tensorwire.errors import (
+    CapacityExceeded,
     GenerationRetired,
     InvalidName,
     KeyNotFound,
     LimitExceeded,
+    NotAuthorized,
     PersistenceError,
     ProtocolError,
+    TensorwireError,
 )
 from tensorwire.logs import event
 from tensorwire.store.generation_config import DEFAULT_KEEP, SERVER_PREFIX, GenerationConfig
-from tensorwire.store.generation_disk import GenerationDisk, StoredGeneration
+from tensorwire.store.generation_disk import GenerationDisk, StoredGeneration, Ticket
 from tensorwire.store.memory import Reservation, TensorStore
 from tensorwire.types import ChunkSums, Generation, GenerationManifest, TensorMeta
 from tensorwire.wire import generations as wg
@@ -116,6 +134,7 @@ class Generations:
         self._client_leases: Counter[str] = Counter()
         self._client_prefixes: Counter[str] = Counter()
         self.disk_errors = 0  # retired generations whose files could not be removed (logged)
+        self.quarantined = 0  # generations of the data directory set aside at start (logged)
         self._removals: set[asyncio.Task[None]] = set()
         self._writing: asyncio.Lock | None = None  # one durable publish at a time (made on a loop)
         data_dir = store.data_dir
@@ -179,6 +198,10 @@ class Generations:
         except BaseException:
             self.store.abort(res)
             raise
+        return self._numbered(prefix, res, sums, number)
+
+    def _numbered(self, prefix: str, res: Reservation, sums: Sequence[tuple[int, ...]], number: int) -> Kept:
+        """``prepare`` once admitted (and at start, where nothing is admitted: ``_restore``)."""
         self.store.keep(res)
         entry = self._prefixes.get(prefix)
         number = max(number, (entry.latest if entry is not None else 0) + 1)
@@ -193,12 +216,16 @@ class Generations:
     def install(self, kept: Kept, client: str | None = None) -> Generation:
         """Make a prepared generation visible (the newest of its prefix) and retire what it
         replaces. Admitted again: a prefix may have been made (or dropped) meanwhile."""
-        gen = kept.generation
         try:
-            self.admit(gen.prefix, internal=True, client=client)
+            self.admit(kept.generation.prefix, internal=True, client=client)
         except BaseException:
             self.discard(kept)
             raise
+        return self._installed(kept, client)
+
+    def _installed(self, kept: Kept, client: str | None = None) -> Generation:
+        """``install`` once admitted (and at start: ``_restore``)."""
+        gen = kept.generation
         entry = self._prefixes.get(gen.prefix)
         if entry is None:
             entry = self._prefixes[gen.prefix] = Prefix(client=client)
@@ -254,22 +281,29 @@ class Generations:
             kept.durable = True
             try:
                 return self.install(kept, client)
-            except BaseException:  # refused after all (a bound reached meanwhile): its files go too
-                self._on_disk(self.disk.remove, prefix, kept.generation.number)
+            except Exception:  # refused after all (a bound reached meanwhile): its files go too,
+                # before the next publish (which may take the same number) is written
+                with contextlib.suppress(PersistenceError):
+                    await self.store.call(self.disk.remove, prefix, kept.generation.number)
                 raise
         finally:
             self._writing.release()
 
     async def _write(self, disk: GenerationDisk, kept: Kept) -> None:
         pairs = [kept.tensors[name] for name in kept.generation.names]
-        write = asyncio.ensure_future(self.store.call(disk.write, kept.generation, pairs))
+        ticket = Ticket()
+        write = asyncio.ensure_future(self.store.call(disk.write, kept.generation, pairs, ticket))
         try:
             await asyncio.shield(write)
         except asyncio.CancelledError:
-            # The disk thread still reads the buffers: they go back to the pool once it is done
-            # (its files are then a generation whose publish never returned: kept, or replaced
-            # by the next one of the same number).
-            write.add_done_callback(lambda _: self.discard(kept))
+            # Given up (its connection closed, the server stops): its publisher hears it failed, so
+            # the generation must not come back at the next start. The disk thread stops before
+            # the rename; had it renamed it already, it goes now (on this thread: the server may be
+            # stopping, and a removal queued behind it might never run). The disk thread still
+            # reads the buffers: they go back to the pool once it is done.
+            if ticket.abandon():
+                self._remove_abandoned(disk, kept.generation)
+            write.add_done_callback(functools.partial(self._abandoned, kept))
             raise
         except BaseException as exc:
             self.discard(kept)
@@ -277,6 +311,22 @@ class Generations:
                 raise PersistenceError(f"generation {kept.generation.number} of {kept.generation.prefix!r}"
                                        f" not published: {exc}") from exc  # fmt: skip
             raise
+
+    def _abandoned(self, kept: Kept, write: asyncio.Future[None]) -> None:
+        """The disk thread is done with a generation whose publish was given up: its buffers go
+        (the write's outcome is nobody's now: it stopped short, or was removed)."""
+        if not write.cancelled():
+            write.exception()  # retrieved: asyncio would log it as lost
+        self.discard(kept)
+
+    def _remove_abandoned(self, disk: GenerationDisk, gen: Generation) -> None:
+        try:
+            disk.remove(gen.prefix, gen.number)
+        except PersistenceError as exc:
+            self.disk_errors += 1
+            event(log, logging.ERROR, "a generation whose publish was given up is left on disk; it is"
+                  " restored at the next start unless removed", prefix=gen.prefix, number=gen.number,
+                  error=str(exc))  # fmt: skip
 
     # -- reading -------------------------------------------------------------------------------
     def latest(self, prefix: str) -> Generation | None:
@@ -447,26 +497,40 @@ class Generations:
                 del entry.kept[number]
                 self._retired(kept)
 
-    async def drop(self, prefix: str) -> int:
-        """GEN_DROP: every generation of ``prefix`` and the prefix itself go, at once, and from
-        the data directory before this returns; those being read are freed by their last reader,
-        leases on them end. Returns how many generations went; KeyNotFound if it has none (a
-        prefix of the server's own, ``SERVER_PREFIX``, is not a client's to drop)."""
+    async def drop(self, prefix: str, owner: object = None) -> int:
+        """GEN_DROP from ``owner`` (a connection): every generation of ``prefix`` and the prefix
+        itself go, at once, and from the data directory before this returns; those being read are
+        freed by their last reader, ``owner``'s own leases on them end. Returns how many
+        generations went; KeyNotFound if it has none (a prefix of the server's own,
+        ``SERVER_PREFIX``, is not a client's to drop); NotAuthorized, and nothing changed, while
+        another owner holds a live lease on one of them (module docstring: who may drop)."""
         validate_name(prefix)
         if prefix == SERVER_PREFIX or prefix.startswith(SERVER_PREFIX + "/"):
             raise KeyNotFound(f"prefix {prefix!r} has no generations a client may drop")
         if self.disk is None:
-            return self._drop(prefix)
+            return self._drop(prefix, owner)
         if self._writing is None:
             self._writing = asyncio.Lock()
         async with self._writing:  # not while a publish of it is being written
-            count = self._drop(prefix)
+            count = self._drop(prefix, owner)
             await self.store.call(self.disk.remove_prefix, prefix)
         return count
 
-    def _drop(self, prefix: str) -> int:
-        if prefix not in self._prefixes:
+    def _drop(self, prefix: str, owner: object) -> int:
+        entry = self._prefixes.get(prefix)
+        if entry is None:
             raise KeyNotFound(f"prefix {prefix!r} has no generations")
+        now = self.clock()
+        leased = {number: sum(1 for who, end in kept.leases.items() if who is not owner and end > now)
+                  for number, kept in entry.kept.items()}  # fmt: skip
+        held = {number: count for number, count in leased.items() if count}
+        if held:
+            numbers = ", ".join(map(str, sorted(held)[:8]))
+            raise NotAuthorized(
+                f"cannot drop {prefix!r}: other connections hold {sum(held.values())} leases on its"
+                f" generations ({numbers}); a prefix is dropped only when no one else holds one (they"
+                " release them, close, or the leases run out: at most --max-lease-seconds)"
+            )
         return self._forget(prefix)[0]
 
     def forget(self, prefix: str) -> None:
@@ -534,27 +598,51 @@ class Generations:
 
     # -- the data directory, at start ----------------------------------------------------------
     def _load(self, disk: GenerationDisk) -> None:
-        """Every generation of the data directory back in memory, as it was published; then each
-        prefix keeps its last ``keep`` (files of generations retired before a crash go now)."""
-        for stored in disk.load():
-            self._restore(stored)
+        """Every generation of the data directory back in memory, as it was published (what
+        cannot be is set aside); then each prefix keeps its last ``keep`` (files of generations
+        retired before a crash go now)."""
+        set_aside = functools.partial(self._set_aside, disk)
+        for stored in disk.load(set_aside):
+            try:
+                self._restore(stored)
+            except CapacityExceeded:  # an operator's setting (--capacity, --max-tensors), not the data
+                raise
+            except TensorwireError as exc:  # damaged, or never publishable (a name, a nesting)
+                set_aside(stored.path, exc)
         for prefix in list(self._prefixes):
             self.retire(prefix)
         if self._prefixes:
             event(log, logging.INFO, "generations restored", prefixes=len(self._prefixes),
                   generations=self.generations, bytes=self.store.kept)  # fmt: skip
 
+    def _set_aside(self, disk: GenerationDisk, path: pathlib.Path, why: Exception) -> None:
+        """What cannot be restored goes under the quarantine folder, loudly (PersistenceError
+        naming it where it cannot be moved: the one case the server does not start)."""
+        moved = disk.quarantine(path)
+        self.quarantined += 1
+        event(log, logging.ERROR, "generation set aside: it cannot be restored", path=str(path),
+              moved_to=str(moved), reason=str(why))  # fmt: skip
+
     def _restore(self, stored: StoredGeneration) -> None:
+        """One generation of the data directory back as it was kept: checked (a valid prefix, not
+        nesting with another, its root digest as recorded), never admitted as a client's publish
+        is (no quota of a client's applies: module docstring)."""
+        self._check_restorable(stored.prefix)
         metas = [TensorMeta(m.name, m.dtype, m.shape, m.nbytes) for m, _ in stored.tensors]
-        res = self.store.reserve(metas)  # CapacityExceeded (naming --capacity): the server does not start
         try:
+            res = self.store.reserve(metas)
+        except CapacityExceeded as exc:  # the server does not start: say which directory to remove
+            where = f"restoring generation {stored.number} of {stored.prefix!r} from {stored.path}"
+            raise CapacityExceeded(f"{exc}; {where} (remove it to start without it)") from exc
+        try:
+            check_names(stored.prefix, [m.name for m in metas])
             for buffer, (_, data) in zip(res.buffers, stored.tensors, strict=True):
                 buffer.cast("B")[:] = data.numpy().data.cast("B")
             sums = [wg.chunk_checksums(b) for b in res.buffers]
         except BaseException:
             self.store.abort(res)
             raise
-        kept = self.prepare(stored.prefix, res, sums, stored.number, internal=True)
+        kept = self._numbered(stored.prefix, res, sums, stored.number)
         gen = kept.generation
         if gen.number != stored.number or gen.digest != stored.digest:
             self.discard(kept)
@@ -563,7 +651,17 @@ class Generations:
                 " back as it was published (its root digest differs): the files are damaged"
             )
         kept.durable = True
-        self.install(kept)
+        self._installed(kept)
+
+    def _check_restorable(self, prefix: str) -> None:
+        """InvalidName unless ``prefix`` could have been published (two prefixes that nest cannot
+        both have generations: a name would lie under both)."""
+        validate_name(prefix)
+        if prefix in self._prefixes:
+            return
+        for other in self._prefixes:
+            if prefix.startswith(other + "/") or other.startswith(prefix + "/"):
+                raise InvalidName(f"prefix {prefix!r} nests with {other!r}, restored before it")
 
 
 def check_names(prefix: str, names: Sequence[str]) -> None:
