@@ -1,7 +1,9 @@
 """The Helm chart's secrets, rendered by the real Helm engine (``helm_python``): every render of the
 same values is the same (``helm template`` twice, a GitOps sync: no token made up at render time),
 and each pod mounts exactly the secret files it reads (a store never holds the peer token, a
-worker never the servers' private key, no pod the Kubernetes API token)."""
+worker never the servers' private key, no pod the Kubernetes API token). Prometheus scrapes with a
+metrics token of its own, never the clients' token; the example job owns its job (a job token) and
+the parameter servers take an operator token; a changed token restarts the servers that read it."""
 
 from __future__ import annotations
 
@@ -15,6 +17,10 @@ yaml = pytest.importorskip("yaml", reason="pyyaml is not installed (the dev extr
 
 CHART = Path(__file__).resolve().parents[2] / "deploy" / "helm" / "tensorwire"
 TOKENS = {"token": "client-token-0123456789abcdef", "peerToken": "peer-token-0123456789abcdef"}
+OPTIONAL = {"metricsToken": "metrics-token-0123456789abcdef", "jobToken": "job-token-0123456789abcdef",
+            "operatorToken": "operator-token-0123456789abcdef"}  # fmt: skip
+OPTIONAL_KEYS = ["metrics-token", "job-token", "operator-token"]
+MONITOR = {"metrics": {"serviceMonitor": {"enabled": True}}}
 TLS = {"enabled": True, "certManager": {"enabled": True, "issuerRef": {"name": "ca"}}}
 EVERYTHING = {"store": {"enabled": True}, "example": {"enabled": True}, "tls": TLS}
 VALUE_SETS = {
@@ -23,8 +29,12 @@ VALUE_SETS = {
     "existing-secret": {"auth": {"existingSecret": "tw-tokens"}, **EVERYTHING},
     "no-replicas": {"auth": {"token": TOKENS["token"]}, "ps": {"replicas": 0}, **EVERYTHING},
     "no-auth": {"auth": {"enabled": False}, "ps": {"replicas": 0}, **EVERYTHING},
-}
-FLAGS = ("--token-file", "--peer-token-file", "--tls-cert", "--tls-key", "--tls-ca", "--peer-tls-ca")
+    "optional-tokens": {"auth": {**TOKENS, **OPTIONAL}, **EVERYTHING, **MONITOR},
+    "existing-secret-optional": {"auth": {"existingSecret": "tw-tokens", "optionalKeys": OPTIONAL_KEYS},
+                                 **EVERYTHING, **MONITOR},
+}  # fmt: skip
+FLAGS = ("--token-file", "--peer-token-file", "--tls-cert", "--tls-key", "--tls-ca", "--peer-tls-ca",
+         "--metrics-token-file", "--operator-token-file")  # fmt: skip
 SECRET_DIR = "/etc/tensorwire/"
 CERT_MANAGER_KEYS = {"tls.crt", "tls.key", "ca.crt"}
 
@@ -144,3 +154,97 @@ def test_a_store_on_the_nodes_network_needs_a_token(helm: Any) -> None:
         render(helm, {"auth": {"enabled": False}, "ps": {"replicas": 0},
                       "store": {"enabled": True, "hostNetwork": True}})  # fmt: skip
     assert render(helm, {"auth": TOKENS, "store": {"enabled": True, "hostNetwork": True}})
+
+
+def workload(docs: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
+    return [d for d in docs if d["kind"] == kind]
+
+
+def args(pod: dict[str, Any]) -> list[str]:
+    (container,) = pod["spec"]["template"]["spec"]["containers"]
+    return [*container.get("command", []), *container.get("args", [])]
+
+
+def flag(argv: list[str], name: str) -> list[str]:
+    return [argv[i + 1] for i, arg in enumerate(argv[:-1]) if arg == name]
+
+
+def argv_of(pod: dict[str, Any]) -> str:
+    return " ".join(args(pod))
+
+
+@pytest.mark.parametrize("name", ["optional-tokens", "existing-secret-optional"])
+def test_prometheus_bears_the_metrics_token_never_the_clients(helm: Any, name: str) -> None:
+    """Before, the ServiceMonitor sent no bearer (so Grafana showed pseudonyms), and the only way to
+    see job ids was to give Prometheus the clients' token, which then crossed the network in the
+    clear at every scrape."""
+    docs = render(helm, VALUE_SETS[name])
+    (monitor,) = workload(docs, "ServiceMonitor")
+    secret = "tw-tokens" if "existing" in name else "tw-tensorwire-auth"
+    for endpoint in monitor["spec"]["endpoints"]:
+        bearer = {"type": "Bearer", "credentials": {"name": secret, "key": "metrics-token"}}
+        assert endpoint["authorization"] == bearer
+    for server in workload(docs, "StatefulSet") + workload(docs, "DaemonSet"):
+        assert flag(args(server), "--metrics-token-file") == ["/etc/tensorwire/auth/metrics-token"]
+    (made,) = workload(docs, "Secret") or [None]
+    if made is not None:
+        assert len(set(made["data"].values())) == len(made["data"])  # each key another secret
+
+
+def test_without_a_metrics_token_the_monitor_sends_nothing(helm: Any) -> None:
+    docs = render(helm, {"auth": TOKENS, **MONITOR})
+    (monitor,) = workload(docs, "ServiceMonitor")
+    assert all("authorization" not in e for e in monitor["spec"]["endpoints"])
+    assert not any("--metrics-token-file" in argv_of(p) for p in pods(docs))
+
+
+def test_the_example_job_owns_its_job_and_the_servers_take_an_operator_token(helm: Any) -> None:
+    """Before, the example job started an open job (no TENSORWIRE_JOB_TOKEN: any holder of the
+    clients' token could end it) and the chart had no --operator-token-file."""
+    docs = render(helm, VALUE_SETS["optional-tokens"])
+    (job,) = workload(docs, "Job")
+    (container,) = job["spec"]["template"]["spec"]["containers"]
+    (env,) = [e for e in container["env"] if e["name"] == "TENSORWIRE_JOB_TOKEN"]
+    assert env["valueFrom"]["secretKeyRef"] == {"name": "tw-tensorwire-auth", "key": "job-token"}
+    assert "operator-token" not in argv_of(job)
+    for ps in workload(docs, "StatefulSet"):
+        assert flag(args(ps), "--operator-token-file") == ["/etc/tensorwire/auth/operator-token"]
+        assert "job-token" not in str(ps)  # a server never holds a job's token
+    for store in workload(docs, "DaemonSet"):  # a store holds no job: no operator token either
+        assert "operator-token" not in str(store) and "job-token" not in str(store)
+
+
+def test_optional_tokens_are_never_made_up_nor_shared(helm: Any) -> None:
+    with pytest.raises(helm.HelmError, match=r"no metrics-token.*auth\.existingSecret"):
+        render(helm, {"auth": {**TOKENS, "optionalKeys": ["metrics-token"]}})
+    for key in OPTIONAL:
+        with pytest.raises(helm.HelmError, match="the same"):
+            render(helm, {"auth": {**TOKENS, key: TOKENS["token"]}})
+    with pytest.raises(helm.HelmError, match="the same"):
+        render(helm, {"auth": {**TOKENS, **OPTIONAL, "metricsToken": OPTIONAL["jobToken"]}})
+
+
+def checksums(docs: list[dict[str, Any]]) -> dict[str, str | None]:
+    """Each server workload's ``checksum/auth`` pod annotation (None: none)."""
+    servers = workload(docs, "StatefulSet") + workload(docs, "DaemonSet")
+    found = {d["metadata"]["name"]: d["spec"]["template"]["metadata"].get("annotations") for d in servers}
+    return {name: (annotations or {}).get("checksum/auth") for name, annotations in found.items()}
+
+
+def test_a_changed_token_restarts_the_servers_that_read_it(helm: Any) -> None:
+    """Servers read their token files at start; before, a changed token changed only the Secret, so
+    a GitOps sync left the servers on the old token and new workers were refused."""
+    values = {"auth": {**TOKENS, **OPTIONAL}, "store": {"enabled": True}}
+    before = checksums(render(helm, values))
+    assert all(before.values()) and before == checksums(render(helm, values))  # stable
+    token = {**values, "auth": {**values["auth"], "token": "rotated-token-0123456789"}}
+    rotated = checksums(render(helm, token))
+    assert all(rotated[name] != digest for name, digest in before.items())  # every server reads it
+    operator = {**values, "auth": {**values["auth"], "operatorToken": "rotated-operator-0123456789"}}
+    changed = {n for n, d in checksums(render(helm, operator)).items() if d != before[n]}
+    assert changed == {n for n in before if "-ps-" in n}  # the parameter servers only, not the store
+    job = {**values, "auth": {**values["auth"], "jobToken": "rotated-job-token-0123456789"}}
+    assert checksums(render(helm, job)) == before  # no server reads the job's token
+    unknown = checksums(render(helm, {"auth": {"existingSecret": "tw-tokens"}, "store": {"enabled": True}}))
+    assert set(unknown.values()) == {None}  # an existing Secret no cluster shows: restart by hand (README)
+    assert not any(TOKENS["token"] in str(d) for d in before.values())

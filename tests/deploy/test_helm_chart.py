@@ -30,14 +30,17 @@ RELEASE, NAMESPACE, DOMAIN = "tw", "ml", "cluster.local"
 # ships and against the newest the installed one has.
 KUBE_VERSIONS = ("1.30.0", kubernetes_validate.latest_version())
 SLOT_LABEL = "tensorwire.io/slot"
-SECRET_FLAGS = ("--token-file", "--peer-token-file", "--tls-cert", "--tls-key", "--tls-ca", "--peer-tls-ca")
+SECRET_FLAGS = ("--token-file", "--peer-token-file", "--tls-cert", "--tls-key", "--tls-ca", "--peer-tls-ca",
+                "--metrics-token-file", "--operator-token-file")  # fmt: skip
 CERT_MANAGER_KEYS = {"tls.crt", "tls.key", "ca.crt"}  # what a cert-manager Certificate's Secret holds
 
 # The chart makes no token of its own (one made at render time would change at every render): a
 # release names a Secret (auth.existingSecret) or gives the tokens.
 TOKENS = {"token": "client-token-0123456789abcdef", "peerToken": "peer-token-0123456789abcdef"}
+OPTIONAL = {"metricsToken": "metrics-token-0123456789abcdef", "jobToken": "job-token-0123456789abcdef",
+            "operatorToken": "operator-token-0123456789abcdef"}  # fmt: skip
 FULL = {
-    "auth": TOKENS,
+    "auth": {**TOKENS, **OPTIONAL},
     "ps": {"slots": 3, "replicas": 2, "antiAffinity": {"topologyKey": "topology.kubernetes.io/zone"},
            "persistence": {"enabled": True}},
     "tls": {"enabled": True,
@@ -53,7 +56,9 @@ VALUE_SETS = {
     "full": FULL,
     "no-replicas": {"auth": {"token": TOKENS["token"]},
                     "ps": {"slots": 1, "replicas": 0, "antiAffinity": {"hostname": "preferred"}}},
-    "existing-secret": {"auth": {"existingSecret": "tw-tokens"}, "store": {"enabled": True}},
+    "existing-secret": {"auth": {"existingSecret": "tw-tokens",
+                                 "optionalKeys": ["metrics-token", "operator-token"]},
+                        "store": {"enabled": True}},
     "no-auth": {"auth": {"enabled": False}, "ps": {"replicas": 0}, "store": {"enabled": True}},
 }  # fmt: skip
 

@@ -116,12 +116,124 @@ exec:
 {{ toYaml .probe }}
 {{- end }}
 
-{{/* Whether the release needs the auth Secret: the clients' token, or the slots' peer token. */}}
+{{/* The optional keys of the auth Secret the release uses (a JSON list): each one whose value is
+given (auth.metricsToken, auth.jobToken, auth.operatorToken), and those auth.optionalKeys names (held
+by auth.existingSecret, or by the Secret an earlier release made). */}}
+{{- define "tensorwire.optionalKeys" -}}
+{{- $keys := list -}}
+{{- $given := dict "metrics-token" .Values.auth.metricsToken "job-token" .Values.auth.jobToken "operator-token" .Values.auth.operatorToken -}}
+{{- range $key, $value := $given -}}
+{{- if or $value (has $key ($.Values.auth.optionalKeys | default list)) }}{{ $keys = append $keys $key }}{{ end -}}
+{{- end -}}
+{{ toJson $keys }}
+{{- end }}
+
+{{/* "true" when the release uses optional key KEY: pass (dict "root" $ "key" KEY). */}}
+{{- define "tensorwire.uses" -}}
+{{- if has .key (include "tensorwire.optionalKeys" .root | fromJsonArray) }}true{{ end -}}
+{{- end }}
+
+{{/* Every key of the auth Secret: the clients' token, the slots' peer token, the optional keys. */}}
 {{- define "tensorwire.authKeys" -}}
 {{- $keys := list -}}
 {{- if .Values.auth.enabled }}{{ $keys = append $keys "token" }}{{ end -}}
 {{- if gt (int .Values.ps.replicas) 0 }}{{ $keys = append $keys "peer-token" }}{{ end -}}
+{{ toJson (concat $keys (include "tensorwire.optionalKeys" . | fromJsonArray)) }}
+{{- end }}
+
+{{/* The keys a server pod reads: pass (dict "root" $ "ps" bool). Every server the clients' token
+and, with metrics, Prometheus's metrics token; a parameter server also the peer token (when its
+slot has standbys) and the operator token; a per-node store nothing else (it never replicates and
+holds no job). */}}
+{{- define "tensorwire.serverAuthKeys" -}}
+{{- $root := .root -}}
+{{- $keys := list -}}
+{{- if $root.Values.auth.enabled }}{{ $keys = append $keys "token" }}{{ end -}}
+{{- if and .ps (gt (int $root.Values.ps.replicas) 0) }}{{ $keys = append $keys "peer-token" }}{{ end -}}
+{{- if and $root.Values.metrics.enabled (include "tensorwire.uses" (dict "root" $root "key" "metrics-token")) }}{{ $keys = append $keys "metrics-token" }}{{ end -}}
+{{- if and .ps (include "tensorwire.uses" (dict "root" $root "key" "operator-token")) }}{{ $keys = append $keys "operator-token" }}{{ end -}}
 {{ toJson $keys }}
+{{- end }}
+
+{{/* The flags of the optional secrets a server reads: pass (dict "root" $ "ps" bool). */}}
+{{- define "tensorwire.serverSecretArgs" -}}
+{{- $keys := include "tensorwire.serverAuthKeys" . | fromJsonArray -}}
+{{- if has "metrics-token" $keys }}
+- --metrics-token-file
+- {{ include "tensorwire.authDir" .root }}/metrics-token
+{{- end }}
+{{- if has "operator-token" $keys }}
+- --operator-token-file
+- {{ include "tensorwire.authDir" .root }}/operator-token
+{{- end }}
+{{- end }}
+
+{{/* The data of the auth Secret the chart makes (JSON: key -> base64). Nothing here is random: a
+token made at render time (randAlphaNum) would be another one at every `helm template`, GitOps
+sync or upgrade without a cluster to look in, and the servers (which read their token once, at
+start) and the workers (which get theirs at start) would stop agreeing. So each key comes from its
+value (auth.token, auth.peerToken, auth.metricsToken, ...), else from the Secret an earlier release
+of the chart made (lookup, on install and upgrade against the cluster), else the render fails
+saying how to provide it. No two keys may hold the same secret. */}}
+{{- define "tensorwire.authData" -}}
+{{- $keys := include "tensorwire.authKeys" . | fromJsonArray -}}
+{{- $name := include "tensorwire.authSecret" . -}}
+{{- $old := (lookup "v1" "Secret" .Release.Namespace $name).data | default dict -}}
+{{- $a := .Values.auth -}}
+{{- $given := dict "token" $a.token "peer-token" $a.peerToken "metrics-token" $a.metricsToken "job-token" $a.jobToken "operator-token" $a.operatorToken -}}
+{{- $data := dict -}}
+{{- range $key := $keys -}}
+{{- $value := index $given $key | default "" -}}
+{{- if $value -}}
+{{- $_ := set $data $key ($value | b64enc) -}}
+{{- else if index $old $key -}}
+{{- $_ := set $data $key (index $old $key) -}}
+{{- else -}}
+{{- fail (printf "auth: no %s to use. The chart makes no token of its own (one made at render time would change at every `helm template` or GitOps sync). Create a Secret with the keys %s and set auth.existingSecret (with auth.optionalKeys naming the optional ones it holds), e.g. kubectl -n %s create secret generic %s-tokens --from-literal=token=$(openssl rand -hex 24) --from-literal=peer-token=$(openssl rand -hex 24); or set auth.token and auth.peerToken (two different values), and the values of the optional keys" $key (join ", " $keys) $.Release.Namespace (include "tensorwire.fullname" $)) -}}
+{{- end -}}
+{{- end -}}
+{{- range $i, $one := $keys -}}
+{{- range $other := slice $keys (add1 $i) -}}
+{{- if eq (index $data $one) (index $data $other) -}}
+{{- fail (printf "auth: the %s and the %s are the same: each must be another secret (a client that knows the token must not be able to replicate, end others' jobs or read what Prometheus reads)" $one $other) -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+{{ toJson $data }}
+{{- end }}
+
+{{/* A digest of the tokens a server pod reads (KEYS), for its `checksum/auth` annotation: a changed
+token changes the pod, so a GitOps sync restarts it (servers read their token files at start), and
+a token it does not read restarts nothing. From the chart's own Secret; with auth.existingSecret,
+from that Secret when `lookup` can read it (helm install/upgrade against a cluster), else empty (no
+annotation: restart the servers yourself). The release's name is hashed with the data (the digest
+of a weak token is still a guess to check: use random tokens). Pass (dict "root" $ "keys" KEYS). */}}
+{{- define "tensorwire.authChecksum" -}}
+{{- $root := .root -}}
+{{- if .keys -}}
+{{- $all := dict -}}
+{{- if $root.Values.auth.existingSecret -}}
+{{- $all = (lookup "v1" "Secret" $root.Release.Namespace $root.Values.auth.existingSecret).data | default dict -}}
+{{- else -}}
+{{- $all = include "tensorwire.authData" $root | fromJson -}}
+{{- end -}}
+{{- $data := dict -}}
+{{- range $key := .keys }}{{ if hasKey $all $key }}{{ $_ := set $data $key (index $all $key) }}{{ end }}{{ end -}}
+{{- if $data -}}
+{{ toJson (dict "release" $root.Release.Name "namespace" $root.Release.Namespace "data" $data) | sha256sum }}
+{{- end -}}
+{{- end -}}
+{{- end }}
+
+{{/* The pod annotations of a server: its own (ANNOTATIONS) and `checksum/auth` over the KEYS it
+reads: pass (dict "root" $ "annotations" ANNOTATIONS "keys" KEYS). */}}
+{{- define "tensorwire.podAnnotations" -}}
+{{- $annotations := deepCopy (.annotations | default dict) -}}
+{{- with include "tensorwire.authChecksum" (dict "root" .root "keys" .keys) }}{{ $_ := set $annotations "checksum/auth" . }}{{ end -}}
+{{- with $annotations }}
+annotations:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
 {{- end }}
 
 {{/* The Secret volumes of one pod, each projecting only the keys that pod reads (a store pod never
