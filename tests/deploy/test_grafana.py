@@ -65,3 +65,12 @@ def test_every_expression_names_a_metric_the_servers_export() -> None:
     assert used <= names, sorted(used - names)
     for panel in doc["panels"]:
         assert panel.get("gridPos") and panel.get("title")
+
+
+def test_the_description_gives_prometheus_the_metrics_token_never_the_clients() -> None:
+    """Job ids are shown to a scrape bearing the servers' metrics token; the clients' token (which
+    writes and deletes tensors) is refused on the plain-HTTP metrics port, so the dashboard must not
+    tell anyone to give it to Prometheus (it did: "credentials_file: the token file")."""
+    description = json.loads(DASHBOARD.read_text())["description"]
+    assert "--metrics-token-file" in description and "auth.metricsToken" in description
+    assert "credentials_file: the token file" not in description

@@ -6,10 +6,11 @@ module does not import the server). Each job's families carry a ``job`` label (i
 chosen by peers (the workers): the label takes only ids the server accepted (wire/ps.py
 ``check_job_id``: 1 to 64 letters, digits, ``.``, ``_``, ``-``) and at most ``--max-jobs`` jobs are
 held at once (a new id beyond them is refused, counted in ``tensorwire_ps_jobs_limit_refused_total``),
-so a peer cannot grow the number of series without bound; an ended job's series go with it. A
-scrape without the server's token sees each job id only as its pseudonym (``server.metrics``:
-the ``job`` label is not one of ``SERVER_LABELS``); the ``backup`` label is the server's own
-configuration and shown as it is.
+so a peer cannot grow the number of series without bound; an ended job's series go with it. On a
+server that asks for a token or a client certificate, a scrape without its metrics token
+(``--metrics-token-file``; never the clients' token) sees each job id only as its pseudonym
+(``server.metrics``: the ``job`` label is not one of ``SERVER_LABELS``); the ``backup`` label is
+the server's own configuration and shown as it is.
 
 Per job (label ``job``):
 
