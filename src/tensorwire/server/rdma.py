@@ -23,6 +23,7 @@ In the engine's TCP mode unregistering does not end a peer's request already und
 engine is told only about memory of its own (``rdma_memory.EngineMemory``): a put lands there and
 is copied into the store's reservation after RDMA_END unregisters it, its checksums checked on
 the copy; a get's copy is such memory. Stored bytes and reservations are then never within reach.
+That memory counts in the store's capacity (``rdma.engine``) from the moment it is taken.
 
 It is an ``Extension`` (request.py) the first rdma:// listener adds to its server; its handlers
 refuse requests that did not come in on an rdma:// listener.
@@ -43,7 +44,7 @@ from typing import Any, Protocol
 
 from tensorwire import transport
 from tensorwire.errors import CorruptFrame, InvalidTensor, LimitExceeded, ProtocolError
-from tensorwire.server.rdma_memory import EngineMemory
+from tensorwire.server.rdma_memory import EngineMemory, size_class
 from tensorwire.server.request import Extension, Handler, Request
 from tensorwire.store import Reservation, TensorStore
 from tensorwire.store.pool import BufferPool, allocate_private
@@ -81,7 +82,7 @@ class Open:
     refs: list[wr.BufferRef]
     reservation: Reservation | None = None  # a put
     copies: list[memoryview] = field(default_factory=list)  # a get
-    release_hold: Callable[[], None] | None = None  # a get's copies, counted in the store's used
+    release_hold: Callable[[], None] | None = None  # RDMA mode: a get's copies, counted in the store's used
     landings: list[memoryview] = field(default_factory=list)  # TCP mode: where a put's bytes land, by ref
 
 
@@ -210,14 +211,14 @@ class RdmaService:
         engine's memory in TCP mode, which keeps them from anything else)."""
         if entry.reservation is not None:
             self.store.abort(entry.reservation)  # a no-op once committed
+        if entry.release_hold is not None:  # first: what is handed back may count from now
+            entry.release_hold()
         for buf in [*entry.copies, *entry.landings]:
             if self.memory is not None:
                 self.memory.give(buf)
             else:
                 self.copies.give(buf)
         entry.copies, entry.landings = [], []
-        if entry.release_hold is not None:
-            entry.release_hold()
 
     # -- handlers ----------------------------------------------------------------------------------
     async def attach(self, req: Request) -> None:
@@ -247,8 +248,10 @@ class RdmaService:
             large = [i for i, meta in enumerate(res.metas) if self._large(meta)]
             targets = [res.buffers[i] for i in large]
             if self.memory is not None:  # TCP mode: land apart, copied into the reservation at commit
+                admitted = res.charge  # the landings may use the room the reservation counts
                 for target in targets:
-                    landings.append(await self.memory.take(target.nbytes))
+                    landings.append(await self.memory.take(target.nbytes, admitted))
+                    admitted = max(admitted - size_class(target.nbytes), 0)
                 targets = landings
             else:
                 await asyncio.get_running_loop().run_in_executor(None, _prefault, targets)
@@ -290,9 +293,10 @@ class RdmaService:
         large: Sequence[tuple[int, TensorMeta, memoryview]],
         chunk: int,
     ) -> Open:
-        """Private copies of the large tensors of a get (counted in the store's ``used``; in TCP mode
-        in the engine's memory), their chunk checksums, registered for this request."""
-        release = self.store.hold(sum(meta.nbytes for _, meta, _ in large))
+        """Private copies of the large tensors of a get (counted in the store's ``used``: held for
+        the request, or in TCP mode charged as the engine's memory they are taken from), their
+        chunk checksums, registered for this request."""
+        release = self.store.hold(sum(meta.nbytes for _, meta, _ in large)) if self.memory is None else None
         copies: list[memoryview] = []
         try:
             copies = await self._take_copies([data for _, _, data in large])
@@ -301,7 +305,8 @@ class RdmaService:
             )
             regions = self._register(session, copies)
         except BaseException:
-            release()
+            if release is not None:
+                release()
             self._give_back(copies)
             raise
         refs = [
