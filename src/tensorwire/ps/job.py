@@ -12,10 +12,13 @@
 * The checks: the records a worker sends (``check_records``), its rank and world
   (``Job.check_worker``), and its job (``Job.check_same_job``): a worker that names a job but runs
   another (model, mode, optimizer, world) is refused naming every difference.
-* Who owns a job (``Job.owner``, ``Job.authorize``): the holders of its job token, a secret its
-  workers share (``$TENSORWIRE_JOB_TOKEN``; ``tensorwire ps launch`` makes one per run). The
-  request that opens a job makes the token it offers the job's (its SHA-256 digest is kept, in
-  checkpoints and state transfers too); every later PS_JOIN and PS_INIT must offer the same, and
+* Who owns a job (``Job.owner``, ``Job.check_owner``, ``Job.claim``): the holders of its job
+  token, a secret its workers share (``$TENSORWIRE_JOB_TOKEN``; ``tensorwire ps launch`` makes one
+  per run). The first PS_JOIN admitted into a job (its rank and model checked, under the step lock)
+  makes the token it offers the job's (its SHA-256 digest is kept, in checkpoints and state
+  transfers too); a request that fails, or a PS_INIT, never claims one (a job restored from a
+  checkpoint older than job tokens, or opened by a backup, stays unclaimed until its own worker
+  joins); every later PS_JOIN and PS_INIT must offer the same, and
   PS_END the same or the servers' operator token (ps/lifecycle.py), else NotAuthorized naming what
   was missing. A job opened without a token is open: every client the server admits may join or
   end it, as before job tokens (the server says so in its log, when it requires a client token,
@@ -286,16 +289,22 @@ class Job:
             return True
         return hmac.compare_digest(self.owner, token_digest(credential))
 
-    def authorize(self, credential: bytes, what: str) -> bool:
+    def check_owner(self, credential: bytes, what: str) -> None:
         """A request that joins or initialises the job offered ``credential`` (its job token; b"":
-        none): the first makes it the job's (True: claimed); a later one must be the same, else
-        NotAuthorized (counted, logged) naming what was missing, before anything changes."""
-        if self.owner is None:
-            self.owner = token_digest(credential)
-            return True
-        if self.owned_by(credential):
+        none): it must be the job's, else NotAuthorized (counted, logged) naming what was missing,
+        before anything changes. An unclaimed job (``owner`` None) lets it by and stays unclaimed:
+        only a join that is admitted claims it (``claim``), so a request that fails its other
+        checks (a non-member's PS_INIT, a PS_JOIN of another rank or model) claims nothing."""
+        if not self.owned_by(credential):
+            raise self.refuse(credential, what)
+
+    def claim(self, credential: bytes) -> bool:
+        """An admitted join's ``credential`` becomes the owner of an unclaimed job (True: claimed
+        now; False: the job had an owner, which ``check_owner`` compared it to)."""
+        if self.owner is not None:
             return False
-        raise self.refuse(credential, what)
+        self.owner = token_digest(credential)
+        return True
 
     def refuse(self, credential: bytes, what: str, operator: bool = False) -> NotAuthorized:
         """The NotAuthorized for ``what`` offering ``credential`` (counted; logged the first time,

@@ -9,15 +9,16 @@ whose rank or world does not fit, or that runs another model, mode or optimizer 
 its id, is refused naming each difference (``Job.check_worker``, ``Job.check_same_job``), before
 it is admitted or waits for anything.
 
-Who may join or initialise a job: a client offering the job's token (ps/job.py ``Job.authorize``:
-the request that opens the job makes its token the job's); a PS_INIT only from the session that
-joined with its rank. Who may end a job (PS_END, ``tensorwire ps end JOB``): a client offering the
-job's token or the servers' operator token (``serve --operator-token-file``), any client the server
-admits for a job started without a token; while the job has live workers only with ``force``. Who
-may roll a job back (PS_ROLLBACK): only one of its workers, from the session that joined with its
-rank, after stepping aside (no worker live). Every change is replicated first (ps/replica.py), in
-the server's one order of changes (a JOIN carries the job's owner); a backup makes it with the
-same code (``make_change``).
+Who may join or initialise a job: a client offering the job's token (ps/job.py ``Job.check_owner``:
+the first join admitted into the job, once its rank and model checks pass, makes its token the
+job's, ``Job.claim``; a refused request, or a PS_INIT, claims nothing); a PS_INIT only from the
+session that joined with its rank. Who may end a job (PS_END, ``tensorwire ps end JOB``): a
+client offering the job's token or the servers' operator token (``serve --operator-token-file``),
+any client the server admits for a job started without a token (or not claimed yet); while the job
+has live workers only with ``force``. Who may roll a job back (PS_ROLLBACK): only one of its
+workers, from the session that joined with its rank, after stepping aside (no worker live).
+Every change is replicated first (ps/replica.py), in the server's one order of changes (a JOIN
+carries the job's owner); a backup makes it with the same code (``make_change``).
 """
 
 from __future__ import annotations
@@ -153,14 +154,19 @@ class Lifecycle:
         self.jobs.check_not_ended(head.job, head.seq)
         run = self._opened(head)
         try:
-            self._authorize(run, credential, "PS_JOIN")
-            await self._join(run, request, head, described)
+            self._authorize(run, credential, "PS_JOIN")  # refused before it waits for anything
+            await self._join(run, request, head, described, credential)
         finally:
             self.jobs.prune(run)
 
-    def _authorize(self, run: JobRun, credential: bytes, what: str) -> None:
-        """``credential`` must be the job's token (the first request makes it so: ps/job.py)."""
-        if run.job.authorize(credential, what) and run.job.owner == OPEN and self.say_open:
+    @staticmethod
+    def _authorize(run: JobRun, credential: bytes, what: str) -> None:
+        """``credential`` must be the job's token: compared only, never claimed here (``_claim``)."""
+        run.job.check_owner(credential, what)
+
+    def _claim(self, run: JobRun, credential: bytes) -> None:
+        """An admitted join's token becomes an unclaimed job's (ps/job.py ``Job.claim``)."""
+        if run.job.claim(credential) and run.job.owner == OPEN and self.say_open:
             event(log, logging.WARNING, "a job was started without a job token: every client this server "
                   "admits may join or end it ($TENSORWIRE_JOB_TOKEN gives it one)", job=run.id)  # fmt: skip
 
@@ -170,6 +176,7 @@ class Lifecycle:
         request: Request,
         head: wps.PsHead,
         described: tuple[JobConfig, list[TensorMeta]] | None,
+        credential: bytes,
     ) -> None:
         job, members, consistency = run.job, run.members, run.consistency
         job.check_worker(head)
@@ -181,8 +188,12 @@ class Lifecycle:
             async with consistency.step_lock():  # a step being taken does not count it
                 members.check_rank_free(head)
                 job.check_joining_job(described)  # the job may have been created meanwhile
-                owner = replication.encode_owner(run.job.owner)
-                await self._replica.replicate(replication.Change.JOIN, head, owner)
+                self._authorize(run, credential, "PS_JOIN")  # ... or claimed by another join
+                # Every check passed: this join claims an unclaimed job (its backups hear the owner
+                # it will have; nothing is claimed if replicating it fails).
+                owner = job.owner if job.owner is not None else token_digest(credential)
+                await self._replica.replicate(replication.Change.JOIN, head, replication.encode_owner(owner))
+                self._claim(run, credential)
                 reply = self._admit(run, head)
             await consistency.apply_ready_steps()  # a rejoin for the next step may complete this one
         await request.reply(reply)
