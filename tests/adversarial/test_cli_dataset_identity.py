@@ -19,7 +19,7 @@ from click.testing import CliRunner
 from tensorwire import ServerThread, TensorStore, cli, connect
 from tensorwire.dataset import DigestService, ShardDataset, fetch, make_plan, scatter
 from tensorwire.dataset.identity import identity_name
-from tensorwire.dataset.plan import FORMAT
+from tensorwire.dataset.plan import FORMAT, plan_identity
 from tensorwire.errors import DatasetConflict, InvalidName
 from tensorwire.wire.checksum import ChecksumKind, checksum
 
@@ -262,3 +262,41 @@ def test_fetch_of_rows_does_not_overwrite_another_shard_file(
     assert report.replaced == [theirs.name] and len(report.written) == 2
     data = theirs.read_bytes()
     assert checksum(ChecksumKind.XXH3_64, data) != checksum(ChecksumKind.XXH3_64, b"another data set's shard")
+
+
+def _normalised(root: Path, files: dict[str, bytes]) -> Path:
+    """``files`` under ``root`` with every modification time set to one value, as ``tar --mtime``,
+    Nix or Bazel outputs and rebuilt image layers have them."""
+    _tree(root, files)
+    for rel in files:
+        os.utime(root / rel, ns=(10**18, 10**18))
+    return root
+
+
+def test_two_trees_that_differ_only_in_contents_are_not_one_data_set(
+    nodes: list[ServerThread], tmp_path: Path
+) -> None:
+    """Same names, same sizes, normalised times: one identity (contents are not hashed). Before,
+    the second scatter was taken for a repair of the first and silently overwrote it; the source
+    (host and path) in the identity record now tells them apart."""
+    urls = [srv.url for srv in nodes]
+    other = {rel: bytes([255 - data[0]]) * len(data) for rel, data in FIRST.items()}
+    first = _normalised(tmp_path / "build-1" / "images", FIRST)
+    second = _normalised(tmp_path / "build-2" / "images", other)
+    assert plan_identity(make_plan(first, 2)) == plan_identity(make_plan(second, 2))  # one identity
+    report = scatter(first, urls)
+    assert report.ok
+    before = _held(urls, "images/")
+    with pytest.raises(DatasetConflict, match="from another source") as refused:
+        scatter(second, urls)  # before: no error, every item of the first overwritten
+    assert str(first.resolve()) in str(refused.value) and "--replace" in str(refused.value)
+    assert _held(urls, "images/") == before
+    assert scatter(first, urls).ok  # the first tree's own re-run: no flag needed
+    replaced = scatter(second, urls, replace=True)
+    assert replaced.ok and all(n.replaced for n in replaced.nodes)
+    fetched: dict[str, bytes] = {}
+    for i, url in enumerate(urls):
+        got = fetch(url, tmp_path / f"out{i}", "images")
+        fetched |= {rel: (tmp_path / f"out{i}" / rel).read_bytes() for rel in got.written}
+    assert fetched == other
+    assert scatter(second, urls).ok  # the record is the second's now: its re-run needs no flag

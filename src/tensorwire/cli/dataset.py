@@ -101,8 +101,9 @@ def dataset() -> None:
 @click.option(
     "--replace", is_flag=True,
     help="Overwrite a data set of this name that the nodes hold from another tree (or with other "
-    "--shards/--by/--block-size, or an edited SRC), pruning what SRC does not have. Without it, "
-    "such a scatter is refused before anything is sent; a re-run of the same SRC needs no flag.",
+    "--shards/--by/--block-size, or an edited SRC, or scattered from another host or path), pruning "
+    "what SRC does not have. Without it, such a scatter is refused before anything is sent; a "
+    "re-run of the same SRC needs no flag.",
 )  # fmt: skip
 @_deadline_option("the scatter")
 @security_options

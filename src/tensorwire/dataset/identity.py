@@ -10,10 +10,23 @@ of JSON naming the plan's identity (``plan.plan_identity``) and, for people, whe
 
 Before any node is changed, ``scatter`` reads it on every node (``survey``):
 
-- the same identity: a re-run (a resume, or the repair of what differs), which goes on;
+- the same identity from the same source (host and absolute path): a re-run (a resume, or the
+  repair of what differs), which goes on;
 - nothing of the data set there: a new data set;
-- another identity, shards with no record (written by an older tensorwire, or by hand), or a
-  record that cannot be read: ``DatasetConflict`` naming what is there, unless ``replace``.
+- another identity, the same identity from another source, shards with no record (written by an
+  older tensorwire, or by hand), or a record that cannot be read: ``DatasetConflict`` naming what
+  is there, unless ``replace``.
+
+Why the source counts: the identity covers names, sizes and modification times, not contents
+(plan.py), so two different trees whose pipelines normalise times (``tar --mtime``, Nix or Bazel
+outputs, image layers) and whose files have fixed sizes have one identity. Telling them apart by
+where they come from costs nothing; hashing a sample of every file (its first and last KiB) would
+read the source once more before anything is sent (one more open per file: millions for a tree of
+small files) and still miss trees that differ only inside fixed-layout records. What the source
+check leaves: a tree replaced in place at the same path, with equal names, sizes and times, is
+taken for the same tree; its items that differ are sent again (each is compared by content hash
+on the node), which is that source's update. A tree moved, or scattered from another host, needs
+``--replace`` once (only what differs is sent).
 
 The record (and every manifest) comes from a server: it is read only after a STAT shows a 1-D
 uint8 tensor within ``MAX_RECORD_BYTES``, into a buffer of that size, and every field is checked.
@@ -45,12 +58,17 @@ def identity_name(dataset: str) -> str:
     return f"{dataset}/identity"
 
 
+def source_of(src: Path) -> str:
+    """Where a scatter's tree comes from: ``host:absolute path`` (links resolved)."""
+    return f"{socket.gethostname()}:{src.resolve()}"
+
+
 def record(plan: Plan, identity: str, src: Path) -> bytes:
     """The identity record of ``plan`` (scattered from ``src``), as stored on each node."""
     body = {
         "format": IDENTITY_FORMAT, "identity": identity, "dataset": plan.dataset, "by": plan.by,
         "shards": len(plan.shards), "items": sum(len(s.items) for s in plan.shards),
-        "bytes": sum(s.nbytes for s in plan.shards), "source": f"{socket.gethostname()}:{src.resolve()}",
+        "bytes": sum(s.nbytes for s in plan.shards), "source": source_of(src),
         "written": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }  # fmt: skip
     return json.dumps(body).encode()
@@ -64,9 +82,11 @@ class Held:
     shards: bool  # whether any name lies under <dataset>/shard-
     about: str  # the record, for people ("" without one)
     unreadable: str = ""  # why a record that is there could not be read
+    source: str | None = None  # the record's source (``source_of``; None: it names none)
 
-    def conflict(self, ours: str) -> str | None:
-        """What a scatter of identity ``ours`` would overwrite here, or None if nothing."""
+    def conflict(self, ours: str, source: str) -> str | None:
+        """What a scatter of identity ``ours`` from ``source`` would overwrite here, or None if
+        nothing (the module docstring says why the source counts)."""
         if self.unreadable:
             return f"an identity record that cannot be read ({self.unreadable})"
         if self.identity is None and self.shards:
@@ -75,7 +95,16 @@ class Held:
             return None
         if self.identity != ours:
             return f"it from another tree, an edited one or other options: {self.about}"
+        if self.source is not None and self.source != source:
+            return (
+                "a tree with the same names, sizes and times (contents are not compared) from another"
+                f" source, not this scatter's {_shown(source)}: {self.about}"
+            )
         return None
+
+    def ours(self, identity: str, source: str) -> bool:
+        """Whether the record here is this scatter's already (nothing to write again)."""
+        return self.identity == identity and self.source in (None, source)
 
 
 async def survey(client: AsyncClient, dataset: str) -> Held:
@@ -91,7 +120,8 @@ async def survey(client: AsyncClient, dataset: str) -> Held:
         body = parse_record(raw)
     except InvalidTensor as exc:
         return Held(None, shards, "", unreadable=str(exc))
-    return Held(body["identity"], shards, _about(body))
+    source = body.get("source")
+    return Held(body["identity"], shards, _about(body), source=source if isinstance(source, str) else None)
 
 
 async def read_small(client: AsyncClient, name: str, limit: int) -> bytes:

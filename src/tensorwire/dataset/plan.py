@@ -35,7 +35,9 @@ and keys, and for every item its name and size and its source file's size and mo
 A re-run over an unchanged source has the same identity (so it resumes); another tree, an edited
 one, or other options (``--shards``, ``--by``, ``--block-size``) have another (identity.py: such a
 scatter needs ``--replace`` to overwrite a data set of the same name). Contents are not hashed
-here (that would read the whole source twice): the modification time stands in for them.
+here (that would read the whole source twice): the modification time stands in for them, and the
+source's host and path, which a scatter compares beside the identity (identity.py), tell apart
+trees whose times were normalised.
 """
 
 from __future__ import annotations

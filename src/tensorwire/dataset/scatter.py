@@ -19,9 +19,10 @@ Three phases, so that a mistake or a failure never costs the only copy of someth
 
 1. survey (identity.py): before anything changes anywhere, every node says which tree the data
    set's name holds there. Another tree (or options that make another plan: ``--shards``,
-   ``--by``, ``--block-size``, an edited source) is refused with ``DatasetConflict`` unless
-   ``replace``: a second scatter of a different tree under the same name must not prune the
-   first. A node that cannot be surveyed is not written to (its report says why).
+   ``--by``, ``--block-size``, an edited source; or a tree of the same identity from another
+   host or path) is refused with ``DatasetConflict`` unless ``replace``: a second scatter of a
+   different tree under the same name must not prune the first. A node that cannot be surveyed
+   is not written to (its report says why).
 2. send: each node gets the plan's identity record first, then its shards, as above.
 3. tidy, only once every node has verified its shards: each node drops the data set's shards it
    does not own (those numbered past the plan's count, left by more ``--shards``, and, where no
@@ -147,8 +148,9 @@ def scatter(
         node.bytes = sum(s.nbytes for s in owned)
         report.nodes.append(node)
     opts = options or ClientOptions()
+    source = ids.source_of(src)
     surveyed = _survey(plan, report, opts, deadline)
-    _refuse_conflicts(plan, report, surveyed, replace)
+    _refuse_conflicts(plan, report, surveyed, source, replace)
     if on_plan is not None:
         on_plan(plan, report.nodes)
     claim = ids.record(plan, report.identity, src)
@@ -159,7 +161,7 @@ def scatter(
         owned = [plan.shards[k] for k in node.shards]
         progress = (lambda n: advance(i, n)) if advance else None
         seen = surveyed[i]
-        mine = seen is not None and seen.held.identity == report.identity
+        mine = seen is not None and seen.held.ours(report.identity, source)
         sender = _NodeSender(plan, report.identity, node, opts, max_rate=max_rate, advance=progress,
                              claim=None if mine else claim)  # fmt: skip
         try:
@@ -223,13 +225,14 @@ def _survey(
 
 
 def _refuse_conflicts(
-    plan: Plan, report: ScatterReport, surveyed: list[_Surveyed | None], replace: bool
+    plan: Plan, report: ScatterReport, surveyed: list[_Surveyed | None], source: str, replace: bool
 ) -> None:
-    """DatasetConflict naming every node whose name holds another tree, unless ``replace`` (then
-    each such node's report says what was replaced)."""
+    """DatasetConflict naming every node whose name holds another tree (another identity, or the
+    same one from another ``source``), unless ``replace`` (then each such node's report says
+    what was replaced)."""
     found: dict[str, list[str]] = {}  # what is there -> the nodes holding it
     for node, seen in zip(report.nodes, surveyed, strict=True):
-        conflict = seen.held.conflict(report.identity) if seen is not None else None
+        conflict = seen.held.conflict(report.identity, source) if seen is not None else None
         if conflict is None:
             continue
         if replace:
