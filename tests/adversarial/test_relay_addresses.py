@@ -1,8 +1,10 @@
 """Addresses a reader registers, and the relay servers behind them: an address is the registering
-connection's own IP and scheme (no plain text under a TLS origin, no third host, no name); one that
-does not serve costs an honest reader one short stall, then the origin; the origin's token never
-goes to it; and every reader's relay server asks what the origin asks and serves nothing but
-RELAY_GET (docs/protocol.md §15.4)."""
+connection's own IP (or one in the origin's --relay-networks) and scheme (no plain text under a TLS
+origin, no third host, no name, no loopback unless the origin listens on loopback only); any other
+is not registered (the reader reads from the origin, counted); one that does not serve costs an
+honest reader one short stall, then the origin; the origin's token never goes to it; and every
+reader's relay server asks what the origin asks and serves nothing but RELAY_GET
+(docs/protocol.md §15.4)."""
 
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ import torch
 import tensorwire
 from tensorwire.broadcast import RelayCoordinator
 from tensorwire.broadcast.peer import relay_token
-from tensorwire.errors import AuthenticationError, InvalidName, ProtocolError, TransportError
+from tensorwire.errors import AuthenticationError, ProtocolError, TransportError
 from tensorwire.security import Security, TlsFiles
 from tensorwire.server import ServerThread
 from tensorwire.testing.process import wait_for
@@ -36,6 +38,7 @@ from tensorwire.testing.relay import (
 from tensorwire.types import TensorMeta
 from tensorwire.wire import generations as wg
 from tensorwire.wire import meta as wm
+from tensorwire.wire import relay as wr
 from tensorwire.wire.frame import Opcode
 
 
@@ -84,10 +87,37 @@ def harvester() -> Iterator[tuple[str, bytearray]]:
 def test_a_reader_registers_only_the_ip_its_connection_comes_from(relay: str) -> None:
     with origin() as (srv, coordinator), RelayConn(srv.url) as conn:
         publish(srv.url, model_tensors(1))
-        with pytest.raises(InvalidName, match="relay address"):
-            conn.join(relay)
-        assert coordinator.chains.readers() == 0
+        manifest, placement = conn.join(relay)  # not an error: it reads from the origin
+        assert manifest.chunks and placement == wr.Placement(0, 0, "")
+        assert coordinator.chains.readers() == 0 and coordinator.unadmitted_by["address"] == 1
+        assert coordinator.status()["relay"]["unadmitted"] == 1
         assert conn.join("tcp://127.0.0.1:7000")[1].reader != 0  # its own address: registered
+
+
+def test_a_loopback_address_is_refused_unless_the_origin_listens_on_loopback_only() -> None:
+    # An origin reachable from other hosts: a reader connected over loopback registering 127.0.0.1
+    # would point the remote readers behind it at their own loopback.
+    with ServerThread(["tcp://0.0.0.0:0"]) as srv:
+        coordinator = RelayCoordinator.of(srv.server)
+        local = srv.url.replace("0.0.0.0", "127.0.0.1")
+        with tensorwire.connect(local) as trainer:
+            trainer.publish("policy", {"w": torch.ones(8)})
+        with RelayConn(local) as conn:
+            assert conn.join("tcp://127.0.0.1:7000", prefix="policy")[1] == wr.Placement(0, 0, "")
+            assert coordinator.chains.readers() == 0 and coordinator.unadmitted_by["address"] == 1
+
+
+def test_the_operator_may_allow_addresses_other_than_the_connections(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    with ServerThread(["tcp://127.0.0.1:0"]) as srv:  # --relay-networks 127.0.0.0/8
+        coordinator = RelayCoordinator.of(srv.server, networks=["127.0.0.0/8"])
+        with tensorwire.connect(srv.url) as trainer:
+            trainer.publish("policy", {"w": torch.ones(8)})
+        with RelayConn(srv.url) as conn, RelayConn(srv.url) as other:
+            assert conn.join("tcp://127.0.0.2:7000", prefix="policy")[1].reader != 0  # a data NIC, NAT
+            assert other.join("tcp://10.1.2.3:7000", prefix="policy")[1].reader == 0  # outside: not
+            assert coordinator.chains.readers() == 1
 
 
 def test_under_a_tls_origin_no_plain_text_address_is_accepted(tmp_path: Path) -> None:
@@ -98,9 +128,8 @@ def test_under_a_tls_origin_no_plain_text_address_is_accepted(tmp_path: Path) ->
         with tensorwire.connect(srv.url, token="tok", **files) as trainer:
             trainer.publish("policy", {"w": torch.ones(8)})
         with RelayConn(srv.url, token="tok", tls=reader) as conn:
-            with pytest.raises(InvalidName, match="relays over tls://"):
-                conn.join("tcp://127.0.0.1:7000", prefix="policy")
-            assert coordinator.chains.readers() == 0
+            assert conn.join("tcp://127.0.0.1:7000", prefix="policy")[1] == wr.Placement(0, 0, "")
+            assert coordinator.chains.readers() == 0 and coordinator.unadmitted_by["address"] == 1
             assert conn.join("tls://127.0.0.1:7000", prefix="policy")[1].reader != 0
 
 

@@ -14,7 +14,7 @@ from tensorwire import transport
 from tensorwire._aio import run
 from tensorwire.broadcast import Chains, RelayPeer
 from tensorwire.broadcast.coordinator import MAX_GET_CHUNKS
-from tensorwire.errors import InvalidName, ProtocolError, VersionChanged, WaitTimeout
+from tensorwire.errors import LimitExceeded, ProtocolError, VersionChanged, WaitTimeout
 from tensorwire.server import ServerThread
 from tensorwire.testing.process import wait_for
 from tensorwire.testing.relay import CHUNK, PREFIX, RelayConn, model_tensors, origin, publish
@@ -68,9 +68,12 @@ def join(url: str, relay: str, prefix: str = PREFIX) -> wr.Placement:
 def test_a_join_advertising_a_bad_address_is_refused_and_registers_nothing(relay: str) -> None:
     with origin() as (srv, coordinator):
         publish(srv.url, model_tensors(1))
-        with pytest.raises((InvalidName, ProtocolError)):
-            join(srv.url, relay)
-        assert coordinator.chains.readers() == 0
+        try:
+            placement = join(srv.url, relay)
+        except (LimitExceeded, ProtocolError):
+            placement = None  # too long to decode: the frame is refused
+        assert placement in (None, wr.Placement(0, 0, ""))  # else: read from the origin, unregistered
+        assert coordinator.chains.readers() == 0 and coordinator.chains.stats(PREFIX)["generations"] == []
 
 
 def test_readers_per_generation_are_bounded_and_the_rest_read_from_the_origin() -> None:
@@ -148,3 +151,35 @@ def test_a_peer_parks_a_relay_get_no_longer_than_its_cap() -> None:
         assert time.monotonic() - started < 5.0
         with pytest.raises(VersionChanged):  # a generation it does not hold
             call(srv.url, Opcode.RELAY_GET, wr.encode_get("p/", 6, 0, 1, 0))
+
+
+def test_joining_many_prefixes_evicts_no_relay_with_readers() -> None:
+    """One client publishes many prefixes and joins every one, without an address and then with
+    addresses over several connections: a join that registers nothing makes no table, and a new
+    table takes only the place of one without readers, so the honest relay keeps its readers (and
+    its tables' served bytes); the hostile joins read from the origin, counted."""
+    chains = Chains(max_prefixes=4, max_per_owner=4)
+    with origin(chains=chains) as (srv, coordinator), RelayConn(srv.url) as honest:
+        publish(srv.url, model_tensors(1))
+        assert honest.join("tcp://127.0.0.1:7000")[1].reader != 0  # the relay of PREFIX, one reader
+        with tensorwire.connect(srv.url) as client:
+            for i in range(8):
+                client.put(f"p{i}/w", torch.ones(4))
+        with RelayConn(srv.url) as hostile:
+            for i in range(8):  # no address: it reads from the origin and leaves no table
+                assert hostile.join("", prefix=f"p{i}/")[1].reader == 0
+            assert list(chains.readers_by_prefix()) == [PREFIX]
+        conns = [RelayConn(srv.url) for _ in range(2)]
+        try:
+            placed = [c.join(f"tcp://127.0.0.1:{7100 + 4 * n + i}", prefix=f"p{4 * n + i}/")[1]
+                      for n, c in enumerate(conns) for i in range(4)]  # fmt: skip
+            assert sum(p.reader != 0 for p in placed) == 3  # the free tables; the rest from the origin
+            assert chains.readers_by_prefix()[PREFIX] == 1 and coordinator.unadmitted_by["tables"] == 5
+        finally:
+            for conn in conns:
+                conn.close()
+        # Their readers gone, their tables are the first to go for a new prefix's relay.
+        wait_for(lambda: chains.readers() == 1, 10, "the hostile registrations to go with their connections")
+        with RelayConn(srv.url) as late:
+            assert late.join("tcp://127.0.0.1:7200", prefix="p7/")[1].reader != 0
+        assert chains.readers_by_prefix()[PREFIX] == 1

@@ -127,3 +127,28 @@ def test_what_cannot_go_through_the_relay_is_refused_when_the_worker_is_made(
 ) -> None:
     with pytest.raises(ValueError, match=says):
         Worker(small(), servers, "sync", **{"pull": "relay", **options})  # type: ignore[arg-type]
+
+
+def test_relay_pulls_from_a_server_that_also_serves_shared_memory_relay_between_the_workers() -> None:
+    """A server on tcp:// and shm:// (one host): the workers' slots speak shm:// (prefer_local), but
+    each worker joins the relay over its own tcp:// connection, naming its session, and relays."""
+    models = [small() for _ in range(2)]
+    urls = ["tcp://127.0.0.1:0", "shm://127.0.0.1:0"]
+    with ServerThread(urls, extensions=[ParamServer(30.0)]) as server:
+        results: dict[int, tuple[int, int]] = {}
+
+        def work(rank: int) -> None:
+            model = models[rank]
+            with Worker(model, server.url, "sync", SGD(lr=0.1), rank=rank, world_size=2, pull="relay",
+                        timeout=30) as worker:  # fmt: skip
+                assert worker.relay is not None
+                for step in range(3):
+                    F.mse_loss(model(torch.ones(4, 8) * (step + rank)), torch.zeros(4, 2)).backward()
+                    worker.step()
+                results[rank] = worker.relay.pulls, worker.relay.fallbacks
+
+        run_threads(work, 2, 60)
+        relay = server.server.status()["relay"]
+    assert results == {0: (4, 0), 1: (4, 0)}  # the first pull and one per step, none fallen back
+    assert relay["unadmitted"] == 0  # both were registered: strung into the job's chain
+    assert torch.equal(models[0].weight, models[1].weight)

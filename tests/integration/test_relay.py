@@ -3,24 +3,29 @@ the origin sends its bytes about once (docs/protocol.md §15)."""
 
 from __future__ import annotations
 
+import logging
 import threading
 from pathlib import Path
 
 import pytest
 import torch
+from click.testing import CliRunner
 from prometheus_client import generate_latest
 
 import tensorwire
-from tensorwire import transport
+from tensorwire import cli, transport
 from tensorwire._aio import run
 from tensorwire.broadcast import RelayCoordinator
+from tensorwire.broadcast.coordinator import parse_networks
 from tensorwire.errors import AuthenticationError, InvalidTensor
-from tensorwire.security import Security
+from tensorwire.security import Security, TlsFiles
 from tensorwire.server import ServerThread, metrics
 from tensorwire.testing.process import ServerProcess, run_threads
 from tensorwire.testing.relay import (
     PREFIX,
+    RelayConn,
     blank_like,
+    leaf_cert,
     model_bytes,
     model_tensors,
     origin,
@@ -185,3 +190,81 @@ def test_a_reader_whose_tensors_cannot_take_the_generation_leaves_the_relay() ->
                 sub.update(timeout=30)
             assert coordinator.chains.readers() == 0 and sub.generation == 0
             assert torch.equal(wrong["fc1.weight"], torch.zeros(3))  # nothing written
+
+
+@pytest.mark.parametrize("cert", ["server", "reader-127.0.0.1"])
+def test_over_tls_readers_relay_with_the_certificates_tensorwire_certs_writes(
+    tmp_path: Path, cert: str
+) -> None:
+    """The README's setup: `tensorwire certs DIR` (its server certificate serves a reader on the
+    origin's host; `--reader IP` writes one per reader host), the origin asking for the token."""
+    result = CliRunner().invoke(cli.main, ["certs", str(tmp_path), "--reader", "127.0.0.1"])
+    assert result.exit_code == 0, result.output
+    origin_files = TlsFiles(cert=tmp_path / "server.pem", key=tmp_path / "server-key.pem")
+    reader = TlsFiles(cert=tmp_path / f"{cert}.pem", key=tmp_path / f"{cert}-key.pem", ca=tmp_path / "ca.pem")
+    model = model_tensors(1)
+    with ServerThread(["tls://127.0.0.1:0"], security=Security(tls=origin_files, token="tok")) as srv:
+        RelayCoordinator.of(srv.server)
+        with tensorwire.connect(srv.url, token="tok", tls_ca=str(reader.ca)) as trainer:
+            trainer.publish("policy", model)
+        targets = [blank_like(model) for _ in range(3)]
+        with subscribers(srv.url, "policy", targets, token="tok", tls=reader) as subs:
+            run_threads(lambda i: subs[i].update(timeout=30), 3, timeout=60)
+            assert all(same_bytes(model, t) for t in targets)
+            (gen,) = subs[0].stats()["generations"]
+            assert gen["dropped"] == 0 and gen["readers"] == 3, gen  # every hop took the others' certificates
+            assert gen["served_bytes"] == model_bytes(model)  # once: not one origin read per reader
+
+
+def test_a_reader_certificate_that_cannot_be_a_clients_is_refused_at_construction(tmp_path: Path) -> None:
+    served, _ = reader_certs(tmp_path)  # server.pem: the origin's, and a reader's (both usages)
+    only_server = leaf_cert(tmp_path, "server-only", server=True, client=False)
+    only_client = TlsFiles(cert=tmp_path / "client.pem", key=tmp_path / "client-key.pem", ca=served.ca)
+    for files, usage in ((only_server, "client"), (only_client, "server")):
+        with pytest.raises(ValueError, match=rf"not valid as a {usage}.*tensorwire certs DIR --reader"):
+            tensorwire.Subscriber("tls://127.0.0.1:1", "policy", {"w": torch.zeros(4)}, tls=files, token="t")
+    # Not relaying, it needs no such certificate.
+    tensorwire.Subscriber(
+        "tls://127.0.0.1:1", "policy", {"w": torch.zeros(4)}, tls=only_client, relay=False
+    ).close()
+
+
+def test_a_reader_relaying_on_another_address_than_it_connects_from_still_updates() -> None:
+    """A multi-homed reader (its relay on a data interface, `listen_host`) or one behind NAT: its
+    address is not the one its connection comes from, so the origin does not register it (counted),
+    and the reader reads from the origin; with the operator's --relay-networks it relays."""
+    model = model_tensors(1)
+    with origin() as (srv, coordinator):
+        generation = publish(srv.url, model)
+        target = blank_like(model)
+        with tensorwire.Subscriber(srv.url, PREFIX, target, listen_host="127.0.0.2") as sub:
+            assert sub.update(timeout=30) == generation and same_bytes(model, target)
+            assert sub.reader_id == 0 and coordinator.unadmitted_by["address"] == 1
+        coordinator.networks = parse_networks(["127.0.0.0/8"])  # tensorwire serve --relay-networks
+        targets = [blank_like(model), blank_like(model)]
+        with (
+            tensorwire.Subscriber(srv.url, PREFIX, targets[0], listen_host="127.0.0.2") as first,
+            tensorwire.Subscriber(srv.url, PREFIX, targets[1], listen_host="127.0.0.3") as second,
+        ):
+            first.update(timeout=30)
+            second.update(timeout=30)
+            assert all(same_bytes(model, t) for t in targets) and first.reader_id and second.reader_id
+            assert first.peer.served > 0  # the second read from the first, at 127.0.0.2
+
+
+def test_a_join_refused_for_its_address_reads_from_the_origin(caplog: pytest.LogCaptureFixture) -> None:
+    """The origin refuses to register an address another connection holds (a reader that reconnected
+    before the origin saw its old connection close, say): the reader joins again without one."""
+    model = model_tensors(1)
+    with origin() as (srv, coordinator):
+        generation = publish(srv.url, model)
+        target = blank_like(model)
+        with tensorwire.Subscriber(srv.url, PREFIX, target, listen_host="127.0.0.1") as sub:
+            address = sub._loop.call(sub._relay_url(), 10, "starting the relay server")
+            with RelayConn(srv.url) as holder:
+                assert holder.join(address)[1].reader != 0  # the address is taken
+                with caplog.at_level(logging.WARNING, "tensorwire.broadcast"):
+                    assert sub.update(timeout=30) == generation
+            assert same_bytes(model, target) and sub.joins_refused == 1 and sub.reader_id == 0
+            assert any("relay join refused" in r.getMessage() for r in caplog.records)
+        assert coordinator.chains.readers() == 0

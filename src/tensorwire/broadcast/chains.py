@@ -13,13 +13,23 @@ connection closed), so no table waits for a restart to empty.
 A reader that reports its upstream failed reads from the origin from then on, not from the failed
 one's own upstream (which may be failing too: fake readers joined one after another would cost an
 honest reader one stall each), and an owner drops at most one upstream per generation (a hostile
-reader cannot report its way through a chain of honest ones).
+reader cannot report its way through a chain of honest ones). A reader that has itself reported
+its upstream in this generation is not dropped by the first report against it: it was waiting on
+that upstream, so the readers behind it were too (one stalled peer would otherwise cost a whole
+chain of honest readers their place); a second report drops it.
 
 Every table is bounded: ``max_readers`` registered readers per generation (more still read, from
 the origin, unregistered), ``max_per_owner`` prefixes an owner holds registrations under (one
 each: a join replaces the owner's earlier registration under the prefix; more is LimitExceeded),
 ``keep`` generations per prefix (older ones are retired with their readers), ``max_prefixes``
-prefixes (the least recently joined is dropped).
+prefix tables. Only a registration makes a table (a join that registers nothing reads from the
+origin and leaves no trace), and a new table takes the place of the least recently joined table
+with no live reader, never of one with readers: when every table has some, the new prefix's
+readers read from the origin, unregistered, until one empties. So no one can evict another
+prefix's relay (a parameter-server job's ``_ps/<job>`` included) by joining many prefixes.
+
+Parameter-server sessions admitted to relay under a restricted prefix (``admit``: a live worker's
+PS_RELAY) are kept here too, the last ``MAX_SESSIONS`` of them.
 """
 
 from __future__ import annotations
@@ -33,6 +43,7 @@ from tensorwire.errors import InvalidName, LimitExceeded
 from tensorwire.wire import relay as wr
 
 ORIGIN = 0  # the upstream id of a reader that pulls from the origin itself
+MAX_SESSIONS = 4096  # (prefix, session) admissions kept, the most recently admitted
 
 
 @dataclass(eq=False)
@@ -51,6 +62,7 @@ class Reader:
     depth: int  # hops from the origin when it joined
     owner: Owner
     done: bool = False
+    rerouted: bool = False  # it reported its own upstream failed in this generation
 
 
 @dataclass(slots=True)
@@ -102,18 +114,18 @@ class Chains:
         self._prefixes: OrderedDict[str, OrderedDict[int, Generation]] = OrderedDict()
         self._addresses: dict[str, Reader] = {}  # every registered address, to its reader
         self._ids = itertools.count(1)
+        self._sessions: OrderedDict[tuple[str, int], None] = OrderedDict()  # admitted, newest last
         self.served_total: dict[str, int] = {}  # per prefix, retired generations included
 
-    def generation(self, prefix: str, manifest: wr.Manifest) -> Generation:
-        """The relay of ``manifest``'s generation, made (and older ones retired) on first use."""
+    def generation(self, prefix: str, manifest: wr.Manifest, *, make: bool = True) -> Generation | None:
+        """The relay of ``manifest``'s generation, made (and older ones retired) on first use; None
+        when the prefix has no table and either ``make`` is false or no table may make room (every
+        one has live readers: see the module docstring)."""
         gens = self._prefixes.get(prefix)
         if gens is None:
+            if not make or not self._make_room():
+                return None
             gens = self._prefixes[prefix] = OrderedDict()
-            while len(self._prefixes) > self.max_prefixes:
-                dropped, old = self._prefixes.popitem(last=False)
-                self.served_total.pop(dropped, None)
-                for stale in old.values():
-                    self._retire(stale)
         self._prefixes.move_to_end(prefix)
         known = gens.get(manifest.generation)
         if known is not None:
@@ -122,6 +134,36 @@ class Chains:
         for number in sorted(gens)[: max(len(gens) - self.keep, 0)]:
             self._retire(gens.pop(number))
         return gen
+
+    def _make_room(self) -> bool:
+        """Room for one more prefix table: the least recently joined table without a live reader
+        goes if all ``max_prefixes`` are taken; False if every one has readers (none is evicted)."""
+        if len(self._prefixes) < self.max_prefixes:
+            return True
+        empty = next((p for p, gens in self._prefixes.items() if not _live(gens)), None)
+        if empty is None:
+            return False
+        for stale in self._prefixes.pop(empty).values():
+            self._retire(stale)
+        self.served_total.pop(empty, None)
+        return True
+
+    # -- admissions under restricted prefixes -----------------------------------------------------
+    def admit(self, prefix: str, session: int) -> None:
+        """``session`` (a parameter-server worker's incarnation) may register under ``prefix``."""
+        key = (prefix, session)
+        self._sessions.pop(key, None)
+        self._sessions[key] = None
+        while len(self._sessions) > MAX_SESSIONS:
+            del self._sessions[next(iter(self._sessions))]
+
+    def admitted(self, prefix: str, session: int) -> bool:
+        return bool(session) and (prefix, session) in self._sessions
+
+    def forget(self, prefix: str) -> None:
+        """``prefix`` is gone (a job ended): its admissions go."""
+        for key in [k for k in self._sessions if k[0] == prefix]:
+            del self._sessions[key]
 
     def find(self, prefix: str, generation: int) -> Generation | None:
         gens = self._prefixes.get(prefix)
@@ -164,17 +206,26 @@ class Chains:
 
     def failed(self, prefix: str, gen: Generation, reader: Reader, upstream: int) -> wr.Placement:
         """``reader`` could not read from ``upstream``: drop that one (only if it really is the
-        reader's upstream, and only one per owner and generation) and answer the origin."""
+        reader's upstream, only one per owner and generation, and not an upstream that was itself
+        rerouted in this generation, the first time: the module docstring) and answer the origin."""
         owner, number = reader.owner, gen.manifest.generation
-        if upstream != ORIGIN and reader.upstream == upstream and owner.drops.get(prefix) != number:
-            self.leave(gen, upstream)
-            gen.dropped += 1
-            owner.drops.pop(prefix, None)
-            owner.drops[prefix] = number
-            while len(owner.drops) > self.max_prefixes:  # bounded as the prefixes are
-                del owner.drops[next(iter(owner.drops))]
+        reader.rerouted = reader.rerouted or reader.upstream != ORIGIN  # it waited on a peer
+        target = gen.readers.get(upstream) if reader.upstream == upstream else None
+        if target is not None and owner.drops.get(prefix) != number:
+            self._drop(prefix, gen, target, owner)
         reader.upstream, reader.depth = ORIGIN, 1
         return gen.placement(reader)
+
+    def _drop(self, prefix: str, gen: Generation, upstream: Reader, owner: Owner) -> None:
+        if upstream.rerouted:  # it waited on a failed upstream itself: spared once
+            upstream.rerouted = False
+            return
+        self.leave(gen, upstream.id)
+        gen.dropped += 1
+        owner.drops.pop(prefix, None)
+        owner.drops[prefix] = gen.manifest.generation
+        while len(owner.drops) > self.max_prefixes:  # bounded as the prefixes are
+            del owner.drops[next(iter(owner.drops))]
 
     def leave(self, gen: Generation, reader_id: int) -> None:
         """Take a reader out; those that read from it read from its upstream instead."""
@@ -245,3 +296,8 @@ class Chains:
     def readers_by_prefix(self) -> dict[str, int]:
         """Each prefix's readers (of all its generations held), for STATUS (the dashboard)."""
         return {p: sum(len(g.readers) for g in gens.values()) for p, gens in list(self._prefixes.items())}
+
+
+def _live(gens: Mapping[int, Generation]) -> bool:
+    """Whether a prefix's table has a registered reader in any generation it holds."""
+    return any(gen.readers for gen in gens.values())

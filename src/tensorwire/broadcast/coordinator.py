@@ -20,11 +20,20 @@ Identity: a registration belongs to the connection that joined (``RelaySession``
 ``Owner``): only a report over that connection speaks for it (one naming another connection's
 reader is refused, counted in ``identity_refused`` and logged), and the registration goes when the
 connection closes. The address a reader registers is checked against that connection: the same
-scheme (a tls:// origin takes no tcp:// relay) and the very IP address it comes from (no reader
-points the others at a third host, its loopback or a name), held by no other connection. Under
-the server's own prefix (``_ps``, parameter-server relay pulls: ps/relay.py) only a connection the
-parameter server admitted for that job (the PS_RELAY of one of its live workers) is registered;
-anyone else (an observer, a stranger) reads from the origin and is nobody's upstream.
+scheme (a tls:// origin takes no tcp:// relay), an IP address (no name), never a loopback, link-
+local, multicast or unspecified one (unless the origin itself listens on loopback only: every
+reader is then on this host), and the very IP the connection comes from, or one inside the
+operator's ``networks`` (``tensorwire serve --relay-networks``: readers behind NAT, or relaying on
+another interface than the one they reach the origin from); no other connection may hold it. Under
+the server's own prefix (``_ps``, parameter-server relay pulls: ps/relay.py) only a parameter-server
+session the server admitted for that job (the PS_RELAY of one of its live workers, naming its
+incarnation, which the join carries) is registered; anyone else (an observer, a stranger) reads
+from the origin and is nobody's upstream.
+
+A join whose address is refused, whose session is not admitted, or for which no relay table may
+be made (chains.py) is not an error: the reader is answered the origin as its upstream and reads
+from it, unregistered (counted in ``unadmitted`` and ``tensorwire_relay_refused{reason}``, logged
+the 1st, 2nd, 4th... time), so a multi-homed reader or one behind NAT still gets its generation.
 """
 
 from __future__ import annotations
@@ -33,16 +42,18 @@ import ipaddress
 import json
 import logging
 import re
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections import Counter
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from tensorwire.broadcast.chains import Chains, Generation, Owner, Reader
 from tensorwire.broadcast.source import GenerationSource, Source
-from tensorwire.errors import InvalidName, ProtocolError, VersionChanged
+from tensorwire.errors import InvalidName, ProtocolError
 from tensorwire.logs import event
+from tensorwire.security import is_loopback
 from tensorwire.server import Handler, Request, Server
 from tensorwire.store.generations import SERVER_PREFIX
 from tensorwire.types import Address, TensorMeta
@@ -53,18 +64,19 @@ from tensorwire.wire.frame import Opcode
 MAX_GET_CHUNKS = 64  # chunks one RELAY_GET answer carries at most
 MAX_GET_BYTES = 64 << 20  # and bytes
 RELAY_SCHEMES = ("tcp", "tls")
-MAX_ADMITTED = 16  # restricted prefixes one connection is admitted to relay under (the last ones)
+MAX_NETWORKS = 64  # --relay-networks entries
 _HOST_LABEL = re.compile(r"^(?!-)[A-Za-z0-9-]{1,63}(?<!-)$")
 log = logging.getLogger("tensorwire.broadcast")
+
+IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
+IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
 
 
 @dataclass(eq=False)
 class RelaySession(Owner):
     """One connection's part in the relay (``Request.session_state``): the readers it registered
-    (``Owner``) and the restricted prefixes it was admitted to relay under. Its registrations go
-    when the connection closes."""
+    (``Owner``). Its registrations go when the connection closes."""
 
-    admitted: dict[str, None] = field(default_factory=dict)  # an ordered set, the newest last
     on_close: Callable[[Owner], None] | None = None
 
     def close(self) -> None:
@@ -80,16 +92,6 @@ def relay_session(req: Request, chains: Chains) -> RelaySession:
     return session
 
 
-def admit(req: Request, chains: Chains, prefix: str) -> None:
-    """``req``'s connection may register readers under the restricted ``prefix`` (the parameter
-    server admits a live worker's connection for its job's prefix)."""
-    admitted = relay_session(req, chains).admitted
-    admitted.pop(prefix, None)
-    admitted[prefix] = None
-    while len(admitted) > MAX_ADMITTED:
-        del admitted[next(iter(admitted))]
-
-
 def restricted(prefix: str) -> bool:
     """Whether relaying under ``prefix`` takes an admission: the server's own prefix."""
     return prefix == SERVER_PREFIX or prefix.startswith(SERVER_PREFIX + "/")
@@ -98,24 +100,36 @@ def restricted(prefix: str) -> bool:
 class RelayCoordinator:
     """The relay's coordinator on the origin (see the module docstring). ``source`` says where
     generations come from (source.py): ``RelayCoordinator.of(server)`` relays the server's published
-    generations. ``chains`` bounds the tables."""
+    generations. ``chains`` bounds the tables. ``networks`` (CIDRs, ``--relay-networks``): where a
+    reader may register a relay address other than the IP its connection comes from."""
 
-    def __init__(self, source: Source, chains: Chains | None = None) -> None:
+    def __init__(self, source: Source, chains: Chains | None = None, *, networks: Iterable[str] = ()) -> None:
         self.source = source
         self.chains = chains or Chains()
+        self.networks = parse_networks(networks)
         self.identity_refused = 0  # reports naming a reader another connection registered
-        self.unadmitted = 0  # joins under a restricted prefix read from the origin, unregistered
+        self.unadmitted = 0  # joins that offered an address and read from the origin, unregistered
+        self.unadmitted_by = Counter[str]()  # ... by reason: "address", "session", "tables"
+        self._listening: Callable[[], Sequence[Address]] = lambda: ()
 
     @classmethod
-    def of(cls, server: Server, chains: Chains | None = None) -> RelayCoordinator:
+    def of(
+        cls, server: Server, chains: Chains | None = None, *, networks: Iterable[str] = ()
+    ) -> RelayCoordinator:
         """The coordinator of ``server``'s generations, added to it (``tensorwire serve`` does); the
-        one it has already, if it has one (a ``ParamServer`` adds one for its relay pulls)."""
+        one it has already, if it has one (a ``ParamServer`` adds one for its relay pulls), which
+        then takes ``networks`` too."""
         for extension in server.extensions:
             if isinstance(extension, cls):
+                extension.networks += parse_networks(networks)
                 return extension
-        coordinator = cls(GenerationSource(server.generations), chains)
+        coordinator = cls(GenerationSource(server.generations), chains, networks=networks)
         server.extend(coordinator)
         return coordinator
+
+    def added_to(self, server: Any) -> None:
+        """Its server (``Server.extend``): whose listeners say whether every reader is on this host."""
+        self._listening = lambda: server.addresses
 
     def frame_handlers(self) -> Mapping[int, Handler]:
         return {
@@ -139,47 +153,68 @@ class RelayCoordinator:
         chains = self.chains
         relay = {"served_bytes": chains.totals(), "readers": chains.readers(),
                  "readers_by_prefix": chains.readers_by_prefix()}  # fmt: skip
-        relay.update(identity_refused=self.identity_refused, unadmitted=self.unadmitted)
+        relay.update(identity_refused=self.identity_refused, unadmitted=self.unadmitted,
+                     unadmitted_by_reason=dict(self.unadmitted_by))  # fmt: skip
         return {"relay": relay}
 
     # -- handlers ------------------------------------------------------------------------------
     async def _on_join(self, req: Request) -> None:
         _no_data(req)
-        prefix, after, relay = wr.decode_join(req.meta)
-        session = relay_session(req, self.chains)
-        if relay:
-            check_relay_address(relay, req.transport, req.peer)
+        prefix, after, relay, session = wr.decode_join(req.meta)
+        owner = relay_session(req, self.chains)
         manifest = await self.source.manifest(prefix)
         if manifest.generation == after:  # nothing newer: no manifest, no place in a relay
             await req.reply(
                 wr.encode_join_reply(wr.Manifest(after, manifest.chunk_bytes, (), ()), wr.Placement(0, 0, ""))
             )
             return
-        gen = self.chains.generation(prefix, manifest)
-        if relay and restricted(prefix) and prefix not in session.admitted:
-            relay = ""  # an observer or a stranger: it reads from the origin, nobody reads from it
-            self.unadmitted += 1
-        reader = self.chains.join(prefix, gen, relay, session)
-        await req.reply(wr.encode_join_reply(manifest, gen.placement(reader)))
+        relay = self._admissible(req, prefix, relay, session)
+        gen = self.chains.generation(prefix, manifest, make=bool(relay))
+        if gen is None and relay:
+            full = f"each of the {self.chains.max_prefixes} relay tables has readers"
+            self._unadmitted(req, prefix, "tables", full)
+        reader = self.chains.join(prefix, gen, relay, owner) if gen is not None else None
+        placement = gen.placement(reader) if gen is not None else wr.Placement(0, 0, "")
+        await req.reply(wr.encode_join_reply(manifest, placement))
+
+    def _admissible(self, req: Request, prefix: str, relay: str, session: int) -> str:
+        """``relay`` if the reader may register it (see the module docstring), else "" (it reads
+        from the origin, unregistered; counted and logged)."""
+        if not relay:
+            return ""
+        local = self._loopback_only(req.transport)
+        try:
+            check_relay_address(relay, req.transport, req.peer, networks=self.networks, loopback=local)
+        except InvalidName as exc:
+            self._unadmitted(req, prefix, "address", str(exc))
+            return ""
+        if restricted(prefix) and not self.chains.admitted(prefix, session):
+            self._unadmitted(req, prefix, "session", "no live worker's session of the job was named")
+            return ""  # an observer or a stranger: it reads from the origin, nobody reads from it
+        return relay
+
+    def _loopback_only(self, scheme: str) -> bool:
+        """Whether the origin listens on ``scheme`` on loopback only (every such reader is local)."""
+        hosts = [a.host for a in self._listening() if a.scheme == scheme]
+        return bool(hosts) and all(is_loopback(host) for host in hosts)
+
+    def _unadmitted(self, req: Request, prefix: str, reason: str, why: str) -> None:
+        self.unadmitted += 1
+        self.unadmitted_by[reason] += 1
+        if self.unadmitted & (self.unadmitted - 1) == 0:  # the 1st, 2nd, 4th, ...: a flood logs ~log2(n)
+            event(log, logging.WARNING, "relay join read from the origin, unregistered", peer=req.peer,
+                  prefix=prefix, reason=reason, why=why, unadmitted=self.unadmitted)  # fmt: skip
 
     async def _on_get(self, req: Request) -> None:
         _no_data(req)
         prefix, generation, first, count, _ = wr.decode_get(req.meta)
         gen = self.chains.find(prefix, generation)
-        manifest = gen.manifest if gen is not None else await self._manifest_at(prefix, generation)
+        manifest = gen.manifest if gen is not None else await self.source.manifest_of(prefix, generation)
         index, offset, length = manifest.span(first, min(count, MAX_GET_CHUNKS, _chunks_in(manifest)))
         with self.source.read(prefix, manifest, index) as data:
             record = TensorMeta(manifest.metas[index].name, torch.uint8, (length,), length, generation)
             await req.reply(wm.encode_records([record]), [data[offset : offset + length]])
         self.chains.count_served(prefix, gen, length)
-
-    async def _manifest_at(self, prefix: str, generation: int) -> wr.Manifest:
-        manifest = await self.source.manifest(prefix)
-        if manifest.generation != generation:
-            raise VersionChanged(
-                f"generation {generation} of {prefix!r} is retired; the newest is {manifest.generation}"
-            )
-        return manifest
 
     async def _on_report(self, req: Request) -> None:
         _no_data(req)
@@ -227,12 +262,15 @@ def _chunks_in(manifest: wr.Manifest) -> int:
     return max(MAX_GET_BYTES // manifest.chunk_bytes, 1)
 
 
-def check_relay_address(url: str, transport: str, peer: str) -> Address:
+def check_relay_address(
+    url: str, transport: str, peer: str, *, networks: Sequence[IPNetwork] = (), loopback: bool = False
+) -> Address:
     """The address a reader advertises for its relay server, joining over a ``transport``
     connection from ``peer``: tcp:// or tls:// as that connection is (no plain text under a TLS
-    origin), the IP address that connection comes from (not a name, nor anyone else's address: the
-    origin hands it to other readers, who connect to it), a port in 1..65535. Anything else is
-    refused (InvalidName)."""
+    origin), an IP address that is not loopback (unless ``loopback``: the origin listens on loopback
+    only), link-local, multicast or unspecified, and the one that connection comes from or one in
+    ``networks`` (not a name, nor anyone else's address: the origin hands it to other readers, who
+    connect to it), a port in 1..65535. Anything else is refused (InvalidName)."""
     try:
         address = Address.parse(url)
     except ValueError as exc:
@@ -247,15 +285,39 @@ def check_relay_address(url: str, transport: str, peer: str) -> Address:
         raise InvalidName(f"relay address {url!r}: the port must be in 1..65535")
     if not _valid_host(address.host):
         raise InvalidName(f"relay address {url!r}: {address.host!r} is not a host name or IP address")
-    if _ip(address.host) is None or _ip(address.host) != _peer_ip(peer):
+    ip = _ip(address.host)
+    if ip is None or _unreachable(ip, loopback):
+        raise InvalidName(
+            f"relay address {url!r}: not an IP address other readers reach it at (a name, a loopback,"
+            " link-local, multicast or unspecified address)"
+        )
+    if ip != _peer_ip(peer) and not any(ip in network for network in networks):
         raise InvalidName(
             f"relay address {url!r}: a reader registers the IP address its connection comes from"
-            f" ({peer}), where its relay server listens (Subscriber(listen_host=...))"
+            f" ({peer}), or one in the origin's --relay-networks"
         )
     return address
 
 
-def _ip(host: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
+def _unreachable(ip: IPAddress, loopback: bool) -> bool:
+    """Whether other readers cannot (or must not be sent to) reach ``ip``."""
+    return ip.is_unspecified or ip.is_multicast or ip.is_link_local or (ip.is_loopback and not loopback)
+
+
+def parse_networks(networks: Iterable[str]) -> list[IPNetwork]:
+    """``--relay-networks`` CIDRs; ValueError naming the flag for one that is not."""
+    parsed = []
+    for text in networks:
+        try:
+            parsed.append(ipaddress.ip_network(str(text).strip(), strict=False))
+        except ValueError as exc:
+            raise ValueError(f"--relay-networks {text!r}: {exc}") from exc
+    if len(parsed) > MAX_NETWORKS:
+        raise ValueError(f"--relay-networks names {len(parsed)} networks, at most {MAX_NETWORKS}")
+    return parsed
+
+
+def _ip(host: str) -> IPAddress | None:
     """``host`` as an IP address (an IPv4-mapped IPv6 one as IPv4), None for a name."""
     try:
         ip = ipaddress.ip_address(host.strip("[]"))
@@ -266,7 +328,7 @@ def _ip(host: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
     return ip
 
 
-def _peer_ip(peer: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
+def _peer_ip(peer: str) -> IPAddress | None:
     """The IP address of a connection's ``peer`` ("tcp://HOST:PORT"), None when unknown."""
     host = peer.partition("://")[2].rpartition(":")[0]
     return _ip(host) if host else None
@@ -290,7 +352,8 @@ def _no_data(req: Request) -> None:
 class _Collector:
     """``tensorwire_relay_served_bytes{prefix}``, ``tensorwire_relay_readers`` and
     ``tensorwire_relay_refused{reason}`` (reports for another connection's reader: "identity";
-    joins under ``_ps`` not admitted: "unadmitted"), per scrape."""
+    joins read from the origin unregistered: an address refused, "address"; under ``_ps`` with no
+    admitted session, "session"; no room for a relay table, "tables"), per scrape."""
 
     def __init__(self, coordinator: RelayCoordinator) -> None:
         self._coordinator = coordinator
@@ -310,5 +373,6 @@ class _Collector:
             "tensorwire_relay_refused", "Relay requests refused or not registered.", labels=["reason"]
         )
         refused.add_metric(["identity"], self._coordinator.identity_refused)
-        refused.add_metric(["unadmitted"], self._coordinator.unadmitted)
+        for reason in ("address", "session", "tables"):
+            refused.add_metric([reason], self._coordinator.unadmitted_by[reason])
         yield refused

@@ -10,7 +10,10 @@ The share is a listener of its own, so it holds to the origin's rules: it binds 
 it was given (shm:// takes no other), asks for the token the origin asks for (a leader that
 authenticates with a client certificate and no token cannot share: shm:// has no TLS to check one
 with), serves only what followers read with (``SHARE_OPCODES``: no follower can write, publish or
-park anything else in it) and at most ``MAX_SHARE_CONNECTIONS`` of them.
+park anything else in it) and at most ``MAX_SHARE_CONNECTIONS`` of them. A follower's views pin
+their generation in the share for at most ``lease_seconds`` (server/shm.py): past that the views
+still read (their segments are never reused), but no longer hold the share's room, so followers
+that keep old generations can make the share refuse new ones for that long at most.
 
 A **follower** is a ``HostReader(share_url, prefix)``: ``update()`` returns the newest generation's
 number and ``tensors``, read-only views over the leader's segments (no copy, no network), all of
@@ -51,6 +54,7 @@ from tensorwire.errors import (
 from tensorwire.security import Security, client_token
 from tensorwire.server import Server
 from tensorwire.store import TensorStore
+from tensorwire.store.generation_config import DEFAULT_MAX_LEASE_SECONDS
 from tensorwire.store.generations import DEFAULT_KEEP, GenerationConfig
 from tensorwire.store.memory import entry_cost
 from tensorwire.transport import TransportOptions
@@ -92,11 +96,13 @@ class HostShare:
         prefix: str,
         targets: Mapping[str, torch.Tensor],
         security: Security,
+        *,
         keep: int = DEFAULT_KEEP,
+        lease_seconds: float = DEFAULT_MAX_LEASE_SECONDS,
     ) -> HostShare:
         """Serve ``listen`` (an shm:// address on loopback; port 0 picks one) for followers of
         ``prefix``, whose tensors are ``targets`` (by full name), asking them for ``security``'s
-        token (the leader's)."""
+        token (the leader's); a follower's view pins its generation ``lease_seconds`` at most."""
         if Address.parse(listen).scheme != "shm":
             raise ValueError(f"a host share serves shm:// (followers map its segments), not {listen!r}")
         if security.token is None and security.tls is not None and security.tls.cert is not None:
@@ -106,7 +112,7 @@ class HostShare:
             )
         room = sum(t.nbytes + entry_cost(name) for name, t in targets.items())
         store = TensorStore(capacity=(keep + 2) * room + MiB)
-        config = GenerationConfig(keep=keep)
+        config = GenerationConfig(keep=keep, max_lease_seconds=lease_seconds)
         share = Security(token=security.token)
         server = Server(store, security=share, generations=config, max_connections=MAX_SHARE_CONNECTIONS)
         try:

@@ -17,8 +17,10 @@ The relay server (``serve``) asks its peers for what the origin asks for, and se
   and a peer that harvests the relay token learns nothing the origin accepts;
 - under tls://, a client certificate signed by the cluster's CA (``tls.ca``, which also signs the
   origin and the readers' own certificates): a reader's certificate is its relay server's and its
-  client certificate towards its peers, so it must be valid for both (serverAuth and clientAuth,
-  its relay host in its names);
+  client certificate towards its peers, so it must be valid for both (serverAuth and clientAuth:
+  a reader is refused at construction otherwise) and name the IP address its relay server is
+  reached at (else it does not relay: a warning says so). ``tensorwire certs DIR --reader IP``
+  writes such a certificate; the development server certificate is one for the hosts it names;
 - only HELLO and RELAY_GET (``PEER_OPCODES``), at most ``MAX_PEER_CONNECTIONS`` connections, bound to
   the one interface it was asked for (default: the one this host reaches the origin from).
 """
@@ -33,6 +35,7 @@ import ipaddress
 import socket
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -174,13 +177,76 @@ def relay_token(token: str | None) -> str | None:
 
 def check_peer_tls(security: Security, scheme: str) -> None:
     """ValueError unless a reader of a ``scheme`` origin can serve and reach relay peers as the
-    module docstring says: under tls://, its certificate, key and the cluster's CA."""
+    module docstring says: under tls://, its certificate (valid as a server's and a client's), key
+    and the cluster's CA."""
     files = security.tls
-    if scheme == "tls" and (files is None or None in (files.cert, files.key, files.ca)):
+    if scheme != "tls":
+        return
+    if files is None or files.cert is None or files.key is None or files.ca is None:
         raise ValueError(
             "a relay over tls:// needs this reader's certificate and key (its relay server's, and its "
             "client certificate towards its peers) and the cluster's CA (tls.ca: it checks the peers' "
             "certificates); pass them, or relay=False"
+        )
+    missing = _missing_usages(files.cert)
+    if missing:
+        raise ValueError(
+            f"{files.cert} is not valid as a {' and a '.join(missing)} certificate: a relay reader's "
+            "certificate serves its relay server and is its client certificate towards its peers, which "
+            "ask for one (`tensorwire certs DIR --reader IP` writes one for the host at IP); or relay=False"
+        )
+
+
+def _certificate(path: Path) -> Any:
+    """The first certificate in the PEM file at ``path`` (None if it cannot be read: the TLS layer
+    then says why, when it loads it)."""
+    from cryptography import x509
+
+    try:
+        return x509.load_pem_x509_certificate(path.read_bytes())
+    except (OSError, ValueError):
+        return None
+
+
+def _missing_usages(path: Path) -> list[str]:
+    """Which of "server" and "client" the certificate at ``path`` may not be used as (its extended
+    key usage; a certificate without one may be used as either)."""
+    from cryptography import x509
+
+    cert = _certificate(path)
+    try:
+        usages = set(cert.extensions.get_extension_for_class(x509.ExtendedKeyUsage).value) if cert else None
+    except x509.ExtensionNotFound:
+        usages = None
+    eku = x509.oid.ExtendedKeyUsageOID
+    if usages is None or eku.ANY_EXTENDED_KEY_USAGE in usages:
+        return []
+    wanted = {"server": eku.SERVER_AUTH, "client": eku.CLIENT_AUTH}
+    return [role for role, oid in wanted.items() if oid not in usages]
+
+
+def check_names(security: Security, host: str) -> None:
+    """ValueError unless this reader's certificate (under TLS) names ``host``, the IP address its
+    relay server is reached at: its peers check that it does."""
+    from cryptography import x509
+
+    path = security.tls.cert if security.tls is not None else None
+    cert = _certificate(path) if path is not None else None
+    if cert is None:
+        return
+    try:
+        names = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+        named = {str(ip) for ip in names.get_values_for_type(x509.IPAddress)}
+        named |= {name.lower() for name in names.get_values_for_type(x509.DNSName)}
+    except x509.ExtensionNotFound:
+        named = set()
+    with contextlib.suppress(ValueError):
+        host = str(ipaddress.ip_address(host.strip("[]")))
+    if host.lower() not in named:
+        raise ValueError(
+            f"{path} does not name {host}, where this reader's relay server is reached (its peers "
+            f"check it): `tensorwire certs DIR --reader {host}` writes one that does, or pass listen_host="
+            "an address it names"
         )
 
 
@@ -218,6 +284,12 @@ async def serve(
     bound = address.host
     if _unspecified(bound):  # asked for every interface: the others reach it where the origin does
         bound = local_host_towards(origin)
+    try:
+        if origin.scheme == "tls":
+            check_names(security, bound)
+    except BaseException:
+        await server.close()
+        raise
     return server, f"{address.scheme}://{bracketed(bound)}:{address.port}"
 
 

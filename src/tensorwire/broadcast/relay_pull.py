@@ -9,12 +9,20 @@ parameter-server worker that pulls through the relay (``ps.Worker(pull="relay")`
 
 An upstream is an address another reader registered, so it is not trusted until it serves: its
 connection must open within ``peer_timeout`` (TCP, TLS, HELLO), under the origin's scheme only, with
-the relay token rather than the cluster's (peer.py says why), each chunk must come within
-``stall_timeout``, and the whole generation within half the update's time left (a peer that sends
-valid chunks slowly, each just inside the stall bound, cannot spend it all); past any bound the
-upstream is reported and the origin answers itself as the new upstream (chains.py), so a hostile,
-slow or dead peer costs an honest reader at most one such wait per generation. A pull that is
-done closes its upstream's connection (the next generation's upstream is another).
+the relay token rather than the cluster's (peer.py says why), its first chunk must come within
+``peer_timeout`` too (a peer that has served nothing yet gets no more: an honest upstream is about
+one chunk ahead, while a silent one would hold this reader, and every reader behind it, for a whole
+stall), each later chunk within ``stall_timeout``, and the whole generation within half the
+update's time left (a peer that sends valid chunks slowly, each just inside the stall bound, cannot
+spend it all); past any bound the upstream is reported and the origin answers itself as the new
+upstream (chains.py), so a hostile, slow or dead peer costs an honest reader at most one such wait
+per generation. A pull that is done closes its upstream's connection (the next generation's
+upstream is another).
+
+Joining (``join``): a join the origin refuses because of this reader's relay address (InvalidName:
+another connection holds it; LimitExceeded: its connection relays too many prefixes) is made
+again without one, so the reader reads from the origin, unregistered, and its update goes on
+(logged, counted in ``joins_refused``): a refused registration never fails an update.
 
 The reader is anything with the attributes and connections of ``RelayReader``: its prefix, its id
 in the generation's relay, its counters, its ``RelayPeer`` (which forwards what it verified) and
@@ -33,7 +41,14 @@ from typing import Protocol
 from tensorwire._aio import asyncio_timeout
 from tensorwire.broadcast import pipeline
 from tensorwire.broadcast.peer import RelayPeer
-from tensorwire.errors import CorruptFrame, InvalidName, ProtocolError, TensorwireError, TransferTimeout
+from tensorwire.errors import (
+    CorruptFrame,
+    InvalidName,
+    LimitExceeded,
+    ProtocolError,
+    TensorwireError,
+    TransferTimeout,
+)
 from tensorwire.logs import event
 from tensorwire.transport import FrameChannel
 from tensorwire.types import Address, TensorMeta
@@ -46,6 +61,7 @@ log = logging.getLogger("tensorwire.broadcast")
 
 MAX_REROUTES = 64  # upstream failures one update survives before it gives up
 ORIGIN_GRACE = 5.0  # seconds an answer from the origin may take past the stall bound
+MAX_MANIFEST_CHUNKS = 1 << 24
 
 
 class RelayReader(Protocol):
@@ -57,15 +73,36 @@ class RelayReader(Protocol):
     received: int  # data bytes pulled through the relay, counted here
     window: int  # single-chunk requests kept in flight
     stall_timeout: float  # how long an upstream may keep a chunk waiting
-    peer_timeout: float  # how long connecting to an upstream peer may take
+    peer_timeout: float  # how long connecting to an upstream peer, and its first chunk, may take
     peer: RelayPeer
     progress: Callable[[int], None] | None
+    joins_refused: int  # joins the origin refused for the relay address, made again without it
 
     async def _channel(self, address: str) -> FrameChannel: ...
 
     async def _drop_channel(self, address: str) -> None: ...
 
     async def _origin_call(self, opcode: int, body: bytes, what: str) -> wm.MetaReader: ...
+
+
+async def join(
+    reader: RelayReader, after: int, relay: str, session: int = 0
+) -> tuple[wr.Manifest, wr.Placement]:
+    """RELAY_JOIN for the newest generation after ``after``, offering to relay at ``relay`` ("":
+    not) for ``session`` (a parameter-server worker's incarnation, 0: none): its manifest and where
+    to pull it from. A refusal of the address reads from the origin (the module docstring)."""
+    body = wr.encode_join(reader.prefix, after, relay, session)
+    try:
+        answer = await reader._origin_call(Opcode.RELAY_JOIN, body, "RELAY_JOIN")
+    except (InvalidName, LimitExceeded) as exc:
+        if not relay:
+            raise
+        reader.joins_refused += 1
+        event(log, logging.WARNING, "relay join refused: reading from the origin, unregistered",
+              relay=relay, prefix=reader.prefix, refused=reader.joins_refused, error=repr(exc))  # fmt: skip
+        body = wr.encode_join(reader.prefix, after, "", session)
+        answer = await reader._origin_call(Opcode.RELAY_JOIN, body, "RELAY_JOIN")
+    return wr.decode_join_reply(answer, MAX_MANIFEST_CHUNKS)
 
 
 async def pull(
@@ -110,13 +147,33 @@ async def _pull_from(
 ) -> bool:
     """``pulled``'s missing chunks from ``upstream`` (``""``: the origin): True once all are in,
     False when the origin ran out of time; an upstream peer out of its time is TransferTimeout."""
-    until = deadline if not upstream else time.monotonic() + max(deadline - time.monotonic(), 0.0) / 2
+    if not upstream:
+        channel = await _upstream(reader, upstream)
+        fetch_one = functools.partial(fetch, reader, channel, upstream, manifest, buffers=buffers)
+        return await pipeline.pull(
+            fetch_one, pulled, reader.window, deadline, functools.partial(advanced, reader)
+        )
+    until = time.monotonic() + max(deadline - time.monotonic(), 0.0) / 2
     channel = await _upstream(reader, upstream)  # opened here, once: the requests in flight share it
     fetch_one = functools.partial(fetch, reader, channel, upstream, manifest, buffers=buffers)
-    done = await pipeline.pull(fetch_one, pulled, reader.window, until, functools.partial(advanced, reader))
-    if upstream and done:
+    first = asyncio.timeout(reader.peer_timeout)  # until it has served a chunk (the module docstring)
+
+    async def served(verified: int) -> None:
+        first.reschedule(None)
+        await advanced(reader, verified)
+
+    try:
+        async with first:
+            done = await pipeline.pull(fetch_one, pulled, reader.window, until, served)
+    except TimeoutError as exc:
+        if not first.expired():
+            raise
+        raise TransferTimeout(
+            f"the upstream at {upstream} sent no chunk within peer_timeout ({reader.peer_timeout:.3g}s)"
+        ) from exc
+    if done:
         await reader._drop_channel(upstream)  # the next generation reads from another
-    elif upstream:
+    else:
         raise TransferTimeout(f"the upstream at {upstream} did not send the generation in half the time left")
     return done
 

@@ -40,6 +40,12 @@ class Source(Protocol):
         """The newest generation of ``prefix``; KeyNotFound if there is none."""
         ...
 
+    async def manifest_of(self, prefix: str, generation: int) -> wr.Manifest:
+        """Generation ``generation`` of ``prefix`` while it is kept (a reader the relay did not
+        register reads it from the origin with no table to find it in); GenerationRetired or
+        VersionChanged once it is gone."""
+        ...
+
     def read(
         self, prefix: str, manifest: wr.Manifest, index: int
     ) -> contextlib.AbstractContextManager[memoryview]:
@@ -56,7 +62,15 @@ class GenerationSource:
         self._manifests: dict[tuple[str, int], wr.Manifest] = {}  # the last few, newest last
 
     async def manifest(self, prefix: str) -> wr.Manifest:
-        kept = self.generations.find(prefix, wg.LATEST)
+        return self._manifest(prefix, wg.LATEST)
+
+    async def manifest_of(self, prefix: str, generation: int) -> wr.Manifest:
+        if generation == wg.LATEST:
+            raise VersionChanged(f"RELAY_GET names a generation of {prefix!r} by its number, not 0")
+        return self._manifest(prefix, generation)
+
+    def _manifest(self, prefix: str, at: int) -> wr.Manifest:
+        kept = self.generations.find(prefix, at)
         key = (prefix, kept.generation.number)
         cached = self._manifests.get(key)
         if cached is None:
@@ -108,6 +122,14 @@ class StoreSource:
         finally:
             self.store.release(entries)
         _remember(self._manifests, key, manifest)
+        return manifest
+
+    async def manifest_of(self, prefix: str, generation: int) -> wr.Manifest:
+        manifest = await self.manifest(prefix)  # plain tensors keep only their newest version
+        if manifest.generation != generation:
+            raise VersionChanged(
+                f"generation {generation} of {prefix!r} is retired; the newest is {manifest.generation}"
+            )
         return manifest
 
     @contextlib.contextmanager

@@ -75,6 +75,7 @@ from tensorwire.errors import (
 from tensorwire.logs import event
 from tensorwire.security import Security, TlsFiles, client_tls, client_token
 from tensorwire.server import Server
+from tensorwire.store.generation_config import DEFAULT_MAX_LEASE_SECONDS
 from tensorwire.transport import FrameChannel, TransportOptions
 from tensorwire.transport.base import Transport, as_generational
 from tensorwire.types import Address, GenerationManifest, TensorMeta
@@ -87,7 +88,7 @@ from tensorwire.wire.tensors import byte_view, check_out
 T = TypeVar("T")
 log = logging.getLogger("tensorwire.broadcast")
 
-MAX_MANIFEST_CHUNKS = 1 << 24
+MAX_MANIFEST_CHUNKS = relay_pull.MAX_MANIFEST_CHUNKS
 MAX_RESTARTS = 3  # generations retired under one update before it gives up
 KEEP_UPDATES = 64  # updates ``stats()["updates"]`` remembers
 
@@ -121,7 +122,9 @@ class Subscriber:
     with nothing gets everything, through the relay). ``share`` (e.g. "shm://127.0.0.1:0"): also
     share each generation with this host's ``HostReader``s, at ``share_url`` (host.py); a share
     that cannot take a generation is logged and counted (``share_failures``), and the update, which
-    brought it into ``into``, still returns it.
+    brought it into ``into``, still returns it. ``share_lease_seconds``: how long a follower's views
+    pin their generation in the share at most (after that they still read, but no longer hold the
+    share's room: followers that keep old generations cannot fill it for longer).
     """
 
     def __init__(
@@ -142,6 +145,7 @@ class Subscriber:
         deltas: bool = True,
         share: str | None = None,
         peer_timeout: float = 2.0,
+        share_lease_seconds: float = DEFAULT_MAX_LEASE_SECONDS,
     ) -> None:
         self.origin = Address.parse(url)
         if relay and self.origin.scheme not in ("tcp", "tls"):
@@ -164,6 +168,7 @@ class Subscriber:
         self.delta_stats = delta_reads.DeltaStats()  # what this reader's delta reads moved
         self.updates: deque[UpdateRecord] = deque(maxlen=KEEP_UPDATES)  # the last few, newest last
         self.received = 0  # data bytes pulled through the relay, all updates
+        self.joins_refused = 0  # joins the origin refused for the relay address (relay_pull.join)
         self.share_failures = 0  # generations the host share could not take (logged each time)
         self._relay = relay
         self._listen_host = listen_host
@@ -172,14 +177,16 @@ class Subscriber:
         self._channels: dict[str, FrameChannel] = {}  # "" is the origin
         self._server: Server | None = None
         self._loop = LoopThread("tensorwire-subscriber")
-        self.share = self._start_share(share, connect_timeout) if share else None
+        self.share = self._start_share(share, connect_timeout, share_lease_seconds) if share else None
         self.share_url = self.share.url if self.share else ""  # what this host's HostReaders read
 
-    def _start_share(self, listen: str, timeout: float) -> HostShare:
+    def _start_share(self, listen: str, timeout: float, lease_seconds: float) -> HostShare:
         """The host share's server; the loop thread is stopped if it cannot start (the caller never
         gets an object to close)."""
         try:
-            start = HostShare.start(listen, self.prefix, self.targets, self.security)
+            start = HostShare.start(
+                listen, self.prefix, self.targets, self.security, lease_seconds=lease_seconds
+            )
             return self._loop.call(start, timeout, f"serving {listen}")
         except BaseException:
             self._loop.stop()
@@ -260,10 +267,7 @@ class Subscriber:
 
     async def _relay_update(self, deadline: float, fallback: str) -> int:
         base = self.generation
-        relay = await self._relay_url()
-        join = wr.encode_join(self.prefix, self.generation, relay)
-        reader = await self._origin_call(Opcode.RELAY_JOIN, join, "RELAY_JOIN")
-        manifest, placement = wr.decode_join_reply(reader, MAX_MANIFEST_CHUNKS)
+        manifest, placement = await relay_pull.join(self, self.generation, await self._relay_url())
         if manifest.generation == self.generation:
             self.updates.append(UpdateRecord(self.generation, base, "current", 0, fallback))
             return self.generation
@@ -417,9 +421,15 @@ class Subscriber:
         if not self._relay:
             return ""
         if self._server is None:
-            self._server, self.relay_address = await relay_peer.serve(
-                self.peer, self.origin, self.security, self._listen_host, self.stall_timeout
-            )
+            try:
+                self._server, self.relay_address = await relay_peer.serve(
+                    self.peer, self.origin, self.security, self._listen_host, self.stall_timeout
+                )
+            except ValueError as exc:  # no address, or a certificate its peers would refuse
+                self._relay = False
+                event(log, logging.WARNING, "this reader does not relay: it reads from the origin",
+                      prefix=self.prefix, error=str(exc))  # fmt: skip
+                return ""
         return self.relay_address
 
     async def _leave(self, generation: int) -> None:

@@ -16,11 +16,13 @@ server's capacity (CapacityExceeded when it does not fit: the worker pulls direc
 the store keeps the last ``--keep-generations`` of them (2 by default); a job that ended has its
 generations dropped at the next publish.
 
-Who relays: the PS_RELAY of a live worker (its session checked, as for a pull) admits the
-connection it came over to register in the job's chains (``admit``; the worker joins over that same
-connection, ps/relay_reader.py). An observer's PS_RELAY admits nothing, and a RELAY_JOIN from a
-connection not admitted reads from the server, unregistered (broadcast/coordinator.py): readers
-outside the job are never upstream of its workers, so they cannot make the workers' pulls wait.
+Who relays: the PS_RELAY of a live worker (its session checked, as for a pull) admits that
+session, the worker process's incarnation, to register in the job's chains (``admit``); the worker's
+RELAY_JOIN names it, over the worker's own tcp:// or tls:// connection, whose address the relay
+address is checked against (ps/relay_reader.py: not the slot's connection, which may be shm://).
+An observer's PS_RELAY admits nothing, and a RELAY_JOIN naming no admitted session reads from the
+server, unregistered (broadcast/coordinator.py): readers outside the job are never upstream of its
+workers, so they cannot make the workers' pulls wait. A job that ended has its admissions dropped.
 
 Lifecycle: the ``ParamServer`` makes one ``RelayPublisher``; when the ``ParamServer`` is added to a
 server (``added_to``) it ``attach``es the server's generations and relay tables, after which
@@ -37,10 +39,8 @@ from typing import Any
 import torch
 
 from tensorwire.broadcast.chains import Chains
-from tensorwire.broadcast.coordinator import admit
 from tensorwire.errors import ProtocolError
 from tensorwire.ps.job import HeldShard, Job
-from tensorwire.server import Request
 from tensorwire.store.generations import SERVER_PREFIX, Generations
 from tensorwire.store.memory import Reservation
 from tensorwire.types import TensorMeta
@@ -80,11 +80,11 @@ class RelayPublisher:
     def attach(self, generations: Generations, chains: Chains) -> None:
         self.generations, self.chains = generations, chains
 
-    def admit(self, request: Request, job: str) -> None:
-        """``request`` (a PS_RELAY) came from a live worker of ``job``: its connection may register
-        in the job's chains (see the module doc). Call it only once the worker's session is checked."""
-        if self.chains is not None:
-            admit(request, self.chains, relay_prefix(job))
+    def admit(self, job: str, session: int) -> None:
+        """A PS_RELAY came from ``session``, a live worker of ``job``: it may register in the job's
+        chains (see the module doc). Call it only once the worker's session is checked."""
+        if self.chains is not None and session:
+            self.chains.admit(relay_prefix(job), session)
 
     async def publish(self, job: Job, held: Callable[[str], bool]) -> tuple[int, int]:
         """The job's current parameters as a generation: (version, generation number). ``held``
@@ -126,6 +126,8 @@ class RelayPublisher:
             del self._last[job_id]
             self._locks.pop(job_id, None)
             generations.forget(relay_prefix(job_id))
+            if self.chains is not None:
+                self.chains.forget(relay_prefix(job_id))
 
     def stats(self) -> dict[str, Any]:
         """PS_STATS' ``relay``: versions published, their bytes, and the bytes the relay served

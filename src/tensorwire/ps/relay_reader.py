@@ -11,9 +11,11 @@ With ``pull="relay"``, a worker pulls each server's shards of a new version like
    parameters, checks each against the server's manifest, and forwards it to the next through a
    relay server of its own (``RelayPeer`` on port 0: the relay token derived from the job's token,
    and under TLS its certificate and the cluster's CA, broadcast/peer.py). A dead or corrupt
-   upstream is routed around (RELAY_REPORT FAILED). The join and the reports go over the connection
-   that carried the PS_RELAY: the server admitted that connection (a live worker's) to register in
-   the job's chains, so no reader outside the job (an observer) is ever upstream of a worker.
+   upstream is routed around (RELAY_REPORT FAILED). The join names this worker's session (its
+   incarnation), which the PS_RELAY admitted to register in the job's chains, so no reader outside
+   the job (an observer) is ever upstream of a worker; it goes, with the reports and the chunks,
+   over this reader's own tcp:// or tls:// connection to the replica (whatever the slot's own
+   connection is: shm:// on the server's host), whose address the relay address is checked against.
 
 So the server's link carries each version about once, instead of once per worker. In ``sync``
 mode every worker reads the generation its PS_RELAY named (the next one cannot exist before all
@@ -43,7 +45,6 @@ from tensorwire import transport
 from tensorwire.broadcast import peer as relay_peer
 from tensorwire.broadcast import relay_pull
 from tensorwire.broadcast.peer import RelayPeer
-from tensorwire.broadcast.subscriber import MAX_MANIFEST_CHUNKS
 from tensorwire.errors import (
     ProtocolError,
     TensorwireError,
@@ -61,7 +62,6 @@ from tensorwire.transport import FrameChannel, TransportOptions
 from tensorwire.types import Address
 from tensorwire.wire import meta as wm
 from tensorwire.wire import relay as wr
-from tensorwire.wire.frame import Opcode
 from tensorwire.wire.tensors import byte_view
 
 log = logging.getLogger("tensorwire.ps.worker")
@@ -95,6 +95,7 @@ class SlotReader:
         self.origin = Address.parse(url)  # the replica read from (``_at`` moves it)
         self.reader_id = 0
         self.received = 0
+        self.joins_refused = 0  # joins the server refused for the relay address (relay_pull.join)
         self.window = window
         self.stall_timeout = stall_timeout
         self.peer_timeout = peer_timeout
@@ -105,7 +106,6 @@ class SlotReader:
         self._options = options
         self._peer_options = relay_peer.peer_options(options, peer_timeout)
         self._channels: dict[str, FrameChannel] = {}  # "" is the origin
-        self._control: FrameChannel | None = None  # the slot's connection: joins and reports
         self._server: Server | None = None
 
     async def read(
@@ -114,18 +114,14 @@ class SlotReader:
         number: int,
         exact: bool,
         buffers: Callable[[wr.Manifest], list[memoryview]],
-        control: FrameChannel | None = None,
+        session: int = 0,
     ) -> None:
         """Generation ``number`` (``exact``; else the newest, at least ``number``) from the replica
-        at ``url`` through the relay, into ``buffers(manifest)``; the join and the reports over
-        ``control`` (the connection the PS_RELAY came over) while it is open."""
+        at ``url`` through the relay, into ``buffers(manifest)``; the join names ``session`` (this
+        worker's incarnation, which its PS_RELAY admitted)."""
         await self._at(url)
-        self._control = control
         deadline = time.monotonic() + self._options.request_timeout
-        join = wr.encode_join(self.prefix, 0, await self._relay_url())
-        manifest, placement = wr.decode_join_reply(
-            await self._origin_call(Opcode.RELAY_JOIN, join, "RELAY_JOIN"), MAX_MANIFEST_CHUNKS
-        )
+        manifest, placement = await relay_pull.join(self, 0, await self._relay_url(), session)
         self.reader_id = placement.reader
         try:
             if manifest.generation < number or (exact and manifest.generation != number):
@@ -156,10 +152,9 @@ class SlotReader:
 
     # -- connections (relay_pull.RelayReader) -----------------------------------------------------
     async def _origin_call(self, opcode: int, body: bytes, what: str) -> wm.MetaReader:
-        """A join or a report: over the slot's connection, which the server admitted to register
-        (else over this reader's own, which registers nothing: it reads from the server)."""
-        control = self._control
-        channel = control if control is not None and not control.closed else await self._channel("")
+        """A join or a report, over this reader's own connection to the replica (its registration
+        belongs to that connection and goes when it closes)."""
+        channel = await self._channel("")
         return await channel.call(opcode, body, what=f"{what} of {self.prefix!r}")
 
     async def _channel(self, address: str) -> FrameChannel:
@@ -186,9 +181,12 @@ class SlotReader:
                 relay_peer.check_peer_tls(security, self.origin.scheme)
             except ValueError as exc:  # the pull falls back to a direct one, with a warning
                 raise UnsupportedTransport(str(exc)) from exc
-            self._server, self.relay_address = await relay_peer.serve(
-                self.peer, self.origin, security, None, self.stall_timeout
-            )
+            try:
+                self._server, self.relay_address = await relay_peer.serve(
+                    self.peer, self.origin, security, None, self.stall_timeout
+                )
+            except ValueError as exc:  # a certificate its peers would refuse: a direct pull, warned
+                raise UnsupportedTransport(str(exc)) from exc
         return self.relay_address
 
     async def _leave(self, generation: int) -> None:
@@ -253,7 +251,7 @@ class RelayPulls:
         received = reader.received
         try:
             bind = lambda m: self._bind(slot.shards, m)  # noqa: E731
-            await reader.read(slot.url, number, self.exact, bind, slot.conn)
+            await reader.read(slot.url, number, self.exact, bind, session)
         except (TensorwireError, TimeoutError) as exc:
             self._fell_back(reader, slot, f"generation {number}", exc)
             return None

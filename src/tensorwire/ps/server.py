@@ -362,7 +362,7 @@ class ParamServer:
         run = self._lifecycle.run_of(head)
         await run.pulls.admit(request, head)
         if head.worker != wps.OBSERVER:  # a live worker (admit checked its session) relays its job
-            self.relay.admit(request, run.job.id)
+            self.relay.admit(run.job.id, head.seq)
         with request.waiting():
             version, number = await self.relay.publish(run.job, lambda job: self.jobs.get(job) is not None)
         await request.reply(wps.encode_relay_reply(version, number))

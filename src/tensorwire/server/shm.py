@@ -14,10 +14,12 @@ Per connection (``ShmSession``) the server keeps the puts it handed segments out
 committed (SHM_COMMIT publishes one as named tensors; SHM_GEN_PART hands one to a multi-part
 publish, generation_parts.py, once its chunk checksums are checked), and the leases of views: of
 named tensors (SHM_GET) and of whole generations (SHM_GEN_VIEW, §16: the generation stays pinned,
-so it is never freed, whatever ``--keep-generations`` retires, while the lease lives). When the
-connection ends, open puts are aborted (nothing of them was ever visible) and leased segments are
-released *tainted*: the client may still read them through a view, so they are never reused, only
-unlinked once the store frees them.
+so it is never freed, whatever ``--keep-generations`` retires, while the lease lives, which is at
+most ``--max-lease-seconds``: a reader that keeps its views longer cannot hold the store's room
+with them). When the connection ends, open puts are aborted (nothing of them was ever visible) and
+leased segments are released *tainted*: the client may still read them through a view, so they
+are never reused, only unlinked once the store frees them; so is a view's generation when its
+lease runs out.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import asyncio
 import contextlib
 import functools
 import itertools
+import logging
 import os
 import struct
 import weakref
@@ -35,6 +38,7 @@ from typing import Any, Protocol
 
 from tensorwire import topology, transport
 from tensorwire.errors import InvalidTensor, LimitExceeded, ProtocolError, SharedMemoryUnavailable
+from tensorwire.logs import event
 from tensorwire.server.generation_parts import PartPublishes
 from tensorwire.server.request import Extension, Handler, Request
 from tensorwire.store import Reservation, TensorStore
@@ -50,6 +54,7 @@ from tensorwire.wire.frame import Opcode
 
 MAX_OPEN_PUTS = 64  # per connection: puts handed segments and not yet committed
 MAX_LEASES = 65536  # per connection: tensors pinned by views
+log = logging.getLogger("tensorwire.server.shm")
 _U64 = struct.Struct("<Q")
 _ids = itertools.count(1)
 
@@ -88,6 +93,7 @@ class ShmSession:
         self.leases: dict[int, list[Entry]] = {}
         self.leased = 0
         self.views: dict[int, Kept] = {}  # lease -> the generation it pins (SHM_GEN_VIEW)
+        self.view_ends: dict[int, asyncio.TimerHandle] = {}  # lease -> when it runs out
 
     def close(self) -> None:
         service = self.service
@@ -99,12 +105,25 @@ class ShmSession:
         for entries in self.leases.values():
             service.taint(entry.data for entry in entries)
             service.store.release(entries)
-        for kept in self.views.values():
-            service.taint(data for _, data in kept.tensors.values())
-            service.generations.unpin(kept)
+        for lease in list(self.views):
+            self.end_view(lease, taint=True)
         self.puts.clear()
         self.leases.clear()
-        self.views.clear()
+
+    def end_view(self, lease: int, *, taint: bool) -> bool:
+        """View ``lease`` ends (released, its connection closed, or run out): its generation is
+        unpinned; with ``taint`` (the client may still read it: not released) its segments are never
+        reused. Whether it was held."""
+        service, kept = self.service, self.views.pop(lease, None)
+        timer = self.view_ends.pop(lease, None)
+        if timer is not None:
+            timer.cancel()
+        if service is None or kept is None:
+            return False
+        if taint:
+            service.taint(data for _, data in kept.tensors.values())
+        service.generations.unpin(kept)
+        return True
 
 
 class ShmService:
@@ -127,6 +146,7 @@ class ShmService:
         self.token = int.from_bytes(os.urandom(8), "little")
         self.probe = self.pool.create_probe(_U64.pack(self.token))
         self.store.use_pool(self.pool)
+        self.views_expired = 0  # generation views whose lease ran out (--max-lease-seconds)
 
     def frame_handlers(self) -> dict[int, Handler]:
         """The SHM_* handlers, each served only on the shm:// listener's connections (a tcp://
@@ -229,15 +249,33 @@ class ShmService:
                     raise LimitExceeded(f"{pinned}: {limits.most('leases_per_owner')}")
                 lease = next(_ids)
                 session.views[lease] = kept
+                self._expire_later(session, lease, prefix, gen.number)
             meta = ws.encode_view_answer(gen, [tensors[i][0] for i in slots], refs, lease)
             await req.reply(meta, [tensors[i][1] for i in slots])
         except BaseException:
             session.views.pop(lease, None)  # the client never learnt the lease: nothing reads it
+            timer = session.view_ends.pop(lease, None)
+            if timer is not None:
+                timer.cancel()
             lease = 0
             raise
         finally:
             if not lease:
                 self.generations.unpin(kept)
+
+    def _expire_later(self, session: ShmSession, lease: int, prefix: str, number: int) -> None:
+        """View ``lease`` ends after ``--max-lease-seconds`` as a lease on a generation does, so a
+        reader cannot keep generations (and the store's room) pinned for ever by keeping views."""
+        seconds = self.generations.config.max_lease_seconds
+        loop = asyncio.get_running_loop()
+        session.view_ends[lease] = loop.call_later(seconds, self._expire, session, lease, prefix, number)
+
+    def _expire(self, session: ShmSession, lease: int, prefix: str, number: int) -> None:
+        session.view_ends.pop(lease, None)
+        if session.end_view(lease, taint=True):
+            self.views_expired += 1
+            event(log, logging.INFO, "generation view ran out (--max-lease-seconds): unpinned; its views"
+                  " read on", prefix=prefix, generation=number, expired=self.views_expired)  # fmt: skip
 
     async def put(self, req: Request) -> None:
         session = self.session(req)
@@ -320,9 +358,7 @@ class ShmService:
             entries = session.leases.pop(lease, [])
             session.leased -= len(entries)
             self.store.release(entries)
-            kept = session.views.pop(lease, None)
-            if kept is not None:
-                self.generations.unpin(kept)
+            session.end_view(lease, taint=False)  # the client's views of it are gone
         for put_id in puts:
             res = session.puts.pop(put_id, None)
             if res is not None:

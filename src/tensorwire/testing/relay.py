@@ -2,7 +2,8 @@
 a transfer is many chunks and a fault lands mid-transfer), a model's tensors, bit-exact checks,
 where a tensor's memory lies (``segment_mapping``: a view of a shared-memory segment, or a copy),
 a connection that speaks the relay's opcodes by hand and stays open (``RelayConn``: a hostile
-reader), and readers' TLS certificates (``reader_certs``)."""
+reader), a registered reader whose relay server never has a chunk to forward (``stalled_peer``),
+and readers' TLS certificates (``reader_certs``, ``leaf_cert``)."""
 
 from __future__ import annotations
 
@@ -18,14 +19,15 @@ import torch
 import tensorwire
 from tensorwire import transport
 from tensorwire._aio import LoopThread
-from tensorwire.broadcast import Chains, RelayCoordinator
+from tensorwire.broadcast import Chains, RelayCoordinator, RelayPeer
+from tensorwire.broadcast import peer as relay_peer
 from tensorwire.broadcast.source import StoreSource
 from tensorwire.security import Security, TlsFiles, write_dev_certs
 from tensorwire.server import ServerThread
 from tensorwire.store import TensorStore
 from tensorwire.store.generations import GenerationConfig
 from tensorwire.transport import FrameChannel, TransportOptions
-from tensorwire.types import TensorMeta
+from tensorwire.types import Address, TensorMeta
 from tensorwire.wire import meta as wm
 from tensorwire.wire import relay as wr
 from tensorwire.wire import shm as ws
@@ -164,25 +166,63 @@ class RelayConn:
         self.close()
 
 
+@contextmanager
+def stalled_peer(url: str, prefix: str = PREFIX, token: str | None = None) -> Iterator[wr.Placement]:
+    """A reader registered in the relay of ``prefix``'s newest generation (its placement) whose
+    relay server takes connections and requests but never has a chunk to forward: what a reader
+    whose own upstream stalls looks like to the readers behind it, or a hostile one."""
+    loop = LoopThread("tensorwire-stalled-peer")
+    peer = RelayPeer(max_wait=300.0)
+    try:
+        serving = relay_peer.serve(peer, Address.parse(url), Security(token=token), "127.0.0.1", 300.0)
+        server, address = loop.call(serving, 15.0, "starting a stalled relay server")
+        try:
+            with RelayConn(url, token=token) as conn:
+                manifest, placement = conn.join(address, prefix)
+                buffers = [memoryview(bytearray(m.nbytes)) for m in manifest.metas]
+
+                async def hold() -> None:  # holds the generation, verifies nothing of it
+                    peer.hold(prefix, manifest, buffers)
+
+                loop.call(hold(), 5.0, "holding the generation")
+                yield placement
+        finally:
+            loop.call(server.close(), 15.0, "closing a stalled relay server")
+    finally:
+        loop.stop()
+
+
 def reader_certs(directory: Path, hosts: tuple[str, ...] = ("127.0.0.1",)) -> tuple[TlsFiles, TlsFiles]:
     """A development CA in ``directory`` and (the origin's files, a reader's): a reader's certificate
     serves both ways (serverAuth for its relay server, naming ``hosts``; clientAuth towards its peers
     and the origin), as a relay over TLS needs (broadcast/peer.py)."""
+    paths = write_dev_certs(directory, hosts)
+    served = TlsFiles(cert=paths["server"], key=paths["server_key"], ca=paths["ca"])
+    return served, leaf_cert(directory, "reader", server=True, client=True, hosts=hosts)
+
+
+def leaf_cert(
+    directory: Path, name: str, *, server: bool, client: bool, hosts: tuple[str, ...] = ("127.0.0.1",)
+) -> TlsFiles:
+    """A certificate (``name``.pem, ``name``-key.pem) signed by the development CA in ``directory``
+    (``write_dev_certs``), naming ``hosts``, valid as a server's and/or a client's as asked."""
     from cryptography import x509
     from cryptography.hazmat.primitives import hashes, serialization
     from cryptography.hazmat.primitives.asymmetric import ec
 
-    paths = write_dev_certs(directory, hosts)
-    ca_cert = x509.load_pem_x509_certificate(paths["ca"].read_bytes())
-    ca_key = serialization.load_pem_private_key(paths["ca_key"].read_bytes(), None)
+    ca_cert = x509.load_pem_x509_certificate((directory / "ca.pem").read_bytes())
+    ca_key = serialization.load_pem_private_key((directory / "ca-key.pem").read_bytes(), None)
     assert isinstance(ca_key, ec.EllipticCurvePrivateKey)
     key = ec.generate_private_key(ec.SECP256R1())
     now = datetime.datetime.now(datetime.UTC)
-    usages = [x509.oid.ExtendedKeyUsageOID.SERVER_AUTH, x509.oid.ExtendedKeyUsageOID.CLIENT_AUTH]
+    eku = x509.oid.ExtendedKeyUsageOID
+    usages = [oid for oid, wanted in ((eku.SERVER_AUTH, server), (eku.CLIENT_AUTH, client)) if wanted]
     names: list[x509.GeneralName] = [x509.IPAddress(ipaddress.ip_address(h)) for h in hosts]
     cert = (
         x509.CertificateBuilder()
-        .subject_name(x509.Name([x509.NameAttribute(x509.oid.NameOID.COMMON_NAME, "tensorwire test reader")]))
+        .subject_name(
+            x509.Name([x509.NameAttribute(x509.oid.NameOID.COMMON_NAME, f"tensorwire test {name}")])
+        )
         .issuer_name(ca_cert.subject)
         .public_key(key.public_key())
         .serial_number(x509.random_serial_number())
@@ -193,13 +233,12 @@ def reader_certs(directory: Path, hosts: tuple[str, ...] = ("127.0.0.1",)) -> tu
         .add_extension(x509.SubjectAlternativeName(names), critical=False)
         .sign(ca_key, hashes.SHA256())
     )
-    reader_cert, reader_key = directory / "reader.pem", directory / "reader-key.pem"
-    reader_cert.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    reader_key.write_bytes(
+    cert_path, key_path = directory / f"{name}.pem", directory / f"{name}-key.pem"
+    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    key_path.write_bytes(
         key.private_bytes(
             serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
         )
     )
-    reader_key.chmod(0o600)
-    served = TlsFiles(cert=paths["server"], key=paths["server_key"], ca=paths["ca"])
-    return served, TlsFiles(cert=reader_cert, key=reader_key, ca=paths["ca"])
+    key_path.chmod(0o600)
+    return TlsFiles(cert=cert_path, key=key_path, ca=directory / "ca.pem")

@@ -98,18 +98,23 @@ def _text(value: str) -> bytes:
 
 
 # -- RELAY_JOIN ---------------------------------------------------------------------------------
-def encode_join(prefix: str, after: int, relay: str) -> bytes:
+def encode_join(prefix: str, after: int, relay: str, session: int = 0) -> bytes:
     """A reader that holds generation ``after`` (0: none) of ``prefix`` and serves RELAY_GET at
-    ``relay`` ("": it does not relay) asks for the newest generation and where to pull it from."""
-    return _text(prefix) + _U64.pack(after) + _text(relay)
+    ``relay`` ("": it does not relay) asks for the newest generation and where to pull it from.
+    ``session`` (0: none, and then not sent): the parameter-server session it relays a job's pulls
+    for (a worker's incarnation), which admits it to the job's chains (§15.1)."""
+    tail = _U64.pack(session) if session else b""
+    return _text(prefix) + _U64.pack(after) + _text(relay) + tail
 
 
-def decode_join(reader: wm.MetaReader) -> tuple[str, int, str]:
+def decode_join(reader: wm.MetaReader) -> tuple[str, int, str, int]:
+    """(prefix, after, relay address, session: 0 when the join carries none)."""
     prefix = reader.name()
     after = reader.u64()
     relay = reader.text(_MAX_ADDRESS_BYTES)
+    session = reader.u64() if reader.remaining else 0
     reader.done()
-    return prefix, after, relay
+    return prefix, after, relay, session
 
 
 @dataclass(frozen=True, slots=True)
