@@ -268,3 +268,18 @@ def test_a_join_refused_for_its_address_reads_from_the_origin(caplog: pytest.Log
             assert same_bytes(model, target) and sub.joins_refused == 1 and sub.reader_id == 0
             assert any("relay join refused" in r.getMessage() for r in caplog.records)
         assert coordinator.chains.readers() == 0
+
+
+def test_tensorwire_serve_relay_networks_lets_readers_relay_on_another_interface() -> None:
+    model = model_tensors(4)
+    networks = ["--relay-networks", "127.0.0.0/8"]
+    with ServerProcess(extra=networks) as srv, tensorwire.connect(srv.url) as trainer:
+        generation = trainer.publish("policy", model)
+        targets = [blank_like(model), blank_like(model)]
+        with (
+            tensorwire.Subscriber(srv.url, "policy", targets[0], listen_host="127.0.0.2") as first,
+            tensorwire.Subscriber(srv.url, "policy", targets[1], listen_host="127.0.0.3") as second,
+        ):
+            assert first.update(timeout=30) == second.update(timeout=30) == generation.number
+            assert all(same_bytes(model, t) for t in targets)
+            assert first.reader_id and second.reader_id and first.peer.served > 0  # relayed, at 127.0.0.2

@@ -62,6 +62,16 @@ def _host_param(ctx: click.Context, param: click.Parameter, value: tuple[str, ..
         raise click.BadParameter(str(exc), ctx, param) from exc
 
 
+def _networks_param(ctx: click.Context, param: click.Parameter, value: tuple[str, ...]) -> tuple[str, ...]:
+    """``--relay-networks``: CIDRs, checked now."""
+    from tensorwire.broadcast.coordinator import parse_networks
+
+    try:
+        return tuple(str(network) for network in parse_networks(value))
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), ctx, param) from exc
+
+
 def _rack_param(ctx: click.Context, param: click.Parameter, value: str | None) -> topology.Location:
     """``--rack``: this process's location, the rack given or ``$TENSORWIRE_RACK`` (read now)."""
     try:
@@ -293,6 +303,12 @@ def generation_bounds(command: Any) -> Any:
     help="The page's live event streams (open pages) at once, all browsers together.",
 )  # fmt: skip
 @click.option(
+    "--relay-networks", "relay_networks", metavar="CIDR", multiple=True, callback=_networks_param,
+    help="Relay readers (Subscriber) may register a relay address in this network other than the IP "
+    "their connection comes from: readers behind NAT, or relaying on another interface (repeatable; "
+    "by default only that IP; loopback, link-local and unspecified addresses never).",
+)  # fmt: skip
+@click.option(
     "--rack", "location", metavar="LABEL", callback=_rack_param, default=None,
     help=f"This server's rack (or zone) label, shown in HELLO and STATUS [default: ${topology.RACK_ENV}]; "
     f"its host label is ${topology.HOST_ENV}, else the hostname.",
@@ -350,6 +366,7 @@ def serve(
     dashboard_allowed_hosts: tuple[str, ...],
     dashboard_max_connections: int,
     dashboard_max_streams: int,
+    relay_networks: tuple[str, ...],
     location: topology.Location,
     log_level: str | None,
 ) -> None:
@@ -424,7 +441,7 @@ def serve(
             keep=keep_generations, max_lease_seconds=max_lease_seconds, **generation_limits
         ),
     )
-    RelayCoordinator.of(server)  # readers of its generations relay them to each other (Subscriber)
+    RelayCoordinator.of(server, networks=relay_networks)  # readers of its generations relay them
     page_tls = TlsFiles(tls_cert, tls_key, tls_client_ca) if tls_cert and tls_key else None  # as clients
     allowed = dashboard_allowed_hosts
     limits = Limits(max_connections=dashboard_max_connections, max_streams=dashboard_max_streams,
