@@ -6,15 +6,18 @@ How one ``update()`` goes (docs/protocol.md §15 has the wire side):
 1. RELAY_JOIN to the origin, over the authenticated connection: the newest generation's manifest
    (tensor records, chunk size, one checksum per chunk) and the upstream to pull from — the origin
    itself, or the reader that joined just before (the origin strings readers into pipelined
-   chains, chains.py).
+   chains, chains.py). An origin that does not register this reader's relay address (not the IP
+   its connection comes from, say: a multi-homed host, NAT) answers the origin, and the reader
+   reads from it; one that refuses the address is asked again without it (relay_pull.join).
 2. Chunks are pulled in order from the upstream (RELAY_GET, one chunk per request, ``window``
    requests in flight: pipeline.py), straight into the target tensors' memory; each is checked
    against the manifest's checksum (a relay peer is not trusted: only the manifest, which comes
    from the origin, is) before it counts as received. As soon as it and every chunk before it are,
    this reader's own relay server (peer.py, a ``Server`` with the cluster's token and TLS) may
    forward it to the reader after it: every hop forwards chunk k while receiving chunk k+1.
-3. An upstream that cannot be reached within ``peer_timeout``, drops the connection, stalls past
-   ``stall_timeout``, refuses, or sends a chunk whose checksum fails is reported to the origin
+3. An upstream that cannot be reached within ``peer_timeout``, sends no first chunk within it
+   either, drops the connection, stalls past ``stall_timeout``, refuses, or sends a chunk whose
+   checksum fails is reported to the origin
    (RELAY_REPORT FAILED); the origin drops it from the chain and answers itself as the new upstream,
    and the pull goes on from the lowest chunk not verified yet. A reader sends the cluster's token
    only to the origin: its peers get the relay token derived from it (peer.py).
@@ -115,7 +118,7 @@ class Subscriber:
     address this host reaches the origin from; under tls:// it needs ``tls`` with this reader's
     certificate, key and the cluster's CA: peer.py). ``stall_timeout``: how long an upstream may
     keep a chunk waiting before it is routed around; ``peer_timeout``: how long connecting to an
-    upstream may take. ``window``: single-chunk requests kept in flight.
+    upstream, and then its first chunk, may take. ``window``: single-chunk requests kept in flight.
     ``progress(chunks)`` hears, on a worker thread, how many chunks of the generation are verified.
     ``deltas``: a reader holding a generation reads a newer one as a delta from the origin (see
     the module docstring: readers at different generations each get their own delta; a reader
