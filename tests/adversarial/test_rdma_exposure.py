@@ -252,6 +252,61 @@ def test_an_engine_asked_for_loopback_is_not_reachable_from_another_interface() 
         run(case(ns, host_address))
 
 
+def _other_local_address(besides: str) -> str | None:
+    """An IPv4 address of this host on neither the loopback interface nor ``besides``."""
+    done = subprocess.run(["ip", "-o", "-4", "addr", "show"], check=False, capture_output=True, text=True)
+    for line in done.stdout.splitlines():
+        parts = line.split()
+        if len(parts) > 3 and parts[1] not in ("lo", besides):
+            return parts[3].partition("/")[0]
+    return None
+
+
+def _refused_here(host: str, port: int) -> bool:
+    try:
+        socket.create_connection((host, port), timeout=3).close()
+    except OSError:
+        return True
+    return False
+
+
+def test_an_engine_asked_for_another_address_accepts_connections_on_its_interface_only() -> None:
+    """An engine asked for an address that is not loopback listens (the library's doing) on every
+    interface; it is kept to the interface that holds the address: reachable from that interface's
+    network and from this host through that address (a same-host client arrives on it too), not
+    through loopback or another interface's address, and a client on this host moves tensors."""
+
+    async def case(ns: str, host_address: str, device: str) -> None:
+        before = {s.inode for s in tcp_sockets()}
+        server = Server(TensorStore(1 << 30))
+        await server.start(f"rdma://{host_address}:0")
+        listening = {s.port for s in tcp_sockets() if s.inode not in before and s.state == "0A"}
+        ports = sorted(listening - {server.addresses[0].port})
+        other = _other_local_address(device)
+        try:
+            assert len(ports) == 2
+            for port in ports:
+                assert await asyncio.to_thread(_reachable_from, ns, host_address, port), port
+                assert _refused_here("127.0.0.1", port), port
+                assert other is None or _refused_here(other, port), (other, port)
+                socket.create_connection((host_address, port), timeout=5).close()
+            accepts = {p["accepts"] for p in server.status()["rdma"]["ports"]}
+            assert accepts == {f"interface {device}"}, accepts
+            channel = await _channel(server)
+            assert isinstance(channel, RdmaTransport)
+            data = torch.randn(BIG // 4)
+            await channel.put(TensorBatch([("w", data)]))
+            out = torch.empty_like(data)
+            await channel.get(["w"], lambda metas: [out.numpy().data.cast("B")])
+            assert torch.equal(out, data)
+            await channel.close()
+        finally:
+            await server.close()
+
+    with _namespace() as (ns, host_address):
+        run(case(ns, host_address, f"twxh{os.getpid() % 10000}"))
+
+
 def test_the_engines_idle_memory_counts_against_the_capacity_and_gives_way_to_a_put() -> None:
     """TCP mode: after a put, the buffer it landed in stays with the engine (charged to the store as
     ``rdma.engine``, as it was while the put landed in it); a later put whose landing buffer needs

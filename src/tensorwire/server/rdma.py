@@ -14,10 +14,13 @@ of docs/protocol.md §17 on top of the usual ones) and one transfer engine for t
   with its address and chunk checksums; the client reads and checks; RDMA_END (release) frees it.
 
 The engine authenticates no one and hands any peer the addresses of whatever is registered
-(README, "RDMA"). So the server registers only buffers reserved for an authenticated request on
-an rdma:// listener's connection, for that request's lifetime: at most ``MAX_OPEN`` per connection
-and ``max_registered`` bytes, unregistered when the request ends or its connection closes (a
-client killed with SIGKILL included: its TCP connection ends, ``RdmaSession.close`` frees all).
+(README, "RDMA"), and its ports accept any connection: they are kept to the interface asked for,
+and at most ``--max-connections`` connections to them stay open (``rdma_engine``; those shut
+down are counted as refused connections, reasons ``rdma_limit`` and ``rdma_silent``). So the
+server registers only buffers reserved for an authenticated request on an rdma:// listener's
+connection, for that request's lifetime: at most ``MAX_OPEN`` per connection and
+``max_registered`` bytes, unregistered when the request ends or its connection closes (a client
+killed with SIGKILL included: its TCP connection ends, ``RdmaSession.close`` frees all).
 
 In the engine's TCP mode unregistering does not end a peer's request already under way, so the
 engine is told only about memory of its own (``rdma_memory.EngineMemory``): a put lands there and
@@ -32,6 +35,7 @@ refuse requests that did not come in on an rdma:// listener.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import itertools
 import os
@@ -44,13 +48,21 @@ from typing import Any, Protocol
 
 from tensorwire import transport
 from tensorwire.errors import CorruptFrame, InvalidTensor, LimitExceeded, ProtocolError
+from tensorwire.server.metrics import RequestCounts
 from tensorwire.server.rdma_memory import EngineMemory, size_class
 from tensorwire.server.request import Extension, Handler, Request
 from tensorwire.store import Reservation, TensorStore
 from tensorwire.store.pool import BufferPool, allocate_private
 from tensorwire.transport import tls
 from tensorwire.transport.base import ByteStream, Listener
-from tensorwire.transport.rdma_engine import HOST_ENV, Engine, address_of, prefault
+from tensorwire.transport.rdma_engine import (
+    DEFAULT_MAX_PEERS,
+    HOST_ENV,
+    SILENT_GRACE,
+    Engine,
+    address_of,
+    prefault,
+)
 from tensorwire.types import Address, GiB, KiB, MiB, TensorMeta
 from tensorwire.wire import meta as wm
 from tensorwire.wire import rdma as wr
@@ -67,6 +79,15 @@ class RdmaHost(Protocol):
 
     @property
     def store(self) -> TensorStore: ...
+
+    @property
+    def max_connections(self) -> int: ...  # also bounds the connections to the engine's ports
+
+    @property
+    def auth_timeout(self) -> float: ...
+
+    @property
+    def counts(self) -> RequestCounts: ...
 
     async def handle(self, stream: ByteStream, transport: str = "tcp") -> None: ...
 
@@ -121,9 +142,14 @@ class RdmaService:
         max_registered: int = DEFAULT_MAX_REGISTERED,
         inline_max: int = INLINE_MAX,
         max_engine_memory: int = DEFAULT_MAX_REGISTERED,
+        max_peers: int = DEFAULT_MAX_PEERS,
+        silent_grace: float = SILENT_GRACE,
+        on_cut: Callable[[str, int], None] | None = None,
     ) -> None:
         self.store = store
-        self.engine = Engine(host)  # RdmaUnavailable here: the listener does not start
+        # RdmaUnavailable here: the listener does not start. Its ports take at most ``max_peers``
+        # connections (the server's --max-connections; ``on_cut`` counts those shut down).
+        self.engine = Engine(host, max_peers=max_peers, silent_grace=silent_grace, on_cut=on_cut)
         # TCP mode: the only memory the engine is told about (rdma_memory.py), at most this much.
         self.memory = (
             EngineMemory(self.engine, store, max_engine_memory) if self.engine.protocol == "tcp" else None
@@ -156,6 +182,8 @@ class RdmaService:
         doc = {"session": engine.session, "protocol": engine.protocol, "open": self.open,
                "registered_buffers": len(engine.registered), "registered_bytes": registered,
                "ports": engine.sockets.describe()}  # fmt: skip
+        if engine.guard is not None:  # connections to the engine's ports shut down, by reason
+            doc["peers"] = {"bound": engine.max_peers, "shut": dict(engine.guard.shut)}
         if memory is not None:
             doc["engine_memory"] = {"held": memory.held, "idle": memory.idle, "reclaims": memory.reclaims}
         return {"rdma": doc}
@@ -428,6 +456,23 @@ def _rdma_only(name: str, handler: Handler) -> Handler:
 _services: weakref.WeakKeyDictionary[RdmaHost, RdmaService] = weakref.WeakKeyDictionary()
 
 
+def _counter(server: RdmaHost) -> Callable[[str, int], None]:
+    """What counts the connections to the engine's ports its guard shut down, from the guard's
+    thread: ``tensorwire_connections_refused_total`` reasons ``rdma_limit`` (beyond
+    --max-connections) and ``rdma_silent`` (nothing sent in time), on the server's loop."""
+    loop, counts = asyncio.get_running_loop(), server.counts
+
+    def bump(reason: str, count: int) -> None:
+        for _ in range(count):
+            counts.refuse(f"rdma_{reason}")
+
+    def count(reason: str, count: int) -> None:
+        with contextlib.suppress(RuntimeError):  # the loop closed: nothing left to count for
+            loop.call_soon_threadsafe(bump, reason, count)
+
+    return count
+
+
 def engine_host(address: Address) -> str:
     """The address peers reach this server's engine at: the listener's own, or for a wildcard
     bind ``TENSORWIRE_RDMA_HOST`` (else this host's name)."""
@@ -442,7 +487,13 @@ async def listen(server: RdmaHost, address: Address, context: ssl.SSLContext | N
     service = _services.get(server)
     first = service is None
     if service is None:
-        service = RdmaService(server.store, engine_host(address))
+        service = RdmaService(
+            server.store,
+            engine_host(address),
+            max_peers=server.max_connections,
+            silent_grace=min(SILENT_GRACE, server.auth_timeout),
+            on_cut=_counter(server),
+        )
     try:
         handler = functools.partial(server.handle, transport="rdma")  # both kinds: the RDMA_* opcodes
         if context is not None:

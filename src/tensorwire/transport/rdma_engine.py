@@ -22,7 +22,13 @@ Only registered ranges: anything else is refused. That is why a server registers
 for the authenticated request it was reserved for, and unregisters it before it trusts its bytes.
 The library opens those ports on every interface, whatever address it is given: an engine asked
 for a loopback address is confined to the loopback interface (``rdma_sockets``), one asked for
-another address warns that it listens everywhere. In TCP mode an engine checks a peer's address
+another address to the interface that holds it (``TENSORWIRE_RDMA_INTERFACE`` names another, or
+``*`` for every interface), and one that cannot be confined warns that it listens everywhere. The
+library accepts every connection to its ports and keeps it until the peer closes it; a guard
+thread (``rdma_sockets.Guard``) shuts down those that send nothing within ``silent_grace`` (a
+second: an engine sends its request at once) and, beyond ``max_peers`` (a server's
+``--max-connections``), the most idle ones, so a flood cannot take this process's descriptors.
+In TCP mode an engine checks a peer's address
 once per request and then keeps moving bytes for as long as the peer sends, even after the buffer
 is unregistered: a server keeps such memory apart (``server/rdma_memory.py``), and a client
 registers nothing in TCP mode (its engine does not need its own buffers registered to move them).
@@ -58,7 +64,7 @@ import numpy as np
 from tensorwire._aio import asyncio_timeout
 from tensorwire.errors import RdmaUnavailable, TransportError
 from tensorwire.security import is_loopback
-from tensorwire.transport.rdma_sockets import WILDCARDS, EnginePorts
+from tensorwire.transport.rdma_sockets import LOOPBACK_DEVICE, WILDCARDS, EnginePorts, Guard, interface_of
 from tensorwire.types import GiB
 from tensorwire.wire.rdma import PROTOCOLS
 
@@ -66,6 +72,11 @@ log = logging.getLogger("tensorwire.rdma")
 PROTOCOL_ENV = "TENSORWIRE_RDMA_PROTOCOL"  # "rdma" (default) or "tcp": the engine's TCP mode
 HOST_ENV = "TENSORWIRE_RDMA_HOST"  # the address peers reach this engine at, when a server binds a wildcard
 KEEP_ENV = "TENSORWIRE_RDMA_KEEP_REGISTERED"  # "1": a client keeps its buffers registered between transfers
+# The interface an engine not asked for loopback accepts connections on: unset, the one that holds
+# its address; "*", every interface (the library's own way); else that interface's name.
+INTERFACE_ENV = "TENSORWIRE_RDMA_INTERFACE"
+DEFAULT_MAX_PEERS = 64  # connections peers may hold open to an engine's ports (a server's: --max-connections)
+SILENT_GRACE = 1.0  # seconds a connection to an engine's port may stay silent (an engine sends at once)
 INSTALL_HINT = (
     "pip install 'tensorwire[rdma]' and the system library libibverbs1 (apt-get install libibverbs1)"
 )
@@ -144,8 +155,21 @@ def prefault(buf: memoryview) -> None:
 class Engine:
     """One ``TransferEngine`` of this process (see the module docstring)."""
 
-    def __init__(self, host: str, protocol: str | None = None, *, exposes: bool = True) -> None:
+    def __init__(
+        self,
+        host: str,
+        protocol: str | None = None,
+        *,
+        exposes: bool = True,
+        max_peers: int = DEFAULT_MAX_PEERS,
+        silent_grace: float = SILENT_GRACE,
+        on_cut: Callable[[str, int], None] | None = None,
+    ) -> None:
         self.host = host
+        self.max_peers = max_peers
+        self.guard: Guard | None = None
+        self._on_cut = on_cut
+        self._shut = 0  # connections to its ports the guard shut down (logged at 1, 2, 4, ...)
         self.protocol = protocol or requested_protocol()
         module = load()
         self._te = module.TransferEngine()
@@ -171,14 +195,17 @@ class Engine:
         self.cache = Registrations(self)
         try:
             self._expose(host, exposes)
+            if self.sockets.listening:
+                self.guard = Guard(self.sockets, max_peers, silent_grace, self._cut)
         except BaseException:
             self.close()
             raise
 
     def _expose(self, host: str, exposes: bool) -> None:
         """Keep the engine's ports to the interface asked for where the library lets us: loopback
-        (else refuse to run); for another address say that the library listens everywhere (if the
-        engine ``exposes`` memory at all: a client engine in TCP mode registers none)."""
+        (else refuse to run); for another address the interface that holds it; else say that the
+        library listens everywhere (if the engine ``exposes`` memory at all: a client engine in
+        TCP mode registers none)."""
         if is_loopback(host):
             if not self.sockets.listening:
                 raise RdmaUnavailable(f"cannot find the transfer engine's ports to keep them on {host}")
@@ -189,14 +216,48 @@ class Engine:
                     f"cannot keep the transfer engine's ports {self.sockets.ports} on loopback ({exc}); the "
                     "library listens on every interface (SO_BINDTODEVICE needs Linux 5.7 or CAP_NET_RAW)"
                 ) from exc
-        elif exposes and host not in WILDCARDS and self.sockets.listening:
+            return
+        if host in WILDCARDS or not self.sockets.listening:
+            return
+        device, why = _device_for(host)
+        if device is not None:
+            try:
+                self.sockets.confine(device)
+                log.info(
+                    "the transfer engine's ports %s accept connections on %s only", self.sockets.ports, device
+                )
+                return
+            except OSError as exc:
+                why = f"SO_BINDTODEVICE {device} refused ({exc}; it needs Linux 5.7 or CAP_NET_RAW)"
+        if exposes:
             log.warning(
-                "the transfer engine asked for %s listens on every interface (ports %s): the Mooncake "
-                "library binds them so; any host that reaches them can read and write the buffers "
-                "registered for requests under way (README, RDMA)",
+                "the transfer engine asked for %s listens on every interface (ports %s): %s; any host "
+                "that reaches them can read and write the buffers registered for requests under way "
+                "(README, RDMA)",
                 host,
                 ", ".join(map(str, self.sockets.ports)),
+                why,
             )
+
+    def _cut(self, reason: str, count: int) -> None:
+        """The guard shut down ``count`` connections to the engine's ports (on its thread): logged
+        at the 1st, 2nd, 4th, ... (a flood logs a few lines), and told to ``on_cut``."""
+        before, self._shut = self._shut, self._shut + count
+        if before.bit_length() != self._shut.bit_length():
+            why = (
+                f"beyond its bound of {self.max_peers} connections (--max-connections)"
+                if reason == "limit"
+                else "that sent nothing in time"
+            )
+            log.warning(
+                "the transfer engine shut down %d connections to its ports %s %s; %d so far",
+                count,
+                ", ".join(map(str, self.sockets.ports)),
+                why,
+                self._shut,
+            )
+        if self._on_cut is not None:
+            self._on_cut(reason, count)
 
     def cut_connections(self, timeout: float = 2.0) -> bool:
         """Cut the connections peers opened to this engine's data ports (TCP mode), and wait (up
@@ -284,6 +345,8 @@ class Engine:
     def close(self) -> None:
         """Unregister everything, stop the transfer threads (transfers under way finish first) and
         let the engine go: its ports and threads are freed once the last transfer returns."""
+        if self.guard is not None:
+            self.guard.close()  # first: it holds duplicates of the listening sockets
         with self._lock:
             if self._closed:
                 return
@@ -294,6 +357,23 @@ class Engine:
             self._te = None
         self.cache.forget()  # after the engine's lock: the cache takes its own lock, then the engine's
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _device_for(host: str) -> tuple[str | None, str]:
+    """The interface an engine asked for ``host`` (not loopback) should accept connections on, or
+    None and why not: ``TENSORWIRE_RDMA_INTERFACE`` when set (``*``: none), else the interface that
+    holds the address. A client on this host that connects to that address arrives on it too."""
+    chosen = os.environ.get(INTERFACE_ENV, "").strip()
+    if chosen == "*":
+        return None, f"{INTERFACE_ENV}=* asks for every interface"
+    if chosen:
+        return chosen, ""
+    device = interface_of(host)
+    if device is None:
+        return None, f"no interface here holds {host} (set {INTERFACE_ENV} to name one)"
+    if device == LOOPBACK_DEVICE:  # an address kept on lo (a service address): peers arrive elsewhere
+        return None, f"{host} is held by the loopback interface (set {INTERFACE_ENV} to name another)"
+    return device, ""
 
 
 def _call(call: Callable[..., int], args: tuple[str, int, int, int], keep: object) -> int:
