@@ -18,7 +18,9 @@ Exported (counters end in ``_total``; ``op`` is the operation: put, get, ps_push
   ``tensorwire_connections_refused_total`` by ``reason``: limit (``--max-connections``), auth (a
   missing or wrong token, on a connection or a gRPC call), auth_timeout (no authenticated first
   frame within ``--auth-timeout``), metrics_limit (a scrape over ``--metrics-connections``),
-  metrics_auth (a scrape whose bearer is not ``--metrics-token-file``'s).
+  metrics_auth (a scrape whose bearer is not ``--metrics-token-file``'s), rdma_silent and
+  rdma_limit (connections to the RDMA engine's ports shut down: silent past their grace, or over
+  ``--max-connections``).
 * ``tensorwire_checksum_failures_total`` by ``transport``: data chunks that failed their checksum.
 * ``tensorwire_upload_resumes_total``: resumable puts resumed after a break (client retries the
   server sees; resent parameter-server pushes are ``tensorwire_ps_duplicate_pushes_total``).
