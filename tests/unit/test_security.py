@@ -133,7 +133,11 @@ def test_dev_cert_contents(certs: dict[str, Path]) -> None:
     ]
     server_eku = server.extensions.get_extension_for_class(x509.ExtendedKeyUsage).value
     client_eku = client.extensions.get_extension_for_class(x509.ExtendedKeyUsage).value
-    assert list(server_eku) == [x509.oid.ExtendedKeyUsageOID.SERVER_AUTH]
+    # Both ways: on the origin's host a relay reader serves its peers with it and is their client.
+    assert list(server_eku) == [
+        x509.oid.ExtendedKeyUsageOID.SERVER_AUTH,
+        x509.oid.ExtendedKeyUsageOID.CLIENT_AUTH,
+    ]
     assert list(client_eku) == [x509.oid.ExtendedKeyUsageOID.CLIENT_AUTH]
 
 
