@@ -6,7 +6,7 @@ from tensorwire.bench import chaos
 
 
 def test_a_short_chaos_run_loses_and_doubles_nothing() -> None:
-    result = chaos.run(steps=600, interval=1.5, seed=1)
+    result = chaos.run(steps=300, interval=1.5, seed=1)
     assert result["faults_injected"] >= 1
     assert result["lost_updates"] == 0 and result["duplicate_updates"] == 0
     assert result["loss"] > 0
@@ -16,6 +16,6 @@ def test_with_a_token_on_every_server_the_replicas_still_hold_every_update() -> 
     """`bench chaos --token`: every server requires a client token, so the replicas must reach each
     other with their peer token; a primary that could not would lose acknowledged updates at the
     failover (each fault here kills a primary)."""
-    result = chaos.run(steps=500, interval=1.5, seed=2, token=True, primaries=True)
+    result = chaos.run(steps=250, interval=1.5, seed=2, token=True, primaries=True)
     assert result["faults_injected"] >= 1 and len(result["failovers"]) == result["faults_injected"]
     assert result["lost_updates"] == 0 and result["duplicate_updates"] == 0

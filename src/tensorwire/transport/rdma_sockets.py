@@ -37,6 +37,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TypeVar
 
+import psutil
+
 log = logging.getLogger("tensorwire.rdma")
 LISTEN, ESTABLISHED = "0A", "01"
 WILDCARDS = ("0.0.0.0", "::")
@@ -186,65 +188,32 @@ def _shut(sock: TcpSocket) -> None:
             handle.shutdown(socket.SHUT_RDWR)
 
 
-# -- the interface that holds an address (rtnetlink: RTM_GETADDR, the kernel's address table) ----
-_RTM_NEWADDR, _RTM_GETADDR, _NLMSG_ERROR, _NLMSG_DONE = 20, 22, 2, 3
-_NLM_F_REQUEST_DUMP = 0x1 | 0x300
-_IFA_ADDRESS, _IFA_LOCAL = 1, 2
-_NLMSG_HEAD = struct.Struct("=IHHII")  # length, type, flags, sequence, port id
-_IFADDRMSG = struct.Struct("=BBBBI")  # family, prefix length, flags, scope, interface index
-_RTATTR = struct.Struct("=HH")  # length, type
-
-
+# -- the interface that holds an address ---------------------------------------------------------
 def interface_of(host: str) -> str | None:
     """The name of the interface that holds the address ``host`` (an IP address; IPv4-mapped
-    IPv6 counts as IPv4), or None: a host name, an address of no interface here, or no rtnetlink."""
+    IPv6 counts as IPv4), or None: a host name, or an address of no interface here."""
     try:
         target = ipaddress.ip_address(host.strip().strip("[]"))
     except ValueError:
         return None
     if isinstance(target, ipaddress.IPv6Address) and target.ipv4_mapped is not None:
         target = target.ipv4_mapped
-    family = socket.AF_INET if target.version == 4 else socket.AF_INET6
     try:
-        index = _address_index(family, target)
-        return socket.if_indextoname(index) if index is not None else None
+        interfaces = psutil.net_if_addrs()
     except OSError:
         return None
+    for name, addresses in interfaces.items():
+        for address in addresses:
+            if address.family in (socket.AF_INET, socket.AF_INET6) and _same_ip(address.address, target):
+                return str(name)
+    return None
 
 
-def _address_index(family: int, target: ipaddress.IPv4Address | ipaddress.IPv6Address) -> int | None:
-    """The index of the interface holding ``target``, from a dump of the kernel's address table."""
-    with socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, 0) as link:  # NETLINK_ROUTE
-        link.settimeout(2.0)
-        request = _IFADDRMSG.pack(family, 0, 0, 0, 0)
-        head = _NLMSG_HEAD.pack(_NLMSG_HEAD.size + len(request), _RTM_GETADDR, _NLM_F_REQUEST_DUMP, 1, 0)
-        link.send(head + request)
-        while True:
-            data = link.recv(1 << 16)
-            offset = 0
-            while offset + _NLMSG_HEAD.size <= len(data):
-                length, kind, _, _, _ = _NLMSG_HEAD.unpack_from(data, offset)
-                if kind in (_NLMSG_DONE, _NLMSG_ERROR) or length < _NLMSG_HEAD.size:
-                    return None
-                if kind == _RTM_NEWADDR and _holds(data[offset + _NLMSG_HEAD.size : offset + length], target):
-                    return int(_IFADDRMSG.unpack_from(data, offset + _NLMSG_HEAD.size)[4])
-                offset += (length + 3) & ~3
-
-
-def _holds(message: bytes, target: ipaddress.IPv4Address | ipaddress.IPv6Address) -> bool:
-    """Whether one RTM_NEWADDR message is the address ``target`` (its local address: IFA_LOCAL
-    where there is one, as on a point-to-point link whose IFA_ADDRESS is the far end)."""
-    found: dict[int, bytes] = {}
-    pos = _IFADDRMSG.size
-    while pos + _RTATTR.size <= len(message):
-        size, kind = _RTATTR.unpack_from(message, pos)
-        if size < _RTATTR.size:
-            break
-        if kind in (_IFA_ADDRESS, _IFA_LOCAL):
-            found[kind] = message[pos + _RTATTR.size : pos + size]
-        pos += (size + 3) & ~3
-    raw = found.get(_IFA_LOCAL, found.get(_IFA_ADDRESS))
-    return raw is not None and len(raw) == len(target.packed) and raw == target.packed
+def _same_ip(text: str, target: ipaddress.IPv4Address | ipaddress.IPv6Address) -> bool:
+    try:
+        return ipaddress.ip_address(text.split("%", 1)[0]) == target  # fe80::1%eth0: the zone goes
+    except ValueError:
+        return False
 
 
 # -- bounding the connections peers hold open to an engine's ports ------------------------------
@@ -252,6 +221,11 @@ def _holds(message: bytes, target: ipaddress.IPv4Address | ipaddress.IPv6Address
 # filtered to the engine's ports by the kernel, with each connection's tcp_info): reading the
 # whole text TCP table and every descriptor's link takes tens of milliseconds with a thousand
 # sockets. Where sock_diag cannot be had, the tables and getsockopt(TCP_INFO) serve.
+# netlink framing (sock_diag rides on it)
+_NLMSG_ERROR, _NLMSG_DONE = 2, 3
+_NLM_F_REQUEST_DUMP = 0x1 | 0x300
+_NLMSG_HEAD = struct.Struct("=IHHII")  # length, type, flags, sequence, port id
+_RTATTR = struct.Struct("=HH")  # length, type
 _TCP_INFO = getattr(socket, "TCP_INFO", 11)
 _INFO = struct.Struct("=52xI72xQ")  # tcp_info: last_data_recv (ms) at 52, bytes_received at 128
 _SOCK_DIAG_BY_FAMILY, _INET_DIAG_REQ_BYTECODE, _INET_DIAG_INFO = 20, 1, 2
