@@ -55,7 +55,8 @@ from tensorwire.errors import InvalidName, ProtocolError
 from tensorwire.logs import event
 from tensorwire.security import is_loopback
 from tensorwire.server import Handler, Request, Server
-from tensorwire.store.generations import SERVER_PREFIX
+from tensorwire.store.generation_config import is_server_prefix
+from tensorwire.store.uploads import client_of
 from tensorwire.types import Address, TensorMeta
 from tensorwire.wire import meta as wm
 from tensorwire.wire import relay as wr
@@ -94,7 +95,7 @@ def relay_session(req: Request, chains: Chains) -> RelaySession:
 
 def restricted(prefix: str) -> bool:
     """Whether relaying under ``prefix`` takes an admission: the server's own prefix."""
-    return prefix == SERVER_PREFIX or prefix.startswith(SERVER_PREFIX + "/")
+    return is_server_prefix(prefix)
 
 
 class RelayCoordinator:
@@ -330,8 +331,7 @@ def _ip(host: str) -> IPAddress | None:
 
 def _peer_ip(peer: str) -> IPAddress | None:
     """The IP address of a connection's ``peer`` ("tcp://HOST:PORT"), None when unknown."""
-    host = peer.partition("://")[2].rpartition(":")[0]
-    return _ip(host) if host else None
+    return _ip(client_of(peer))
 
 
 def _valid_host(host: str) -> bool:

@@ -277,7 +277,7 @@ async def serve(
     )  # fmt: skip
     serve_only(server, PEER_OPCODES)
     try:
-        (address,) = await server.start(f"{origin.scheme}://{bracketed(host)}:0")
+        (address,) = await server.start(str(Address(origin.scheme, host, 0)))
     except BaseException:
         await server.close()
         raise
@@ -290,7 +290,7 @@ async def serve(
     except BaseException:
         await server.close()
         raise
-    return server, f"{address.scheme}://{bracketed(bound)}:{address.port}"
+    return server, str(Address(address.scheme, bound, address.port))
 
 
 def serve_only(server: Server, opcodes: Collection[int]) -> None:
@@ -310,13 +310,6 @@ def local_host_towards(origin: Address) -> str:
             return str(probe.getsockname()[0])
     except OSError as exc:
         raise ValueError(f"cannot tell which local address reaches {origin}; pass listen_host") from exc
-
-
-def bracketed(host: str) -> str:
-    with contextlib.suppress(ValueError):
-        if ipaddress.ip_address(host).version == 6:
-            return f"[{host}]"
-    return host
 
 
 def _unspecified(host: str) -> bool:

@@ -89,7 +89,7 @@ class Lifecycle:
         check_records(metas, None if check_only else request.header.data_len)
         run = self._opened(head)
         try:
-            self._authorize(run, credential, "PS_INIT")
+            run.job.check_owner(credential, "PS_INIT")  # compared only: a PS_INIT claims nothing
             await self._init(run, request, head, config, metas, check_only=check_only)
         finally:
             self.jobs.prune(run)
@@ -154,15 +154,10 @@ class Lifecycle:
         self.jobs.check_not_ended(head.job, head.seq)
         run = self._opened(head)
         try:
-            self._authorize(run, credential, "PS_JOIN")  # refused before it waits for anything
+            run.job.check_owner(credential, "PS_JOIN")  # refused before it waits for anything
             await self._join(run, request, head, described, credential)
         finally:
             self.jobs.prune(run)
-
-    @staticmethod
-    def _authorize(run: JobRun, credential: bytes, what: str) -> None:
-        """``credential`` must be the job's token: compared only, never claimed here (``_claim``)."""
-        run.job.check_owner(credential, what)
 
     def _claim(self, run: JobRun, credential: bytes) -> None:
         """An admitted join's token becomes an unclaimed job's (ps/job.py ``Job.claim``)."""
@@ -188,7 +183,7 @@ class Lifecycle:
             async with consistency.step_lock():  # a step being taken does not count it
                 members.check_rank_free(head)
                 job.check_joining_job(described)  # the job may have been created meanwhile
-                self._authorize(run, credential, "PS_JOIN")  # ... or claimed by another join
+                job.check_owner(credential, "PS_JOIN")  # ... or claimed by another join meanwhile
                 # Every check passed: this join claims an unclaimed job (its backups hear the owner
                 # it will have; nothing is claimed if replicating it fails).
                 owner = job.owner if job.owner is not None else token_digest(credential)

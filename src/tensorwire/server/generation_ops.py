@@ -34,7 +34,7 @@ import contextlib
 import functools
 import logging
 from collections import Counter
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -54,7 +54,7 @@ from tensorwire.server import delta_answers
 from tensorwire.server.generation_parts import PartPublishes
 from tensorwire.server.request import Handler, Request
 from tensorwire.server.store_ops import Parts, StoreOps, cpu
-from tensorwire.store import Reservation, TensorStore
+from tensorwire.store import Reservation
 from tensorwire.store.generations import Generations, Kept, check_names
 from tensorwire.store.uploads import client_of
 from tensorwire.types import Generation, TensorMeta
@@ -312,7 +312,7 @@ class GenerationOps:
         req.meta.done()
         kept = self.generations.find(prefix, at)
         body = await cpu(len(kept.sums) >= 2048, wg.encode_manifest, self.generations.manifest(kept))
-        with _held_while_sent(self.generations.store, 2 * len(body)):  # the body, and its frame's copy
+        with self.generations.store.holding(2 * len(body)):  # the body, and its frame's copy
             await req.reply(body)
 
     # -- waits and leases -----------------------------------------------------------------------
@@ -323,7 +323,7 @@ class GenerationOps:
         req.meta.done()
         block = self.generations.announcement(prefix, after)
         if block is not None:
-            with _held_while_sent(self.generations.store, len(block)):
+            with self.generations.store.holding(len(block)):
                 await req.reply(block)
             return
         validate_name(prefix)
@@ -386,7 +386,7 @@ class GenerationOps:
         """A parked wait's answer: its frame's copy of ``block`` counts against the capacity while
         it is sent (a reader that does not read keeps it); with no room, CapacityExceeded instead."""
         try:
-            with _held_while_sent(self.generations.store, len(block)):
+            with self.generations.store.holding(len(block)):
                 await req.reply(block)
         except CapacityExceeded as exc:
             await req.reply_error(exc)
@@ -445,17 +445,6 @@ def _copy_and_sum(dests: Sequence[memoryview], sources: Sequence[memoryview]) ->
         dest[:] = source
         sums.append(wg.chunk_checksums(dest))
     return sums
-
-
-@contextlib.contextmanager
-def _held_while_sent(store: TensorStore, nbytes: int) -> Iterator[None]:
-    """``nbytes`` of an answer counted against the capacity while inside (CapacityExceeded,
-    naming --capacity, where there is no room)."""
-    release = store.hold(nbytes)
-    try:
-        yield
-    finally:
-        release()
 
 
 def _timed_out(prefix: str, after: int, waited: float) -> WaitTimeout:

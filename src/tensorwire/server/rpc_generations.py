@@ -57,7 +57,7 @@ class _Peer:
     """One gRPC peer's leases: the owner ``Generations`` keys them by, and their end timers."""
 
     name: str
-    client: str  # its host (``peer_host``), whose quota its leases count against
+    client: str  # its host (``client_of``), whose quota its leases count against
     timers: dict[tuple[str, int], asyncio.TimerHandle] = field(default_factory=dict)
 
 
@@ -77,7 +77,7 @@ class GenerationCalls:
 
     # -- PublishPart ----------------------------------------------------------------------------
     async def PublishPart(self, chunks: AsyncIterator[bytes], context: Any) -> pb.GenerationInfo:
-        client = peer_host(str(context.peer()))
+        client = client_of(str(context.peer()))
         return await answer(context, lambda: self._publish_part(chunks, client))
 
     async def _publish_part(self, chunks: AsyncIterator[bytes], client: str) -> pb.GenerationInfo:
@@ -211,7 +211,7 @@ class GenerationCalls:
             if ms and len(self._peers) >= self.max_peers:
                 raise LimitExceeded(f"{len(self._peers)} gRPC peers hold leases on this server: at most"
                                     f" {self.max_peers} (--max-connections)")  # fmt: skip
-            peer = _Peer(name, peer_host(name))
+            peer = _Peer(name, client_of(name))
         granted, oldest = self.generations.lease(peer, prefix, number, ms / 1000, client=peer.client)
         timer = peer.timers.pop((prefix, number), None)
         if timer is not None:
@@ -236,14 +236,6 @@ class GenerationCalls:
         else:
             self._peers.pop(peer.name, None)
             self.generations.drop_owner(peer)
-
-
-def peer_host(peer: str) -> str:
-    """The client host of a gRPC peer (``ipv4:10.0.0.5:41234`` -> ``10.0.0.5``, ``ipv6:[::1]:5``
-    -> ``::1``): the same key ``client_of`` gives a frame connection from that host, so both faces
-    of a server count one host's quota together."""
-    kind, sep, rest = peer.partition(":")
-    return client_of(rest) if sep and kind in ("ipv4", "ipv6") else client_of(peer)
 
 
 async def _chained(first: bytes, rest: AsyncIterator[bytes]) -> AsyncIterator[bytes]:

@@ -26,6 +26,11 @@ DEFAULT_MAX_PARTS = 4096
 SERVER_PREFIX = "_ps"
 
 
+def is_server_prefix(prefix: str) -> bool:
+    """Whether ``prefix`` is, or lies under, the server's own (``SERVER_PREFIX``)."""
+    return prefix == SERVER_PREFIX or prefix.startswith(SERVER_PREFIX + "/")
+
+
 @dataclass(frozen=True, slots=True)
 class GenerationConfig:
     """How many generations a server keeps and how much state peers may make it hold. "Owner": one

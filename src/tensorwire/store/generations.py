@@ -73,7 +73,7 @@ from tensorwire.errors import (
     TensorwireError,
 )
 from tensorwire.logs import event
-from tensorwire.store.generation_config import DEFAULT_KEEP, SERVER_PREFIX, GenerationConfig
+from tensorwire.store.generation_config import DEFAULT_KEEP, SERVER_PREFIX, GenerationConfig, is_server_prefix
 from tensorwire.store.generation_disk import GenerationDisk, StoredGeneration, Ticket
 from tensorwire.store.memory import Reservation, TensorStore
 from tensorwire.types import ChunkSums, Generation, GenerationManifest, TensorMeta
@@ -163,7 +163,7 @@ class Generations:
         ``SERVER_PREFIX`` only by the server itself: ``internal``; a new prefix by ``client``,
         its host, within its quota)."""
         validate_name(prefix)
-        if not internal and (prefix == SERVER_PREFIX or prefix.startswith(SERVER_PREFIX + "/")):
+        if not internal and is_server_prefix(prefix):
             raise InvalidName(f"prefix {prefix!r}: {SERVER_PREFIX!r} is the server's own")
         if prefix in self._prefixes:
             return
@@ -505,7 +505,7 @@ class Generations:
         ``SERVER_PREFIX``, is not a client's to drop); NotAuthorized, and nothing changed, while
         another owner holds a live lease on one of them (module docstring: who may drop)."""
         validate_name(prefix)
-        if prefix == SERVER_PREFIX or prefix.startswith(SERVER_PREFIX + "/"):
+        if is_server_prefix(prefix):
             raise KeyNotFound(f"prefix {prefix!r} has no generations a client may drop")
         if self.disk is None:
             return self._drop(prefix, owner)

@@ -251,7 +251,10 @@ class TensorStore:
             self._reclaimers[owner] = reclaim
 
     def _make_room(self, nbytes: int) -> None:
-        """Let the reclaimers free what they keep for speed while ``nbytes`` more do not fit."""
+        """Let the reclaimers free what they keep for speed while ``nbytes`` more do not fit (every
+        put asks: where there is room, nothing is allocated)."""
+        if nbytes <= self.room or not self._reclaimers:
+            return
         for reclaim in list(self._reclaimers.values()):
             if nbytes <= self.room:
                 return
@@ -365,6 +368,15 @@ class TensorStore:
                 self._scratch -= held.pop() if held else 0
 
         return release
+
+    @contextlib.contextmanager
+    def holding(self, nbytes: int) -> Iterator[None]:
+        """``hold`` for the duration of a block (an answer while it is sent)."""
+        release = self.hold(nbytes)
+        try:
+            yield
+        finally:
+            release()
 
     async def call(self, fn: Callable[..., T], *args: object) -> T:
         """``fn(*args)`` (``commit``, ``delete``) from the event loop: on the store's disk thread

@@ -276,9 +276,14 @@ class Uploads:
 
 
 def client_of(peer: str) -> str:
-    """The client an upload belongs to: the peer's host (``tcp://10.0.0.5:41234`` -> ``10.0.0.5``),
-    so that a client's uploads survive its reconnects and its stripes share them."""
+    """The client an upload belongs to: the peer's host (``tcp://10.0.0.5:41234`` -> ``10.0.0.5``;
+    a gRPC peer, ``ipv4:10.0.0.5:41234`` or ``ipv6:[::1]:5``, the same way), so that a client's
+    uploads survive its reconnects and its stripes share them, and a host's quotas count its frame
+    connections and its gRPC calls together."""
     rest = peer.split("://", 1)[-1]
+    kind, sep, address = rest.partition(":")
+    if sep and kind in ("ipv4", "ipv6"):
+        rest = address
     if rest.startswith("["):  # [v6]:port
         return rest[1 : rest.find("]")] if "]" in rest else rest
     host, sep, port = rest.rpartition(":")

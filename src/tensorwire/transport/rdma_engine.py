@@ -377,9 +377,12 @@ def _device_for(host: str) -> tuple[str | None, str]:
 
 
 def _call(call: Callable[..., int], args: tuple[str, int, int, int], keep: object) -> int:
-    """One transfer on an engine thread; ``keep`` is only held (by this frame) until it returns."""
-    del keep  # still referenced by the pool's work item until the call returns
-    return call(*args)
+    """One transfer on an engine thread; ``keep`` (what owns the memory it moves) is referenced by
+    this frame until the engine's call returns, whatever the awaiting side has given up meanwhile."""
+    try:
+        return call(*args)
+    finally:
+        del keep  # only now may the memory go
 
 
 async def _engine_result(future: asyncio.Future[int]) -> int:
@@ -455,9 +458,7 @@ class Registrations:
 
     def _evict(self) -> None:
         idle = [a for a, (_, uses) in self._regions.items() if uses == 0]
-        while idle and (
-            not self.keep or len(self._regions) > self.max_regions or self._bytes > self.max_bytes
-        ):
+        while idle and (not self.keep or self._over()):
             self._drop(idle.pop(0))
 
     def _over(self) -> bool:
