@@ -55,7 +55,7 @@ from tensorwire.server.generation_parts import PartPublishes
 from tensorwire.server.request import Handler, Request
 from tensorwire.server.store_ops import Parts, StoreOps, cpu
 from tensorwire.store import Reservation
-from tensorwire.store.generations import Generations, Kept, check_names
+from tensorwire.store.generations import Generations, Kept, Sums, check_names
 from tensorwire.store.uploads import client_of
 from tensorwire.types import Generation, TensorMeta
 from tensorwire.wire import delta_reads as dr
@@ -167,7 +167,7 @@ class GenerationOps:
         self,
         prefix: str,
         res: Reservation,
-        sums: Sequence[tuple[int, ...]],
+        sums: Sums,
         number: int = 0,
         *,
         client: str | None = None,

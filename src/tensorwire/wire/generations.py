@@ -19,7 +19,7 @@ import struct
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from tensorwire.errors import InvalidTensor, ProtocolError
+from tensorwire.errors import InvalidName, InvalidTensor, ProtocolError
 from tensorwire.types import ChunkSums, Generation, GenerationManifest, TensorMeta
 from tensorwire.wire import meta as wm
 from tensorwire.wire.checksum import Buffer, ChecksumKind, checksum
@@ -270,3 +270,12 @@ def check_range(meta: TensorMeta, offset: int, length: int) -> None:
     """InvalidTensor unless ``offset .. offset + length`` lies inside ``meta``'s bytes."""
     if offset + length > meta.nbytes:
         raise InvalidTensor(f"bytes {offset}..{offset + length} are not inside {meta.name!r}")
+
+
+def check_names(prefix: str, names: Sequence[str]) -> None:
+    """InvalidName unless every name is ``prefix/key`` (the names themselves are checked by the
+    store's reservation)."""
+    head = prefix + "/"
+    for name in names:
+        if not name.startswith(head):
+            raise InvalidName(f"{name!r} is not under the prefix {prefix!r} it is published to")
