@@ -61,7 +61,6 @@ from typing import Any, Literal, TypeVar, cast
 
 import torch
 
-from tensorwire import transport
 from tensorwire._aio import LoopThread
 from tensorwire.broadcast import peer as relay_peer
 from tensorwire.broadcast import relay_pull
@@ -79,7 +78,7 @@ from tensorwire.logs import event
 from tensorwire.security import Security, TlsFiles, client_tls, client_token
 from tensorwire.server import Server
 from tensorwire.store.generation_config import DEFAULT_MAX_LEASE_SECONDS
-from tensorwire.transport import FrameChannel, TransportOptions
+from tensorwire.transport import TransportOptions
 from tensorwire.transport.base import Transport, as_generational
 from tensorwire.types import Address, GenerationManifest, TensorMeta
 from tensorwire.wire import generations as wg
@@ -175,9 +174,8 @@ class Subscriber:
         self.share_failures = 0  # generations the host share could not take (logged each time)
         self._relay = relay
         self._listen_host = listen_host
-        self._options = TransportOptions(connect_timeout, timeout, security=self.security)
-        self._peer_options = relay_peer.peer_options(self._options, peer_timeout)
-        self._channels: dict[str, FrameChannel] = {}  # "" is the origin
+        options = TransportOptions(connect_timeout, timeout, security=self.security)
+        self.channels = relay_pull.Channels(self.origin, options, peer_timeout, "a Subscriber")
         self._server: Server | None = None
         self._loop = LoopThread("tensorwire-subscriber")
         self.share = self._start_share(share, connect_timeout, share_lease_seconds) if share else None
@@ -380,7 +378,7 @@ class Subscriber:
         return doc
 
     async def _wait(self, timeout: float) -> None:
-        channel = await self._channel("")  # a RangedTransport: also Generational
+        channel = await self.channels.get()  # a RangedTransport: also Generational
         generational = as_generational(cast(Transport, channel), "Subscriber.wait_and_update")
         await generational.wait(self.prefix, self.generation, timeout)
 
@@ -388,36 +386,12 @@ class Subscriber:
     async def _on_origin(self, op: Callable[[Transport], Awaitable[T]], idempotent: bool = True) -> T:
         """``op`` on the connection to the origin (a ``client.generations.Run``; not retried: a
         failed delta update falls back to the relay)."""
-        channel = await self._channel("")  # a RangedTransport: also Generational
+        channel = await self.channels.get()  # a RangedTransport: also Generational
         return await op(cast(Transport, channel))
 
     async def _origin_call(self, opcode: int, body: bytes, what: str) -> wm.MetaReader:
-        """One request to the origin; a connection found broken is reopened once."""
-        for attempt in range(2):
-            channel = await self._channel("")
-            try:
-                return await channel.call(opcode, body, what=what)
-            except TensorwireError:
-                if not channel.closed or attempt:
-                    raise
-                await self._drop_channel("")
-        raise AssertionError("unreachable")
-
-    async def _channel(self, address: str) -> FrameChannel:
-        """The connection to ``address`` (``""``: the origin, with the cluster's credentials; else
-        an upstream peer, with the relay's: peer.py)."""
-        channel = self._channels.get(address)
-        if channel is None or channel.closed:
-            target, options = (address, self._peer_options) if address else (str(self.origin), self._options)
-            channel = await transport.open_channel(target, options, what="a Subscriber")
-            self._channels[address] = channel
-        return channel
-
-    async def _drop_channel(self, address: str) -> None:
-        channel = self._channels.pop(address, None)
-        if channel is not None:
-            with contextlib.suppress(TensorwireError):
-                await channel.close()
+        """One request to the origin; a connection found broken is reopened once (Channels.call)."""
+        return await self.channels.call(opcode, body, what, reopen=True)
 
     async def _relay_url(self) -> str:
         """This reader's relay address, its server started on first use ("" without a relay)."""
@@ -447,8 +421,7 @@ class Subscriber:
     async def _close(self) -> None:
         await self._leave(self.generation)
         self.peer.drop()
-        for address in list(self._channels):
-            await self._drop_channel(address)
+        await self.channels.close()
         if self._server is not None:
             await self._server.close()
             self._server = None
