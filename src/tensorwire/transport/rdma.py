@@ -18,10 +18,10 @@ and then moves tensors like this (docs/protocol.md §17):
 The caller's buffers are registered with this process's engine for the transfer that moves them
 (``Registrations``, the engine's ``cache``; none in TCP mode, where the engine does not need it),
 and stay alive until the engine's thread is done with them, even when the call gave up first.
-Every connection from this process shares one engine (``client_engine``) until a server's engine
-turns out to be a different one under a name that engine reached before: the engine names a peer
-only ``host:port`` and keeps what it learned of it by that name, so a restarted server whose
-engine drew a freed port gets a fresh client engine.
+Every connection from this process shares one engine (``client_engine``: rdma_clients.py) until a
+server's engine turns out to be a different one under a name that engine reached before: the
+engine names a peer only ``host:port`` and keeps what it learned of it by that name, so a
+restarted server whose engine drew a freed port gets a fresh client engine.
 """
 
 from __future__ import annotations
@@ -43,13 +43,8 @@ from tensorwire.errors import (
 )
 from tensorwire.transport import tcp
 from tensorwire.transport.base import Listener, Progress, Sink, StreamHandler
-from tensorwire.transport.rdma_engine import (
-    HOST_ENV,
-    Engine,
-    client_engine,
-    release_client_engine,
-    requested_protocol,
-)
+from tensorwire.transport.rdma_clients import client_engine, release_client_engine
+from tensorwire.transport.rdma_engine import HOST_ENV, Engine, requested_protocol
 from tensorwire.transport.segments import SegmentTransport, Sums, in_order, inline_sink, land_inline
 from tensorwire.types import Address, TensorMeta
 from tensorwire.wire import meta as wm
