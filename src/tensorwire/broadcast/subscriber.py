@@ -26,9 +26,9 @@ How one ``update()`` goes (docs/protocol.md §15 has the wire side):
 
 Deltas (``deltas=True``, the default): a reader that holds generation ``b`` (its last ``update()``
 returned ``b``, and no update since has written into the tensors) reads a newer ``g`` from the
-origin itself as a delta read (``get_many(at=g, base=b)``; client/deltas.py) instead of joining the
-relay: only what changed, per chunk, applied in place and checked against ``g``'s chunk checksum; a
-delta is small, so the origin's link carries N of them. Readers at different generations each get
+origin itself as a delta read (``get_many(at=g, base=b)``; delta_update.py, client/deltas.py)
+instead of joining the relay: only what changed, per chunk, applied in place and checked against
+``g``'s chunk checksum; a delta is small, so the origin's link carries N of them. Readers at different generations each get
 their own delta; a reader with nothing (its first update, or after a failure) gets everything,
 through the relay, and so does one whose base the origin no longer keeps (one retired during the
 read costs full chunks from the origin). Tensors changed by the user since ``b`` are caught by the
@@ -56,14 +56,15 @@ import logging
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass
-from typing import Any, Literal, TypeVar, cast
+from dataclasses import asdict
+from typing import Any, TypeVar, cast
 
 import torch
 
 from tensorwire._aio import LoopThread
+from tensorwire.broadcast import delta_update, relay_pull
 from tensorwire.broadcast import peer as relay_peer
-from tensorwire.broadcast import relay_pull
+from tensorwire.broadcast.delta_update import UpdateRecord
 from tensorwire.broadcast.host import HostShare
 from tensorwire.broadcast.peer import RelayPeer
 from tensorwire.client import deltas as delta_reads
@@ -80,8 +81,7 @@ from tensorwire.server import Server
 from tensorwire.store.generation_config import DEFAULT_MAX_LEASE_SECONDS
 from tensorwire.transport import TransportOptions
 from tensorwire.transport.base import Transport, as_generational
-from tensorwire.types import Address, GenerationManifest, TensorMeta
-from tensorwire.wire import generations as wg
+from tensorwire.types import Address, TensorMeta
 from tensorwire.wire import meta as wm
 from tensorwire.wire import relay as wr
 from tensorwire.wire.frame import Opcode
@@ -93,20 +93,6 @@ log = logging.getLogger("tensorwire.broadcast")
 MAX_MANIFEST_CHUNKS = relay_pull.MAX_MANIFEST_CHUNKS
 MAX_RESTARTS = 3  # generations retired under one update before it gives up
 KEEP_UPDATES = 64  # updates ``stats()["updates"]`` remembers
-
-
-@dataclass(slots=True)
-class UpdateRecord:
-    """One ``update()``: the generation it brought, the one the tensors held before (0: none),
-    ``way`` ("delta": from the origin with ``base``; "relay": the whole generation through the
-    relay; "current": nothing newer), the data bytes it received, and why a delta read was given
-    up for the relay (``fallback``, "" when it was not)."""
-
-    generation: int
-    base: int
-    way: Literal["delta", "relay", "current"]
-    bytes: int
-    fallback: str = ""
 
 
 class Subscriber:
@@ -260,7 +246,7 @@ class Subscriber:
     async def _update_once(self, deadline: float) -> int:
         fallback = ""
         if self.deltas and self.generation:
-            got = await self._delta_update(deadline)
+            got = await delta_update.update(self, deadline)  # delta_update.py
             if isinstance(got, int):
                 return got
             fallback = got
@@ -304,61 +290,6 @@ class Subscriber:
             check_out(meta, target)
             buffers.append(byte_view(target))
         return buffers
-
-    # -- one update as a delta from the origin --------------------------------------------------
-    async def _delta_update(self, deadline: float) -> int | str:
-        """The newest generation as a delta against the one held, from the origin: its number, or
-        why the relay should bring the whole generation instead (the tensors then hold the base
-        still, or ``self.generation`` is 0: a failed delta read may have left them a mix)."""
-        base = self.generation
-        try:
-            latest = await self._manifest(wg.LATEST)
-            if latest.generation.number != base:
-                await self._manifest(base)  # GenerationRetired: the relay costs the origin less
-        except TensorwireError as exc:  # e.g. an origin that relays plain tensors, not generations
-            return self._fell_back(base, f"no delta from {base}: {exc!r}")
-        number = latest.generation.number
-        if number == base:
-            self.updates.append(UpdateRecord(base, base, "current", 0))
-            return base
-        self._bind([entry.meta for entry in latest.tensors], number)  # nothing written if it raises
-        await self._stop_serving()  # the tensors are about to change
-        return await self._apply_delta(latest, base, deadline)
-
-    async def _manifest(self, number: int) -> GenerationManifest:
-        return await self._on_origin(lambda t: as_generational(t, "a delta").manifest(self.prefix, number))
-
-    async def _apply_delta(self, manifest: GenerationManifest, base: int, deadline: float) -> int | str:
-        number, stats = manifest.generation.number, self.delta_stats
-        names = [entry.meta.name for entry in manifest.tensors]
-        out = {name: self.targets[name] for name in names}
-        before = asdict(stats)
-        self.generation = 0  # the tensors are being overwritten
-        try:
-            async with asyncio.timeout(max(deadline - time.monotonic(), 0.0)):
-                await delta_reads.read(
-                    self._on_origin, names, out, at=number, base=base, verify=False, stats=stats
-                )
-        except (TensorwireError, TimeoutError) as exc:
-            # DeltaStats.reads counts an answer once it is in, before anything is applied.
-            untouched = stats.reads == before["reads"]
-            if untouched:
-                self.generation = base
-                if isinstance(exc, GenerationRetired | VersionChanged):
-                    raise  # ``_update`` asks again for the newest
-            return self._fell_back(base, f"the delta read to {number} failed: {exc!r}")
-        self.generation = number
-        moved = stats.wire_bytes - before["wire_bytes"]
-        self.updates.append(UpdateRecord(number, base, "delta", moved))
-        return number
-
-    def _fell_back(self, base: int, why: str) -> str:
-        """Log why the relay brings the whole generation: a warning when the tensors no longer hold
-        ``base`` (a delta read failed half-way), else (no generations, a retired base) info."""
-        level = logging.WARNING if self.generation != base else logging.INFO
-        event(log, level, "delta update falls back to the relay", prefix=self.prefix, base=base,
-              holds=self.generation, why=why)  # fmt: skip
-        return why
 
     async def _stop_serving(self) -> None:
         self.peer.drop()
