@@ -29,13 +29,14 @@ returned ``b``, and no update since has written into the tensors) reads a newer 
 origin itself as a delta read (``get_many(at=g, base=b)``; delta_update.py, client/deltas.py)
 instead of joining the relay: only what changed, per chunk, applied in place and checked against
 ``g``'s chunk checksum; a delta is small, so the origin's link carries N of them. Readers at
-different generations each get their own delta; a reader with nothing (its first update, or after
-a failure) gets everything, through the relay, and so does one whose base the origin no longer
-keeps (one retired during the read costs full chunks from the origin). Tensors changed by the user since ``b`` are caught by the
-per-chunk checksum and those chunks fetched again in full, so the result is ``g`` bit for bit either
-way. A delta read that fails once it has started writing leaves the tensors a mix: the update falls
-back to the relay for the whole generation (a warning says so). ``stats()["updates"]`` says, per
-update, which way it went, the bytes it received and why a delta was given up.
+different generations each get their own delta; a reader with nothing (its first update, or after a
+failure) gets everything, through the relay, and so does one whose base the origin no longer keeps
+(one retired during the read costs full chunks from the origin). Tensors changed by the user since
+``b`` are caught by the per-chunk checksum and those chunks fetched again in full, so the result is
+``g`` bit for bit either way. A delta read that fails once it has started writing leaves the tensors
+a mix: the update falls back to the relay for the whole generation (a warning says so).
+``stats()["updates"]`` says, per update, which way it went, the bytes it received and why a delta
+was given up.
 
 While ``update()`` runs the tensors are being overwritten; after it returns they hold exactly the
 generation it returns (bit for bit). If it raises having written, they may hold a mix: the next
