@@ -1,9 +1,10 @@
 """The client side of ``rdma://``: the frame protocol for control, the transfer engine for bytes.
 
-``RdmaTransport`` is a ``FramedTransport`` (a ``FrameChannel``; not ``Ranged``: its large bytes
-move through the engine, not frames) on a TCP connection that, after HELLO (the token), attaches
-(RDMA_ATTACH: the server names its engine's session and protocol, which must be this client's)
-and then moves tensors like this (docs/protocol.md §17):
+``RdmaTransport`` is a ``SegmentTransport`` (segments.py: a ``FramedTransport``, so a
+``FrameChannel``; not ``Ranged``: its large bytes move through the engine, not frames) on a TCP
+connection that, after HELLO (the token), attaches (RDMA_ATTACH: the server names its engine's
+session and protocol, which must be this client's) and then moves tensors like this
+(docs/protocol.md §17):
 
 * ``put``: RDMA_PUT reserves the tensors on the server, which answers with the engine addresses of
   the buffers it registered for them; the client writes each tensor one-sided from its own memory

@@ -1,9 +1,10 @@
 """The client side of ``shm://``: the frame protocol for control, shared-memory segments for bytes.
 
-``ShmTransport`` is a ``FramedTransport`` (a ``FrameChannel``, and ``Viewable``; not ``Ranged``:
-its bytes go through segments, not frames) on a loopback TCP connection that, after HELLO, proves
-it shares the server's segment directory (SHM_ATTACH: it reads a probe file the server wrote;
-``SharedMemoryUnavailable`` if it cannot) and then moves tensors like this (docs/protocol.md §12):
+``ShmTransport`` is a ``SegmentTransport`` (segments.py: a ``FramedTransport``, so a
+``FrameChannel``, and ``Viewable``; not ``Ranged``: its bytes go through segments, not frames) on a
+loopback TCP connection that, after HELLO, proves it shares the server's segment directory
+(SHM_ATTACH: it reads a probe file the server wrote; ``SharedMemoryUnavailable`` if it cannot) and
+then moves tensors like this (docs/protocol.md §12):
 
 * ``put``: SHM_PUT asks for segments (the server reserves them), the client copies each tensor
   into its segment once, SHM_COMMIT publishes them all at once. Tensors under 64 KiB travel inside
