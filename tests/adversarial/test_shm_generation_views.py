@@ -17,6 +17,7 @@ from tensorwire._aio import run
 from tensorwire.errors import LimitExceeded, ProtocolError
 from tensorwire.server import ServerThread
 from tensorwire.server import shm as server_shm
+from tensorwire.server.request import extension_of
 from tensorwire.store.generation_config import DEFAULT_LEASES_PER_OWNER as MAX_GENERATION_VIEWS
 from tensorwire.testing.process import wait_for
 from tensorwire.transport import TransportOptions
@@ -66,8 +67,14 @@ def test_a_connection_pins_a_bounded_number_of_generations_and_its_pins_end_with
 
     run(pin_too_many())
     wait_for(lambda: generations.find(PREFIX, 0).pins == 0, 10, "the closed connection's pins to end")
-    pool = server_shm._services[served.server].pool
+    pool = _service(served).pool
     assert any(segment.tainted for segment in pool._live.values())
+
+
+def _service(served: ServerThread) -> server_shm.ShmService:
+    service = extension_of(served.server.extensions, server_shm.ShmService)
+    assert service is not None
+    return service
 
 
 def test_generation_views_are_refused_on_a_tcp_listener(served: ServerThread) -> None:
@@ -85,7 +92,7 @@ def test_generation_views_are_refused_on_a_tcp_listener(served: ServerThread) ->
 
 
 def test_a_leased_segment_that_cannot_hold_the_answers_tensor_is_refused(served: ServerThread) -> None:
-    segment = next(iter(server_shm._services[served.server].pool._live.values()))
+    segment = next(iter(_service(served).pool._live.values()))
     too_big = TensorMeta(f"{PREFIX}/w", torch.uint8, (segment.capacity + 1,), segment.capacity + 1)
     stale = TensorMeta(f"{PREFIX}/w", torch.uint8, (16,), 16)
 

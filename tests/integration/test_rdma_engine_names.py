@@ -19,7 +19,7 @@ import tensorwire
 from tensorwire import ServerThread
 from tensorwire.server.rdma import RdmaService
 from tensorwire.testing import rdma as kit
-from tensorwire.transport import rdma_engine
+from tensorwire.transport import rdma_clients, rdma_engine
 
 pytestmark = pytest.mark.skipif(
     kit.unavailable() is not None, reason=f"rdma:// cannot run: {kit.unavailable()}"
@@ -60,16 +60,16 @@ def test_a_new_engine_under_a_known_name_is_reached_by_a_fresh_client_engine(
         server_engine = _engine_of(srv)
         with tensorwire.connect(srv.url) as first:
             _round_trip(first, "a")
-            old = rdma_engine.client_engines.current(HOST)
+            old = rdma_clients.client_engines.current(HOST)
             assert old is not None and not old.closed
             with tensorwire.connect(srv.url) as same:  # the same engine: the same client engine
                 _round_trip(same, "b")
-                assert rdma_engine.client_engines.current(HOST) is old
+                assert rdma_clients.client_engines.current(HOST) is old
             # What a restarted server whose engine drew the old one's port looks like from here.
             server_engine.instance ^= 1
             with caplog.at_level(logging.WARNING, "tensorwire.rdma"), tensorwire.connect(srv.url) as second:
                 _round_trip(second, "c")
-                fresh = rdma_engine.client_engines.current(HOST)
+                fresh = rdma_clients.client_engines.current(HOST)
                 assert fresh is not None and fresh is not old
                 assert "restarted" in caplog.text
                 assert not old.closed  # `first` still moves bytes through it

@@ -19,6 +19,7 @@ from tensorwire.client import AsyncClient
 from tensorwire.errors import InvalidName, ProtocolError, SharedMemoryUnavailable
 from tensorwire.server import ServerThread
 from tensorwire.server import shm as server_shm
+from tensorwire.server.request import extension_of
 from tensorwire.server.shm import ShmSession
 from tensorwire.store import TensorStore
 from tensorwire.store.shm import SegmentPool
@@ -42,7 +43,9 @@ def served() -> Iterator[ServerThread]:
 
 
 def pool(srv: ServerThread) -> SegmentPool:
-    return server_shm._services[srv.server].pool
+    service = extension_of(srv.server.extensions, server_shm.ShmService)
+    assert service is not None
+    return service.pool
 
 
 def files(prefix: str) -> set[str]:

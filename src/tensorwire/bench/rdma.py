@@ -23,7 +23,7 @@ import torch
 
 import tensorwire
 from tensorwire.bench.children import starting, wait_for_stop
-from tensorwire.transport import rdma_engine
+from tensorwire.transport import rdma_clients, rdma_engine
 from tensorwire.wire.tensors import byte_view
 
 Result = dict[str, float | int | str | None]
@@ -61,11 +61,11 @@ def engine_peer(conn: Connection, nbytes: int) -> None:
 @contextlib.contextmanager
 def client_engine_for(peer: EnginePeer) -> Iterator[rdma_engine.Engine]:
     """This process's client engine (the one rdma:// connections share), held while the block runs."""
-    engine = rdma_engine.client_engine("127.0.0.1", peer.session, peer.instance)
+    engine = rdma_clients.client_engine("127.0.0.1", peer.session, peer.instance)
     try:
         yield engine
     finally:
-        rdma_engine.release_client_engine(engine)
+        rdma_clients.release_client_engine(engine)
 
 
 def measure(client: tensorwire.Client, data: torch.Tensor, iters: int, peer: EnginePeer) -> Result:

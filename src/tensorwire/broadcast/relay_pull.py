@@ -26,21 +26,23 @@ again without one, so the reader reads from the origin, unregistered, and its up
 
 The reader is anything with the attributes and connections of ``RelayReader``: its prefix, its id
 in the generation's relay, its counters, its ``RelayPeer`` (which forwards what it verified) and
-its connections (``""``: the origin).
+its ``Channels`` (``""``: the origin), the one connection cache both readers share.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import time
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
+from tensorwire import transport
 from tensorwire._aio import asyncio_timeout
 from tensorwire.broadcast import pipeline
-from tensorwire.broadcast.peer import RelayPeer
+from tensorwire.broadcast.peer import RelayPeer, peer_options
 from tensorwire.errors import (
     CorruptFrame,
     InvalidName,
@@ -50,7 +52,7 @@ from tensorwire.errors import (
     TransferTimeout,
 )
 from tensorwire.logs import event
-from tensorwire.transport import FrameChannel
+from tensorwire.transport import FrameChannel, TransportOptions
 from tensorwire.types import Address, TensorMeta
 from tensorwire.wire import meta as wm
 from tensorwire.wire import relay as wr
@@ -64,10 +66,73 @@ ORIGIN_GRACE = 5.0  # seconds an answer from the origin may take past the stall 
 MAX_MANIFEST_CHUNKS = 1 << 24
 
 
+class Channels:
+    """A relay reader's connections, by address (``""``: the origin), each opened on first use and
+    again once found ``closed``: to the origin with the reader's ``options`` (the cluster's
+    credentials), to an upstream peer with the relay's (``peer.peer_options``: the relay token,
+    ``peer_timeout`` to connect). ``what`` names the reader in an UnsupportedTransport.
+
+    Lifecycle: the reader makes one, ``get``s connections as it needs them (relay_pull.py drops an
+    upstream's when the upstream failed or served its generation), ``move``s it when the origin
+    moves (a failover), and ``close``s it once, on the loop that opened them."""
+
+    def __init__(self, origin: Address, options: TransportOptions, peer_timeout: float, what: str) -> None:
+        self.origin = origin
+        self._options = options
+        self._peer_options = peer_options(options, peer_timeout)
+        self._what = what
+        self._open: dict[str, FrameChannel] = {}
+
+    async def get(self, address: str = "") -> FrameChannel:
+        """The open connection to ``address`` (``""``: the origin), opened if there is none."""
+        channel = self._open.get(address)
+        if channel is None or channel.closed:
+            target, options = (address, self._peer_options) if address else (str(self.origin), self._options)
+            channel = await transport.open_channel(target, options, what=self._what)
+            self._open[address] = channel
+        return channel
+
+    async def call(self, opcode: int, body: bytes, what: str, *, reopen: bool = False) -> wm.MetaReader:
+        """One request to the origin. With ``reopen``, a connection the request found broken (it is
+        ``closed`` after the failure) is opened again and the request sent once more; a failure on a
+        connection still open (a refusal, a timeout) is raised as it is, so a join or a report is
+        never sent twice to an origin that may have taken it. Not ``client.retry.retrying``: that
+        retries any retryable error, a timeout on a live connection included."""
+        channel = await self.get()
+        if not reopen:
+            return await channel.call(opcode, body, what=what)
+        try:
+            return await channel.call(opcode, body, what=what)
+        except TensorwireError:
+            if not channel.closed:
+                raise
+        await self.drop()
+        return await (await self.get()).call(opcode, body, what=what)
+
+    async def drop(self, address: str = "") -> None:
+        """Close the connection to ``address`` (``""``: the origin), if one is open."""
+        channel = self._open.pop(address, None)
+        if channel is not None:
+            with contextlib.suppress(TensorwireError):
+                await channel.close()
+
+    async def move(self, origin: Address) -> None:
+        """Read from ``origin`` from now on: the connection to the old one is closed."""
+        if origin != self.origin:
+            await self.drop()
+            self.origin = origin
+
+    async def close(self) -> None:
+        for address in list(self._open):
+            await self.drop(address)
+
+
 class RelayReader(Protocol):
     """What a pull through the relay needs of its reader (``Subscriber`` is one)."""
 
-    origin: Address
+    @property
+    def origin(self) -> Address: ...
+
     prefix: str
     reader_id: int  # this reader's id in the generation's relay (0: not in one)
     received: int  # data bytes pulled through the relay, counted here
@@ -78,9 +143,7 @@ class RelayReader(Protocol):
     progress: Callable[[int], None] | None
     joins_refused: int  # joins the origin refused for the relay address, made again without it
 
-    async def _channel(self, address: str) -> FrameChannel: ...
-
-    async def _drop_channel(self, address: str) -> None: ...
+    channels: Channels  # its connections, ``""`` the origin's
 
     async def _origin_call(self, opcode: int, body: bytes, what: str) -> wm.MetaReader: ...
 
@@ -128,7 +191,7 @@ async def pull(
             event(log, logging.WARNING, "relay upstream failed", upstream=upstream,
                   generation=manifest.generation, chunk=pulled.verified, error=repr(exc))  # fmt: skip
             reroutes += 1
-            await reader._drop_channel(upstream)
+            await reader.channels.drop(upstream)
             placement = await report(reader, manifest.generation, wr.Report.FAILED, placement.upstream)
             continue
         raise TransferTimeout(
@@ -172,7 +235,7 @@ async def _pull_from(
             f"the upstream at {upstream} sent no chunk within peer_timeout ({reader.peer_timeout:.3g}s)"
         ) from exc
     if done:
-        await reader._drop_channel(upstream)  # the next generation reads from another
+        await reader.channels.drop(upstream)  # the next generation reads from another
     else:
         raise TransferTimeout(f"the upstream at {upstream} did not send the generation in half the time left")
     return done
@@ -182,12 +245,12 @@ async def _upstream(reader: RelayReader, address: str) -> FrameChannel:
     """The connection to ``address`` (``""``: the origin); an upstream peer's must be of the origin's
     scheme (no plain text under a TLS origin) and open within ``peer_timeout``."""
     if not address:
-        return await reader._channel("")
+        return await reader.channels.get()
     scheme = address.partition("://")[0]
     if scheme != reader.origin.scheme:
         raise InvalidName(f"upstream {address} is not {reader.origin.scheme}:// as the origin is")
     async with asyncio_timeout(reader.peer_timeout, f"connecting to the upstream at {address}"):
-        return await reader._channel(address)
+        return await reader.channels.get(address)
 
 
 async def advanced(reader: RelayReader, verified: int) -> None:

@@ -26,16 +26,17 @@ How one ``update()`` goes (docs/protocol.md §15 has the wire side):
 
 Deltas (``deltas=True``, the default): a reader that holds generation ``b`` (its last ``update()``
 returned ``b``, and no update since has written into the tensors) reads a newer ``g`` from the
-origin itself as a delta read (``get_many(at=g, base=b)``; client/deltas.py) instead of joining the
-relay: only what changed, per chunk, applied in place and checked against ``g``'s chunk checksum; a
-delta is small, so the origin's link carries N of them. Readers at different generations each get
-their own delta; a reader with nothing (its first update, or after a failure) gets everything,
-through the relay, and so does one whose base the origin no longer keeps (one retired during the
-read costs full chunks from the origin). Tensors changed by the user since ``b`` are caught by the
-per-chunk checksum and those chunks fetched again in full, so the result is ``g`` bit for bit either
-way. A delta read that fails once it has started writing leaves the tensors a mix: the update falls
-back to the relay for the whole generation (a warning says so). ``stats()["updates"]`` says, per
-update, which way it went, the bytes it received and why a delta was given up.
+origin itself as a delta read (``get_many(at=g, base=b)``; delta_update.py, client/deltas.py)
+instead of joining the relay: only what changed, per chunk, applied in place and checked against
+``g``'s chunk checksum; a delta is small, so the origin's link carries N of them. Readers at
+different generations each get their own delta; a reader with nothing (its first update, or after a
+failure) gets everything, through the relay, and so does one whose base the origin no longer keeps
+(one retired during the read costs full chunks from the origin). Tensors changed by the user since
+``b`` are caught by the per-chunk checksum and those chunks fetched again in full, so the result is
+``g`` bit for bit either way. A delta read that fails once it has started writing leaves the tensors
+a mix: the update falls back to the relay for the whole generation (a warning says so).
+``stats()["updates"]`` says, per update, which way it went, the bytes it received and why a delta
+was given up.
 
 While ``update()`` runs the tensors are being overwritten; after it returns they hold exactly the
 generation it returns (bit for bit). If it raises having written, they may hold a mix: the next
@@ -56,15 +57,15 @@ import logging
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass
-from typing import Any, Literal, TypeVar, cast
+from dataclasses import asdict
+from typing import Any, TypeVar, cast
 
 import torch
 
-from tensorwire import transport
 from tensorwire._aio import LoopThread
+from tensorwire.broadcast import delta_update, relay_pull
 from tensorwire.broadcast import peer as relay_peer
-from tensorwire.broadcast import relay_pull
+from tensorwire.broadcast.delta_update import UpdateRecord
 from tensorwire.broadcast.host import HostShare
 from tensorwire.broadcast.peer import RelayPeer
 from tensorwire.client import deltas as delta_reads
@@ -79,10 +80,9 @@ from tensorwire.logs import event
 from tensorwire.security import Security, TlsFiles, client_tls, client_token
 from tensorwire.server import Server
 from tensorwire.store.generation_config import DEFAULT_MAX_LEASE_SECONDS
-from tensorwire.transport import FrameChannel, TransportOptions
+from tensorwire.transport import TransportOptions
 from tensorwire.transport.base import Transport, as_generational
-from tensorwire.types import Address, GenerationManifest, TensorMeta
-from tensorwire.wire import generations as wg
+from tensorwire.types import Address, TensorMeta
 from tensorwire.wire import meta as wm
 from tensorwire.wire import relay as wr
 from tensorwire.wire.frame import Opcode
@@ -94,20 +94,6 @@ log = logging.getLogger("tensorwire.broadcast")
 MAX_MANIFEST_CHUNKS = relay_pull.MAX_MANIFEST_CHUNKS
 MAX_RESTARTS = 3  # generations retired under one update before it gives up
 KEEP_UPDATES = 64  # updates ``stats()["updates"]`` remembers
-
-
-@dataclass(slots=True)
-class UpdateRecord:
-    """One ``update()``: the generation it brought, the one the tensors held before (0: none),
-    ``way`` ("delta": from the origin with ``base``; "relay": the whole generation through the
-    relay; "current": nothing newer), the data bytes it received, and why a delta read was given
-    up for the relay (``fallback``, "" when it was not)."""
-
-    generation: int
-    base: int
-    way: Literal["delta", "relay", "current"]
-    bytes: int
-    fallback: str = ""
 
 
 class Subscriber:
@@ -175,9 +161,8 @@ class Subscriber:
         self.share_failures = 0  # generations the host share could not take (logged each time)
         self._relay = relay
         self._listen_host = listen_host
-        self._options = TransportOptions(connect_timeout, timeout, security=self.security)
-        self._peer_options = relay_peer.peer_options(self._options, peer_timeout)
-        self._channels: dict[str, FrameChannel] = {}  # "" is the origin
+        options = TransportOptions(connect_timeout, timeout, security=self.security)
+        self.channels = relay_pull.Channels(self.origin, options, peer_timeout, "a Subscriber")
         self._server: Server | None = None
         self._loop = LoopThread("tensorwire-subscriber")
         self.share = self._start_share(share, connect_timeout, share_lease_seconds) if share else None
@@ -262,7 +247,7 @@ class Subscriber:
     async def _update_once(self, deadline: float) -> int:
         fallback = ""
         if self.deltas and self.generation:
-            got = await self._delta_update(deadline)
+            got = await delta_update.update(self, deadline)  # delta_update.py
             if isinstance(got, int):
                 return got
             fallback = got
@@ -307,61 +292,6 @@ class Subscriber:
             buffers.append(byte_view(target))
         return buffers
 
-    # -- one update as a delta from the origin --------------------------------------------------
-    async def _delta_update(self, deadline: float) -> int | str:
-        """The newest generation as a delta against the one held, from the origin: its number, or
-        why the relay should bring the whole generation instead (the tensors then hold the base
-        still, or ``self.generation`` is 0: a failed delta read may have left them a mix)."""
-        base = self.generation
-        try:
-            latest = await self._manifest(wg.LATEST)
-            if latest.generation.number != base:
-                await self._manifest(base)  # GenerationRetired: the relay costs the origin less
-        except TensorwireError as exc:  # e.g. an origin that relays plain tensors, not generations
-            return self._fell_back(base, f"no delta from {base}: {exc!r}")
-        number = latest.generation.number
-        if number == base:
-            self.updates.append(UpdateRecord(base, base, "current", 0))
-            return base
-        self._bind([entry.meta for entry in latest.tensors], number)  # nothing written if it raises
-        await self._stop_serving()  # the tensors are about to change
-        return await self._apply_delta(latest, base, deadline)
-
-    async def _manifest(self, number: int) -> GenerationManifest:
-        return await self._on_origin(lambda t: as_generational(t, "a delta").manifest(self.prefix, number))
-
-    async def _apply_delta(self, manifest: GenerationManifest, base: int, deadline: float) -> int | str:
-        number, stats = manifest.generation.number, self.delta_stats
-        names = [entry.meta.name for entry in manifest.tensors]
-        out = {name: self.targets[name] for name in names}
-        before = asdict(stats)
-        self.generation = 0  # the tensors are being overwritten
-        try:
-            async with asyncio.timeout(max(deadline - time.monotonic(), 0.0)):
-                await delta_reads.read(
-                    self._on_origin, names, out, at=number, base=base, verify=False, stats=stats
-                )
-        except (TensorwireError, TimeoutError) as exc:
-            # DeltaStats.reads counts an answer once it is in, before anything is applied.
-            untouched = stats.reads == before["reads"]
-            if untouched:
-                self.generation = base
-                if isinstance(exc, GenerationRetired | VersionChanged):
-                    raise  # ``_update`` asks again for the newest
-            return self._fell_back(base, f"the delta read to {number} failed: {exc!r}")
-        self.generation = number
-        moved = stats.wire_bytes - before["wire_bytes"]
-        self.updates.append(UpdateRecord(number, base, "delta", moved))
-        return number
-
-    def _fell_back(self, base: int, why: str) -> str:
-        """Log why the relay brings the whole generation: a warning when the tensors no longer hold
-        ``base`` (a delta read failed half-way), else (no generations, a retired base) info."""
-        level = logging.WARNING if self.generation != base else logging.INFO
-        event(log, level, "delta update falls back to the relay", prefix=self.prefix, base=base,
-              holds=self.generation, why=why)  # fmt: skip
-        return why
-
     async def _stop_serving(self) -> None:
         self.peer.drop()
         await self._leave(self.generation)
@@ -380,7 +310,7 @@ class Subscriber:
         return doc
 
     async def _wait(self, timeout: float) -> None:
-        channel = await self._channel("")  # a RangedTransport: also Generational
+        channel = await self.channels.get()  # a RangedTransport: also Generational
         generational = as_generational(cast(Transport, channel), "Subscriber.wait_and_update")
         await generational.wait(self.prefix, self.generation, timeout)
 
@@ -388,36 +318,12 @@ class Subscriber:
     async def _on_origin(self, op: Callable[[Transport], Awaitable[T]], idempotent: bool = True) -> T:
         """``op`` on the connection to the origin (a ``client.generations.Run``; not retried: a
         failed delta update falls back to the relay)."""
-        channel = await self._channel("")  # a RangedTransport: also Generational
+        channel = await self.channels.get()  # a RangedTransport: also Generational
         return await op(cast(Transport, channel))
 
     async def _origin_call(self, opcode: int, body: bytes, what: str) -> wm.MetaReader:
-        """One request to the origin; a connection found broken is reopened once."""
-        for attempt in range(2):
-            channel = await self._channel("")
-            try:
-                return await channel.call(opcode, body, what=what)
-            except TensorwireError:
-                if not channel.closed or attempt:
-                    raise
-                await self._drop_channel("")
-        raise AssertionError("unreachable")
-
-    async def _channel(self, address: str) -> FrameChannel:
-        """The connection to ``address`` (``""``: the origin, with the cluster's credentials; else
-        an upstream peer, with the relay's: peer.py)."""
-        channel = self._channels.get(address)
-        if channel is None or channel.closed:
-            target, options = (address, self._peer_options) if address else (str(self.origin), self._options)
-            channel = await transport.open_channel(target, options, what="a Subscriber")
-            self._channels[address] = channel
-        return channel
-
-    async def _drop_channel(self, address: str) -> None:
-        channel = self._channels.pop(address, None)
-        if channel is not None:
-            with contextlib.suppress(TensorwireError):
-                await channel.close()
+        """One request to the origin; a connection found broken is reopened once (Channels.call)."""
+        return await self.channels.call(opcode, body, what, reopen=True)
 
     async def _relay_url(self) -> str:
         """This reader's relay address, its server started on first use ("" without a relay)."""
@@ -447,8 +353,7 @@ class Subscriber:
     async def _close(self) -> None:
         await self._leave(self.generation)
         self.peer.drop()
-        for address in list(self._channels):
-            await self._drop_channel(address)
+        await self.channels.close()
         if self._server is not None:
             await self._server.close()
             self._server = None

@@ -41,7 +41,6 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from tensorwire import transport
 from tensorwire.broadcast import peer as relay_peer
 from tensorwire.broadcast import relay_pull
 from tensorwire.broadcast.peer import RelayPeer
@@ -58,7 +57,7 @@ from tensorwire.ps.placement import Shard
 from tensorwire.ps.relay import relay_name, relay_prefix
 from tensorwire.ps.slot import ServerSlot
 from tensorwire.server import Server
-from tensorwire.transport import FrameChannel, TransportOptions
+from tensorwire.transport import TransportOptions
 from tensorwire.types import Address
 from tensorwire.wire import meta as wm
 from tensorwire.wire import relay as wr
@@ -92,7 +91,6 @@ class SlotReader:
     ) -> None:
         self.prefix = relay_prefix(job)
         self.job = job
-        self.origin = Address.parse(url)  # the replica read from (``_at`` moves it)
         self.reader_id = 0
         self.received = 0
         self.joins_refused = 0  # joins the server refused for the relay address (relay_pull.join)
@@ -104,9 +102,14 @@ class SlotReader:
         self.relay_address = ""
         self.holds = 0  # the generation this worker's memory holds and serves (0: none)
         self._options = options
-        self._peer_options = relay_peer.peer_options(options, peer_timeout)
-        self._channels: dict[str, FrameChannel] = {}  # "" is the origin
+        # "": the replica read from (``_at`` moves it), with the worker's credentials
+        self.channels = relay_pull.Channels(Address.parse(url), options, peer_timeout, "a relay pull")
         self._server: Server | None = None
+
+    @property
+    def origin(self) -> Address:
+        """The replica read from."""
+        return self.channels.origin
 
     async def read(
         self,
@@ -147,31 +150,14 @@ class SlotReader:
         origin = Address.parse(url)
         if origin != self.origin:
             self.stop_serving()
-            await self._drop_channel("")
-            self.origin, self.reader_id = origin, 0
+            await self.channels.move(origin)
+            self.reader_id = 0
 
     # -- connections (relay_pull.RelayReader) -----------------------------------------------------
     async def _origin_call(self, opcode: int, body: bytes, what: str) -> wm.MetaReader:
         """A join or a report, over this reader's own connection to the replica (its registration
         belongs to that connection and goes when it closes)."""
-        channel = await self._channel("")
-        return await channel.call(opcode, body, what=f"{what} of {self.prefix!r}")
-
-    async def _channel(self, address: str) -> FrameChannel:
-        """The connection to ``address`` (``""``: the server, for chunks; else an upstream peer,
-        with the relay's credentials: broadcast/peer.py)."""
-        channel = self._channels.get(address)
-        if channel is None or channel.closed:
-            target, options = (address, self._peer_options) if address else (str(self.origin), self._options)
-            channel = await transport.open_channel(target, options, what="a relay pull")
-            self._channels[address] = channel
-        return channel
-
-    async def _drop_channel(self, address: str) -> None:
-        channel = self._channels.pop(address, None)
-        if channel is not None:
-            with contextlib.suppress(TensorwireError):
-                await channel.close()
+        return await self.channels.call(opcode, body, f"{what} of {self.prefix!r}")
 
     async def _relay_url(self) -> str:
         """This worker's relay server for this slot, started on first use."""
@@ -199,8 +185,7 @@ class SlotReader:
     async def close(self) -> None:
         await self._leave(self.holds)
         self.stop_serving()
-        for address in list(self._channels):
-            await self._drop_channel(address)
+        await self.channels.close()
         if self._server is not None:
             await self._server.close()
             self._server = None

@@ -41,7 +41,6 @@ import itertools
 import os
 import socket
 import ssl
-import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -50,7 +49,7 @@ from tensorwire import transport
 from tensorwire.errors import CorruptFrame, InvalidTensor, LimitExceeded, ProtocolError
 from tensorwire.server.metrics import RequestCounts
 from tensorwire.server.rdma_memory import EngineMemory, size_class
-from tensorwire.server.request import Extension, Handler, Request
+from tensorwire.server.request import Extension, Handler, Request, extension_of, listener_only
 from tensorwire.store import Reservation, TensorStore
 from tensorwire.store.pool import BufferPool, allocate_private
 from tensorwire.transport import tls
@@ -88,6 +87,9 @@ class RdmaHost(Protocol):
 
     @property
     def counts(self) -> RequestCounts: ...
+
+    @property
+    def extensions(self) -> Sequence[Extension]: ...
 
     async def handle(self, stream: ByteStream, transport: str = "tcp") -> None: ...
 
@@ -167,7 +169,7 @@ class RdmaService:
             Opcode.RDMA_GET: self.get,
             Opcode.RDMA_END: self.end,
         }
-        return {op: _rdma_only(Opcode(op).name, handler) for op, handler in table.items()}
+        return listener_only("rdma", table)  # only rdma:// connections may have memory registered
 
     def rpc_handlers(self) -> Sequence[Any]:
         return ()
@@ -441,21 +443,6 @@ def _prefault(buffers: Sequence[memoryview]) -> None:
         prefault(buf)
 
 
-def _rdma_only(name: str, handler: Handler) -> Handler:
-    """``handler``, refusing requests that did not come in on an rdma:// listener: only those
-    connections may make the server register memory with its engine."""
-
-    async def guarded(req: Request) -> None:
-        if req.transport != "rdma":
-            raise ProtocolError(f"{name} is served only on the rdma:// listener, not on {req.transport}://")
-        await handler(req)
-
-    return guarded
-
-
-_services: weakref.WeakKeyDictionary[RdmaHost, RdmaService] = weakref.WeakKeyDictionary()
-
-
 def _counter(server: RdmaHost) -> Callable[[str, int], None]:
     """What counts the connections to the engine's ports its guard shut down, from the guard's
     thread: ``tensorwire_connections_refused_total`` reasons ``rdma_limit`` (beyond
@@ -484,7 +471,7 @@ def engine_host(address: Address) -> str:
 async def listen(server: RdmaHost, address: Address, context: ssl.SSLContext | None = None) -> Listener:
     """Serve ``rdma://HOST:PORT`` (or ``rdmas://``, with ``context``: the control connection inside
     TLS): control at HOST:PORT, bytes through this process's engine."""
-    service = _services.get(server)
+    service = extension_of(server.extensions, RdmaService)  # one per server, made by its first rdma://
     first = service is None
     if service is None:
         service = RdmaService(
@@ -505,7 +492,6 @@ async def listen(server: RdmaHost, address: Address, context: ssl.SSLContext | N
             await service.close()
         raise
     if first:
-        _services[server] = service
         server.extend(service)
     return listener
 

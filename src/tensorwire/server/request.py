@@ -25,6 +25,7 @@ import time
 from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from typing import Any, Protocol, TypeVar, runtime_checkable
 
+from tensorwire.errors import ProtocolError
 from tensorwire.security import tokens_match
 from tensorwire.store import TensorStore
 from tensorwire.transport.base import ByteStream
@@ -36,6 +37,7 @@ from tensorwire.wire.checksum import ChecksumKind
 from tensorwire.wire.frame import CHECKSUM_KINDS, DEFAULT_CHUNK_BYTES, Flags, Header, Opcode
 
 S = TypeVar("S")
+E = TypeVar("E")
 
 
 class Spanning(Protocol):
@@ -214,6 +216,30 @@ class Replicated(Protocol):
 
     @property
     def peer_token(self) -> str | None: ...
+
+
+def extension_of(extensions: Sequence[Extension], kind: type[E]) -> E | None:
+    """The server's extension of type ``kind``, if it has one (shm:// and rdma:// keep one service
+    per server, which their first listener adds: ``Server.extensions`` is where it is found)."""
+    return next((e for e in extensions if isinstance(e, kind)), None)
+
+
+def listener_only(scheme: str, table: Mapping[int, Handler]) -> dict[int, Handler]:
+    """``table``'s handlers, each refusing (ProtocolError, before anything happens) a request that
+    did not come in on a ``scheme``:// listener: a tcp:// (or tls://) connection of the same server
+    may come from anywhere, so it may not reserve shared segments, register memory with the RDMA
+    engine, pin either or learn a probe's token."""
+
+    def guard(op: int, handler: Handler) -> Handler:
+        async def guarded(req: Request) -> None:
+            if req.transport != scheme:
+                where = f"the {scheme}:// listener, not on {req.transport}://"
+                raise ProtocolError(f"{opname(op)} is served only on {where}")
+            await handler(req)
+
+        return guarded
+
+    return {op: guard(op, handler) for op, handler in table.items()}
 
 
 def peer_token_of(extensions: Sequence[Extension]) -> str | None:

@@ -33,27 +33,27 @@ from tensorwire.logs import event
 from tensorwire.security import TlsFiles, grpc_server_credentials, tokens_match
 from tensorwire.server.generation_ops import GenerationOps
 from tensorwire.server.metrics import RequestCounts
-from tensorwire.server.rpc_calls import StreamedPut as _StreamedPut
-from tensorwire.server.rpc_calls import Watchdog as _Watchdog
-from tensorwire.server.rpc_calls import abort as _abort
-from tensorwire.server.rpc_calls import answer as _answer
-from tensorwire.server.rpc_calls import checked_chunk as _checked_chunk
-from tensorwire.server.rpc_calls import off_loop as _off_loop
-from tensorwire.server.rpc_calls import ready as _ready
-from tensorwire.server.rpc_calls import serialize as _serialize
+from tensorwire.server.rpc_calls import (
+    StreamedPut,
+    Watchdog,
+    abort,
+    answer,
+    checked_chunk,
+    off_loop,
+    read_options,
+    ready,
+    serialize,
+)
 from tensorwire.server.rpc_generations import GenerationCalls
 from tensorwire.store import Reservation, TensorStore
 from tensorwire.transport.base import Listener
 from tensorwire.types import Address, Limits, TensorMeta
 from tensorwire.v1 import tensor_service_pb2 as pb
 from tensorwire.v1 import tensor_service_pb2_grpc as pb_grpc
-from tensorwire.wire.checksum import ChecksumKind
 from tensorwire.wire.dtypes import dtype_from_name, dtype_name
-from tensorwire.wire.frame import CHECKSUM_KINDS
 from tensorwire.wire.names import validate_prefix
 from tensorwire.wire.rpc import (
     ERROR_KEY,
-    RPC_GET_CHUNK_BYTES,
     SERVICE,
     UNARY_MAX_BYTES,
     info_of,
@@ -79,7 +79,7 @@ class TensorServicer(pb_grpc.TensorServiceServicer):
     async def UploadTensor(self, raw: bytes, context: Any) -> pb.TensorResponse:
         res: Reservation | None = None
         try:
-            request = await _off_loop(len(raw), _parse, pb.TensorRequest, raw)
+            request = await off_loop(len(raw), _parse, pb.TensorRequest, raw)
             meta = TensorMeta(
                 request.tensor_name, dtype_from_name(request.dtype), tuple(request.shape), len(request.data)
             )
@@ -88,7 +88,7 @@ class TensorServicer(pb_grpc.TensorServiceServicer):
             except InvalidTensor as exc:
                 raise InvalidTensor(f"shape/data size mismatch: {exc}") from None
             res = self.store.reserve([meta])
-            await _off_loop(meta.nbytes, res.buffers[0].__setitem__, slice(None), request.data)
+            await off_loop(meta.nbytes, res.buffers[0].__setitem__, slice(None), request.data)
             version = await self._commit(res)
         except TensorwireError as exc:
             return pb.TensorResponse(success=False, message=str(exc))
@@ -101,21 +101,21 @@ class TensorServicer(pb_grpc.TensorServiceServicer):
         try:
             (entry,) = self.store.acquire([request.tensor_name])
         except TensorwireError as exc:
-            return _serialize(pb.TensorResponse(success=False, message=str(exc)))
+            return serialize(pb.TensorResponse(success=False, message=str(exc)))
         try:
             meta = entry.meta
             if meta.nbytes > UNARY_MAX_BYTES:
                 message = f"{meta.name!r} has {meta.nbytes} bytes: too large for DownloadTensor, use Get"
-                return _serialize(pb.TensorResponse(success=False, message=message))
+                return serialize(pb.TensorResponse(success=False, message=message))
             # grpcio keeps the answer until the peer has read it, which a peer may never do: the
             # copy counts against the capacity until the call is over, like a put's bytes.
             try:
                 release = self.store.hold(meta.nbytes)
             except TensorwireError as exc:
-                return _serialize(pb.TensorResponse(success=False, message=str(exc)))
+                return serialize(pb.TensorResponse(success=False, message=str(exc)))
             context.add_done_callback(lambda _: release())
             try:
-                return await _off_loop(meta.nbytes, _tensor_response, entry.data, meta)
+                return await off_loop(meta.nbytes, _tensor_response, entry.data, meta)
             except BaseException:
                 release()
                 raise
@@ -125,13 +125,13 @@ class TensorServicer(pb_grpc.TensorServiceServicer):
     # -- streaming and the other operations ---------------------------------------------------
     async def Put(self, request_iterator: AsyncIterator[bytes], context: Any) -> pb.PutReply:
         """Chunks arrive as raw wire bytes (see ``handlers``) and are parsed in place."""
-        return await _answer(context, lambda: self._put(request_iterator))
+        return await answer(context, lambda: self._put(request_iterator))
 
     async def _put(self, chunks: AsyncIterator[bytes]) -> pb.PutReply:
         batch = Reservation()
-        watchdog = _Watchdog(self.stall_timeout)
+        watchdog = Watchdog(self.stall_timeout)
         try:
-            await _StreamedPut(self.store, self.limits, batch, watchdog).receive(chunks)
+            await StreamedPut(self.store, self.limits, batch, watchdog).receive(chunks)
             watchdog.close()
             return pb.PutReply(version=await self._commit(batch))
         except asyncio.CancelledError:
@@ -147,25 +147,20 @@ class TensorServicer(pb_grpc.TensorServiceServicer):
         stops reading for the stall timeout is cut off, and the tensors it pinned are released."""
         names = list(request.names)
         if not names or len(names) > self.limits.max_batch or len(set(names)) != len(names):
-            await _abort(context, ProtocolError(f"Get asks for {len(names)} tensors, or one twice"))
-        chunk = request.chunk_bytes or RPC_GET_CHUNK_BYTES
-        if not self.limits.min_chunk_bytes <= chunk <= self.limits.max_chunk_bytes:
-            await _abort(context, LimitExceeded(f"chunk size {chunk} outside the server's limits"))
-        kind = int(request.checksum_kind) or ChecksumKind.XXH3_64
-        if kind not in CHECKSUM_KINDS:
-            await _abort(context, ProtocolError(f"unknown checksum kind {kind}"))
+            await abort(context, ProtocolError(f"Get asks for {len(names)} tensors, or one twice"))
+        chunk, kind = await read_options(request, self.limits, context)
         try:
             entries = self.store.acquire(names)
         except TensorwireError as exc:
-            await _abort(context, exc)
-        watchdog = _Watchdog(self.stall_timeout)
+            await abort(context, exc)
+        watchdog = Watchdog(self.stall_timeout)
         try:
             yield pb.Chunk(manifest=[info_of(e.meta) for e in entries]).SerializeToString()
             for entry in entries:
                 for start in range(0, entry.meta.nbytes, chunk):
                     watchdog.progress()
                     data = entry.data[start : start + chunk]
-                    yield await _off_loop(len(data), _checked_chunk, data, kind)  # the one copy grpcio needs
+                    yield await off_loop(len(data), checked_chunk, data, kind)  # the one copy grpcio needs
         finally:
             watchdog.close()
             self.store.release(entries)
@@ -178,18 +173,18 @@ class TensorServicer(pb_grpc.TensorServiceServicer):
             # commit's disk write, and the loop goes on serving the others meanwhile.
             return pb.DeleteReply(deleted=await self.store.call(self.store.delete, names))
 
-        return await _answer(context, run)
+        return await answer(context, run)
 
     async def Stat(self, request: pb.NamesRequest, context: Any) -> pb.TensorList:
         names = await self._names(request, context)
-        return await _answer(
-            context, lambda: _ready(pb.TensorList(tensors=map(info_of, self.store.stat(names))))
+        return await answer(
+            context, lambda: ready(pb.TensorList(tensors=map(info_of, self.store.stat(names))))
         )
 
     async def _names(self, request: pb.NamesRequest, context: Any) -> list[str]:
         """The names a request lists, at most ``max_batch`` of them (as the frame protocol's)."""
         if len(request.names) > self.limits.max_batch:
-            await _abort(context, LimitExceeded(f"{len(request.names)} names exceed {self.limits.max_batch}"))
+            await abort(context, LimitExceeded(f"{len(request.names)} names exceed {self.limits.max_batch}"))
         return list(request.names)
 
     async def List(self, request: pb.ListRequest, context: Any) -> pb.TensorList:
@@ -199,7 +194,7 @@ class TensorServicer(pb_grpc.TensorServiceServicer):
             validate_prefix(request.prefix)
             return pb.TensorList(tensors=map(info_of, self.store.list(request.prefix, limit)))
 
-        return await _answer(context, run)
+        return await answer(context, run)
 
     async def Ping(self, request: pb.Empty, context: Any) -> pb.Empty:
         return pb.Empty()
@@ -222,7 +217,7 @@ def _tensor_response(data: memoryview, meta: TensorMeta) -> bytes:
     response = pb.TensorResponse(
         success=True, data=bytes(data), shape=meta.shape, dtype=dtype_name(meta.dtype)
     )
-    return _serialize(response)
+    return serialize(response)
 
 
 class RpcListener(Listener):
@@ -245,24 +240,24 @@ def handlers(servicer: TensorServicer, generations: GenerationCalls | None = Non
     parsed and built off the event loop."""
     unary = grpc.unary_unary_rpc_method_handler
     methods = {
-        "UploadTensor": unary(servicer.UploadTensor, None, _serialize),
+        "UploadTensor": unary(servicer.UploadTensor, None, serialize),
         "DownloadTensor": unary(servicer.DownloadTensor, pb.TensorRequest.FromString, None),
-        "Put": grpc.stream_unary_rpc_method_handler(servicer.Put, None, _serialize),
+        "Put": grpc.stream_unary_rpc_method_handler(servicer.Put, None, serialize),
         "Get": grpc.unary_stream_rpc_method_handler(servicer.Get, pb.GetRequest.FromString, None),
-        "Delete": unary(servicer.Delete, pb.NamesRequest.FromString, _serialize),
-        "Stat": unary(servicer.Stat, pb.NamesRequest.FromString, _serialize),
-        "List": unary(servicer.List, pb.ListRequest.FromString, _serialize),
-        "Ping": unary(servicer.Ping, pb.Empty.FromString, _serialize),
+        "Delete": unary(servicer.Delete, pb.NamesRequest.FromString, serialize),
+        "Stat": unary(servicer.Stat, pb.NamesRequest.FromString, serialize),
+        "List": unary(servicer.List, pb.ListRequest.FromString, serialize),
+        "Ping": unary(servicer.Ping, pb.Empty.FromString, serialize),
     }
     # The parts' chunks and the ranges' answers pass as raw bytes, as Put's and Get's do.
     if generations is not None:
         methods |= {
-            "PublishPart": grpc.stream_unary_rpc_method_handler(generations.PublishPart, None, _serialize),
+            "PublishPart": grpc.stream_unary_rpc_method_handler(generations.PublishPart, None, serialize),
             "GetRanges": grpc.unary_stream_rpc_method_handler(
                 generations.GetRanges, pb.RangesRequest.FromString, None
             ),
-            "Manifest": unary(generations.Manifest, pb.ManifestRequest.FromString, _serialize),
-            "Lease": unary(generations.Lease, pb.LeaseRequest.FromString, _serialize),
+            "Manifest": unary(generations.Manifest, pb.ManifestRequest.FromString, serialize),
+            "Lease": unary(generations.Lease, pb.LeaseRequest.FromString, serialize),
         }
     return grpc.method_handlers_generic_handler(SERVICE, methods)
 

@@ -26,9 +26,9 @@ from tensorwire.errors import (
 from tensorwire.store import Reservation, TensorStore
 from tensorwire.types import Limits
 from tensorwire.v1 import tensor_service_pb2 as pb
-from tensorwire.wire.checksum import checksum
+from tensorwire.wire.checksum import ChecksumKind, checksum
 from tensorwire.wire.frame import CHECKSUM_KINDS
-from tensorwire.wire.rpc import ERROR_KEY, RawChunk, decode_chunk, encode_chunk, meta_of
+from tensorwire.wire.rpc import ERROR_KEY, RPC_GET_CHUNK_BYTES, RawChunk, decode_chunk, encode_chunk, meta_of
 
 log = logging.getLogger("tensorwire.server")
 T = TypeVar("T")
@@ -187,6 +187,19 @@ async def abort(context: Any, exc: BaseException) -> None:
     code = code_for_error(exc)
     context.set_trailing_metadata(((ERROR_KEY, str(int(code))),))
     await context.abort(GRPC_CODES.get(code, grpc.StatusCode.INTERNAL), str(exc))
+
+
+async def read_options(request: Any, limits: Limits, context: Any) -> tuple[int, int]:
+    """The chunk size and checksum kind a read (Get, GetRanges) asks its answer in, the defaults
+    filled in; the call is aborted (LimitExceeded, ProtocolError) for ones this server does not
+    serve."""
+    chunk = int(request.chunk_bytes) or RPC_GET_CHUNK_BYTES
+    if not limits.min_chunk_bytes <= chunk <= limits.max_chunk_bytes:
+        await abort(context, LimitExceeded(f"chunk size {chunk} outside the server's limits"))
+    kind = int(request.checksum_kind) or ChecksumKind.XXH3_64
+    if kind not in CHECKSUM_KINDS:
+        await abort(context, ProtocolError(f"unknown checksum kind {kind}"))
+    return chunk, kind
 
 
 def serialize(message: Any) -> bytes:

@@ -33,17 +33,22 @@ import torch
 
 from tensorwire.errors import KeyNotFound, LimitExceeded, ProtocolError, TensorwireError
 from tensorwire.server.generation_ops import GenerationOps
-from tensorwire.server.rpc_calls import StreamedPut, Watchdog, abort, answer, checked_chunk, off_loop
+from tensorwire.server.rpc_calls import (
+    StreamedPut,
+    Watchdog,
+    abort,
+    answer,
+    checked_chunk,
+    off_loop,
+    read_options,
+)
 from tensorwire.store import Reservation
 from tensorwire.store.generations import Kept
 from tensorwire.store.uploads import client_of
 from tensorwire.types import Limits, TensorMeta
 from tensorwire.v1 import tensor_service_pb2 as pb
 from tensorwire.wire import generations as wg
-from tensorwire.wire.checksum import ChecksumKind
-from tensorwire.wire.frame import CHECKSUM_KINDS
 from tensorwire.wire.rpc import (
-    RPC_GET_CHUNK_BYTES,
     decode_chunk,
     generation_info,
     info_of,
@@ -114,12 +119,7 @@ class GenerationCalls:
         """The ranges' bytes as raw ``Chunk`` messages; a reader that stops reading for the stall
         timeout is cut off and the generation unpinned."""
         ranges = await self._ranges(request, context)
-        chunk = request.chunk_bytes or RPC_GET_CHUNK_BYTES
-        if not self.limits.min_chunk_bytes <= chunk <= self.limits.max_chunk_bytes:
-            await abort(context, LimitExceeded(f"chunk size {chunk} outside the server's limits"))
-        kind = int(request.checksum_kind) or ChecksumKind.XXH3_64
-        if kind not in CHECKSUM_KINDS:
-            await abort(context, ProtocolError(f"unknown checksum kind {kind}"))
+        chunk, kind = await read_options(request, self.limits, context)
         kept, meta, data = await self._pinned(request.name, request.at, ranges, context)
         watchdog = Watchdog(self.stall_timeout)
         release: Callable[[], None] | None = None

@@ -31,7 +31,6 @@ import itertools
 import logging
 import os
 import struct
-import weakref
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any, Protocol
@@ -40,7 +39,7 @@ from tensorwire import topology, transport
 from tensorwire.errors import InvalidTensor, LimitExceeded, ProtocolError, SharedMemoryUnavailable
 from tensorwire.logs import event
 from tensorwire.server.generation_parts import PartPublishes
-from tensorwire.server.request import Extension, Handler, Request
+from tensorwire.server.request import Extension, Handler, Request, extension_of, listener_only
 from tensorwire.store import Reservation, TensorStore
 from tensorwire.store.generations import Generations, Kept
 from tensorwire.store.memory import Entry
@@ -71,16 +70,15 @@ class ShmHost(Protocol):
     @property
     def part_publishes(self) -> PartPublishes: ...
 
+    @property
+    def extensions(self) -> Sequence[Extension]: ...
+
     async def handle(self, stream: ByteStream, transport: str = "tcp") -> None:
         """Serve one connection."""
 
     def extend(self, extension: Extension) -> None:
         """Add an extension to a starting server: its handlers join the table; it is closed with
         the server."""
-
-
-# One service per server, made by its first shm:// listener.
-_services: weakref.WeakKeyDictionary[ShmHost, ShmService] = weakref.WeakKeyDictionary()
 
 
 class ShmSession:
@@ -160,7 +158,7 @@ class ShmService:
             Opcode.SHM_GEN_VIEW: self.view,
             Opcode.SHM_GEN_PART: self.publish_part,
         }
-        return {op: _shm_only(Opcode(op).name, handler) for op, handler in table.items()}
+        return listener_only("shm", table)
 
     def rpc_handlers(self) -> Sequence[Any]:
         return ()
@@ -366,24 +364,11 @@ class ShmService:
         await req.reply(b"")
 
 
-def _shm_only(name: str, handler: Handler) -> Handler:
-    """``handler``, refusing requests that did not come in on an shm:// listener: segments are for
-    this host's clients, and a tcp:// (or tls://) connection of the same server may come from
-    anywhere, so it may not reserve segments, pin them or learn the probe's token."""
-
-    async def guarded(req: Request) -> None:
-        if req.transport != "shm":
-            raise ProtocolError(f"{name} is served only on the shm:// listener, not on {req.transport}://")
-        await handler(req)
-
-    return guarded
-
-
 async def listen(server: ShmHost, address: Address) -> Listener:
     """Serve ``shm://HOST:PORT``: HOST must be a loopback address (only this host can map)."""
     if not topology.is_loopback(address.host):
         raise ValueError(f"cannot serve {address}: shared memory serves only this host; use 127.0.0.1")
-    service = _services.get(server)
+    service = extension_of(server.extensions, ShmService)  # one per server, made by its first shm://
     first = service is None
     if service is None:
         service = ShmService(server.store, ws.shm_dir(), server.generations, server.part_publishes)
@@ -395,6 +380,5 @@ async def listen(server: ShmHost, address: Address) -> Listener:
             await service.close()
         raise
     if first:  # before any connection is served: the listener accepts once this task yields
-        _services[server] = service
         server.extend(service)
     return listener

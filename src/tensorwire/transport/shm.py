@@ -1,9 +1,10 @@
 """The client side of ``shm://``: the frame protocol for control, shared-memory segments for bytes.
 
-``ShmTransport`` is a ``FramedTransport`` (a ``FrameChannel``, and ``Viewable``; not ``Ranged``:
-its bytes go through segments, not frames) on a loopback TCP connection that, after HELLO, proves
-it shares the server's segment directory (SHM_ATTACH: it reads a probe file the server wrote;
-``SharedMemoryUnavailable`` if it cannot) and then moves tensors like this (docs/protocol.md §12):
+``ShmTransport`` is a ``SegmentTransport`` (segments.py: a ``FramedTransport``, so a
+``FrameChannel``, and ``Viewable``; not ``Ranged``: its bytes go through segments, not frames) on a
+loopback TCP connection that, after HELLO, proves it shares the server's segment directory
+(SHM_ATTACH: it reads a probe file the server wrote; ``SharedMemoryUnavailable`` if it cannot) and
+then moves tensors like this (docs/protocol.md §12):
 
 * ``put``: SHM_PUT asks for segments (the server reserves them), the client copies each tensor
   into its segment once, SHM_COMMIT publishes them all at once. Tensors under 64 KiB travel inside
@@ -24,7 +25,6 @@ Mappings are cached (segments are reused, so a warm put or get maps nothing and 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 import mmap
 import os
@@ -34,33 +34,33 @@ import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 
 from tensorwire.errors import (
-    ConnectionLost,
     CorruptFrame,
     ProtocolError,
     SharedMemoryUnavailable,
-    TensorwireError,
 )
 from tensorwire.transport import tcp
-from tensorwire.transport.base import (
-    ByteStream,
-    Listener,
-    Progress,
-    PutBatch,
-    Sink,
-    StreamHandler,
+from tensorwire.transport.base import Listener, Progress, PutBatch, Sink, StreamHandler
+from tensorwire.transport.segments import (
+    SegmentTransport,
+    Sums,
+    gathered,
+    in_order,
+    inline_items,
+    inline_sink,
+    land_inline,
 )
-from tensorwire.transport.frame_client import FramedTransport
 from tensorwire.types import Address, Generation, TensorMeta
 from tensorwire.wire import generations as wg
 from tensorwire.wire import meta as wm
 from tensorwire.wire import shm as ws
-from tensorwire.wire.checksum import ChecksumKind, checksum
-from tensorwire.wire.frame import DEFAULT_CHUNK_BYTES, Opcode
+from tensorwire.wire.checksum import checksum
+from tensorwire.wire.frame import Opcode
 
 MAPPINGS = 64  # segments a client keeps mapped (least recently used ones are unmapped first)
 COPY_TRIES = 8  # a get whose segment keeps being rewritten under it gives up after this many copies
@@ -124,25 +124,19 @@ class Mappings:
         self._maps.clear()
 
 
-class ShmTransport(FramedTransport):
-    """A client's connection to a server that serves ``shm://`` (see the module docstring)."""
+class ShmTransport(SegmentTransport[ws.SegmentRef]):
+    """A client's connection to a server that serves ``shm://`` (see the module docstring; its puts
+    go the four steps of segments.py)."""
 
-    def __init__(
-        self,
-        address: Address,
-        stream: ByteStream,
-        checksum: ChecksumKind = ChecksumKind.XXH3_64,
-        chunk_size: int = DEFAULT_CHUNK_BYTES,
-        timeout: float = 60.0,
-        *,
-        compression: str = "none",
-    ) -> None:
-        super().__init__(address, stream, checksum, chunk_size, timeout, compression=compression)
+    RESERVE = Opcode.SHM_PUT
+    COMMIT = Opcode.SHM_COMMIT
+    ROOM = "segment"
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        """``FramedTransport``'s own arguments (frame_client.py says which)."""
+        super().__init__(*args, **kwargs)
         self.directory = ws.shm_dir()
         self.maps = Mappings(self.directory)
-        self._releases: list[int] = []
-        self._aborts: list[int] = []
-        self._flushing: asyncio.Task[None] | None = None
         self.copied_bytes = 0  # into and out of segments (``GenerationViews``)
 
     def note_copied(self, nbytes: int) -> None:
@@ -168,26 +162,15 @@ class ShmTransport(FramedTransport):
                 f"or another {self.directory}): use tcp:// to reach it"
             )
 
-    # -- put -----------------------------------------------------------------------------------------
-    async def put(self, batch: PutBatch, progress: Progress | None = None) -> int:
-        metas, views = _gathered(batch)
-        what = f"segments for a put of {len(metas)} tensors"
-        reader = await self.call(Opcode.SHM_PUT, wm.encode_records(metas), what=what)
-        put_id = reader.u64()
-        refs = ws.decode_refs(reader, len(metas))
-        reader.done()
-        try:
-            self._fill(refs, metas, views, progress)
-        except BaseException:
-            self._later(aborts=[put_id])
-            raise
-        inline = _inline(len(metas), refs)
-        body = wm.encode_u64(put_id) + wm.encode_records([metas[i] for i in inline])
-        data = [views[i] for i in inline]
-        reader = await self.call(Opcode.SHM_COMMIT, body, data, what=f"commit of {what}", progress=progress)
-        version = reader.u64()
-        reader.done()
-        return version
+    # -- put (SegmentTransport.put) ---------------------------------------------------------------------
+    def _decode_refs(self, reader: wm.MetaReader, count: int) -> list[ws.SegmentRef]:
+        return ws.decode_refs(reader, count)
+
+    def _commit_body(self, reservation: int, sums: Sums, inline: Sequence[TensorMeta]) -> bytes:
+        return wm.encode_u64(reservation) + wm.encode_records(inline)
+
+    def _release_frames(self, releases: Sequence[int], aborts: Sequence[int]) -> list[tuple[int, bytes, str]]:
+        return [(Opcode.SHM_RELEASE, ws.encode_release(releases, aborts), "SHM_RELEASE")]  # all in one
 
     # -- a part of a multi-part publish ---------------------------------------------------------------
     async def publish_part(
@@ -197,12 +180,9 @@ class ShmTransport(FramedTransport):
         reserves them, each tensor is copied into its segment once, SHM_GEN_PART hands the put to
         the transaction with every tensor's chunk checksums (the server checks the bytes against
         them before the part counts) and the small tensors inline."""
-        metas, views = _gathered(batch)
+        metas, views = gathered(batch)
         what = f"part {index} of {count} of a publish under {prefix!r}"
-        reader = await self.call(Opcode.SHM_PUT, wm.encode_records(metas), what=f"segments for {what}")
-        put_id = reader.u64()
-        refs = ws.decode_refs(reader, len(metas))
-        reader.done()
+        put_id, refs = await self._reserve(metas, f"segments for {what}")
         try:
             sums = self._fill_summed(refs, metas, views)
         except BaseException:
@@ -210,7 +190,7 @@ class ShmTransport(FramedTransport):
             raise
         ms = max(1, min(round(timeout * 1000), 0xFFFFFFFF))
         head = wg.encode_shm_part(wg.PartHead(prefix, txn, index, count, ms), put_id, sums)
-        inline = _inline(len(metas), refs)
+        inline = inline_items(len(metas), refs)
         body = head + wm.encode_records([metas[i] for i in inline])
         # The server answers once every part is in, or at ``timeout``; this timer only backs it up.
         reader = await self.call(Opcode.SHM_GEN_PART, body, [views[i] for i in inline], what=what,
@@ -219,19 +199,19 @@ class ShmTransport(FramedTransport):
         reader.done()
         return generation
 
-    def _fill(
+    async def _fill(
         self, refs: Sequence[ws.SegmentRef], metas: Sequence[TensorMeta], views: Sequence[memoryview],
         progress: Progress | None,
-    ) -> None:  # fmt: skip
+    ) -> Sums:  # fmt: skip
         """Copy each tensor the server handed a segment for into it (the one copy)."""
         for ref in refs:
-            if ref.meta[:4] != metas[ref.item][:4]:
-                raise ProtocolError(f"{self.address} handed out a segment for another tensor")
+            self._check_ref(ref, metas[ref.item])
             segment = self._segment(ref, writable=True)
             segment[ws.HEADER_BYTES : ws.HEADER_BYTES + ref.meta.nbytes] = views[ref.item]  # the copy
             self.copied_bytes += ref.meta.nbytes
             if progress is not None:
                 progress(ref.meta.nbytes)
+        return ()  # SHM_COMMIT checks nothing more: the bytes never left this host
 
     def _fill_summed(
         self, refs: Sequence[ws.SegmentRef], metas: Sequence[TensorMeta], views: Sequence[memoryview]
@@ -239,12 +219,11 @@ class ShmTransport(FramedTransport):
         """``_fill``, and every tensor's chunk checksums (as the manifest's, §14), each chunk summed
         from the segment right after it is copied there, while it is still in the cache."""
         sums: list[tuple[int, ...]] = [()] * len(views)
-        for i in _inline(len(views), refs):
+        for i in inline_items(len(views), refs):
             sums[i] = wg.chunk_checksums(views[i])
         step = wg.CHUNK_BYTES
         for ref in refs:
-            if ref.meta[:4] != metas[ref.item][:4]:
-                raise ProtocolError(f"{self.address} handed out a segment for another tensor")
+            self._check_ref(ref, metas[ref.item])
             data = self._segment(ref, writable=True)[ws.HEADER_BYTES : ws.HEADER_BYTES + ref.meta.nbytes]
             src, chunks = views[ref.item], []
             for at in range(0, ref.meta.nbytes, step):
@@ -274,10 +253,7 @@ class ShmTransport(FramedTransport):
                         progress(ref.meta.nbytes)
             except _Stale:
                 continue
-            for i, data in inline.items():
-                buffers[i][:] = data
-            if progress is not None and inline:
-                progress(sum(d.nbytes for d in inline.values()))
+            land_inline(buffers, list(inline), list(inline.values()), progress)
             return metas
         raise CorruptFrame(f"the segments of {names[0]!r} were rewritten under {COPY_TRIES} copies in a row")
 
@@ -296,22 +272,15 @@ class ShmTransport(FramedTransport):
     ) -> tuple[list[TensorMeta], dict[int, memoryview], list[ws.SegmentRef], int]:
         """SHM_GET: every tensor's record in request order, the bytes of those sent inline (by
         index), references to those in segments, and the lease id (0 without a lease)."""
-        inline_metas, landed, land = _inline_sink()
+        inline_metas, landed, land = inline_sink()
         body = bytes([ws.GET_LEASE if lease else 0]) + wm.encode_names(names)
         what = f"the segments of {names[0]!r}" + (f" and {len(names) - 1} more" if len(names) > 1 else "")
         reader = await self.call(Opcode.SHM_GET, body, sink=land, what=what)
         refs = ws.decode_refs(reader, len(names))
         lease_id = reader.u64()
         reader.done()
-        slots = [i for i in range(len(names)) if i not in {ref.item for ref in refs}]
-        if len(slots) != len(landed):
-            raise ProtocolError(f"{self.address} answered for other tensors than the ones asked for")
-        metas: list[TensorMeta | None] = [None] * len(names)
-        for ref in refs:
-            metas[ref.item] = ref.meta
-        for slot, meta in zip(slots, inline_metas, strict=True):
-            metas[slot] = meta
-        return [m for m in metas if m is not None], dict(zip(slots, landed, strict=True)), refs, lease_id
+        metas, slots = in_order(self.address, len(names), inline_metas, refs)
+        return metas, dict(zip(slots, landed, strict=True)), refs, lease_id
 
     # -- views ---------------------------------------------------------------------------------------
     async def view(self, name: str) -> torch.Tensor:
@@ -335,7 +304,7 @@ class ShmTransport(FramedTransport):
         """Generation ``at`` (0: the newest) of ``prefix``: a read-only tensor per full name, over
         the mapped segments (tensors under 64 KiB: private copies that came inline); one lease
         keeps them all, released once the last is freed (``GenerationViews``)."""
-        inline_metas, landed, land = _inline_sink()
+        inline_metas, landed, land = inline_sink()
         what = f"a view of generation {at or 'latest'} of {prefix!r}"
         reader = await self.call(
             Opcode.SHM_GEN_VIEW, ws.encode_view_request(prefix, at), sink=land, what=what
@@ -365,33 +334,8 @@ class ShmTransport(FramedTransport):
             raise ProtocolError(f"{self.address} leased segment {ref.segment}, which holds something else")
         return np.frombuffer(segment, dtype=np.uint8, count=ref.meta.nbytes, offset=ws.HEADER_BYTES)
 
-    def _release_soon(self, loop: asyncio.AbstractEventLoop, lease: int) -> None:
-        """A view's memory was freed (on any thread): release its lease on the loop."""
-        with contextlib.suppress(RuntimeError):  # the loop is closed: so is the connection
-            loop.call_soon_threadsafe(self._later, [lease])
-
-    def _later(self, releases: Sequence[int] = (), aborts: Sequence[int] = ()) -> None:
-        """Release leases and abort puts in one SHM_RELEASE, sent in the background."""
-        if self.closed:
-            return  # the server dropped them with the connection
-        self._releases += releases
-        self._aborts += aborts
-        if self._flushing is None or self._flushing.done():
-            self._flushing = asyncio.get_running_loop().create_task(self._flush())
-
-    async def _flush(self) -> None:
-        while (self._releases or self._aborts) and not self.closed:
-            leases, self._releases = self._releases, []
-            puts, self._aborts = self._aborts, []
-            with contextlib.suppress(TensorwireError):  # a lost connection releases them all
-                await self.call(Opcode.SHM_RELEASE, ws.encode_release(leases, puts), what="SHM_RELEASE")
-
     async def close(self) -> None:
         await super().close()
-        if self._flushing is not None:
-            self._flushing.cancel()
-            with contextlib.suppress(asyncio.CancelledError, ConnectionLost):
-                await self._flushing
         self.maps.clear()
 
 
@@ -409,39 +353,6 @@ class _SharedLease:
             last = self._left == 0
         if last:
             self._release()
-
-
-def _gathered(batch: PutBatch) -> tuple[list[TensorMeta], list[memoryview]]:
-    """Every part's records and bytes, in order (segments are asked for all at once)."""
-    metas: list[TensorMeta] = []
-    views: list[memoryview] = []
-    for i in range(batch.parts):
-        part_metas, part_views = batch.part(i)
-        metas += part_metas
-        views += part_views
-    return metas, views
-
-
-def _inline(count: int, refs: Sequence[ws.SegmentRef]) -> list[int]:
-    """The items of a put the server handed no segment for: they travel inline, in order."""
-    in_segments = {ref.item for ref in refs}
-    return [i for i in range(count) if i not in in_segments]
-
-
-def _inline_sink() -> tuple[
-    list[TensorMeta], list[memoryview], Callable[[list[TensorMeta]], list[memoryview]]
-]:
-    """The records and private buffers of the small tensors an answer carries inline, and the sink
-    that fills them in."""
-    metas: list[TensorMeta] = []
-    landed: list[memoryview] = []
-
-    def land(records: list[TensorMeta]) -> list[memoryview]:
-        metas.extend(records)
-        landed.extend(memoryview(bytearray(m.nbytes)) for m in records)  # small tensors only
-        return landed
-
-    return metas, landed, land
 
 
 def _tensor(pages: np.ndarray, meta: TensorMeta) -> torch.Tensor:
