@@ -14,8 +14,8 @@ from click.testing import CliRunner
 from safetensors.torch import save_file
 
 from tensorwire import cli, topology
-from tensorwire.ps.replication import Backups
-from tensorwire.ps.topology import assign, parse_hosts
+from tensorwire.ps.layout import assign, parse_hosts
+from tensorwire.ps.server.replication import Backups
 from tensorwire.security import Security
 from tensorwire.topology import Location
 from tensorwire.wire import meta as wm

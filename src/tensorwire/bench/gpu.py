@@ -40,9 +40,9 @@ import torch.nn.functional as F
 from tensorwire.bench.report import show
 from tensorwire.client.staging import HostCopier
 from tensorwire.ps import SGD, Worker
-from tensorwire.ps.device import DeviceStaging
-from tensorwire.ps.exchange_client import ExchangeClient
+from tensorwire.ps.exchange.client import ExchangeClient
 from tensorwire.ps.launch import local_servers
+from tensorwire.ps.worker.device import DeviceStaging
 from tensorwire.types import MiB
 
 Result = dict[str, float | int | str | bool | None]

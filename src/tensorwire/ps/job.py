@@ -5,7 +5,8 @@
   jobs. A worker describes its job with these (and loads nothing of the server to do so).
 * A job has an id (``wire.ps.check_job_id``): the worker's ``job=``, else ``$TENSORWIRE_JOB``,
   else ``default_job_id`` of its model and mode, so that a worker of another model never lands in
-  a job silently. A server holds several jobs, each its own ``Job`` (ps/jobs.py).
+  a job silently. A server holds several jobs, each its own ``Job`` (ps/server/jobs.py). Its
+  parameters, published for relay pulls, go under ``relay_prefix(job)``.
 * ``Job``: one server's shards of the job's parameters (``HeldShard``, each an ``nn.Parameter``
   over a flat range), their ``torch.optim`` optimizer, the one thread that steps them and the lock
   pulls read them under, and the job's counters (world, step, version, pushes).
@@ -52,6 +53,7 @@ from tensorwire.errors import CapacityExceeded, InvalidTensor, NotAuthorized, Pr
 from tensorwire.logs import event
 from tensorwire.ps.budget import Budget
 from tensorwire.ps.optim import OptimizerSpec, from_dict
+from tensorwire.store.generations import SERVER_PREFIX
 from tensorwire.types import TensorMeta
 from tensorwire.wire import meta as wm
 from tensorwire.wire import ps as wps
@@ -370,6 +372,17 @@ class Job:
             (dtype, n), (other, m) = mine[key], theirs[key]
             diffs.append(f"shard {key[:60]!r} is {n} x {dtype} here, {m} x {other} asked")
         return diffs
+
+
+def relay_prefix(job: str) -> str:
+    """The generation prefix a job's parameters are published under for relay pulls: the servers
+    publish there (ps/server/relay.py) and the workers read there (ps/worker/relay_reader.py)."""
+    return f"{SERVER_PREFIX}/{job}"
+
+
+def relay_name(job: str, key: str) -> str:
+    """The published name of shard ``key`` of ``job``."""
+    return f"{relay_prefix(job)}/{key}"
 
 
 def default_job_id(model: str, mode: Mode) -> str:

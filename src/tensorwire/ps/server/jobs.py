@@ -42,15 +42,15 @@ import torch
 
 from tensorwire.errors import LimitExceeded, PersistenceError, ProtocolError
 from tensorwire.logs import event
-from tensorwire.ps import checkpoint
 from tensorwire.ps.budget import Budget
-from tensorwire.ps.consistency import Consistency
-from tensorwire.ps.gradients import Gradients
 from tensorwire.ps.job import CheckpointPolicy, Job, JobConfig, default_job_id
-from tensorwire.ps.membership import Members
-from tensorwire.ps.replica import Replica
-from tensorwire.ps.snapshots import Snapshots
-from tensorwire.ps.state import State
+from tensorwire.ps.server import checkpoint
+from tensorwire.ps.server.consistency import Consistency
+from tensorwire.ps.server.gradients import Gradients
+from tensorwire.ps.server.membership import Members
+from tensorwire.ps.server.replica import Replica
+from tensorwire.ps.server.snapshots import Snapshots
+from tensorwire.ps.server.state import State
 from tensorwire.wire import ps as wps
 
 log = logging.getLogger("tensorwire.ps")

@@ -32,11 +32,11 @@ import torch
 
 from tensorwire.errors import NotPrimary, ProtocolError, ReplicationRefused, WorkerDropped
 from tensorwire.logs import event
-from tensorwire.ps import checkpoint, replication
-from tensorwire.ps.exchange_server import GradientExchange, frame_session
+from tensorwire.ps.exchange.server import GradientExchange, frame_session
 from tensorwire.ps.job import OPEN, JobConfig, check_records, check_replicated, described_job, token_digest
-from tensorwire.ps.jobs import JobRun, Jobs
-from tensorwire.ps.replica import Replica
+from tensorwire.ps.server import checkpoint, replication
+from tensorwire.ps.server.jobs import JobRun, Jobs
+from tensorwire.ps.server.replica import Replica
 from tensorwire.server.core import Request
 from tensorwire.types import TensorMeta
 from tensorwire.wire import meta as wm

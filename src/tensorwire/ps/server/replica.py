@@ -47,7 +47,7 @@ from tensorwire.errors import (
     ReplicationRefused,
 )
 from tensorwire.logs import event
-from tensorwire.ps import replication
+from tensorwire.ps.server import replication
 from tensorwire.security import Security
 from tensorwire.server.core import Request
 from tensorwire.types import TensorMeta

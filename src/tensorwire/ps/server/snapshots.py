@@ -34,13 +34,13 @@ import torch
 
 from tensorwire.compression import Codec, from_wire
 from tensorwire.errors import LimitExceeded, ProtocolError
-from tensorwire.ps import replication
 from tensorwire.ps.budget import Budget
-from tensorwire.ps.consistency import Consistency
-from tensorwire.ps.gradients import Gradients, nbytes
 from tensorwire.ps.job import HeldShard, Job
-from tensorwire.ps.membership import Members
-from tensorwire.ps.replica import Replica
+from tensorwire.ps.server import replication
+from tensorwire.ps.server.consistency import Consistency
+from tensorwire.ps.server.gradients import Gradients, nbytes
+from tensorwire.ps.server.membership import Members
+from tensorwire.ps.server.replica import Replica
 from tensorwire.server.core import Request
 from tensorwire.types import TensorMeta
 from tensorwire.wire import meta as wm

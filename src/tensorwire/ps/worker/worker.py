@@ -95,15 +95,22 @@ from tensorwire import transport as transports
 from tensorwire._aio import LoopThread, cancel_and_wait, wait
 from tensorwire.compression import Codec, ErrorFeedback, resolve
 from tensorwire.errors import ProtocolError, TensorwireError, WorkerDropped
-from tensorwire.ps.device import DeviceStaging
 from tensorwire.ps.job import JobConfig, Mode, default_job_id
 from tensorwire.ps.optim import SGD, OptimizerSpec, spec_of
 from tensorwire.ps.placement import ParamSpec, Placement, plan
-from tensorwire.ps.relay_reader import RelayPulls, check_relay_servers
-from tensorwire.ps.rendezvous import JOB_ENV, SERVERS_ENV, STORE_KEY, env_int, find_job, resolve_servers
-from tensorwire.ps.rpc import JOB_TOKEN_ENV, Sender, server_stats
-from tensorwire.ps.shards import ModelShards, check_params, check_trainable, model_digest
-from tensorwire.ps.slot import RETRY_CAP, ServerSlot
+from tensorwire.ps.worker.device import DeviceStaging
+from tensorwire.ps.worker.relay_reader import RelayPulls, check_relay_servers
+from tensorwire.ps.worker.rendezvous import (
+    JOB_ENV,
+    SERVERS_ENV,
+    STORE_KEY,
+    env_int,
+    find_job,
+    resolve_servers,
+)
+from tensorwire.ps.worker.rpc import JOB_TOKEN_ENV, Sender, server_stats
+from tensorwire.ps.worker.shards import ModelShards, check_params, check_trainable, model_digest
+from tensorwire.ps.worker.slot import RETRY_CAP, ServerSlot
 from tensorwire.security import TlsFiles, client_security
 from tensorwire.wire import ps as wps
 

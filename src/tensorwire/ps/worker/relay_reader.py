@@ -54,9 +54,9 @@ from tensorwire.errors import (
     WorkerDropped,
 )
 from tensorwire.logs import event
+from tensorwire.ps.job import relay_name, relay_prefix
 from tensorwire.ps.placement import Shard
-from tensorwire.ps.relay import relay_name, relay_prefix
-from tensorwire.ps.slot import ServerSlot
+from tensorwire.ps.worker.slot import ServerSlot
 from tensorwire.server import Server
 from tensorwire.transport import FrameChannel, TransportOptions
 from tensorwire.types import Address

@@ -55,16 +55,16 @@ import torch
 
 from tensorwire.broadcast.coordinator import RelayCoordinator
 from tensorwire.errors import ProtocolError
-from tensorwire.ps import metrics, replication
 from tensorwire.ps.budget import Budget
-from tensorwire.ps.exchange_server import GradientExchange
+from tensorwire.ps.exchange.server import GradientExchange
 from tensorwire.ps.job import CheckpointPolicy, HeldShard, Job, JobConfig, Mode
-from tensorwire.ps.jobs import DEFAULT_MAX_JOBS, JobRun, Jobs, JobSettings
-from tensorwire.ps.lifecycle import Lifecycle
-from tensorwire.ps.membership import Member, Members
-from tensorwire.ps.relay import RelayPublisher
-from tensorwire.ps.replica import Replica
-from tensorwire.ps.state import State
+from tensorwire.ps.server import metrics, replication
+from tensorwire.ps.server.jobs import DEFAULT_MAX_JOBS, JobRun, Jobs, JobSettings
+from tensorwire.ps.server.lifecycle import Lifecycle
+from tensorwire.ps.server.membership import Member, Members
+from tensorwire.ps.server.relay import RelayPublisher
+from tensorwire.ps.server.replica import Replica
+from tensorwire.ps.server.state import State
 from tensorwire.security import Security
 from tensorwire.server.core import Handler, Request, Server
 from tensorwire.wire import ps as wps

@@ -36,12 +36,12 @@ import torch
 
 from tensorwire.compression import from_wire
 from tensorwire.errors import ProtocolError, WaitTimeout, WorkerDropped
-from tensorwire.ps import replication
-from tensorwire.ps.gradients import Gradients, Grads, Pending
 from tensorwire.ps.job import Job
-from tensorwire.ps.membership import Member, Members
-from tensorwire.ps.replica import Replica
-from tensorwire.ps.state import State
+from tensorwire.ps.server import replication
+from tensorwire.ps.server.gradients import Gradients, Grads, Pending
+from tensorwire.ps.server.membership import Member, Members
+from tensorwire.ps.server.replica import Replica
+from tensorwire.ps.server.state import State
 from tensorwire.server.core import Request
 from tensorwire.wire import meta as wm
 from tensorwire.wire import ps as wps

@@ -28,10 +28,10 @@ from typing import Any
 import torch
 
 from tensorwire.logs import event
-from tensorwire.ps import checkpoint
-from tensorwire.ps.gradients import Gradients, Grads
 from tensorwire.ps.job import CheckpointPolicy, HeldShard, Job, JobConfig
-from tensorwire.ps.membership import Member, Members
+from tensorwire.ps.server import checkpoint
+from tensorwire.ps.server.gradients import Gradients, Grads
+from tensorwire.ps.server.membership import Member, Members
 
 log = logging.getLogger("tensorwire.ps")
 

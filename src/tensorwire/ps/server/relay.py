@@ -40,21 +40,11 @@ import torch
 
 from tensorwire.broadcast.chains import Chains
 from tensorwire.errors import ProtocolError
-from tensorwire.ps.job import HeldShard, Job
-from tensorwire.store.generations import SERVER_PREFIX, Generations
+from tensorwire.ps.job import HeldShard, Job, relay_name, relay_prefix
+from tensorwire.store.generations import Generations
 from tensorwire.store.memory import Reservation
 from tensorwire.types import TensorMeta
 from tensorwire.wire import generations as wg
-
-
-def relay_prefix(job: str) -> str:
-    """The generation prefix a job's parameters are published under for relay pulls."""
-    return f"{SERVER_PREFIX}/{job}"
-
-
-def relay_name(job: str, key: str) -> str:
-    """The published name of shard ``key`` of ``job``."""
-    return f"{relay_prefix(job)}/{key}"
 
 
 @dataclass(frozen=True, slots=True)

@@ -40,8 +40,8 @@ from typing import NoReturn
 from tensorwire._aio import cancel_and_wait
 from tensorwire.errors import ProtocolError, WorkerDropped
 from tensorwire.logs import event
-from tensorwire.ps.gradients import Gradients
 from tensorwire.ps.job import Job
+from tensorwire.ps.server.gradients import Gradients
 from tensorwire.server.core import Request
 from tensorwire.wire import ps as wps
 from tensorwire.wire.frame import Opcode

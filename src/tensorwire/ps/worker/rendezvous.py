@@ -17,8 +17,8 @@ from typing import Any
 import torch
 
 from tensorwire.errors import ProtocolError, TensorwireError
-from tensorwire.ps.rpc import server_stats
-from tensorwire.ps.shards import check_params, model_digest
+from tensorwire.ps.worker.rpc import server_stats
+from tensorwire.ps.worker.shards import check_params, model_digest
 from tensorwire.security import TlsFiles, client_security
 from tensorwire.wire.ps import check_job_id
 

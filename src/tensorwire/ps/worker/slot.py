@@ -31,7 +31,7 @@ from tensorwire._aio import Deadline
 from tensorwire.client.retry import RetryPolicy, backoff, retrying
 from tensorwire.errors import ConnectError, ConnectionLost, NotPrimary, TensorwireError
 from tensorwire.ps.placement import Shard
-from tensorwire.ps.rpc import PsChannel, Sender
+from tensorwire.ps.worker.rpc import PsChannel, Sender
 from tensorwire.transport.base import FrameChannel, Sink
 from tensorwire.wire import meta as wm
 

@@ -55,7 +55,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from tensorwire.ps.budget import Budget
-from tensorwire.ps.replication import Backups
+from tensorwire.ps.server.replication import Backups
 
 STALENESS_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256)
 

@@ -26,8 +26,8 @@ import torch
 
 from tensorwire.compression import Codec, ErrorFeedback, decode_all
 from tensorwire.errors import InvalidTensor, ProtocolError
-from tensorwire.ps.device import DeviceStaging, device_of
 from tensorwire.ps.placement import Placement, Shard
+from tensorwire.ps.worker.device import DeviceStaging, device_of
 from tensorwire.transport.base import Sink
 from tensorwire.types import TensorMeta
 from tensorwire.wire.tensors import byte_view

@@ -72,10 +72,10 @@ from tensorwire import transport as transports
 from tensorwire._aio import LoopThread, asyncio_timeout
 from tensorwire.compression import Codec, ErrorFeedback, resolve
 from tensorwire.errors import ProtocolError
-from tensorwire.ps.device import DeviceStaging, device_of, slices
-from tensorwire.ps.rendezvous import env_int
-from tensorwire.ps.rpc import PsChannel, Sender
-from tensorwire.ps.shards import check_trainable
+from tensorwire.ps.worker.device import DeviceStaging, device_of, slices
+from tensorwire.ps.worker.rendezvous import env_int
+from tensorwire.ps.worker.rpc import PsChannel, Sender
+from tensorwire.ps.worker.shards import check_trainable
 from tensorwire.security import TlsFiles, client_security
 from tensorwire.transport.base import FrameChannel
 from tensorwire.types import Address, KiB, TensorMeta
