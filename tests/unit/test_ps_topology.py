@@ -1,4 +1,4 @@
-"""Which host serves each slot's primary and backups (``ps/topology.py``): replicas of a slot on
+"""Which host serves each slot's primary and backups (``ps/layout.py``): replicas of a slot on
 different hosts (and racks, when known), primaries spread, the same layout for the same input, and
 a warning for every slot whose replicas the hosts cannot keep apart."""
 

@@ -170,7 +170,7 @@ def ps_plan(
 
 
 def _layout(servers: int, replicas: int, hosts: str | None, racks: str | None) -> Layout:
-    """Which host serves each slot's replicas (``ps/topology.py``), from --hosts/--racks."""
+    """Which host serves each slot's replicas (``ps/layout.py``), from --hosts/--racks."""
     from tensorwire import topology
     from tensorwire.ps.layout import assign, parse_hosts
 

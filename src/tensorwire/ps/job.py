@@ -20,15 +20,15 @@
   transfers too); a request that fails, or a PS_INIT, never claims one (a job restored from a
   checkpoint older than job tokens, or opened by a backup, stays unclaimed until its own worker
   joins); every later PS_JOIN and PS_INIT must offer the same, and
-  PS_END the same or the servers' operator token (ps/lifecycle.py), else NotAuthorized naming what
+  PS_END the same or the servers' operator token (ps/server/lifecycle.py), else NotAuthorized naming what
   was missing. A job opened without a token is open: every client the server admits may join or
   end it, as before job tokens (the server says so in its log, when it requires a client token,
   and in PS_STATS: ``owner``). Requests that act as a rank need no token: they are bound to the
-  session that joined with it (ps/membership.py), which offered it.
+  session that joined with it (ps/server/membership.py), which offered it.
 
 Lifecycle of a ``Job``: empty until a worker's ``PS_INIT`` (or a backup's CREATE) ``install``s
-the shards, or a checkpoint or state transfer is loaded into it (ps/state.py); its counters then
-move under the modes (ps/consistency.py); ``free`` lets go of its tensors when the job ends, and
+the shards, or a checkpoint or state transfer is loaded into it (ps/server/state.py); its counters then
+move under the modes (ps/server/consistency.py); ``free`` lets go of its tensors when the job ends, and
 ``shutdown`` ends its thread.
 """
 

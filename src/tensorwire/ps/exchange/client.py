@@ -13,7 +13,7 @@ mean over the live workers into the same tensors, in place. Every worker passes 
 dtypes and shapes in the same order (a model's ``named_parameters`` does). Leaving (``close``, or
 the end of the ``with``) tells every server not to wait for this worker any more. Clients
 generated from ``train.GradientService`` (gRPC) take part in the same rounds (see
-``tensorwire.ps.exchange_server``).
+``tensorwire.ps.exchange.server``).
 
 Several servers (``ExchangeClient(["tcp://a:7070", "tcp://b:7070"])``, or one comma-separated
 string) share the work: the tensors are cut into pieces (a tensor that fits in one piece is sent
@@ -38,7 +38,7 @@ size again); the means come back in full precision.
 Tensors on a CUDA device are averaged in place too: each request's bytes go device -> pinned host
 memory -> wire, piece by piece, the copy of each piece overlapping the send of the one before,
 and its means come back through the same pinned buffer (one per request, reused every step) to
-the device on a side stream, which the caller's stream waits for by event (``ps/device.py``); a
+the device on a side stream, which the caller's stream waits for by event (``ps/worker/device.py``); a
 codec encodes on the device, next to its residuals.
 
 Failures. A server that is down, closes a connection, answers wrongly or does not answer in time

@@ -19,7 +19,7 @@ generations dropped at the next publish.
 Who relays: the PS_RELAY of a live worker (its session checked, as for a pull) admits that
 session, the worker process's incarnation, to register in the job's chains (``admit``); the worker's
 RELAY_JOIN names it, over the worker's own tcp:// or tls:// connection, whose address the relay
-address is checked against (ps/relay_reader.py: not the slot's connection, which may be shm://).
+address is checked against (ps/worker/relay_reader.py: not the slot's connection, which may be shm://).
 An observer's PS_RELAY admits nothing, and a RELAY_JOIN naming no admitted session reads from the
 server, unregistered (broadcast/coordinator.py): readers outside the job are never upstream of its
 workers, so they cannot make the workers' pulls wait. A job that ended has its admissions dropped.

@@ -177,7 +177,7 @@ class PsChannel:
 
     async def relay(self, clock: int, session: int) -> tuple[int, int]:
         """PS_RELAY: a pull's gate, then (version, the generation of ``_ps/<job>`` it is published
-        as, to read through the relay: ps/relay_reader.py)."""
+        as, to read through the relay: ps/worker/relay_reader.py)."""
         reader = await self._call(Opcode.PS_RELAY, clock, session, b"")
         reply = wps.decode_relay_reply(reader)
         reader.done()

@@ -31,7 +31,7 @@ their optimizer state, in full precision); a lossy pull is for workers that tole
 Pulls through the relay: ``pull="relay"`` (default ``"direct"``) has each server publish a new
 version once and the job's workers read it through the relay, each forwarding verified chunks to
 the next, so a server's link carries each version about once instead of once per worker
-(``ps/relay_reader.py``; a pull the relay cannot serve falls back to a direct one, with a warning,
+(``ps/worker/relay_reader.py``; a pull the relay cannot serve falls back to a direct one, with a warning,
 counted in ``worker.relay.fallbacks``). It takes tcp:// or tls:// servers, a CPU model and no
 ``pull_codec``: anything else is refused (ValueError) when the worker is made.
 
@@ -51,7 +51,7 @@ A model on a CUDA device trains as a CPU one does (the servers keep CPU tensors)
 go device -> pinned host memory -> wire, the copy of each piece overlapping the send of the one
 before; pulled parameters go wire -> pinned -> device, in place, on a side stream that the training
 thread's stream waits for (an event, not a synchronize); codecs and error feedback run on the
-device (``ps/device.py``). It holds one pinned copy of the model's bytes.
+device (``ps/worker/device.py``). It holds one pinned copy of the model's bytes.
 
 Where the servers are: ``servers=`` (URLs, or one comma-separated string), else
 ``$TENSORWIRE_SERVERS``, else (under ``torchrun``) what rank 0 published in torchrun's rendezvous
@@ -206,7 +206,7 @@ class Worker:
             raise ValueError("error_feedback needs a push_codec")
         self.feedback = ErrorFeedback(self.push_codec) if error_feedback and self.push_codec else None
         self.placement: Placement = plan(ParamSpec.of(model), len(self.servers), split_bytes)
-        # A CUDA model's tensors go through pinned staging (ps/device.py); ``staging`` replaces
+        # A CUDA model's tensors go through pinned staging (ps/worker/device.py); ``staging`` replaces
         # the device's own (tests stand a host copier in for the device).
         self._tensors = ModelShards(
             self._params, self.placement, self.push_codec, self.pull_codec, self.feedback, staging=staging
@@ -237,7 +237,7 @@ class Worker:
         self._joined = False
 
     def _relay_pulls(self, pull: str) -> RelayPulls | None:
-        """``pull="relay"``: the relay pulls (ps/relay_reader.py); ValueError for what cannot go
+        """``pull="relay"``: the relay pulls (ps/worker/relay_reader.py); ValueError for what cannot go
         through a relay: quantised pulls (the relay moves the parameters as the server keeps
         them), a CUDA model (its pulls land in pinned staging), servers not on tcp:// or tls://."""
         if pull == "direct":
