@@ -56,6 +56,7 @@ import torch
 from tensorwire.broadcast.coordinator import RelayCoordinator
 from tensorwire.errors import ProtocolError
 from tensorwire.ps.budget import Budget
+from tensorwire.ps.exchange import rpc as exchange_rpc
 from tensorwire.ps.exchange.server import GradientExchange
 from tensorwire.ps.job import CheckpointPolicy, HeldShard, Job, JobConfig, Mode
 from tensorwire.ps.server import metrics, replication
@@ -244,7 +245,7 @@ class ParamServer:
         }
 
     def rpc_handlers(self) -> Sequence[Any]:
-        return (self.exchange.rpc_handler(),)
+        return (exchange_rpc.rpc_handler(self.exchange),)
 
     def collectors(self) -> list[Any]:
         """Its Prometheus families (ps/server/metrics.py), for the server's registry."""

@@ -71,6 +71,15 @@ def env_int(name: str, given: int | None, default: int) -> int:
         raise ValueError(f"${name} must be a whole number, not {raw!r}") from None
 
 
+def rank_and_world(rank: int | None, world_size: int | None) -> tuple[int, int]:
+    """This process's rank and world size: given, else ``$RANK``/``$WORLD_SIZE`` (set by torchrun
+    and by ``tensorwire ps launch``), else 0 and 1; ValueError unless the rank is in the world."""
+    rank, world_size = env_int("RANK", rank, 0), env_int("WORLD_SIZE", world_size, 1)
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} is not in a world of {world_size}")
+    return rank, world_size
+
+
 def find_job(
     model: torch.nn.Module,
     servers: Sequence[str] | str | None,

@@ -35,28 +35,14 @@ the next, so a server's link carries each version about once instead of once per
 counted in ``worker.relay.fallbacks``). It takes tcp:// or tls:// servers, a CPU model and no
 ``pull_codec``: anything else is refused (ValueError) when the worker is made.
 
-Which job: ``job=`` (an id: 1 to 64 letters, digits, ``.``, ``_``, ``-``), else ``$TENSORWIRE_JOB``,
-else one derived from the model's parameter names, shapes and dtypes and the mode, so that a worker
-of another model never joins a job silently. One set of servers runs several jobs at once; a
-worker that names a job but runs another model, mode, optimizer or world is refused, naming the
-difference. ``barrier()`` returns once every live worker of the job has called it as often.
-
-Who owns the job: ``job_token=`` (a secret every worker of the job shares), else
-``$TENSORWIRE_JOB_TOKEN``: the first worker's makes the job its own, and the servers refuse
-(NotAuthorized) a worker that joins or initialises it with another or none, and a ``tensorwire ps
-end`` without it (or the servers' operator token). ``tensorwire ps launch`` gives its workers
-one. Without one the job is open: every client the servers admit may join or end it.
+Which job, who owns it, where the servers are, the rank and the world size: ``config.py``. ``barrier()``
+returns once every live worker of the job has called it as often.
 
 A model on a CUDA device trains as a CPU one does (the servers keep CPU tensors): its gradients
 go device -> pinned host memory -> wire, the copy of each piece overlapping the send of the one
 before; pulled parameters go wire -> pinned -> device, in place, on a side stream that the training
 thread's stream waits for (an event, not a synchronize); codecs and error feedback run on the
 device (``ps/worker/device.py``). It holds one pinned copy of the model's bytes.
-
-Where the servers are: ``servers=`` (URLs, or one comma-separated string), else
-``$TENSORWIRE_SERVERS``, else (under ``torchrun``) what rank 0 published in torchrun's rendezvous
-store. Rank and world size: ``rank=``/``world_size=``, else ``$RANK``/``$WORLD_SIZE`` (set by
-torchrun and by ``tensorwire ps launch``), else 0 and 1.
 
 A server on this worker's host that also serves ``shm://`` (``serve --listen shm://127.0.0.1:0``)
 is reached through that listener (``prefer_local``, on by default; HELLO says where a server runs;
@@ -67,12 +53,14 @@ network stack of a tcp:// connection to a server on another interface.
 Every wait is bounded by ``timeout``: a pull that waits for the other workers' step gets the
 server's TIMEOUT error, naming the workers it waited for.
 
-This module holds the job's side of the worker (joining, rejoining, the order of pushes and
-pulls). Its parts: ``slot`` (``ServerSlot``, one record per server: its replicas and connection,
-this worker's clock and pushes there, and the reconnect-and-failover loop every request goes
-through), ``rpc`` (``PsChannel``: each parameter-server request, built and decoded in one place),
-``shards`` (``ModelShards``: the tensors a push sends and a pull lands in) and ``rendezvous``
-(where the servers are, the rank and the world size).
+This module holds the worker's training side: the order of pushes and pulls, and barriers. Its
+parts: ``config`` (``WorkerConfig``: the arguments and the environment, resolved once),
+``session`` (``WorkerSession``: joining, rejoining, heartbeats, leaving), ``slot``
+(``ServerSlot``, one record per server: its replicas and connection, this worker's clock and
+pushes there, and the reconnect-and-failover loop every request goes through), ``rpc``
+(``PsChannel``: each parameter-server request, built and decoded in one place), ``shards``
+(``ModelShards``: the tensors a push sends and a pull lands in) and ``rendezvous`` (where the
+servers are, the rank and the world size).
 """
 
 from __future__ import annotations
@@ -80,61 +68,34 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
-import itertools
-import logging
 import os
-import secrets
 from collections.abc import Coroutine, Iterable, Sequence
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Any, TypeVar
+from typing import Any, Generic, TypeVar, overload
 
 import torch
 
-from tensorwire import transport as transports
-from tensorwire._aio import LoopThread, cancel_and_wait, wait
-from tensorwire.compression import Codec, ErrorFeedback, resolve
+from tensorwire._aio import LoopThread, wait
+from tensorwire.compression import Codec, ErrorFeedback
 from tensorwire.errors import ProtocolError, TensorwireError, WorkerDropped
-from tensorwire.ps.job import JobConfig, Mode, default_job_id
-from tensorwire.ps.optim import SGD, OptimizerSpec, spec_of
+from tensorwire.ps.job import Mode
+from tensorwire.ps.optim import OptimizerSpec
 from tensorwire.ps.placement import ParamSpec, Placement, plan
+from tensorwire.ps.worker.config import MARGIN, WorkerConfig
 from tensorwire.ps.worker.device import DeviceStaging
-from tensorwire.ps.worker.relay_reader import RelayPulls, check_relay_servers
-from tensorwire.ps.worker.rendezvous import (
-    JOB_ENV,
-    SERVERS_ENV,
-    STORE_KEY,
-    env_int,
-    find_job,
-    resolve_servers,
-)
-from tensorwire.ps.worker.rpc import JOB_TOKEN_ENV, Sender, server_stats
-from tensorwire.ps.worker.shards import ModelShards, check_params, check_trainable, model_digest
-from tensorwire.ps.worker.slot import RETRY_CAP, ServerSlot
-from tensorwire.security import TlsFiles, client_security
+from tensorwire.ps.worker.relay_reader import RelayPulls
+from tensorwire.ps.worker.rendezvous import JOB_ENV, find_job
+from tensorwire.ps.worker.rpc import Sender
+from tensorwire.ps.worker.session import WorkerSession
+from tensorwire.ps.worker.shards import ModelShards, check_params
+from tensorwire.ps.worker.slot import ServerSlot
+from tensorwire.security import TlsFiles
 from tensorwire.wire import ps as wps
 
-__all__ = [
-    "JOB_ENV",
-    "JOB_TOKEN_ENV",
-    "SERVERS_ENV",
-    "STORE_KEY",
-    "PushResult",
-    "Worker",
-    "check_trainable",
-    "env_int",
-    "find_job",
-    "model_digest",
-    "pull_parameters",
-    "resolve_servers",
-    "server_stats",
-]
+__all__ = ["PushResult", "Worker", "pull_parameters"]
 
-log = logging.getLogger("tensorwire.ps.worker")
 T = TypeVar("T")
-CATCH_UP_TRIES = 10  # joins that wait for servers a step behind before rolling them back
-_MARGIN = 10.0  # a request's own timer runs this much longer than the server's wait, so the
-# server's answer (naming who it waited for) arrives before the client gives up.
 
 
 @dataclass(frozen=True)
@@ -147,8 +108,30 @@ class PushResult:
     rejoined: bool = False  # a server had dropped this worker: it rejoined, and this push was lost
 
 
+class _Setting(Generic[T]):
+    """A read-only attribute of a ``Worker``: its ``config``'s field of the same name."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    @overload
+    def __get__(self, worker: None, owner: type) -> _Setting[T]: ...
+    @overload
+    def __get__(self, worker: Worker, owner: type) -> T: ...
+    def __get__(self, worker: Worker | None, owner: type) -> T | _Setting[T]:
+        if worker is None:  # on the class: the descriptor itself (help(), documentation tools)
+            return self
+        value: T = getattr(worker.config, self.name)
+        return value
+
+
 class Worker:
-    """One data-parallel worker of a parameter-server job (see the module doc)."""
+    """One data-parallel worker of a parameter-server job (see the module doc).
+
+    Its arguments, less ``model`` and ``staging``, are ``WorkerConfig.resolve``'s: the resolved
+    settings are ``worker.config``, and the most read of them are also attributes (``rank``,
+    ``world_size``, ``job``, ``servers``, ``mode``, ...).
+    """
 
     def __init__(
         self,
@@ -176,91 +159,87 @@ class Worker:
         job_token: str | None = None,
     ) -> None:
         self.model = model
-        self.mode = Mode.parse(mode)
-        self.optimizer = spec_of(optimizer if optimizer is not None else SGD())
-        self.rank = env_int("RANK", rank, 0)
-        self.world_size = env_int("WORLD_SIZE", world_size, 1)
-        if not 0 <= self.rank < self.world_size:
-            raise ValueError(f"rank {self.rank} is not in a world of {self.world_size}")
-        self.timeout = timeout
-        self.connect_timeout = connect_timeout
-        self.observer = observer  # pulls only, without joining (evaluation, checkpoints)
-        self.servers = resolve_servers(servers, self.rank, timeout)
         self._params = check_params(model)
-        # The job: named, or derived from the model and the mode (another model: another job).
-        named = job if job is not None else os.environ.get(JOB_ENV) or None  # an empty variable: unset
-        self.job = wps.check_job_id(
-            default_job_id(model_digest(self._params), self.mode) if named is None else named
-        )
-        # The job's token (a secret its workers share; see the module doc): never logged or shown.
-        self._job_token = (job_token or os.environ.get(JOB_TOKEN_ENV) or "").encode()
-        if len(self._job_token) > wps.MAX_CREDENTIAL_BYTES:
-            raise ValueError(f"a job token is at most {wps.MAX_CREDENTIAL_BYTES} bytes")
-        self.barriers = 0  # the last barrier generation this worker passed
-        self.push_codec, self.pull_codec = resolve(push_codec), resolve(pull_codec)
-        if self.pull_codec is not None and self.pull_codec.sparse:
-            raise ValueError(f"pull_codec {self.pull_codec.name} drops elements: use int8, bf16 or fp16")
-        if error_feedback is None:  # on by default wherever the codec loses something
-            error_feedback = self.push_codec is not None and self.push_codec.lossy
-        if error_feedback and self.push_codec is None:
-            raise ValueError("error_feedback needs a push_codec")
-        self.feedback = ErrorFeedback(self.push_codec) if error_feedback and self.push_codec else None
-        self.placement: Placement = plan(ParamSpec.of(model), len(self.servers), split_bytes)
-        # A CUDA model's tensors go through pinned staging (ps/worker/device.py); ``staging`` replaces
-        # the device's own (tests stand a host copier in for the device).
+        self.config = config = WorkerConfig.resolve(
+            self._params, servers, mode, optimizer, rank=rank, world_size=world_size, timeout=timeout,
+            connect_timeout=connect_timeout, split_bytes=split_bytes, token=token, tls=tls,
+            observer=observer, heartbeat=heartbeat, push_codec=push_codec, pull_codec=pull_codec,
+            error_feedback=error_feedback, job=job, prefer_local=prefer_local, pull=pull,
+            job_token=job_token,
+        )  # fmt: skip
+        codec = config.push_codec
+        self.feedback = ErrorFeedback(codec) if config.error_feedback and codec is not None else None
+        self.placement: Placement = plan(ParamSpec.of(model), len(config.servers), config.split_bytes)
+        # A CUDA model's tensors go through pinned staging (ps/worker/device.py); ``staging``
+        # replaces the device's own (tests stand a host copier in for the device).
         self._tensors = ModelShards(
-            self._params, self.placement, self.push_codec, self.pull_codec, self.feedback, staging=staging
+            self._params, self.placement, codec, config.pull_codec, self.feedback, staging=staging
         )
-        # TLS files for tls:// servers (``TlsFiles(ca=...)`` for a private CA; a client certificate
-        # where the servers require one) and the token (default: $TENSORWIRE_TOKEN).
-        self._security = client_security(tls, token)
-        self.heartbeat = heartbeat  # seconds between heartbeats (0: none); see ParamServer
-        self.clock = 0  # pushes made since the last (re)join
         self.version = 0
         self.bytes_pushed = 0
         self.bytes_pulled = 0
-        self.rejoins = 0
-        # This process's session: the servers bind the rank to it at PS_JOIN, and every request that
-        # acts as the rank carries it (a second process with the same RANK, or a forged request
-        # under it, is refused). A secret of this process: never logged, never shown by a server.
-        self.incarnation = secrets.randbits(63) or 1
-        # A server on this host that serves shm:// is reached through it (prefer_local=False: as
-        # given); ``transports`` says which each connection took.
-        self._options = transports.TransportOptions(
-            connect_timeout, timeout + _MARGIN, security=self._security, prefer_local=prefer_local
-        )
+        self._options = config.options  # ``transports`` says which way each connection took
         self._slots = self._make_slots()  # one per server: everything this worker keeps of it
-        self.relay = self._relay_pulls(pull)  # pull="relay": through the servers' relays
-        self._beating: asyncio.Task[None] | None = None
+        self._session = WorkerSession(config, self._slots, self._tensors, self._pull_all)
+        self.relay = self._relay_pulls()  # pull="relay": through the servers' relays
         self._pending: concurrent.futures.Future[PushResult] | None = None
         self._thread: LoopThread | None = None
-        self._joined = False
 
-    def _relay_pulls(self, pull: str) -> RelayPulls | None:
-        """``pull="relay"``: the relay pulls (ps/worker/relay_reader.py); ValueError for what cannot go
-        through a relay: quantised pulls (the relay moves the parameters as the server keeps
-        them), a CUDA model (its pulls land in pinned staging), servers not on tcp:// or tls://."""
-        if pull == "direct":
+    def _relay_pulls(self) -> RelayPulls | None:
+        """``pull="relay"`` (checked by ``WorkerConfig``): the relay pulls (ps/worker/relay_reader.py);
+        ValueError for a CUDA model (its pulls land in pinned staging)."""
+        if not self.config.relay:
             return None
-        if pull != "relay":
-            raise ValueError(f"pull must be 'direct' or 'relay', not {pull!r}")
-        if self.pull_codec is not None:
-            raise ValueError("pull='relay' moves full-precision parameters: it takes no pull_codec")
         if self._tensors.staging is not None:
             raise ValueError("pull='relay' lands in CPU parameters: a CUDA model pulls directly")
-        check_relay_servers(self.servers)
-        stall = min(10.0, self.timeout)
         return RelayPulls(self.job, self._options, self._params, exact=self.mode.kind == "sync",
-                          stall_timeout=stall)  # fmt: skip
+                          stall_timeout=min(10.0, self.timeout))  # fmt: skip
 
     def _make_slots(self) -> list[ServerSlot]:
-        worker = wps.OBSERVER if self.observer else self.rank
-        sender = Sender(worker, self.world_size, int(self.timeout * 1000), self.job, self._job_token)
+        config = self.config
+        worker = wps.OBSERVER if config.observer else config.rank
+        sender = Sender(worker, config.world_size, int(config.timeout * 1000), config.job, config.job_token)
         return [
-            ServerSlot(name, self.placement.on_server(i), rank=self.rank, sender=sender,
-                       options=self._options, timeout=self.timeout)
-            for i, name in enumerate(self.servers)
+            ServerSlot(name, self.placement.on_server(i), rank=config.rank, sender=sender,
+                       options=self._options, timeout=config.timeout)
+            for i, name in enumerate(config.servers)
         ]  # fmt: skip
+
+    # -- what the config and the session say ----------------------------------------------------
+    job = _Setting[str]()
+    mode = _Setting[Mode]()
+    optimizer = _Setting[OptimizerSpec]()
+    rank = _Setting[int]()
+    world_size = _Setting[int]()
+    timeout = _Setting[float]()
+    connect_timeout = _Setting[float]()
+    observer = _Setting[bool]()
+    heartbeat = _Setting[float]()
+    push_codec = _Setting["Codec | None"]()
+    pull_codec = _Setting["Codec | None"]()
+
+    @property
+    def servers(self) -> list[str]:
+        return list(self.config.servers)
+
+    @property
+    def incarnation(self) -> int:
+        """This process's session secret (``WorkerSession``): never logged, never shown."""
+        return self._session.incarnation
+
+    @property
+    def clock(self) -> int:
+        """Pushes made since the last (re)join."""
+        return self._session.clock
+
+    @property
+    def barriers(self) -> int:
+        """The last barrier generation this worker passed."""
+        return self._session.barriers
+
+    @property
+    def rejoins(self) -> int:
+        return self._session.rejoins
 
     # -- lifecycle ------------------------------------------------------------------------------
     def start(self) -> Worker:
@@ -285,8 +264,8 @@ class Worker:
         try:
             if self._pending is not None and not self._pending.done():
                 with contextlib.suppress(TensorwireError, TimeoutError):
-                    wait(self._pending, self.timeout + _MARGIN, "the last push")
-            thread.call(self._leave(), self.connect_timeout + _MARGIN, "leaving the job")
+                    wait(self._pending, self.timeout + MARGIN, "the last push")
+            thread.call(self._leave(), self.connect_timeout + MARGIN, "leaving the job")
         finally:
             thread.stop()
 
@@ -320,7 +299,8 @@ class Worker:
         grads = self._tensors.take_grads()
         payloads = self._tensors.encode(grads)
         self._tensors.after_compute()  # a device model: its copies start after this backward
-        clock, self.clock = self.clock, self.clock + 1
+        clock = self._session.clock
+        self._session.clock += 1
         self._pending = self._loop().submit(self._push(grads, payloads, clock))
         return self._pending
 
@@ -344,94 +324,22 @@ class Worker:
             raise ProtocolError("an observer worker takes no part in barriers")
         self._finish_push()
         wait = self.timeout if timeout is None else timeout
-        passed: int = self._loop().call(self._barrier(wait), wait + 2 * _MARGIN, "a barrier")
+        passed: int = self._loop().call(self._barrier(wait), wait + 2 * MARGIN, "a barrier")
         return passed
 
-    # -- joining --------------------------------------------------------------------------------
+    # -- joining and leaving: the session's ---------------------------------------------------
     async def _start(self) -> None:
         if self.observer:
             await self._pull_all()
             return
-        if self.heartbeat > 0:  # beating from the start: a slow first pull must not get it dropped
-            self._beating = asyncio.get_running_loop().create_task(self._heartbeats())
-        await self._join_all(first=True)
+        await self._session.start()
         self.version = await self._pull()
 
-    async def _join_all(self, first: bool = False) -> None:
-        """Join on every server (initialising the job where there is none). In sync mode this
-        worker must be at one step on all of them. Servers of a live job can be a step apart for a
-        moment (each takes the step when its pushes are in): then it leaves those behind, lets them
-        finish that step without it, and joins again. Servers restored from checkpoints written a
-        step apart do not move by themselves: after a while they are rolled back to the older one,
-        which each of them keeps."""
-        config = JobConfig(self.mode, self.optimizer, model_digest(self._params)).to_json()
-        slots = self._serving()
-        clocks: list[int] = []
-        for attempt in range(CATCH_UP_TRIES + 3):
-            joined = await asyncio.gather(*(self._join(slot, config, first) for slot in slots))
-            self._joined = True
-            for slot, (clock, seq, _) in zip(slots, joined, strict=True):
-                slot.joined(clock, seq)
-            self.barriers = max(self.barriers, joined[0][2])  # barriers are kept by the first server
-            clocks = [slot.clock for slot in slots]
-            if self.mode.kind != "sync" or len(set(clocks)) == 1:
-                self.clock = max(clocks)
-                return
-            behind = [slot for slot in slots if slot.clock < max(clocks)]
-            if attempt < CATCH_UP_TRIES:
-                leaving = (slot.rpc.leave(slot.clock, self.incarnation, final=False) for slot in behind)
-                await asyncio.gather(*leaving)
-                await asyncio.sleep(0.05 * (attempt + 1))
-                continue
-            target = min(clocks)
-            log.warning("servers stay at steps %s: rolling back to step %d", clocks, target)
-            ahead = [slot for slot in slots if slot.clock > target]
-            # A server rolls back only with no worker live, and this one has just joined it.
-            await asyncio.gather(
-                *(slot.rpc.leave(slot.clock, self.incarnation, final=False) for slot in ahead)
-            )
-            await asyncio.gather(*(slot.rpc.rollback(target, self.incarnation) for slot in ahead))
-        raise ProtocolError(f"the servers could not be brought to one step: {clocks}")
-
-    async def _join(self, slot: ServerSlot, config: str, first: bool) -> tuple[int, int, int]:
-        records = [self._tensors.meta(s) for s in slot.shards]
-        for attempt in itertools.count(1):
-            joined = await slot.rpc.join(slot.clock, self.incarnation, config, records)
-            clock, initialized, seq, barrier = joined
-            if not first and initialized:
-                return clock, seq, barrier
-            try:  # the first time, also to check that the server's job is this one
-                await self._init(slot, config, with_values=not initialized)
-                return clock, seq, barrier
-            except WorkerDropped:  # the worker creating the job failed: try again, ours may win
-                if attempt == 3:
-                    raise
-        raise AssertionError("unreachable")
-
-    async def _init(self, slot: ServerSlot, config: str, with_values: bool) -> None:
-        """Create the job with this worker's values (the first worker's win), or, without values,
-        only check that the server's job is this one (same mode, optimizer and shards)."""
-        records = [self._tensors.meta(s) for s in slot.shards]
-        data = self._tensors.values(slot.shards) if with_values else []
-        await slot.rpc.init(slot.clock, self.incarnation, config, records, data)
-
-    async def _recover(self) -> None:
-        """A server no longer counts this worker (it restarted, or dropped the worker after missed
-        heartbeats): rejoin everywhere and pull the current parameters."""
-        log.warning("worker %d was dropped by a server: rejoining", self.rank)
-        self.rejoins += 1
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.timeout
-        while True:
-            try:
-                await self._join_all()
-                self.version = await self._pull_all()
-                return
-            except WorkerDropped:  # dropped again meanwhile (a failover, a slow machine): once more
-                if loop.time() >= deadline:
-                    raise
-                log.warning("worker %d was dropped again while rejoining: rejoining", self.rank)
-                await asyncio.sleep(RETRY_CAP)
+    async def _leave(self) -> None:
+        await self._session.stop_heartbeats()
+        if self.relay is not None:
+            await self.relay.close()
+        await self._session.leave()
 
     # -- pulls and pushes -----------------------------------------------------------------------
     async def _pull(self) -> int:
@@ -439,7 +347,7 @@ class Worker:
         try:
             return await self._pull_all()
         except WorkerDropped:
-            await self._recover()
+            self.version = await self._session.recover()
             return self.version
 
     async def _pull_all(self) -> int:
@@ -448,14 +356,14 @@ class Worker:
 
     async def _pull_from(self, slot: ServerSlot) -> int:
         if self.relay is not None:
-            relayed = await self.relay.pull(slot, slot.clock, self._session())
+            relayed = await self.relay.pull(slot, slot.clock, self._sender_session())
             if relayed is not None:  # else a warning was logged: pull directly
                 self.bytes_pulled += relayed[1]
                 return relayed[0]
         into = await self._tensors.pull_into(slot.shards, slot.name)
         codec = self.pull_codec.name if self.pull_codec else None
         keys = [s.key for s in slot.shards]
-        version = await slot.rpc.pull(slot.clock, self._session(), keys, into.sink, codec)
+        version = await slot.rpc.pull(slot.clock, self._sender_session(), keys, into.sink, codec)
         await into.finish()
         self.bytes_pulled += into.nbytes
         return version
@@ -466,7 +374,8 @@ class Worker:
         try:
             replies = await _gather_all(self._push_to(slot, grads, payloads) for slot in self._serving())
         except WorkerDropped:
-            await self._recover()  # the push is lost: it was computed on parameters now gone
+            # The push is lost: it was computed on parameters now gone.
+            self.version = await self._session.recover()
             return PushResult(clock, self.version, 0, rejoined=True)
         versions, staleness = zip(*replies, strict=True) if replies else ((0,), (0,))
         return PushResult(clock, max(versions), max(staleness))
@@ -497,57 +406,27 @@ class Worker:
         for attempt in range(2):
             slot = self._serving()[0]
             try:
-                self.barriers = await slot.rpc.barrier(self.barriers + 1, self.incarnation, wait)
-                return self.barriers
+                passed = await slot.rpc.barrier(self.barriers + 1, self.incarnation, wait)
+                self._session.barriers = passed
+                return passed
             except WorkerDropped:
                 if attempt:
                     raise
-                await self._recover()
+                self.version = await self._session.recover()
         raise AssertionError("unreachable")
 
     async def _stats(self) -> list[dict[str, Any]]:
         return list(await asyncio.gather(*(slot.rpc.stats(slot.clock) for slot in self._serving())))
 
-    # -- heartbeats and leaving -----------------------------------------------------------------
-    async def _heartbeats(self) -> None:
-        """Tell every server this worker is alive, each on a connection of its own (a pull waiting
-        for a step must not hold up the heartbeat); a server that drops it is rejoined by the
-        next push or pull."""
-        wait = max(self.heartbeat * 4, 1.0)
-        options = self._options._replace(connect_timeout=wait, request_timeout=wait)
-        sender = Sender(self.rank, self.world_size, job=self.job)
-        try:
-            while True:
-                await asyncio.gather(*(s.beat(sender, self.incarnation, options) for s in self._serving()))
-                await asyncio.sleep(self.heartbeat)
-        finally:
-            for slot in self._slots:
-                await slot.close_beat()
-
-    async def _leave(self) -> None:
-        """Leave every server that can be reached now (no retries: the process may be ending)."""
-        await cancel_and_wait(self._beating)
-        if self.relay is not None:
-            await self.relay.close()
-        try:
-            if self._joined:
-                sender = Sender(self.rank, self.world_size, job=self.job)
-                leaving = (slot.leave(sender, self.incarnation, self.connect_timeout) for slot in self._slots)
-                await asyncio.gather(*leaving, return_exceptions=True)
-        finally:
-            for slot in self._slots:
-                await slot.close()
-
     # -- helpers --------------------------------------------------------------------------------
-    def _session(self) -> int:
+    def _sender_session(self) -> int:
         """What a request's ``seq`` says of who sends it: this process's incarnation, or 0 for an
         observer (which acts as no rank)."""
         return 0 if self.observer else self.incarnation
 
     def _serving(self) -> list[ServerSlot]:
-        """The servers this worker talks to: those the placement gives a shard (a model with
-        fewer elements than there are servers leaves some without)."""
-        return [slot for slot in self._slots if slot.shards]
+        """The servers this worker talks to (``WorkerSession.serving``)."""
+        return self._session.serving
 
     def _loop(self) -> LoopThread:
         if self._thread is None:
@@ -556,7 +435,7 @@ class Worker:
 
     def _call(self, coro: Any, what: str) -> Any:
         try:
-            return self._loop().call(coro, self.timeout + 2 * _MARGIN, what)
+            return self._loop().call(coro, self.timeout + 2 * MARGIN, what)
         except BaseException:
             coro.close()  # never scheduled when the loop is missing
             raise
@@ -564,7 +443,7 @@ class Worker:
     def _finish_push(self) -> None:
         pending, self._pending = self._pending, None
         if pending is not None:
-            wait(pending, self.timeout + 2 * _MARGIN, "the last push")
+            wait(pending, self.timeout + 2 * MARGIN, "the last push")
 
 
 async def _gather_all(coros: Iterable[Coroutine[Any, Any, T]]) -> list[T]:
