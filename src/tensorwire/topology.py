@@ -18,7 +18,6 @@ import hashlib
 import os
 import socket
 from dataclasses import dataclass
-from ipaddress import ip_address
 from pathlib import Path
 
 HOST_ENV = "TENSORWIRE_HOST"  # this process's host label (default: the hostname)
@@ -77,16 +76,6 @@ def host_identity(shm_dir: Path) -> int:
     return _digest(b"\0".join((host, boot, where)))
 
 
-def is_loopback(host: str) -> bool:
-    """Whether ``host`` names this machine's loopback (where an shm:// listener must be)."""
-    if host == "localhost":
-        return True
-    try:
-        return ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
 def _digest(raw: bytes) -> int:
     return int.from_bytes(hashlib.blake2b(raw, digest_size=8).digest(), "little") or 1
 
@@ -100,5 +89,4 @@ __all__ = [
     "check_label",
     "here",
     "host_identity",
-    "is_loopback",
 ]

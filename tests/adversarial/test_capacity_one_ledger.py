@@ -15,7 +15,7 @@ from psid_kit import call, config, flat_metas, init, join, push
 from tensorwire import connect
 from tensorwire.errors import CapacityExceeded, WaitTimeout
 from tensorwire.ps import ParamServer
-from tensorwire.ps.worker import server_stats
+from tensorwire.ps.worker.rpc import server_stats
 from tensorwire.server import ServerThread
 from tensorwire.store import TensorStore
 from tensorwire.testing.process import wait_for

@@ -17,7 +17,7 @@ import torch
 
 from tensorwire.errors import ProtocolError
 from tensorwire.ps import ParamServer
-from tensorwire.ps.exchange_client import ExchangeClient
+from tensorwire.ps.exchange.client import ExchangeClient
 from tensorwire.server import ServerThread
 from tensorwire.testing.process import run_threads
 from tensorwire.v1 import gradient_service_pb2 as pb

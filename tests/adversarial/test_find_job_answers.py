@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from tensorwire.errors import ProtocolError
-from tensorwire.ps import rendezvous
-from tensorwire.ps.shards import check_params, model_digest
+from tensorwire.ps.worker import rendezvous
+from tensorwire.ps.worker.shards import check_params, model_digest
 
 URL = "tcp://127.0.0.1:9"
 

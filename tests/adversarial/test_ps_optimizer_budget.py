@@ -13,7 +13,7 @@ from psid_kit import init
 
 from tensorwire.errors import CapacityExceeded
 from tensorwire.ps import ParamServer
-from tensorwire.ps.worker import server_stats
+from tensorwire.ps.worker.rpc import server_stats
 from tensorwire.server import ServerThread
 
 N = 1 << 16

@@ -9,9 +9,9 @@ import torch
 
 import tensorwire
 from tensorwire.errors import InvalidName, ProtocolError
+from tensorwire.ps.job import relay_name
 from tensorwire.ps.placement import ParamSpec, plan
-from tensorwire.ps.relay import relay_name
-from tensorwire.ps.relay_reader import RelayPulls
+from tensorwire.ps.worker.relay_reader import RelayPulls
 from tensorwire.server import ServerThread
 from tensorwire.transport import TransportOptions
 from tensorwire.types import TensorMeta

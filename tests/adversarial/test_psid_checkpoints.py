@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from tensorwire.ps import SGD, CheckpointPolicy, ParamServer, Worker
-from tensorwire.ps.worker import server_stats
+from tensorwire.ps.worker.rpc import server_stats
 from tensorwire.server import ServerThread
 from tensorwire.testing.process import ServerProcess, wait_for
 

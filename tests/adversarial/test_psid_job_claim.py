@@ -18,7 +18,7 @@ from psid_kit import config, init
 from tensorwire.errors import NotAuthorized, ProtocolError, TensorwireError
 from tensorwire.ps import SGD, CheckpointPolicy, ParamServer, Worker
 from tensorwire.ps.job import token_digest
-from tensorwire.ps.worker import server_stats
+from tensorwire.ps.worker.rpc import server_stats
 from tensorwire.server import ServerThread
 
 OWNERS = "the-alpha-job-token"

@@ -12,7 +12,7 @@ import json
 import torch
 
 from tensorwire.ps import SGD, ParamServer, Worker
-from tensorwire.ps.worker import server_stats
+from tensorwire.ps.worker.rpc import server_stats
 from tensorwire.server import ServerThread
 from tensorwire.testing.process import wait_for
 

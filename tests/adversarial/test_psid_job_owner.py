@@ -18,8 +18,7 @@ from tensorwire import cli
 from tensorwire.errors import NotAuthorized
 from tensorwire.ps import SGD, CheckpointPolicy, ParamServer, Worker
 from tensorwire.ps.job import token_digest
-from tensorwire.ps.rpc import end_job
-from tensorwire.ps.worker import server_stats
+from tensorwire.ps.worker.rpc import end_job, server_stats
 from tensorwire.security import Security, write_token_file
 from tensorwire.server import ServerThread
 from tensorwire.wire import ps as wps

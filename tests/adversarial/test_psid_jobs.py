@@ -12,7 +12,7 @@ from psid_kit import init
 
 from tensorwire.errors import ProtocolError
 from tensorwire.ps import SGD, ParamServer, Worker
-from tensorwire.ps.worker import server_stats
+from tensorwire.ps.worker.rpc import server_stats
 from tensorwire.server import ServerThread
 
 

@@ -12,7 +12,7 @@ from psid_kit import config, init, join, pull, push
 from tensorwire.compression import codec_for
 from tensorwire.errors import CapacityExceeded, InvalidTensor, LimitExceeded
 from tensorwire.ps import SGD, ParamServer, Worker
-from tensorwire.ps.worker import server_stats
+from tensorwire.ps.worker.rpc import server_stats
 from tensorwire.server import ServerThread
 
 N = 1 << 16  # elements of the job's one shard: 256 KiB

@@ -14,7 +14,7 @@ from tensorwire import transport as transports
 from tensorwire._aio import run
 from tensorwire.errors import TensorwireError, WaitTimeout
 from tensorwire.ps import SGD, ParamServer, Worker
-from tensorwire.ps.snapshots import MAX_OBSERVER_SNAPSHOTS, MAX_SNAPSHOTS
+from tensorwire.ps.server.snapshots import MAX_OBSERVER_SNAPSHOTS, MAX_SNAPSHOTS
 from tensorwire.server import ServerThread
 from tensorwire.transport.frame_client import FramedTransport
 from tensorwire.types import Address, TensorMeta

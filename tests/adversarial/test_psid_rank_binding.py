@@ -10,7 +10,7 @@ from psid_kit import call, pull, push
 
 from tensorwire.errors import ProtocolError, WorkerDropped
 from tensorwire.ps import SGD, ParamServer, Worker
-from tensorwire.ps.worker import server_stats
+from tensorwire.ps.worker.rpc import server_stats
 from tensorwire.security import Security
 from tensorwire.server import ServerThread
 from tensorwire.wire import ps as wps

@@ -13,7 +13,7 @@ from psid_kit import call
 
 from tensorwire.errors import ProtocolError, WorkerDropped
 from tensorwire.ps import SGD, CheckpointPolicy, ParamServer, Worker
-from tensorwire.ps.worker import server_stats
+from tensorwire.ps.worker.rpc import server_stats
 from tensorwire.server import ServerThread
 from tensorwire.wire import ps as wps
 from tensorwire.wire.frame import Opcode

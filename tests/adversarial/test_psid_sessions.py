@@ -16,7 +16,7 @@ from psid_kit import call, config, flat_metas, init, join
 
 from tensorwire.errors import ProtocolError, WaitTimeout, WorkerDropped
 from tensorwire.ps import ParamServer
-from tensorwire.ps.worker import server_stats
+from tensorwire.ps.worker.rpc import server_stats
 from tensorwire.server import ServerThread
 from tensorwire.testing.process import wait_for
 from tensorwire.wire import meta as wm

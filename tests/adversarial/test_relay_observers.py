@@ -9,7 +9,7 @@ import torch
 
 from tensorwire.broadcast import RelayCoordinator
 from tensorwire.ps import SGD, ParamServer, Worker
-from tensorwire.ps.relay import relay_prefix
+from tensorwire.ps.job import relay_prefix
 from tensorwire.server import ServerThread
 from tensorwire.testing.relay import RelayConn
 

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from tensorwire.cli.status import collect, summary
 from tensorwire.errors import ServerError
 from tensorwire.ps import SGD, ParamServer, Worker
-from tensorwire.ps.worker import server_stats
+from tensorwire.ps.worker.rpc import server_stats
 from tensorwire.security import Security, TlsFiles, load_token, write_dev_certs, write_token_file
 from tensorwire.server import ServerThread
 from tensorwire.testing.faults import kill9

@@ -15,7 +15,7 @@ from tensorwire import transport as transports
 from tensorwire._aio import run
 from tensorwire.errors import AuthenticationError, NotPrimary, ProtocolError
 from tensorwire.ps import SGD, ParamServer, Worker
-from tensorwire.ps import replication as rp
+from tensorwire.ps.server import replication as rp
 from tensorwire.security import Security, write_token_file
 from tensorwire.server import ServerThread
 from tensorwire.testing.process import ServerProcess, wait_for

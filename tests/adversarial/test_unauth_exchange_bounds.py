@@ -24,7 +24,7 @@ from tensorwire import transport as transports
 from tensorwire.compression import codec_for
 from tensorwire.errors import CapacityExceeded
 from tensorwire.ps import ParamServer
-from tensorwire.ps.exchange_client import ExchangeClient
+from tensorwire.ps.exchange.client import ExchangeClient
 from tensorwire.server import ServerThread
 from tensorwire.testing.process import ServerProcess, run_threads
 from tensorwire.transport.frame_client import FramedTransport

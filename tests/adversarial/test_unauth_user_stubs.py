@@ -43,9 +43,9 @@ import json, sys
 sys.path.insert(0, sys.argv[1])
 if sys.argv[2] == "user-first":
     import train_pb2, train_pb2_grpc, tensor_service_pb2, tensor_service_pb2_grpc
-    import tensorwire, tensorwire.server.rpc, tensorwire.transport.rpc, tensorwire.ps.exchange_server
+    import tensorwire, tensorwire.server.rpc, tensorwire.transport.rpc, tensorwire.ps.exchange.server
 else:
-    import tensorwire, tensorwire.server.rpc, tensorwire.transport.rpc, tensorwire.ps.exchange_server
+    import tensorwire, tensorwire.server.rpc, tensorwire.transport.rpc, tensorwire.ps.exchange.server
     import train_pb2, train_pb2_grpc, tensor_service_pb2, tensor_service_pb2_grpc
 import grpc, torch
 from tensorwire.ps import ParamServer

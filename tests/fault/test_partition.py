@@ -17,7 +17,7 @@ import torch
 
 from tensorwire.errors import TensorwireError
 from tensorwire.ps import ParamServer, Worker
-from tensorwire.ps.worker import server_stats
+from tensorwire.ps.worker.rpc import server_stats
 from tensorwire.security import Security, load_token, write_token_file
 from tensorwire.server import ServerThread
 from tensorwire.testing.process import ServerProcess

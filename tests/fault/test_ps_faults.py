@@ -16,7 +16,7 @@ import ps_job
 import torch
 
 from tensorwire.ps import Adam, CheckpointPolicy, ParamServer, Worker, pull_parameters
-from tensorwire.ps.worker import server_stats
+from tensorwire.ps.worker.rpc import server_stats
 from tensorwire.security import Security, write_token_file
 from tensorwire.server import ServerThread
 from tensorwire.testing.faults import Fault, FaultSchedule, FaultyProxy, kill9, sigcont, sigstop

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from tensorwire.ps import SGD, ParamServer, Worker, pull_parameters
-from tensorwire.ps.worker import server_stats
+from tensorwire.ps.worker.rpc import server_stats
 from tensorwire.security import write_token_file
 from tensorwire.server import ServerThread
 from tensorwire.testing.faults import Fault, FaultSchedule, kill9

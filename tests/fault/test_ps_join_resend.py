@@ -22,8 +22,8 @@ import torch.nn.functional as F
 
 from tensorwire.errors import ConnectionLost
 from tensorwire.ps import SGD, ParamServer, Worker
-from tensorwire.ps.slot import ServerSlot
-from tensorwire.ps.worker import server_stats
+from tensorwire.ps.worker.rpc import server_stats
+from tensorwire.ps.worker.slot import ServerSlot
 from tensorwire.server import ServerThread
 from tensorwire.wire.frame import Opcode
 

@@ -15,7 +15,8 @@ import torch
 
 from tensorwire.errors import ConnectionLost, TensorwireError
 from tensorwire.ps import ParamServer
-from tensorwire.ps.exchange_client import ExchangeClient, split
+from tensorwire.ps.exchange.client import ExchangeClient
+from tensorwire.ps.exchange.pieces import split
 from tensorwire.server import ServerThread
 from tensorwire.testing.process import run_threads
 from tensorwire.v1 import gradient_service_pb2 as pb

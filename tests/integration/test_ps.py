@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from tensorwire.errors import InvalidTensor, ProtocolError, TransferTimeout
 from tensorwire.ps import SGD, Adam, AdamW, OptimizerSpec, ParamServer, Worker, digits, pull_parameters
-from tensorwire.ps.worker import server_stats
+from tensorwire.ps.worker.rpc import server_stats
 from tensorwire.server import ServerThread
 from tensorwire.testing.process import run_threads, wait_for
 from tensorwire.transport.frame_client import FramedTransport

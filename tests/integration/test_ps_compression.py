@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from tensorwire.compression import TopK, codec_for
 from tensorwire.errors import InvalidTensor, ProtocolError
 from tensorwire.ps import SGD, ParamServer, Worker, digits, pull_parameters
-from tensorwire.ps.exchange_client import ExchangeClient
+from tensorwire.ps.exchange.client import ExchangeClient
 from tensorwire.security import Security
 from tensorwire.server import ServerThread
 from tensorwire.testing.process import run_threads

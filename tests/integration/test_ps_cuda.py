@@ -15,7 +15,7 @@ from device_kit import cluster
 from tensorwire.client.staging import CudaCopier
 from tensorwire.compression import codec_for
 from tensorwire.ps import SGD, ParamServer, Worker
-from tensorwire.ps.exchange_client import ExchangeClient
+from tensorwire.ps.exchange.client import ExchangeClient
 from tensorwire.server import ServerThread
 from tensorwire.testing.process import run_threads
 

@@ -16,10 +16,10 @@ from device_kit import LateCopier, cluster
 from tensorwire.client.staging import HostArena, HostCopier, StagedSegments, stage_out
 from tensorwire.errors import InvalidTensor
 from tensorwire.ps import SGD, ParamServer, Worker
-from tensorwire.ps.device import DeviceStaging, device_of
-from tensorwire.ps.exchange_client import ExchangeClient
+from tensorwire.ps.exchange.client import ExchangeClient
 from tensorwire.ps.placement import ParamSpec, plan
-from tensorwire.ps.shards import ModelShards, check_trainable
+from tensorwire.ps.worker.device import DeviceStaging, device_of
+from tensorwire.ps.worker.shards import ModelShards, check_trainable
 from tensorwire.server import ServerThread
 from tensorwire.testing.process import run_threads
 

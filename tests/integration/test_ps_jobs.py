@@ -27,8 +27,8 @@ from tensorwire import transport as transports
 from tensorwire._aio import run
 from tensorwire.errors import LimitExceeded, ProtocolError, WaitTimeout
 from tensorwire.ps import SGD, Adam, CheckpointPolicy, ParamServer, Worker
-from tensorwire.ps.rpc import end_job
-from tensorwire.ps.worker import JOB_ENV, server_stats
+from tensorwire.ps.worker.rendezvous import JOB_ENV
+from tensorwire.ps.worker.rpc import end_job, server_stats
 from tensorwire.server import ServerThread
 from tensorwire.testing.process import run_threads, wait_for
 from tensorwire.wire import ps as wps

@@ -16,7 +16,7 @@ import torch
 
 from tensorwire.cli import demo
 from tensorwire.ps.launch import local_servers
-from tensorwire.ps.worker import SERVERS_ENV
+from tensorwire.ps.worker.rendezvous import SERVERS_ENV
 from tensorwire.testing.process import wait_for
 
 TIMEOUT = 180

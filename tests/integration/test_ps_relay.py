@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from tensorwire.ps import SGD, ParamServer, Worker
-from tensorwire.ps.worker import server_stats
+from tensorwire.ps.worker.rpc import server_stats
 from tensorwire.server import ServerThread
 from tensorwire.store import TensorStore
 from tensorwire.testing.process import ServerProcess, run_threads

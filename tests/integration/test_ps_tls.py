@@ -10,7 +10,7 @@ import torch
 
 from tensorwire.errors import ConnectError
 from tensorwire.ps import SGD, ParamServer, Worker, pull_parameters
-from tensorwire.ps.exchange_client import ExchangeClient
+from tensorwire.ps.exchange.client import ExchangeClient
 from tensorwire.security import Security, TlsFiles, write_dev_certs
 from tensorwire.server import ServerThread
 

@@ -20,7 +20,7 @@ import tensorwire
 from tensorwire.cli import demo
 from tensorwire.errors import AuthenticationError, ClusterError, ClusterTimeout
 from tensorwire.ps import SGD, Worker
-from tensorwire.ps.worker import server_stats
+from tensorwire.ps.worker.rpc import server_stats
 
 ray = pytest.importorskip("ray", reason="tensorwire.ray needs Ray: pip install 'tensorwire[ray]'")
 

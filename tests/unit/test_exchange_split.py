@@ -10,7 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tensorwire.ps.exchange_client import MIN_PIECE_BYTES, PIECE_BYTES, Piece, piece_limit, requests_of, split
+from tensorwire.ps.exchange.pieces import MIN_PIECE_BYTES, PIECE_BYTES, Piece, piece_limit, requests_of, split
 
 Layout = list[tuple[str, torch.dtype, tuple[int, ...]]]
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]

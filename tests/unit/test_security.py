@@ -419,17 +419,54 @@ def test_client_token(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.mark.parametrize(
-    "host", ["localhost", "LOCALHOST", "127.0.0.1", "127.1.2.3", "::1", "[::1]", "::ffff:127.0.0.1"]
+    "host",
+    [
+        "localhost",
+        "LOCALHOST",
+        "localhost.",
+        " localhost ",
+        "127.0.0.1",
+        "127.0.0.2",
+        "127.1.2.3",
+        "::1",
+        "[::1]",
+        "::ffff:127.0.0.1",
+        "[::FFFF:127.0.0.1]",
+    ],
 )
 def test_is_loopback(host: str) -> None:
     assert is_loopback(host)
 
 
 @pytest.mark.parametrize(
-    "host", ["0.0.0.0", "::", "", "10.0.0.1", "192.168.1.5", "fe80::1", "example.com", "localhost.example"]
+    "host",
+    [
+        "0.0.0.0",
+        "::",
+        "[::]",
+        "",
+        "10.0.0.1",
+        "192.168.1.5",
+        "fe80::1",
+        "::ffff:10.0.0.1",
+        "example.com",
+        "localhost.example",
+        "localhost.localdomain",
+    ],
 )
 def test_is_not_loopback(host: str) -> None:
     assert not is_loopback(host)
+
+
+def test_one_is_loopback() -> None:
+    """The shm:// listener checks and the exposure warning ask the same function: an earlier copy in
+    topology.py drifted (no upper case, brackets, ``localhost.`` or IPv4-mapped addresses)."""
+    import tensorwire.server.shm as server_shm
+    from tensorwire import topology, transport
+
+    assert not hasattr(topology, "is_loopback")
+    assert transport.is_loopback is is_loopback
+    assert server_shm.is_loopback is is_loopback
 
 
 def test_exposure_warning() -> None:

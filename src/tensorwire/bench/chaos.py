@@ -42,7 +42,7 @@ import torch
 import torch.nn.functional as F
 
 from tensorwire.ps.launch import free_port, replica_flags
-from tensorwire.ps.worker import JOB_TOKEN_ENV
+from tensorwire.ps.worker.rpc import JOB_TOKEN_ENV
 from tensorwire.security import TOKEN_ENV, load_token, write_token_file
 from tensorwire.server.process import ServerProcess, wait_for
 
@@ -168,7 +168,7 @@ class Cluster:
 
     def stats(self, url: str) -> dict[str, Any] | None:
         """A server's PS_STATS answer, or None if it does not answer (killed, starting)."""
-        from tensorwire.ps.worker import server_stats
+        from tensorwire.ps.worker.rpc import server_stats
 
         try:
             return server_stats([url], timeout=2, token=self.client_token)[0]

@@ -45,7 +45,8 @@ import torch
 from tensorwire.bench.exchange_ways import gradient_shapes
 from tensorwire.bench.netns import Fabric, Unavailable
 from tensorwire.bench.report import show, table
-from tensorwire.ps.exchange_client import LANES, PIECE_BYTES
+from tensorwire.ps.exchange.client import LANES
+from tensorwire.ps.exchange.pieces import PIECE_BYTES
 from tensorwire.ps.launch import free_port
 from tensorwire.server.process import ServerProcess, run_threads, wait_for
 

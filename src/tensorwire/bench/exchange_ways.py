@@ -45,7 +45,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from tensorwire.ps.exchange_client import ExchangeClient, split
+from tensorwire.ps.exchange.client import ExchangeClient
+from tensorwire.ps.exchange.pieces import split
 from tensorwire.types import MiB
 
 BUCKET_BYTES = 25 * MiB  # DistributedDataParallel's default bucket_cap_mb

@@ -9,7 +9,7 @@ On a machine with a CUDA device, in one run:
   (threads, one GPU) in sync mode, against one GPU training the same model at the combined batch
   size with ``torch.optim``: ``ps_vs_single_gpu_max_diff`` (target <= 1e-5, ``ps_matches_single_gpu``).
 * Staging: the bytes of one tensor copied device -> pinned host and back by the staging the
-  parameter server uses (``ps/device.py``: pieces on a side stream, each awaited as a transport
+  parameter server uses (``ps/worker/device.py``: pieces on a side stream, each awaited as a transport
   would), next to plain torch copies of the same bytes into a pinned buffer (``pinned.copy_(x,
   non_blocking=True)``, then a synchronize): ``staging_d2h_gbps`` / ``torch_d2h_gbps`` and the same
   for h2d, with their ratios (target: about 1, the staging adds no copy).
@@ -40,9 +40,9 @@ import torch.nn.functional as F
 from tensorwire.bench.report import show
 from tensorwire.client.staging import HostCopier
 from tensorwire.ps import SGD, Worker
-from tensorwire.ps.device import DeviceStaging
-from tensorwire.ps.exchange_client import ExchangeClient
+from tensorwire.ps.exchange.client import ExchangeClient
 from tensorwire.ps.launch import local_servers
+from tensorwire.ps.worker.device import DeviceStaging
 from tensorwire.types import MiB
 
 Result = dict[str, float | int | str | bool | None]

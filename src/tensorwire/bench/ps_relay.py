@@ -25,7 +25,7 @@ import torch
 from tensorwire.bench import ps_baselines as base
 from tensorwire.ps import SGD, Worker
 from tensorwire.ps.launch import local_servers
-from tensorwire.ps.worker import server_stats
+from tensorwire.ps.worker.rpc import server_stats
 
 
 def train(

@@ -25,7 +25,7 @@ local, multicast or unspecified one (unless the origin itself listens on loopbac
 reader is then on this host), and the very IP the connection comes from, or one inside the
 operator's ``networks`` (``tensorwire serve --relay-networks``: readers behind NAT, or relaying on
 another interface than the one they reach the origin from); no other connection may hold it. Under
-the server's own prefix (``_ps``, parameter-server relay pulls: ps/relay.py) only a parameter-server
+the server's own prefix (``_ps``, parameter-server relay pulls: ps/server/relay.py) only a parameter-server
 session the server admitted for that job (the PS_RELAY of one of its live workers, naming its
 incarnation, which the join carries) is registered; anyone else (an observer, a stranger) reads
 from the origin and is nobody's upstream.

@@ -24,7 +24,7 @@ from tensorwire.client.core import ClientOptions
 from tensorwire.security import TOKEN_ENV
 
 if TYPE_CHECKING:
-    from tensorwire.ps.topology import Layout
+    from tensorwire.ps.layout import Layout
 
 
 @click.group()
@@ -77,7 +77,7 @@ def ps_stats(servers: tuple[str, ...], job: str | None, as_table: bool) -> None:
     """Print each parameter server's view (JSON): role, capacity, its jobs (id, mode, world, live
     workers, step), the jobs that ended, and a job's mode, step, workers, staleness (--job JOB,
     or the server's only job)."""
-    from tensorwire.ps.worker import server_stats
+    from tensorwire.ps.worker.rpc import server_stats
 
     security = ClientOptions(**client_options()).security()
     docs = server_stats(list(servers), security=security, job=job)
@@ -116,7 +116,7 @@ def ps_end(
     with a job token ends only for a client that offers it (--job-token-file, $TENSORWIRE_JOB_TOKEN)
     or the servers' operator token (--operator-token-file); one started without, for any client the
     servers admit (with --token-file, one that offers the token)."""
-    from tensorwire.ps.rpc import end_job
+    from tensorwire.ps.worker.rpc import end_job
     from tensorwire.security import load_token
 
     if job_token_file is not None and operator_token_file is not None:
@@ -170,9 +170,9 @@ def ps_plan(
 
 
 def _layout(servers: int, replicas: int, hosts: str | None, racks: str | None) -> Layout:
-    """Which host serves each slot's replicas (``ps/topology.py``), from --hosts/--racks."""
+    """Which host serves each slot's replicas (``ps/layout.py``), from --hosts/--racks."""
     from tensorwire import topology
-    from tensorwire.ps.topology import assign, parse_hosts
+    from tensorwire.ps.layout import assign, parse_hosts
 
     try:
         if hosts is None:

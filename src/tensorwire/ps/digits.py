@@ -22,7 +22,8 @@ import torch
 import torch.nn.functional as F
 
 from tensorwire.ps.optim import Adam
-from tensorwire.ps.worker import Worker, env_int, pull_parameters
+from tensorwire.ps.worker.rendezvous import env_int
+from tensorwire.ps.worker.worker import Worker, pull_parameters
 
 SEED = 0
 

@@ -5,7 +5,8 @@
   jobs. A worker describes its job with these (and loads nothing of the server to do so).
 * A job has an id (``wire.ps.check_job_id``): the worker's ``job=``, else ``$TENSORWIRE_JOB``,
   else ``default_job_id`` of its model and mode, so that a worker of another model never lands in
-  a job silently. A server holds several jobs, each its own ``Job`` (ps/jobs.py).
+  a job silently. A server holds several jobs, each its own ``Job`` (ps/server/jobs.py). Its
+  parameters, published for relay pulls, go under ``relay_prefix(job)``.
 * ``Job``: one server's shards of the job's parameters (``HeldShard``, each an ``nn.Parameter``
   over a flat range), their ``torch.optim`` optimizer, the one thread that steps them and the lock
   pulls read them under, and the job's counters (world, step, version, pushes).
@@ -19,15 +20,15 @@
   transfers too); a request that fails, or a PS_INIT, never claims one (a job restored from a
   checkpoint older than job tokens, or opened by a backup, stays unclaimed until its own worker
   joins); every later PS_JOIN and PS_INIT must offer the same, and
-  PS_END the same or the servers' operator token (ps/lifecycle.py), else NotAuthorized naming what
+  PS_END the same or the servers' operator token (ps/server/lifecycle.py), else NotAuthorized naming what
   was missing. A job opened without a token is open: every client the server admits may join or
   end it, as before job tokens (the server says so in its log, when it requires a client token,
   and in PS_STATS: ``owner``). Requests that act as a rank need no token: they are bound to the
-  session that joined with it (ps/membership.py), which offered it.
+  session that joined with it (ps/server/membership.py), which offered it.
 
 Lifecycle of a ``Job``: empty until a worker's ``PS_INIT`` (or a backup's CREATE) ``install``s
-the shards, or a checkpoint or state transfer is loaded into it (ps/state.py); its counters then
-move under the modes (ps/consistency.py); ``free`` lets go of its tensors when the job ends, and
+the shards, or a checkpoint or state transfer is loaded into it (ps/server/state.py); its counters then
+move under the modes (ps/server/consistency.py); ``free`` lets go of its tensors when the job ends, and
 ``shutdown`` ends its thread.
 """
 
@@ -52,6 +53,7 @@ from tensorwire.errors import CapacityExceeded, InvalidTensor, NotAuthorized, Pr
 from tensorwire.logs import event
 from tensorwire.ps.budget import Budget
 from tensorwire.ps.optim import OptimizerSpec, from_dict
+from tensorwire.store.generations import SERVER_PREFIX
 from tensorwire.types import TensorMeta
 from tensorwire.wire import meta as wm
 from tensorwire.wire import ps as wps
@@ -370,6 +372,17 @@ class Job:
             (dtype, n), (other, m) = mine[key], theirs[key]
             diffs.append(f"shard {key[:60]!r} is {n} x {dtype} here, {m} x {other} asked")
         return diffs
+
+
+def relay_prefix(job: str) -> str:
+    """The generation prefix a job's parameters are published under for relay pulls: the servers
+    publish there (ps/server/relay.py) and the workers read there (ps/worker/relay_reader.py)."""
+    return f"{SERVER_PREFIX}/{job}"
+
+
+def relay_name(job: str, key: str) -> str:
+    """The published name of shard ``key`` of ``job``."""
+    return f"{relay_prefix(job)}/{key}"
 
 
 def default_job_id(model: str, mode: Mode) -> str:

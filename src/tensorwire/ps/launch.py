@@ -26,7 +26,8 @@ from pathlib import Path
 
 from tensorwire import topology
 from tensorwire.logs import event
-from tensorwire.ps.worker import JOB_TOKEN_ENV, SERVERS_ENV
+from tensorwire.ps.worker.rendezvous import SERVERS_ENV
+from tensorwire.ps.worker.rpc import JOB_TOKEN_ENV
 from tensorwire.security import write_token_file
 from tensorwire.server.process import ServerProcess
 

@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 
 import ray
 
-from tensorwire.ps.rendezvous import SERVERS_ENV
+from tensorwire.ps.worker.rendezvous import SERVERS_ENV
 from tensorwire.ray import cluster
 from tensorwire.ray.servers import Servers
 from tensorwire.security import TOKEN_ENV

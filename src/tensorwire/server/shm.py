@@ -35,9 +35,10 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
-from tensorwire import topology, transport
+from tensorwire import transport
 from tensorwire.errors import InvalidTensor, LimitExceeded, ProtocolError, SharedMemoryUnavailable
 from tensorwire.logs import event
+from tensorwire.security import is_loopback
 from tensorwire.server.generation_parts import PartPublishes
 from tensorwire.server.request import Extension, Handler, Request, extension_of, listener_only
 from tensorwire.store import Reservation, TensorStore
@@ -366,7 +367,7 @@ class ShmService:
 
 async def listen(server: ShmHost, address: Address) -> Listener:
     """Serve ``shm://HOST:PORT``: HOST must be a loopback address (only this host can map)."""
-    if not topology.is_loopback(address.host):
+    if not is_loopback(address.host):
         raise ValueError(f"cannot serve {address}: shared memory serves only this host; use 127.0.0.1")
     service = extension_of(server.extensions, ShmService)  # one per server, made by its first shm://
     first = service is None

@@ -22,7 +22,7 @@ DEFAULT_TRANSACTIONS_PER_OWNER = 8
 DEFAULT_TRANSACTIONS_PER_CLIENT = 16
 DEFAULT_MAX_PARTS = 4096
 # Prefixes the server publishes itself: a parameter server's relay pulls (``_ps/<job>``,
-# ps/relay.py). No client publishes under it: the job's workers trust what it holds.
+# ps/server/relay.py). No client publishes under it: the job's workers trust what it holds.
 SERVER_PREFIX = "_ps"
 
 

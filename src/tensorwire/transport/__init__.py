@@ -31,7 +31,7 @@ from tensorwire import topology
 from tensorwire._aio import asyncio_timeout
 from tensorwire.errors import ConnectionLost, ProtocolError, TensorwireError, UnsupportedTransport
 from tensorwire.logs import event
-from tensorwire.security import Security, TlsFiles, client_ssl_context
+from tensorwire.security import Security, TlsFiles, client_ssl_context, is_loopback
 from tensorwire.transport import memory, rdma, shm, tcp, tls
 from tensorwire.transport.base import (
     ByteStream,
@@ -213,7 +213,7 @@ def local_listener(transport: Transport) -> Address | None:
     except ValueError:
         return None
     # Only a loopback shm:// address: a server cannot send this client anywhere else.
-    return listener if listener.scheme == "shm" and topology.is_loopback(listener.host) else None
+    return listener if listener.scheme == "shm" and is_loopback(listener.host) else None
 
 
 async def _prefer_local(transport: Transport, options: TransportOptions) -> Transport:

@@ -201,21 +201,9 @@ class Transport(ABC):
 
 # -- capabilities (see the module docstring) -----------------------------------------------------
 @runtime_checkable
-class FrameChannel(Protocol):
-    """Requests of the frame protocol (docs/protocol.md), one opcode at a time.
-
-    Lifecycle: ``tensorwire.transport.open_channel`` opens and checks it (the one place that does);
-    the caller then sends any number of ``call``s, concurrently, and closes it when done. A call
-    that fails with a retryable error leaves the channel closed if the connection broke (``closed``
-    is True): the caller opens a new one (``client/retry.py`` does that). An error the server
-    answered leaves the channel open.
-    """
-
-    address: Address
-    info: ServerInfo  # what HELLO said: the server's limits, its store's identity
-
-    @property
-    def closed(self) -> bool: ...
+class FrameCaller(Protocol):
+    """What sends one request of the frame protocol: a ``FrameChannel``, or something that sends
+    through one (a parameter-server worker's ``ServerSlot``, which resends on a new connection)."""
 
     async def call(
         self,
@@ -232,6 +220,24 @@ class FrameChannel(Protocol):
         answer's tensor records are read and its data lands in the buffers the sink hands out).
         ``what`` names the request in errors; ``timeout`` replaces the channel's own for it."""
         ...
+
+
+@runtime_checkable
+class FrameChannel(FrameCaller, Protocol):
+    """Requests of the frame protocol (docs/protocol.md), one opcode at a time (``call``).
+
+    Lifecycle: ``tensorwire.transport.open_channel`` opens and checks it (the one place that does);
+    the caller then sends any number of ``call``s, concurrently, and closes it when done. A call
+    that fails with a retryable error leaves the channel closed if the connection broke (``closed``
+    is True): the caller opens a new one (``client/retry.py`` does that). An error the server
+    answered leaves the channel open.
+    """
+
+    address: Address
+    info: ServerInfo  # what HELLO said: the server's limits, its store's identity
+
+    @property
+    def closed(self) -> bool: ...
 
     async def close(self) -> None: ...
 

@@ -1,4 +1,4 @@
-"""TLS over TCP: ``tls://host:port``, the frame protocol inside TLS 1.2+ (security.py builds the
+"""TLS over TCP: ``tls://host:port``, the frame protocol inside TLS 1.2+ (security/tls.py builds the
 contexts). The stream is a ``TcpStream`` whose socket is an ``ssl.SSLSocket``: the same readiness
 machinery, plus the two waits TLS adds (a read that needs the peer to speak first, a write that
 must wait for room) and no ``sendmsg`` (TLS writes record by record).

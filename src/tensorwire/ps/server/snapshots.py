@@ -1,6 +1,6 @@
 """Pulls from a parameter server (PS_PULL), and the copies of the parameters they send from.
 
-A pull waits for its mode's gate (ps/consistency.py), notes the slowest live clock it read at
+A pull waits for its mode's gate (ps/server/consistency.py), notes the slowest live clock it read at
 (replicated: the staleness of the worker's next push depends on it), then sends from a copy of
 the parameters at the current version (``published``): made by the first pull after an update,
 under the parameters' lock taken shared, and shared by the pulls that follow. Pulls send from it
@@ -34,13 +34,13 @@ import torch
 
 from tensorwire.compression import Codec, from_wire
 from tensorwire.errors import LimitExceeded, ProtocolError
-from tensorwire.ps import replication
 from tensorwire.ps.budget import Budget
-from tensorwire.ps.consistency import Consistency
-from tensorwire.ps.gradients import Gradients, nbytes
 from tensorwire.ps.job import HeldShard, Job
-from tensorwire.ps.membership import Members
-from tensorwire.ps.replica import Replica
+from tensorwire.ps.server import replication
+from tensorwire.ps.server.consistency import Consistency
+from tensorwire.ps.server.gradients import Gradients, nbytes
+from tensorwire.ps.server.membership import Members
+from tensorwire.ps.server.replica import Replica
 from tensorwire.server.core import Request
 from tensorwire.types import TensorMeta
 from tensorwire.wire import meta as wm
@@ -137,7 +137,7 @@ class Snapshots:
             consistency.notify()
 
     async def admit(self, request: Request, head: wps.PsHead, names: Sequence[str] = ()) -> None:
-        """What a pull (PS_PULL, or PS_RELAY: ps/relay.py) waits for before it reads: the job's
+        """What a pull (PS_PULL, or PS_RELAY: ps/server/relay.py) waits for before it reads: the job's
         values, then the mode's gate; the slowest live clock it reads at is noted (replicated)."""
         job, consistency = self._job, self._consistency
         with request.waiting():

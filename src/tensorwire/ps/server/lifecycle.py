@@ -1,7 +1,7 @@
 """How workers come and go in a parameter server's jobs: PS_INIT, PS_JOIN, PS_LEAVE, PS_BARRIER,
 PS_END, PS_ROLLBACK, heartbeat drops, and the same changes made by a backup.
 
-``Lifecycle`` serves these requests over the server's ``Jobs`` (ps/jobs.py) and ``Replica``. Each
+``Lifecycle`` serves these requests over the server's ``Jobs`` (ps/server/jobs.py) and ``Replica``. Each
 request names its job (wire/ps.py: the job id after the head). A join or an init may open a new
 job (``Jobs.open``: at most ``--max-jobs``), and a job it opened but left empty is dropped again
 (``Jobs.prune``), so a refused request leaves no trace. The job's own checks come first: a worker
@@ -17,7 +17,7 @@ client offering the job's token or the servers' operator token (``serve --operat
 any client the server admits for a job started without a token (or not claimed yet); while the job
 has live workers only with ``force``. Who may roll a job back (PS_ROLLBACK): only one of its
 workers, from the session that joined with its rank, after stepping aside (no worker live).
-Every change is replicated first (ps/replica.py), in the server's one order of changes (a JOIN
+Every change is replicated first (ps/server/replica.py), in the server's one order of changes (a JOIN
 carries the job's owner); a backup makes it with the same code (``make_change``).
 """
 
@@ -32,11 +32,11 @@ import torch
 
 from tensorwire.errors import NotPrimary, ProtocolError, ReplicationRefused, WorkerDropped
 from tensorwire.logs import event
-from tensorwire.ps import checkpoint, replication
-from tensorwire.ps.exchange_server import GradientExchange, frame_session
+from tensorwire.ps.exchange.server import GradientExchange, frame_session
 from tensorwire.ps.job import OPEN, JobConfig, check_records, check_replicated, described_job, token_digest
-from tensorwire.ps.jobs import JobRun, Jobs
-from tensorwire.ps.replica import Replica
+from tensorwire.ps.server import checkpoint, replication
+from tensorwire.ps.server.jobs import JobRun, Jobs
+from tensorwire.ps.server.replica import Replica
 from tensorwire.server.core import Request
 from tensorwire.types import TensorMeta
 from tensorwire.wire import meta as wm

@@ -17,8 +17,8 @@ from typing import Any
 import torch
 
 from tensorwire.errors import ProtocolError, TensorwireError
-from tensorwire.ps.rpc import server_stats
-from tensorwire.ps.shards import check_params, model_digest
+from tensorwire.ps.worker.rpc import server_stats
+from tensorwire.ps.worker.shards import check_params, model_digest
 from tensorwire.security import TlsFiles, client_security
 from tensorwire.wire.ps import check_job_id
 
@@ -69,6 +69,15 @@ def env_int(name: str, given: int | None, default: int) -> int:
         return int(raw)
     except ValueError:
         raise ValueError(f"${name} must be a whole number, not {raw!r}") from None
+
+
+def rank_and_world(rank: int | None, world_size: int | None) -> tuple[int, int]:
+    """This process's rank and world size: given, else ``$RANK``/``$WORLD_SIZE`` (set by torchrun
+    and by ``tensorwire ps launch``), else 0 and 1; ValueError unless the rank is in the world."""
+    rank, world_size = env_int("RANK", rank, 0), env_int("WORLD_SIZE", world_size, 1)
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} is not in a world of {world_size}")
+    return rank, world_size
 
 
 def find_job(

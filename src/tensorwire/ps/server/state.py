@@ -6,8 +6,8 @@ and push marks, so a restored server still recognises a resent push) into a
 ``checkpoint.Snapshot``; ``live`` adds what a backup taking over needs beyond a checkpoint: the
 workers' liveness (and whether each left for good), read clocks and incarnations, and the pushes
 of a sync step not taken yet.
-``load`` makes such a snapshot the job. ps/checkpoint.py writes and reads snapshots on disk
-(all or nothing); ps/jobs.py gathers every job's for a state transfer, which ps/replica.py sends
+``load`` makes such a snapshot the job. ps/server/checkpoint.py writes and reads snapshots on disk
+(all or nothing); ps/server/jobs.py gathers every job's for a state transfer, which ps/server/replica.py sends
 and receives (SYNC). A job that has workers but no parameters yet (joined, not initialised) is
 taken and loaded too: its config is then None.
 
@@ -28,10 +28,10 @@ from typing import Any
 import torch
 
 from tensorwire.logs import event
-from tensorwire.ps import checkpoint
-from tensorwire.ps.gradients import Gradients, Grads
 from tensorwire.ps.job import CheckpointPolicy, HeldShard, Job, JobConfig
-from tensorwire.ps.membership import Member, Members
+from tensorwire.ps.server import checkpoint
+from tensorwire.ps.server.gradients import Gradients, Grads
+from tensorwire.ps.server.membership import Member, Members
 
 log = logging.getLogger("tensorwire.ps")
 

@@ -20,7 +20,7 @@ so that servers of one job that crashed between their own saves of the same step
 to a common one.
 
 A server keeps each job's checkpoints in a directory of its own, ``<checkpoint dir>/<job id>``
-(ps/jobs.py). A job that ends is ``retire``d: its directory moves to
+(ps/server/jobs.py). A job that ends is ``retire``d: its directory moves to
 ``<checkpoint dir>/_ended/<job id>.<n>`` (``_`` starts no job id), so a server started again does
 not resume it and a new job of the same id starts afresh, while its last checkpoint stays on disk.
 

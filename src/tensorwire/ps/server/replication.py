@@ -11,7 +11,7 @@ live replica. Replication is the server process's, not a job's: one role, one ep
 backups, one order of changes for all its jobs.
 
 This module is the wire of it (``Change``, ``encode``, ``decode``) and the primary's connections
-to its backups (``Backups``); ps/replica.py is a replica's own side: its role and epoch, the
+to its backups (``Backups``); ps/server/replica.py is a replica's own side: its role and epoch, the
 order of changes, promotion, fencing and PS_REPLICATE.
 
 A backup (``--standby``) serves no worker. When a worker asks it and its primary has sent nothing

@@ -1,4 +1,4 @@
-"""Which host serves each slot's primary and backups (``ps/topology.py``): replicas of a slot on
+"""Which host serves each slot's primary and backups (``ps/layout.py``): replicas of a slot on
 different hosts (and racks, when known), primaries spread, the same layout for the same input, and
 a warning for every slot whose replicas the hosts cannot keep apart."""
 
@@ -14,8 +14,8 @@ from click.testing import CliRunner
 from safetensors.torch import save_file
 
 from tensorwire import cli, topology
-from tensorwire.ps.replication import Backups
-from tensorwire.ps.topology import assign, parse_hosts
+from tensorwire.ps.layout import assign, parse_hosts
+from tensorwire.ps.server.replication import Backups
 from tensorwire.security import Security
 from tensorwire.topology import Location
 from tensorwire.wire import meta as wm

@@ -31,8 +31,8 @@ from tensorwire._aio import Deadline
 from tensorwire.client.retry import RetryPolicy, backoff, retrying
 from tensorwire.errors import ConnectError, ConnectionLost, NotPrimary, TensorwireError
 from tensorwire.ps.placement import Shard
-from tensorwire.ps.rpc import PsChannel, Sender
-from tensorwire.transport.base import FrameChannel, Sink
+from tensorwire.ps.worker.rpc import PsChannel, Sender
+from tensorwire.transport.base import FrameChannel, Progress, Sink
 from tensorwire.wire import meta as wm
 
 log = logging.getLogger("tensorwire.ps.worker")  # the worker's log, as before the slots moved here
@@ -108,12 +108,13 @@ class ServerSlot:
         *,
         what: str,
         timeout: float | None = None,
+        progress: Progress | None = None,
     ) -> wm.MetaReader:
-        """One request to this server, resent on a new connection while the network fails (a
-        broken connection, a server restarting), for at most ``timeout`` seconds."""
+        """One request to this server (a ``FrameCaller``), resent on a new connection while the
+        network fails (a broken connection, a server restarting), for at most ``timeout`` seconds."""
 
         async def attempt(conn: FrameChannel) -> wm.MetaReader:
-            return await conn.call(opcode, meta, data, sink, what=what, timeout=timeout)
+            return await conn.call(opcode, meta, data, sink, what=what, timeout=timeout, progress=progress)
 
         async def failed(exc: TensorwireError) -> None:  # a broken connection, a corrupt chunk: resend
             log.info("%s failed (%s); retrying", what, exc)

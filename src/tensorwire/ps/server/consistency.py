@@ -1,6 +1,6 @@
 """The consistency modes of a parameter server: their gates and waits, and how pushes are applied.
 
-* ``sync``: a push is recorded for its clock (ps/gradients.py ``pending``); once every live worker
+* ``sync``: a push is recorded for its clock (ps/server/gradients.py ``pending``); once every live worker
   of the step pushed, the gradients are averaged (summed in worker order, so a run is
   bit-reproducible) and the optimizer steps once (``apply_ready_steps``). A pull for clock t+1
   waits for step t (``gate``). No step is taken before ``world`` workers have joined.
@@ -19,7 +19,7 @@ error that names what was waited for and who lags. Waiters sleep on one event th
 state sets (``notify``) and replaces; a job that ends (``close``) wakes them with an error.
 
 PS_BARRIER (``barrier``): the worker's arrival at a generation is replicated, then it waits until
-the generation is released (ps/membership.py: every live worker there, every rank joined).
+the generation is released (ps/server/membership.py: every live worker there, every rank joined).
 
 Steps and gradient sums run on the job's thread (``Job.run``) under the parameters' lock taken
 exclusively; the event loop meanwhile goes on receiving the next push.
@@ -36,12 +36,12 @@ import torch
 
 from tensorwire.compression import from_wire
 from tensorwire.errors import ProtocolError, WaitTimeout, WorkerDropped
-from tensorwire.ps import replication
-from tensorwire.ps.gradients import Gradients, Grads, Pending
 from tensorwire.ps.job import Job
-from tensorwire.ps.membership import Member, Members
-from tensorwire.ps.replica import Replica
-from tensorwire.ps.state import State
+from tensorwire.ps.server import replication
+from tensorwire.ps.server.gradients import Gradients, Grads, Pending
+from tensorwire.ps.server.membership import Member, Members
+from tensorwire.ps.server.replica import Replica
+from tensorwire.ps.server.state import State
 from tensorwire.server.core import Request
 from tensorwire.wire import meta as wm
 from tensorwire.wire import ps as wps

@@ -6,7 +6,7 @@
 gives a pull the buffers it lands in (``pull_into``): the parameters themselves, in place, or
 buffers a compressed pull is then decoded from into them. It sends nothing itself.
 
-A model on a CUDA device goes through ``DeviceStaging`` (``ps/device.py``): a push's bytes are
+A model on a CUDA device goes through ``DeviceStaging`` (``ps/worker/device.py``): a push's bytes are
 copied to a pinned host buffer piece by piece as they are sent, a pull lands there and is copied
 into the parameters on a side stream; codecs and error feedback run on the device. A CPU model's
 tensors are sent from, and land in, its own memory, as they are.
@@ -26,8 +26,8 @@ import torch
 
 from tensorwire.compression import Codec, ErrorFeedback, decode_all
 from tensorwire.errors import InvalidTensor, ProtocolError
-from tensorwire.ps.device import DeviceStaging, device_of
 from tensorwire.ps.placement import Placement, Shard
+from tensorwire.ps.worker.device import DeviceStaging, device_of
 from tensorwire.transport.base import Sink
 from tensorwire.types import TensorMeta
 from tensorwire.wire.tensors import byte_view

@@ -9,7 +9,7 @@ is counted in the budget (ps/budget.py) before it is allocated; ``make_room`` le
 buffers when something else needs the room.
 
 The pending pushes travel with the job: a backup's state transfer carries them, and loading a
-job (a checkpoint, a state transfer) replaces them (ps/state.py).
+job (a checkpoint, a state transfer) replaces them (ps/server/state.py).
 """
 
 from __future__ import annotations

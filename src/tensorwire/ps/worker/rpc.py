@@ -3,8 +3,8 @@
 docs/protocol.md §13.2 (and ``tensorwire.wire.ps``) define the requests: a 28-byte head
 (``worker | world | clock | seq | wait_ms``), the job id (the ``Sender``'s), then each opcode's
 own fields. A ``PsChannel`` wraps
-one ``Caller`` (anything with the frame channel's ``call``: a ``FrameChannel`` connection, or a
-worker's ``ServerSlot``, which resends on a new connection) and turns each request into one method
+one ``FrameCaller`` (transport/base.py: a ``FrameChannel`` connection, or a worker's
+``ServerSlot``, which resends on a new connection) and turns each request into one method
 with typed arguments and a decoded answer. It opens, retries and closes nothing itself.
 
 Lifecycle: the owner of a channel builds a ``PsChannel`` around it with the ``Sender`` its
@@ -21,13 +21,13 @@ import asyncio
 import json
 import os
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any, NamedTuple, Protocol, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 from tensorwire import transport as transports
 from tensorwire._aio import run
 from tensorwire.errors import ConnectError, NotPrimary, ProtocolError
 from tensorwire.security import Security, client_token
-from tensorwire.transport.base import Sink
+from tensorwire.transport.base import FrameCaller, Sink
 from tensorwire.types import TensorMeta
 from tensorwire.wire import meta as wm
 from tensorwire.wire import ps as wps
@@ -35,22 +35,6 @@ from tensorwire.wire.frame import Opcode
 
 T = TypeVar("T")
 JOB_TOKEN_ENV = "TENSORWIRE_JOB_TOKEN"  # the job's token, which its workers share (ps/job.py)
-
-
-class Caller(Protocol):
-    """What a ``PsChannel`` needs of what is under it: one framed request, the answer's metadata
-    back (``FrameChannel.call``; see there for ``sink`` and ``timeout``)."""
-
-    async def call(
-        self,
-        opcode: int,
-        meta: bytes,
-        data: Sequence[memoryview] = (),
-        sink: Sink | None = None,
-        *,
-        what: str,
-        timeout: float | None = None,
-    ) -> wm.MetaReader: ...
 
 
 class Sender(NamedTuple):
@@ -73,7 +57,7 @@ class PsChannel:
     what it is in the channel's errors and logs (a worker's: `` from worker 0 to tcp://...``).
     """
 
-    def __init__(self, channel: Caller, sender: Sender, *, peer: str = "", label: str = "") -> None:
+    def __init__(self, channel: FrameCaller, sender: Sender, *, peer: str = "", label: str = "") -> None:
         self.channel = channel
         self.sender = sender
         self.peer = peer
@@ -177,7 +161,7 @@ class PsChannel:
 
     async def relay(self, clock: int, session: int) -> tuple[int, int]:
         """PS_RELAY: a pull's gate, then (version, the generation of ``_ps/<job>`` it is published
-        as, to read through the relay: ps/relay_reader.py)."""
+        as, to read through the relay: ps/worker/relay_reader.py)."""
         reader = await self._call(Opcode.PS_RELAY, clock, session, b"")
         reply = wps.decode_relay_reply(reader)
         reader.done()

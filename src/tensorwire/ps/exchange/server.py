@@ -9,11 +9,12 @@ Served two ways by every parameter server (``tensorwire ps serve``):
 
 * the frame protocol's ``ALLREDUCE`` (many tensors of one step in one request), which
   ``ExchangeClient`` speaks over tcp://, tls:// and memory://;
-* gRPC ``train.GradientService/UpdateGradient`` (proto/tensorwire/v1/gradient_service.proto), which
-  any client generated from that schema speaks: float32 bytes in and out, the worker id, step,
-  tensor name (and optionally the world size) in call metadata. A call with none of them is a
-  one-worker exchange when the server's world is 1 (``--workers``, the default): its answer is
-  its own gradient, which is what a training loop written for one worker expects.
+* gRPC ``train.GradientService/UpdateGradient`` (proto/tensorwire/v1/gradient_service.proto,
+  served by ``rpc.py``), which any client generated from that schema speaks: float32 bytes in and
+  out, the worker id, step, tensor name (and optionally the world size) in call metadata. A call
+  with none of them is a one-worker exchange when the server's world is 1 (``--workers``, the
+  default): its answer is its own gradient, which is what a training loop written for one
+  worker expects.
 
 Either way a worker may send its gradient compressed (tensorwire.compression): ALLREDUCE names
 the codec after its records, gRPC callers add ``codec`` and ``numel`` to the call metadata. The
@@ -49,30 +50,23 @@ import logging
 import time
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
-import grpc
 import torch
 
 from tensorwire.compression import Codec, decode_all, from_wire, payload_total
 from tensorwire.errors import (
     CapacityExceeded,
     InvalidTensor,
-    LimitExceeded,
     ProtocolError,
-    TensorwireError,
-    TransferTimeout,
     WaitTimeout,
 )
 from tensorwire.logs import event
 from tensorwire.ps.budget import Ledger
 from tensorwire.server.core import Request
 from tensorwire.types import TensorMeta
-from tensorwire.v1 import gradient_service_pb2 as pb
 from tensorwire.wire import meta as wm
 from tensorwire.wire import ps as wps
 from tensorwire.wire.names import validate_name
-from tensorwire.wire.rpc import UNARY_MAX_BYTES
 from tensorwire.wire.tensors import byte_view, empty_for
 
 log = logging.getLogger("tensorwire.ps.exchange_server")
@@ -81,9 +75,6 @@ MAX_WORLD = 1 << 16
 # bytes: about what their Python objects take (a round's future, dict and key; a dict entry).
 ROUND_COST = 1024
 NAME_COST = 256
-# The call metadata that places a gRPC gradient in a round (world-size is optional).
-IDENTITY_KEYS = ("worker-id", "step", "tensor-name")
-SESSION_KEY = "session"  # optional call metadata: the caller's session (else its connection)
 LEDGER_KIND = "exchange"  # what the exchange holds, in the store's one ledger
 
 
@@ -155,7 +146,7 @@ class GradientExchange:
     ) -> _Round:
         """Check everything, then put ``grad`` in its round (nothing changes if a check fails)."""
         self.check_owner(worker, session)
-        self._charge(self._cost(worker, world, step, name, grad), f"{name!r} of step {step}")
+        self.charge(self._cost(worker, world, step, name, grad), f"{name!r} of step {step}")
         self._own(worker, session)
         return self._put(worker, world, step, name, grad)
 
@@ -187,7 +178,7 @@ class GradientExchange:
 
     def _cost(self, worker: int, world: int, step: int, name: str, grad: torch.Tensor) -> int:
         """What adding ``grad`` would cost; raises (changing nothing) if it cannot be added."""
-        _check_identity(worker, world, step, name)
+        check_identity(worker, world, step, name)
         if step <= self._done.get(name, -1):
             raise ProtocolError(f"step {step} of {name!r} was already averaged without worker {worker}")
         round_ = self._rounds.get((step, name))
@@ -213,7 +204,9 @@ class GradientExchange:
             self._ledger = ledger
             ledger.count(LEDGER_KIND, self.held)
 
-    def _charge(self, nbytes: int, what: str) -> None:
+    def charge(self, nbytes: int, what: str) -> None:
+        """Count ``nbytes`` more held for ``what``, or refuse (CapacityExceeded) if they do not fit
+        the exchange's capacity or the process's one ledger; ``count(-nbytes)`` gives them back."""
         if self.held + nbytes > self.capacity:
             raise CapacityExceeded(
                 f"the gradient exchange holds {self.held} bytes; {nbytes} more for {what} exceed its "
@@ -221,9 +214,9 @@ class GradientExchange:
             )
         if self._ledger is not None:
             self._ledger.check(nbytes, f"the gradient exchange's {what}")
-        self._count(nbytes)
+        self.count(nbytes)
 
-    def _count(self, nbytes: int) -> None:
+    def count(self, nbytes: int) -> None:
         """What the exchange holds moves by ``nbytes`` (checked first where it grows)."""
         self.held += nbytes
         if self._ledger is not None:
@@ -254,10 +247,10 @@ class GradientExchange:
             return
         grad = round_.grads.pop(worker, None)
         if grad is not None:
-            self._count(-_nbytes(grad))
+            self.count(-_nbytes(grad))
         if not round_.grads and self._rounds.get(key) is round_:
             del self._rounds[key]
-            self._count(-round_.cost)
+            self.count(-round_.cost)
 
     def _answered(self, round_: _Round) -> None:
         """One contributor of a settled round has its answer out (or gave up): once all have, the
@@ -266,7 +259,7 @@ class GradientExchange:
             return  # not settled: a withdrawn gradient, never counted among its answers
         round_.answers -= 1
         if not round_.answers:
-            self._count(-round_.mean_bytes)
+            self.count(-round_.mean_bytes)
             round_.mean_bytes = 0
 
     def leave(self, worker: int, session: Hashable = None, *, strict: bool = True) -> None:
@@ -287,7 +280,7 @@ class GradientExchange:
         if not self._rounds and world and set(range(world)) <= self.left:
             self.left.clear()
             self._owners.clear()
-            self._count(-sum(NAME_COST + len(name) for name in self._done))
+            self.count(-sum(NAME_COST + len(name) for name in self._done))
             self._done.clear()
 
     def _settle(self, key: tuple[int, str], round_: _Round) -> None:
@@ -299,7 +292,7 @@ class GradientExchange:
         round_.answers = len(round_.grads)
         step, name = key
         if name not in self._done:  # the name outlives its round: its cost moves over
-            self._count(NAME_COST + len(name))
+            self.count(NAME_COST + len(name))
         self._done[name] = max(step, self._done.get(name, -1))
         self._last_world = round_.world
         grads = [round_.grads[w] for w in sorted(round_.grads)]
@@ -313,7 +306,7 @@ class GradientExchange:
         self._means.discard(done)
         ok = not done.cancelled() and done.exception() is None
         round_.mean_bytes = _nbytes(done.result()) if ok and round_.answers else 0
-        self._count(round_.mean_bytes - released)  # the gradients go; the mean stays until answered
+        self.count(round_.mean_bytes - released)  # the gradients go; the mean stays until answered
         if round_.result.done():
             return
         if done.cancelled():
@@ -335,7 +328,7 @@ class GradientExchange:
             raise ProtocolError("ALLREDUCE names the same tensor twice")
         self.check_owner(head.worker, session)
         for meta in metas:  # who is asking, and for what, before a byte is read
-            _check_identity(head.worker, world, head.clock, meta.name)
+            check_identity(head.worker, world, head.clock, meta.name)
             if not meta.dtype.is_floating_point:
                 raise InvalidTensor(f"{meta.name!r}: only floating-point gradients can be averaged")
         sent = (
@@ -349,7 +342,7 @@ class GradientExchange:
         pairs = list(zip(metas, grads, strict=True))
         self.check_owner(head.worker, session)  # again: another session may have taken it meanwhile
         cost = sum(self._cost(head.worker, world, head.clock, m.name, g) for m, g in pairs)
-        self._charge(cost, f"an ALLREDUCE of {len(metas)} tensors")
+        self.charge(cost, f"an ALLREDUCE of {len(metas)} tensors")
         self._own(head.worker, session)
         rounds = [self._put(head.worker, world, head.clock, m.name, g) for m, g in pairs]
         wait = head.wait_ms / 1000 if head.wait_ms else None
@@ -375,7 +368,7 @@ class GradientExchange:
         """The request's gradients, read (and decoded, in a worker thread) into tensors whose
         bytes, and the payloads' while they are decoded, are held against the capacity first."""
         scratch = request.header.data_len if codec is not None else 0
-        self._charge(decoded + scratch, f"an ALLREDUCE of {len(metas)} tensors")
+        self.charge(decoded + scratch, f"an ALLREDUCE of {len(metas)} tensors")
         try:
             grads = [empty_for(m) for m in metas]
             if codec is None:
@@ -386,147 +379,21 @@ class GradientExchange:
             await asyncio.to_thread(decode_all, codec, payloads, grads)
             return grads
         finally:
-            self._count(-(decoded + scratch))  # ``_add`` charges each gradient it keeps
-
-    # -- gRPC -----------------------------------------------------------------------------------
-    def rpc_handler(self) -> grpc.GenericRpcHandler:
-        # The request arrives as raw bytes and is parsed in a worker thread (``_gradient_of``).
-        method = grpc.unary_unary_rpc_method_handler(
-            self._update_gradient,
-            request_deserializer=None,
-            response_serializer=pb.GradientResponse.SerializeToString,
-        )
-        return grpc.method_handlers_generic_handler("train.GradientService", {"UpdateGradient": method})
-
-    async def _update_gradient(self, raw: bytes, context: Any) -> pb.GradientResponse:
-        try:
-            metadata = context.invocation_metadata() or ()
-            identity = _call_metadata(metadata, self.default_world)
-            session = _rpc_session(metadata, context)
-            if identity is not None:
-                self.check_owner(identity[0], session)
-            grad = await self._gradient_of(raw, metadata)
-            self._hold_answer(context, 4 * grad.numel())
-            if identity is None:  # a one-worker exchange: the mean is the gradient
-                return pb.GradientResponse(updated_gradient=grad.numpy().tobytes())
-            remaining = context.time_remaining()
-            wait = (
-                self.wait_timeout if remaining is None else min(self.wait_timeout, max(remaining - 0.05, 0))
-            )
-            mean, _ = await self.contribute(*identity, grad, wait=wait, session=session)
-        except TensorwireError as exc:
-            await context.abort(_grpc_code(exc), str(exc))
-            raise AssertionError("unreachable: abort raises") from exc
-        return pb.GradientResponse(updated_gradient=mean.numpy().tobytes())
-
-    def _hold_answer(self, context: Any, nbytes: int) -> None:
-        """grpcio keeps a call's answer until the peer has read it, which a peer may never do: its
-        bytes count against the capacity until the call is over (refused up front if they cannot)."""
-        self._charge(nbytes, "a gRPC answer")
-        released = False
-
-        def release(_: object) -> None:
-            nonlocal released
-            if not released:
-                released = True
-                self._count(-nbytes)
-
-        context.add_done_callback(release)
-
-    async def _gradient_of(self, raw: bytes, metadata: Sequence[tuple[str, Any]]) -> torch.Tensor:
-        """The float32 gradient a gRPC call carries: raw, or in the codec its metadata names (with
-        ``numel``, which a payload's size does not always tell). Its decoded size is checked
-        against the capacity (and the largest answer a message can carry) before it is made."""
-        values = {key: value for key, value in metadata if isinstance(value, str)}
-        codec = from_wire(values.get("codec"))
-        numel = len(raw) // 4  # at most: the message also has its field's key and length
-        if codec is not None:
-            text = values.get("numel", "")
-            if not (text.isascii() and text.isdigit()) or len(text) > 19:
-                raise ProtocolError("a compressed gradient needs the call metadata numel (its element count)")
-            numel = int(text)
-        if 4 * numel > UNARY_MAX_BYTES:
-            raise LimitExceeded(
-                f"a gradient of {numel} elements: its float32 answer would exceed the {UNARY_MAX_BYTES}-byte "
-                "gRPC message limit"
-            )
-        size = 4 * numel + len(raw)  # the tensor, and the parsed copy of the payload
-        self._charge(size, "a gRPC gradient")
-        try:
-            return await asyncio.to_thread(_decode_request, raw, codec, numel)
-        finally:
-            self._count(-size)  # ``_add`` charges the gradient if it joins a round
+            self.count(-(decoded + scratch))  # ``_add`` charges each gradient it keeps
 
 
 def frame_session(request: Request, head: wps.PsHead) -> Hashable:
     """Who sends a frame-protocol request: the session number in ``seq`` (an ExchangeClient's, or
     a parameter-server worker's incarnation), else (an older client) the host it comes from."""
-    return ("seq", head.seq) if head.seq else ("host", _host_of(request.peer))
+    return ("seq", head.seq) if head.seq else ("host", host_of(request.peer))
 
 
-def _rpc_session(metadata: Sequence[tuple[str, Any]], context: Any) -> Hashable:
-    """Who makes a gRPC call: its ``session`` metadata, else the host it comes from (not its
-    connection: a channel reconnects when the server closes an idle connection)."""
-    for key, value in metadata:
-        if key == SESSION_KEY and isinstance(value, str) and value:
-            return ("session", value[:128])
-    return ("host", _host_of(str(context.peer())))
-
-
-def _host_of(peer: str) -> str:
+def host_of(peer: str) -> str:
     """``tcp://10.0.0.5:4321``, ``ipv4:10.0.0.5:4321`` or ``ipv6:[::1]:4321`` without the port."""
     return peer.rpartition(":")[0] or peer
 
 
-def _decode_request(raw: bytes, codec: Codec | None, numel: int) -> torch.Tensor:
-    """Parse a ``GradientRequest`` and decode its gradient (in a worker thread)."""
-    try:
-        data: bytes = pb.GradientRequest.FromString(raw).gradient
-    except Exception as exc:  # protobuf's DecodeError
-        raise ProtocolError(f"a malformed GradientRequest: {exc}") from None
-    if codec is None:
-        if len(data) % 4:
-            raise InvalidTensor(f"gradient of {len(data)} bytes is not float32 data")
-        return torch.frombuffer(bytearray(data), dtype=torch.float32) if data else torch.empty(0)
-    if codec.payload_bytes(numel) != len(data):
-        raise InvalidTensor(f"a {codec.name} gradient of {numel} elements is not {len(data)} bytes")
-    payload = (
-        torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
-    )
-    return codec.decode(payload, torch.empty(numel))
-
-
-def _call_metadata(
-    metadata: Sequence[tuple[str, Any]], default_world: int
-) -> tuple[int, int, int, str] | None:
-    """(worker-id, world-size, step, tensor-name) from a call's metadata, checked; None for a call
-    that sends none of worker-id, step and tensor-name to a one-worker world."""
-    values = {key: value for key, value in metadata if isinstance(value, str)}
-    try:
-        world = int(values.get("world-size", "0") or "0") or default_world
-    except ValueError:
-        raise ProtocolError(f"world-size must be a whole number, not {values['world-size'][:32]!r}") from None
-    missing = [k for k in IDENTITY_KEYS if k not in values]
-    if len(missing) == len(IDENTITY_KEYS):
-        if world == 1:
-            return None
-        raise ProtocolError(
-            f"UpdateGradient without call metadata is a one-worker exchange, but this one has "
-            f"{world or 'no default'} workers (world-size, or the server's --workers): send the call "
-            f"metadata {', '.join(IDENTITY_KEYS)} (and world-size) with each gradient"
-        )
-    if missing:
-        raise ProtocolError(f"UpdateGradient needs call metadata {', '.join(missing)}")
-    try:
-        worker, step = int(values["worker-id"]), int(values["step"])
-    except ValueError as exc:
-        raise ProtocolError(f"worker-id and step must be whole numbers: {str(exc)[:80]}") from None
-    name = values["tensor-name"]
-    _check_identity(worker, world, step, name)
-    return worker, world, step, name
-
-
-def _check_identity(worker: int, world: int, step: int, name: str) -> None:
+def check_identity(worker: int, world: int, step: int, name: str) -> None:
     """Who a gradient says it is from, and for what: checked before anything changes."""
     if not 0 < world <= MAX_WORLD:
         raise ProtocolError(f"a world of {world} workers (set world-size, or serve with --workers)")
@@ -562,13 +429,3 @@ def _mean(grads: list[torch.Tensor]) -> torch.Tensor:
     for grad in grads[1:]:
         mean.add_(grad)
     return mean.div_(len(grads))
-
-
-def _grpc_code(exc: TensorwireError) -> grpc.StatusCode:
-    if isinstance(exc, TransferTimeout):
-        return grpc.StatusCode.DEADLINE_EXCEEDED
-    if isinstance(exc, (LimitExceeded, CapacityExceeded)):
-        return grpc.StatusCode.RESOURCE_EXHAUSTED
-    if isinstance(exc, (ProtocolError, InvalidTensor, ValueError)):
-        return grpc.StatusCode.INVALID_ARGUMENT
-    return grpc.StatusCode.INTERNAL

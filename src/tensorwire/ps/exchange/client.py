@@ -13,12 +13,12 @@ mean over the live workers into the same tensors, in place. Every worker passes 
 dtypes and shapes in the same order (a model's ``named_parameters`` does). Leaving (``close``, or
 the end of the ``with``) tells every server not to wait for this worker any more. Clients
 generated from ``train.GradientService`` (gRPC) take part in the same rounds (see
-``tensorwire.ps.exchange_server``).
+``tensorwire.ps.exchange.server``).
 
 Several servers (``ExchangeClient(["tcp://a:7070", "tcp://b:7070"])``, or one comma-separated
 string) share the work: the tensors are cut into pieces (a tensor that fits in one piece is sent
 under its own name; a larger one is cut into element ranges named ``name#start:stop``), and each
-piece is averaged on one server (``split``: by bytes, the least loaded server first, the same on
+piece is averaged on one server (``pieces.split``: by bytes, the least loaded server first, the same on
 every worker since it depends only on the tensors' names, dtypes and shapes). Each server sees
 every worker's part of its pieces, so with as many servers as workers, each on a host of its own,
 every link carries what a ring allreduce's does: the tensors' bytes once each way.
@@ -38,7 +38,7 @@ size again); the means come back in full precision.
 Tensors on a CUDA device are averaged in place too: each request's bytes go device -> pinned host
 memory -> wire, piece by piece, the copy of each piece overlapping the send of the one before,
 and its means come back through the same pinned buffer (one per request, reused every step) to
-the device on a side stream, which the caller's stream waits for by event (``ps/device.py``); a
+the device on a side stream, which the caller's stream waits for by event (``ps/worker/device.py``); a
 codec encodes on the device, next to its residuals.
 
 Failures. A server that is down, closes a connection, answers wrongly or does not answer in time
@@ -58,13 +58,11 @@ at once) and make a new one.
 from __future__ import annotations
 
 import asyncio
-import itertools
-import math
 import secrets
 from collections.abc import Awaitable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from types import TracebackType
-from typing import NamedTuple, TypeVar
+from typing import TypeVar
 
 import torch
 
@@ -72,121 +70,23 @@ from tensorwire import transport as transports
 from tensorwire._aio import LoopThread, asyncio_timeout
 from tensorwire.compression import Codec, ErrorFeedback, resolve
 from tensorwire.errors import ProtocolError
-from tensorwire.ps.device import DeviceStaging, device_of, slices
-from tensorwire.ps.rendezvous import env_int
-from tensorwire.ps.rpc import PsChannel, Sender
-from tensorwire.ps.shards import check_trainable
+from tensorwire.ps.exchange.pieces import PIECE_BYTES, Layout, Plan, plan
+from tensorwire.ps.worker.device import DeviceStaging, device_of, slices
+from tensorwire.ps.worker.rendezvous import rank_and_world
+from tensorwire.ps.worker.rpc import PsChannel, Sender
+from tensorwire.ps.worker.shards import check_trainable
 from tensorwire.security import TlsFiles, client_security
 from tensorwire.transport.base import FrameChannel
-from tensorwire.types import Address, KiB, TensorMeta
+from tensorwire.types import Address, TensorMeta
 from tensorwire.wire.tensors import byte_view
 
 T = TypeVar("T")
 _MARGIN = 10.0  # seconds a client-side wait adds to the server's, so the server's error comes first
-PIECE_BYTES = 256 * KiB  # the largest piece and request (bench exchange: beat 128 KiB, 512 KiB, 1 MiB)
-MIN_PIECE_BYTES = 64 * KiB  # the first and last pieces of a step (``piece_limit``)
 LANES = 1  # connections per server
 WINDOW = 8  # requests in flight per connection
 MAX_SERVERS = 1024
 MAX_LANES = 16
 _MAX_NOTES = 4  # other failures of a step named in the raised error's notes
-
-Layout = tuple[tuple[str, torch.dtype, tuple[int, ...]], ...]  # (name, dtype, shape) of each tensor
-
-
-class Piece(NamedTuple):
-    """Elements ``start:stop`` of tensor number ``tensor`` (flattened), averaged on ``server``
-    under ``name``: the tensor's own for a whole tensor, ``name#start:stop`` for a range.
-    ``offset``: where its bytes start among all the tensors' (in order)."""
-
-    name: str
-    tensor: int
-    start: int
-    stop: int
-    server: int
-    whole: bool
-    offset: int
-    nbytes: int
-
-
-def piece_limit(offset: int, total: int, piece_bytes: int = PIECE_BYTES) -> int:
-    """The most bytes a piece (or a request) that starts ``offset`` bytes into ``total`` may hold:
-    ``piece_bytes``, less near both ends (growing from ``MIN_PIECE_BYTES`` at the start, shrinking
-    toward the end), so that the first means come back soon after the step starts and the last
-    ones soon after the last bytes went up."""
-    return min(piece_bytes, max(MIN_PIECE_BYTES, min(offset, (total - offset) // 2)))
-
-
-def split(tensors: Sequence[tuple[str, torch.dtype, tuple[int, ...]]], servers: int,
-          piece_bytes: int = PIECE_BYTES) -> list[Piece]:  # fmt: skip
-    """The pieces of ``tensors`` (name, dtype, shape), in order, and the server each is averaged
-    on: each tensor whole if it fits in the ``piece_limit`` where it starts (an empty tensor is one
-    empty piece), else in ranges that do (at least one element each); each piece goes to the server
-    with the fewest bytes so far (the lowest number on a tie), so no server ends with more than one
-    piece's bytes over another. It depends only on its arguments: every worker gets the same."""
-    if servers < 1 or piece_bytes < 1:
-        raise ValueError(f"split needs servers >= 1 and piece_bytes >= 1, not {servers}, {piece_bytes}")
-    total = sum(math.prod(shape) * dtype.itemsize for _, dtype, shape in tensors)
-    load = [0] * servers
-    pieces: list[Piece] = []
-    offset = 0
-    for index, (name, dtype, shape) in enumerate(tensors):
-        numel, size = math.prod(shape), dtype.itemsize
-        bounds = _bounds(numel, size, offset, total, piece_bytes)
-        whole = len(bounds) == 2
-        for start, stop in itertools.pairwise(bounds):
-            server = min(range(servers), key=load.__getitem__)
-            nbytes = (stop - start) * size
-            load[server] += nbytes
-            label = name if whole else f"{name}#{start}:{stop}"
-            pieces.append(Piece(label, index, start, stop, server, whole, offset + start * size, nbytes))
-        offset += numel * size
-    _check_unique(pieces)
-    return pieces
-
-
-def _bounds(numel: int, size: int, offset: int, total: int, piece_bytes: int) -> list[int]:
-    """Where the pieces of a tensor of ``numel`` elements of ``size`` bytes, ``offset`` bytes into
-    ``total``, start and stop: ``[0, numel]`` when it fits (``[0, 0]`` when empty)."""
-    bounds = [0]
-    while bounds[-1] < numel:
-        limit = piece_limit(offset + bounds[-1] * size, total, piece_bytes) // size
-        bounds.append(min(numel, bounds[-1] + max(1, limit)))
-    return bounds if numel else [0, 0]
-
-
-def _check_unique(pieces: Sequence[Piece]) -> None:
-    # A tensor named like another's range ("w#0:5" next to a cut "w") would mix two pieces in one
-    # round on the server: refuse it here, where the caller sees why.
-    seen: set[str] = set()
-    for piece in pieces:
-        if piece.name in seen:
-            raise ValueError(f"two pieces would be averaged under {piece.name!r}: rename that tensor")
-        seen.add(piece.name)
-
-
-def requests_of(pieces: Sequence[Piece], piece_bytes: int = PIECE_BYTES) -> list[tuple[int, list[int]]]:
-    """(server, piece numbers) of each request: a server's pieces in order, as many in one request
-    as fit in the ``piece_limit`` where its first one starts (at least one)."""
-    total = sum(p.nbytes for p in pieces)
-    requests: list[tuple[int, list[int]]] = []
-    filling: dict[int, tuple[list[int], int, int]] = {}  # server -> its open request, limit, bytes
-    for number, piece in enumerate(pieces):
-        batch, limit, held = filling.get(piece.server, ([], 0, 0))
-        if not batch or held + piece.nbytes > limit:
-            batch, limit, held = [], piece_limit(piece.offset, total, piece_bytes), 0
-            requests.append((piece.server, batch))
-        batch.append(number)
-        filling[piece.server] = (batch, limit, held + piece.nbytes)
-    return requests
-
-
-class _Plan(NamedTuple):
-    """The pieces of one layout of tensors and the requests that carry them (kept across steps)."""
-
-    layout: Layout
-    pieces: list[Piece]
-    requests: list[tuple[int, list[int]]]  # (server, piece numbers) of each request
 
 
 @dataclass(frozen=True, eq=False)
@@ -197,7 +97,7 @@ class _Call:
 
     step: int
     tensors: list[torch.Tensor]
-    plan: _Plan
+    plan: Plan
     views: list[torch.Tensor]
     payloads: list[torch.Tensor]
     staging: DeviceStaging | None
@@ -240,9 +140,7 @@ class ExchangeClient:
         piece_bytes: int = PIECE_BYTES,
         staging: DeviceStaging | None = None,
     ) -> None:
-        urls = [u.strip() for u in servers.split(",")] if isinstance(servers, str) else list(servers)
-        if not 1 <= len(urls) <= MAX_SERVERS or not all(urls):
-            raise ValueError(f"an exchange needs 1 to {MAX_SERVERS} server URLs, not {servers!r}")
+        urls = _server_urls(servers)
         if not 1 <= lanes <= MAX_LANES or piece_bytes < 1:
             raise ValueError(f"lanes must be 1..{MAX_LANES} and piece_bytes positive: {lanes}, {piece_bytes}")
         self.addresses = [Address.parse(url) for url in urls]
@@ -259,10 +157,7 @@ class ExchangeClient:
         self.feedback = ErrorFeedback(self.codec) if error_feedback and self.codec is not None else None
         self.bytes_sent = 0
         self.bytes_received = 0
-        self.rank = env_int("RANK", rank, 0)
-        self.world_size = env_int("WORLD_SIZE", world_size, 1)
-        if not 0 <= self.rank < self.world_size:
-            raise ValueError(f"rank {self.rank} is not in a world of {self.world_size}")
+        self.rank, self.world_size = rank_and_world(rank, world_size)
         self.timeout = timeout
         self.step = 0  # the step the next allreduce is for
         # This client's session: the exchange binds the rank to it (another client cannot send
@@ -276,12 +171,16 @@ class ExchangeClient:
             connect_timeout, timeout + _MARGIN, security=client_security(tls, token)
         )
         self._sender = Sender(self.rank, self.world_size, int(self.timeout * 1000))
-        self._plan_cache: _Plan | None = None
+        self._plan_cache: Plan | None = None
         self._thread = LoopThread("tensorwire-exchange")
         self._servers: list[_Server] = []
         self._closed = False
+        self._connect(urls)
+
+    def _connect(self, urls: Sequence[str]) -> None:
+        """Open every server's lanes, all of them or none (a failure stops the loop and raises)."""
         try:
-            wait = connect_timeout + _MARGIN
+            wait = self._options.connect_timeout + _MARGIN
             self._servers = self._thread.call(self._open_all(), wait, f"connecting to {', '.join(urls)}")
         except BaseException:
             self._closed = True
@@ -366,12 +265,11 @@ class ExchangeClient:
             self._stagings[device] = DeviceStaging.for_device(device)
         return self._stagings[device]
 
-    def _plan(self, layout: Layout) -> _Plan:
+    def _plan(self, layout: Layout) -> Plan:
         """``split`` of a layout and its requests, kept for the next call with the same layout (a
         training loop's every step): one plan, the last layout's."""
         if self._plan_cache is None or self._plan_cache.layout != layout:
-            pieces = split(layout, len(self.addresses), self.piece_bytes)
-            self._plan_cache = _Plan(layout, pieces, requests_of(pieces, self.piece_bytes))
+            self._plan_cache = plan(layout, len(self.addresses), self.piece_bytes)
         return self._plan_cache
 
     def _encode(self, name: str, flat: torch.Tensor) -> torch.Tensor:
@@ -490,6 +388,15 @@ class ExchangeClient:
         except Exception as exc:
             _name(exc, server.address)
             raise
+
+
+def _server_urls(servers: str | Sequence[str]) -> list[str]:
+    """The URLs of ``servers`` (a list, or one comma-separated string); ValueError for none, too
+    many or an empty one."""
+    urls = [u.strip() for u in servers.split(",")] if isinstance(servers, str) else list(servers)
+    if not 1 <= len(urls) <= MAX_SERVERS or not all(urls):
+        raise ValueError(f"an exchange needs 1 to {MAX_SERVERS} server URLs, not {servers!r}")
+    return urls
 
 
 def _name(exc: BaseException, address: Address) -> None:

@@ -4,7 +4,7 @@ With ``pull="relay"``, a worker pulls each server's shards of a new version like
 
 1. PS_RELAY to the server (through the slot: resent, failed over, as every request): it waits for
    the pull's gate exactly as PS_PULL does, makes sure the version is published as a generation of
-   ``_ps/<job>`` in its generation store (ps/relay.py), and answers (version, generation number).
+   ``_ps/<job>`` in its generation store (ps/server/relay.py), and answers (version, generation number).
 2. RELAY_JOIN, RELAY_GET, RELAY_REPORT to the replica that answered, as a ``Subscriber`` does
    (broadcast/relay_pull.py): the server strings the job's workers into chains, and each worker
    pulls the chunks from the one before it (or from the server), straight into the module's
@@ -53,9 +53,9 @@ from tensorwire.errors import (
     WorkerDropped,
 )
 from tensorwire.logs import event
+from tensorwire.ps.job import relay_name, relay_prefix
 from tensorwire.ps.placement import Shard
-from tensorwire.ps.relay import relay_name, relay_prefix
-from tensorwire.ps.slot import ServerSlot
+from tensorwire.ps.worker.slot import ServerSlot
 from tensorwire.server import Server
 from tensorwire.transport import TransportOptions
 from tensorwire.types import Address

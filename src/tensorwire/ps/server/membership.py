@@ -22,7 +22,7 @@ A rank is free again when its worker leaves, or, with heartbeat checks on, when 
 heard from for ``heartbeat_timeout``: the watchdog drops such workers (on the primary only: a
 backup learns drops from it) so sync steps go on without them, and they may rejoin.
 
-Lifecycle: ``Members`` is made with its job (ps/jobs.py); ``admit`` starts the watchdog (when
+Lifecycle: ``Members`` is made with its job (ps/server/jobs.py); ``admit`` starts the watchdog (when
 heartbeats are checked), ``stop`` ends it when the job ends or the server closes. The watchdog
 asks ``primary()`` whether to act and hands each silent worker to ``drop`` (the server
 replicates the drop and makes it).
@@ -40,8 +40,8 @@ from typing import NoReturn
 from tensorwire._aio import cancel_and_wait
 from tensorwire.errors import ProtocolError, WorkerDropped
 from tensorwire.logs import event
-from tensorwire.ps.gradients import Gradients
 from tensorwire.ps.job import Job
+from tensorwire.ps.server.gradients import Gradients
 from tensorwire.server.core import Request
 from tensorwire.wire import ps as wps
 from tensorwire.wire.frame import Opcode

@@ -9,7 +9,7 @@ ends them.
   only while fewer than ``max_jobs`` are held (else LimitExceeded naming ``--max-jobs``, counted in
   ``refused``), and a job a request opened but left empty (no parameters, no worker: a refused
   join) is dropped again (``prune``). ``end`` ends one; ``take_all`` and ``load_all`` are the state
-  transfer of every job (ps/replica.py ``Holder``); ``restore_all`` loads every job's checkpoints.
+  transfer of every job (ps/server/replica.py ``Holder``); ``restore_all`` loads every job's checkpoints.
 
 When a job ends: by default when its last worker leaves (PS_LEAVE with ``final``, sent by
 ``Worker.close``, once every rank of its world has joined and left so), unless the server keeps
@@ -17,7 +17,7 @@ jobs (``--keep-jobs``: the state stays for a restart of the workers); or by PS_E
 end JOB``; refused while workers are live unless forced: those workers then get an error naming the
 end, not a fresh job). A worker dropped for missed heartbeats has not left: the job waits for it
 (it may come back, or leave), even once the others have left. Ending writes the job's last
-checkpoint (checkpoints on) and moves its directory to ``_ended/`` (ps/checkpoint.py ``retire``),
+checkpoint (checkpoints on) and moves its directory to ``_ended/`` (ps/server/checkpoint.py ``retire``),
 wakes its waiters with an error, frees its memory and stops its thread. A record of it (its last
 stats and why it ended) stays in ``ended``, at most ``max_jobs`` of them.
 
@@ -42,15 +42,15 @@ import torch
 
 from tensorwire.errors import LimitExceeded, PersistenceError, ProtocolError
 from tensorwire.logs import event
-from tensorwire.ps import checkpoint
 from tensorwire.ps.budget import Budget
-from tensorwire.ps.consistency import Consistency
-from tensorwire.ps.gradients import Gradients
 from tensorwire.ps.job import CheckpointPolicy, Job, JobConfig, default_job_id
-from tensorwire.ps.membership import Members
-from tensorwire.ps.replica import Replica
-from tensorwire.ps.snapshots import Snapshots
-from tensorwire.ps.state import State
+from tensorwire.ps.server import checkpoint
+from tensorwire.ps.server.consistency import Consistency
+from tensorwire.ps.server.gradients import Gradients
+from tensorwire.ps.server.membership import Members
+from tensorwire.ps.server.replica import Replica
+from tensorwire.ps.server.snapshots import Snapshots
+from tensorwire.ps.server.state import State
 from tensorwire.wire import ps as wps
 
 log = logging.getLogger("tensorwire.ps")
@@ -174,7 +174,7 @@ class JobRun:
 
 
 class Jobs:
-    """The server's jobs by id (see the module doc); implements ps/replica.py ``Holder``."""
+    """The server's jobs by id (see the module doc); implements ps/server/replica.py ``Holder``."""
 
     def __init__(
         self, make: Callable[[str], JobRun], *, max_jobs: int = DEFAULT_MAX_JOBS, keep_jobs: bool = False
@@ -274,7 +274,7 @@ class Jobs:
                 await run.state.write_checkpoint()
             run.job.shutdown()
 
-    # -- the state transfer (ps/replica.py Holder) ----------------------------------------------
+    # -- the state transfer (ps/server/replica.py Holder) ----------------------------------------------
     def take_all(self) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
         """Every job's state and tensors; a job's tensors are named ``<its index>:<name>``."""
         order: list[list[Any]] = []

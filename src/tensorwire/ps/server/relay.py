@@ -19,7 +19,7 @@ generations dropped at the next publish.
 Who relays: the PS_RELAY of a live worker (its session checked, as for a pull) admits that
 session, the worker process's incarnation, to register in the job's chains (``admit``); the worker's
 RELAY_JOIN names it, over the worker's own tcp:// or tls:// connection, whose address the relay
-address is checked against (ps/relay_reader.py: not the slot's connection, which may be shm://).
+address is checked against (ps/worker/relay_reader.py: not the slot's connection, which may be shm://).
 An observer's PS_RELAY admits nothing, and a RELAY_JOIN naming no admitted session reads from the
 server, unregistered (broadcast/coordinator.py): readers outside the job are never upstream of its
 workers, so they cannot make the workers' pulls wait. A job that ended has its admissions dropped.
@@ -40,21 +40,11 @@ import torch
 
 from tensorwire.broadcast.chains import Chains
 from tensorwire.errors import ProtocolError
-from tensorwire.ps.job import HeldShard, Job
-from tensorwire.store.generations import SERVER_PREFIX, Generations
+from tensorwire.ps.job import HeldShard, Job, relay_name, relay_prefix
+from tensorwire.store.generations import Generations
 from tensorwire.store.memory import Reservation
 from tensorwire.types import TensorMeta
 from tensorwire.wire import generations as wg
-
-
-def relay_prefix(job: str) -> str:
-    """The generation prefix a job's parameters are published under for relay pulls."""
-    return f"{SERVER_PREFIX}/{job}"
-
-
-def relay_name(job: str, key: str) -> str:
-    """The published name of shard ``key`` of ``job``."""
-    return f"{relay_prefix(job)}/{key}"
 
 
 @dataclass(frozen=True, slots=True)

@@ -8,7 +8,7 @@ placed on it (``PS_INIT``), each as an ``nn.Parameter`` over a flat range of ele
 (``sync``, ``async``, ``ssp:<s>``). One concern per module, each a plain class that holds its state:
 
 * jobs.py ``Jobs``, ``JobRun``: the jobs by id (at most ``max_jobs``), each with its own parts:
-  * job.py ``Job``: the job's config, shards, optimizer, its thread and lock, its counters, and
+  * ../job.py ``Job``: the job's config, shards, optimizer, its thread and lock, its counters, and
     the checks that refuse a worker that names the job but runs another one (naming the differences);
   * membership.py ``Members``: one record per worker (clock, liveness, the session holding the
     rank, push marks, barrier, heartbeats), joining clocks, the heartbeat watchdog, identity refusal;
@@ -22,8 +22,8 @@ placed on it (``PS_INIT``), each as an ``nn.Parameter`` over a flat range of ele
 * replica.py ``Replica``: the server's role and epoch, the order of changes, replication,
   failover, fencing, PS_REPLICATE (replication.py: its wire and the connections to the backups);
   one per server process, for all its jobs;
-* budget.py ``Budget``: what the jobs hold, counted in the process's one capacity (the store's);
-  exchange_server.py: ALLREDUCE and gRPC UpdateGradient, server-wide (below).
+* ../budget.py ``Budget``: what the jobs hold, counted in the process's one capacity (the store's);
+  ../exchange/server.py: ALLREDUCE and gRPC UpdateGradient, server-wide (below).
 
 Here: the extension seam (``frame_handlers``, ``rpc_handlers``, ``collectors``, ``status``,
 ``close``), PS_PUSH, PS_PULL, PS_HEARTBEAT and PS_STATS handed to their job, and the attributes
@@ -55,16 +55,17 @@ import torch
 
 from tensorwire.broadcast.coordinator import RelayCoordinator
 from tensorwire.errors import ProtocolError
-from tensorwire.ps import metrics, replication
 from tensorwire.ps.budget import Budget
-from tensorwire.ps.exchange_server import GradientExchange
+from tensorwire.ps.exchange import rpc as exchange_rpc
+from tensorwire.ps.exchange.server import GradientExchange
 from tensorwire.ps.job import CheckpointPolicy, HeldShard, Job, JobConfig, Mode
-from tensorwire.ps.jobs import DEFAULT_MAX_JOBS, JobRun, Jobs, JobSettings
-from tensorwire.ps.lifecycle import Lifecycle
-from tensorwire.ps.membership import Member, Members
-from tensorwire.ps.relay import RelayPublisher
-from tensorwire.ps.replica import Replica
-from tensorwire.ps.state import State
+from tensorwire.ps.server import metrics, replication
+from tensorwire.ps.server.jobs import DEFAULT_MAX_JOBS, JobRun, Jobs, JobSettings
+from tensorwire.ps.server.lifecycle import Lifecycle
+from tensorwire.ps.server.membership import Member, Members
+from tensorwire.ps.server.relay import RelayPublisher
+from tensorwire.ps.server.replica import Replica
+from tensorwire.ps.server.state import State
 from tensorwire.security import Security
 from tensorwire.server.core import Handler, Request, Server
 from tensorwire.wire import ps as wps
@@ -106,7 +107,7 @@ class ParamServer:
     and pulls keep (budget.py); once added to a server they (and the gradient exchange) also count
     in its store's capacity, the process's one ledger (``tensorwire serve --capacity``). ``max_jobs``: the
     most jobs held at once (job ids are chosen by peers); ``keep_jobs``: a job whose last worker
-    left keeps its state (for a restart of its workers) instead of ending (ps/jobs.py).
+    left keeps its state (for a restart of its workers) instead of ending (ps/server/jobs.py).
     ``operator_token``: the servers' operator token (``serve --operator-token-file``), which may end
     any job; a job's own token (ps/job.py) always may.
     """
@@ -244,10 +245,10 @@ class ParamServer:
         }
 
     def rpc_handlers(self) -> Sequence[Any]:
-        return (self.exchange.rpc_handler(),)
+        return (exchange_rpc.rpc_handler(self.exchange),)
 
     def collectors(self) -> list[Any]:
-        """Its Prometheus families (ps/metrics.py), for the server's registry."""
+        """Its Prometheus families (ps/server/metrics.py), for the server's registry."""
         return [metrics.PsCollector(self)]
 
     def status(self) -> dict[str, Any]:
@@ -272,7 +273,7 @@ class ParamServer:
         return self._replica.primary_seen
 
     def job_samples(self) -> list[metrics.JobSample]:
-        """What each job's metric families read (ps/metrics.py)."""
+        """What each job's metric families read (ps/server/metrics.py)."""
         return [metrics.JobSample.of(run) for run in self.jobs]
 
     async def close(self) -> None:
@@ -355,7 +356,7 @@ class ParamServer:
         await self._lifecycle.run_of(head).pulls.on_pull(request, head)
 
     async def _on_relay(self, request: Request) -> None:
-        """PS_RELAY: a pull's gate, then the version published for the relay (ps/relay.py)."""
+        """PS_RELAY: a pull's gate, then the version published for the relay (ps/server/relay.py)."""
         self._replica.serving()
         head = wps.PsHead.decode(request.meta)
         request.meta.done()

@@ -5,7 +5,7 @@ One ``Replica`` per server process, whatever the number of jobs it holds: the re
 fail over together, and the changes of all its jobs are made in one order (each change's head
 names its job), so a state transfer taken between two changes holds every job as it is.
 
-ps/replication.py is the wire (``Change``, ``encode``/``decode``) and the primary's connections
+ps/server/replication.py is the wire (``Change``, ``encode``/``decode``) and the primary's connections
 to its backups (``Backups``); its module doc tells the whole scheme. Here:
 
 * ``in_order``: every change of the job is made one at a time, and replicated inside the same
@@ -15,7 +15,7 @@ to its backups (``Backups``); its module doc tells the whole scheme. Here:
   A primary pings its backups twice a second while it serves.
 * ``replicate``: a backup refusing a change with a newer epoch fences this primary (role
   ``fenced``: it answers NOT_PRIMARY from then on). A backup that is new, or back, first gets
-  every job (the SYNC state transfer, from the ``Holder``: ps/jobs.py).
+  every job (the SYNC state transfer, from the ``Holder``: ps/server/jobs.py).
 * ``on_replicate``: a backup checks that a change comes from a replica of its slot (a peer
   session) under an epoch in range, follows a newer primary, takes a state transfer itself and
   hands every other change to the server to make, exactly as the primary made it.
@@ -47,7 +47,7 @@ from tensorwire.errors import (
     ReplicationRefused,
 )
 from tensorwire.logs import event
-from tensorwire.ps import replication
+from tensorwire.ps.server import replication
 from tensorwire.security import Security
 from tensorwire.server.core import Request
 from tensorwire.types import TensorMeta
@@ -61,7 +61,7 @@ Apply = Callable[[replication.Change, wps.PsHead, Request], Awaitable[None]]
 
 
 class Holder(Protocol):
-    """What holds the server's jobs, as the replica needs it (ps/jobs.py ``Jobs``)."""
+    """What holds the server's jobs, as the replica needs it (ps/server/jobs.py ``Jobs``)."""
 
     def take_all(self) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
         """Every job's state (JSON-able) and tensors, for a state transfer (SYNC)."""

@@ -55,7 +55,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from tensorwire.ps.budget import Budget
-from tensorwire.ps.replication import Backups
+from tensorwire.ps.server.replication import Backups
 
 STALENESS_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256)
 
@@ -83,7 +83,7 @@ class JobSample:
 
     @staticmethod
     def of(run: Any) -> JobSample:
-        """From a ps/jobs.py ``JobRun`` (read, not imported: the server's parts import this)."""
+        """From a ps/server/jobs.py ``JobRun`` (read, not imported: the server's parts import this)."""
         job, members, shards = run.job, run.members, list(run.job.shards.values())
         return JobSample(
             run.id, job.step, job.version, job.pushes, run.consistency.duplicates, members.dropped,
@@ -94,7 +94,7 @@ class JobSample:
 
 
 class ParamServerState(Protocol):
-    """What the families are read from: a ``ParamServer`` (ps/server.py) has all of it."""
+    """What the families are read from: a ``ParamServer`` (ps/server/param_server.py) has all of it."""
 
     @property
     def failovers(self) -> int: ...
@@ -113,7 +113,7 @@ class ParamServerState(Protocol):
     @property
     def primary_seen(self) -> float | None: ...
     @property
-    def jobs(self) -> Any: ...  # ps/jobs.py ``Jobs``: len(), max_jobs, refused
+    def jobs(self) -> Any: ...  # ps/server/jobs.py ``Jobs``: len(), max_jobs, refused
     def job_samples(self) -> list[JobSample]: ...
 
 

@@ -1,0 +1,180 @@
+"""A worker's membership in its job on every server: ``WorkerSession``.
+
+The session is this worker process, as the servers know it: its incarnation (a random secret the
+servers bind its rank to at PS_JOIN; every request that acts as the rank carries it, so a second
+process with the same RANK, or a forged request under it, is refused), the clock and barrier
+generation it has reached, and how often it had to rejoin.
+
+Lifecycle, all on the worker's event loop: ``start`` (heartbeats first, then ``join_all``:
+PS_JOIN on every server, PS_INIT where the job is new) -> any number of ``recover`` (a server
+dropped this worker: rejoin everywhere and pull) -> ``stop_heartbeats`` and ``leave`` (PS_LEAVE
+on every server that can be reached, then every connection closed). The ``Worker`` keeps the
+pulls, pushes and barriers; it calls ``recover`` where one of them finds the worker dropped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import secrets
+from collections.abc import Awaitable, Callable
+
+from tensorwire._aio import cancel_and_wait
+from tensorwire.errors import ProtocolError, WorkerDropped
+from tensorwire.ps.job import JobConfig
+from tensorwire.ps.worker.config import WorkerConfig
+from tensorwire.ps.worker.rpc import Sender
+from tensorwire.ps.worker.shards import ModelShards
+from tensorwire.ps.worker.slot import RETRY_CAP, ServerSlot
+
+__all__ = ["CATCH_UP_TRIES", "WorkerSession"]
+
+log = logging.getLogger("tensorwire.ps.worker")  # the worker's log, as before the session moved here
+CATCH_UP_TRIES = 10  # joins that wait for servers a step behind before rolling them back
+
+
+class WorkerSession:
+    """This worker process's membership in its job on every server (see the module doc).
+
+    ``pull_all`` pulls from every serving server and returns the highest version: ``recover``
+    calls it once it has rejoined.
+    """
+
+    def __init__(
+        self,
+        config: WorkerConfig,
+        slots: list[ServerSlot],
+        tensors: ModelShards,
+        pull_all: Callable[[], Awaitable[int]],
+    ) -> None:
+        self.config = config
+        self.slots = slots
+        # The servers this worker talks to: those the placement gives a shard (a model with fewer
+        # elements than there are servers leaves some without).
+        self.serving = [slot for slot in slots if slot.shards]
+        self._tensors = tensors
+        self._pull_all = pull_all
+        # A secret of this process: never logged, never shown by a server.
+        self.incarnation = secrets.randbits(63) or 1
+        self.clock = 0  # pushes made since the last (re)join
+        self.barriers = 0  # the last barrier generation this worker passed
+        self.rejoins = 0
+        self.joined = False
+        self._beating: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        """Heartbeats from the start (a slow first pull must not get it dropped), then join."""
+        if self.config.heartbeat > 0:
+            self._beating = asyncio.get_running_loop().create_task(self._heartbeats())
+        await self.join_all(first=True)
+
+    async def join_all(self, first: bool = False) -> None:
+        """Join on every server (initialising the job where there is none). In sync mode this
+        worker must be at one step on all of them. Servers of a live job can be a step apart for a
+        moment (each takes the step when its pushes are in): then it leaves those behind, lets them
+        finish that step without it, and joins again. Servers restored from checkpoints written a
+        step apart do not move by themselves: after a while they are rolled back to the older one,
+        which each of them keeps."""
+        config = JobConfig(self.config.mode, self.config.optimizer, self.config.model).to_json()
+        slots = self.serving
+        clocks: list[int] = []
+        for attempt in range(CATCH_UP_TRIES + 3):
+            joined = await asyncio.gather(*(self._join(slot, config, first) for slot in slots))
+            self.joined = True
+            for slot, (clock, seq, _) in zip(slots, joined, strict=True):
+                slot.joined(clock, seq)
+            self.barriers = max(self.barriers, joined[0][2])  # barriers are kept by the first server
+            clocks = [slot.clock for slot in slots]
+            if self.config.mode.kind != "sync" or len(set(clocks)) == 1:
+                self.clock = max(clocks)
+                return
+            if attempt < CATCH_UP_TRIES:
+                behind = [slot for slot in slots if slot.clock < max(clocks)]
+                await asyncio.gather(*(self._leave_for_now(slot) for slot in behind))
+                await asyncio.sleep(0.05 * (attempt + 1))
+                continue
+            target = min(clocks)
+            log.warning("servers stay at steps %s: rolling back to step %d", clocks, target)
+            ahead = [slot for slot in slots if slot.clock > target]
+            # A server rolls back only with no worker live, and this one has just joined it.
+            await asyncio.gather(*(self._leave_for_now(slot) for slot in ahead))
+            await asyncio.gather(*(slot.rpc.rollback(target, self.incarnation) for slot in ahead))
+        raise ProtocolError(f"the servers could not be brought to one step: {clocks}")
+
+    async def _leave_for_now(self, slot: ServerSlot) -> None:
+        await slot.rpc.leave(slot.clock, self.incarnation, final=False)
+
+    async def _join(self, slot: ServerSlot, config: str, first: bool) -> tuple[int, int, int]:
+        records = [self._tensors.meta(s) for s in slot.shards]
+        for attempt in itertools.count(1):
+            joined = await slot.rpc.join(slot.clock, self.incarnation, config, records)
+            clock, initialized, seq, barrier = joined
+            if not first and initialized:
+                return clock, seq, barrier
+            try:  # the first time, also to check that the server's job is this one
+                await self._init(slot, config, with_values=not initialized)
+                return clock, seq, barrier
+            except WorkerDropped:  # the worker creating the job failed: try again, ours may win
+                if attempt == 3:
+                    raise
+        raise AssertionError("unreachable")
+
+    async def _init(self, slot: ServerSlot, config: str, with_values: bool) -> None:
+        """Create the job with this worker's values (the first worker's win), or, without values,
+        only check that the server's job is this one (same mode, optimizer and shards)."""
+        records = [self._tensors.meta(s) for s in slot.shards]
+        data = self._tensors.values(slot.shards) if with_values else []
+        await slot.rpc.init(slot.clock, self.incarnation, config, records, data)
+
+    async def recover(self) -> int:
+        """A server no longer counts this worker (it restarted, or dropped the worker after missed
+        heartbeats): rejoin everywhere and pull the current parameters; their version."""
+        log.warning("worker %d was dropped by a server: rejoining", self.config.rank)
+        self.rejoins += 1
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.config.timeout
+        while True:
+            try:
+                await self.join_all()
+                return await self._pull_all()
+            except WorkerDropped:  # dropped again meanwhile (a failover, a slow machine): once more
+                if loop.time() >= deadline:
+                    raise
+                log.warning("worker %d was dropped again while rejoining: rejoining", self.config.rank)
+                await asyncio.sleep(RETRY_CAP)
+
+    async def _heartbeats(self) -> None:
+        """Tell every server this worker is alive, each on a connection of its own (a pull waiting
+        for a step must not hold up the heartbeat); a server that drops it is rejoined by the
+        next push or pull."""
+        wait = max(self.config.heartbeat * 4, 1.0)
+        options = self.config.options._replace(connect_timeout=wait, request_timeout=wait)
+        sender = self._sender()
+        try:
+            while True:
+                await asyncio.gather(*(s.beat(sender, self.incarnation, options) for s in self.serving))
+                await asyncio.sleep(self.config.heartbeat)
+        finally:
+            for slot in self.slots:
+                await slot.close_beat()
+
+    async def stop_heartbeats(self) -> None:
+        await cancel_and_wait(self._beating)
+
+    async def leave(self) -> None:
+        """Leave every server that can be reached now (no retries: the process may be ending),
+        then close every connection."""
+        try:
+            if self.joined:
+                sender, timeout = self._sender(), self.config.connect_timeout
+                leaving = (slot.leave(sender, self.incarnation, timeout) for slot in self.slots)
+                await asyncio.gather(*leaving, return_exceptions=True)
+        finally:
+            for slot in self.slots:
+                await slot.close()
+
+    def _sender(self) -> Sender:
+        """Who heartbeats and leaves: the rank itself, never an observer (it neither joins nor
+        beats), with no wait of its own."""
+        return Sender(self.config.rank, self.config.world_size, job=self.config.job)
