@@ -70,7 +70,8 @@ import torch
 
 from tensorwire import transport as transports
 from tensorwire._aio import LoopThread, asyncio_timeout
-from tensorwire.compression import Codec, ErrorFeedback, resolve
+from tensorwire.compression import Codec, ErrorFeedback
+from tensorwire.compression.codecs import resolve
 from tensorwire.errors import ProtocolError
 from tensorwire.ps.device import DeviceStaging, device_of, slices
 from tensorwire.ps.rendezvous import env_int

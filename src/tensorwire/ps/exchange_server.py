@@ -54,7 +54,7 @@ from typing import Any
 import grpc
 import torch
 
-from tensorwire.compression import Codec, decode_all, from_wire, payload_total
+from tensorwire.compression.codecs import Codec, decode_all, from_wire, payload_total
 from tensorwire.errors import (
     CapacityExceeded,
     InvalidTensor,

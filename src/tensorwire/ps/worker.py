@@ -93,7 +93,8 @@ import torch
 
 from tensorwire import transport as transports
 from tensorwire._aio import LoopThread, cancel_and_wait, wait
-from tensorwire.compression import Codec, ErrorFeedback, resolve
+from tensorwire.compression import Codec, ErrorFeedback
+from tensorwire.compression.codecs import resolve
 from tensorwire.errors import ProtocolError, TensorwireError, WorkerDropped
 from tensorwire.ps.device import DeviceStaging
 from tensorwire.ps.job import JobConfig, Mode, default_job_id

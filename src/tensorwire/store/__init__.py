@@ -1,6 +1,12 @@
-"""Server-side storage: tensors in memory with capacity and versions, optionally on disk."""
+"""Server-side storage: tensors in memory with capacity and versions, optionally on disk.
 
+``validate_name`` (``tensorwire.wire.names``) was exported here before; imported from here it still
+works for one release and warns.
+"""
+
+from tensorwire._deprecated import moved
 from tensorwire.store.memory import Entry, Reservation, TensorStore
-from tensorwire.wire.names import validate_name
 
-__all__ = ["Entry", "Reservation", "TensorStore", "validate_name"]
+__getattr__ = moved("tensorwire.store", {"validate_name": "tensorwire.wire.names"})
+
+__all__ = ["Entry", "Reservation", "TensorStore"]
