@@ -12,17 +12,22 @@ their modules (``broadcast.coordinator.RelayCoordinator``, ``broadcast.peer.Rela
 ``broadcast.chains.Chains``). Imported from here they still work for one release and warn.
 """
 
+from typing import TYPE_CHECKING
+
 from tensorwire._deprecated import moved
 from tensorwire.broadcast.host import HostReader, HostShare
 from tensorwire.broadcast.subscriber import Subscriber
 
-__getattr__ = moved(
-    "tensorwire.broadcast",
-    {
-        "Chains": "tensorwire.broadcast.chains",
-        "RelayCoordinator": "tensorwire.broadcast.coordinator",
-        "RelayPeer": "tensorwire.broadcast.peer",
-    },
-)
+# Hidden from type checkers: to them a module __getattr__ would make every name of the package
+# exist, a typo included; the deprecated names are for old code at run time only.
+if not TYPE_CHECKING:
+    __getattr__ = moved(
+        "tensorwire.broadcast",
+        {
+            "Chains": "tensorwire.broadcast.chains",
+            "RelayCoordinator": "tensorwire.broadcast.coordinator",
+            "RelayPeer": "tensorwire.broadcast.peer",
+        },
+    )
 
 __all__ = ["HostReader", "HostShare", "Subscriber"]

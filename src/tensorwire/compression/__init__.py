@@ -15,15 +15,20 @@ The helpers the parameter server uses (``resolve``, ``from_wire``, ``decode_all`
 imported from here they still work for one release and warn.
 """
 
+from typing import TYPE_CHECKING
+
 from tensorwire._deprecated import moved
 from tensorwire.compression.codecs import Cast, Codec, Int8, Sign, TopK, codec_for
 from tensorwire.compression.feedback import ErrorFeedback
 
 _CODECS = "tensorwire.compression.codecs"
-__getattr__ = moved(
-    "tensorwire.compression",
-    dict.fromkeys(["decode_all", "from_wire", "payload_total", "resolve", "top_indices"], _CODECS),
-)
+# Hidden from type checkers: to them a module __getattr__ would make every name of the package
+# exist, a typo included; the deprecated names are for old code at run time only.
+if not TYPE_CHECKING:
+    __getattr__ = moved(
+        "tensorwire.compression",
+        dict.fromkeys(["decode_all", "from_wire", "payload_total", "resolve", "top_indices"], _CODECS),
+    )
 
 __all__ = [
     "Cast",

@@ -4,9 +4,14 @@
 works for one release and warns.
 """
 
+from typing import TYPE_CHECKING
+
 from tensorwire._deprecated import moved
 from tensorwire.store.memory import Entry, Reservation, TensorStore
 
-__getattr__ = moved("tensorwire.store", {"validate_name": "tensorwire.wire.names"})
+# Hidden from type checkers: to them a module __getattr__ would make every name of the package
+# exist, a typo included; the deprecated names are for old code at run time only.
+if not TYPE_CHECKING:
+    __getattr__ = moved("tensorwire.store", {"validate_name": "tensorwire.wire.names"})
 
 __all__ = ["Entry", "Reservation", "TensorStore"]
