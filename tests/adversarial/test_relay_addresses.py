@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import tensorwire
-from tensorwire.broadcast import RelayCoordinator
+from tensorwire.broadcast.coordinator import RelayCoordinator
 from tensorwire.broadcast.peer import relay_token
 from tensorwire.errors import AuthenticationError, ProtocolError, TransportError
 from tensorwire.security import Security, TlsFiles

@@ -12,8 +12,9 @@ import torch
 import tensorwire
 from tensorwire import transport
 from tensorwire._aio import run
-from tensorwire.broadcast import Chains, RelayPeer
+from tensorwire.broadcast.chains import Chains
 from tensorwire.broadcast.coordinator import MAX_GET_CHUNKS
+from tensorwire.broadcast.peer import RelayPeer
 from tensorwire.errors import LimitExceeded, ProtocolError, VersionChanged, WaitTimeout
 from tensorwire.server import ServerThread
 from tensorwire.testing.process import wait_for

@@ -11,7 +11,8 @@ import pytest
 from prometheus_client import generate_latest
 
 import tensorwire
-from tensorwire.broadcast import Chains, RelayCoordinator
+from tensorwire.broadcast.chains import Chains
+from tensorwire.broadcast.coordinator import RelayCoordinator
 from tensorwire.errors import InvalidName, LimitExceeded, ProtocolError
 from tensorwire.server import metrics
 from tensorwire.testing.process import wait_for

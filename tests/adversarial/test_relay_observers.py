@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from tensorwire.broadcast import RelayCoordinator
+from tensorwire.broadcast.coordinator import RelayCoordinator
 from tensorwire.ps import SGD, ParamServer, Worker
 from tensorwire.ps.job import relay_prefix
 from tensorwire.server import ServerThread

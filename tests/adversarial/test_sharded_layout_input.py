@@ -1,5 +1,5 @@
 """A hostile layout document (``<prefix>/_layout``, what a peer put beside its shards) is refused
-by ``sharded.get_state_dict`` before any byte of a shard moves: boxes outside the global shape,
+by ``sharded.load_state_dict`` before any byte of a shard moves: boxes outside the global shape,
 overlapping, leaving gaps, absurd sizes and counts, stored tensors whose size, shape or dtype is
 not their box's, a layout that is not a document. Each generation also holds a good parameter
 (``g``) that the same read would fetch: it stays untouched, so nothing was read. Each case fails
@@ -81,7 +81,7 @@ def test_a_hostile_layout_is_refused_before_any_byte_moves(client: tensorwire.Cl
     _publish(client, prefix, json.dumps({"format": 1, "params": {"g": GOOD, "w": entry}}).encode())
     into = {"g": torch.zeros(4), "w": torch.zeros(4, 2)}
     with pytest.raises(LayoutMismatch, match=says) as info:
-        sharded.get_state_dict(client, prefix, into)
+        sharded.load_state_dict(client, prefix, into)
     assert "'w'" in str(info.value)  # it names the parameter
     assert not into["g"].any() and not into["w"].any()  # nothing was read
 
@@ -92,7 +92,7 @@ def test_the_good_document_reads(client: tensorwire.Client) -> None:
         client, "hostile/none", json.dumps({"format": 1, "params": {"g": GOOD, "w": _entry(HALVES)}}).encode()
     )
     into = {"g": torch.zeros(4), "w": torch.zeros(4, 2)}
-    sharded.get_state_dict(client, "hostile/none", into)
+    sharded.load_state_dict(client, "hostile/none", into)
     assert torch.equal(into["g"], torch.arange(4.0)) and torch.equal(into["w"], torch.ones(4, 2))
 
 
@@ -111,5 +111,5 @@ def test_a_layout_that_is_not_a_document_is_refused(
     _publish(client, prefix, layout)
     into = {"g": torch.zeros(4)}
     with pytest.raises(LayoutMismatch, match=says):
-        sharded.get_state_dict(client, prefix, into)
+        sharded.load_state_dict(client, prefix, into)
     assert not into["g"].any()

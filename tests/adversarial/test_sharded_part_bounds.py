@@ -158,7 +158,7 @@ async def _until(condition: object, timeout: float = 10.0) -> None:
         await asyncio.sleep(0.01)
 
 
-# -- GEN_GET_RANGES (the batched ranged read of sharded.get_state_dict) ---------------------------
+# -- GEN_GET_RANGES (the batched ranged read of sharded.load_state_dict) ---------------------------
 @pytest.mark.parametrize(
     ("ranges", "error", "says"),
     [

@@ -11,7 +11,8 @@ import torch
 
 from tensorwire.errors import PersistenceError
 from tensorwire.store import TensorStore
-from tensorwire.store.persist import SLOTS_FILE, file_name
+from tensorwire.store.revision import SLOTS_FILE
+from tensorwire.store.tensor_file import file_name
 from tensorwire.types import MiB, TensorMeta
 
 

@@ -124,10 +124,10 @@ def test_a_sharded_put_and_an_async_save_survive_a_kill(tmp_path: Path) -> None:
         end(first, signal.SIGKILL)
     with serving(tmp_path) as second, tensorwire.connect(second.url) as c:
         into = {k: torch.zeros_like(v) for k, v in state.items()}
-        assert sharded.get_state_dict(c, "ckpt", into) == put
+        assert sharded.load_state_dict(c, "ckpt", into) == put
         assert all(torch.equal(into[k], state[k]) for k in state)
         into = {k: torch.zeros_like(v) for k, v in saved.items()}
-        assert sharded.get_state_dict(c, "async", into) == done
+        assert sharded.load_state_dict(c, "async", into) == done
         assert all(torch.equal(into[k], saved[k]) for k in saved)
         got = c.get_many(["two/a", "two/b"], at=both.number, verify=True)
         assert torch.equal(got["two/a"], torch.zeros(4)) and torch.equal(got["two/b"], torch.ones(4))

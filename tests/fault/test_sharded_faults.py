@@ -83,7 +83,7 @@ def test_a_rank_killed_mid_put_leaves_the_previous_generation_and_frees_every_by
     with tensorwire.connect(server.url) as client:
         assert client.manifest("model").generation.number == 1  # nothing of generation 2
         into = {name: torch.zeros_like(t) for name, t in _generation_one().items()}
-        assert sharded.get_state_dict(client, "model", into).number == 1
+        assert sharded.load_state_dict(client, "model", into).number == 1
     assert all(torch.equal(into[k], v) for k, v in _generation_one().items())
 
 

@@ -193,7 +193,7 @@ def run_table(job: Job, table: dict[str, Any], result: dict[str, Any]) -> None:
                     continue
                 for prefix, seed in stored:
                     into = job.state(r, layout, 0, zeros=True)
-                    sharded.get_state_dict(client, prefix, into, group=job.groups[r])
+                    sharded.load_state_dict(client, prefix, into, group=job.groups[r])
                     result["reads"] += 1
                     bad = job.expected(seed, into)
                     if bad:

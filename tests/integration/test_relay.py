@@ -15,8 +15,7 @@ from prometheus_client import generate_latest
 import tensorwire
 from tensorwire import cli, transport
 from tensorwire._aio import run
-from tensorwire.broadcast import RelayCoordinator
-from tensorwire.broadcast.coordinator import parse_networks
+from tensorwire.broadcast.coordinator import RelayCoordinator, parse_networks
 from tensorwire.errors import AuthenticationError, InvalidTensor
 from tensorwire.security import Security, TlsFiles
 from tensorwire.server import ServerThread, metrics

@@ -158,7 +158,7 @@ def test_a_world_of_one_without_torch_distributed(
         gen = sharded.put_state_dict(client, "solo", state)
         assert set(gen.names) == {"solo/_layout", "solo/w/o0_0", "solo/b/o0", "solo/n/o"}
         into = {k: torch.zeros_like(v) for k, v in state.items()}
-        assert sharded.get_state_dict(client, "solo", into, at=gen.number) == gen
+        assert sharded.load_state_dict(client, "solo", into, at=gen.number) == gen
     assert all(torch.equal(into[k], state[k]) for k in state)
     assert sharded.layout_of(state)["w"].describe() == "bfloat16 [7, 5] (plain)"
 
@@ -169,15 +169,15 @@ def test_a_read_whose_dtype_or_shape_differs_is_refused_before_any_byte_moves(tc
         sharded.put_state_dict(client, "mismatch", state)
         wrong_dtype = {"a": torch.zeros(3, 4), "z": torch.zeros(6)}
         with pytest.raises(LayoutMismatch, match=r"'z' is stored as float16 \[6\].*read into float32 \[6\]"):
-            sharded.get_state_dict(client, "mismatch", wrong_dtype)
+            sharded.load_state_dict(client, "mismatch", wrong_dtype)
         assert not wrong_dtype["a"].any()  # 'a' would have read fine: nothing was read
         wrong_shape = {"a": torch.zeros(4, 3)}
         with pytest.raises(
             LayoutMismatch, match=r"'a' is stored as float32 \[3, 4\].*read into float32 \[4, 3\]"
         ):
-            sharded.get_state_dict(client, "mismatch", wrong_shape)
+            sharded.load_state_dict(client, "mismatch", wrong_shape)
         with pytest.raises(LayoutMismatch, match="'missing' is not in generation"):
-            sharded.get_state_dict(client, "mismatch", {"missing": torch.zeros(1)})
+            sharded.load_state_dict(client, "mismatch", {"missing": torch.zeros(1)})
 
 
 def test_a_transport_without_the_capabilities_is_refused_naming_what_it_lacks() -> None:

@@ -105,7 +105,7 @@ def resume(me: Rank, number: int, start: int, steps: int) -> list[float]:
     state = training_state(model, optimizer)
     with tensorwire.connect(me.url, timeout=TIMEOUT) as client:
         client.wait(PREFIX, after=number - 1, timeout=TIMEOUT)  # the server answers once it exists
-        sharded.get_state_dict(client, PREFIX, state, at=number)
+        sharded.load_state_dict(client, PREFIX, state, at=number)
     load_training_state(model, optimizer, state)
     losses = [_step(model, optimizer, step, me) for step in range(start, start + steps)]
     dist.destroy_process_group()

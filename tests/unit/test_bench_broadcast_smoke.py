@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tensorwire.bench import broadcast, broadcast_readers
+from tensorwire.bench import broadcast, broadcast_harness, broadcast_readers
 
 TINY = ["--readers", "2", "--size", "1MiB", "--tensors", "12", "--timeout", "60", "--mixed-seconds", "0.5"]
 
@@ -66,6 +66,8 @@ def test_a_mixed_read_is_counted() -> None:
 
 
 def test_a_reader_with_wrong_bytes_fails_the_bench(tmp_path: Path) -> None:
-    harness = broadcast.Harness(broadcast.Setup(), "tcp://unused", tmp_path, [], {"a": "00", "b": "11"}, 8)
-    with pytest.raises(broadcast.WrongBytes, match=r"star reader 1 .* 1 tensors: b"):
+    harness = broadcast_harness.Harness(
+        broadcast_harness.Setup(), "tcp://unused", tmp_path, [], {"a": "00", "b": "11"}, 8
+    )
+    with pytest.raises(broadcast_harness.WrongBytes, match=r"star reader 1 .* 1 tensors: b"):
         harness._check("star", [{"digests": {"a": "00", "b": "11"}}, {"digests": {"a": "00", "b": "12"}}])

@@ -8,16 +8,8 @@ import math
 import pytest
 import torch
 
-from tensorwire.compression import (
-    Codec,
-    ErrorFeedback,
-    Int8,
-    TopK,
-    codec_for,
-    from_wire,
-    resolve,
-    top_indices,
-)
+from tensorwire.compression import Codec, ErrorFeedback, Int8, TopK, codec_for
+from tensorwire.compression.codecs import from_wire, resolve, top_indices
 from tensorwire.errors import InvalidTensor, ProtocolError
 
 NAMES = ["fp32", "fp16", "bf16", "int8", "int8:stochastic", "int8:stochastic:100", "topk:0.01",

@@ -14,8 +14,9 @@ import safetensors.torch
 import torch
 
 from tensorwire.errors import InvalidTensor, PersistenceError
-from tensorwire.store import persist
-from tensorwire.store.persist import SLOTS_FILE, DataDir, file_name
+from tensorwire.store.persist import DataDir
+from tensorwire.store.revision import SLOTS_FILE
+from tensorwire.store.tensor_file import encode_header, file_name
 from tensorwire.types import TensorMeta
 from tensorwire.wire.dtypes import SUPPORTED_DTYPES
 
@@ -279,7 +280,7 @@ def test_crash_with_hand_made_temps_keeps_old_values(tmp_path: pathlib.Path) -> 
     before = loaded(DataDir(tmp_path))
     for n in names:  # complete new files, but under temp names and with no journal: never committed
         meta, data = item(n, new[n], 2)
-        (tmp_path / f".tmp-{n.encode().hex()}").write_bytes(persist.encode_header(meta) + bytes(data))
+        (tmp_path / f".tmp-{n.encode().hex()}").write_bytes(encode_header(meta) + bytes(data))
     (tmp_path / ".tmp-torn").write_bytes(b"\x10\x00")
     assert loaded(DataDir(tmp_path)) == before
     assert leftovers(tmp_path) == []

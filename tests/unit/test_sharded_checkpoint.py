@@ -18,8 +18,8 @@ from tensorwire.sharded import state as sharded_state
 from tensorwire.sharded.checkpoint import (
     AsyncSaver,
     Snapshot,
+    async_save,
     load_training_state,
-    save_async,
     training_state,
 )
 from tensorwire.types import Generation
@@ -108,14 +108,14 @@ def test_an_upload_error_surfaces_through_the_future_and_the_next_save_goes_on(f
         saver.save(client, "ckpt", {"w": torch.ones(2)})
 
 
-def test_save_async_through_a_url_round_trips_in_a_world_of_one() -> None:
+def test_async_save_through_a_url_round_trips_in_a_world_of_one() -> None:
     state = {"layer/weight": torch.randn(4, 6), "step": torch.tensor(7.0)}
     with ServerThread(["tcp://127.0.0.1:0"]) as server, AsyncSaver() as saver:
-        future = save_async(server.url, "ckpt", state, saver=saver)  # the saver opens its own client
+        future = async_save(server.url, "ckpt", state, saver=saver)  # the saver opens its own client
         generation = future.result(WAIT)
         into = {name: torch.zeros_like(t) for name, t in state.items()}
         with tensorwire.connect(server.url) as client:
-            read = sharded.get_state_dict(client, "ckpt", into)
+            read = sharded.load_state_dict(client, "ckpt", into)
     assert read.number == generation.number
     assert all(torch.equal(into[name], state[name]) for name in state)
 
@@ -155,3 +155,22 @@ def test_a_cuda_shard_is_copied_into_a_pinned_buffer_on_the_current_stream() -> 
     snapshot.wait_copied()
     assert copies["w"].is_pinned() and copies["w"].device.type == "cpu"
     assert torch.equal(copies["w"], expected)
+
+
+def test_the_names_before_issue_33_still_work_and_warn() -> None:
+    state = {"layer/weight": torch.randn(4, 6)}
+    into = {name: torch.zeros_like(t) for name, t in state.items()}
+    with ServerThread(["tcp://127.0.0.1:0"]) as server, AsyncSaver() as saver:
+        with pytest.warns(
+            DeprecationWarning, match=r"save_async is deprecated; use tensorwire\.sharded\.async_save"
+        ):
+            generation = sharded.save_async(server.url, "old", state, saver=saver).result(WAIT)
+        with (
+            tensorwire.connect(server.url) as client,
+            pytest.warns(
+                DeprecationWarning,
+                match=r"get_state_dict is deprecated; use tensorwire\.sharded\.load_state_dict",
+            ),
+        ):
+            assert sharded.get_state_dict(client, "old", into) == generation
+    assert torch.equal(into["layer/weight"], state["layer/weight"])

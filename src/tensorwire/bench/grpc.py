@@ -48,7 +48,6 @@ from tensorwire.bench.children import (
 )
 from tensorwire.bench.report import show, table, throughput_head
 from tensorwire.bench.transfer import (
-    Result,
     _bulk,
     _gbps,
     _median_seconds,
@@ -57,6 +56,7 @@ from tensorwire.bench.transfer import (
     _serve_tensorwire,
     parse_size,
 )
+from tensorwire.bench.transfer_table import Result
 from tensorwire.types import MiB
 from tensorwire.v1 import tensor_service_pb2 as pb
 from tensorwire.wire.tensors import byte_view

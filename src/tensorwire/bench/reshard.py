@@ -5,7 +5,7 @@ gloo worlds of spawned processes at once: 4 ranks sharding every tensor by rows 
 and 2 ranks sharding it by columns (``Shard(1)``). Each way goes 4 -> 2 -> 4:
 
 * tensorwire (``tw_s``): the 4 ranks ``put_state_dict`` into one tensorwire server (a thread of
-  this process), the 2 ranks ``get_state_dict`` it (each reads only the byte ranges of the saved
+  this process), the 2 ranks ``load_state_dict`` it (each reads only the byte ranges of the saved
   parts that overlap its columns: one per row of each part), then the 2 put and the 4 get.
 * torch.distributed.checkpoint (``dcp_s``): ``dcp.save`` from the 4 into a fresh directory under
   /dev/shm (tmpfs: memory, no disk), ``dcp.load`` into the 2, then the 2 save and the 4 load.

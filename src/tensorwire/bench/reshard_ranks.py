@@ -143,8 +143,8 @@ class Rank:
     def tw_get(self, prefix: str) -> dict[str, Any]:
         self._clear()
         before = self.client.segment_bytes
-        seconds = self._timed(lambda: sharded.get_state_dict(self.client, prefix, self.state))
-        self._verify(f"get_state_dict of {prefix}")
+        seconds = self._timed(lambda: sharded.load_state_dict(self.client, prefix, self.state))
+        self._verify(f"load_state_dict of {prefix}")
         return {"s": seconds, "copied": self.client.segment_bytes - before}
 
     def dcp_save(self, directory: str) -> dict[str, Any]:

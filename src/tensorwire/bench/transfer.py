@@ -47,7 +47,7 @@ import time
 from collections.abc import Callable, Coroutine, Sequence
 from multiprocessing.connection import Connection
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 import torch
 
@@ -65,7 +65,8 @@ from tensorwire.bench.children import (
     starting,
     until_stopped,
 )
-from tensorwire.bench.report import show, table, throughput_head
+from tensorwire.bench.report import show
+from tensorwire.bench.transfer_table import Result, format_table
 from tensorwire.client import ClientOptions
 from tensorwire.security import Security, TlsFiles, write_dev_certs
 from tensorwire.server.core import Server
@@ -75,7 +76,6 @@ from tensorwire.types import KiB, MiB
 from tensorwire.wire.tensors import byte_view
 
 T = TypeVar("T")
-Result = dict[str, float | int | str | None]
 
 SMALL_BYTES = KiB  # the "small" tensor and the echo message
 MANY_REPEATS = 3
@@ -314,62 +314,91 @@ def _ratio(value: float, baseline: float) -> float | None:
 
 
 # -- the run ---------------------------------------------------------------------------------------
+class _Servers(NamedTuple):
+    """Where the children listen: tensorwire over tcp:// and tls://, the plain socket's sink, the
+    echo server, tensorwire over shm:// and, where the engine runs, over rdma:// with the bare
+    engine's peer (``rdma_missing`` says why not)."""
+
+    url: str
+    tls_url: str
+    sink_port: int
+    echo_port: int
+    shm_url: str
+    rdma: tuple[str, tuple[Any, ...]] | None
+    rdma_missing: str | None
+
+
+def _start_servers(
+    children: list[Child], size: int, *, many: int, ping_put_size: int, certs: dict[str, Path], cpus: Any
+) -> _Servers:
+    """Every server child started, on ``cpus``, before waiting for any (each spends over a second
+    importing torch); each is appended to ``children`` as it starts (``spawned()``: it ends them,
+    also the ones started before an error)."""
+    # Room for the stored tensor, the one being put over it and the store's reuse pool (a quarter
+    # of capacity must hold one bulk buffer, or every timed put would fault in fresh pages).
+    capacity = 6 * size + 4 * many * SMALL_BYTES + 64 * MiB  # tcp and tls runs each keep a copy
+    capacity += 2 * ping_put_size  # the ping run's put and the one that replaces it
+    capacity += 6 * min(size, fastpaths.COMPRESSIBLE_MAX)  # the fast paths' sparse and noise tensors
+    urls = ["tcp://127.0.0.1:0", "tls://127.0.0.1:0"]
+    children.append(Child(_serve_tensorwire, capacity, urls, certs, cpus=cpus))
+    children.append(Child(socket_sink, size, cpus=cpus))
+    children.append(Child(_echo_server, cpus=cpus))
+    shm_capacity = 4 * size + 64 * MiB  # a server of its own: its tensors live in /dev/shm
+    children.append(Child(_serve_tensorwire, shm_capacity, ["shm://127.0.0.1:0"], cpus=cpus))
+    rdma_missing = rdma_engine.unavailable()
+    if rdma_missing is None:  # rdma://, and the bare engine it is judged against
+        children.append(Child(_serve_tensorwire, 4 * size + 64 * MiB, ["rdma://127.0.0.1:0"], cpus=cpus))
+        children.append(Child(rdma_bench.engine_peer, size, cpus=cpus))
+    ready = [child.ready() for child in children]
+    bound, sink_port, echo_port, shm_bound = ready[:4]
+    assert isinstance(bound, list) and isinstance(sink_port, int) and isinstance(echo_port, int)
+    assert isinstance(shm_bound, list)
+    rdma = None
+    if rdma_missing is None:
+        rdma_bound, peer = ready[4:6]
+        assert isinstance(rdma_bound, list) and isinstance(peer, tuple)
+        rdma = (rdma_bound[0], peer)
+    return _Servers(bound[0], bound[1], sink_port, echo_port, shm_bound[0], rdma, rdma_missing)
+
+
 def run(
     size: int, iters: int, small_iters: int, many: int, pin: bool = True, *, ping_put_size: int = 1 << 30
 ) -> Result:
     """Measure everything; every child process is gone when this returns or raises."""
     client_cpus, server_cpus = placement(pin)
     data = torch.rand(size // 4)
-    # Room for the stored tensor, the one being put over it and the store's reuse pool (a quarter
-    # of capacity must hold one bulk buffer, or every timed put would fault in fresh pages).
-    capacity = 6 * size + 4 * many * SMALL_BYTES + 64 * MiB  # tcp and tls runs each keep a copy
-    capacity += 2 * ping_put_size  # the ping run's put and the one that replaces it
-    capacity += 6 * min(size, fastpaths.COMPRESSIBLE_MAX)  # the fast paths' sparse and noise tensors
     with contextlib.ExitStack() as stack:
         certs = write_dev_certs(Path(stack.enter_context(tempfile.TemporaryDirectory())))
         children = stack.enter_context(spawned())  # first: also ends the ones started before an error
-        # Start all children before waiting for any: each spends over a second importing torch.
-        urls = ["tcp://127.0.0.1:0", "tls://127.0.0.1:0"]
-        children.append(Child(_serve_tensorwire, capacity, urls, certs, cpus=server_cpus))
-        children.append(Child(socket_sink, size, cpus=server_cpus))
-        children.append(Child(_echo_server, cpus=server_cpus))
-        shm_capacity = 4 * size + 64 * MiB  # a server of its own: its tensors live in /dev/shm
-        children.append(Child(_serve_tensorwire, shm_capacity, ["shm://127.0.0.1:0"], cpus=server_cpus))
-        rdma_missing = rdma_engine.unavailable()
-        if rdma_missing is None:  # rdma://, and the bare engine it is judged against
-            children.append(
-                Child(_serve_tensorwire, 4 * size + 64 * MiB, ["rdma://127.0.0.1:0"], cpus=server_cpus)
-            )
-            children.append(Child(rdma_bench.engine_peer, size, cpus=server_cpus))
-        ready = [child.ready() for child in children]
-        bound, sink_port, echo_port, shm_bound = ready[:4]
-        assert isinstance(bound, list) and isinstance(sink_port, int) and isinstance(echo_port, int)
-        assert isinstance(shm_bound, list)
-        url, tls_url = bound
+        servers = _start_servers(
+            children, size, many=many, ping_put_size=ping_put_size, certs=certs, cpus=server_cpus
+        )
         stack.enter_context(pinned(client_cpus))
+        measured = _measure(servers, data, iters=iters, small_iters=small_iters, many=many,
+                            ca=str(certs["ca"]), ping_put_size=ping_put_size)  # fmt: skip
+    settings = {"size_bytes": size, "iters": iters, "small_iters": small_iters, "many": many}
+    return {**measured, **settings, "loop": _loop_name(), "pinned": client_cpus is not None}
 
-        socket_gbps = socket_baseline(sink_port, data, iters)
-        with tensorwire.connect(url) as client:
-            put_gbps, get_gbps = _bulk(client, data, iters)
-            client.put("bench/small", torch.rand(SMALL_BYTES // 4))
-            sync_small_us = _sync_small_us(client, small_iters)
-            many_put, many_get = _many(client, many)
-        with tensorwire.connect(tls_url, tls_ca=str(certs["ca"])) as client:
-            tls_put_gbps, tls_get_gbps = _bulk(client, data, iters, name="bench/tls")
-        with tensorwire.connect(shm_bound[0]) as client:
-            shm = shm_bench.measure(client, data, iters)
-        rdma = rdma_bench.skipped(rdma_missing or "")
-        if rdma_missing is None:
-            rdma_bound, peer = ready[4:6]
-            assert isinstance(rdma_bound, list) and isinstance(peer, tuple)
-            with tensorwire.connect(rdma_bound[0]) as client:
-                rdma = rdma_bench.measure(client, data, iters, rdma_bench.EnginePeer(*peer))
-        small_us, echo_us = _on_loop(_small_and_echo_us(url, echo_port, small_iters))
-        # What the client's spin (busy_wait) buys: the same without it, against its own echoes.
-        unspun_us, unspun_echo_us = _on_loop(_small_and_echo_us(url, echo_port, small_iters, 0.0))
-        fast = fastpaths.measure(url, data, iters, small_iters)  # striping, compression, cache
-        fast.update(fastpaths.iperf(put_gbps, get_gbps))  # the ceiling of one TCP stream
-        pings = pinglag.measure(url, ping_put_size)  # how long a big put makes another client wait
+
+def _measure(
+    s: _Servers, data: torch.Tensor, *, iters: int, small_iters: int, many: int, ca: str, ping_put_size: int
+) -> Result:
+    """Every figure, each next to its baseline, in this order (the machine is the same for all)."""
+    socket_gbps = socket_baseline(s.sink_port, data, iters)
+    with tensorwire.connect(s.url) as client:
+        put_gbps, get_gbps = _bulk(client, data, iters)
+        client.put("bench/small", torch.rand(SMALL_BYTES // 4))
+        sync_small_us = _sync_small_us(client, small_iters)
+        many_put, many_get = _many(client, many)
+    with tensorwire.connect(s.tls_url, tls_ca=ca) as client:
+        tls_put_gbps, tls_get_gbps = _bulk(client, data, iters, name="bench/tls")
+    segments = _segment_transports(s, data, iters)
+    small_us, echo_us = _on_loop(_small_and_echo_us(s.url, s.echo_port, small_iters))
+    # What the client's spin (busy_wait) buys: the same without it, against its own echoes.
+    unspun_us, unspun_echo_us = _on_loop(_small_and_echo_us(s.url, s.echo_port, small_iters, 0.0))
+    fast = fastpaths.measure(s.url, data, iters, small_iters)  # striping, compression, cache
+    fast.update(fastpaths.iperf(put_gbps, get_gbps))  # the ceiling of one TCP stream
+    pings = pinglag.measure(s.url, ping_put_size)  # how long a big put makes another client wait
     return {
         **fast,
         **pings,
@@ -391,84 +420,20 @@ def run(
         "tls_get_gbps": tls_get_gbps,
         "tls_put_ratio": _ratio(tls_put_gbps, put_gbps),  # what TLS costs: tls:// over tcp://
         "tls_get_ratio": _ratio(tls_get_gbps, get_gbps),
-        **shm,
-        **rdma,
-        "size_bytes": size,
-        "iters": iters,
-        "small_iters": small_iters,
-        "many": many,
-        "loop": _loop_name(),
-        "pinned": client_cpus is not None,
+        **segments,
     }
 
 
-def _fmt(value: float | int | str | None, spec: str) -> str:
-    return "n/a" if not isinstance(value, float | int) else format(value, spec)
-
-
-def format_table(r: Result) -> str:
-    """The results as a readable table (GB/s are 1e9 bytes per second)."""
-    rows = [
-        ("put", f"{_fmt(r['put_gbps'], '.3f')} GB/s", f"{_fmt(r['put_ratio'], '.2f')} x socket"),
-        ("get(out=)", f"{_fmt(r['get_gbps'], '.3f')} GB/s", f"{_fmt(r['get_ratio'], '.2f')} x socket"),
-        ("plain socket", f"{_fmt(r['socket_gbps'], '.3f')} GB/s", "baseline"),
-        (
-            "1 KiB get p50 (async)",
-            f"{_fmt(r['small_get_us'], '.1f')} us",
-            f"{_fmt(r['small_ratio'], '.2f')} x echo",
-        ),
-        (
-            "1 KiB get p50 (async, busy_wait=0)",
-            f"{_fmt(r['small_unspun_get_us'], '.1f')} us",
-            f"{_fmt(r['small_unspun_ratio'], '.2f')} x echo",
-        ),
-        ("1 KiB get p50 (sync)", f"{_fmt(r['sync_small_get_us'], '.1f')} us", ""),
-        ("1 KiB asyncio echo p50", f"{_fmt(r['echo_us'], '.1f')} us", "baseline"),
-        (f"put_many {r['many']} x 1 KiB", f"{_fmt(r['many_small_per_s'], ',.0f')} tensors/s", ""),
-        (f"get_many {r['many']} x 1 KiB", f"{_fmt(r['many_get_per_s'], ',.0f')} tensors/s", ""),
-        (
-            "put over tls://",
-            f"{_fmt(r['tls_put_gbps'], '.3f')} GB/s",
-            f"{_fmt(r['tls_put_ratio'], '.2f')} x tcp://",
-        ),
-        (
-            "get over tls://",
-            f"{_fmt(r['tls_get_gbps'], '.3f')} GB/s",
-            f"{_fmt(r['tls_get_ratio'], '.2f')} x tcp://",
-        ),
-        (
-            f"striped put+get ({r['stripes']} conns)",
-            f"{_fmt(r['striped_gbps'], '.3f')} GB/s",
-            f"{_fmt(r['striped_ratio'], '.2f')} x one stream ({_fmt(r['one_stream_gbps'], '.3f')})",
-        ),
-        ("iperf3 one stream", f"{_fmt(r['iperf_gbps'], '.3f')} GB/s", f"ceiling: {r['iperf_note']}"),
-        (
-            "put, get vs iperf3",
-            f"{_fmt(r['put_vs_iperf'], '.2f')}, {_fmt(r['get_vs_iperf'], '.2f')} x",
-            "the stable baseline (the plain socket swings 2x between runs)",
-        ),
-        (
-            "lz4 put+get, sparse",
-            f"{_fmt(r['lz4_gbps'], '.3f')} GB/s",
-            f"{_fmt(r['lz4_ratio'], '.2f')} x raw ({_fmt(r['raw_compressible_gbps'], '.3f')})",
-        ),
-        (
-            "zstd put+get, sparse",
-            f"{_fmt(r['zstd_gbps'], '.3f')} GB/s",
-            f"{_fmt(r['zstd_ratio'], '.2f')} x raw",
-        ),
-        (
-            "auto put+get, random",
-            f"{_fmt(r['auto_incompressible_gbps'], '.3f')} GB/s",
-            f"{_fmt(r['auto_incompressible_ratio'], '.2f')} x raw (target >= 0.95)",
-        ),
-        ("cached 1 KiB get p50", f"{_fmt(r['cache_hit_get_us'], '.1f')} us", "one STAT"),
-        ("leased 1 KiB get p50", f"{_fmt(r['cache_leased_get_us'], '.1f')} us", "no request"),
-    ]
-    rows += shm_bench.rows(r, _fmt)
-    rows += rdma_bench.rows(r, _fmt)
-    rows += pinglag.rows(r, _fmt)
-    return table(throughput_head("transfer", r, f"loop {r['loop']}"), rows, value_width=22)
+def _segment_transports(s: _Servers, data: torch.Tensor, iters: int) -> Result:
+    """shm:// against a memcpy and rdma:// against the bare engine (skipped, saying why, where the
+    engine cannot run)."""
+    with tensorwire.connect(s.shm_url) as client:
+        shm = shm_bench.measure(client, data, iters)
+    rdma = rdma_bench.skipped(s.rdma_missing or "")
+    if s.rdma is not None:
+        with tensorwire.connect(s.rdma[0]) as client:
+            rdma = rdma_bench.measure(client, data, iters, rdma_bench.EnginePeer(*s.rdma[1]))
+    return {**shm, **rdma}
 
 
 def main(argv: list[str] | None = None) -> Result:

@@ -6,12 +6,28 @@ generation into pipelined chains (chains.py) so the origin sends the model's byt
 each reader's ``RelayPeer`` (peer.py) forwards the chunks it has verified. source.py is the one
 place that knows how the origin keeps generations. host.py: per host, one ``Subscriber`` (with
 ``share=``) reads from the network and ``HostReader``s on that host read its shared memory.
+
+The package's surface is what a reader uses; the origin's and the chains' parts are imported from
+their modules (``broadcast.coordinator.RelayCoordinator``, ``broadcast.peer.RelayPeer``,
+``broadcast.chains.Chains``). Imported from here they still work for one release and warn.
 """
 
-from tensorwire.broadcast.chains import Chains
-from tensorwire.broadcast.coordinator import RelayCoordinator
+from typing import TYPE_CHECKING
+
+from tensorwire._deprecated import moved
 from tensorwire.broadcast.host import HostReader, HostShare
-from tensorwire.broadcast.peer import RelayPeer
 from tensorwire.broadcast.subscriber import Subscriber
 
-__all__ = ["Chains", "HostReader", "HostShare", "RelayCoordinator", "RelayPeer", "Subscriber"]
+# Hidden from type checkers: to them a module __getattr__ would make every name of the package
+# exist, a typo included; the deprecated names are for old code at run time only.
+if not TYPE_CHECKING:
+    __getattr__ = moved(
+        "tensorwire.broadcast",
+        {
+            "Chains": "tensorwire.broadcast.chains",
+            "RelayCoordinator": "tensorwire.broadcast.coordinator",
+            "RelayPeer": "tensorwire.broadcast.peer",
+        },
+    )
+
+__all__ = ["HostReader", "HostShare", "Subscriber"]

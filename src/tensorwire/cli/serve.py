@@ -371,7 +371,7 @@ def serve(
     log_level: str | None,
 ) -> None:
     """Serve a tensor store, which is also a parameter server, until SIGINT or SIGTERM."""
-    from tensorwire.broadcast import RelayCoordinator
+    from tensorwire.broadcast.coordinator import RelayCoordinator
     from tensorwire.dataset.digest import DigestService
     from tensorwire.ps import CheckpointPolicy, ParamServer
 

@@ -22,7 +22,7 @@ import torch
 from tensorwire.client.core import Client, ClientOptions
 from tensorwire.dataset.plan import MAX_MANIFEST_BYTES, parse_manifest
 from tensorwire.errors import DatasetConflict, InvalidTensor, KeyNotFound, LimitExceeded, VerificationFailed
-from tensorwire.store.persist import SUFFIX, file_name, read_file
+from tensorwire.store.tensor_file import SUFFIX, file_name, read_file
 from tensorwire.wire.checksum import ChecksumKind, checksum
 from tensorwire.wire.dtypes import dtype_name
 from tensorwire.wire.tensors import byte_view

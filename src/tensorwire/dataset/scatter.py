@@ -141,12 +141,7 @@ def scatter(
     for url in urls:
         check_node(url)
     plan = make_plan(src, shards or len(urls), by, dataset, block_bytes)
-    report = ScatterReport(plan.dataset, plan.by, len(plan.shards), identity=plan_identity(plan))
-    for i, url in enumerate(urls):
-        owned = [s for s in plan.shards if s.index % len(urls) == i]
-        node = NodeReport(url, [s.index for s in owned], sum(len(s.items) for s in owned))
-        node.bytes = sum(s.nbytes for s in owned)
-        report.nodes.append(node)
+    report = _report_for(plan, urls)
     opts = options or ClientOptions()
     source = ids.source_of(src)
     surveyed = _survey(plan, report, opts, deadline)
@@ -155,22 +150,51 @@ def scatter(
         on_plan(plan, report.nodes)
     claim = ids.record(plan, report.identity, src)
 
+    def sender(i: int) -> _NodeSender:
+        """Node ``i``'s sender: it records the data set's name there unless the node holds it already."""
+        progress = (lambda n: advance(i, n)) if advance else None
+        seen = surveyed[i]
+        mine = seen is not None and seen.held.ours(report.identity, source)
+        return _NodeSender(plan, report.identity, report.nodes[i], opts, max_rate=max_rate, advance=progress,
+                           claim=None if mine else claim)  # fmt: skip
+
+    _send_all(plan, report, [i for i in range(len(urls)) if surveyed[i] is not None], sender, deadline)
+    _tidy(plan, report, surveyed, opts, deadline)
+    return report
+
+
+def _report_for(plan: Plan, urls: Sequence[str]) -> ScatterReport:
+    """The report to fill: each node's shards (shard k goes to node k mod N), items and bytes."""
+    report = ScatterReport(plan.dataset, plan.by, len(plan.shards), identity=plan_identity(plan))
+    for i, url in enumerate(urls):
+        owned = [s for s in plan.shards if s.index % len(urls) == i]
+        node = NodeReport(url, [s.index for s in owned], sum(len(s.items) for s in owned))
+        node.bytes = sum(s.nbytes for s in owned)
+        report.nodes.append(node)
+    return report
+
+
+def _send_all(
+    plan: Plan,
+    report: ScatterReport,
+    reached: list[int],
+    sender: Callable[[int], _NodeSender],
+    deadline: Deadline | None,
+) -> None:
+    """Every node of ``reached`` sent its shards, each on a thread of its own, at once; a node's
+    failure (or a thread still stuck past the deadline) is that node's ``error``."""
+
     def serve_node(i: int) -> None:
         node = report.nodes[i]
         start = time.monotonic()
         owned = [plan.shards[k] for k in node.shards]
-        progress = (lambda n: advance(i, n)) if advance else None
-        seen = surveyed[i]
-        mine = seen is not None and seen.held.ours(report.identity, source)
-        sender = _NodeSender(plan, report.identity, node, opts, max_rate=max_rate, advance=progress,
-                             claim=None if mine else claim)  # fmt: skip
+        send = sender(i)
         try:
-            run(_bounded(sender.send(owned), deadline))
+            run(_bounded(send.send(owned), deadline))
         except Exception as exc:  # the thread's boundary: one node's failure is that node's report
             node.error = f"{type(exc).__name__}: {exc}"
         node.seconds = time.monotonic() - start
 
-    reached = [i for i in range(len(urls)) if surveyed[i] is not None]
     threads = {
         i: threading.Thread(target=serve_node, args=(i,), name=f"scatter-{i}", daemon=True) for i in reached
     }
@@ -184,8 +208,6 @@ def scatter(
             report.nodes[
                 i
             ].error = f"TransferTimeout: {deadline.what if deadline else 'scatter'} ran out of time"
-    _tidy(plan, report, surveyed, opts, deadline)
-    return report
 
 
 JOIN_GRACE = 10.0  # seconds past the deadline a node's thread has to close its connections

@@ -1,4 +1,4 @@
-"""Asynchronous checkpoints of sharded state: ``save_async`` and the ``AsyncSaver`` behind it.
+"""Asynchronous checkpoints of sharded state: ``async_save`` and the ``AsyncSaver`` behind it.
 
 A save copies every local shard of a state dict into host buffers (``Snapshot``) and returns;
 the upload (``put_state_dict``, a collective) runs on the saver's own thread while training goes
@@ -30,13 +30,13 @@ Lifecycle of an ``AsyncSaver`` (one per training process, made and used alike on
 called from any thread: each call runs on the client's own event loop); for a URL the saver
 opens a client of its own, on first use, and keeps it until ``close``.
 
-``save_async(client_or_url, prefix, state_dict, group=None)`` is the one-call entry point: it saves
+``async_save(client_or_url, prefix, state_dict, group=None)`` is the one-call entry point: it saves
 through the process's default saver of ``group`` (made on the first call, so that first call is
 the collective of step 1 on every process of the default group), or through ``saver=``.
 
 FSDP: ``training_state(model, optimizer)`` gives the flat name -> tensor dict of a model's and an
 optimizer's state (``torch.distributed.checkpoint.state_dict.get_state_dict``: DTensors under
-``fully_shard``) to save, and to load into on resume (``get_state_dict`` fills it in place), and
+``fully_shard``) to save, and to load into on resume (``load_state_dict`` fills it in place), and
 ``load_training_state`` hands it back to them (``set_state_dict``).
 """
 
@@ -56,6 +56,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint import state_dict as torch_state
 from torch.distributed.tensor import DTensor
 
+from tensorwire._deprecated import renamed
 from tensorwire.client import Client, connect
 from tensorwire.errors import TransferTimeout
 from tensorwire.sharded import state
@@ -242,7 +243,7 @@ def default_saver(group: ProcessGroup | None = None) -> AsyncSaver:
         return saver
 
 
-def save_async(
+def async_save(
     client_or_url: ClientOrUrl,
     prefix: str,
     state_dict: Mapping[str, torch.Tensor],
@@ -253,8 +254,13 @@ def save_async(
     """Snapshot ``state_dict``'s local shards and return; upload them in the background as a
     generation of ``prefix``, committed on the server once every rank's part is in (the future's
     result, on every rank). A collective over ``group``: every rank calls it, in the same order.
-    A save waits for the previous one of the same saver to finish before it snapshots."""
+    A save waits for the previous one of the same saver to finish before it snapshots. Named in
+    ``torch.distributed.checkpoint.async_save``'s word order."""
     return (saver or default_saver(group)).save(client_or_url, prefix, state_dict)
+
+
+# The name before issue 33, kept for one release (it warns).
+save_async = renamed("tensorwire.sharded.save_async", async_save)
 
 
 @atexit.register
@@ -307,6 +313,7 @@ __all__ = [
     "DEFAULT_TIMEOUT",
     "AsyncSaver",
     "Snapshot",
+    "async_save",
     "default_saver",
     "load_training_state",
     "save_async",

@@ -10,7 +10,7 @@ several ranks, Replicate, by the lowest of them only) as one part of a multi-par
 rank's part is in, or nothing of it (a rank that dies midway aborts it: the previous generation
 stays readable), and every rank gets the same answer.
 
-``get_state_dict(client, prefix, into=state_dict)`` reads on any world size and placements: it
+``load_state_dict(client, prefix, into=state_dict)`` reads on any world size and placements: it
 holds one generation (``Client.read_generation``), checks its layout document like any peer input
 and every tensor of ``into`` against it (dtype, global shape; the readers' boxes must tile it too),
 raising ``LayoutMismatch`` naming the parameter and both layouts before any byte moves, then reads
@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
+from tensorwire._deprecated import renamed
 from tensorwire.client.blocking import Client
 from tensorwire.client.ranges import GenerationRead, RangeRead
 from tensorwire.errors import KeyNotFound, LayoutMismatch, TensorwireError
@@ -57,7 +58,7 @@ from tensorwire.wire.tensors import byte_view
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
 
-__all__ = ["get_state_dict", "layout_of", "put_state_dict"]
+__all__ = ["get_state_dict", "layout_of", "load_state_dict", "put_state_dict"]
 
 _RESERVED = (LAYOUT_KEY, "_rank")  # keys under the prefix that are not parameters
 
@@ -97,7 +98,7 @@ def put_state_dict(
     return client.publish_part(prefix, part, txn=txn, index=rank, count=world, timeout=timeout)
 
 
-def get_state_dict(
+def load_state_dict(
     client: Client,
     prefix: str,
     into: Mapping[str, torch.Tensor],
@@ -106,7 +107,9 @@ def get_state_dict(
     group: ProcessGroup | None = None,
 ) -> Generation:
     """Fill every tensor of ``into`` (plain tensors, or DTensors: their local shard) in place from
-    generation ``at`` of ``prefix``; returns the generation read (module docstring)."""
+    generation ``at`` of ``prefix``; returns the generation read (module docstring). Named for
+    what it does, as torch's ``Module.load_state_dict`` and DCP's ``load`` fill what they are given
+    in place (torch's ``get_state_dict`` returns state dicts instead)."""
     rank, world = _rank_world(group)
     _agreed(into, group, rank, world, with_txn=False)  # the readers' boxes tile every parameter
     wanted = layout_of(into, group=group)
@@ -117,6 +120,10 @@ def get_state_dict(
         for plan in plans:
             plan.land()
         return read.generation
+
+
+# The name before issue 33, kept for one release (it warns): torch's get_state_dict returns dicts.
+get_state_dict = renamed("tensorwire.sharded.get_state_dict", load_state_dict)
 
 
 # -- layouts ------------------------------------------------------------------------------------

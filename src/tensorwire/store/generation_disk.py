@@ -6,7 +6,7 @@ Layout, under ``<data dir>/generations/``::
     <sha256(prefix) hex>/             one directory per prefix (a prefix is never used as a path)
         <number, 20 digits>/          one directory per generation kept
             generation.json           {"format", "prefix", "number", "digest" (hex), "names"}
-            <sha256(name)>.safetensors   one file per tensor, as store/persist.py writes them
+            <sha256(name)>.safetensors   one file per tensor, as store/tensor_file.py has them
         .tmp-<uuid>/                  a generation being written, or one being removed
 
 Crash safety: a generation is written into a ``.tmp-`` directory of its prefix (every file
@@ -48,16 +48,8 @@ from dataclasses import dataclass
 import torch
 
 from tensorwire.errors import InvalidTensor, PersistenceError
-from tensorwire.store.persist import (
-    TEMP_PREFIX,
-    check_item,
-    encode_header,
-    file_name,
-    read_file,
-    refuse_link,
-    sync_dir,
-    write_durably,
-)
+from tensorwire.store.files import TEMP_PREFIX, refuse_link, sync_dir, write_durably
+from tensorwire.store.tensor_file import check_item, encode_header, file_name, read_file
 from tensorwire.types import Generation, TensorMeta
 
 ROOT = "generations"

@@ -13,16 +13,12 @@ Lifecycle of a put (what the server does, in order):
 Reads pin what they send: ``acquire(names)`` / ``release(entries)``. A buffer replaced or deleted
 while pinned goes back to the pool only when its last reader releases it.
 
-What counts against the capacity (``used``): the bytes of stored tensors; a fixed cost per stored
-name plus the name's bytes (``entry_cost``: a store of empty tensors is not free, it is Python
-objects); reservations of puts in flight; old versions that readers still pin after a delete or
-an overwrite (a reply nobody reads must not keep gigabytes alive outside the capacity); and the
-scratch a request decodes into (``scratch``); the generations a server keeps (``keep``:
-store/generations.py); and what the other parts of the process hold for their peers (``charge``,
-by kind: the parameter server's jobs, the gradient exchange), so that ``--capacity`` is one ledger
-for the whole process, not one per pool. What another part keeps only for speed (the parameter
-server's idle gradient buffers) it lets go of when a put needs the room (``reclaimer``). Besides
-bytes, at most ``max_tensors`` names.
+What counts against the capacity (``used``) is kept by the store's ``Capacity`` ledger
+(store/capacity.py, ``ledger``): stored tensors and their names' cost, puts in flight, versions
+readers pin, requests' scratch, generations kept, and what the rest of the process charges. The
+store moves its counters as entries come and go, under the one lock they share, and offers the
+ledger's operations (``charge``, ``hold``, ``scratch``, ...) under its own name, as the rest of the
+process has always called them.
 
 The store is thread-safe: the server's event loop calls it directly, and runs what may block on
 the disk (``commit`` and ``delete`` with a data directory) through ``call``, on the store's own
@@ -32,15 +28,15 @@ disk thread, so that the loop keeps serving others meanwhile.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, TypeVar, overload
 
 from tensorwire.errors import CapacityExceeded, InvalidName, KeyNotFound, StoreError
+from tensorwire.store.capacity import DEFAULT_MAX_TENSORS, ENTRY_OVERHEAD, Capacity, entry_cost
 from tensorwire.store.pool import BufferPool
 from tensorwire.types import GiB, MiB, TensorMeta
 from tensorwire.wire.names import validate_name, validate_prefix
@@ -50,16 +46,8 @@ if TYPE_CHECKING:
 
 T = TypeVar("T")
 
-# What one stored name costs besides its bytes: its entry, metadata and index slot take ~600 bytes
-# of Python objects (measured with tracemalloc), and the allocator's rounding more; 1 KiB keeps a
-# million empty tensors from hiding a gigabyte of memory behind "used: 0".
-ENTRY_OVERHEAD = 1024
-DEFAULT_MAX_TENSORS = 1_000_000
-
-
-def entry_cost(name: str) -> int:
-    """Bytes of capacity a stored name costs besides its tensor's bytes."""
-    return ENTRY_OVERHEAD + len(name.encode("utf-8", "surrogatepass"))
+# The ledger's constants, importable from here as before.
+__all__ = ["DEFAULT_MAX_TENSORS", "ENTRY_OVERHEAD", "Entry", "Reservation", "TensorStore", "entry_cost"]
 
 
 @dataclass(eq=False, slots=True)
@@ -87,6 +75,21 @@ class Reservation:
     slots: int = 0  # names it may add (not stored when reserved), counted against max_tensors
 
 
+class _Figure:
+    """A count of the store's ``ledger`` (``Capacity``), read as the store's own attribute of the
+    same name (``store.used``): the rest of the process asks the store, the ledger keeps it."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    @overload
+    def __get__(self, store: None, owner: type | None = None) -> _Figure: ...
+    @overload
+    def __get__(self, store: TensorStore, owner: type | None = None) -> int: ...
+    def __get__(self, store: TensorStore | None, owner: type | None = None) -> int | _Figure:
+        return self if store is None else int(getattr(store.ledger, self.name))
+
+
 class TensorStore:
     """Named tensors in memory with an enforced byte capacity and per-put versions."""
 
@@ -97,24 +100,22 @@ class TensorStore:
         *,
         max_tensors: int = DEFAULT_MAX_TENSORS,
     ) -> None:
-        if max_tensors < 1:
-            raise ValueError(f"max_tensors must be at least 1, not {max_tensors}")
-        self.capacity = capacity
-        self.max_tensors = max_tensors
         self._entries: dict[str, Entry] = {}
-        self._stored = 0  # bytes of committed entries
-        self._metadata = 0  # entry_cost of committed entries
-        self._reserved = 0  # charge of open reservations
-        self._slots = 0  # names open reservations may add
-        self._pinned = 0  # bytes of replaced or deleted entries that readers still pin
-        self._scratch = 0  # requests' decoding buffers (``scratch``)
-        self._kept = 0  # charge of reservations kept as generations (``keep``)
-        self._kept_names = 0  # their tensors, counted against max_tensors
-        self._charged: dict[str, int] = {}  # what other parts of the process hold, by kind (``charge``)
-        self._charged_total = 0
-        self._reclaimers: dict[object, Callable[[int], None]] = {}  # ``reclaimer``
+        self._lock = threading.Lock()  # the entries and the ledger's counters change together
+        self.ledger = Capacity(
+            capacity, max_tensors, lock=self._lock, names=self._entries.__len__, trim=self._trim
+        )
+        # The ledger's operations, under the names the rest of the process calls them by.
+        self.charge = self.ledger.charge
+        self.check = self.ledger.check
+        self.count = self.ledger.count
+        self.discharge = self.ledger.discharge
+        self.reclaimer = self.ledger.reclaimer
+        self.admit = self.ledger.admit
+        self.scratch = self.ledger.scratch
+        self.hold = self.ledger.hold
+        self.holding = self.ledger.holding
         self.revision = 0  # the last version handed out; versions come from this one counter
-        self._lock = threading.Lock()
         self._disk_lock = threading.Lock()  # orders disk writes the same way as versions
         self._pool: BufferPool | SegmentPool = BufferPool(limit=self.pool_limit, min_size=MiB)
         self._disk = None
@@ -158,113 +159,28 @@ class TensorStore:
         """The data directory (``--data-dir``), where generations are kept too (store/generations.py)."""
         return self._disk.path if self._disk is not None else None
 
-    @property
-    def used(self) -> int:
-        """What counts against the capacity: stored tensors and their names' cost, reservations of
-        puts in flight, old versions pinned by readers, and requests' decoding scratch."""
-        return (
-            self._stored + self._metadata + self._reserved + self._pinned + self._scratch + self._kept
-            + self._charged_total
-        )  # fmt: skip
-
-    @property
-    def stored(self) -> int:
-        """Bytes of committed tensors."""
-        return self._stored
-
-    @property
-    def metadata(self) -> int:
-        """Capacity the stored names cost (``entry_cost`` each)."""
-        return self._metadata
-
-    @property
-    def reserved(self) -> int:
-        """Bytes reserved by puts in flight (their tensors' bytes and names' cost)."""
-        return self._reserved
-
-    @property
-    def pinned(self) -> int:
-        """Bytes of deleted or replaced versions that readers still hold (until they release)."""
-        return self._pinned
-
-    @property
-    def scratch_bytes(self) -> int:
-        """Bytes of decoding scratch that requests hold now (``scratch``)."""
-        return self._scratch
-
-    @property
-    def kept(self) -> int:
-        """Bytes held by generations (``keep``), their tensors' and names' cost."""
-        return self._kept
+    # The ledger's figures (store/capacity.py says what each counts), read as the store's own.
+    capacity = _Figure()
+    max_tensors = _Figure()
+    used = _Figure()
+    stored = _Figure()
+    metadata = _Figure()
+    reserved = _Figure()
+    pinned = _Figure()
+    scratch_bytes = _Figure()
+    kept = _Figure()
+    room = _Figure()
 
     @property
     def charged(self) -> dict[str, int]:
-        """What other parts of the process hold against the capacity now, by kind (``charge``)."""
-        with self._lock:
-            return {kind: n for kind, n in self._charged.items() if n}
-
-    @property
-    def room(self) -> int:
-        """Bytes that may still be reserved or charged."""
-        return self.capacity - self.used
+        return self.ledger.charged
 
     def __len__(self) -> int:
         return len(self._entries)
 
-    # -- memory the rest of the process holds ---------------------------------------------------
-    def charge(self, kind: str, nbytes: int, what: str) -> None:
-        """Count ``nbytes`` that another part of the process is about to allocate for a peer
-        (``kind`` says who holds them: ``ps.gradients``, ``exchange``, ...; a name from code, never
-        from a peer) in ``used``; CapacityExceeded naming ``what`` and --capacity if they do not
-        fit, and nothing is counted. ``discharge`` gives them back."""
-        with self._lock:
-            self._check_room(nbytes, 0, what)
-            self._count(kind, nbytes)
-            self._pool.trim(self.capacity - self.used)  # buffers kept for reuse make room first
-
-    def check(self, nbytes: int, what: str) -> None:
-        """CapacityExceeded (naming ``what`` and --capacity) unless ``nbytes`` more fit now."""
-        with self._lock:
-            self._check_room(nbytes, 0, what)
-
-    def count(self, kind: str, nbytes: int) -> None:
-        """Count ``nbytes`` (negative: give back) of ``kind`` without a check: memory that was
-        checked just before (``check``, on the same thread), or that must be held whatever the
-        capacity says (a checkpoint restored at start, a primary's state transfer)."""
-        with self._lock:
-            self._count(kind, nbytes)
-            if nbytes > 0:
-                self._pool.trim(self.capacity - self.used)
-
-    def discharge(self, kind: str, nbytes: int) -> None:
-        """Give back ``nbytes`` of ``kind`` (never more than is charged)."""
-        with self._lock:
-            self._count(kind, -min(nbytes, self._charged.get(kind, 0)))
-
-    def reclaimer(self, owner: object, reclaim: Callable[[int], None] | None) -> None:
-        """Register (None: forget) what ``owner`` lets go of when a put needs room: ``reclaim(n)``
-        frees memory it keeps only for speed while ``n`` more bytes do not fit. It is called without
-        the store's lock, from the thread asking for the room."""
-        if reclaim is None:
-            self._reclaimers.pop(owner, None)
-        else:
-            self._reclaimers[owner] = reclaim
-
-    def _make_room(self, nbytes: int) -> None:
-        """Let the reclaimers free what they keep for speed while ``nbytes`` more do not fit (every
-        put asks: where there is room, nothing is allocated)."""
-        if nbytes <= self.room or not self._reclaimers:
-            return
-        for reclaim in list(self._reclaimers.values()):
-            if nbytes <= self.room:
-                return
-            reclaim(nbytes)
-
-    def _count(self, kind: str, nbytes: int) -> None:
-        """Move ``kind``'s count by ``nbytes``, never below 0 (lock held)."""
-        before = self._charged.get(kind, 0)
-        after = self._charged[kind] = max(before + nbytes, 0)
-        self._charged_total += after - before
+    def _trim(self, room: int) -> None:
+        """Let the pool of freed buffers shrink to ``room`` (the ledger asks, lock held)."""
+        self._pool.trim(room)
 
     # -- puts ----------------------------------------------------------------------------------
     def reserve(self, metas: Sequence[TensorMeta], extend: Reservation | None = None) -> Reservation:
@@ -284,15 +200,16 @@ class TensorStore:
             raise InvalidName("a batch names the same tensor twice")
         total = sum(m.nbytes for m in metas)
         charge = total + sum(entry_cost(m.name) for m in metas)
-        self._make_room(charge)
+        ledger = self.ledger
+        ledger.make_room(charge)
         with self._lock:
             if extend is not None and extend.done:  # aborted while this part was being decoded
                 raise StoreError("the batch this part belongs to was given up; nothing was stored")
             slots = sum(1 for m in metas if m.name not in self._entries)
-            self._check_room(charge, slots)
-            self._reserved += charge
-            self._slots += slots
-            self._pool.trim(self.capacity - self.used)
+            ledger.check_room(charge, slots)
+            ledger.reserved += charge
+            ledger.slots += slots
+            self._pool.trim(ledger.room)
             floor = self._pool.min_size
             pooled = [self._pool.take(m.nbytes) if m.nbytes >= floor else None for m in metas]
         try:
@@ -300,8 +217,8 @@ class TensorStore:
             buffers = [buf if buf is not None else self._pool.allocate(m.nbytes) for buf, m in pairs]
         except BaseException:  # no room for a new segment, say: the reservation never happened
             with self._lock:
-                self._reserved -= charge
-                self._slots -= slots
+                ledger.reserved -= charge
+                ledger.slots -= slots
                 for buf in pooled:
                     if buf is not None:
                         self._pool.give(buf)
@@ -314,69 +231,6 @@ class TensorStore:
         extend.charge += charge
         extend.slots += slots
         return Reservation(list(metas), buffers, total, seen, done=True)  # owned by ``extend``
-
-    def admit(self, count: int) -> None:
-        """CapacityExceeded unless ``count`` more names could fit (``ENTRY_OVERHEAD`` each): asked
-        before a batch's records are decoded, so that a frame of 100,000 records for a store with
-        room for ten costs no more than its bytes."""
-        with self._lock:
-            self._check_room(count * ENTRY_OVERHEAD, 0)
-
-    def _check_room(self, charge: int, slots: int, what: str = "") -> None:
-        """CapacityExceeded unless ``charge`` more bytes and ``slots`` more names fit (lock held)."""
-        if charge > self.capacity - self.used:
-            others = "".join(f", {kind} {n}" for kind, n in sorted(self._charged.items()) if n)
-            raise CapacityExceeded(
-                f"{what + ' of ' if what else ''}{charge} bytes do not fit: capacity {self.capacity}"
-                f" (--capacity), in use {self.used} (tensors {self._stored}, names {self._metadata},"
-                f" puts in flight {self._reserved}, pinned by readers {self._pinned}, scratch"
-                f" {self._scratch}, generations {self._kept}{others})"
-            )
-        if slots and len(self._entries) + self._slots + self._kept_names + slots > self.max_tensors:
-            raise CapacityExceeded(
-                f"{slots} more tensors do not fit: the store holds {len(self._entries)} and puts in"
-                f" flight may add {self._slots}, of at most {self.max_tensors} (--max-tensors)"
-            )
-
-    @contextlib.contextmanager
-    def scratch(self, nbytes: int) -> Iterator[None]:
-        """Count ``nbytes`` of a request's transient buffers (a compressed chunk being decoded) in
-        ``used`` while inside, so that other puts see the memory they take. Never refused: a
-        request's scratch is at most twice the chunk it receives into its own reservation, which
-        the capacity already admitted (``frame_io.compressed_scratch``)."""
-        with self._lock:
-            self._scratch += nbytes
-        try:
-            yield
-        finally:
-            with self._lock:
-                self._scratch -= nbytes
-
-    def hold(self, nbytes: int) -> Callable[[], None]:
-        """Count ``nbytes`` of an answer that stays in memory until its peer has read it (a gRPC
-        unary answer: grpcio keeps the message until it is sent, however slowly the peer reads) in
-        ``used`` (as ``scratch``); CapacityExceeded if they do not fit. Returns the release, which
-        may be called more than once."""
-        self._make_room(nbytes)
-        with self._lock:
-            self._check_room(nbytes, 0)
-            self._scratch += nbytes
-        held = [nbytes]
-
-        def release() -> None:
-            with self._lock:
-                self._scratch -= held.pop() if held else 0
-
-        return release
-
-    @contextlib.contextmanager
-    def holding(self, nbytes: int) -> Iterator[None]:
-        """``hold`` for the duration of a block (an answer while it is sent)."""
-        release = self.hold(nbytes)
-        try:
-            yield
-        finally:
-            release()
 
     async def call(self, fn: Callable[..., T], *args: object) -> T:
         """``fn(*args)`` (``commit``, ``delete``) from the event loop: on the store's disk thread
@@ -420,8 +274,8 @@ class TensorStore:
             if res.done or res.committing:
                 return
             res.done = True
-            self._reserved -= res.charge
-            self._slots -= res.slots
+            self.ledger.reserved -= res.charge
+            self.ledger.slots -= res.slots
             for buf in res.buffers:
                 self._pool.give(buf)
 
@@ -455,16 +309,17 @@ class TensorStore:
             if res.done or res.committing:
                 raise RuntimeError("reservation already committed, being committed or aborted")
             res.done = True
-            self._reserved -= res.charge
-            self._slots -= res.slots
-            self._kept += res.charge
-            self._kept_names += len(res.metas)
+            ledger = self.ledger
+            ledger.reserved -= res.charge
+            ledger.slots -= res.slots
+            ledger.kept += res.charge
+            ledger.kept_names += len(res.metas)
 
     def free_kept(self, res: Reservation) -> None:
         """A kept reservation is no longer read by anyone: its buffers go back to the pool."""
         with self._lock:
-            self._kept -= res.charge
-            self._kept_names -= len(res.metas)
+            self.ledger.kept -= res.charge
+            self.ledger.kept_names -= len(res.metas)
             for buf in res.buffers:
                 self._pool.give(buf)
 
@@ -474,27 +329,28 @@ class TensorStore:
             self.revision += 1
             version = self.revision
         res.done = True
-        self._reserved -= res.charge
-        self._slots -= res.slots
+        ledger = self.ledger
+        ledger.reserved -= res.charge
+        ledger.slots -= res.slots
         for meta, buf in zip(res.metas, res.buffers, strict=True):
             old = self._entries.get(meta.name)
             if old is not None:
                 self._drop(old)
             self._entries[meta.name] = Entry(meta.with_version(version), buf)
-            self._stored += meta.nbytes
-            self._metadata += entry_cost(meta.name)
+            ledger.stored += meta.nbytes
+            ledger.metadata += entry_cost(meta.name)
         return version
 
     def _drop(self, entry: Entry) -> None:
         """Forget an entry (caller holds the lock); its buffer is reused once no reader pins it,
         and counts as pinned until then."""
-        self._stored -= entry.meta.nbytes
-        self._metadata -= entry_cost(entry.meta.name)
+        self.ledger.stored -= entry.meta.nbytes
+        self.ledger.metadata -= entry_cost(entry.meta.name)
         entry.retired = True
         if entry.pins == 0:
             self._pool.give(entry.data)
         else:
-            self._pinned += entry.data.nbytes
+            self.ledger.pinned += entry.data.nbytes
 
     # -- reads ---------------------------------------------------------------------------------
     def acquire(self, names: Sequence[str]) -> list[Entry]:
@@ -510,7 +366,7 @@ class TensorStore:
             for entry in entries:
                 entry.pins -= 1
                 if entry.pins == 0 and entry.retired:
-                    self._pinned -= entry.data.nbytes
+                    self.ledger.pinned -= entry.data.nbytes
                     self._pool.give(entry.data)
 
     def stat(self, names: Sequence[str]) -> list[TensorMeta]:
@@ -555,12 +411,12 @@ class TensorStore:
         self.revision = self._disk.load_revision()
         for meta, data in self._disk.load():
             self._entries[meta.name] = Entry(meta, data.numpy().data.cast("B"))
-            self._stored += meta.nbytes
-            self._metadata += entry_cost(meta.name)
+            self.ledger.stored += meta.nbytes
+            self.ledger.metadata += entry_cost(meta.name)
             self.revision = max(self.revision, meta.version)
         if self.used > self.capacity:
             raise CapacityExceeded(
-                f"data directory holds {self._stored} bytes in {len(self._entries)} tensors"
+                f"data directory holds {self.stored} bytes in {len(self._entries)} tensors"
                 f" ({self.used} with their names' cost), more than the capacity {self.capacity} (--capacity)"
             )
         if len(self._entries) > self.max_tensors:

@@ -19,8 +19,10 @@ import torch
 import tensorwire
 from tensorwire import transport
 from tensorwire._aio import LoopThread
-from tensorwire.broadcast import Chains, RelayCoordinator, RelayPeer
 from tensorwire.broadcast import peer as relay_peer
+from tensorwire.broadcast.chains import Chains
+from tensorwire.broadcast.coordinator import RelayCoordinator
+from tensorwire.broadcast.peer import RelayPeer
 from tensorwire.broadcast.source import StoreSource
 from tensorwire.security import Security, TlsFiles, write_dev_certs
 from tensorwire.server import ServerThread

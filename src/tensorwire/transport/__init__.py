@@ -288,11 +288,10 @@ async def _close_quietly(transport: Transport) -> None:
         await transport.close()
 
 
+# STREAMS, TRANSPORTS and LOCAL_FALLBACKS (the tables behind these functions) are this module's
+# own, not its surface: importable, never star-imported.
 __all__ = [
     "CHANNEL_SCHEMES",
-    "LOCAL_FALLBACKS",
-    "STREAMS",
-    "TRANSPORTS",
     "ByteStream",
     "FrameChannel",
     "Listener",

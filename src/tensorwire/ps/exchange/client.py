@@ -68,7 +68,8 @@ import torch
 
 from tensorwire import transport as transports
 from tensorwire._aio import LoopThread, asyncio_timeout
-from tensorwire.compression import Codec, ErrorFeedback, resolve
+from tensorwire.compression import Codec, ErrorFeedback
+from tensorwire.compression.codecs import resolve
 from tensorwire.errors import ProtocolError
 from tensorwire.ps.exchange.pieces import PIECE_BYTES, Layout, Plan, plan
 from tensorwire.ps.worker.device import DeviceStaging, device_of, slices

@@ -19,7 +19,8 @@ from typing import Any
 import grpc
 import torch
 
-from tensorwire.compression import Codec, from_wire
+from tensorwire.compression import Codec
+from tensorwire.compression.codecs import from_wire
 from tensorwire.errors import (
     CapacityExceeded,
     InvalidTensor,

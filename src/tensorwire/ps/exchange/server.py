@@ -53,7 +53,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tensorwire.compression import Codec, decode_all, from_wire, payload_total
+from tensorwire.compression.codecs import Codec, decode_all, from_wire, payload_total
 from tensorwire.errors import (
     CapacityExceeded,
     InvalidTensor,

@@ -34,7 +34,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from tensorwire.compression import from_wire
+from tensorwire.compression.codecs import from_wire
 from tensorwire.errors import ProtocolError, WaitTimeout, WorkerDropped
 from tensorwire.ps.job import Job
 from tensorwire.ps.server import replication

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tensorwire.compression import Codec, decode_all, payload_total
+from tensorwire.compression.codecs import Codec, decode_all, payload_total
 from tensorwire.errors import InvalidTensor, ProtocolError
 from tensorwire.ps.budget import Budget
 from tensorwire.ps.job import HeldShard, Job, check_records

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tensorwire.compression import Codec, from_wire
+from tensorwire.compression.codecs import Codec, from_wire
 from tensorwire.errors import LimitExceeded, ProtocolError
 from tensorwire.ps.budget import Budget
 from tensorwire.ps.job import HeldShard, Job

@@ -36,7 +36,8 @@ from dataclasses import dataclass, field
 import torch
 
 from tensorwire import transport as transports
-from tensorwire.compression import Codec, resolve
+from tensorwire.compression import Codec
+from tensorwire.compression.codecs import resolve
 from tensorwire.ps.job import Mode, default_job_id
 from tensorwire.ps.optim import SGD, OptimizerSpec, spec_of
 from tensorwire.ps.worker.relay_reader import check_relay_servers

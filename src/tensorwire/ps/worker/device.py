@@ -44,7 +44,7 @@ from tensorwire.client.staging import (
     copy_in,
     stage_out,
 )
-from tensorwire.compression import Codec, decode_all
+from tensorwire.compression.codecs import Codec, decode_all
 from tensorwire.errors import InvalidTensor
 
 

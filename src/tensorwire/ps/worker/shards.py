@@ -24,7 +24,8 @@ from typing import NamedTuple
 
 import torch
 
-from tensorwire.compression import Codec, ErrorFeedback, decode_all
+from tensorwire.compression import Codec, ErrorFeedback
+from tensorwire.compression.codecs import decode_all
 from tensorwire.errors import InvalidTensor, ProtocolError
 from tensorwire.ps.placement import Placement, Shard
 from tensorwire.ps.worker.device import DeviceStaging, device_of
