@@ -32,7 +32,7 @@ from tensorwire.cli.status import ask_status
 from tensorwire.client import ClientOptions
 from tensorwire.security import write_dev_certs
 from tensorwire.server import metrics
-from tensorwire.server.core import DEFAULT_REFUSALS
+from tensorwire.server.options import DEFAULT_REFUSALS
 from tensorwire.testing.process import ServerProcess, wait_for
 from tensorwire.types import Address
 

@@ -67,8 +67,9 @@ from tensorwire.bench.children import (
 )
 from tensorwire.bench.report import show, table, throughput_head
 from tensorwire.client import ClientOptions
-from tensorwire.security import Security, TlsFiles, write_dev_certs
+from tensorwire.security import TlsFiles, write_dev_certs
 from tensorwire.server.core import Server
+from tensorwire.server.options import ServerOptions
 from tensorwire.store import TensorStore
 from tensorwire.transport import rdma_engine
 from tensorwire.types import KiB, MiB
@@ -128,8 +129,8 @@ def _serve_tensorwire(
 async def _serve_tensorwire_async(
     conn: Connection, capacity: int, urls: list[str], certs: dict[str, Path] | None
 ) -> None:
-    security = Security(TlsFiles(certs["server"], certs["server_key"])) if certs else None
-    server = Server(TensorStore(capacity=capacity), security=security)
+    tls = TlsFiles(certs["server"], certs["server_key"]) if certs else None
+    server = Server(ServerOptions(tls=tls), store=TensorStore(capacity=capacity))
     with starting(conn):
         addresses = await server.start(*urls)
         conn.send(("ready", [str(a) for a in addresses]))
@@ -354,7 +355,7 @@ def run(
             client.put("bench/small", torch.rand(SMALL_BYTES // 4))
             sync_small_us = _sync_small_us(client, small_iters)
             many_put, many_get = _many(client, many)
-        with tensorwire.connect(tls_url, tls_ca=str(certs["ca"])) as client:
+        with tensorwire.connect(tls_url, tls=TlsFiles(ca=certs["ca"])) as client:
             tls_put_gbps, tls_get_gbps = _bulk(client, data, iters, name="bench/tls")
         with tensorwire.connect(shm_bound[0]) as client:
             shm = shm_bench.measure(client, data, iters)
