@@ -125,7 +125,7 @@ def test_under_a_tls_origin_no_plain_text_address_is_accepted(tmp_path: Path) ->
     served, reader = reader_certs(tmp_path)
     with ServerThread(["tls://127.0.0.1:0"], ServerOptions(tls=served, token="tok")) as srv:
         coordinator = RelayCoordinator.of(srv.server)
-        files = {"tls_ca": str(reader.ca), "tls_cert": str(reader.cert), "tls_key": str(reader.key)}
+        files = {"tls": TlsFiles(ca=reader.ca, cert=reader.cert, key=reader.key)}
         with tensorwire.connect(srv.url, token="tok", **files) as trainer:
             trainer.publish("policy", {"w": torch.ones(8)})
         with RelayConn(srv.url, token="tok", tls=reader) as conn:
@@ -224,7 +224,7 @@ def test_over_tls_a_relay_server_asks_for_a_client_certificate(tmp_path: Path) -
     model = {"w": torch.ones(64)}
     with ServerThread(["tls://127.0.0.1:0"], ServerOptions(tls=served, token="tok")) as srv:
         RelayCoordinator.of(srv.server)
-        files = {"tls_ca": str(reader.ca), "tls_cert": str(reader.cert), "tls_key": str(reader.key)}
+        files = {"tls": TlsFiles(ca=reader.ca, cert=reader.cert, key=reader.key)}
         with tensorwire.connect(srv.url, token="tok", **files) as trainer:
             trainer.publish("policy", model)
         with tensorwire.Subscriber(

@@ -114,7 +114,7 @@ def test_pending_tls_handshakes_count_and_end_at_the_deadline(tmp_path: Path) ->
             for reader, writer in silent:
                 await closed_within(reader, 5.0)
                 writer.close()
-            options = ClientOptions(tls_ca=str(certs["ca"]), token=TOKEN, timeout=10, connect_timeout=5)
+            options = ClientOptions(tls=TlsFiles(ca=certs["ca"]), token=TOKEN, timeout=10, connect_timeout=5)
             client = AsyncClient(str(srv.addresses[0]), options)
             await client.put("t/x", torch.arange(4))
             assert torch.equal(await client.get("t/x"), torch.arange(4))

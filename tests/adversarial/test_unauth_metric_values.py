@@ -104,8 +104,7 @@ def test_a_server_secured_by_client_certificates_only_shows_no_job_id(tmp_path: 
         exporter = srv.server.exporter
         assert exporter is not None
         public = scrape(exporter.url)
-        (node,) = collect([srv.url], timeout=10, tls_ca=str(paths["ca"]), tls_cert=str(paths["client"]),
-                          tls_key=str(paths["client_key"]))  # fmt: skip
+        (node,) = collect([srv.url], timeout=10, tls=client)
     assert JOB not in public
     (masked,) = series(public, "tensorwire_ps_steps_total")
     assert masked["job"].startswith(metrics.PSEUDONYM_PREFIX)

@@ -164,12 +164,7 @@ def test_over_tls_every_hop_is_tls_with_the_token(tmp_path: Path) -> None:
     model = model_tensors(1)
     with ServerThread(["tls://127.0.0.1:0"], ServerOptions(tls=served, token="tok")) as srv:
         RelayCoordinator.of(srv.server)
-        tls = {
-            "tls_ca": str(reader_files.ca),
-            "tls_cert": str(reader_files.cert),
-            "tls_key": str(reader_files.key),
-        }
-        with tensorwire.connect(srv.url, token="tok", **tls) as trainer:
+        with tensorwire.connect(srv.url, token="tok", tls=reader_files) as trainer:
             trainer.publish("policy", model)
         targets = [blank_like(model) for _ in range(3)]
         with subscribers(srv.url, "policy", targets, token="tok", tls=reader_files) as subs:
@@ -206,7 +201,7 @@ def test_over_tls_readers_relay_with_the_certificates_tensorwire_certs_writes(
     model = model_tensors(1)
     with ServerThread(["tls://127.0.0.1:0"], ServerOptions(tls=origin_files, token="tok")) as srv:
         RelayCoordinator.of(srv.server)
-        with tensorwire.connect(srv.url, token="tok", tls_ca=str(reader.ca)) as trainer:
+        with tensorwire.connect(srv.url, token="tok", tls=TlsFiles(ca=reader.ca)) as trainer:
             trainer.publish("policy", model)
         targets = [blank_like(model) for _ in range(3)]
         with subscribers(srv.url, "policy", targets, token="tok", tls=reader) as subs:

@@ -84,7 +84,7 @@ def tables(tcp: ServerThread, tmp_path_factory: pytest.TempPathFactory) -> Itera
             served,
         ) as grpc,
     ):
-        tls_options = {"tls_ca": str(paths["ca"]), "token": TOKEN}
+        tls_options = {"ca": str(paths["ca"]), "token": TOKEN}  # the kit makes it tls=TlsFiles(ca=...)
         small = {"small": True, "worlds": [1, 2]}
         scenario = {"kind": "tables", "tables": [
             {"tag": "tcp", "url": tcp.url, "disagree": True},

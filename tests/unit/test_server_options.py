@@ -78,7 +78,9 @@ def test_the_defaults_are_the_servers(monkeypatch: pytest.MonkeyPatch) -> None:
     assert seen["page"] is None and seen["relay_networks"] == ()
 
 
-def test_the_parameter_server_flags_are_on_ps_serve_only(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+def test_the_parameter_server_flags_are_on_ps_serve_only(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
     peer = write_token_file(tmp_path / "peer", "the-peer-token")
     argv = ["ps", "serve", "--workers", "4", "--max-jobs", "2", "--checkpoint-dir", str(tmp_path),
             "--standby", "--peer-token-file", str(peer), "--threads", "2"]  # fmt: skip

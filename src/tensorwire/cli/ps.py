@@ -115,7 +115,7 @@ def ps_stats(servers: tuple[str, ...], job: str | None, as_table: bool) -> None:
 )  # fmt: skip
 @click.option(
     "--operator-token-file", type=FILE,
-    help="A file holding the servers' operator token (serve --operator-token-file): it ends any job.",
+    help="A file holding the servers' operator token (ps serve --operator-token-file): it ends any job.",
 )  # fmt: skip
 @security_options
 def ps_end(
