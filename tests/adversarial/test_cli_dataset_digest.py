@@ -28,7 +28,8 @@ from tensorwire.wire.frame import Opcode
 
 def _served(limits: Limits | None = None) -> ServerThread:
     store = TensorStore(1 << 30)
-    return ServerThread(options=ServerOptions(limits=limits), store=store, extensions=[DigestService(store)])
+    options = ServerOptions(limits=limits or Limits())
+    return ServerThread(options=options, store=store, extensions=[DigestService(store)])
 
 
 @pytest.fixture
