@@ -391,7 +391,7 @@ def check_secrets(secrets: list[tuple[str, str | None]]) -> None:
     for i, (flag, secret) in enumerate(secrets):
         same = [earlier for earlier, other in secrets[:i] if secret is not None and secret == other]
         if same:
-            raise click.UsageError(f"{flag} must differ from {same[0]}")
+            raise click.UsageError(f"{flag} must differ from {same[0]}: each file must hold another secret")
 
 
 def server_options(command: Callable[..., Any]) -> Callable[..., Any]:
