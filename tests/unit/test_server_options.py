@@ -127,3 +127,25 @@ def test_connect_takes_tls_files_and_the_old_keywords(tmp_path: Path) -> None:
         assert caught[0].filename == __file__
         with client:
             assert torch.equal(client.get("w"), torch.ones(3))
+
+
+def test_the_old_server_keywords_warn_and_build_the_same_options() -> None:
+    security = Security(TlsFiles(Path("c.pem"), Path("k.pem")), "tok")
+    with pytest.warns(DeprecationWarning, match="ServerOptions") as caught:
+        server = tensorwire.Server(
+            security=security, stall_timeout=7.0, metrics_port=0, max_uploads=3, limits=None
+        )
+    assert caught[0].filename == __file__
+    assert server.options == ServerOptions(
+        tls=security.tls, token="tok", connections=ConnectionOptions(stall_timeout=7.0),
+        metrics=MetricsOptions(port=0), uploads=UploadOptions(max_uploads=3),
+    )  # fmt: skip
+    with pytest.warns(DeprecationWarning) as caught, tensorwire.ServerThread(busy_poll=1e-4) as srv:
+        assert srv.server.options.connections.busy_poll == 1e-4
+    assert caught[0].filename == __file__
+    with pytest.raises(TypeError, match="store="):
+        tensorwire.Server(tensorwire.TensorStore(1024))  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="not both"):
+        tensorwire.Server(ServerOptions(), idle_timeout=1.0)
+    with pytest.raises(TypeError, match="unexpected keyword arguments: nonsense"):
+        tensorwire.Server(nonsense=1)

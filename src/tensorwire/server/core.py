@@ -29,7 +29,7 @@ from tensorwire.server import metrics
 from tensorwire.server import rdma as server_rdma
 from tensorwire.server import shm as server_shm
 from tensorwire.server.generation_ops import GenerationOps
-from tensorwire.server.options import ServerOptions
+from tensorwire.server.options import ServerOptions, from_keywords
 from tensorwire.server.request import Attached, Extension, Handler, Request, opname, peer_token_of
 from tensorwire.server.session import Serving, Session
 from tensorwire.server.store_ops import StoreOps
@@ -54,6 +54,8 @@ class Server:
     ``tensorwire serve`` always adds. Without it, a ``ps.Worker`` gets PROTOCOL_ERROR (unknown
     opcode). It is not a default here on purpose: ``tensorwire.ps`` builds on this module, not the
     other way round. ``store``: the store to serve (default: one built from ``options.store``).
+    The keywords it took before ``ServerOptions`` (``security=``, ``stall_timeout=``, ...) still
+    work for one release, with a DeprecationWarning (``options.from_keywords``).
     """
 
     def __init__(
@@ -62,8 +64,9 @@ class Server:
         *,
         store: TensorStore | None = None,
         extensions: Sequence[Extension] = (),
+        **deprecated: Any,
     ) -> None:
-        self.options = options = options or ServerOptions()
+        self.options = options = from_keywords(options, deprecated)
         self.store = store if store is not None else options.store.build()
         # Where it runs (HELLO and STATUS say it; default: TENSORWIRE_HOST / _RACK, read now), and
         # which processes may share its segment directory (clients with prefer_local compare it).
@@ -423,8 +426,9 @@ class ServerThread:
         store: TensorStore | None = None,
         extensions: Sequence[Extension] = (),
         start_timeout: float = 10.0,
+        **deprecated: Any,  # Server's old keywords (options.from_keywords)
     ) -> None:
-        self.server = Server(options, store=store, extensions=extensions)
+        self.server = Server(from_keywords(options, deprecated), store=store, extensions=extensions)
         self._thread = LoopThread("tensorwire-server")
         self._closed = False
         started = self._thread.submit(self.server.start(*urls))

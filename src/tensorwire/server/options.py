@@ -18,8 +18,10 @@ several parties (the metrics token against the peer token of an extension) is ch
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from tensorwire import topology
 from tensorwire.security import Security, TlsFiles
@@ -124,6 +126,57 @@ class ServerOptions:
     def security(self) -> Security:
         """The TLS files and token as one ``Security`` (what the transports take)."""
         return Security(self.tls, self.token)
+
+
+# The keywords Server and ServerThread took before ServerOptions: where each one went (a group and
+# its field, or a field of ServerOptions itself). Kept for one release, with a DeprecationWarning.
+_LEGACY: dict[str, tuple[str, str | None]] = {
+    "limits": ("limits", None), "location": ("location", None), "generations": ("generations", None),
+    "stall_timeout": ("connections", "stall_timeout"), "max_connections": ("connections", "max_connections"),
+    "idle_timeout": ("connections", "idle_timeout"), "auth_timeout": ("connections", "auth_timeout"),
+    "busy_poll": ("connections", "busy_poll"), "refusals": ("connections", "refusals"),
+    "metrics_port": ("metrics", "port"), "metrics_host": ("metrics", "host"),
+    "metrics_connections": ("metrics", "connections"), "metrics_token": ("metrics", "token"),
+    "max_uploads": ("uploads", "max_uploads"), "uploads_per_client": ("uploads", "per_client"),
+    "resumable_min_bytes": ("uploads", "resumable_min_bytes"),
+}  # fmt: skip
+_GROUPS: dict[str, Any] = {
+    "connections": ConnectionOptions,
+    "metrics": MetricsOptions,
+    "uploads": UploadOptions,
+}
+
+
+def from_keywords(options: object, keywords: dict[str, Any]) -> ServerOptions:
+    """``options``, or the ``ServerOptions`` the deprecated keywords of ``Server``/``ServerThread``
+    say (``security=``, ``stall_timeout=``, ...; a DeprecationWarning names the new spelling)."""
+    # The old positional forms, Server(store, ...) and ServerThread(urls, store), end here.
+    if not isinstance(options, ServerOptions | None):
+        kind = type(options).__name__
+        raise TypeError(f"options must be ServerOptions, not {kind}: pass a store as store=")
+    if not keywords:
+        return options or ServerOptions()
+    unknown = sorted(set(keywords) - set(_LEGACY) - {"security"})
+    if unknown:
+        raise TypeError(f"unexpected keyword arguments: {', '.join(unknown)}")
+    if options is not None:
+        raise TypeError("give ServerOptions or the deprecated keywords, not both")
+    given = ", ".join(f"{name}=" for name in keywords)
+    warnings.warn(f"{given} are deprecated: give ServerOptions(...) (tls=TlsFiles(...), token=, and the "
+                  "groups connections, uploads, metrics)", DeprecationWarning, stacklevel=3)  # fmt: skip
+    top: dict[str, Any] = {}
+    groups: dict[str, dict[str, Any]] = {}
+    for name, value in keywords.items():
+        if name == "security":
+            if value is not None:
+                top.update(tls=value.tls, token=value.token)
+            continue
+        group, field_name = _LEGACY[name]
+        if field_name is not None:
+            groups.setdefault(group, {})[field_name] = value
+        elif value is not None or name != "limits":  # limits=None meant the default
+            top[group] = value
+    return ServerOptions(**top, **{group: _GROUPS[group](**fields) for group, fields in groups.items()})
 
 
 __all__ = [
