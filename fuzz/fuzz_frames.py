@@ -41,6 +41,8 @@ import atheris
 import numpy  # noqa: F401
 import torch
 
+from tensorwire.server.options import ServerOptions
+
 with atheris.instrument_imports(include=["tensorwire"]):
     from tensorwire import ServerThread, errors, transport
     from tensorwire._aio import new_event_loop
@@ -112,7 +114,7 @@ _server_logger.addHandler(SERVER_LOG)
 _server_logger.setLevel(logging.ERROR)
 _server_logger.propagate = False  # stall and session warnings would flood libFuzzer's output
 
-SERVER = ServerThread(["memory://fuzz"], store=STORE, limits=SERVER_LIMITS)
+SERVER = ServerThread(["memory://fuzz"], ServerOptions(limits=SERVER_LIMITS), store=STORE)
 ADDRESS = SERVER.addresses[0]
 LOOP = new_event_loop()  # the client side's own loop, in the fuzzing thread
 

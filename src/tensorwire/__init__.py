@@ -11,6 +11,7 @@ from tensorwire.broadcast import HostReader, Subscriber
 from tensorwire.client.core import AsyncClient, Client, ClientOptions, aconnect, connect
 from tensorwire.security import Security, TlsFiles
 from tensorwire.server.core import Server, ServerThread
+from tensorwire.server.options import ServerOptions
 from tensorwire.store import TensorStore
 from tensorwire.types import Address, Generation, GenerationManifest, Limits, TensorMeta
 
@@ -27,6 +28,7 @@ __all__ = [
     "Limits",
     "Security",
     "Server",
+    "ServerOptions",
     "ServerThread",
     "Subscriber",
     "TensorMeta",

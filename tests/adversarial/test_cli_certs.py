@@ -12,8 +12,9 @@ from click.testing import CliRunner
 
 import tensorwire
 from tensorwire import cli, errors
-from tensorwire.security import Security, TlsFiles
+from tensorwire.security import TlsFiles
 from tensorwire.server import ServerThread
+from tensorwire.server.options import ServerOptions
 
 OTHER_HOST = "127.0.0.2"  # a loopback address that is not 127.0.0.1: "another host's" address here
 
@@ -26,29 +27,29 @@ def _certs(directory: Path, *hosts: str) -> None:
 
 def _serve(directory: Path) -> ServerThread:
     files = TlsFiles(directory / "server.pem", directory / "server-key.pem")
-    return ServerThread([f"tls://{OTHER_HOST}:0"], security=Security(files))
+    return ServerThread([f"tls://{OTHER_HOST}:0"], ServerOptions(tls=files))
 
 
 def test_a_certificate_for_another_address_is_accepted_there(tmp_path: Path) -> None:
     _certs(tmp_path, OTHER_HOST, "trainer-0")
     with _serve(tmp_path) as srv:
         assert srv.url.startswith(f"tls://{OTHER_HOST}:")
-        with tensorwire.connect(srv.url, tls_ca=str(tmp_path / "ca.pem"), retries=0) as c:
+        with tensorwire.connect(srv.url, tls=TlsFiles(ca=tmp_path / "ca.pem"), retries=0) as c:
             c.ping()
 
 
 def test_without_host_the_other_address_is_a_mismatch(tmp_path: Path) -> None:
     _certs(tmp_path)
     with _serve(tmp_path) as srv, pytest.raises(errors.TransportError, match=r"mismatch|match"):
-        tensorwire.connect(srv.url, tls_ca=str(tmp_path / "ca.pem"), retries=0, connect_timeout=5)
+        tensorwire.connect(srv.url, tls=TlsFiles(ca=tmp_path / "ca.pem"), retries=0, connect_timeout=5)
 
 
 def test_localhost_is_always_in_the_certificate(tmp_path: Path) -> None:
     _certs(tmp_path, OTHER_HOST)
     files = TlsFiles(tmp_path / "server.pem", tmp_path / "server-key.pem")
     with (
-        ServerThread(["tls://127.0.0.1:0"], security=Security(files)) as srv,
-        tensorwire.connect(srv.url, tls_ca=str(tmp_path / "ca.pem"), retries=0) as c,
+        ServerThread(["tls://127.0.0.1:0"], ServerOptions(tls=files)) as srv,
+        tensorwire.connect(srv.url, tls=TlsFiles(ca=tmp_path / "ca.pem"), retries=0) as c,
     ):
         c.ping()
 
@@ -123,8 +124,8 @@ def test_reader_certificates_are_signed_by_the_ca_already_there(tmp_path: Path) 
     # Its relay server serves with it; a peer checking against the CA accepts it (as a server here).
     reader = TlsFiles(tmp_path / f"reader-{OTHER_HOST}.pem", tmp_path / f"reader-{OTHER_HOST}-key.pem")
     with (
-        ServerThread([f"tls://{OTHER_HOST}:0"], security=Security(reader)) as srv,
-        tensorwire.connect(srv.url, tls_ca=str(tmp_path / "ca.pem"), retries=0) as c,
+        ServerThread([f"tls://{OTHER_HOST}:0"], ServerOptions(tls=reader)) as srv,
+        tensorwire.connect(srv.url, tls=TlsFiles(ca=tmp_path / "ca.pem"), retries=0) as c,
     ):
         c.ping()
 

@@ -18,6 +18,7 @@ from tensorwire.dataset import DigestService
 from tensorwire.dataset.digest import MAX_NAMES, encode_request, fetch_digests
 from tensorwire.errors import LimitExceeded, ProtocolError
 from tensorwire.server.core import Request
+from tensorwire.server.options import ServerOptions
 from tensorwire.transport import TransportOptions, open_transport
 from tensorwire.transport.frame_client import FramedTransport
 from tensorwire.types import Address, Limits, TensorMeta
@@ -27,7 +28,8 @@ from tensorwire.wire.frame import Opcode
 
 def _served(limits: Limits | None = None) -> ServerThread:
     store = TensorStore(1 << 30)
-    return ServerThread(store=store, limits=limits, extensions=[DigestService(store)])
+    options = ServerOptions(limits=limits or Limits())
+    return ServerThread(options=options, store=store, extensions=[DigestService(store)])
 
 
 @pytest.fixture

@@ -11,16 +11,21 @@ from click.testing import CliRunner
 
 from tensorwire import cli
 from tensorwire.ps import ParamServer
-from tensorwire.security import Security, TlsFiles, write_dev_certs
+from tensorwire.security import TlsFiles, write_dev_certs
 from tensorwire.server import ServerThread
+from tensorwire.server.options import ServerOptions
 
 TOKEN = "a-token-for-ps-stats"
 
 
 def test_ps_stats_takes_the_token_and_the_tls_ca(tmp_path: Path) -> None:
     paths = write_dev_certs(tmp_path)
-    security = Security(TlsFiles(paths["server"], paths["server_key"]), TOKEN)
-    with ServerThread(["tls://127.0.0.1:0"], security=security, extensions=[ParamServer()]) as server:
+    served = ServerOptions(tls=TlsFiles(paths["server"], paths["server_key"]), token=TOKEN)
+    with ServerThread(
+        ["tls://127.0.0.1:0"],
+        served,
+        extensions=[ParamServer()],
+    ) as server:
         url = server.url.replace("127.0.0.1", "localhost")
         runner = CliRunner(env={"TENSORWIRE_TOKEN": None})
         ok = runner.invoke(cli.main, ["ps", "stats", url, "--token", TOKEN, "--tls-ca", str(paths["ca"])])

@@ -30,9 +30,9 @@ import tensorwire
 from tensorwire._aio import run
 from tensorwire.cli.status import ask_status
 from tensorwire.client import ClientOptions
-from tensorwire.security import write_dev_certs
+from tensorwire.security import TlsFiles, write_dev_certs
 from tensorwire.server import metrics
-from tensorwire.server.core import DEFAULT_REFUSALS
+from tensorwire.server.options import DEFAULT_REFUSALS
 from tensorwire.testing.process import ServerProcess, wait_for
 from tensorwire.types import Address
 
@@ -69,7 +69,7 @@ def peak_fds(pid: int, seconds: float) -> int:
 
 
 def refused_total(srv: ServerProcess, ca: Path) -> float:
-    url = run(ask_status(srv.url, ClientOptions(timeout=10.0, tls_ca=str(ca))))["metrics"]
+    url = run(ask_status(srv.url, ClientOptions(timeout=10.0, tls=TlsFiles(ca=ca))))["metrics"]
     with urllib.request.urlopen(url, timeout=10) as answer:
         samples = metrics.parse(answer.read().decode())
     return sum(
@@ -89,7 +89,7 @@ def test_silent_tls_sockets_hold_no_more_than_the_cap_and_the_refusals(
     extra = ["--max-connections", str(CAP), "--auth-timeout", "3", *tls]
     with ServerProcess("tls://127.0.0.1:0", data_dir=tmp_path / "data", extra=extra, wrapper=LIMITED) as srv:
         base = psutil.Process(srv.pid).num_fds()
-        options = {"retries": 0, "timeout": 10.0, "tls_ca": str(certs["ca"])}
+        options = {"retries": 0, "timeout": 10.0, "tls": TlsFiles(ca=certs["ca"])}
         with tensorwire.connect(srv.url, **options) as client:  # admitted before the flood
             client.put("kept/before", torch.arange(8))
             with flood(srv.url):

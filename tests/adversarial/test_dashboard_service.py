@@ -272,7 +272,7 @@ def test_inside_a_server_the_page_runs_off_its_event_loop() -> None:
     from tensorwire.cli.serve import Page, _start_page
 
     with ServerThread() as srv:
-        thread = srv._thread.call(_start_page(srv.server, Page(0, "127.0.0.1", None)), 30, "the page")
+        thread = srv._thread.call(_start_page(srv.server, Page(0, "127.0.0.1")), 30, "the page")
         try:
             port = thread.dashboard.port
             wait_for(lambda: get(port, "/api/snapshot")[0] == 200, 10, "the page")

@@ -18,6 +18,7 @@ import torch
 import tensorwire
 import tensorwire._aio
 from tensorwire.errors import LimitExceeded
+from tensorwire.server.options import ServerOptions
 from tensorwire.store.generations import GenerationConfig
 from tensorwire.testing.process import wait_for
 from tensorwire.types import Address, TensorMeta
@@ -28,7 +29,7 @@ from tensorwire.wire.frame import Flags, Header, Opcode, encode_frame_head
 
 
 def serve(**config: float) -> tensorwire.ServerThread:
-    return tensorwire.ServerThread(generations=GenerationConfig(**config))  # type: ignore[arg-type]
+    return tensorwire.ServerThread(options=ServerOptions(generations=GenerationConfig(**config)))  # type: ignore[arg-type]
 
 
 @pytest.fixture

@@ -16,6 +16,7 @@ import tensorwire
 from tensorwire.cli.serve import serve
 from tensorwire.client.ranges import RangeRead
 from tensorwire.errors import KeyNotFound, LimitExceeded, WaitTimeout
+from tensorwire.server.options import ServerOptions
 from tensorwire.store.generation_config import FLAGS, GenerationConfig
 from tensorwire.testing.process import wait_for
 from tensorwire.wire.tensors import byte_view
@@ -26,13 +27,16 @@ def test_every_bound_a_refusal_names_is_a_serve_flag_that_sets_it() -> None:
     assert set(FLAGS.values()) <= flags
     assert GenerationConfig().most("max_parts") == "at most 4096 (--max-parts)"
     ctx = serve.make_context("serve", ["--max-prefixes", "7", "--transactions-per-client", "3"])
-    assert ctx.params["generation_limits"]["max_prefixes"] == 7
-    assert ctx.params["generation_limits"]["transactions_per_client"] == 3
+    assert ctx.params["max_prefixes"] == 7
+    assert ctx.params["transactions_per_client"] == 3
 
 
 def test_one_client_makes_a_bounded_number_of_prefixes_and_a_drop_gives_one_back() -> None:
     config = GenerationConfig(prefixes_per_client=2, max_prefixes=10)
-    with tensorwire.ServerThread(generations=config) as srv, tensorwire.connect(srv.url) as c:
+    with (
+        tensorwire.ServerThread(options=ServerOptions(generations=config)) as srv,
+        tensorwire.connect(srv.url) as c,
+    ):
         store = srv.server.store
         c.publish("p1", {"x": torch.zeros(1 << 16)})
         c.publish("p2", {"x": torch.zeros(1)})
@@ -68,7 +72,7 @@ def test_a_prefix_dropped_while_it_is_leased_ends_the_lease_and_frees_its_memory
 def test_one_client_host_has_parts_in_a_bounded_number_of_transactions() -> None:
     config = GenerationConfig(transactions_per_owner=2, transactions_per_client=3, max_transactions=10,
                               max_wait_seconds=5.0)  # fmt: skip
-    with tensorwire.ServerThread(generations=config) as srv:
+    with tensorwire.ServerThread(options=ServerOptions(generations=config)) as srv:
         parts = srv.server.generation_ops.parts
 
         async def part(c: tensorwire.AsyncClient) -> asyncio.Future[object]:

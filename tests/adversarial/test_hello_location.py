@@ -14,6 +14,7 @@ import tensorwire
 from tensorwire import topology
 from tensorwire.errors import LimitExceeded, ProtocolError
 from tensorwire.server import ServerThread
+from tensorwire.server.options import ServerOptions
 from tensorwire.types import Limits
 from tensorwire.wire import meta as wm
 
@@ -40,7 +41,7 @@ def test_oversized_and_unprintable_labels_are_refused() -> None:
 def test_a_server_with_a_hostile_host_label_is_refused_at_connect() -> None:
     hostile = topology.Location("evil\x1b[2J\n")
     refused = pytest.raises(ProtocolError, match="the server's host")
-    with ServerThread(["tcp://127.0.0.1:0"], location=hostile) as srv, refused:
+    with ServerThread(["tcp://127.0.0.1:0"], ServerOptions(location=hostile)) as srv, refused:
         tensorwire.connect(srv.url, retries=0)
 
 

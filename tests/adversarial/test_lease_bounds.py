@@ -16,6 +16,7 @@ import torch
 import tensorwire
 from tensorwire import transport
 from tensorwire.errors import InvalidTensor, LimitExceeded, ProtocolError
+from tensorwire.server.options import ServerOptions
 from tensorwire.store.generations import GenerationConfig
 from tensorwire.testing.process import wait_for
 from tensorwire.transport import TransportOptions
@@ -28,7 +29,9 @@ from tensorwire.wire.rpc import SERVICE
 @pytest.fixture
 def srv() -> Iterator[tensorwire.ServerThread]:
     config = GenerationConfig(keep=1, leases_per_owner=2, leases_per_client=3)
-    with tensorwire.ServerThread(["tcp://127.0.0.1:0", "grpc://127.0.0.1:0"], generations=config) as server:
+    with tensorwire.ServerThread(
+        ["tcp://127.0.0.1:0", "grpc://127.0.0.1:0"], ServerOptions(generations=config)
+    ) as server:
         yield server
 
 

@@ -133,6 +133,6 @@ def test_a_state_transfer_carries_the_owner() -> None:
 
 def test_serve_refuses_an_operator_token_that_is_the_clients(tmp_path: Path) -> None:
     token = write_token_file(tmp_path / "token", "the-same-secret")
-    refused = CliRunner().invoke(cli.main, ["serve", "--token-file", str(token), "--operator-token-file",
-                                            str(token)])  # fmt: skip
+    argv = ["ps", "serve", "--token-file", str(token), "--operator-token-file", str(token)]
+    refused = CliRunner().invoke(cli.main, argv)
     assert refused.exit_code == 2 and "--operator-token-file must differ" in refused.output

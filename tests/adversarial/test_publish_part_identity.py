@@ -14,6 +14,7 @@ import torch
 
 import tensorwire
 from tensorwire.errors import ConnectionLost, PublishAborted, WaitTimeout
+from tensorwire.server.options import ServerOptions
 from tensorwire.store.generations import GenerationConfig
 
 
@@ -27,7 +28,7 @@ def test_errors_and_logs_never_show_a_transactions_id(caplog: pytest.LogCaptureF
     txn = os.urandom(16)
     config = GenerationConfig(max_wait_seconds=5.0)
     with (
-        tensorwire.ServerThread(generations=config) as srv,
+        tensorwire.ServerThread(options=ServerOptions(generations=config)) as srv,
         caplog.at_level(logging.DEBUG),
         tensorwire.connect(srv.url, retries=0) as c,
     ):

@@ -24,6 +24,7 @@ import tensorwire
 from tensorwire._aio import LoopThread
 from tensorwire.errors import ConnectionLost
 from tensorwire.server.core import Server
+from tensorwire.server.options import ConnectionOptions, ServerOptions
 from tensorwire.server.request import Handler, Request
 from tensorwire.store import TensorStore, generation_disk
 from tensorwire.wire.frame import Opcode
@@ -61,7 +62,10 @@ def slow_disk(monkeypatch: pytest.MonkeyPatch) -> threading.Event:
 def test_a_publish_behind_a_slow_disk_is_answered_not_cut_off(
     tmp_path: Path, slow_disk: threading.Event
 ) -> None:
-    server = Server(TensorStore(capacity=64 << 20, data_dir=tmp_path), stall_timeout=STALL)
+    server = Server(
+        ServerOptions(connections=ConnectionOptions(stall_timeout=STALL)),
+        store=TensorStore(capacity=64 << 20, data_dir=tmp_path),
+    )
     with serving(server) as url, tensorwire.connect(url, retries=0) as c:
         gen = c.publish("m", {"w": torch.arange(4.0)})  # before: ConnectionLost, and generation 1 there
         assert gen.number == 1 and slow_disk.is_set()
@@ -101,7 +105,7 @@ class _Slow:
 
 def test_the_watchdog_closes_a_stalled_connection_once(caplog: pytest.LogCaptureFixture) -> None:
     slow = _Slow()
-    server = Server(stall_timeout=STALL, extensions=[slow])
+    server = Server(ServerOptions(connections=ConnectionOptions(stall_timeout=STALL)), extensions=[slow])
     caplog.set_level(logging.WARNING, logger="tensorwire.server")
     with serving(server) as url:
         with pytest.raises(ConnectionLost):

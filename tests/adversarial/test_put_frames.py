@@ -31,7 +31,7 @@ def _put(block: bytes, data: bytes, rid: int) -> bytes:
 async def _refusals(frames: list[bytes]) -> tuple[list[int], int, int]:
     """The error code of each frame's answer on one connection, then whether that connection
     still stores a small put; the peak of Python allocations meanwhile; the tensors stored."""
-    srv = Server(TensorStore(4 * GiB))
+    srv = Server(store=TensorStore(4 * GiB))
     await srv.start("tcp://127.0.0.1:0")
     try:
         async with raw(srv) as (stream, reader):

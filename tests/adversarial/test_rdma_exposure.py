@@ -59,7 +59,7 @@ def _service(server: Server) -> RdmaService:
 async def _server() -> tuple[Server, list[int]]:
     """A server on rdma://127.0.0.1 and the ports its engine's start opened (not its own listener)."""
     before = {s.inode for s in tcp_sockets()}
-    server = Server(TensorStore(1 << 30))
+    server = Server(store=TensorStore(1 << 30))
     await server.start("rdma://127.0.0.1:0")
     ports = sorted({s.port for s in tcp_sockets() if s.inode not in before and s.state == "0A"})
     return server, [p for p in ports if p != server.addresses[0].port]
@@ -278,7 +278,7 @@ def test_an_engine_asked_for_another_address_accepts_connections_on_its_interfac
 
     async def case(ns: str, host_address: str, device: str) -> None:
         before = {s.inode for s in tcp_sockets()}
-        server = Server(TensorStore(1 << 30))
+        server = Server(store=TensorStore(1 << 30))
         await server.start(f"rdma://{host_address}:0")
         listening = {s.port for s in tcp_sockets() if s.inode not in before and s.state == "0A"}
         ports = sorted(listening - {server.addresses[0].port})

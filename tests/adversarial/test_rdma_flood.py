@@ -28,6 +28,7 @@ from tensorwire._aio import run
 from tensorwire.client.batches import TensorBatch
 from tensorwire.client.core import ClientOptions
 from tensorwire.dashboard.collect import ask_status
+from tensorwire.server.options import ConnectionOptions, ServerOptions
 from tensorwire.server.rdma import RdmaService
 from tensorwire.testing import rdma as kit
 from tensorwire.testing.process import ServerProcess, wait_for
@@ -132,7 +133,10 @@ def test_a_clients_idle_engine_connections_are_not_cut() -> None:
     open well past the grace (they sent their requests), and its next transfer needs no retry."""
 
     async def case() -> None:
-        server = Server(TensorStore(1 << 28), auth_timeout=0.2, max_connections=BOUND)  # grace 0.2 s
+        server = Server(
+            ServerOptions(connections=ConnectionOptions(auth_timeout=0.2, max_connections=BOUND)),
+            store=TensorStore(1 << 28),
+        )  # grace 0.2 s
         await server.start("rdma://127.0.0.1:0")
         service = next(e for e in server.extensions if isinstance(e, RdmaService))
         engine = service.engine

@@ -53,7 +53,7 @@ def test_a_puts_landing_buffer_counts_against_the_capacity() -> None:
     capacity = 8 * MIB
 
     async def case() -> None:
-        server = Server(TensorStore(capacity))
+        server = Server(store=TensorStore(capacity))
         await server.start("rdma://127.0.0.1:0")
         options = TransportOptions(5.0, 5.0, security=Security())
         channel: FrameChannel = await open_channel(server.addresses[0], options, what="the test")

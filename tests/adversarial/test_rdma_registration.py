@@ -15,6 +15,7 @@ from tensorwire._aio import run
 from tensorwire.client.batches import TensorBatch
 from tensorwire.errors import AuthenticationError, ErrorCode, LimitExceeded, ProtocolError, TensorwireError
 from tensorwire.security import Security
+from tensorwire.server.options import ServerOptions
 from tensorwire.server.rdma import MAX_OPEN, RdmaService
 from tensorwire.testing import rdma as kit
 from tensorwire.testing.conformance import raw, read_reply
@@ -49,7 +50,7 @@ def _registered(server: Server) -> int:
 
 
 async def _server(token: str | None = None) -> Server:
-    server = Server(TensorStore(1 << 30), security=Security(token=token))
+    server = Server(ServerOptions(token=token), store=TensorStore(1 << 30))
     await server.start("rdma://127.0.0.1:0")
     return server
 

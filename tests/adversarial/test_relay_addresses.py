@@ -21,8 +21,9 @@ import tensorwire
 from tensorwire.broadcast.coordinator import RelayCoordinator
 from tensorwire.broadcast.peer import relay_token
 from tensorwire.errors import AuthenticationError, ProtocolError, TransportError
-from tensorwire.security import Security, TlsFiles
+from tensorwire.security import TlsFiles
 from tensorwire.server import ServerThread
+from tensorwire.server.options import ServerOptions
 from tensorwire.testing.process import wait_for
 from tensorwire.testing.relay import (
     PREFIX,
@@ -122,9 +123,9 @@ def test_the_operator_may_allow_addresses_other_than_the_connections(
 
 def test_under_a_tls_origin_no_plain_text_address_is_accepted(tmp_path: Path) -> None:
     served, reader = reader_certs(tmp_path)
-    with ServerThread(["tls://127.0.0.1:0"], security=Security(tls=served, token="tok")) as srv:
+    with ServerThread(["tls://127.0.0.1:0"], ServerOptions(tls=served, token="tok")) as srv:
         coordinator = RelayCoordinator.of(srv.server)
-        files = {"tls_ca": str(reader.ca), "tls_cert": str(reader.cert), "tls_key": str(reader.key)}
+        files = {"tls": TlsFiles(ca=reader.ca, cert=reader.cert, key=reader.key)}
         with tensorwire.connect(srv.url, token="tok", **files) as trainer:
             trainer.publish("policy", {"w": torch.ones(8)})
         with RelayConn(srv.url, token="tok", tls=reader) as conn:
@@ -221,9 +222,9 @@ def test_a_relay_server_asks_for_the_relay_token_and_serves_only_relay_gets() ->
 def test_over_tls_a_relay_server_asks_for_a_client_certificate(tmp_path: Path) -> None:
     served, reader = reader_certs(tmp_path)
     model = {"w": torch.ones(64)}
-    with ServerThread(["tls://127.0.0.1:0"], security=Security(tls=served, token="tok")) as srv:
+    with ServerThread(["tls://127.0.0.1:0"], ServerOptions(tls=served, token="tok")) as srv:
         RelayCoordinator.of(srv.server)
-        files = {"tls_ca": str(reader.ca), "tls_cert": str(reader.cert), "tls_key": str(reader.key)}
+        files = {"tls": TlsFiles(ca=reader.ca, cert=reader.cert, key=reader.key)}
         with tensorwire.connect(srv.url, token="tok", **files) as trainer:
             trainer.publish("policy", model)
         with tensorwire.Subscriber(

@@ -21,6 +21,7 @@ from tensorwire.ps import SGD, ParamServer, Worker
 from tensorwire.ps.worker.rpc import server_stats
 from tensorwire.security import Security, TlsFiles, load_token, write_dev_certs, write_token_file
 from tensorwire.server import ServerThread
+from tensorwire.server.options import MetricsOptions, ServerOptions
 from tensorwire.testing.faults import kill9
 from tensorwire.testing.process import ServerProcess
 
@@ -95,14 +96,16 @@ def test_a_tls_backup_gets_the_changes_over_tls_with_the_peer_tls_files(
     backup's certificate does not verify, a configuration error: the worker is refused."""
     files = TlsFiles(certs["server"], certs["server_key"])
     backup_ps = ParamServer(standby=True, failover_timeout=0.3, peer=Security(token=PEER))
-    security = Security(files, CLIENT)
+    served = ServerOptions(tls=files, token=CLIENT)
     with ServerThread(
-        ["tcp://127.0.0.1:0", "tls://127.0.0.1:0"], security=security, extensions=[backup_ps]
+        ["tcp://127.0.0.1:0", "tls://127.0.0.1:0"],
+        served,
+        extensions=[backup_ps],
     ) as backup:
         tcp_url, tls_url = (str(a) for a in backup.addresses)
         peer = Security(TlsFiles(ca=certs["ca"]) if trusts_the_ca else None, PEER)
         primary_ps = ParamServer(backups=[tls_url], peer=peer)
-        with ServerThread(security=Security(token=CLIENT), extensions=[primary_ps]) as primary:
+        with ServerThread(options=ServerOptions(token=CLIENT), extensions=[primary_ps]) as primary:
             net = model()
             worker = Worker(net, f"{primary.url}|{tcp_url}", "async", SGD(lr=0.1), rank=0, token=CLIENT,
                             heartbeat=0, timeout=20)  # fmt: skip
@@ -124,10 +127,10 @@ def refusing_slot(request: pytest.FixtureRequest) -> Iterator[tuple[ParamServer,
     """A primary whose backup was given another peer token (a misconfigured slot)."""
     client = request.param
     backup_ps = ParamServer(standby=True, peer=Security(token="another-peer-token"))
-    with ServerThread(security=Security(token=client), extensions=[backup_ps]) as backup:
+    with ServerThread(options=ServerOptions(token=client), extensions=[backup_ps]) as backup:
         primary_ps = ParamServer(backups=[backup.url], peer=Security(token=PEER))
         with ServerThread(
-            security=Security(token=client), extensions=[primary_ps], metrics_port=0
+            options=ServerOptions(token=client, metrics=MetricsOptions(port=0)), extensions=[primary_ps]
         ) as primary:
             yield primary_ps, primary, backup.url
 

@@ -18,6 +18,7 @@ from tensorwire.ps import SGD, ParamServer, Worker
 from tensorwire.ps.server import replication as rp
 from tensorwire.security import Security, write_token_file
 from tensorwire.server import ServerThread
+from tensorwire.server.options import ServerOptions
 from tensorwire.testing.process import ServerProcess, wait_for
 from tensorwire.transport.frame_client import FramedTransport
 from tensorwire.types import Address
@@ -58,9 +59,9 @@ def train(url: str, count: int, token: str | None = None) -> None:
 def test_an_ordinary_client_can_neither_demote_nor_fence_a_primary(client_token: str | None) -> None:
     # The job is kept when its worker leaves: the second run of it goes on from the first.
     backup_ps = ParamServer(standby=True, failover_timeout=30, peer=PEER, keep_jobs=True)
-    with ServerThread(security=Security(token=client_token), extensions=[backup_ps]) as backup:
+    with ServerThread(options=ServerOptions(token=client_token), extensions=[backup_ps]) as backup:
         primary_ps = ParamServer(backups=[backup.url], peer=PEER, keep_jobs=True)
-        with ServerThread(security=Security(token=client_token), extensions=[primary_ps]) as primary:
+        with ServerThread(options=ServerOptions(token=client_token), extensions=[primary_ps]) as primary:
             train(primary.url, 1, client_token)
             for epoch in (1, 2, TOP):  # its own epoch (a demotion), a newer one, the top (fencing)
                 with pytest.raises(AuthenticationError, match="PS_REPLICATE is served only to the replicas"):
@@ -124,6 +125,6 @@ def test_a_replica_without_a_peer_token_does_not_start(tmp_path: Path) -> None:
         ParamServer(backups=["tcp://127.0.0.1:1"], peer=Security())
     with pytest.raises(ValueError, match="differ from the clients' token"):
         ServerThread(
-            security=Security(token="same"),
+            options=ServerOptions(token="same"),
             extensions=[ParamServer(standby=True, peer=Security(token="same"))],
         )

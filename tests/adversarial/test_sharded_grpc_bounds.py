@@ -24,8 +24,8 @@ import torch
 
 import tensorwire
 from tensorwire.errors import LimitExceeded, PublishAborted
-from tensorwire.security import Security
 from tensorwire.server import Server
+from tensorwire.server.options import ConnectionOptions, ServerOptions
 from tensorwire.store import TensorStore
 from tensorwire.store.generations import GenerationConfig
 from tensorwire.testing.process import wait_for
@@ -44,7 +44,7 @@ def srv() -> Iterator[tensorwire.ServerThread]:
     config = GenerationConfig(max_parts=4, max_transactions=2, max_wait_seconds=10.0)
     limits = tensorwire.Limits(max_request_bytes=1 << 20)
     with tensorwire.ServerThread(
-        ["grpc://127.0.0.1:0"], security=Security(token=TOKEN), generations=config, limits=limits
+        ["grpc://127.0.0.1:0"], ServerOptions(token=TOKEN, generations=config, limits=limits)
     ) as server:
         yield server
 
@@ -312,7 +312,9 @@ def test_leases_outlive_their_connection_so_the_peers_holding_one_are_bounded() 
             return None, ""
 
     async def main() -> None:
-        server = Server(TensorStore(1 << 20), max_connections=2)
+        server = Server(
+            ServerOptions(connections=ConnectionOptions(max_connections=2)), store=TensorStore(1 << 20)
+        )
         await server.start("grpc://127.0.0.1:0")
         try:
             address = server.addresses[0]

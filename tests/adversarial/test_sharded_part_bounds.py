@@ -21,6 +21,7 @@ import torch
 
 import tensorwire
 from tensorwire.errors import InvalidTensor, LimitExceeded, ProtocolError, PublishAborted, WaitTimeout
+from tensorwire.server.options import ServerOptions
 from tensorwire.store.generations import GenerationConfig
 from tensorwire.testing.process import wait_for
 from tensorwire.transport import TransportOptions, open_channel
@@ -32,7 +33,7 @@ from tensorwire.wire.frame import Opcode
 @pytest.fixture
 def srv() -> Iterator[tensorwire.ServerThread]:
     config = GenerationConfig(max_parts=4, max_transactions=3, transactions_per_owner=2, max_wait_seconds=5.0)
-    with tensorwire.ServerThread(generations=config) as server:
+    with tensorwire.ServerThread(options=ServerOptions(generations=config)) as server:
         yield server
 
 
@@ -169,7 +170,7 @@ async def _until(condition: object, timeout: float = 10.0) -> None:
     ids=["a-range-outside-the-tensor", "too-many-ranges", "too-many-bytes"],
 )
 def test_gen_get_ranges_is_bounded(ranges: list[tuple[int, int]], error: type[Exception], says: str) -> None:
-    with tensorwire.ServerThread(limits=Limits(max_request_bytes=65536)) as server:
+    with tensorwire.ServerThread(options=ServerOptions(limits=Limits(max_request_bytes=65536))) as server:
         with tensorwire.connect(server.url) as c:
             c.publish("p", {"t0": torch.zeros(256)})
 

@@ -93,7 +93,7 @@ def test_every_way_in_counts_against_max_tensors(path: str) -> None:
 async def a_batch_of_many_names_for_a_small_store() -> tuple[int, int]:
     records = [TensorMeta(f"z/{i}", torch.uint8, (0,), 0) for i in range(100_000)]
     frame = put_frame(records, b"")
-    srv = Server(TensorStore(1 * MiB))
+    srv = Server(store=TensorStore(1 * MiB))
     await srv.start("tcp://127.0.0.1:0")
     try:
         async with raw(srv) as (stream, reader):

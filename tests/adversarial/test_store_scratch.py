@@ -19,6 +19,7 @@ import zstandard
 from tensorwire import errors
 from tensorwire._aio import run
 from tensorwire.server import Server
+from tensorwire.server.options import ServerOptions
 from tensorwire.store import TensorStore
 from tensorwire.testing.conformance import raw, read_reply
 from tensorwire.types import KiB, Limits, MiB, TensorMeta
@@ -42,7 +43,7 @@ def compressed_put(name: str, data: bytes, chunk: int, codec: int, payload: byte
 
 @contextlib.asynccontextmanager
 async def server(capacity: int) -> AsyncIterator[Server]:
-    srv = Server(TensorStore(capacity), Limits())
+    srv = Server(ServerOptions(limits=Limits()), store=TensorStore(capacity))
     await srv.start("tcp://127.0.0.1:0")
     try:
         yield srv

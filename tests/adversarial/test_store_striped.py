@@ -90,7 +90,7 @@ async def two_writers_of_one_range() -> None:
     """A writes the range and holds back its last chunk; B writes the same range, damaged; A sends
     its last chunk, so every chunk of A's verified when it landed. B's bytes, wherever they went,
     failed their checksum: the commit must not publish them."""
-    srv = Server(TensorStore(1 << 30))
+    srv = Server(store=TensorStore(1 << 30))
     await srv.start("tcp://127.0.0.1:0")
     try:
         async with raw(srv) as (a, a_reader), raw(srv) as (b, b_reader):
@@ -117,7 +117,7 @@ async def a_damaged_overlap_drops_the_verified_note() -> None:
     """A writes [0, 2 chunks) and [2, 4 chunks), both verified; B rewrites [1, 3 chunks) damaged.
     The bytes B left are unverified wherever they lie: the commit is refused until they are
     written again, and then it publishes the good bytes."""
-    srv = Server(TensorStore(1 << 30))
+    srv = Server(store=TensorStore(1 << 30))
     await srv.start("tcp://127.0.0.1:0")
     try:
         async with raw(srv) as (a, a_reader), raw(srv) as (b, b_reader):
@@ -145,7 +145,7 @@ def test_a_damaged_write_over_verified_ranges_blocks_the_commit_until_rewritten(
 
 
 async def tiny_ranges() -> None:
-    srv = Server(TensorStore(1 << 30))
+    srv = Server(store=TensorStore(1 << 30))
     await srv.start("tcp://127.0.0.1:0")
     try:
         async with raw(srv) as (a, a_reader):

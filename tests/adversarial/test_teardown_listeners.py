@@ -28,6 +28,7 @@ from tensorwire.cli.status import ask_status
 from tensorwire.client import ClientOptions
 from tensorwire.errors import TensorwireError
 from tensorwire.server import Server
+from tensorwire.server.options import ConnectionOptions, ServerOptions
 from tensorwire.store import TensorStore
 from tensorwire.testing.process import ServerProcess, wait_for
 from tensorwire.transport import memory
@@ -144,7 +145,9 @@ def test_a_client_loop_that_died_with_a_parked_read_does_not_end_the_watchdog() 
     url = f"memory://teardown-dead-loop-{os.getpid()}"
 
     async def main() -> None:
-        server = Server(TensorStore(1 << 24), auth_timeout=0.3)
+        server = Server(
+            ServerOptions(connections=ConnectionOptions(auth_timeout=0.3)), store=TensorStore(1 << 24)
+        )
         await server.start(url)
         try:
             # A client on a loop of its own parks a read on its stream; then that loop stops and

@@ -33,7 +33,7 @@ from tensorwire._aio import NO_UVLOOP_ENV, run
 from tensorwire.cli.status import ask_status
 from tensorwire.client import ClientOptions
 from tensorwire.errors import ConnectionLost, TensorwireError
-from tensorwire.security import write_dev_certs
+from tensorwire.security import TlsFiles, write_dev_certs
 from tensorwire.testing.process import ServerProcess, wait_for
 from tensorwire.transport.tcp import TcpStream
 from tensorwire.types import Address, MiB, TensorMeta
@@ -54,7 +54,9 @@ class Served:
         self.urls = {Address.parse(url).scheme: url for url in srv.urls}
 
     def client(self, scheme: str) -> tensorwire.Client:
-        return tensorwire.connect(self.urls[scheme], retries=0, timeout=10.0, tls_ca=str(self.certs["ca"]))
+        return tensorwire.connect(
+            self.urls[scheme], retries=0, timeout=10.0, tls=TlsFiles(ca=self.certs["ca"])
+        )
 
     def cuts(self) -> int:
         return self.srv.output().count("no progress for")

@@ -21,6 +21,7 @@ import torch
 from tensorwire.client import AsyncClient, ClientOptions
 from tensorwire.security import Security, TlsFiles, write_dev_certs
 from tensorwire.server import Server
+from tensorwire.server.options import ConnectionOptions, ServerOptions
 from tensorwire.store import TensorStore
 from tensorwire.types import Address
 
@@ -28,8 +29,13 @@ TOKEN = "deadline-token"
 
 
 @asynccontextmanager
-async def serving(url: str, **options: object) -> AsyncIterator[Server]:
-    server = Server(TensorStore(1 << 24), **options)  # type: ignore[arg-type]
+async def serving(
+    url: str, security: Security | None = None, auth_timeout: float = 5.0, max_connections: int = 1024
+) -> AsyncIterator[Server]:
+    tls, token = (security.tls, security.token) if security is not None else (None, None)
+    limits = ConnectionOptions(auth_timeout=auth_timeout, max_connections=max_connections)
+    options = ServerOptions(tls=tls, token=token, connections=limits)
+    server = Server(options, store=TensorStore(1 << 24))
     await server.start(url)
     try:
         yield server
@@ -108,7 +114,7 @@ def test_pending_tls_handshakes_count_and_end_at_the_deadline(tmp_path: Path) ->
             for reader, writer in silent:
                 await closed_within(reader, 5.0)
                 writer.close()
-            options = ClientOptions(tls_ca=str(certs["ca"]), token=TOKEN, timeout=10, connect_timeout=5)
+            options = ClientOptions(tls=TlsFiles(ca=certs["ca"]), token=TOKEN, timeout=10, connect_timeout=5)
             client = AsyncClient(str(srv.addresses[0]), options)
             await client.put("t/x", torch.arange(4))
             assert torch.equal(await client.get("t/x"), torch.arange(4))

@@ -11,6 +11,7 @@ import asyncio
 import grpc
 
 from tensorwire.server import Server
+from tensorwire.server.options import ServerOptions
 from tensorwire.store import TensorStore
 from tensorwire.types import Limits
 from tensorwire.v1 import tensor_service_pb2 as pb
@@ -19,7 +20,7 @@ from tensorwire.v1 import tensor_service_pb2_grpc as pb_grpc
 
 def test_name_lists_are_bounded_by_max_batch() -> None:
     async def main() -> None:
-        server = Server(TensorStore(1 << 20), Limits(max_batch=10))
+        server = Server(ServerOptions(limits=Limits(max_batch=10)), store=TensorStore(1 << 20))
         await server.start("grpc://127.0.0.1:0")
         try:
             address = server.addresses[0]

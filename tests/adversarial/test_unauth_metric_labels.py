@@ -13,8 +13,8 @@ import urllib.request
 import grpc
 
 from tensorwire.ps import ParamServer
-from tensorwire.security import Security
 from tensorwire.server import ServerThread, metrics
+from tensorwire.server.options import MetricsOptions, ServerOptions
 
 TOKEN = "metric-label-token"
 KNOWN_OPS = {"put", "get", "delete", "stat", "list", "ping", "allreduce", "unknown"}
@@ -36,8 +36,7 @@ def call_made_up_methods(target: str, count: int, token: str | None) -> set[grpc
 def test_made_up_grpc_methods_add_no_metric_series() -> None:
     with ServerThread(
         ["grpc://127.0.0.1:0"],
-        security=Security(token=TOKEN),
-        metrics_port=0,
+        ServerOptions(token=TOKEN, metrics=MetricsOptions(port=0)),
         extensions=[ParamServer()],
     ) as srv:
         target = srv.url.removeprefix("grpc://")

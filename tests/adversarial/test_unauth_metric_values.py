@@ -25,8 +25,9 @@ from click.testing import CliRunner
 from tensorwire import cli
 from tensorwire.dashboard.collect import collect
 from tensorwire.ps import SGD, ParamServer, Worker
-from tensorwire.security import Security, TlsFiles, write_dev_certs, write_token_file
+from tensorwire.security import TlsFiles, write_dev_certs, write_token_file
 from tensorwire.server import ServerThread, metrics
+from tensorwire.server.options import MetricsOptions, ServerOptions
 from tensorwire.testing.relay import PREFIX, blank_like, model_tensors, origin, publish, subscribers
 
 TOKEN = "the-token-of-the-metric-values-test"
@@ -63,8 +64,11 @@ def job_at_step_one(url: str, **client: object) -> Iterator[None]:
 def test_only_the_metrics_token_sees_job_ids_never_the_clients_token() -> None:
     """Before, the full page took the clients' token as its bearer (and the docs told operators to
     give Prometheus that token, over plain HTTP)."""
-    with ServerThread(security=Security(token=TOKEN), extensions=[ParamServer()], metrics_port=0,
-                      metrics_token=METRICS_TOKEN) as srv, job_at_step_one(srv.url, token=TOKEN):  # fmt: skip
+    options = ServerOptions(token=TOKEN, metrics=MetricsOptions(port=0, token=METRICS_TOKEN))
+    with (
+        ServerThread(options=options, extensions=[ParamServer()]) as srv,
+        job_at_step_one(srv.url, token=TOKEN),
+    ):
         exporter = srv.server.exporter
         assert exporter is not None
         public, full = scrape(exporter.url), scrape(exporter.url, METRICS_TOKEN)
@@ -86,18 +90,21 @@ def test_only_the_metrics_token_sees_job_ids_never_the_clients_token() -> None:
 def test_a_server_secured_by_client_certificates_only_shows_no_job_id(tmp_path: Path) -> None:
     """Before, a server with --tls-client-ca and no token served its full page to anyone."""
     paths = write_dev_certs(tmp_path)
-    security = Security(TlsFiles(paths["server"], paths["server_key"], paths["ca"]))
+    served = TlsFiles(paths["server"], paths["server_key"], paths["ca"])
     client = TlsFiles(paths["client"], paths["client_key"], paths["ca"])
     urls = ("tls://127.0.0.1:0",)
     with (
-        ServerThread(urls, security=security, extensions=[ParamServer()], metrics_port=0) as srv,
+        ServerThread(
+            urls,
+            ServerOptions(tls=served, metrics=MetricsOptions(port=0)),
+            extensions=[ParamServer()],
+        ) as srv,
         job_at_step_one(srv.url, tls=client),
     ):
         exporter = srv.server.exporter
         assert exporter is not None
         public = scrape(exporter.url)
-        (node,) = collect([srv.url], timeout=10, tls_ca=str(paths["ca"]), tls_cert=str(paths["client"]),
-                          tls_key=str(paths["client_key"]))  # fmt: skip
+        (node,) = collect([srv.url], timeout=10, tls=client)
     assert JOB not in public
     (masked,) = series(public, "tensorwire_ps_steps_total")
     assert masked["job"].startswith(metrics.PSEUDONYM_PREFIX)
@@ -133,8 +140,8 @@ def test_the_pseudonym_key_is_no_secret_a_client_could_use() -> None:
 def test_serve_refuses_a_metrics_token_that_is_another_secret(tmp_path: Path) -> None:
     token = write_token_file(tmp_path / "token", "the-same-secret-of-the-metrics-test")
     for others in (["--token-file", str(token)], ["--operator-token-file", str(token)]):
-        argv = ["serve", *others, "--metrics-port", "0", "--metrics-token-file", str(token)]
+        argv = ["ps", "serve", *others, "--metrics-port", "0", "--metrics-token-file", str(token)]
         answer = CliRunner().invoke(cli.main, argv)
         assert answer.exit_code == 2 and "--metrics-token-file must differ" in answer.output, answer.output
     with pytest.raises(ValueError, match="metrics token"):
-        ServerThread(security=Security(token=TOKEN), metrics_port=0, metrics_token=TOKEN)
+        ServerThread(options=ServerOptions(token=TOKEN, metrics=MetricsOptions(port=0, token=TOKEN)))

@@ -16,19 +16,22 @@ import urllib.request
 import pytest
 
 from tensorwire.server import Server, metrics
+from tensorwire.server.options import ConnectionOptions, MetricsOptions, ServerOptions
 from tensorwire.testing.process import wait_for
 
 
 def test_silent_connections_to_the_metrics_port_are_bounded(caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.WARNING, "tensorwire.server.metrics")
-    server = Server(metrics_connections=4, auth_timeout=0.5)
+    server = Server(
+        ServerOptions(connections=ConnectionOptions(auth_timeout=0.5), metrics=MetricsOptions(connections=4))
+    )
     threads = threading.active_count()
     exporter = metrics.Exporter(
         server.registry,
         "127.0.0.1",
         0,
-        max_connections=server.metrics_connections,
-        timeout=server.auth_timeout,
+        max_connections=server.options.metrics.connections,
+        timeout=server.options.connections.auth_timeout,
     )
     silent = [socket.create_connection(("127.0.0.1", exporter.port), timeout=5) for _ in range(64)]
     try:

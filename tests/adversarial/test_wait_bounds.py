@@ -12,6 +12,7 @@ import torch
 
 import tensorwire
 from tensorwire.errors import CapacityExceeded, LimitExceeded
+from tensorwire.server.options import ServerOptions
 from tensorwire.store import TensorStore
 from tensorwire.store.generations import GenerationConfig
 from tensorwire.store.memory import entry_cost
@@ -35,7 +36,7 @@ async def _refused(waits: list[asyncio.Future[object]], says: str) -> list[async
 
 def test_one_client_host_parks_a_bounded_number_of_waits_over_all_its_connections() -> None:
     config = GenerationConfig(waiters_per_owner=2, waiters_per_client=3, max_waiters=100)
-    with tensorwire.ServerThread(generations=config) as srv:
+    with tensorwire.ServerThread(options=ServerOptions(generations=config)) as srv:
         ops = srv.server.generation_ops
 
         async def main() -> None:

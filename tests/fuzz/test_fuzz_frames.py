@@ -43,8 +43,8 @@ from tensorwire import errors, transport
 from tensorwire._aio import run
 from tensorwire.client import AsyncClient, ClientOptions
 from tensorwire.errors import ErrorCode, TensorwireError
-from tensorwire.security import Security
 from tensorwire.server import Server
+from tensorwire.server.options import ConnectionOptions, ServerOptions
 from tensorwire.store import TensorStore
 from tensorwire.store.memory import entry_cost
 from tensorwire.testing.conformance import put_frame, read_reply
@@ -482,7 +482,9 @@ def stored_bytes(store: TensorStore) -> int:
 async def fuzz_live_server(scheme: str, seed: int, count: int, token: str | None = None) -> Counter[str]:
     """Run ``count`` seeded fuzz cases against one fresh server, then check its health."""
     store = TensorStore(capacity=CAPACITY)
-    server = Server(store, stall_timeout=STALL_TIMEOUT, security=Security(token=token))
+    server = Server(
+        ServerOptions(token=token, connections=ConnectionOptions(stall_timeout=STALL_TIMEOUT)), store=store
+    )
     url = "tcp://127.0.0.1:0" if scheme == "tcp" else f"memory://fuzz-{next(_memory_names)}"
     [address] = await server.start(url)
     rng_choices = RandomChoices(random.Random(seed))

@@ -138,13 +138,21 @@ def run_tables(job: Job, scenario: dict[str, Any], report: dict[str, Any]) -> No
             raise
 
 
+def connect(table: dict[str, Any]) -> tensorwire.Client:
+    """A client of the table's server with its options (JSON: ``ca`` is the TLS CA's path)."""
+    options = dict(table.get("options", {}))
+    if "ca" in options:
+        options["tls"] = tensorwire.TlsFiles(ca=Path(options.pop("ca")))
+    return tensorwire.connect(table["url"], **options)
+
+
 def run_disagreement(job: Job, table: dict[str, Any], result: dict[str, Any]) -> None:
     """Ranks 0 and 1 put states that disagree (rank 1: another global shape; then a Partial
     placement): both are refused, on every rank, and nothing is visible."""
     if job.rank >= 2:
         return
     mesh = job.meshes[(2, (2,))]
-    with tensorwire.connect(table["url"], **table.get("options", {})) as client:
+    with connect(table) as client:
         shape = (8, 6) if job.rank == 0 else (8, 7)
         local_shape, _ = compute_local_shape_and_global_offset(shape, mesh, [Shard(0)])
         local = torch.zeros(local_shape)
@@ -173,7 +181,7 @@ def run_table(job: Job, table: dict[str, Any], result: dict[str, Any]) -> None:
     worlds = table.get("worlds", list(range(1, job.world + 1)))
     stored: list[tuple[str, int]] = []  # (prefix, seed)
     started = time.monotonic()
-    with tensorwire.connect(table["url"], **table.get("options", {})) as client:
+    with connect(table) as client:
         seed = 1
         for w in worlds:
             for name, layout in layouts(w, small).items():

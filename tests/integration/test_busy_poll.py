@@ -18,6 +18,7 @@ from click.testing import CliRunner
 import tensorwire
 from tensorwire import _aio, cli
 from tensorwire.server import Server, ServerThread
+from tensorwire.server.options import ConnectionOptions, ServerOptions
 from tensorwire.store import TensorStore
 from tensorwire.store.memory import Entry
 from tensorwire.transport.spin import Spin
@@ -99,7 +100,11 @@ def test_a_server_polls_for_the_next_request_with_busy_poll(asyncio_loops: None)
     for busy_poll in (0.0, 0.01):
         store = TensorStore(1 << 26)
         with (
-            ServerThread(["tcp://127.0.0.1:0"], store=store, busy_poll=busy_poll) as srv,
+            ServerThread(
+                ["tcp://127.0.0.1:0"],
+                ServerOptions(connections=ConnectionOptions(busy_poll=busy_poll)),
+                store=store,
+            ) as srv,
             tensorwire.connect(srv.url, busy_wait=0.0) as c,
         ):
             c.put("spin/y", torch.randn(256))
@@ -131,6 +136,6 @@ def test_spins_that_run_out_are_skipped_for_longer_each_time() -> None:
 
 def test_a_spin_is_not_a_way_to_wait() -> None:
     with pytest.raises(ValueError, match="busy_poll"):
-        Server(busy_poll=1.0)
+        Server(ServerOptions(connections=ConnectionOptions(busy_poll=1.0)))
     result = CliRunner().invoke(cli.main, ["serve", "--busy-poll", "1"])
     assert result.exit_code == 2 and "--busy-poll" in result.output

@@ -24,8 +24,9 @@ pytest.importorskip("aiohttp", reason="the dashboard extra (aiohttp) is not inst
 from dashboard_kit import DashboardProcess
 
 from tensorwire.ps import ParamServer
-from tensorwire.security import Security, write_dev_certs, write_token_file
+from tensorwire.security import write_dev_certs, write_token_file
 from tensorwire.server import ServerThread
+from tensorwire.server.options import MetricsOptions, ServerOptions
 from tensorwire.testing.process import ServerProcess, wait_for
 
 TOKEN = "the-servers-token-for-the-dashboard-test"
@@ -91,7 +92,9 @@ def free_port() -> int:
 
 @pytest.fixture
 def server() -> Iterator[ServerThread]:
-    with ServerThread(security=Security(token=TOKEN), extensions=[ParamServer()], metrics_port=0) as thread:
+    with ServerThread(
+        options=ServerOptions(token=TOKEN, metrics=MetricsOptions(port=0)), extensions=[ParamServer()]
+    ) as thread:
         yield thread
 
 

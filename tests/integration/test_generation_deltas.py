@@ -14,6 +14,7 @@ import torch
 import tensorwire
 import tensorwire._aio
 from tensorwire.server import ServerThread
+from tensorwire.server.options import ServerOptions
 from tensorwire.store.generations import GenerationConfig
 
 FP32 = 2_500_000  # 10 MB: three 4 MiB chunks
@@ -52,7 +53,7 @@ def sent(srv: ServerThread) -> int:
 
 @pytest.fixture
 def server() -> Iterator[ServerThread]:
-    with ServerThread(generations=GenerationConfig(keep=3)) as srv:
+    with ServerThread(options=ServerOptions(generations=GenerationConfig(keep=3))) as srv:
         yield srv
 
 

@@ -16,6 +16,7 @@ import torch
 from tensorwire import aconnect, connect, topology
 from tensorwire import transport as transports
 from tensorwire.server import ServerThread
+from tensorwire.server.options import ServerOptions
 from tensorwire.store import TensorStore
 from tensorwire.types import MiB
 from tensorwire.wire import shm as ws
@@ -25,7 +26,9 @@ BOTH = ["tcp://127.0.0.1:0", "shm://127.0.0.1:0"]
 
 @pytest.fixture
 def both() -> Iterator[ServerThread]:
-    with ServerThread(BOTH, store=TensorStore(64 * MiB), location=topology.Location("h1", "r1")) as srv:
+    with ServerThread(
+        BOTH, ServerOptions(location=topology.Location("h1", "r1")), store=TensorStore(64 * MiB)
+    ) as srv:
         yield srv
 
 

@@ -11,18 +11,19 @@ import torch
 from tensorwire.errors import ConnectError
 from tensorwire.ps import SGD, ParamServer, Worker, pull_parameters
 from tensorwire.ps.exchange.client import ExchangeClient
-from tensorwire.security import Security, TlsFiles, write_dev_certs
+from tensorwire.security import TlsFiles, write_dev_certs
 from tensorwire.server import ServerThread
+from tensorwire.server.options import ServerOptions
 
 TOKEN = "ps-over-tls"
 
 
 def test_a_worker_and_an_exchange_client_over_tls_with_a_private_ca(tmp_path: Path) -> None:
     paths = write_dev_certs(tmp_path)
-    security = Security(TlsFiles(paths["server"], paths["server_key"]), TOKEN)
+    served = ServerOptions(tls=TlsFiles(paths["server"], paths["server_key"]), token=TOKEN)
     ca = TlsFiles(ca=paths["ca"])
     ps = ParamServer(keep_jobs=True)  # the job is read after its worker left
-    with ServerThread(["tls://127.0.0.1:0"], security=security, extensions=[ps]) as server:
+    with ServerThread(["tls://127.0.0.1:0"], served, extensions=[ps]) as server:
         url = server.url.replace("127.0.0.1", "localhost")
         torch.manual_seed(0)
         model = torch.nn.Linear(8, 2)

@@ -17,8 +17,9 @@ from tensorwire import cli, transport
 from tensorwire._aio import run
 from tensorwire.broadcast.coordinator import RelayCoordinator, parse_networks
 from tensorwire.errors import AuthenticationError, InvalidTensor
-from tensorwire.security import Security, TlsFiles
+from tensorwire.security import TlsFiles
 from tensorwire.server import ServerThread, metrics
+from tensorwire.server.options import ServerOptions
 from tensorwire.testing.process import ServerProcess, run_threads
 from tensorwire.testing.relay import (
     PREFIX,
@@ -160,14 +161,9 @@ def test_over_tls_every_hop_is_tls_with_the_token(tmp_path: Path) -> None:
     CA (each reader's certificate serves both ways) and the token (the relay's, derived from it)."""
     served, reader_files = reader_certs(tmp_path)
     model = model_tensors(1)
-    with ServerThread(["tls://127.0.0.1:0"], security=Security(tls=served, token="tok")) as srv:
+    with ServerThread(["tls://127.0.0.1:0"], ServerOptions(tls=served, token="tok")) as srv:
         RelayCoordinator.of(srv.server)
-        tls = {
-            "tls_ca": str(reader_files.ca),
-            "tls_cert": str(reader_files.cert),
-            "tls_key": str(reader_files.key),
-        }
-        with tensorwire.connect(srv.url, token="tok", **tls) as trainer:
+        with tensorwire.connect(srv.url, token="tok", tls=reader_files) as trainer:
             trainer.publish("policy", model)
         targets = [blank_like(model) for _ in range(3)]
         with subscribers(srv.url, "policy", targets, token="tok", tls=reader_files) as subs:
@@ -202,9 +198,9 @@ def test_over_tls_readers_relay_with_the_certificates_tensorwire_certs_writes(
     origin_files = TlsFiles(cert=tmp_path / "server.pem", key=tmp_path / "server-key.pem")
     reader = TlsFiles(cert=tmp_path / f"{cert}.pem", key=tmp_path / f"{cert}-key.pem", ca=tmp_path / "ca.pem")
     model = model_tensors(1)
-    with ServerThread(["tls://127.0.0.1:0"], security=Security(tls=origin_files, token="tok")) as srv:
+    with ServerThread(["tls://127.0.0.1:0"], ServerOptions(tls=origin_files, token="tok")) as srv:
         RelayCoordinator.of(srv.server)
-        with tensorwire.connect(srv.url, token="tok", tls_ca=str(reader.ca)) as trainer:
+        with tensorwire.connect(srv.url, token="tok", tls=TlsFiles(ca=reader.ca)) as trainer:
             trainer.publish("policy", model)
         targets = [blank_like(model) for _ in range(3)]
         with subscribers(srv.url, "policy", targets, token="tok", tls=reader) as subs:

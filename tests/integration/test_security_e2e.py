@@ -13,6 +13,7 @@ from click.testing import CliRunner
 import tensorwire
 from tensorwire import errors
 from tensorwire.cli import main
+from tensorwire.security import TlsFiles
 from tensorwire.testing.process import ServerProcess
 
 TOKEN = "correct-horse-battery-staple"
@@ -50,7 +51,7 @@ def urls(srv: ServerProcess) -> dict[str, str]:
 
 @pytest.mark.parametrize("scheme", ["tcp", "tls", "grpcs"])
 def test_the_right_token_and_ca_get_in(server: ServerProcess, certs: dict[str, Path], scheme: str) -> None:
-    with tensorwire.connect(urls(server)[scheme], tls_ca=str(certs["ca"]), token=TOKEN) as c:
+    with tensorwire.connect(urls(server)[scheme], tls=TlsFiles(ca=certs["ca"]), token=TOKEN) as c:
         assert c.transport == scheme
         c.put(f"sec/{scheme}", torch.arange(5))
         assert torch.equal(c.get(f"sec/{scheme}"), torch.arange(5))
@@ -68,7 +69,7 @@ def test_a_missing_or_wrong_token_is_refused(
     monkeypatch.delenv("TENSORWIRE_TOKEN", raising=False)
     with pytest.raises(errors.AuthenticationError, match="authentication failed"):
         tensorwire.connect(
-            urls(server)[scheme], tls_ca=str(certs["ca"]), token=token, retries=2, backoff=0.01
+            urls(server)[scheme], tls=TlsFiles(ca=certs["ca"]), token=token, retries=2, backoff=0.01
         )
 
 
@@ -76,7 +77,7 @@ def test_the_token_comes_from_the_environment(
     server: ServerProcess, certs: dict[str, Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("TENSORWIRE_TOKEN", TOKEN)
-    with tensorwire.connect(urls(server)["tls"], tls_ca=str(certs["ca"])) as c:
+    with tensorwire.connect(urls(server)["tls"], tls=TlsFiles(ca=certs["ca"])) as c:
         c.ping()
 
 
@@ -86,7 +87,11 @@ def test_a_server_signed_by_another_ca_is_refused(
 ) -> None:
     with pytest.raises(errors.TransportError):
         tensorwire.connect(
-            urls(server)[scheme], tls_ca=str(certs["other_ca"]), token=TOKEN, retries=0, connect_timeout=5
+            urls(server)[scheme],
+            tls=TlsFiles(ca=certs["other_ca"]),
+            token=TOKEN,
+            retries=0,
+            connect_timeout=5,
         )
 
 
@@ -108,9 +113,9 @@ def test_mutual_tls_requires_a_client_certificate(certs: dict[str, Path]) -> Non
     with ServerProcess(extra=extra) as srv:
         for url in srv.urls[1:]:
             with pytest.raises(errors.TransportError):
-                tensorwire.connect(url, tls_ca=str(certs["ca"]), retries=0, connect_timeout=5).ping()
-            mine = {"tls_cert": str(certs["client"]), "tls_key": str(certs["client-key"])}
-            with tensorwire.connect(url, tls_ca=str(certs["ca"]), **mine) as c:
+                tensorwire.connect(url, tls=TlsFiles(ca=certs["ca"]), retries=0, connect_timeout=5).ping()
+            mine = TlsFiles(ca=certs["ca"], cert=certs["client"], key=certs["client-key"])
+            with tensorwire.connect(url, tls=mine) as c:
                 c.ping()
 
 

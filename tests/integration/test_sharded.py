@@ -26,8 +26,9 @@ import tensorwire
 from tensorwire import sharded
 from tensorwire.client.ranges import open_read
 from tensorwire.errors import LayoutMismatch, UnsupportedTransport
-from tensorwire.security import Security, TlsFiles, write_dev_certs
+from tensorwire.security import TlsFiles, write_dev_certs
 from tensorwire.server import ServerThread
+from tensorwire.server.options import ServerOptions
 from tensorwire.store import TensorStore
 from tensorwire.transport.base import as_part_publisher
 from tensorwire.types import Address, MiB
@@ -74,13 +75,16 @@ def tables(tcp: ServerThread, tmp_path_factory: pytest.TempPathFactory) -> Itera
     and 2) over tls://, shm://, grpc:// and grpcs://. The reports, by rank."""
     tmp = tmp_path_factory.mktemp("sharded")
     paths = write_dev_certs(tmp / "certs")
-    security = Security(TlsFiles(paths["server"], paths["server_key"]), TOKEN)
+    served = ServerOptions(tls=TlsFiles(paths["server"], paths["server_key"]), token=TOKEN)
     with (
-        ServerThread(["tls://127.0.0.1:0"], security=security) as tls,
+        ServerThread(["tls://127.0.0.1:0"], served) as tls,
         ServerThread(["shm://127.0.0.1:0"], store=TensorStore(256 * MiB)) as shm,
-        ServerThread(["grpc://127.0.0.1:0", "grpcs://127.0.0.1:0"], security=security) as grpc,
+        ServerThread(
+            ["grpc://127.0.0.1:0", "grpcs://127.0.0.1:0"],
+            served,
+        ) as grpc,
     ):
-        tls_options = {"tls_ca": str(paths["ca"]), "token": TOKEN}
+        tls_options = {"ca": str(paths["ca"]), "token": TOKEN}  # the kit makes it tls=TlsFiles(ca=...)
         small = {"small": True, "worlds": [1, 2]}
         scenario = {"kind": "tables", "tables": [
             {"tag": "tcp", "url": tcp.url, "disagree": True},

@@ -25,6 +25,7 @@ import tensorwire
 from tensorwire import sharded
 from tensorwire.bench.ps_baselines import Job, run_children
 from tensorwire.server import ServerThread
+from tensorwire.server.options import ServerOptions
 from tensorwire.sharded.checkpoint import AsyncSaver, load_training_state, training_state
 from tensorwire.store.generations import GenerationConfig
 
@@ -118,7 +119,7 @@ def test_fsdp_job_resumes_on_another_world_size_from_an_async_checkpoint() -> No
     steps = RESUME_AT + AFTER
     number = RESUME_AT // EVERY  # generations count 1, 2, ... on a fresh server: the save of step 6
     keep = GenerationConfig(keep=steps // EVERY + 1)  # the checkpoint of RESUME_AT stays readable
-    with ServerThread([f"tcp://{HOST}:0"], generations=keep) as server:
+    with ServerThread([f"tcp://{HOST}:0"], ServerOptions(generations=keep)) as server:
         four = [Rank(r, 4, store.port, server.url) for r in range(4)]
         two = [Rank(r, 2, store.port, server.url) for r in range(2)]
         jobs: list[Job] = [(f"rank {me.rank} of 4", train_and_save, (me, steps)) for me in four]

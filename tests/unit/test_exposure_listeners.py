@@ -8,8 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from tensorwire.security import Security, TlsFiles, write_dev_certs
+from tensorwire.security import TlsFiles, write_dev_certs
 from tensorwire.server import ServerThread
+from tensorwire.server.options import ServerOptions
 
 
 def test_only_the_plaintext_network_listener_warns(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
@@ -24,7 +25,7 @@ def test_only_the_plaintext_network_listener_warns(tmp_path: Path, caplog: pytes
     ]
     with (
         caplog.at_level(logging.WARNING, logger="tensorwire"),
-        ServerThread(urls, security=Security(files)) as srv,
+        ServerThread(urls, ServerOptions(tls=files)) as srv,
     ):
         listeners = {a.scheme + ("-lo" if a.host == "127.0.0.1" else ""): a for a in srv.addresses}
         offered = {str(li.address.scheme): (li.encrypted, li.networked) for li in srv.server._listeners}

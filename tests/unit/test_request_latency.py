@@ -9,6 +9,7 @@ from prometheus_client import generate_latest
 
 import tensorwire
 from tensorwire.server import ServerThread, metrics
+from tensorwire.server.options import MetricsOptions, ServerOptions
 
 
 def test_a_timed_request_lands_in_its_bucket() -> None:
@@ -24,7 +25,7 @@ def test_a_timed_request_lands_in_its_bucket() -> None:
 
 
 def test_the_histogram_is_exported_cumulative_per_op_and_transport() -> None:
-    with ServerThread(metrics_port=0) as server:
+    with ServerThread(options=ServerOptions(metrics=MetricsOptions(port=0))) as server:
         with tensorwire.connect(server.url) as client:
             client.list("")
         # The server counts a request once its answer is out, so the client may hear it first.

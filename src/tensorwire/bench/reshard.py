@@ -112,7 +112,7 @@ def worlds(setup: Setup) -> Iterator[Worlds]:
     capacity = 8 * setup.nbytes + 64 * MiB  # 3 prefixes x 2 kept, a put in flight
     store = dist.TCPStore(HOST, 0, is_master=True, wait_for_workers=False)  # type: ignore[attr-defined]
     listen = f"{setup.transport}://{HOST}:0"
-    with ServerThread([listen], TensorStore(capacity)) as server, spawned() as children:
+    with ServerThread([listen], store=TensorStore(capacity)) as server, spawned() as children:
         for world in (SAVERS, READERS):
             places = [Place(world, r, store.port, server.url) for r in range(world.size)]
             children += [Child(rank_main, place, setup) for place in places]

@@ -68,8 +68,9 @@ from tensorwire.bench.children import (
 from tensorwire.bench.report import show
 from tensorwire.bench.transfer_table import Result, format_table
 from tensorwire.client import ClientOptions
-from tensorwire.security import Security, TlsFiles, write_dev_certs
+from tensorwire.security import TlsFiles, write_dev_certs
 from tensorwire.server.core import Server
+from tensorwire.server.options import ServerOptions
 from tensorwire.store import TensorStore
 from tensorwire.transport import rdma_engine
 from tensorwire.types import KiB, MiB
@@ -128,8 +129,8 @@ def _serve_tensorwire(
 async def _serve_tensorwire_async(
     conn: Connection, capacity: int, urls: list[str], certs: dict[str, Path] | None
 ) -> None:
-    security = Security(TlsFiles(certs["server"], certs["server_key"])) if certs else None
-    server = Server(TensorStore(capacity=capacity), security=security)
+    tls = TlsFiles(certs["server"], certs["server_key"]) if certs else None
+    server = Server(ServerOptions(tls=tls), store=TensorStore(capacity=capacity))
     with starting(conn):
         addresses = await server.start(*urls)
         conn.send(("ready", [str(a) for a in addresses]))
@@ -390,7 +391,7 @@ def _measure(
         client.put("bench/small", torch.rand(SMALL_BYTES // 4))
         sync_small_us = _sync_small_us(client, small_iters)
         many_put, many_get = _many(client, many)
-    with tensorwire.connect(s.tls_url, tls_ca=ca) as client:
+    with tensorwire.connect(s.tls_url, tls=TlsFiles(ca=Path(ca))) as client:
         tls_put_gbps, tls_get_gbps = _bulk(client, data, iters, name="bench/tls")
     segments = _segment_transports(s, data, iters)
     small_us, echo_us = _on_loop(_small_and_echo_us(s.url, s.echo_port, small_iters))

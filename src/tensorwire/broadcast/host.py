@@ -53,6 +53,7 @@ from tensorwire.errors import (
 )
 from tensorwire.security import Security, client_token
 from tensorwire.server import Server
+from tensorwire.server.options import ConnectionOptions, ServerOptions
 from tensorwire.store import TensorStore
 from tensorwire.store.generation_config import DEFAULT_MAX_LEASE_SECONDS
 from tensorwire.store.generations import DEFAULT_KEEP, GenerationConfig
@@ -113,8 +114,9 @@ class HostShare:
         room = sum(t.nbytes + entry_cost(name) for name, t in targets.items())
         store = TensorStore(capacity=(keep + 2) * room + MiB)
         config = GenerationConfig(keep=keep, max_lease_seconds=lease_seconds)
-        share = Security(token=security.token)
-        server = Server(store, security=share, generations=config, max_connections=MAX_SHARE_CONNECTIONS)
+        limits = ConnectionOptions(max_connections=MAX_SHARE_CONNECTIONS)
+        options = ServerOptions(token=security.token, generations=config, connections=limits)
+        server = Server(options, store=store)
         try:
             (address,) = await server.start(listen)
         except BaseException:

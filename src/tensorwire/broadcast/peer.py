@@ -43,6 +43,7 @@ import torch
 from tensorwire.errors import ProtocolError, VersionChanged, WaitTimeout
 from tensorwire.security import Security, TlsFiles
 from tensorwire.server import Handler, Request, Server
+from tensorwire.server.options import ConnectionOptions, ServerOptions
 from tensorwire.store import TensorStore
 from tensorwire.transport import TransportOptions
 from tensorwire.types import Address, TensorMeta
@@ -271,10 +272,11 @@ async def serve(
     """Start ``peer``'s relay server on ``host`` (default: the address this host reaches
     ``origin`` from), port 0, the origin's scheme; (the server, the address to register)."""
     host = host or local_host_towards(origin)
-    server = Server(
-        TensorStore(capacity=0, max_tensors=1), security=serving_security(security), extensions=[peer],
-        stall_timeout=stall_timeout, max_connections=MAX_PEER_CONNECTIONS, idle_timeout=PEER_IDLE_TIMEOUT,
-    )  # fmt: skip
+    serving = serving_security(security)
+    limits = ConnectionOptions(stall_timeout=stall_timeout, max_connections=MAX_PEER_CONNECTIONS,
+                               idle_timeout=PEER_IDLE_TIMEOUT)  # fmt: skip
+    options = ServerOptions(tls=serving.tls, token=serving.token, connections=limits)
+    server = Server(options, store=TensorStore(capacity=0, max_tensors=1), extensions=[peer])
     serve_only(server, PEER_OPCODES)
     try:
         (address,) = await server.start(str(Address(origin.scheme, host, 0)))

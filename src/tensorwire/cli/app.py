@@ -17,7 +17,8 @@ traceback (``--log-level debug`` logs the traceback of an unexpected one). Strin
 This module is the group ``main``: its logging options, its error handling, and the table of the
 command modules it is made of. The modules import downwards only::
 
-    app  ->  ps  ->  serve, tensors, bench, dataset, demo, status, dashboard  ->  options  ->  text
+    app  ->  ps  ->  serve  ->  ps_options  ->  server_options  ->  options  ->  text
+    app  ->  tensors, bench, dataset, demo, status, dashboard  ->  options  ->  text
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from typing import Any
 import click
 
 from tensorwire import __version__, logs
-from tensorwire.cli import bench, dashboard, dataset, demo, ps, serve, tensors
+from tensorwire.cli import bench, dashboard, dataset, demo, ps, serve, status, tensors
 from tensorwire.cli.options import CliError
 from tensorwire.errors import TensorwireError
 
@@ -68,7 +69,7 @@ def main(log_level: str, log_format: str) -> None:
 _COMMANDS: tuple[click.Command, ...] = (
     serve.serve, serve.certs,
     tensors.put, tensors.get, tensors.ls, tensors.stat, tensors.rm,
-    ps.ps, ps.status, ps.probe,
+    ps.ps, status.status_command, status.probe_command,
     demo.command, bench.bench, dataset.dataset, dashboard.dashboard,
 )  # fmt: skip
 for _command in _COMMANDS:

@@ -80,7 +80,7 @@ def dashboard(
     if tls_client_ca and not tls_cert:
         raise click.UsageError("--tls-client-ca needs --tls-cert and --tls-key")
     tls = server_ssl_context(TlsFiles(tls_cert, tls_key, tls_client_ca)) if tls_cert else None
-    source = sources.network(servers, timeout, tls_ca=str(tls_ca) if tls_ca else None, token=token)
+    source = sources.network(servers, timeout, tls=TlsFiles(ca=tls_ca) if tls_ca else None, token=token)
     limits = Limits(max_connections=max_connections, connections_per_client=connections_per_client,
                     max_streams=max_streams)  # fmt: skip
     page = Dashboard(source, slots_of(servers), host=host, port=port, token=token, ssl_context=tls,

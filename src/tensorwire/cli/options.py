@@ -20,7 +20,7 @@ import click
 from tensorwire import transport as transports
 from tensorwire.cli.text import printable
 from tensorwire.client.core import Client, connect
-from tensorwire.security import TOKEN_ENV, load_token
+from tensorwire.security import TOKEN_ENV, TlsFiles, load_token
 from tensorwire.types import Address, GiB, KiB, MiB
 
 DEFAULT_URL = "tcp://127.0.0.1:7070"
@@ -124,13 +124,19 @@ def security_options(command: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def client_options() -> dict[str, Any]:
-    """This command's ``security_options``, as keyword arguments of ``connect``/``ClientOptions``
-    (``--token-file`` read into ``token``)."""
-    options = dict(click.get_current_context().meta.get(_CLIENT_META, {}))
-    token_file = options.pop("token_file", None)
+    """This command's ``security_options``, as keyword arguments of ``connect``/``ClientOptions``:
+    ``tls`` (a ``TlsFiles``, when a --tls-* flag is given) and ``token`` (``--token-file`` read)."""
+    given = dict(click.get_current_context().meta.get(_CLIENT_META, {}))
+    options: dict[str, Any] = {}
+    files = [given.get(name) for name in ("tls_cert", "tls_key", "tls_ca")]
+    if any(files):
+        options["tls"] = TlsFiles(*(Path(f) if f else None for f in files))
+    token_file = given.get("token_file")
+    if token_file is not None and "token" in given:
+        raise click.UsageError("give --token or --token-file, not both")
+    if "token" in given:
+        options["token"] = given["token"]
     if token_file is not None:
-        if "token" in options:
-            raise click.UsageError("give --token or --token-file, not both")
         try:
             options["token"] = load_token(Path(token_file))
         except ValueError as exc:

@@ -1,6 +1,4 @@
-"""``tensorwire ps serve | launch | stats | end | plan`` (the parameter server), ``tensorwire
-status`` (one screen about a cluster of servers, ``tensorwire.cli.status``) and ``tensorwire probe``
-(is one server answering: a readiness probe).
+"""``tensorwire ps serve | launch | stats | end | plan``: the parameter server.
 
 The parameter server's modules are heavy and only these commands need them: each command imports
 what it runs when it runs.
@@ -15,13 +13,13 @@ from typing import TYPE_CHECKING, Any
 
 import click
 import torch
-from rich.console import Console
 
 from tensorwire.cli.options import FILE, CliError, client_options, parse_size, security_options, url_param
-from tensorwire.cli.serve import serve
-from tensorwire.cli.text import printable
+from tensorwire.cli.ps_options import PsOptions, ps_options
+from tensorwire.cli.serve import Page, dashboard_options, log_level_option, relay_option, start
+from tensorwire.cli.server_options import Listen, check_secrets, listen_options, server_options
 from tensorwire.client.core import ClientOptions
-from tensorwire.security import TOKEN_ENV
+from tensorwire.server.options import ServerOptions
 
 if TYPE_CHECKING:
     from tensorwire.ps.layout import Layout
@@ -32,7 +30,23 @@ def ps() -> None:
     """The parameter server."""
 
 
-ps.add_command(serve, "serve")  # one process of a cluster: the same server, which runs the PS ops
+@ps.command("serve")
+@listen_options
+@server_options
+@ps_options
+@dashboard_options
+@relay_option
+@log_level_option
+def ps_serve(
+    *, listen: Listen, options: ServerOptions, parameter_server: PsOptions, page: Page | None,
+    relay_networks: tuple[str, ...], log_level: str | None,
+) -> None:  # fmt: skip
+    """Serve a tensor store, which is also a parameter server, until SIGINT or SIGTERM: one process
+    of a cluster (`tensorwire serve` with the parameter server's options)."""
+    check_secrets([("--token-file", options.token), ("--peer-token-file", parameter_server.peer.token),
+                   ("--operator-token-file", parameter_server.operator_token),
+                   ("--metrics-token-file", options.metrics.token)])  # fmt: skip
+    start(listen, options, parameter_server, page=page, relay_networks=relay_networks, log_level=log_level)
 
 
 @ps.command("launch", context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
@@ -101,7 +115,7 @@ def ps_stats(servers: tuple[str, ...], job: str | None, as_table: bool) -> None:
 )  # fmt: skip
 @click.option(
     "--operator-token-file", type=FILE,
-    help="A file holding the servers' operator token (serve --operator-token-file): it ends any job.",
+    help="A file holding the servers' operator token (ps serve --operator-token-file): it ends any job.",
 )  # fmt: skip
 @security_options
 def ps_end(
@@ -210,64 +224,3 @@ _SAFETENSORS_DTYPES = {
     "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
     "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
 }  # fmt: skip
-
-
-# -- status ----------------------------------------------------------------------------------------
-@click.command("status")
-@click.argument("servers", nargs=-1, required=True)
-@click.option(
-    "--metrics", "metrics_urls", metavar="URL", multiple=True,
-    help="Also scrape this metrics endpoint (http://host:port/metrics), e.g. of a gRPC-only server.",
-)  # fmt: skip
-@click.option(
-    "--timeout", type=click.FloatRange(min=0.05), default=2.0, show_default=True,
-    help="Seconds to wait for each server; one that does not answer in time is shown as down.",
-)  # fmt: skip
-@click.option("--json", "as_json", is_flag=True, help="Print JSON: each server's STATUS, metrics summary.")
-@click.option("--tls-ca", type=FILE, help="CA of the servers' certificates (tls://).")
-@click.option("--token", metavar="TOKEN", help=f"The servers' shared token (default: ${TOKEN_ENV}).")
-def status(
-    *, servers: tuple[str, ...], metrics_urls: tuple[str, ...], timeout: float, as_json: bool,
-    tls_ca: Path | None, token: str | None,
-) -> None:  # fmt: skip
-    """A one-screen summary of a cluster: which SERVERS are up, their role, shards, load and lag.
-
-    SERVERS are URLs (HOST:PORT means tcp://); `a|b` names the replicas of one slot. Each is asked
-    STATUS, and its metrics (serve --metrics-port) are scraped: only http(s) URLs, at most 16 MiB.
-    Each server's whole probe ends within 3 x --timeout, however slowly it answers. Exits 1 if any
-    server is down."""
-    from tensorwire.cli import status as cluster
-
-    nodes = cluster.collect([*servers, *metrics_urls], timeout, tls_ca=str(tls_ca) if tls_ca else None,
-                            token=token)  # fmt: skip
-    if as_json:
-        click.echo(json.dumps([n.to_dict() for n in nodes], indent=2, default=str))
-    else:
-        console = Console()
-        Console(width=None if console.is_terminal else 160).print(cluster.render(nodes))
-    if not all(n.up for n in nodes):
-        raise SystemExit(1)
-
-
-@click.command("probe")
-@click.argument("url", callback=url_param)
-@click.option(
-    "--timeout", type=click.FloatRange(min=0.05), default=2.0, show_default=True,
-    help="Seconds the whole probe (connect, TLS, HELLO, STATUS) may take.",
-)  # fmt: skip
-@security_options
-def probe(url: str, timeout: float) -> None:
-    """Exit 0 when the server at URL answers STATUS within --timeout; else exit 1 with one line on
-    stderr saying why (down, refused token or certificate, timeout).
-
-    A readiness and liveness probe (the Helm chart's): `tensorwire probe tcp://localhost:7070
-    --token-file /etc/tensorwire/auth/token`. A gRPC server (grpc://), which has no STATUS, is pinged."""
-    from tensorwire.cli import status as cluster
-
-    options = ClientOptions(timeout=timeout, connect_timeout=timeout, **client_options())
-    answer = cluster.answers(url, options)
-    if answer is None:
-        click.echo(f"{url} answered a ping (gRPC: no STATUS)")
-        return
-    role = cluster.summary(cluster.Node(url, status=answer))["role"]  # "primary @1", "" for a store
-    click.echo(f"{url} answered STATUS" + (f": {printable(role, 40)}" if role else ""))

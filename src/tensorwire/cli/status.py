@@ -1,4 +1,5 @@
-"""``tensorwire status URL...``: one screen about a cluster, from its servers' STATUS answers and metrics.
+"""``tensorwire status URL...``: one screen about a cluster, from its servers' STATUS answers and
+metrics; ``tensorwire probe URL``: is one server answering (a readiness probe).
 
 The asking is ``tensorwire.dashboard.collect`` (re-exported here): every server in parallel, each
 probe bounded, a server that is down shown as down with why. This module draws the screen.
@@ -10,10 +11,15 @@ terminal (``tensorwire.cli.text``).
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from typing import Any
 
-from tensorwire.cli.text import markup
+import click
+
+from tensorwire.cli.options import client_options, security_options, url_param
+from tensorwire.cli.text import markup, printable
+from tensorwire.client.options import ClientOptions
 from tensorwire.dashboard.collect import (
     DEADLINE_FACTOR,
     DEFAULT_TIMEOUT,
@@ -30,6 +36,61 @@ from tensorwire.dashboard.collect import (
     status_or_ping,
     summary,
 )
+
+
+@click.command("status")
+@click.argument("servers", nargs=-1, required=True)
+@click.option(
+    "--metrics", "metrics_urls", metavar="URL", multiple=True,
+    help="Also scrape this metrics endpoint (http://host:port/metrics), e.g. of a gRPC-only server.",
+)  # fmt: skip
+@click.option(
+    "--timeout", type=click.FloatRange(min=0.05), default=2.0, show_default=True,
+    help="Seconds to wait for each server; one that does not answer in time is shown as down.",
+)  # fmt: skip
+@click.option("--json", "as_json", is_flag=True, help="Print JSON: each server's STATUS, metrics summary.")
+@security_options
+def status_command(
+    *, servers: tuple[str, ...], metrics_urls: tuple[str, ...], timeout: float, as_json: bool
+) -> None:
+    """A one-screen summary of a cluster: which SERVERS are up, their role, shards, load and lag.
+
+    SERVERS are URLs (HOST:PORT means tcp://); `a|b` names the replicas of one slot. Each is asked
+    STATUS, and its metrics (serve --metrics-port) are scraped: only http(s) URLs, at most 16 MiB.
+    Each server's whole probe ends within 3 x --timeout, however slowly it answers. Exits 1 if any
+    server is down."""
+    from rich.console import Console
+
+    nodes = collect([*servers, *metrics_urls], timeout, **client_options())
+    if as_json:
+        click.echo(json.dumps([n.to_dict() for n in nodes], indent=2, default=str))
+    else:
+        console = Console()
+        Console(width=None if console.is_terminal else 160).print(render(nodes))
+    if not all(n.up for n in nodes):
+        raise SystemExit(1)
+
+
+@click.command("probe")
+@click.argument("url", callback=url_param)
+@click.option(
+    "--timeout", type=click.FloatRange(min=0.05), default=2.0, show_default=True,
+    help="Seconds the whole probe (connect, TLS, HELLO, STATUS) may take.",
+)  # fmt: skip
+@security_options
+def probe_command(url: str, timeout: float) -> None:
+    """Exit 0 when the server at URL answers STATUS within --timeout; else exit 1 with one line on
+    stderr saying why (down, refused token or certificate, timeout).
+
+    A readiness and liveness probe (the Helm chart's): `tensorwire probe tcp://localhost:7070
+    --token-file /etc/tensorwire/auth/token`. A gRPC server (grpc://), which has no STATUS, is pinged."""
+    options = ClientOptions(timeout=timeout, connect_timeout=timeout, **client_options())
+    answer = answers(url, options)
+    if answer is None:
+        click.echo(f"{url} answered a ping (gRPC: no STATUS)")
+        return
+    role = summary(Node(url, status=answer))["role"]  # "primary @1", "" for a store
+    click.echo(f"{url} answered STATUS" + (f": {printable(role, 40)}" if role else ""))
 
 
 def render(nodes: Sequence[Node]) -> Any:

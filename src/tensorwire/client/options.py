@@ -3,6 +3,7 @@ into what a transport needs (``transport_options``) and how a call is retried (`
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,8 +29,9 @@ class ClientOptions:
     max_backoff: float = 2.0
     checksum: str = "xxh3"
     chunk_size: int | None = None
-    tls_ca: str | None = None  # the server's CA for tls:// and grpcs:// (None: the system store)
-    tls_cert: str | None = None  # this client's certificate and key, for servers that ask (mTLS)
+    # Deprecated (a DeprecationWarning): ``tls=TlsFiles(ca=..., cert=..., key=...)``, below.
+    tls_ca: str | None = None
+    tls_cert: str | None = None
     tls_key: str | None = None
     token: str | None = None  # the server's shared token; None: $TENSORWIRE_TOKEN if set
     # A put of one tensor at least this large resumes after a broken connection from the last
@@ -62,11 +64,22 @@ class ClientOptions:
     # blocking call on a lent connection (a plain get or put, run in the caller's thread) polls its
     # socket; a call on an event loop keeps the loop turning. 0: never spin.
     busy_wait: float = 200e-6
+    # TLS for tls://, grpcs:// and rdmas://: ``ca`` signs the server's certificate (None: the system
+    # store, or $TENSORWIRE_TLS_CA), ``cert``/``key`` are this client's, for servers that ask (mTLS).
+    # The one way to say TLS, as ``ServerOptions(tls=)`` and ``Worker(tls=)`` do.
+    tls: TlsFiles | None = None
+
+    def __post_init__(self) -> None:
+        files = legacy_tls(self.tls_ca, self.tls_cert, self.tls_key)
+        if files is None:
+            return
+        warnings.warn(DEPRECATED_TLS, DeprecationWarning, stacklevel=3)
+        if self.tls is not None and self.tls != files:
+            raise ValueError("give tls= or the deprecated tls_ca=/tls_cert=/tls_key=, not both")
+        object.__setattr__(self, "tls", files)
 
     def security(self) -> Security:
-        files = [self.tls_cert, self.tls_key, self.tls_ca]
-        tls = TlsFiles(*(Path(f) if f else None for f in files)) if any(files) else None
-        return Security(tls, client_token(self.token))
+        return Security(self.tls, client_token(self.token))
 
     def delay(self, attempt: int) -> float:
         return backoff(self.backoff, self.max_backoff)(attempt)
@@ -76,6 +89,18 @@ class ClientOptions:
         """An upper bound on one call, retries and backoff included."""
         attempts = self.retries + 1
         return attempts * (self.timeout + self.connect_timeout) + attempts * self.max_backoff + 5.0
+
+
+DEPRECATED_TLS = (
+    "tls_ca=, tls_cert= and tls_key= are deprecated: give tls=tensorwire.TlsFiles(ca=..., cert=..., key=...)"
+)
+
+
+def legacy_tls(ca: str | Path | None, cert: str | Path | None, key: str | Path | None) -> TlsFiles | None:
+    """The ``TlsFiles`` the deprecated ``tls_ca``/``tls_cert``/``tls_key`` keywords name (None: none)."""
+    if not (ca or cert or key):
+        return None
+    return TlsFiles(*(Path(f) if f else None for f in (cert, key, ca)))
 
 
 def transport_options(options: ClientOptions) -> TransportOptions:

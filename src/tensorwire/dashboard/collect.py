@@ -283,7 +283,7 @@ def named(status: dict[str, Any] | None) -> list[str]:
 
 
 def collect(urls: Sequence[str], timeout: float = DEFAULT_TIMEOUT, **client: Any) -> list[Node]:
-    """Every server's ``Node``, asked in parallel; ``client`` are ClientOptions (tls_ca, token...)."""
+    """Every server's ``Node``, asked in parallel; ``client`` are ClientOptions fields (tls, token...)."""
     from tensorwire._aio import run
 
     options = ClientOptions(timeout=timeout, connect_timeout=timeout, **client)

@@ -18,7 +18,7 @@ from tensorwire.server import metrics
 
 def network(urls: Sequence[str], timeout: float, **client: Any) -> Callable[[], Awaitable[list[Node]]]:
     """Probe ``urls`` (each within ``collect.DEADLINE_FACTOR`` x ``timeout``) at every call;
-    ``client`` are ClientOptions (tls_ca, token)."""
+    ``client`` are ClientOptions fields (tls, token)."""
     options = ClientOptions(timeout=timeout, connect_timeout=timeout, **client)
 
     async def snapshot() -> list[Node]:

@@ -24,131 +24,74 @@ from tensorwire import topology, transport
 from tensorwire._aio import LoopThread, cancel_and_wait
 from tensorwire.errors import ConnectionLost, LimitExceeded
 from tensorwire.logs import event
-from tensorwire.security import Security, TlsFiles, exposure_warning, server_ssl_context
+from tensorwire.security import TlsFiles, exposure_warning, server_ssl_context
 from tensorwire.server import metrics
 from tensorwire.server import rdma as server_rdma
 from tensorwire.server import shm as server_shm
 from tensorwire.server.generation_ops import GenerationOps
+from tensorwire.server.options import ServerOptions, from_keywords
 from tensorwire.server.request import Attached, Extension, Handler, Request, opname, peer_token_of
 from tensorwire.server.session import Serving, Session
 from tensorwire.server.store_ops import StoreOps
 from tensorwire.store import TensorStore
-from tensorwire.store.generations import GenerationConfig, Generations
-from tensorwire.store.uploads import (
-    DEFAULT_MAX_UPLOADS,
-    DEFAULT_RESUMABLE_MIN_BYTES,
-    DEFAULT_UPLOADS_PER_CLIENT,
-    Uploads,
-)
+from tensorwire.store.generations import Generations
+from tensorwire.store.uploads import Uploads
 from tensorwire.transport import tls
 from tensorwire.transport.base import ByteStream, Listener
-from tensorwire.transport.spin import MAX_SPIN
-from tensorwire.types import Address, Limits
+from tensorwire.types import Address
 from tensorwire.wire import meta as wm
 from tensorwire.wire import shm as ws
 
 log = logging.getLogger("tensorwire.server")
-# Connections over --max-connections told why at once (the rest are closed unanswered): see _refuse.
-DEFAULT_REFUSALS = 16
 
 
 class Server:
-    """Serves one store on any number of addresses (``tcp://host:0`` binds a free port).
+    """Serves one store on any number of addresses (``tcp://host:0`` binds a free port), configured
+    by one ``ServerOptions`` (options.py): ``Server(ServerOptions(token=...))``.
 
     It is a tensor store only: the parameter server (``PS_*`` opcodes, ALLREDUCE, gRPC
     ``GradientService``) is an extension, ``Server(extensions=[ps.ParamServer()])``, which
     ``tensorwire serve`` always adds. Without it, a ``ps.Worker`` gets PROTOCOL_ERROR (unknown
     opcode). It is not a default here on purpose: ``tensorwire.ps`` builds on this module, not the
-    other way round.
+    other way round. ``store``: the store to serve (default: one built from ``options.store``).
+    The keywords it took before ``ServerOptions`` (``security=``, ``stall_timeout=``, ...) still
+    work for one release, with a DeprecationWarning (``options.from_keywords``).
     """
 
     def __init__(
         self,
-        store: TensorStore | None = None,
-        limits: Limits | None = None,
+        options: ServerOptions | None = None,
         *,
-        stall_timeout: float = 60.0,
-        security: Security | None = None,
-        max_connections: int = 1024,
-        idle_timeout: float = 900.0,
-        auth_timeout: float = 5.0,
+        store: TensorStore | None = None,
         extensions: Sequence[Extension] = (),
-        metrics_port: int | None = None,
-        metrics_host: str | None = None,
-        metrics_connections: int = 16,
-        metrics_token: str | None = None,
-        max_uploads: int = DEFAULT_MAX_UPLOADS,
-        uploads_per_client: int = DEFAULT_UPLOADS_PER_CLIENT,
-        resumable_min_bytes: int = DEFAULT_RESUMABLE_MIN_BYTES,
-        location: topology.Location | None = None,
-        generations: GenerationConfig | None = None,
-        busy_poll: float = 0.0,
-        refusals: int = DEFAULT_REFUSALS,
+        **deprecated: Any,
     ) -> None:
-        self.store = store if store is not None else TensorStore()
+        self.options = options = from_keywords(options, deprecated)
+        self.store = store if store is not None else options.store.build()
         # Where it runs (HELLO and STATUS say it; default: TENSORWIRE_HOST / _RACK, read now), and
         # which processes may share its segment directory (clients with prefer_local compare it).
-        self.location = location or topology.here()
+        self.location = options.location or topology.here()
         self.host_id = topology.host_identity(ws.shm_dir())
         # Who this store is, for clients that cache by version (HELLO, docs/protocol.md §4.5): a
         # restarted in-memory server counts versions from 1 again, so a version alone names nothing.
         self.store_id = secrets.randbits(64) or 1
-        self.limits = limits or Limits()
+        self.limits = options.limits
         # TLS files serve tls:// and grpcs:// addresses; a token is required on every connection.
-        self.security = security or Security()
+        self.security = options.security()
         self.peer_token = peer_token_of(extensions)  # opens peer sessions (Replicated)
-        if self.peer_token is not None and self.peer_token == self.security.token:
-            raise ValueError("the peer token must differ from the clients' token: any client could replicate")
-        # A peer that stops sending or reading in the middle of a request is cut off after this
-        # many seconds without progress, and what it reserved is freed.
-        self.stall_timeout = stall_timeout
-        # Each connection holds a session and its read buffer: bound how many, and drop those idle
-        # for idle_timeout seconds (a client reconnects on its next call without noticing).
-        self.max_connections = max_connections
-        # A connection over that limit is told why (LimitExceeded) while fewer than ``refusals``
-        # others are being told, each for at most auth_timeout (over TLS the answer waits for the
-        # peer's handshake); beyond that it is closed at once, unanswered. So refused, handshaking
-        # and admitted connections together hold at most max_connections + refusals descriptors,
-        # whatever a flood of silent sockets does (see ``_refuse``).
-        if refusals < 0:
-            raise ValueError(f"refusals must be 0 or more, not {refusals!r}")
-        self.refusals = refusals
-        self._refusing = 0  # over-limit connections being told so now
-        self.idle_timeout = idle_timeout
-        # A connection holds its slot unauthenticated for at most this long: its TLS handshake and
-        # its first frame (a HELLO with the token, when one is required) must be in by then.
-        self.auth_timeout = auth_timeout
-        # After each request a connection's wait for its next one keeps the loop polling this many
-        # seconds before it sleeps (transport/spin.py): a client that sends request after request
-        # then finds the server awake. It costs CPU; off by default (``--busy-poll``).
-        if not 0 <= busy_poll <= MAX_SPIN:
-            raise ValueError(f"busy_poll must be 0 to {MAX_SPIN} seconds, not {busy_poll!r}")
-        self.busy_poll = busy_poll
+        _check_secrets(options.metrics.token, self.security.token, self.peer_token)
+        self._refusing = 0  # over-limit connections being told so now (see _refuse)
         self._listeners: list[Listener] = []
         self._sessions: set[Session] = set()
         self._cut: set[Session] = set()  # closed by the watchdog, their handlers not yet returned
         # Resumable and striped uploads: a bounded table, a quota per client, none for small puts
         # (uploads.py says how a full table makes room).
-        self.uploads = Uploads(
-            self.store,
-            max_uploads,
-            stall_timeout,
-            per_client=uploads_per_client,
-            min_bytes=resumable_min_bytes,
-        )
+        up = options.uploads
+        self.uploads = Uploads(self.store, up.max_uploads, options.connections.stall_timeout,
+                               per_client=up.per_client, min_bytes=up.resumable_min_bytes)  # fmt: skip
         self._watchdog: asyncio.Task[None] | None = None
-        # Metrics (metrics.py): plain counts always; the HTTP endpoint when a port is given
-        # (0 picks a free one, which the STATUS answer reports).
+        # Metrics (metrics.py): plain counts always; the HTTP endpoint when a port is given.
         self.counts = metrics.RequestCounts()
-        self.metrics_port = metrics_port
-        self.metrics_host = metrics_host
-        # Scrapes served at once (a thread each); each must send its request within auth_timeout.
-        self.metrics_connections = metrics_connections
-        # Prometheus's read-only secret (--metrics-token-file): only a scrape bearing it sees the
-        # values clients chose (job ids, prefixes); never one a client or a replica could use here.
-        if metrics_token is not None and metrics_token in ("", self.security.token, self.peer_token):
-            raise ValueError("the metrics token must be another secret than the clients' and the peer token")
-        self.metrics_token = metrics_token
         self.exporter: metrics.Exporter | None = None
         self._registry: Any = None
         self._started = time.time()
@@ -157,8 +100,9 @@ class Server:
         store_ops = self._store_ops()
         self._add_handlers(store_ops.frame_handlers(), "the store")
         # Generations (generation_ops.py): a parked wait ends well before its connection looks idle.
-        self.generations = Generations(self.store, generations)
-        self.generation_ops = GenerationOps(self.generations, store_ops, max_wait=idle_timeout / 2)
+        self.generations = Generations(self.store, options.generations)
+        max_wait = options.connections.idle_timeout / 2
+        self.generation_ops = GenerationOps(self.generations, store_ops, max_wait=max_wait)
         self.part_publishes = self.generation_ops.parts  # SHM_GEN_PART joins its transactions
         self._add_handlers(self.generation_ops.frame_handlers(), "generations")
         self.extensions: list[Extension] = []
@@ -178,7 +122,7 @@ class Server:
             where=self.whereabouts,
             store_id=self.store_id,
             peer_token=self.peer_token,
-            stall_timeout=self.stall_timeout,
+            stall_timeout=self.options.connections.stall_timeout,
         )
 
     def extend(self, extension: Extension) -> None:
@@ -221,18 +165,19 @@ class Server:
                 log.warning("%s: %s", listener.address, warning)  # the port it got
         if self._watchdog is None:
             self._watchdog = asyncio.get_running_loop().create_task(self._watch())
-        if self.metrics_port is not None and self.exporter is None:
+        served = self.options.metrics
+        if served.port is not None and self.exporter is None:
             self.exporter = metrics.Exporter(
                 self.registry,
                 self._metrics_host(),
-                self.metrics_port,
-                max_connections=self.metrics_connections,
-                timeout=self.auth_timeout,
-                scrape_token=self.metrics_token,
+                served.port,
+                max_connections=served.connections,
+                timeout=self.options.connections.auth_timeout,
+                scrape_token=served.token,
                 # Anyone a server asks for a token or a certificate sees client-chosen labels only as
                 # pseudonyms, under a key derived from the token, else the metrics token (metrics.py).
                 private=self.security.token is not None or bool(self.security.tls and self.security.tls.ca),
-                key=metrics.pseudonym_key(self.security.token, self.metrics_token),
+                key=metrics.pseudonym_key(self.security.token, served.token),
             )
         event(log, logging.INFO, "server started", addresses=[str(a) for a in self.addresses],
               metrics=self.exporter.url if self.exporter else None, pid=os.getpid())  # fmt: skip
@@ -248,8 +193,8 @@ class Server:
 
     def _metrics_host(self) -> str:
         """Where metrics are served: --metrics-host, else the host of the first network address."""
-        if self.metrics_host:
-            return self.metrics_host
+        if self.options.metrics.host:
+            return self.options.metrics.host
         hosts = [a.host for a in self.addresses if a.scheme != "memory"]
         return hosts[0] if hosts else "127.0.0.1"
 
@@ -305,8 +250,9 @@ class Server:
 
     async def _watch(self) -> None:
         """Cut off sessions not admitted in time (``auth_timeout``), stalled mid-request
-        (``stall_timeout``) or idle (``idle_timeout``)."""
-        period = max(min(self.stall_timeout / 4, self.idle_timeout / 4, self.auth_timeout / 4, 5.0), 0.01)
+        (``stall_timeout``) or idle (``idle_timeout``): ``options.connections``."""
+        limits = self.options.connections
+        period = max(min(limits.stall_timeout, limits.idle_timeout, limits.auth_timeout, 20.0) / 4, 0.01)
         while True:
             await asyncio.sleep(period)
             now = time.monotonic()
@@ -323,14 +269,15 @@ class Server:
         if session in self._cut:  # closed once already (its handler is still finishing): not again
             return
         quiet = now - session.stream.last_active
-        if not session.admitted and now - session.opened > self.auth_timeout:
+        limits = self.options.connections
+        if not session.admitted and now - session.opened > limits.auth_timeout:
             self._cut.add(session)
             await self._close_unadmitted(session)
-        elif session.busy and quiet > self.stall_timeout:
+        elif session.busy and quiet > limits.stall_timeout:
             self._cut.add(session)
             log.warning("closing %s: no progress for %.3gs mid-request", session.stream.peer, quiet)
             await session.stream.close()
-        elif not session.busy and quiet > self.idle_timeout:
+        elif not session.busy and quiet > limits.idle_timeout:
             self._cut.add(session)
             log.info("closing %s: idle for %.3gs", session.stream.peer, quiet)
             await session.stream.close()
@@ -339,7 +286,7 @@ class Server:
         """A connection did not finish its TLS handshake and send its first frame (authenticated,
         when a token is required) within ``auth_timeout``: its slot goes to someone else."""
         self.counts.refuse("auth_timeout")
-        reason = f"not authenticated within {self.auth_timeout:.3g}s (--auth-timeout)"
+        reason = f"not authenticated within {self.options.connections.auth_timeout:.3g}s (--auth-timeout)"
         event(log, logging.WARNING, "connection closed", peer=session.stream.peer, reason=reason)
         await session.stream.close()
 
@@ -352,7 +299,8 @@ class Server:
         and its other clients' persisted puts fail (EMFILE). Refusing at once rather than pausing
         the accept loop keeps the listen backlog moving: a client learns at once that it must try
         later, instead of waiting in the backlog behind the flood."""
-        answered = self._refusing < self.refusals
+        limits = self.options.connections
+        answered = self._refusing < limits.refusals
         self.counts.refuse("limit")
         event(log, logging.WARNING, "connection refused", peer=stream.peer, reason="limit",
               connections=len(self._sessions), answered=answered)  # fmt: skip
@@ -361,24 +309,24 @@ class Server:
         self._refusing += 1
         try:
             refusal = LimitExceeded(
-                f"the server has {self.max_connections} connections already (--max-connections)"
+                f"the server has {limits.max_connections} connections already (--max-connections)"
             )
             session = Session(self._serving, stream, transport)
             # Within the auth deadline: over TLS the answer needs the peer's handshake first.
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(session.send_error(0, refusal), self.auth_timeout)
+                await asyncio.wait_for(session.send_error(0, refusal), limits.auth_timeout)
         finally:
             self._refusing -= 1
 
     async def handle(self, stream: ByteStream, transport: str = "tcp") -> None:
         """Serve one connection until the peer leaves or its bytes stop making frames."""
-        if len(self._sessions) >= self.max_connections:
+        if len(self._sessions) >= self.options.connections.max_connections:
             await self._refuse(stream, transport)
             return
         session = Session(self._serving, stream, transport)
         self._sessions.add(session)
         self.counts.connections += 1
-        stream.busy_poll(self.busy_poll)
+        stream.busy_poll(self.options.connections.busy_poll)
         try:
             await session.run()
         except ConnectionLost as exc:
@@ -392,6 +340,14 @@ class Server:
             session.close()
 
 
+def _check_secrets(metrics_token: str | None, token: str | None, peer_token: str | None) -> None:
+    """Each secret a server holds opens something else: none may be another's (or empty)."""
+    if peer_token is not None and peer_token == token:
+        raise ValueError("the peer token must differ from the clients' token: any client could replicate")
+    if metrics_token is not None and metrics_token in ("", token, peer_token):
+        raise ValueError("the metrics token must be another secret than the clients' and the peer token")
+
+
 async def _listen_frames(server: Server, address: Address) -> Listener:
     if address.scheme == "tls":
         context = server_ssl_context(_tls_files(server, address))
@@ -403,18 +359,19 @@ async def _listen_rpc(server: Server, address: Address) -> Listener:
     from tensorwire.server import rpc as server_rpc  # grpcio loads only when gRPC is served
 
     files = _tls_files(server, address) if address.scheme == "grpcs" else None
+    limits = server.options.connections
     return await server_rpc.listen(
         address,
         server.store,
         server.limits,
         tls=files,
         token=server.security.token,
-        stall_timeout=server.stall_timeout,
+        stall_timeout=limits.stall_timeout,
         extra_handlers=[h for extension in server.extensions for h in extension.rpc_handlers()],
         counts=server.counts,
-        max_connections=server.max_connections,
-        auth_timeout=server.auth_timeout,
-        idle_timeout=server.idle_timeout,
+        max_connections=limits.max_connections,
+        auth_timeout=limits.auth_timeout,
+        idle_timeout=limits.idle_timeout,
         generations=server.generation_ops,
     )
 
@@ -452,7 +409,8 @@ LISTENERS: dict[str, Callable[[Server, Address], Awaitable[Listener]]] = {
 class ServerThread:
     """A server running on its own event loop in a background thread (tests, embedding, demo).
 
-    ``with ServerThread(["tcp://127.0.0.1:0"]) as srv: connect(srv.url)``.
+    ``with ServerThread(["tcp://127.0.0.1:0"]) as srv: connect(srv.url)``; ``options``,
+    ``store`` and ``extensions`` are ``Server``'s.
 
     Like ``Server``, it is a tensor store only; a parameter server (what ``tensorwire serve`` runs)
     needs the extension: ``ServerThread(extensions=[ps.ParamServer()])``. The constructor returns
@@ -463,29 +421,14 @@ class ServerThread:
     def __init__(
         self,
         urls: Sequence[str] = ("tcp://127.0.0.1:0",),
-        store: TensorStore | None = None,
-        limits: Limits | None = None,
-        start_timeout: float = 10.0,
-        security: Security | None = None,
+        options: ServerOptions | None = None,
         *,
+        store: TensorStore | None = None,
         extensions: Sequence[Extension] = (),
-        metrics_port: int | None = None,
-        metrics_token: str | None = None,
-        location: topology.Location | None = None,
-        generations: GenerationConfig | None = None,
-        busy_poll: float = 0.0,
+        start_timeout: float = 10.0,
+        **deprecated: Any,  # Server's old keywords (options.from_keywords)
     ) -> None:
-        self.server = Server(
-            store,
-            limits,
-            security=security,
-            extensions=extensions,
-            metrics_port=metrics_port,
-            metrics_token=metrics_token,
-            location=location,
-            generations=generations,
-            busy_poll=busy_poll,
-        )
+        self.server = Server(from_keywords(options, deprecated), store=store, extensions=extensions)
         self._thread = LoopThread("tensorwire-server")
         self._closed = False
         started = self._thread.submit(self.server.start(*urls))
@@ -527,4 +470,4 @@ class ServerThread:
 
 
 # ``Extension``, ``Handler`` and ``Request`` live in request.py; ``tensorwire.server`` exports them.
-__all__ = ["LISTENERS", "Extension", "Handler", "Request", "Server", "ServerThread"]
+__all__ = ["LISTENERS", "Extension", "Handler", "Request", "Server", "ServerOptions", "ServerThread"]

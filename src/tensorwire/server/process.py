@@ -52,7 +52,8 @@ def run_threads(target: Callable[[int], object], count: int, timeout: float) -> 
 
 
 class ServerProcess:
-    """``tensorwire serve`` in a child process; ``url`` is its real address."""
+    """``tensorwire ps serve`` (a store and parameter server, whose flags ``extra`` may give) in a
+    child process; ``url`` is its real address."""
 
     def __init__(
         self,
@@ -67,7 +68,7 @@ class ServerProcess:
         self._dir = tempfile.TemporaryDirectory(prefix="tensorwire-srv-")
         ready = Path(self._dir.name) / "ready"
         # wrapper: a command the server runs under, e.g. ("ip", "netns", "exec", "ns1").
-        cmd = [*wrapper, sys.executable, "-m", "tensorwire.cli", "serve", "--listen", listen]
+        cmd = [*wrapper, sys.executable, "-m", "tensorwire.cli", "ps", "serve", "--listen", listen]
         cmd += ["--capacity", capacity]
         cmd += ["--ready-file", str(ready)]
         if data_dir is not None:

@@ -48,6 +48,7 @@ from typing import Any, Protocol
 from tensorwire import transport
 from tensorwire.errors import CorruptFrame, InvalidTensor, LimitExceeded, ProtocolError
 from tensorwire.server.metrics import RequestCounts
+from tensorwire.server.options import ServerOptions
 from tensorwire.server.rdma_memory import EngineMemory, size_class
 from tensorwire.server.request import Extension, Handler, Request, extension_of, listener_only
 from tensorwire.store import Reservation, TensorStore
@@ -80,10 +81,7 @@ class RdmaHost(Protocol):
     def store(self) -> TensorStore: ...
 
     @property
-    def max_connections(self) -> int: ...  # also bounds the connections to the engine's ports
-
-    @property
-    def auth_timeout(self) -> float: ...
+    def options(self) -> ServerOptions: ...  # max_connections also bounds the engine's ports
 
     @property
     def counts(self) -> RequestCounts: ...
@@ -477,8 +475,8 @@ async def listen(server: RdmaHost, address: Address, context: ssl.SSLContext | N
         service = RdmaService(
             server.store,
             engine_host(address),
-            max_peers=server.max_connections,
-            silent_grace=min(SILENT_GRACE, server.auth_timeout),
+            max_peers=server.options.connections.max_connections,
+            silent_grace=min(SILENT_GRACE, server.options.connections.auth_timeout),
             on_cut=_counter(server),
         )
     try:

@@ -26,6 +26,7 @@ from tensorwire.broadcast.peer import RelayPeer
 from tensorwire.broadcast.source import StoreSource
 from tensorwire.security import Security, TlsFiles, write_dev_certs
 from tensorwire.server import ServerThread
+from tensorwire.server.options import ServerOptions
 from tensorwire.store import TensorStore
 from tensorwire.store.generations import GenerationConfig
 from tensorwire.transport import FrameChannel, TransportOptions
@@ -88,7 +89,7 @@ def origin(
     ``keep`` generations of a prefix."""
     store = TensorStore()
     config = GenerationConfig(keep=keep)
-    with ServerThread(store=store, security=Security(token=token), generations=config) as srv:
+    with ServerThread(options=ServerOptions(token=token, generations=config), store=store) as srv:
         if generations:
             coordinator = RelayCoordinator.of(srv.server, chains)
         else:

@@ -14,9 +14,10 @@ from typing import Any
 
 import torch
 
-from tensorwire import AsyncClient, ClientOptions, Server, TensorStore, transport
+from tensorwire import AsyncClient, ClientOptions, Server, ServerOptions, TensorStore, transport
 from tensorwire._aio import run
-from tensorwire.security import Security, TlsFiles, write_dev_certs
+from tensorwire.security import TlsFiles, write_dev_certs
+from tensorwire.server.options import ConnectionOptions
 from tensorwire.transport.base import ByteStream
 from tensorwire.types import Address, Limits
 from tensorwire.wire.tensors import byte_view
@@ -60,11 +61,16 @@ class Harness:
 
     @contextlib.asynccontextmanager
     async def server(
-        self, capacity: int = 1 << 30, limits: Limits | None = None, **options: Any
+        self,
+        capacity: int = 1 << 30,
+        limits: Limits | None = None,
+        token: str | None = None,
+        connections: ConnectionOptions | None = None,
     ) -> AsyncIterator[Server]:
-        if self.secure:
-            options.setdefault("security", Security(TlsFiles(_certs()["server"], _certs()["server_key"])))
-        server = Server(TensorStore(capacity), limits, **options)
+        tls = TlsFiles(_certs()["server"], _certs()["server_key"]) if self.secure else None
+        options = ServerOptions(limits=limits or Limits(), connections=connections or ConnectionOptions(),
+                                tls=tls, token=token)  # fmt: skip
+        server = Server(options, store=TensorStore(capacity))
         await server.start(self.fresh_url())
         try:
             yield server
@@ -75,7 +81,7 @@ class Harness:
     async def client(self, server: Server, **options: object) -> AsyncIterator[AsyncClient]:
         opts = {"timeout": 10.0, "connect_timeout": 5.0, "compression": self.compression, **options}
         if self.secure:
-            opts["tls_ca"] = str(_certs()["ca"])
+            opts["tls"] = TlsFiles(ca=_certs()["ca"])
         client = AsyncClient(str(server.addresses[0]), ClientOptions(**opts))  # type: ignore[arg-type]
         try:
             yield await client.connect()

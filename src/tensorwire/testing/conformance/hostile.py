@@ -10,7 +10,6 @@ import time
 import torch
 
 from tensorwire import AsyncClient, ClientOptions, errors
-from tensorwire.security import Security
 from tensorwire.testing.conformance.frames import (
     assert_alive_and_empty,
     compressed_put_frame,
@@ -90,7 +89,7 @@ async def a_get_naming_a_tensor_twice_is_refused(h: Harness) -> None:
 
 
 async def an_unauthenticated_peer_cannot_make_the_server_allocate(h: Harness) -> None:
-    async with h.server(security=Security(token="t0ken")) as srv, raw(srv) as (stream, reader):
+    async with h.server(token="t0ken") as srv, raw(srv) as (stream, reader):
         # A header that announces an 8 MiB metadata block, then one byte: refused at once.
         hello = bytearray(encode_frame_head(Header(1, Opcode.HELLO, 0, 1, 1, 0, 4096, 0), b""))
         hello[16:20] = (8 << 20).to_bytes(4, "little")  # meta_len: 8 MiB promised, 1 byte sent

@@ -10,6 +10,7 @@ import torch
 
 from tensorwire import AsyncClient, ClientOptions, errors, transport
 from tensorwire.client.options import transport_options
+from tensorwire.server.options import ConnectionOptions
 from tensorwire.testing.conformance.frames import (
     expect_error,
     put_frame,
@@ -59,7 +60,7 @@ async def closed_client_and_server(h: Harness) -> None:
 
 
 async def a_stalled_request_is_cut_off(h: Harness) -> None:
-    async with h.server(capacity=1 << 20, stall_timeout=0.5) as srv:
+    async with h.server(capacity=1 << 20, connections=ConnectionOptions(stall_timeout=0.5)) as srv:
         async with raw(srv) as (stream, reader):
             idle_since = time.monotonic()
             await stream.send([put_frame([TensorMeta("s/x", torch.uint8, (1,), 1)], b"x", rid=1)])
@@ -75,7 +76,7 @@ async def a_stalled_request_is_cut_off(h: Harness) -> None:
 
 
 async def connections_are_bounded_and_idle_ones_dropped(h: Harness) -> None:
-    async with h.server(max_connections=2, idle_timeout=0.3) as srv:
+    async with h.server(connections=ConnectionOptions(max_connections=2, idle_timeout=0.3)) as srv:
         async with raw(srv) as (one, one_reader), raw(srv) as (two, _):
             ping = Header(1, Opcode.PING, 0, ChecksumKind.XXH3_64, 1, 0, 4096, 0)
             await one.send([encode_frame_head(ping, b"")])
@@ -120,7 +121,7 @@ async def a_connection_dropped_while_idle_is_noticed(h: Harness) -> None:
     it without sending anything, though no reader task runs while it is idle (callers read their
     own answers). That is what lets a client's next request, even one never retried (a delete),
     go out on a fresh connection instead of failing on the dead one."""
-    async with h.server(idle_timeout=0.3) as srv:
+    async with h.server(connections=ConnectionOptions(idle_timeout=0.3)) as srv:
         t = await _transport(str(srv.addresses[0]), timeout=10.0)
         try:
             await t.ping()

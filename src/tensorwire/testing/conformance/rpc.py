@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 import torch
 
 from tensorwire import Server, errors
+from tensorwire.server.options import ConnectionOptions
 from tensorwire.store.memory import entry_cost
 from tensorwire.testing.conformance.harness import Harness
 from tensorwire.wire.checksum import ChecksumKind, checksum
@@ -52,7 +53,7 @@ async def rpc_a_stalled_put_is_cut_off(h: Harness) -> None:
 
     # 1 s, not less: every call on this server has the same stall timeout, the healthy ones too,
     # and a loaded test machine can pause a healthy call for a few hundred milliseconds.
-    async with h.server(capacity=1 << 20, stall_timeout=1.0) as srv:
+    async with h.server(capacity=1 << 20, connections=ConnectionOptions(stall_timeout=1.0)) as srv:
         address = srv.addresses[0]
         import grpc
 
