@@ -227,7 +227,7 @@ class CertificateRefused(AuthenticationError, ConnectError):
 class NotAuthorized(TensorwireError, PermissionError):
     """The server knows this client but will not let it do this: a parameter-server job belongs to
     the workers that hold its job token (``$TENSORWIRE_JOB_TOKEN``), and ending one also to the
-    servers' operator (``serve --operator-token-file``). The message names the credential that was
+    servers' operator (``ps serve --operator-token-file``). The message names the credential that was
     missing or did not match; the connection stays open. Retrying with the same credential will
     not help."""
 

@@ -396,7 +396,7 @@ def host_of(peer: str) -> str:
 def check_identity(worker: int, world: int, step: int, name: str) -> None:
     """Who a gradient says it is from, and for what: checked before anything changes."""
     if not 0 < world <= MAX_WORLD:
-        raise ProtocolError(f"a world of {world} workers (set world-size, or serve with --workers)")
+        raise ProtocolError(f"a world of {world} workers (set world-size, or ps serve with --workers)")
     if not 0 <= worker < world:
         raise ProtocolError(f"worker {worker} is not a rank of a world of {world}")
     if not 0 <= step < 1 << 63:

@@ -13,7 +13,7 @@ Who may join or initialise a job: a client offering the job's token (ps/job.py `
 the first join admitted into the job, once its rank and model checks pass, makes its token the
 job's, ``Job.claim``; a refused request, or a PS_INIT, claims nothing); a PS_INIT only from the
 session that joined with its rank. Who may end a job (PS_END, ``tensorwire ps end JOB``): a
-client offering the job's token or the servers' operator token (``serve --operator-token-file``),
+client offering the job's token or the servers' operator token (``ps serve --operator-token-file``),
 any client the server admits for a job started without a token (or not claimed yet); while the job
 has live workers only with ``force``. Who may roll a job back (PS_ROLLBACK): only one of its
 workers, from the session that joined with its rank, after stepping aside (no worker live).
@@ -55,7 +55,7 @@ class Lifecycle:
         self.jobs = jobs
         self._replica = replica
         self._exchange = exchange
-        # The digest of the servers' operator token (``serve --operator-token-file``): it may end
+        # The digest of the servers' operator token (``ps serve --operator-token-file``): it may end
         # any job. None: no operator; a job's own token (or none, for an open job) ends it.
         self._operator = token_digest(operator.encode()) if operator else None
         self.say_open = False  # log a job opened without a token (the server admits only some clients)

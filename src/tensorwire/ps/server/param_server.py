@@ -108,7 +108,7 @@ class ParamServer:
     in its store's capacity, the process's one ledger (``tensorwire serve --capacity``). ``max_jobs``: the
     most jobs held at once (job ids are chosen by peers); ``keep_jobs``: a job whose last worker
     left keeps its state (for a restart of its workers) instead of ending (ps/server/jobs.py).
-    ``operator_token``: the servers' operator token (``serve --operator-token-file``), which may end
+    ``operator_token``: the servers' operator token (``ps serve --operator-token-file``), which may end
     any job; a job's own token (ps/job.py) always may.
     """
 

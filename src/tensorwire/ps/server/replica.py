@@ -101,7 +101,7 @@ class Replica:
         if (backups or standby) and not self.peer.token:
             raise ValueError(
                 "a replicated parameter server (backups or standby) needs a peer token shared by "
-                "its slot's replicas (serve --peer-token-file; ParamServer(peer=Security(token=...)))"
+                "its slot's replicas (ps serve --peer-token-file; ParamServer(peer=Security(token=...)))"
             )
         self.replicate_refused: Counter[str] = Counter()  # PS_REPLICATE frames refused, by reason
         # A backup that stops answering (stopped, cut off) holds up every change until it is given
@@ -213,7 +213,7 @@ class Replica:
             self._refuse_replicate(request, "not_peer")
             raise AuthenticationError(
                 "PS_REPLICATE is served only to the replicas of this server's slot (a connection "
-                "whose HELLO offered the peer token of serve --peer-token-file)"
+                "whose HELLO offered the peer token of ps serve --peer-token-file)"
             )
         try:
             head, change, epoch = replication.decode(request.meta)

@@ -30,7 +30,7 @@ of 5 s and 4 x ``failover_timeout``); until then it holds up the changes. A lost
 reconnected in the background, outside the order of changes (a silent host costs a connect
 timeout there, not a stall of every change), and the next ping sends it the job and takes it back.
 
-Who may replicate: the replicas of one slot share a peer token (``serve --peer-token-file``,
+Who may replicate: the replicas of one slot share a peer token (``ps serve --peer-token-file``,
 distinct from the clients' token). A primary opens its connections to its backups with it (and
 with its peer TLS files for ``tls://`` backups); a server serves PS_REPLICATE only on a connection
 whose HELLO offered it (a peer session), so an ordinary client can neither demote nor fence a
@@ -175,7 +175,7 @@ class Backups:
         self, urls: Sequence[str], peer: Security, connect_timeout: float = 5.0, timeout: float = 60.0
     ) -> None:
         if not peer.token:
-            raise ValueError("replication needs a peer token (serve --peer-token-file)")
+            raise ValueError("replication needs a peer token (ps serve --peer-token-file)")
         self.urls = list(urls)
         self.backups = {url: Backup(url) for url in self.urls}
         # The peer token (and peer TLS files) open the connections: a backup serves PS_REPLICATE

@@ -468,7 +468,7 @@ def pull_parameters(
     """Write a job's current parameters into ``model`` without joining it (evaluation, export).
     The job: ``job``, else ``$TENSORWIRE_JOB``, else the one job on the servers whose model is
     ``model`` (``find_job``). A job ends when its last worker leaves, unless the servers keep jobs
-    (``serve --keep-jobs``): pull before then, or from servers that keep them."""
+    (``ps serve --keep-jobs``): pull before then, or from servers that keep them."""
     job = job or os.environ.get(JOB_ENV) or find_job(model, servers, timeout=timeout, token=token, tls=tls)
     with Worker(
         model, servers, rank=0, world_size=1, timeout=timeout, token=token, tls=tls, observer=True, job=job
