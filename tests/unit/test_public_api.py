@@ -25,7 +25,7 @@ README = Path(__file__).resolve().parents[2] / "README.md"
 # kit (``tensorwire.testing``) may add names freely, never lose one.
 PUBLIC: dict[str, set[str]] = {
     "tensorwire": {
-        "Address", "AsyncClient", "Client", "ClientOptions", "Limits", "Security", "Server",
+        "Address", "AsyncClient", "Client", "ClientOptions", "Limits", "Security", "Server", "ServerOptions",
         "ServerThread", "TensorMeta", "TensorStore", "TlsFiles", "__version__", "aconnect", "connect",
         "errors", "Generation", "GenerationManifest", "HostReader", "Subscriber",
     },
