@@ -157,7 +157,7 @@ def test_an_owner_closing_a_lent_connection_wakes_its_borrower(server: ServerThr
     with tensorwire.connect(server.url, retries=0, timeout=30.0) as c:
         c.put("teardown/x", torch.ones(4))  # through the loop, which lends the connection after it
         t = _transport(c)
-        loan = t._loan
+        loan = t._lending.loan
         assert loan is not None
         sock = t._stream._sock  # type: ignore[attr-defined]
         outcome: list[BaseException | object] = []

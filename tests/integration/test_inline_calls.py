@@ -36,7 +36,7 @@ def _transport(client: Client) -> RangedTransport:
 
 
 def _lent(client: Client) -> bool:
-    return _transport(client)._loan is not None
+    return _transport(client)._lending.loan is not None
 
 
 class _LoopCalls:
@@ -92,7 +92,7 @@ def _sleeps_per_get(busy_wait: float, url: str) -> list[bool]:
     """For each of 20 inline gets, whether its thread slept in poll(2) (a poll with a timeout)."""
     with tensorwire.connect(url, busy_wait=busy_wait) as c:
         c.put("inline/spin", torch.randn(1000))  # through the loop, which lends the connection
-        loan = _transport(c)._loan
+        loan = _transport(c)._lending.loan
         assert loan is not None
         polls = loan.stream._poll = _Polls(loan.stream._poll)  # type: ignore[attr-defined]
         slept = []
@@ -100,7 +100,7 @@ def _sleeps_per_get(busy_wait: float, url: str) -> list[bool]:
             polls.timeouts.clear()
             c.get("inline/spin")
             slept.append(any(t > 0 for t in polls.timeouts))
-        assert _transport(c)._loan is loan  # every get was inline, on the same loan
+        assert _transport(c)._lending.loan is loan  # every get was inline, on the same loan
         return slept
 
 
@@ -187,7 +187,7 @@ def test_a_request_waiting_for_a_borrower_takes_back_the_loan_lent_since(server:
             await t.reclaim()  # another request takes the connection back ...
             assert t.lend()  # ... and, done, lends it again
             await waiting
-            assert t._loan is None, "a reclaim left the connection lent"
+            assert t._lending.loan is None, "a reclaim left the connection lent"
 
         c._thread.call(race(), 10, "the race")
         assert not borrower.is_alive()
@@ -263,7 +263,7 @@ def test_a_closed_client_wakes_its_borrower(process: ServerProcess) -> None:
     try:
         reader = threading.Thread(target=read)
         reader.start()
-        wait_for(lambda: _transport(c)._loan is not None and _transport(c)._loan.borrower is not None, 5,
+        wait_for(lambda: _transport(c)._lending.loan is not None and _transport(c)._lending.loan.borrower is not None, 5,
                  "the get to borrow the connection")  # fmt: skip
         c.close()
         reader.join(10)

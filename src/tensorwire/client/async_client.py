@@ -6,12 +6,9 @@ operation is idempotent (``client/retry.py``). ``put`` counts as idempotent (put
 twice leaves the same value, at a later version); ``delete`` is retried only when the request
 never left.
 
-Which path a put or get takes is asked of the transport object (its capabilities,
-``transport/base.py``), never read off the address scheme: a CUDA tensor is staged through pinned
-host buffers where the transport is ``Ranged`` (staging.py), else copied through a CPU tensor; a
-large tensor travels over several connections where it is ``Ranged`` and ``parallel`` (stripe.py);
-a large put resumes after a broken connection where it is ``Resumable``; everything else is one
-PUT or GET of ``Transport``.
+Which route a put or get takes (direct, staged, striped, resumable, plain; routes.py) is asked of
+``Routes``, which asks the transport object (its capabilities, ``transport/base.py``), never the
+address scheme; the blocking client's inline path (inline.py) asks the same question.
 """
 
 from __future__ import annotations
@@ -32,6 +29,7 @@ from tensorwire.client.batches import Landing, TensorBatch
 from tensorwire.client.cache import TensorCache
 from tensorwire.client.options import ClientOptions, check, retry_policy, transport_options
 from tensorwire.client.retry import retrying
+from tensorwire.client.routes import Route, Routes, plain_get
 from tensorwire.errors import (
     ConnectError,
     InvalidTensor,
@@ -43,8 +41,6 @@ from tensorwire.logs import event
 from tensorwire.transport.base import (
     DeviceDirect,
     GenerationViews,
-    Ranged,
-    Resumable,
     Transport,
     Viewable,
     as_generational,
@@ -78,7 +74,7 @@ class AsyncClient:
         self.delta_stats = deltas.DeltaStats()  # what reads with base= moved (client/deltas.py)
         self._stripes: stripe.Stripes | None = None
         self._pool: staging.PinnedPool | None = None  # host buffers for CUDA tensors, made on first use
-        self._sizes: dict[str, int] = {}  # bytes of tensors this client moved: may a get be striped?
+        self.routes = Routes(self.options)  # which route each put and get takes (routes.py)
         self.resumed_at: list[int] = []  # where each resumed put went on from (bytes already verified)
         self._closed = False
         self._warned_unverifiable = False
@@ -107,24 +103,27 @@ class AsyncClient:
         return self._transport
 
     # -- tensors -------------------------------------------------------------------------------
-    async def put(self, name: str, tensor: torch.Tensor, progress: Progress | None = None) -> int:
+    async def put(
+        self, name: str, tensor: torch.Tensor, progress: Progress | None = None, *, attempts: int = 0
+    ) -> int:
         """Store ``tensor`` under ``name``; return its new version. A large one (``resumable_bytes``)
-        survives broken connections: each retry sends only what the server has not verified."""
+        survives broken connections: each retry sends only what the server has not verified.
+        ``attempts``: of this put, made already elsewhere (the blocking client's, in its caller's
+        own thread), which count against ``retries``."""
         size = tensor.numel() * tensor.element_size()
         self.cache.invalidate(name)
-        self.note_size(name, size)
-        if tensor.is_cuda and _direct(await self._capable()):
+        self.routes.moved(name, size)
+        route = self.routes.put(self._transport or await self._capable(), size, tensor.is_cuda)
+        if route is Route.DIRECT:
             validate_name(name)
             return await self._run(lambda t: _as_direct(t).put_device(name, tensor))
-        if tensor.is_cuda and isinstance(await self._capable(), Ranged):
+        if route is Route.STAGED:
             return await self._put_staged(name, tensor)
-        k = self._stripe_count(size)
-        if k > 1 and await self._stripes_pay():
-            return await self._put_striped(name, tensor, k)
-        resumable = self.options.resumable_bytes and size >= self.options.resumable_bytes
-        if resumable and isinstance(await self._capable(), Resumable):
+        if route is Route.STRIPED:
+            return await self._put_striped(name, tensor, self.routes.stripes(size))
+        if route is Route.RESUMABLE:
             return await self._put_resumable(name, tensor, progress)
-        return await self.put_many([(name, tensor)], progress=progress)
+        return await self._put_many([(name, tensor)], progress, attempts)
 
     async def _put_resumable(self, name: str, tensor: torch.Tensor, progress: Progress | None) -> int:
         """PUT_RESUMABLE: each attempt after the first asks how much of the upload the server holds,
@@ -154,10 +153,15 @@ class AsyncClient:
         pairs = list(items.items()) if isinstance(items, Mapping) else list(items)
         if not pairs:
             raise InvalidTensor("put_many needs at least one tensor")
+        return await self._put_many(pairs, progress)
+
+    async def _put_many(
+        self, pairs: list[tuple[str, torch.Tensor]], progress: Progress | None, attempts: int = 0
+    ) -> int:
         for name, _ in pairs:
             self.cache.invalidate(name)
         batch = TensorBatch(pairs)
-        return await self._run(lambda t: t.put(batch, progress))
+        return await self._run(lambda t: t.put(batch, progress), attempts=attempts)
 
     async def get(
         self,
@@ -169,6 +173,7 @@ class AsyncClient:
         at: gens.At | None = None,
         verify: bool = False,
         base: gens.At | None = None,
+        attempts: int = 0,
     ) -> torch.Tensor:
         """Fetch ``name``. With ``out``, the bytes land in ``out`` in place and ``out`` is returned.
         With ``at`` (a generation number or ``"latest"``), ``name`` (``prefix/key``) is read from
@@ -178,7 +183,7 @@ class AsyncClient:
         With a cache (``cache_bytes``), an unchanged tensor costs one STAT (or nothing in its lease).
         ``view=True`` (``shm://`` only) returns a read-only tensor over the server's shared pages,
         with no copy: a snapshot of the version read, held for as long as the tensor lives (README,
-        "Shared memory").
+        "Shared memory"). ``attempts``: as for ``put``.
         """
         if at is not None or verify or base is not None:
             outs = {name: out} if out is not None else None
@@ -188,7 +193,7 @@ class AsyncClient:
                 raise InvalidTensor("get(view=True) returns the server's pages; it takes no out=")
             return await self._run(lambda t: _view(t, name))
         if not self.cache.enabled:
-            return (await self._get(name, out, progress))[0]
+            return (await self._get(name, out, progress, attempts))[0]
         entry = self.cache.lookup(name)
         if entry is not None:
             if self.cache.leased(entry, self._connected_store()):
@@ -226,33 +231,30 @@ class AsyncClient:
         return await self._run(op)
 
     async def _get(
-        self, name: str, out: torch.Tensor | None, progress: Progress | None
+        self, name: str, out: torch.Tensor | None, progress: Progress | None, attempts: int = 0
     ) -> tuple[torch.Tensor, int]:
-        """The tensor and the version it was read at: striped when it is large and its size is
-        known here (an ``out``, or an earlier transfer), else one GET."""
-        if out is not None and out.is_cuda:
-            if _direct(await self._capable()):  # GPU-direct: the engine reads into device memory
-                return out, await self._run(lambda t: _as_direct(t).get_device(name, out))
-            if isinstance(await self._capable(), Ranged):
-                return await self._until_steady(lambda: self._get_staged(name, out))
-            host, version = await self._get(name, None, progress)  # e.g. gRPC: through a CPU tensor
-            check_out(TensorMeta(name, host.dtype, tuple(host.shape), 0, version), out, device_ok=True)
-            return out.copy_(host), version
-        known = out.numel() * out.element_size() if out is not None else self._sizes.get(name, 0)
-        k = self._stripe_count(known)
-        if k > 1 and (out is None or (out.is_cpu and out.is_contiguous())) and await self._stripes_pay():
+        """The tensor and the version it was read at, by the get's route (routes.py)."""
+        route = self.routes.get(self._transport or await self._capable(), name, out)
+        if out is not None and route in (Route.DIRECT, Route.STAGED, Route.HOST):
+            return await self._get_device(name, out, route, progress)
+        if route is Route.STRIPED:
+            k = self.routes.stripes(self.routes.size(name, out))
             return await self._until_steady(lambda: self._get_striped(name, out, k))
-        outs = {name: out} if out is not None else {}
-        landing = Landing([name], outs)
-
-        async def op(t: Transport) -> tuple[torch.Tensor, int]:
-            landing.reset()
-            await t.get([name], landing.sink, progress)
-            return landing.finish()[name], landing.versions[name]
-
-        tensor, version = await self._run(op)
-        self.note_size(name, tensor.numel() * tensor.element_size())
+        tensor, version = await self._run(plain_get(name, out, progress), attempts=attempts)
+        self.routes.moved(name, tensor.numel() * tensor.element_size())
         return tensor, version
+
+    async def _get_device(
+        self, name: str, out: torch.Tensor, route: Route, progress: Progress | None
+    ) -> tuple[torch.Tensor, int]:
+        """Into a CUDA ``out``: by the transport itself, staged, or through a CPU tensor (gRPC)."""
+        if route is Route.DIRECT:  # GPU-direct: the engine reads into device memory
+            return out, await self._run(lambda t: _as_direct(t).get_device(name, out))
+        if route is Route.STAGED:
+            return await self._until_steady(lambda: self._get_staged(name, out))
+        host, version = await self._get(name, None, progress)
+        check_out(TensorMeta(name, host.dtype, tuple(host.shape), 0, version), out, device_ok=True)
+        return out.copy_(host), version
 
     async def _until_steady(self, read: Callable[[], Awaitable[T]]) -> T:
         """``read()``, made again while the tensor changes under it (VersionChanged: its ranges were
@@ -266,37 +268,6 @@ class AsyncClient:
         raise AssertionError("unreachable")
 
     # -- striping (stripe.py) --------------------------------------------------------------------
-    def _stripe_count(self, nbytes: int) -> int:
-        """Over how many connections ``nbytes`` would travel, if the transport allows (see
-        ``_stripes_pay``): asked first, since it costs nothing and is 1 for most tensors."""
-        return stripe.stripe_count(nbytes, self.options.stripes, self.options.stripe_bytes)
-
-    async def _stripes_pay(self) -> bool:
-        """Whether this client's transport can stripe, and says it pays: ``Ranged`` and ``parallel``."""
-        t = await self._capable()
-        return isinstance(t, Ranged) and t.parallel
-
-    def plain_connection(self, name: str, nbytes: int | None, *, put: bool) -> Transport | None:
-        """The open connection a get (``nbytes`` None: of the size last seen) or a put of ``name``
-        would take now as one plain request; None when it would take another path (the cache,
-        stripes, a resumable put) or none is open. What the blocking client asks before it makes
-        the call in its own thread (client/inline.py)."""
-        t = self._transport
-        if t is None or t.closed or self.cache.enabled:
-            return None
-        size = self._sizes.get(name, 0) if nbytes is None else nbytes
-        if self._stripe_count(size) > 1:
-            return None
-        if put and self.options.resumable_bytes and size >= self.options.resumable_bytes:
-            return None
-        return t
-
-    def note_size(self, name: str, nbytes: int) -> None:
-        """Remember the size of a tensor this client moved: whether its next get may be striped."""
-        if len(self._sizes) >= 65536:  # a hint, not a registry: start over rather than grow
-            self._sizes.clear()
-        self._sizes[name] = nbytes
-
     def _lanes(self) -> stripe.Stripes:
         if self._stripes is None:
             self._stripes = stripe.Stripes(self.address, transport_options(self.options))
@@ -317,8 +288,8 @@ class AsyncClient:
         meta = await self.stat(name)
         target = out if out is not None else empty_for(meta)
         check_out(meta, target)
-        self.note_size(name, meta.nbytes)
-        if self._stripe_count(meta.nbytes) <= 1:  # it shrank: one GET will do
+        self.routes.moved(name, meta.nbytes)
+        if self.routes.stripes(meta.nbytes) <= 1:  # it shrank: one GET will do
             return await self._get(name, out, None)
         ops = stripe.get_ops(meta, byte_view(target), k)
         await self._lanes().run(ops, self.options.retries, self.options.delay)
@@ -539,11 +510,14 @@ class AsyncClient:
         t = self._transport
         return t if t is not None else await self._run(_itself)
 
-    def _run(self, op: Callable[[Transport], Awaitable[T]], idempotent: bool = True) -> Awaitable[T]:
+    def _run(
+        self, op: Callable[[Transport], Awaitable[T]], idempotent: bool = True, attempts: int = 0
+    ) -> Awaitable[T]:
         """``op`` on this client's connection, reopened and retried under ``client/retry.py``'s rule
-        (the transport bounds every request by ``options.timeout``). Not a coroutine itself: the
-        caller awaits ``retrying``'s, one frame less on every call."""
-        return retrying(op, self._open, self._policy, idempotent=idempotent)
+        (the transport bounds every request by ``options.timeout``; ``attempts`` made elsewhere
+        count). Not a coroutine itself: the caller awaits ``retrying``'s, one frame less on every
+        call."""
+        return retrying(op, self._open, self._policy, idempotent=idempotent, attempts=attempts)
 
 
 async def _itself(t: Transport) -> Transport:
@@ -555,11 +529,6 @@ async def _view(t: Transport, name: str) -> torch.Tensor:
     if not isinstance(t, Viewable):
         raise SharedMemoryUnavailable(f"get(view=True) needs an shm:// client, not {t.address}")
     return await t.view(name)
-
-
-def _direct(transport: Transport) -> bool:
-    """Whether ``transport`` moves CUDA tensors straight from and into device memory now."""
-    return isinstance(transport, DeviceDirect) and transport.gpu_direct
 
 
 def _as_direct(transport: Transport) -> DeviceDirect:
