@@ -1,7 +1,7 @@
 """A client whose connection is closed while a send is parked on it, or whose peer vanishes,
 raises a typed error and lives on (issue 32, class 1, the client side).
 
-A client's own deadline closes the connection its request is stuck on (``FramedTransport._expire``)
+A client's own deadline closes the connection its request is stuck on (``FrameMux._expire``)
 while the send is parked waiting for room, with the stream's read watch armed (it watches for what
 the server sends unasked). Under uvloop the close re-armed the poll on the descriptor it was about
 to close and left the parked writer registered: libuv aborted the client process. Each scenario

@@ -263,8 +263,9 @@ def test_a_closed_client_wakes_its_borrower(process: ServerProcess) -> None:
     try:
         reader = threading.Thread(target=read)
         reader.start()
-        wait_for(lambda: _transport(c)._lending.loan is not None and _transport(c)._lending.loan.borrower is not None, 5,
-                 "the get to borrow the connection")  # fmt: skip
+        loan = _transport(c)._lending.loan
+        assert loan is not None
+        wait_for(lambda: loan.borrower is not None, 5, "the get to borrow the connection")
         c.close()
         reader.join(10)
         assert not reader.is_alive() and failed, "the borrower still waits on a closed client"

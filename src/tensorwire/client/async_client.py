@@ -14,7 +14,6 @@ address scheme; the blocking client's inline path (inline.py) asks the same ques
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
@@ -23,36 +22,29 @@ from typing import TypeVar
 import torch
 
 from tensorwire import transport as transports
-from tensorwire.client import deltas, ranges, staging, stripe
+from tensorwire.client import deltas, ranges
 from tensorwire.client import generations as gens
 from tensorwire.client.batches import Landing, TensorBatch
 from tensorwire.client.cache import TensorCache
 from tensorwire.client.options import ClientOptions, check, retry_policy, transport_options
 from tensorwire.client.retry import retrying
-from tensorwire.client.routes import Route, Routes, plain_get
+from tensorwire.client.routes import Transfers
 from tensorwire.errors import (
     ConnectError,
     InvalidTensor,
     SharedMemoryUnavailable,
-    UnsupportedTransport,
-    VersionChanged,
 )
 from tensorwire.logs import event
 from tensorwire.transport.base import (
-    DeviceDirect,
     GenerationViews,
     Transport,
     Viewable,
     as_generational,
-    as_ranged,
     as_ranged_generations,
-    as_resumable,
-    new_upload,
 )
 from tensorwire.types import Address, Generation, GenerationManifest, TensorMeta
 from tensorwire.wire import generations as wg
 from tensorwire.wire.names import validate_name, validate_prefix
-from tensorwire.wire.tensors import byte_view, check_out, empty_for, sendable
 
 T = TypeVar("T")
 log = logging.getLogger("tensorwire.client")
@@ -72,10 +64,10 @@ class AsyncClient:
         self._open_lock = asyncio.Lock()
         self.cache = TensorCache(self.options.cache_bytes, self.options.cache_lease)
         self.delta_stats = deltas.DeltaStats()  # what reads with base= moved (client/deltas.py)
-        self._stripes: stripe.Stripes | None = None
-        self._pool: staging.PinnedPool | None = None  # host buffers for CUDA tensors, made on first use
-        self.routes = Routes(self.options)  # which route each put and get takes (routes.py)
-        self.resumed_at: list[int] = []  # where each resumed put went on from (bytes already verified)
+        # Each put and get of one tensor by its route; ``routes`` says which (routes.py), and the
+        # blocking client's inline path asks it too.
+        self._transfers = Transfers(self.address, self.options, self._run, self._capable)
+        self.routes = self._transfers.routes
         self._closed = False
         self._warned_unverifiable = False
 
@@ -94,6 +86,11 @@ class AsyncClient:
         return t.local_fallback if t is not None else None
 
     @property
+    def resumed_at(self) -> list[int]:
+        """Where each resumed put went on from (bytes the server held, verified, after a break)."""
+        return self._transfers.resumed_at
+
+    @property
     def url(self) -> str:
         return str(self.address)
 
@@ -110,42 +107,8 @@ class AsyncClient:
         survives broken connections: each retry sends only what the server has not verified.
         ``attempts``: of this put, made already elsewhere (the blocking client's, in its caller's
         own thread), which count against ``retries``."""
-        size = tensor.numel() * tensor.element_size()
         self.cache.invalidate(name)
-        self.routes.moved(name, size)
-        route = self.routes.put(self._transport or await self._capable(), size, tensor.is_cuda)
-        if route is Route.DIRECT:
-            validate_name(name)
-            return await self._run(lambda t: _as_direct(t).put_device(name, tensor))
-        if route is Route.STAGED:
-            return await self._put_staged(name, tensor)
-        if route is Route.STRIPED:
-            return await self._put_striped(name, tensor, self.routes.stripes(size))
-        if route is Route.RESUMABLE:
-            return await self._put_resumable(name, tensor, progress)
-        return await self._put_many([(name, tensor)], progress, attempts)
-
-    async def _put_resumable(self, name: str, tensor: torch.Tensor, progress: Progress | None) -> int:
-        """PUT_RESUMABLE: each attempt after the first asks how much of the upload the server holds,
-        verified, and sends the rest."""
-        validate_name(name)
-        sent = sendable(tensor, name)
-        view = byte_view(sent)
-        meta = TensorMeta(name, sent.dtype, tuple(sent.shape), view.nbytes)
-        upload = new_upload()
-        tried = False
-
-        async def attempt(t: Transport) -> int:
-            nonlocal tried
-            resumable = as_resumable(t, "a resumable put")
-            offset = 0
-            if tried:
-                offset = await resumable.resume_point(upload, meta)
-                self.resumed_at.append(offset)
-            tried = True
-            return await resumable.put_resumable(upload, meta, view, offset, progress)
-
-        return await self._run(attempt)
+        return await self._transfers.put(name, tensor, progress, attempts)
 
     async def put_many(self, items: TensorItems, progress: Progress | None = None) -> int:
         """Store several tensors in one request, atomically (all visible or none, under one new
@@ -153,15 +116,10 @@ class AsyncClient:
         pairs = list(items.items()) if isinstance(items, Mapping) else list(items)
         if not pairs:
             raise InvalidTensor("put_many needs at least one tensor")
-        return await self._put_many(pairs, progress)
-
-    async def _put_many(
-        self, pairs: list[tuple[str, torch.Tensor]], progress: Progress | None, attempts: int = 0
-    ) -> int:
         for name, _ in pairs:
             self.cache.invalidate(name)
         batch = TensorBatch(pairs)
-        return await self._run(lambda t: t.put(batch, progress), attempts=attempts)
+        return await self._run(lambda t: t.put(batch, progress))
 
     async def get(
         self,
@@ -193,7 +151,7 @@ class AsyncClient:
                 raise InvalidTensor("get(view=True) returns the server's pages; it takes no out=")
             return await self._run(lambda t: _view(t, name))
         if not self.cache.enabled:
-            return (await self._get(name, out, progress, attempts))[0]
+            return (await self._transfers.get(name, out, progress, attempts))[0]
         entry = self.cache.lookup(name)
         if entry is not None:
             if self.cache.leased(entry, self._connected_store()):
@@ -205,7 +163,7 @@ class AsyncClient:
                 self.cache.checks += 1
                 return entry.hand_out(out)
         before = self._connected_store()
-        tensor, version = await self._get(name, out, progress)
+        tensor, version = await self._transfers.get(name, out, progress)
         after = self._connected_store()
         # Cached only if one store answered throughout (a reconnect mid-get may have reached another).
         self.cache.store(name, version, tensor, after if after == before or not before else 0)
@@ -229,94 +187,6 @@ class AsyncClient:
             return metas[0], t.info.store_id
 
         return await self._run(op)
-
-    async def _get(
-        self, name: str, out: torch.Tensor | None, progress: Progress | None, attempts: int = 0
-    ) -> tuple[torch.Tensor, int]:
-        """The tensor and the version it was read at, by the get's route (routes.py)."""
-        route = self.routes.get(self._transport or await self._capable(), name, out)
-        if out is not None and route in (Route.DIRECT, Route.STAGED, Route.HOST):
-            return await self._get_device(name, out, route, progress)
-        if route is Route.STRIPED:
-            k = self.routes.stripes(self.routes.size(name, out))
-            return await self._until_steady(lambda: self._get_striped(name, out, k))
-        tensor, version = await self._run(plain_get(name, out, progress), attempts=attempts)
-        self.routes.moved(name, tensor.numel() * tensor.element_size())
-        return tensor, version
-
-    async def _get_device(
-        self, name: str, out: torch.Tensor, route: Route, progress: Progress | None
-    ) -> tuple[torch.Tensor, int]:
-        """Into a CUDA ``out``: by the transport itself, staged, or through a CPU tensor (gRPC)."""
-        if route is Route.DIRECT:  # GPU-direct: the engine reads into device memory
-            return out, await self._run(lambda t: _as_direct(t).get_device(name, out))
-        if route is Route.STAGED:
-            return await self._until_steady(lambda: self._get_staged(name, out))
-        host, version = await self._get(name, None, progress)
-        check_out(TensorMeta(name, host.dtype, tuple(host.shape), 0, version), out, device_ok=True)
-        return out.copy_(host), version
-
-    async def _until_steady(self, read: Callable[[], Awaitable[T]]) -> T:
-        """``read()``, made again while the tensor changes under it (VersionChanged: its ranges were
-        pinned to a version the tensor has moved on from), at most ``retries`` more times."""
-        for attempt in itertools.count():
-            try:
-                return await read()
-            except VersionChanged:
-                if attempt >= self.options.retries:
-                    raise
-        raise AssertionError("unreachable")
-
-    # -- striping (stripe.py) --------------------------------------------------------------------
-    def _lanes(self) -> stripe.Stripes:
-        if self._stripes is None:
-            self._stripes = stripe.Stripes(self.address, transport_options(self.options))
-        return self._stripes
-
-    async def _put_striped(self, name: str, tensor: torch.Tensor, k: int) -> int:
-        """PUT_RANGE of each range on its own connection, then one PUT_COMMIT publishes the tensor."""
-        validate_name(name)
-        sent = sendable(tensor, name)
-        meta = TensorMeta(name, sent.dtype, tuple(sent.shape), sent.numel() * sent.element_size())
-        upload = new_upload()
-        ops = stripe.put_ops(upload, meta, byte_view(sent), k)
-        await self._lanes().run(ops, self.options.retries, self.options.delay)
-        return await self._commit(upload, meta)
-
-    async def _get_striped(self, name: str, out: torch.Tensor | None, k: int) -> tuple[torch.Tensor, int]:
-        """STAT for the version, then each range over its own connection, pinned to that version."""
-        meta = await self.stat(name)
-        target = out if out is not None else empty_for(meta)
-        check_out(meta, target)
-        self.routes.moved(name, meta.nbytes)
-        if self.routes.stripes(meta.nbytes) <= 1:  # it shrank: one GET will do
-            return await self._get(name, out, None)
-        ops = stripe.get_ops(meta, byte_view(target), k)
-        await self._lanes().run(ops, self.options.retries, self.options.delay)
-        return target, meta.version
-
-    async def _commit(self, upload: int, meta: TensorMeta) -> int:
-        """PUT_COMMIT: publish an upload whose ranges are all in (striped and staged puts)."""
-        return await self._run(lambda t: as_ranged(t, "a commit").commit(upload, meta), idempotent=False)
-
-    # -- CUDA tensors (staging.py) ----------------------------------------------------------------
-    def _pinned(self) -> staging.PinnedPool:
-        if self._pool is None:
-            self._pool = staging.PinnedPool()
-        return self._pool
-
-    async def _put_staged(self, name: str, tensor: torch.Tensor) -> int:
-        validate_name(name)
-        copier = staging.copier_for(tensor)
-        upload, meta = await staging.put_staged(self._run, self._pinned(), name, tensor, copier)
-        return await self._commit(upload, meta)
-
-    async def _get_staged(self, name: str, out: torch.Tensor) -> tuple[torch.Tensor, int]:
-        """Into a device tensor through pinned buffers, pinned to the version a STAT saw."""
-        meta = await self.stat(name)
-        check_out(meta, out, device_ok=True)
-        await staging.get_staged(self._run, self._pinned(), meta, out, staging.copier_for(out))
-        return out, meta.version
 
     # -- the other operations --------------------------------------------------------------------
     async def get_many(
@@ -469,9 +339,7 @@ class AsyncClient:
     async def close(self) -> None:
         self._closed = True
         self.cache.clear()
-        if self._stripes is not None:
-            stripes, self._stripes = self._stripes, None
-            await asyncio.get_running_loop().run_in_executor(None, stripes.close)
+        await self._transfers.close()
         if self._transport is not None:
             await self._transport.close()
             self._transport = None
@@ -529,9 +397,3 @@ async def _view(t: Transport, name: str) -> torch.Tensor:
     if not isinstance(t, Viewable):
         raise SharedMemoryUnavailable(f"get(view=True) needs an shm:// client, not {t.address}")
     return await t.view(name)
-
-
-def _as_direct(transport: Transport) -> DeviceDirect:
-    if not isinstance(transport, DeviceDirect):  # a reconnect reached another kind of server
-        raise UnsupportedTransport(f"{transport.address.scheme}:// moves no device memory")
-    return transport

@@ -17,7 +17,8 @@ from typing import TypeVar
 
 from tensorwire.errors import ConnectionLost, ProtocolError, UnsupportedVersion
 from tensorwire.transport.base import ByteStream, Progress, PutBatch, Sink, Transport
-from tensorwire.transport.frame_mux import FrameMux, Framing, Requests
+from tensorwire.transport.frame_mux import FrameMux, Requests
+from tensorwire.transport.framing import Framing
 from tensorwire.types import Address, Generation, Limits, TensorMeta
 from tensorwire.wire import generations as wg
 from tensorwire.wire import lossless

@@ -18,8 +18,8 @@ every other request on it fails with it and the stream is closed.
 
 Lending (lending.py) borrows this connection through the seam at the end of the class:
 ``hand_over`` stops reading and hands out a twin of the stream; the borrower's requests are
-``track``ed, sent with ``framing.send`` and answered by ``read_frame``; ``take_back`` and ``carry_on``
-end the loan. The multiplexer knows nothing else of loans.
+``track``ed, sent with ``framing.send`` (framing.py) and answered by ``read_frame``; ``take_back``
+and ``carry_on`` end the loan. The multiplexer knows nothing else of loans.
 """
 
 from __future__ import annotations
@@ -39,13 +39,12 @@ from tensorwire.errors import (
     TransferTimeout,
     error_for_code,
 )
-from tensorwire.transport.base import Buffer, ByteStream, LentStream, Progress, PutBatch, Sink
-from tensorwire.transport.frame_io import FrameReader, read_head, recv_data, send_frame, skip_data
+from tensorwire.transport.base import ByteStream, LentStream, Progress, PutBatch, Sink
+from tensorwire.transport.frame_io import FrameReader, read_head, recv_data, skip_data
+from tensorwire.transport.framing import Framing
 from tensorwire.types import Address, Limits
-from tensorwire.wire import lossless
 from tensorwire.wire import meta as wm
-from tensorwire.wire.checksum import ChecksumKind
-from tensorwire.wire.frame import PROTOCOL_VERSIONS, Flags, Header, check_meta_crc, decode_header
+from tensorwire.wire.frame import Header, check_meta_crc, decode_header
 
 Answer = tuple[Header, wm.MetaReader]
 
@@ -90,59 +89,6 @@ class _Pending:
     what: str
     sink: Sink | None = None
     progress: Callable[[int], None] | None = None
-
-
-@dataclass(slots=True)
-class Framing:
-    """How this connection frames its requests: HELLO settles the version, the chunk size and the
-    encoder (compressed puts) after the connection opens."""
-
-    checksum: ChecksumKind
-    chunk_size: int
-    version: int = PROTOCOL_VERSIONS[-1]
-    encoder: lossless.Encoder | None = None
-
-    def header(self, opcode: int, rid: int, meta: bytes, data_len: int, flags: int = 0) -> Header:
-        # chunk_size is sent even without data: the server answers a GET in the same chunk size.
-        return Header(self.version, opcode, flags, self.checksum, rid, len(meta), self.chunk_size, data_len)
-
-    async def send(
-        self,
-        stream: ByteStream,
-        opcode: int,
-        rid: int,
-        meta: bytes,
-        *,
-        batch: PutBatch | None,
-        data: Sequence[Buffer],
-        progress: Progress | None,
-    ) -> None:
-        """One request: ``meta`` then ``data`` in one frame, or a put's ``batch`` (``meta``: its head)."""
-        if batch is not None:
-            await self._send_batch(stream, opcode, rid, batch, progress=progress, head=meta)
-            return
-        header = self.header(opcode, rid, meta, sum(memoryview(d).nbytes for d in data))
-        await send_frame(stream, header, meta, data, progress if data else None, encoder=self.encoder)
-
-    async def _send_batch(
-        self,
-        stream: ByteStream,
-        opcode: int,
-        rid: int,
-        batch: PutBatch,
-        *,
-        progress: Progress | None,
-        head: bytes,
-    ) -> None:
-        """Send a put as one frame, or as several (flag MORE on all but the last) when the batch has
-        several parts: the server takes part k while this side encodes part k+1. Each part's
-        metadata block is ``head`` (a GEN_PUBLISH's prefix), then its records."""
-        for i in range(batch.parts):
-            metas, data = batch.part(i)
-            meta = head + wm.encode_records(metas)
-            flags = 0 if i == batch.parts - 1 else Flags.MORE
-            header = self.header(opcode, rid, meta, sum(d.nbytes for d in data), flags)
-            await send_frame(stream, header, meta, data, progress, encoder=self.encoder)
 
 
 class FrameMux:
