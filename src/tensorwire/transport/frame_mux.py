@@ -62,22 +62,8 @@ class Settles(Protocol):
     def set_exception(self, error: BaseException) -> None: ...
 
 
-class Requests(Protocol):
-    """``FrameMux.request``'s signature: what a transport's operations call (``Lending.request``
-    puts the lending half in front of it)."""
-
-    def __call__(
-        self,
-        opcode: int,
-        meta: bytes,
-        *,
-        batch: PutBatch | None = None,
-        data: Sequence[memoryview] = (),
-        sink: Sink | None = None,
-        progress: Callable[[int], None] | None = None,
-        what: str = "request",
-        timeout: float | None = None,
-    ) -> Awaitable[Answer]: ...
+# What a transport's operations call: ``FrameMux.request``, or ``Lending.request`` in front of it.
+Requests = Callable[..., Awaitable[Answer]]
 
 
 @dataclass(slots=True)

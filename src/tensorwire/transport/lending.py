@@ -186,33 +186,15 @@ class Lending:
             loan.lock.release()
         await self._mux.carry_on(failure)
 
-    def request(
-        self,
-        opcode: int,
-        meta: bytes,
-        *,
-        batch: PutBatch | None = None,
-        data: Sequence[memoryview] = (),
-        sink: Sink | None = None,
-        progress: Callable[[int], None] | None = None,
-        what: str = "request",
-        timeout: float | None = None,
-    ) -> Awaitable[Answer]:
-        """``FrameMux.request``, for a connection that may be lent (not a coroutine itself: the
-        caller awaits the one it picks, one frame less on every request)."""
+    def request(self, opcode: int, meta: bytes, **request: Any) -> Awaitable[Answer]:
+        """``FrameMux.request`` (its arguments), for a connection that may be lent. Not a coroutine
+        itself: the caller awaits the one it picks, one frame less on every request."""
         loan = self.loan  # read once: the loop may end the loan (close) while a borrower calls
         if loan is None:
-            mux = self._mux
-            return mux.request(
-                opcode, meta, batch=batch, data=data, sink=sink, progress=progress, what=what, timeout=timeout
-            )
+            return self._mux.request(opcode, meta, **request)
         if loan.borrower == threading.get_ident():
-            return self._call_lent(
-                loan, opcode, meta, batch=batch, data=data, sink=sink, what=what, timeout=timeout
-            )
-        return self._reclaimed(
-            opcode, meta, batch=batch, data=data, sink=sink, progress=progress, what=what, timeout=timeout
-        )
+            return self._call_lent(loan, opcode, meta, **request)
+        return self._reclaimed(opcode, meta, **request)
 
     async def _reclaimed(self, opcode: int, meta: bytes, **request: Any) -> Answer:
         """A request on the loop while the connection is lent: the loan ends first."""
@@ -225,14 +207,16 @@ class Lending:
         opcode: int,
         meta: bytes,
         *,
-        batch: PutBatch | None,
-        data: Sequence[memoryview],
-        sink: Sink | None,
-        what: str,
-        timeout: float | None,
+        batch: PutBatch | None = None,
+        data: Sequence[memoryview] = (),
+        sink: Sink | None = None,
+        what: str = "request",
+        timeout: float | None = None,
+        progress: object = None,
     ) -> Answer:
         """A request on the borrowing thread: the same frames over the lent stream, whose waits end
-        at the request's deadline (no sweep, no write lock: the borrower is alone)."""
+        at the request's deadline (no sweep, no write lock: the borrower is alone). It reports no
+        ``progress``: the inline path takes only calls without a callback."""
         mux = self._mux
         stream = loan.stream
         wait = min(mux.timeout if timeout is None else timeout, loan.timeout)
