@@ -14,9 +14,10 @@ DIRECT     a CUDA tensor, and the transport moves device memory    ``DeviceDirec
 STAGED     a CUDA tensor, and the transport is ``Ranged``          pinned host buffers
                                                                    (staging.py)
 HOST       (get) a CUDA ``out`` on any other transport             through a CPU tensor
-STRIPED    at least ``stripe_bytes`` with ``stripes`` other than   several connections
-           1, a ``Ranged`` transport that is ``parallel``, and     (stripe.py)
-           (get) no ``out`` or a contiguous CPU one
+STRIPED    more than one stripe (``stripe.stripe_count``: at      several connections
+           least ``stripe_bytes``, ``stripes`` not 1), a           (stripe.py)
+           ``Ranged`` transport that is ``parallel``, and (get)
+           no ``out`` or a contiguous CPU one
 RESUMABLE  (put) at least ``resumable_bytes``, a ``Resumable``     PUT_RESUMABLE
            transport
 PLAIN      everything else                                         one PUT or GET
