@@ -97,8 +97,8 @@ class Routes:
             if direct(t):
                 return Route.DIRECT
             return Route.STAGED if isinstance(t, Ranged) else Route.HOST
-        into = out is None or (out.is_cpu and out.is_contiguous())
-        if into and self.stripes(self.size(name, out)) > 1 and _stripes_pay(t):
+        striped = self.stripes(self.size(name, out)) > 1 and _stripes_pay(t)  # the cheap question first
+        if striped and (out is None or (out.is_cpu and out.is_contiguous())):
             return Route.STRIPED
         return Route.PLAIN
 

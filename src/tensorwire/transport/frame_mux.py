@@ -98,17 +98,13 @@ class FrameMux:
         self._sweep: asyncio.TimerHandle | None = None
         self._sweep_at = 0.0
         self._answering: _Pending | None = None  # out of the table while its answer is read
-        self._closed = False
+        self.closed = False  # set once, by ``fail``: the connection is done
         self._failure: TensorwireError | None = None
         self._reading = False  # someone holds the reader role (see the module docstring)
         self._reader_task: asyncio.Task[None] | None = None
         self._watched = stream.watch_idle(self._readable_while_idle)
         if not self._watched:
             self._start_reader()
-
-    @property
-    def closed(self) -> bool:
-        return self._closed
 
     @property
     def stream(self) -> ByteStream:
@@ -127,7 +123,7 @@ class FrameMux:
         timeout: float | None = None,
     ) -> Answer:
         """Send one request and wait for its answer (``timeout``: its own instead of the mux's)."""
-        if self._closed:
+        if self.closed:
             raise self._failure or ConnectionLost(f"connection to {self.address} is closed")
         rid = next(self._ids)
         loop = self._loop
@@ -203,7 +199,7 @@ class FrameMux:
             self._expire(due[0])
             return  # the connection is dropped with it: every other request fails too
         later = [p.deadline for p in waiting if not p.future.done()]
-        if later and not self._closed:
+        if later and not self.closed:
             self._arm(min(later))
 
     def _expire(self, pending: _Pending) -> None:
@@ -236,7 +232,7 @@ class FrameMux:
     def _after_reading(self) -> None:
         """The reader stopped: answers others wait for go to the background task; with none, the
         stream is watched for what the server may send unasked."""
-        if self._closed:
+        if self.closed:
             return
         if self._pending or not self._watched:
             self._start_reader()
@@ -244,7 +240,7 @@ class FrameMux:
             self._stream.watch_idle(self._readable_while_idle)
 
     def _readable_while_idle(self) -> None:
-        if not self._reading and not self._closed:
+        if not self._reading and not self.closed:
             self._start_reader(once=True)
 
     async def _read_loop(self, once: bool) -> None:
@@ -343,9 +339,9 @@ class FrameMux:
 
     async def fail(self, exc: TensorwireError) -> None:
         """Close the connection once and fail every request still waiting with ``exc``."""
-        if self._closed:
+        if self.closed:
             return
-        self._closed = True
+        self.closed = True
         self._failure = exc
         if self._sweep is not None:
             self._sweep.cancel()
@@ -366,7 +362,7 @@ class FrameMux:
         (``ByteStream.lend``): only while nothing is in flight, being read or sent, or buffered;
         None if not, or if the stream cannot be lent."""
         idle = not (self._pending or self._reading or self._write_lock.locked() or self._reader.buffered)
-        if self._closed or not idle:
+        if self.closed or not idle:
             return None
         stream = self._stream.lend()
         if stream is None:

@@ -143,8 +143,8 @@ class Lending:
         request waiting at most ``timeout`` (and the connection's own), each wait spinning first
         for up to ``spin`` seconds. NOT_LENT when it ran nothing; any error is the operation's (a
         TensorwireError; one that broke the connection ends the loan)."""
-        loan = self.loan
-        if loan is None or not loan.lock.acquire(blocking=False):
+        loan = self._loan  # as ``loan``, without the property's call: this is every inline call
+        if loan is None or self._mux.closed or not loan.lock.acquire(blocking=False):
             return NOT_LENT
         try:
             if self._loan is not loan or loan.failure is not None or not loan.stream.quiet():
@@ -189,8 +189,8 @@ class Lending:
     def request(self, opcode: int, meta: bytes, **request: Any) -> Awaitable[Answer]:
         """``FrameMux.request`` (its arguments), for a connection that may be lent. Not a coroutine
         itself: the caller awaits the one it picks, one frame less on every request."""
-        loan = self.loan  # read once: the loop may end the loan (close) while a borrower calls
-        if loan is None:
+        loan = self._loan  # read once: the loop may end the loan (close) while a borrower calls
+        if loan is None or self._mux.closed:  # (``loan``, without the property's call)
             return self._mux.request(opcode, meta, **request)
         if loan.borrower == threading.get_ident():
             return self._call_lent(loan, opcode, meta, **request)
