@@ -98,7 +98,9 @@ def test_a_trickled_answer_cannot_hold_an_inline_get(loop: LoopThread) -> None:
         with tensorwire.connect(url, timeout=0.5, retries=1, backoff=0.01) as c:
             assert torch.equal(c.get("p"), PAYLOAD)
             t = c._async.current_transport
-            assert isinstance(t, RangedTransport) and t._loan is not None  # lent: the next get is inline
+            assert (
+                isinstance(t, RangedTransport) and t._lending.loan is not None
+            )  # lent: the next get is inline
             start = time.monotonic()
             with pytest.raises(errors.TransferTimeout, match="get of 'p'"):
                 c.get("p")
@@ -126,7 +128,7 @@ def test_bytes_sent_unasked_while_lent_drop_the_connection(loop: LoopThread) -> 
         with tensorwire.connect(url, timeout=5, retries=0) as c:
             assert torch.equal(c.get("p"), PAYLOAD)
             first = c._async.current_transport
-            assert isinstance(first, RangedTransport) and first._loan is not None
+            assert isinstance(first, RangedTransport) and first._lending.loan is not None
             lent.set()
             assert sent.wait(10)
             sock = first._stream._sock  # type: ignore[attr-defined]

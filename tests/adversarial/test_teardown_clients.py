@@ -1,7 +1,7 @@
 """A client whose connection is closed while a send is parked on it, or whose peer vanishes,
 raises a typed error and lives on (issue 32, class 1, the client side).
 
-A client's own deadline closes the connection its request is stuck on (``FramedTransport._expire``)
+A client's own deadline closes the connection its request is stuck on (``FrameMux._expire``)
 while the send is parked waiting for room, with the stream's read watch armed (it watches for what
 the server sends unasked). Under uvloop the close re-armed the poll on the descriptor it was about
 to close and left the parked writer registered: libuv aborted the client process. Each scenario
@@ -157,7 +157,7 @@ def test_an_owner_closing_a_lent_connection_wakes_its_borrower(server: ServerThr
     with tensorwire.connect(server.url, retries=0, timeout=30.0) as c:
         c.put("teardown/x", torch.ones(4))  # through the loop, which lends the connection after it
         t = _transport(c)
-        loan = t._loan
+        loan = t._lending.loan
         assert loan is not None
         sock = t._stream._sock  # type: ignore[attr-defined]
         outcome: list[BaseException | object] = []

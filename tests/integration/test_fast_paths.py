@@ -28,7 +28,7 @@ def _requests_sent(client: Client) -> int:
     """Request ids the client's connection has used so far (HELLO included): its round trips."""
     transport = client._async._transport
     assert isinstance(transport, FramedTransport)
-    peek, transport._ids = itertools.tee(transport._ids)
+    peek, transport._mux._ids = itertools.tee(transport._mux._ids)
     return next(peek) - 1
 
 
@@ -37,7 +37,7 @@ def test_striped_put_and_get_are_bit_exact(server: ServerThread) -> None:
     x = torch.randn(3 * (1 << 20) + 123)  # 12 MiB + change: three ranges, the last one short
     with tensorwire.connect(server.url, stripes=3, stripe_bytes=1 << 20) as c:
         version = c.put("big", x)
-        assert len(c._async._stripes.lanes) == 3  # type: ignore[union-attr]
+        assert len(c._async._transfers.lanes.lanes) == 3  # type: ignore[union-attr]
         out = torch.empty_like(x)
         assert c.get("big", out=out) is out and torch.equal(out, x)
         assert torch.equal(c.get("big"), x)  # size known from the put: striped without out too
@@ -56,7 +56,7 @@ def test_striped_get_reads_again_when_the_tensor_changes(server: ServerThread) -
         out = torch.empty(1 << 20)
         ops = stripe.get_ops(meta, memoryview(out.numpy()).cast("B"), 2)  # pinned to the old version
         with pytest.raises(errors.VersionChanged):
-            c._call(c._async._lanes().run(ops, 0, lambda _: 0.0))
+            c._call(c._async._transfers._lanes().run(ops, 0, lambda _: 0.0))
         assert torch.equal(c.get("moving", out=out), torch.ones(1 << 20))
 
 
@@ -145,7 +145,7 @@ def test_staged_pipeline_moves_every_piece_in_order(server: ServerThread) -> Non
             upload, meta = await staging.put_staged(client._run, pool, "staged", x, staging.HostCopier())
             with pytest.raises(errors.KeyNotFound):
                 await client.stat("staged")  # nothing visible before the commit
-            await client._commit(upload, meta)
+            await client._transfers._commit(upload, meta)
             out = torch.empty_like(x)
             stored = await client.stat("staged")
             await staging.get_staged(client._run, pool, stored, out, staging.HostCopier())
@@ -170,7 +170,7 @@ def test_cuda_put_and_get_into_a_device_tensor(server: ServerThread) -> None:
         out = torch.empty_like(x)
         assert c.get("gpu", out=out) is out
         assert torch.equal(out, x)
-        assert c._async._pool is not None and c._async._pool.pin
+        assert c._async._transfers._pool is not None and c._async._transfers._pool.pin
 
 
 # -- compression negotiation -------------------------------------------------------------------------

@@ -21,6 +21,7 @@ from tensorwire.server import ServerThread
 from tensorwire.store import TensorStore
 from tensorwire.testing.process import ServerProcess, run_threads, wait_for
 from tensorwire.transport.ranged import RangedTransport
+from tensorwire.transport.tcp import LentTcp
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +37,7 @@ def _transport(client: Client) -> RangedTransport:
 
 
 def _lent(client: Client) -> bool:
-    return _transport(client)._loan is not None
+    return _transport(client)._lending.loan is not None
 
 
 class _LoopCalls:
@@ -92,7 +93,7 @@ def _sleeps_per_get(busy_wait: float, url: str) -> list[bool]:
     """For each of 20 inline gets, whether its thread slept in poll(2) (a poll with a timeout)."""
     with tensorwire.connect(url, busy_wait=busy_wait) as c:
         c.put("inline/spin", torch.randn(1000))  # through the loop, which lends the connection
-        loan = _transport(c)._loan
+        loan = _transport(c)._lending.loan
         assert loan is not None
         polls = loan.stream._poll = _Polls(loan.stream._poll)  # type: ignore[attr-defined]
         slept = []
@@ -100,7 +101,7 @@ def _sleeps_per_get(busy_wait: float, url: str) -> list[bool]:
             polls.timeouts.clear()
             c.get("inline/spin")
             slept.append(any(t > 0 for t in polls.timeouts))
-        assert _transport(c)._loan is loan  # every get was inline, on the same loan
+        assert _transport(c)._lending.loan is loan  # every get was inline, on the same loan
         return slept
 
 
@@ -187,11 +188,78 @@ def test_a_request_waiting_for_a_borrower_takes_back_the_loan_lent_since(server:
             await t.reclaim()  # another request takes the connection back ...
             assert t.lend()  # ... and, done, lends it again
             await waiting
-            assert t._loan is None, "a reclaim left the connection lent"
+            assert t._lending.loan is None, "a reclaim left the connection lent"
 
         c._thread.call(race(), 10, "the race")
         assert not borrower.is_alive()
         assert torch.equal(c.get("inline/l"), torch.ones(4))
+
+
+def _waits_on_the_loop(loop: asyncio.AbstractEventLoop) -> Any:
+    """A lent stream's wait that awaits a future of the client's loop instead of blocking its
+    thread in poll(2): what an asyncio lock, an executor or a sleep on the inline path would do."""
+
+    async def readable(self: LentTcp) -> None:
+        await asyncio.Future(loop=loop)  # settled by nobody: only the loop's thread could
+
+    return readable
+
+
+def _in_a_thread(call: Any) -> BaseException | object:
+    """``call()`` in a thread of its own, joined within 10 s: a path that hangs fails the test
+    instead of hanging the suite."""
+    outcome: list[BaseException | object] = []
+
+    def run() -> None:
+        try:
+            outcome.append(call())
+        except BaseException as exc:
+            outcome.append(exc)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(10)
+    assert outcome, "an inline call that waited on the loop hung"
+    return outcome[0]
+
+
+def test_an_inline_call_that_waits_on_the_loop_fails_by_name(
+    server: ServerThread, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The inline path's invariant (client/inline.py): nothing on it may wait on the event loop.
+    A call that does anyway is stopped there (``_aio.drive``), neither hung nor left reading a
+    stream out of step: with no retries it fails with ConnectionLost naming it, a warning says
+    so, and its connection is dropped. (Remove the guard, in ``drive`` or in ``run_inline``, and
+    this fails.)"""
+    with tensorwire.connect(server.url, retries=0) as c:
+        c.put("inline/w", torch.ones(4))  # through the loop, which lends the connection after it
+        lent = _transport(c)
+        assert _lent(c)
+        monkeypatch.setattr(LentTcp, "_readable", _waits_on_the_loop(c._loop))
+        with caplog.at_level("WARNING", logger="tensorwire.transport"):
+            failed = _in_a_thread(lambda: c.get("inline/w"))
+        assert isinstance(failed, errors.ConnectionLost) and "outside its loop" in str(failed), failed
+        assert any(r.getMessage() == "inline call waited on the loop" for r in caplog.records)
+        monkeypatch.undo()
+        assert torch.equal(c.get("inline/w"), torch.ones(4))  # on a fresh connection
+        assert lent.closed and _transport(c) is not lent
+
+
+def test_an_inline_call_that_waits_on_the_loop_is_made_on_the_loop(
+    server: ServerThread, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """With retries, the call that waited on the loop is made again through it: it succeeds,
+    visibly (the warning, one call through the loop, a new connection)."""
+    with tensorwire.connect(server.url) as c:
+        c.put("inline/v", torch.full((4,), 2.0))
+        lent = _transport(c)
+        loop = _LoopCalls(c)
+        monkeypatch.setattr(LentTcp, "_readable", _waits_on_the_loop(c._loop))
+        with caplog.at_level("WARNING", logger="tensorwire.transport"):
+            got = _in_a_thread(lambda: c.get("inline/v"))
+        assert isinstance(got, torch.Tensor) and torch.equal(got, torch.full((4,), 2.0)), got
+        assert loop.count == 1 and lent.closed and _transport(c) is not lent
+        assert any(r.getMessage() == "inline call waited on the loop" for r in caplog.records)
 
 
 @pytest.fixture(scope="module")
@@ -263,8 +331,9 @@ def test_a_closed_client_wakes_its_borrower(process: ServerProcess) -> None:
     try:
         reader = threading.Thread(target=read)
         reader.start()
-        wait_for(lambda: _transport(c)._loan is not None and _transport(c)._loan.borrower is not None, 5,
-                 "the get to borrow the connection")  # fmt: skip
+        loan = _transport(c)._lending.loan
+        assert loan is not None
+        wait_for(lambda: loan.borrower is not None, 5, "the get to borrow the connection")
         c.close()
         reader.join(10)
         assert not reader.is_alive() and failed, "the borrower still waits on a closed client"

@@ -91,7 +91,7 @@ def striping(url: str, data: torch.Tensor, iters: int) -> Result:
         one = tensorwire.connect(url, stripes=1)
         try:
             gbps = _interleaved({"striped": striped, "one": one}, "bench/x", data, iters)
-            lanes = striped._async._stripes
+            lanes = striped._async._transfers.lanes
             k = len(lanes.lanes) if lanes is not None else 1
         finally:
             striped.close()

@@ -6,18 +6,14 @@ operation is idempotent (``client/retry.py``). ``put`` counts as idempotent (put
 twice leaves the same value, at a later version); ``delete`` is retried only when the request
 never left.
 
-Which path a put or get takes is asked of the transport object (its capabilities,
-``transport/base.py``), never read off the address scheme: a CUDA tensor is staged through pinned
-host buffers where the transport is ``Ranged`` (staging.py), else copied through a CPU tensor; a
-large tensor travels over several connections where it is ``Ranged`` and ``parallel`` (stripe.py);
-a large put resumes after a broken connection where it is ``Resumable``; everything else is one
-PUT or GET of ``Transport``.
+Which route a put or get takes (direct, staged, striped, resumable, plain; routes.py) is asked of
+``Routes``, which asks the transport object (its capabilities, ``transport/base.py``), never the
+address scheme; the blocking client's inline path (inline.py) asks the same question.
 """
 
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
@@ -26,37 +22,29 @@ from typing import TypeVar
 import torch
 
 from tensorwire import transport as transports
-from tensorwire.client import deltas, ranges, staging, stripe
+from tensorwire.client import deltas, ranges
 from tensorwire.client import generations as gens
 from tensorwire.client.batches import Landing, TensorBatch
 from tensorwire.client.cache import TensorCache
 from tensorwire.client.options import ClientOptions, check, retry_policy, transport_options
 from tensorwire.client.retry import retrying
+from tensorwire.client.routes import Transfers
 from tensorwire.errors import (
     ConnectError,
     InvalidTensor,
     SharedMemoryUnavailable,
-    UnsupportedTransport,
-    VersionChanged,
 )
 from tensorwire.logs import event
 from tensorwire.transport.base import (
-    DeviceDirect,
     GenerationViews,
-    Ranged,
-    Resumable,
     Transport,
     Viewable,
     as_generational,
-    as_ranged,
     as_ranged_generations,
-    as_resumable,
-    new_upload,
 )
 from tensorwire.types import Address, Generation, GenerationManifest, TensorMeta
 from tensorwire.wire import generations as wg
 from tensorwire.wire.names import validate_name, validate_prefix
-from tensorwire.wire.tensors import byte_view, check_out, empty_for, sendable
 
 T = TypeVar("T")
 log = logging.getLogger("tensorwire.client")
@@ -76,10 +64,10 @@ class AsyncClient:
         self._open_lock = asyncio.Lock()
         self.cache = TensorCache(self.options.cache_bytes, self.options.cache_lease)
         self.delta_stats = deltas.DeltaStats()  # what reads with base= moved (client/deltas.py)
-        self._stripes: stripe.Stripes | None = None
-        self._pool: staging.PinnedPool | None = None  # host buffers for CUDA tensors, made on first use
-        self._sizes: dict[str, int] = {}  # bytes of tensors this client moved: may a get be striped?
-        self.resumed_at: list[int] = []  # where each resumed put went on from (bytes already verified)
+        # Each put and get of one tensor by its route; ``routes`` says which (routes.py), and the
+        # blocking client's inline path asks it too.
+        self._transfers = Transfers(self.address, self.options, self._run, self._capable)
+        self.routes = self._transfers.routes
         self._closed = False
         self._warned_unverifiable = False
 
@@ -98,6 +86,11 @@ class AsyncClient:
         return t.local_fallback if t is not None else None
 
     @property
+    def resumed_at(self) -> list[int]:
+        """Where each resumed put went on from (bytes the server held, verified, after a break)."""
+        return self._transfers.resumed_at
+
+    @property
     def url(self) -> str:
         return str(self.address)
 
@@ -107,46 +100,15 @@ class AsyncClient:
         return self._transport
 
     # -- tensors -------------------------------------------------------------------------------
-    async def put(self, name: str, tensor: torch.Tensor, progress: Progress | None = None) -> int:
+    async def put(
+        self, name: str, tensor: torch.Tensor, progress: Progress | None = None, *, attempts: int = 0
+    ) -> int:
         """Store ``tensor`` under ``name``; return its new version. A large one (``resumable_bytes``)
-        survives broken connections: each retry sends only what the server has not verified."""
-        size = tensor.numel() * tensor.element_size()
+        survives broken connections: each retry sends only what the server has not verified.
+        ``attempts``: of this put, made already elsewhere (the blocking client's, in its caller's
+        own thread), which count against ``retries``."""
         self.cache.invalidate(name)
-        self.note_size(name, size)
-        if tensor.is_cuda and _direct(await self._capable()):
-            validate_name(name)
-            return await self._run(lambda t: _as_direct(t).put_device(name, tensor))
-        if tensor.is_cuda and isinstance(await self._capable(), Ranged):
-            return await self._put_staged(name, tensor)
-        k = self._stripe_count(size)
-        if k > 1 and await self._stripes_pay():
-            return await self._put_striped(name, tensor, k)
-        resumable = self.options.resumable_bytes and size >= self.options.resumable_bytes
-        if resumable and isinstance(await self._capable(), Resumable):
-            return await self._put_resumable(name, tensor, progress)
-        return await self.put_many([(name, tensor)], progress=progress)
-
-    async def _put_resumable(self, name: str, tensor: torch.Tensor, progress: Progress | None) -> int:
-        """PUT_RESUMABLE: each attempt after the first asks how much of the upload the server holds,
-        verified, and sends the rest."""
-        validate_name(name)
-        sent = sendable(tensor, name)
-        view = byte_view(sent)
-        meta = TensorMeta(name, sent.dtype, tuple(sent.shape), view.nbytes)
-        upload = new_upload()
-        tried = False
-
-        async def attempt(t: Transport) -> int:
-            nonlocal tried
-            resumable = as_resumable(t, "a resumable put")
-            offset = 0
-            if tried:
-                offset = await resumable.resume_point(upload, meta)
-                self.resumed_at.append(offset)
-            tried = True
-            return await resumable.put_resumable(upload, meta, view, offset, progress)
-
-        return await self._run(attempt)
+        return await self._transfers.put(name, tensor, progress, attempts)
 
     async def put_many(self, items: TensorItems, progress: Progress | None = None) -> int:
         """Store several tensors in one request, atomically (all visible or none, under one new
@@ -169,6 +131,7 @@ class AsyncClient:
         at: gens.At | None = None,
         verify: bool = False,
         base: gens.At | None = None,
+        attempts: int = 0,
     ) -> torch.Tensor:
         """Fetch ``name``. With ``out``, the bytes land in ``out`` in place and ``out`` is returned.
         With ``at`` (a generation number or ``"latest"``), ``name`` (``prefix/key``) is read from
@@ -178,7 +141,7 @@ class AsyncClient:
         With a cache (``cache_bytes``), an unchanged tensor costs one STAT (or nothing in its lease).
         ``view=True`` (``shm://`` only) returns a read-only tensor over the server's shared pages,
         with no copy: a snapshot of the version read, held for as long as the tensor lives (README,
-        "Shared memory").
+        "Shared memory"). ``attempts``: as for ``put``.
         """
         if at is not None or verify or base is not None:
             outs = {name: out} if out is not None else None
@@ -188,7 +151,7 @@ class AsyncClient:
                 raise InvalidTensor("get(view=True) returns the server's pages; it takes no out=")
             return await self._run(lambda t: _view(t, name))
         if not self.cache.enabled:
-            return (await self._get(name, out, progress))[0]
+            return (await self._transfers.get(name, out, progress, attempts))[0]
         entry = self.cache.lookup(name)
         if entry is not None:
             if self.cache.leased(entry, self._connected_store()):
@@ -200,7 +163,7 @@ class AsyncClient:
                 self.cache.checks += 1
                 return entry.hand_out(out)
         before = self._connected_store()
-        tensor, version = await self._get(name, out, progress)
+        tensor, version = await self._transfers.get(name, out, progress)
         after = self._connected_store()
         # Cached only if one store answered throughout (a reconnect mid-get may have reached another).
         self.cache.store(name, version, tensor, after if after == before or not before else 0)
@@ -224,128 +187,6 @@ class AsyncClient:
             return metas[0], t.info.store_id
 
         return await self._run(op)
-
-    async def _get(
-        self, name: str, out: torch.Tensor | None, progress: Progress | None
-    ) -> tuple[torch.Tensor, int]:
-        """The tensor and the version it was read at: striped when it is large and its size is
-        known here (an ``out``, or an earlier transfer), else one GET."""
-        if out is not None and out.is_cuda:
-            if _direct(await self._capable()):  # GPU-direct: the engine reads into device memory
-                return out, await self._run(lambda t: _as_direct(t).get_device(name, out))
-            if isinstance(await self._capable(), Ranged):
-                return await self._until_steady(lambda: self._get_staged(name, out))
-            host, version = await self._get(name, None, progress)  # e.g. gRPC: through a CPU tensor
-            check_out(TensorMeta(name, host.dtype, tuple(host.shape), 0, version), out, device_ok=True)
-            return out.copy_(host), version
-        known = out.numel() * out.element_size() if out is not None else self._sizes.get(name, 0)
-        k = self._stripe_count(known)
-        if k > 1 and (out is None or (out.is_cpu and out.is_contiguous())) and await self._stripes_pay():
-            return await self._until_steady(lambda: self._get_striped(name, out, k))
-        outs = {name: out} if out is not None else {}
-        landing = Landing([name], outs)
-
-        async def op(t: Transport) -> tuple[torch.Tensor, int]:
-            landing.reset()
-            await t.get([name], landing.sink, progress)
-            return landing.finish()[name], landing.versions[name]
-
-        tensor, version = await self._run(op)
-        self.note_size(name, tensor.numel() * tensor.element_size())
-        return tensor, version
-
-    async def _until_steady(self, read: Callable[[], Awaitable[T]]) -> T:
-        """``read()``, made again while the tensor changes under it (VersionChanged: its ranges were
-        pinned to a version the tensor has moved on from), at most ``retries`` more times."""
-        for attempt in itertools.count():
-            try:
-                return await read()
-            except VersionChanged:
-                if attempt >= self.options.retries:
-                    raise
-        raise AssertionError("unreachable")
-
-    # -- striping (stripe.py) --------------------------------------------------------------------
-    def _stripe_count(self, nbytes: int) -> int:
-        """Over how many connections ``nbytes`` would travel, if the transport allows (see
-        ``_stripes_pay``): asked first, since it costs nothing and is 1 for most tensors."""
-        return stripe.stripe_count(nbytes, self.options.stripes, self.options.stripe_bytes)
-
-    async def _stripes_pay(self) -> bool:
-        """Whether this client's transport can stripe, and says it pays: ``Ranged`` and ``parallel``."""
-        t = await self._capable()
-        return isinstance(t, Ranged) and t.parallel
-
-    def plain_connection(self, name: str, nbytes: int | None, *, put: bool) -> Transport | None:
-        """The open connection a get (``nbytes`` None: of the size last seen) or a put of ``name``
-        would take now as one plain request; None when it would take another path (the cache,
-        stripes, a resumable put) or none is open. What the blocking client asks before it makes
-        the call in its own thread (client/inline.py)."""
-        t = self._transport
-        if t is None or t.closed or self.cache.enabled:
-            return None
-        size = self._sizes.get(name, 0) if nbytes is None else nbytes
-        if self._stripe_count(size) > 1:
-            return None
-        if put and self.options.resumable_bytes and size >= self.options.resumable_bytes:
-            return None
-        return t
-
-    def note_size(self, name: str, nbytes: int) -> None:
-        """Remember the size of a tensor this client moved: whether its next get may be striped."""
-        if len(self._sizes) >= 65536:  # a hint, not a registry: start over rather than grow
-            self._sizes.clear()
-        self._sizes[name] = nbytes
-
-    def _lanes(self) -> stripe.Stripes:
-        if self._stripes is None:
-            self._stripes = stripe.Stripes(self.address, transport_options(self.options))
-        return self._stripes
-
-    async def _put_striped(self, name: str, tensor: torch.Tensor, k: int) -> int:
-        """PUT_RANGE of each range on its own connection, then one PUT_COMMIT publishes the tensor."""
-        validate_name(name)
-        sent = sendable(tensor, name)
-        meta = TensorMeta(name, sent.dtype, tuple(sent.shape), sent.numel() * sent.element_size())
-        upload = new_upload()
-        ops = stripe.put_ops(upload, meta, byte_view(sent), k)
-        await self._lanes().run(ops, self.options.retries, self.options.delay)
-        return await self._commit(upload, meta)
-
-    async def _get_striped(self, name: str, out: torch.Tensor | None, k: int) -> tuple[torch.Tensor, int]:
-        """STAT for the version, then each range over its own connection, pinned to that version."""
-        meta = await self.stat(name)
-        target = out if out is not None else empty_for(meta)
-        check_out(meta, target)
-        self.note_size(name, meta.nbytes)
-        if self._stripe_count(meta.nbytes) <= 1:  # it shrank: one GET will do
-            return await self._get(name, out, None)
-        ops = stripe.get_ops(meta, byte_view(target), k)
-        await self._lanes().run(ops, self.options.retries, self.options.delay)
-        return target, meta.version
-
-    async def _commit(self, upload: int, meta: TensorMeta) -> int:
-        """PUT_COMMIT: publish an upload whose ranges are all in (striped and staged puts)."""
-        return await self._run(lambda t: as_ranged(t, "a commit").commit(upload, meta), idempotent=False)
-
-    # -- CUDA tensors (staging.py) ----------------------------------------------------------------
-    def _pinned(self) -> staging.PinnedPool:
-        if self._pool is None:
-            self._pool = staging.PinnedPool()
-        return self._pool
-
-    async def _put_staged(self, name: str, tensor: torch.Tensor) -> int:
-        validate_name(name)
-        copier = staging.copier_for(tensor)
-        upload, meta = await staging.put_staged(self._run, self._pinned(), name, tensor, copier)
-        return await self._commit(upload, meta)
-
-    async def _get_staged(self, name: str, out: torch.Tensor) -> tuple[torch.Tensor, int]:
-        """Into a device tensor through pinned buffers, pinned to the version a STAT saw."""
-        meta = await self.stat(name)
-        check_out(meta, out, device_ok=True)
-        await staging.get_staged(self._run, self._pinned(), meta, out, staging.copier_for(out))
-        return out, meta.version
 
     # -- the other operations --------------------------------------------------------------------
     async def get_many(
@@ -498,9 +339,7 @@ class AsyncClient:
     async def close(self) -> None:
         self._closed = True
         self.cache.clear()
-        if self._stripes is not None:
-            stripes, self._stripes = self._stripes, None
-            await asyncio.get_running_loop().run_in_executor(None, stripes.close)
+        await self._transfers.close()
         if self._transport is not None:
             await self._transport.close()
             self._transport = None
@@ -539,11 +378,14 @@ class AsyncClient:
         t = self._transport
         return t if t is not None else await self._run(_itself)
 
-    def _run(self, op: Callable[[Transport], Awaitable[T]], idempotent: bool = True) -> Awaitable[T]:
+    def _run(
+        self, op: Callable[[Transport], Awaitable[T]], idempotent: bool = True, attempts: int = 0
+    ) -> Awaitable[T]:
         """``op`` on this client's connection, reopened and retried under ``client/retry.py``'s rule
-        (the transport bounds every request by ``options.timeout``). Not a coroutine itself: the
-        caller awaits ``retrying``'s, one frame less on every call."""
-        return retrying(op, self._open, self._policy, idempotent=idempotent)
+        (the transport bounds every request by ``options.timeout``; ``attempts`` made elsewhere
+        count). Not a coroutine itself: the caller awaits ``retrying``'s, one frame less on every
+        call."""
+        return retrying(op, self._open, self._policy, idempotent=idempotent, attempts=attempts)
 
 
 async def _itself(t: Transport) -> Transport:
@@ -555,14 +397,3 @@ async def _view(t: Transport, name: str) -> torch.Tensor:
     if not isinstance(t, Viewable):
         raise SharedMemoryUnavailable(f"get(view=True) needs an shm:// client, not {t.address}")
     return await t.view(name)
-
-
-def _direct(transport: Transport) -> bool:
-    """Whether ``transport`` moves CUDA tensors straight from and into device memory now."""
-    return isinstance(transport, DeviceDirect) and transport.gpu_direct
-
-
-def _as_direct(transport: Transport) -> DeviceDirect:
-    if not isinstance(transport, DeviceDirect):  # a reconnect reached another kind of server
-        raise UnsupportedTransport(f"{transport.address.scheme}:// moves no device memory")
-    return transport

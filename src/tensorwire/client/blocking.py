@@ -74,13 +74,10 @@ class Client:
     def segment_bytes(self) -> int:
         return self._async.segment_bytes
 
-    def _call(
-        self, coro: Coroutine[Any, Any, T], longer: float = 0.0, *, lend: bool = False, attempts: int = 0
-    ) -> T:
+    def _call(self, coro: Coroutine[Any, Any, T], longer: float = 0.0, *, lend: bool = False) -> T:
         # The worst case is a backstop: the client's own timers should have fired long before.
         # ``longer``: a call that waits on purpose (``wait``) may take that much more. ``lend``: a
         # call the caller's thread could have made itself: the connection is lent after it.
-        # ``attempts``: made in the caller's thread already (client/inline.py).
         worst = self._worst_case + longer
         deadline = self._deadline
         if not self._finalizer.alive:  # closed, or closing under a call from another thread
@@ -89,7 +86,7 @@ class Client:
         if deadline is not None and deadline.remaining() <= 0:
             coro.close()
             raise deadline.expired()
-        coro = inline.on_loop(self._async, coro, lend, attempts)
+        coro = inline.on_loop(self._async, coro, lend)
         if deadline is None:
             return self._thread.call(coro, worst, f"a call to {self._url}")
         try:  # cut short at the deadline: the call is cancelled, and its connection dropped
@@ -118,12 +115,12 @@ class Client:
     def put(self, name: str, tensor: torch.Tensor, progress: Progress | None = None) -> int:
         attempts = 0
         if progress is None and (timeout := self._inline_timeout()) is not None:
-            try:
-                return inline.put(self._async, name, tensor, timeout)
-            except inline.Fallback as fallback:
-                attempts = fallback.attempts
-        coro = self._async.put(name, tensor, progress)
-        return self._call(coro, lend=progress is None, attempts=attempts)
+            made = inline.put(self._async, name, tensor, timeout)  # in this thread, if it can be
+            if not isinstance(made, inline.ToLoop):
+                return made
+            attempts = made.attempts
+        coro = self._async.put(name, tensor, progress, attempts=attempts)
+        return self._call(coro, lend=progress is None)
 
     def put_many(self, items: TensorItems, progress: Progress | None = None) -> int:
         return self._call(self._async.put_many(items, progress))
@@ -142,12 +139,14 @@ class Client:
         plain = progress is None and not view and at is None and not verify and base is None
         attempts = 0
         if plain and (timeout := self._inline_timeout()) is not None:
-            try:
-                return inline.get(self._async, name, out, timeout)
-            except inline.Fallback as fallback:
-                attempts = fallback.attempts
-        coro = self._async.get(name, out, progress, view=view, at=at, verify=verify, base=base)
-        return self._call(coro, lend=plain, attempts=attempts)
+            got = inline.get(self._async, name, out, timeout)  # in this thread, if it can be
+            if not isinstance(got, inline.ToLoop):
+                return got
+            attempts = got.attempts
+        coro = self._async.get(
+            name, out, progress, view=view, at=at, verify=verify, base=base, attempts=attempts
+        )
+        return self._call(coro, lend=plain)
 
     def get_many(
         self,

@@ -1,124 +1,145 @@
 """The blocking client's plain gets and puts, made in the caller's own thread on a lent connection
 (transport/lending.py): no event-loop turn and no thread hop, the two wake-ups that cost a small
-blocking call more than its bytes and the server together.
+blocking call more than its bytes and the server together. All of the path's client side is here;
+``Client.get`` and ``Client.put`` (blocking.py) try it first.
 
 Which calls: a get into a CPU tensor (or a new one) or a put of a CPU tensor, with no progress
-callback, that would be one plain request anyway (no cache, no stripes, no resumable put: the
-async client says, ``plain_connection``), on a ``Lendable`` connection the loop has lent. The loop
-lends it after such a call made through it (``lend``), and takes it back before it runs anything
-else (``reclaim``). A call that finds it not lent (another thread has it, or it was taken back)
-goes through the loop as before, and so does one on a connection the server closed while it was
-lent (the loop reopens it, as it would have on noticing the close). A call that failed with a
-retryable error (a broken connection, a timeout, a corrupt chunk) made its first attempt: the
-loop makes the retries the options leave (``Fallback.attempts``, ``retry.PRIOR_ATTEMPTS``), on a
-connection the loan's end dropped if it broke; with no retries the error is raised here, as is
-one no retry cures (KeyNotFound, a wrong ``out``).
+callback, that takes the PLAIN route (``routes.Routes``: the question the async client asks too),
+with no cache, on a ``Lendable`` connection the loop has lent. The loop lends it after such a call
+made through it (``on_loop``), and takes it back before it runs anything else (``reclaim``).
+
+What comes back is the call's result, or ``ToLoop``: make the call through the loop instead, with
+the attempts made here already counted against its retries. A call that finds the connection not
+lent (another thread has it, or it was taken back), or closed by the server while lent (the loop
+reopens it), made no attempt. One that failed with a retryable error (a broken connection, a
+timeout, a corrupt chunk) made one: the loop makes the retries the options leave, on a connection
+the loan's end dropped if it broke; with no retries the error is raised here, as is one no retry
+cures (KeyNotFound, a wrong ``out``).
+
+The path's invariant: **nothing on it may wait on the event loop.** It runs in the caller's thread,
+stepping the transport's coroutines itself (``_aio.drive``, from ``Lending.run_inline``): a bare
+yield is a turn given to nobody, but an ``await`` of a future would wait for the loop's thread,
+which is not running this coroutine and would never settle it. ``drive`` stops such a call
+(``WouldWait``); the lending half turns that into ConnectionLost ("outside its loop"), drops the
+connection and logs a warning, and the call goes to the loop (tests/integration/
+test_inline_calls.py holds a test that fails if this guard goes). So: no locks of asyncio, no
+``run_in_executor``, no sleeps but ``asyncio.sleep(0)`` anywhere under a plain get or put of a
+lendable transport.
 """
 
 from __future__ import annotations
 
-from collections.abc import Coroutine
-from typing import Any, cast
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass
+from typing import Any, TypeVar, cast
 
 import torch
 
 from tensorwire.client.async_client import AsyncClient
-from tensorwire.client.batches import Landing, TensorBatch
-from tensorwire.client.retry import PRIOR_ATTEMPTS
+from tensorwire.client.batches import TensorBatch
+from tensorwire.client.routes import Route, plain_get
 from tensorwire.errors import TensorwireError
-from tensorwire.transport.base import Lendable, Transport
-from tensorwire.transport.lending import NotLent
+from tensorwire.transport.base import Transport
+from tensorwire.transport.lending import NOT_LENT, Lendable
+
+T = TypeVar("T")
 
 
-class Fallback(Exception):
-    """Make the call through the loop instead, ``attempts`` of it made here already (0 or 1)."""
+@dataclass(frozen=True, slots=True)
+class ToLoop:
+    """Not made here: make the call through the loop, ``attempts`` of it made here already."""
 
-    def __init__(self, attempts: int) -> None:
-        super().__init__(attempts)
-        self.attempts = attempts
+    attempts: int
 
 
-def get(client: AsyncClient, name: str, out: torch.Tensor | None, timeout: float) -> torch.Tensor:
-    """``client.get(name, out)`` made in this thread; Fallback: make it through the loop."""
+NOT_TAKEN = ToLoop(0)
+
+
+def get(client: AsyncClient, name: str, out: torch.Tensor | None, timeout: float) -> torch.Tensor | ToLoop:
+    """``client.get(name, out)`` made in this thread, or ToLoop."""
     if out is not None and not out.is_cpu:
-        raise Fallback(0)
-    nbytes = out.numel() * out.element_size() if out is not None else None
-    landing = Landing([name], {name: out} if out is not None else {})
-
-    async def op(t: Transport) -> None:
-        await t.get([name], landing.sink)
-
-    _run(client, _lendable(client.plain_connection(name, nbytes, put=False)), op, timeout)
-    tensor = landing.finish()[name]
-    client.note_size(name, tensor.numel() * tensor.element_size())
+        return NOT_TAKEN
+    t = _lent(client)
+    if t is None or client.routes.get(t, name, out) is not Route.PLAIN:
+        return NOT_TAKEN
+    got = _run(client, t, plain_get(name, out), timeout)
+    if isinstance(got, ToLoop):
+        return got
+    tensor = got[0]
+    client.routes.moved(name, tensor.numel() * tensor.element_size())
     return tensor
 
 
-def put(client: AsyncClient, name: str, tensor: torch.Tensor, timeout: float) -> int:
-    """``client.put(name, tensor)`` made in this thread; Fallback: make it through the loop."""
+def put(client: AsyncClient, name: str, tensor: torch.Tensor, timeout: float) -> int | ToLoop:
+    """``client.put(name, tensor)`` made in this thread, or ToLoop."""
     if not tensor.is_cpu:
-        raise Fallback(0)
+        return NOT_TAKEN
     nbytes = tensor.numel() * tensor.element_size()
-    t = _lendable(client.plain_connection(name, nbytes, put=True))
-    if t is None:
-        raise Fallback(0)
+    t = _lent(client)
+    if t is None or client.routes.put(t, nbytes, cuda=False) is not Route.PLAIN:
+        return NOT_TAKEN
     batch = TensorBatch([(name, tensor)])  # an invalid name or tensor is refused here, as there
-    versions: list[int] = []
 
-    async def op(t: Transport) -> None:
-        versions.append(await t.put(batch))
+    async def op(t: Transport) -> int:
+        return await t.put(batch)
 
-    _run(client, t, op, timeout)
-    client.note_size(name, nbytes)
-    return versions[0]
+    version = _run(client, t, op, timeout)
+    if not isinstance(version, ToLoop):
+        client.routes.moved(name, nbytes)
+    return version
 
 
-def _lendable(t: object) -> Lendable | None:
-    """``t`` if it is ``Lendable``, asked once per class (a Protocol's isinstance walks all its
-    members: a tenth of a small call's time)."""
-    if t is None:
+def _lent(client: AsyncClient) -> Transport | None:
+    """The client's open connection if it is ``Lendable`` and no cache stands in front of it."""
+    t = client.current_transport
+    if t is None or t.closed or client.cache.enabled or not _lendable(t):
         return None
+    return t
+
+
+def _lendable(t: Transport) -> bool:
+    """Whether ``t`` is ``Lendable``, asked once per class (a Protocol's isinstance walks all its
+    members: a tenth of a small call's time)."""
     kind = type(t)
     can = _LENDABLE.get(kind)
     if can is None:
         can = _LENDABLE[kind] = isinstance(t, Lendable)
-    return cast(Lendable, t) if can else None
+    return can
 
 
 _LENDABLE: dict[type, bool] = {}
 
 
-def _run(client: AsyncClient, t: Lendable | None, op: Any, timeout: float) -> None:
-    """``op`` run to its end on ``t`` in this thread; Fallback to make the call on the loop."""
-    if t is None:
-        raise Fallback(0)
+def _run(
+    client: AsyncClient, t: Transport, op: Callable[[Transport], Coroutine[Any, Any, T]], timeout: float
+) -> T | ToLoop:
+    """``op`` run to its end on ``t`` in this thread, or ToLoop."""
     try:
-        t.run_inline(op, timeout, client.options.busy_wait)
-    except NotLent:
-        raise Fallback(0) from None
+        done = cast(Lendable, t).run_inline(op, timeout, client.options.busy_wait)
     except TensorwireError as exc:
         if exc.retryable and client.options.retries > 0:
-            raise Fallback(1) from exc  # the loop retries; the loan's end drops a broken connection
+            return ToLoop(1)  # the loop retries; the loan's end drops a broken connection
         raise
+    return NOT_TAKEN if done is NOT_LENT else done
 
 
-async def on_loop(client: AsyncClient, coro: Coroutine[Any, Any, Any], lend: bool, attempts: int) -> Any:
+async def on_loop(client: AsyncClient, coro: Coroutine[Any, Any, T], lend: bool) -> T:
     """A call made through the client's loop: the connection is taken back first, if lent (the
-    loop's requests and a borrower's must not interleave), and ``attempts`` already made count
-    against its retries; after a call that could have been made inline (``lend``), the connection
-    is lent again for the next one (not with a cache: no get would be inline, and the cache asks
-    an idle connection whether the server dropped it)."""
-    PRIOR_ATTEMPTS.set(attempts)  # this task's own context: no other call sees it
-    t = _lendable(client.current_transport)
+    loop's requests and a borrower's must not interleave, and a connection the server closed while
+    lent is seen closed before the call picks one), and after a call that could have been made
+    inline (``lend``) it is lent again for the next one (not with a cache: no get would be inline,
+    and the cache asks an idle connection whether the server dropped it)."""
+    t = client.current_transport
     try:
-        if t is not None:
-            await t.reclaim()
+        if t is not None and _lendable(t):
+            await cast(Lendable, t).reclaim()
     except BaseException:
         coro.close()
         raise
     result = await coro
-    lend = lend and not client.cache.enabled
-    now = _lendable(client.current_transport) if lend else None  # a retry may have opened another
-    if now is not None:
-        now.lend()
+    now = (
+        client.current_transport if lend and not client.cache.enabled else None
+    )  # a retry may have opened another
+    if now is not None and _lendable(now):
+        cast(Lendable, now).lend()
     return result

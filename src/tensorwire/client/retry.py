@@ -25,7 +25,6 @@ Nothing here depends on the client's classes: a connection is whatever ``connect
 from __future__ import annotations
 
 import asyncio
-import contextvars
 import random
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -36,10 +35,6 @@ from tensorwire.errors import TensorwireError
 
 T = TypeVar("T")
 C = TypeVar("C")
-
-# Attempts the call running in this task already made elsewhere, which count against its policy:
-# the blocking client's attempt in the caller's own thread (client/inline.py) before the loop's.
-PRIOR_ATTEMPTS: contextvars.ContextVar[int] = contextvars.ContextVar("tensorwire_prior_attempts", default=0)
 
 
 def backoff(first: float, cap: float, *, jitter: bool = True) -> Callable[[int], float]:
@@ -82,9 +77,12 @@ async def retrying(
     idempotent: bool = True,
     deadline: Deadline | None = None,
     on_retry: Callable[[TensorwireError], Awaitable[None]] | None = None,
+    attempts: int = 0,
 ) -> T:
-    """``op`` on the connection ``connect`` hands out, made again under the module's rule."""
-    attempt = PRIOR_ATTEMPTS.get()
+    """``op`` on the connection ``connect`` hands out, made again under the module's rule.
+    ``attempts``: of this call, made elsewhere already, which count against the policy (the
+    blocking client's attempt in the caller's own thread, client/inline.py)."""
+    attempt = attempts
     while True:  # not itertools.count: every call of every client starts here
         attempt += 1
         left = False

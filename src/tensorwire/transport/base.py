@@ -35,8 +35,9 @@ caller asks ``isinstance(t, Ranged)`` (or opens with ``open_channel``, which ask
   SHM_GEN_PART), grpc://, grpcs:// (the PublishPart call, §14.9).
 * ``GenerationViews``: a generation as read-only tensors over the server's own pages, and waits
   for the next one (§16: how a host leader's followers read it). shm://.
-* ``Lendable``: an idle connection lent to a thread that runs requests on it itself, with no
-  event-loop turn or thread hop (what the blocking client's plain gets and puts take). tcp://.
+* ``Lendable`` (lending.py, with the rest of lending): an idle connection lent to a thread that
+  runs requests on it itself, with no event-loop turn or thread hop (what the blocking client's
+  plain gets and puts take). tcp://.
 * ``DeviceDirect``: CUDA tensors moved from and into device memory by the transport itself
   (GPU-direct RDMA), where ``gpu_direct`` says it can now. rdma:// with a CUDA build of its engine.
 
@@ -51,8 +52,8 @@ from __future__ import annotations
 
 import secrets
 from abc import ABC, abstractmethod
-from collections.abc import Awaitable, Callable, Coroutine, Iterator, Sequence
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar, runtime_checkable
+from collections.abc import Awaitable, Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from tensorwire.errors import UnsupportedTransport
 from tensorwire.types import Address, Generation, GenerationManifest, TensorMeta
@@ -61,8 +62,6 @@ from tensorwire.wire.meta import MetaReader, ServerInfo
 
 if TYPE_CHECKING:
     import torch
-
-T = TypeVar("T")
 
 Buffer = bytes | bytearray | memoryview
 # Called by a transport with the metadata of the tensors a GET returns; answers with one writable
@@ -429,23 +428,6 @@ def as_ranged_generations(transport: Transport, what: str) -> RangedGenerations:
             " serve (use tcp://, tls://, grpc://, grpcs://, shm:// or memory://)"
         )
     return transport
-
-
-@runtime_checkable
-class Lendable(Protocol):
-    """An idle connection another thread may drive itself (transport/lending.py): ``lend`` (on the
-    loop) hands it over; ``run_inline`` (on the borrowing thread) runs the transport's own
-    operations to their end there, with no loop turn and no thread hop; ``reclaim`` (on the loop)
-    ends the loan, and so does any request made on the loop. What the blocking client's plain gets
-    and puts run on. tcp:// (not tls://, nor memory://, nor a connection that compresses)."""
-
-    def lend(self) -> bool: ...
-
-    def run_inline(
-        self, op: Callable[[Any], Coroutine[Any, Any, T]], timeout: float, spin: float = 0.0
-    ) -> T: ...
-
-    async def reclaim(self) -> None: ...
 
 
 @runtime_checkable

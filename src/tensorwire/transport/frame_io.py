@@ -4,7 +4,7 @@ writes from memoryviews. Shared by the client transport and the server.
 The data section of a frame is the concatenation of its tensors' bytes, cut into chunks of
 ``chunk_size`` bytes, each followed by an 8-byte checksum. A chunk may span several tensors (many
 small ones) and a tensor may span many chunks (a large one); both sides walk the same cut, so a
-chunk is checked as it arrives, wherever its bytes land.
+chunk is checked as it arrives, wherever its bytes land (the cut itself: chunks.py).
 """
 
 from __future__ import annotations
@@ -12,15 +12,13 @@ from __future__ import annotations
 import asyncio
 import struct
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
-
-import numpy as np
-import xxhash
+from collections.abc import Callable, Iterable, Sequence
 
 from tensorwire.errors import ConnectionLost, CorruptFrame
+from tensorwire.transport import chunks as cut
 from tensorwire.transport.base import Buffer, ByteStream, StagedData
 from tensorwire.wire import lossless
-from tensorwire.wire.checksum import ChecksumKind, checksum, new_hasher
+from tensorwire.wire.checksum import checksum
 from tensorwire.wire.frame import (
     HEADER_BYTES,
     TRAILER_BYTES,
@@ -33,8 +31,8 @@ from tensorwire.wire.frame import (
 _COMPRESSED = int(Flags.COMPRESSED)
 
 _TRAILER = struct.Struct("<Q")
+Notify = tuple[Callable[[int], None] | None, Callable[[int], None] | None]  # (progress, verified)
 READ_BUFFER = 256 << 10  # reads smaller than this go through the buffer; larger ones land directly
-_COALESCE = 16 << 10  # pieces smaller than this are copied together: a copy is cheaper than a syscall
 _MAX_IOV = 512  # stay well under IOV_MAX per sendmsg
 # A stream read or written while its socket keeps up never waits, so a large frame would hold the
 # event loop from its first byte to its last (a 1 GiB put froze every other connection for over a
@@ -155,92 +153,6 @@ async def read_head(reader: FrameReader) -> bytes:
     return await reader.read(HEADER_BYTES)
 
 
-def _pieces(segments: Iterable[memoryview], chunk_size: int) -> Iterator[list[memoryview]]:
-    """The data section cut into chunks: for each chunk, the segment slices it is made of."""
-    chunk: list[memoryview] = []
-    room = chunk_size
-    for seg in segments:
-        pos, size = 0, seg.nbytes
-        while pos < size:
-            take = min(room, size - pos)
-            chunk.append(seg[pos : pos + take] if take != size else seg)
-            pos += take
-            room -= take
-            if room == 0:
-                yield chunk
-                chunk, room = [], chunk_size
-    if chunk:
-        yield chunk
-
-
-def _digest(kind: int, pieces: list[memoryview]) -> int:
-    if len(pieces) == 1:
-        return checksum(kind, pieces[0])
-    if kind == ChecksumKind.XXH3_64:
-        h = xxhash.xxh3_64()
-        for piece in pieces:
-            h.update(piece)
-        return int(h.intdigest())
-    hasher = new_hasher(kind)
-    for piece in pieces:
-        hasher.update(piece)
-    return hasher.digest()
-
-
-def _runs(
-    segments: Sequence[memoryview],
-) -> tuple[list[memoryview], list[tuple[memoryview, list[memoryview]]]]:
-    """For receiving: group runs of small destination segments into one staging buffer each;
-    large segments stand alone.
-
-    Many small tensors cost a Python call per piece (read, hash); one memcpy out of a contiguous
-    run, once the run is verified, is far cheaper. Large tensors are never staged: their bytes land
-    zero-copy. Returns the segments to read into and, per staging buffer, the segments it stands
-    for. (Sending coalesces lazily instead, in ``_coalesced``.)
-    """
-    out: list[memoryview] = []
-    staged: list[tuple[memoryview, list[memoryview]]] = []
-    run: list[memoryview] = []
-    for seg in [*segments, None]:
-        if seg is not None and seg.nbytes < _COALESCE:
-            run.append(seg)
-            continue
-        if len(run) > 1:
-            # numpy.empty: no zero fill (a bytearray of a 100 MB run of small tensors costs ~50 ms
-            # of the loop's time before the first byte arrives); every byte is received into it.
-            buf = np.empty(sum(r.nbytes for r in run), dtype=np.uint8).data.cast("B")
-            staged.append((buf, run))
-            out.append(buf)
-        else:
-            out.extend(run)
-        run = []
-        if seg is not None:
-            out.append(seg)
-    return out, staged
-
-
-def _coalesced(segments: Iterable[memoryview], cap: int) -> Iterator[memoryview]:
-    """The segments to send, runs of small ones joined (a copy is cheaper than a call per tensor)
-    into pieces of at most ``cap`` bytes, built as the sender reaches them: the memory a frame
-    needs stays one chunk, however many small tensors it carries."""
-    run: list[memoryview] = []
-    size = 0
-    for seg in segments:
-        if seg.nbytes >= _COALESCE:
-            if run:
-                yield memoryview(b"".join(run))
-                run, size = [], 0
-            yield seg
-            continue
-        run.append(seg)
-        size += seg.nbytes
-        if size >= cap:
-            yield memoryview(b"".join(run))
-            run, size = [], 0
-    if run:
-        yield memoryview(b"".join(run)) if len(run) > 1 else run[0]
-
-
 async def send_frame(
     stream: ByteStream,
     header: Header,
@@ -268,7 +180,7 @@ async def send_frame(
     if not header.data_len:
         await stream.send([head])
         return
-    if not compressed and header.data_len < _COALESCE and header.data_len <= header.chunk_size:
+    if not compressed and header.data_len < cut.COALESCE and header.data_len <= header.chunk_size:
         # One small chunk (a 1 KiB get answer, say): one buffer, one checksum, one syscall.
         if staged is not None:
             await staged.ready(header.data_len)
@@ -298,7 +210,7 @@ async def _send_chunks(
     views: Iterable[memoryview] = (
         iter(staged)
         if staged is not None
-        else _coalesced(
+        else cut.coalesced(
             (s if isinstance(s, memoryview) else memoryview(s).cast("B") for s in segments),
             header.chunk_size,
         )
@@ -309,11 +221,11 @@ async def _send_chunks(
     pending = wire = 0
     spent = 0.0  # seconds in the stream's send, for the link meter that auto weighs codecs against
     turns = Turns()
-    for pieces in _pieces(views, header.chunk_size):
+    for pieces in cut.pieces(views, header.chunk_size):
         if staged is not None:
             reached += sum(p.nbytes for p in pieces)
             await staged.ready(reached)
-        digest = _TRAILER.pack(_digest(header.checksum, pieces))
+        digest = _TRAILER.pack(cut.digest(header.checksum, pieces))
         if chunks is None:
             out += pieces
         else:
@@ -373,20 +285,28 @@ async def recv_data(
         if verified is not None:
             verified(header.data_len)
         return
-    views, staged = _runs(segments)
+    views, staged = cut.runs(segments)
     bad = 0
-    for pieces in _pieces(views, header.chunk_size):
+    for pieces in cut.pieces(views, header.chunk_size):
         for piece in pieces:
             await reader.readinto(piece)
         await reader.readinto(tview)
-        size = sum(p.nbytes for p in pieces)
-        if _TRAILER.unpack(trailer)[0] != _digest(header.checksum, pieces):
-            bad += 1
-        elif verified is not None and not bad and not staged:
-            verified(size)
-        if progress is not None:
-            progress(size)
+        good = _TRAILER.unpack(trailer)[0] == cut.digest(header.checksum, pieces)
+        bad = _checked(good, sum(p.nbytes for p in pieces), bad, not staged, (progress, verified))
     await _finish_recv(header, bad, staged)
+
+
+def _checked(good: bool, size: int, bad: int, in_place: bool, notify: Notify) -> int:
+    """A chunk of ``size`` bytes checked (``good``): how many were bad so far. ``verified`` hears of
+    a good one while every one before it was good and its bytes are in place; ``progress`` of all."""
+    progress, verified = notify
+    if not good:
+        bad += 1
+    elif verified is not None and not bad and in_place:
+        verified(size)
+    if progress is not None:
+        progress(size)
+    return bad
 
 
 async def _finish_recv(header: Header, bad: int, staged: list[tuple[memoryview, list[memoryview]]]) -> None:
@@ -419,18 +339,17 @@ async def _recv_compressed(
     reader: FrameReader,
     header: Header,
     segments: Sequence[memoryview],
-    notify: tuple[Callable[[int], None] | None, Callable[[int], None] | None],
+    notify: Notify,
 ) -> None:
     """``recv_data`` for a section with chunk heads: raw chunks land in place, compressed ones are
     read into a scratch buffer and decoded into place; the trailer checks the decoded bytes."""
-    progress, verified = notify
-    views, staged = _runs(segments)
+    views, staged = cut.runs(segments)
     head = memoryview(bytearray(lossless.CHUNK_HEAD.size))
     trailer = bytearray(TRAILER_BYTES)
     tview = memoryview(trailer)
     scratch: memoryview | None = None
     bad = 0
-    for pieces in _pieces(views, header.chunk_size):
+    for pieces in cut.pieces(views, header.chunk_size):
         size = sum(p.nbytes for p in pieces)
         codec, wire = await _chunk_head(reader, head, size)
         ok = True
@@ -446,12 +365,8 @@ async def _recv_compressed(
             await reader.readinto(scratch[:wire])
             ok = await _decode_into(codec, scratch[:wire], pieces, size)
         await reader.readinto(tview)
-        if not ok or _TRAILER.unpack(trailer)[0] != _digest(header.checksum, pieces):
-            bad += 1
-        elif verified is not None and not bad and not staged:
-            verified(size)
-        if progress is not None:
-            progress(size)
+        good = ok and _TRAILER.unpack(trailer)[0] == cut.digest(header.checksum, pieces)
+        bad = _checked(good, size, bad, not staged, notify)
     await _finish_recv(header, bad, staged)
 
 

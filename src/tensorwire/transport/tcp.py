@@ -11,6 +11,7 @@ import select
 import socket
 import threading
 import time
+from abc import abstractmethod
 from collections.abc import Awaitable, Callable, Sequence
 
 from tensorwire._aio import cancel_and_wait
@@ -31,29 +32,20 @@ def _tune(sock: socket.socket) -> None:
             sock.setsockopt(socket.SOL_SOCKET, opt, SOCKET_BUFFER)
 
 
-class TcpStream(ByteStream):
+class SocketStream(ByteStream):
+    """A connected non-blocking socket's reads and writes: ``recv_into`` straight into the
+    destination, ``sendmsg`` of memoryviews. How a wait for readiness is made is the subclass's:
+    suspended on the event loop (``TcpStream``), or blocking a borrowing thread (``LentTcp``)."""
+
     parallel = True  # the kernel copies the bytes: streams on several threads move them at once
 
-    def __init__(self, sock: socket.socket) -> None:
-        _tune(sock)
+    def __init__(self, sock: socket.socket, peer: str, *, drained: bool = False) -> None:
         self._sock = sock
         self._fd = sock.fileno()
+        self.peer = peer
         self.last_active = time.monotonic()
-        self._loop = asyncio.get_running_loop()
         self._closed = False
-        self._watching = False  # whether the loop watches the socket for readability
-        self._writing = False  # whether the loop watches it for room to write (a send is parked)
-        self._drained = False  # the last read came back short: the socket is (most likely) empty
-        self._on_idle: Callable[[], None] | None = None  # see watch_idle
-        self._read_waiter: asyncio.Future[None] | None = None
-        self._write_waiter: asyncio.Future[None] | None = None
-        self._spin: Spin | None = None  # see busy_poll
-        self._lent: LentTcp | None = None  # the twin a borrowing thread drives (lend), if any
-        try:
-            host, port = sock.getpeername()[:2]
-            self.peer = f"tcp://{host}:{port}"
-        except OSError:
-            self.peer = "tcp://?"
+        self._drained = drained  # the last read came back short: the socket is (most likely) empty
 
     async def recv_into(self, buf: memoryview) -> int:
         # Read first and wait only when the socket is empty; the readiness watch stays registered
@@ -77,6 +69,70 @@ class TcpStream(ByteStream):
                 await self._readable()
             except OSError as exc:
                 raise ConnectionLost(f"receiving from {self.peer}: {exc}") from exc
+
+    async def send(self, buffers: Sequence[Buffer]) -> None:
+        if len(buffers) == 1 and not self._closed:  # a small frame: usually one syscall, done
+            try:
+                sent = self._sock.send(buffers[0])
+            except (BlockingIOError, InterruptedError):
+                sent = 0
+            except OSError as exc:
+                raise ConnectionLost(f"sending to {self.peer}: {exc}") from exc
+            self.last_active = time.monotonic()
+            if sent == len(buffers[0]):
+                return
+            buffers = [memoryview(buffers[0])[sent:]]
+        views = [memoryview(b) for b in buffers if len(b)]
+        i = 0
+        while i < len(views):
+            if self._closed:
+                raise ConnectionLost(f"connection to {self.peer} is closed")
+            try:
+                sent = self._sock.sendmsg(views[i : i + 512])
+            except (BlockingIOError, InterruptedError):
+                await self._writable()
+                continue
+            except OSError as exc:
+                raise ConnectionLost(f"sending to {self.peer}: {exc}") from exc
+            self.last_active = time.monotonic()
+            while sent:  # advance past what the kernel took
+                size = views[i].nbytes
+                if sent >= size:
+                    sent -= size
+                    i += 1
+                else:
+                    views[i] = views[i][sent:]
+                    sent = 0
+
+    @abstractmethod
+    async def _readable(self) -> None:
+        """Return once the socket may be read (or raise ConnectionLost, TransferTimeout)."""
+
+    @abstractmethod
+    async def _writable(self) -> None:
+        """Return once the socket may be written (or raise ConnectionLost, TransferTimeout)."""
+
+
+class TcpStream(SocketStream):
+    """A TCP connection on its event loop: a wait for readiness suspends there (the readiness
+    watch stays registered across waits); ``lend`` hands its socket to a ``LentTcp``."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        _tune(sock)
+        try:
+            host, port = sock.getpeername()[:2]
+            peer = f"tcp://{host}:{port}"
+        except OSError:
+            peer = "tcp://?"
+        super().__init__(sock, peer)
+        self._loop = asyncio.get_running_loop()
+        self._watching = False  # whether the loop watches the socket for readability
+        self._writing = False  # whether the loop watches it for room to write (a send is parked)
+        self._on_idle: Callable[[], None] | None = None  # see watch_idle
+        self._read_waiter: asyncio.Future[None] | None = None
+        self._write_waiter: asyncio.Future[None] | None = None
+        self._spin: Spin | None = None  # see busy_poll
+        self._lent: LentTcp | None = None  # the twin a borrowing thread drives (lend), if any
 
     async def _readable(self) -> None:
         if self._closed:  # never watch a closed descriptor: its number may be another socket's now
@@ -131,7 +187,7 @@ class TcpStream(ByteStream):
             return None
         self._unwatch()
         self._on_idle = None
-        self._lent = LentTcp(self)
+        self._lent = LentTcp(self._sock, self.peer)
         return self._lent
 
     def take_back(self) -> bool:
@@ -150,40 +206,6 @@ class TcpStream(ByteStream):
         if self._watching:
             self._watching = False
             self._loop.remove_reader(self._fd)
-
-    async def send(self, buffers: Sequence[Buffer]) -> None:
-        if len(buffers) == 1 and not self._closed:  # a small frame: usually one syscall, done
-            try:
-                sent = self._sock.send(buffers[0])
-            except (BlockingIOError, InterruptedError):
-                sent = 0
-            except OSError as exc:
-                raise ConnectionLost(f"sending to {self.peer}: {exc}") from exc
-            self.last_active = time.monotonic()
-            if sent == len(buffers[0]):
-                return
-            buffers = [memoryview(buffers[0])[sent:]]
-        views = [memoryview(b) for b in buffers if len(b)]
-        i = 0
-        while i < len(views):
-            if self._closed:
-                raise ConnectionLost(f"connection to {self.peer} is closed")
-            try:
-                sent = self._sock.sendmsg(views[i : i + 512])
-            except (BlockingIOError, InterruptedError):
-                await self._writable()
-                continue
-            except OSError as exc:
-                raise ConnectionLost(f"sending to {self.peer}: {exc}") from exc
-            self.last_active = time.monotonic()
-            while sent:  # advance past what the kernel took
-                size = views[i].nbytes
-                if sent >= size:
-                    sent -= size
-                    i += 1
-                else:
-                    views[i] = views[i][sent:]
-                    sent = 0
 
     async def _writable(self) -> None:
         if self._closed:
@@ -229,7 +251,7 @@ class TcpStream(ByteStream):
             self._sock.close()
 
 
-class LentTcp(TcpStream, LentStream):
+class LentTcp(SocketStream, LentStream):
     """A lent ``TcpStream``'s socket, driven by a borrowing thread: the same reads and writes, but a
     wait for readiness blocks that thread in poll(2), no later than ``deadline``, rather than
     suspending on the loop, so its coroutines run to their end without one (``_aio.drive``).
@@ -241,13 +263,10 @@ class LentTcp(TcpStream, LentStream):
     a new socket before that thread's syscall runs, which would then read another connection's
     bytes."""
 
-    def __init__(self, owner: TcpStream) -> None:  # the socket is set up: no TcpStream.__init__
-        self._sock = owner._sock
-        self._fd = owner._fd
-        self.peer = owner.peer
-        self.last_active = owner.last_active
-        self._closed = False  # this twin's own close (the owner's closes the socket: let_go)
-        self._drained = True  # lent idle: a read waits for readiness first
+    def __init__(self, sock: socket.socket, peer: str) -> None:
+        # Lent idle, so a read waits for readiness first (drained). ``_closed`` is this twin's own
+        # close: the owner's closes the socket (let_go).
+        super().__init__(sock, peer, drained=True)
         self._poll = select.poll()
         self.deadline = 0.0  # time.monotonic() past which a wait raises TransferTimeout
         self.spin = 0.0  # seconds each wait polls without sleeping first (the borrower sets it)
@@ -318,12 +337,6 @@ class LentTcp(TcpStream, LentStream):
                 return False
         self._budget.ended(caught=True)
         return True
-
-    def watch_idle(self, callback: Callable[[], None]) -> bool:
-        return False
-
-    def lend(self) -> LentStream | None:
-        return None
 
     def quiet(self) -> bool:
         try:
