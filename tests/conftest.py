@@ -145,6 +145,11 @@ def _where(item: pytest.Item) -> tuple[str, str]:
 # ids its scheduler groups by); the marks must be there before it looks.
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    # A file renamed or removed must leave these lists too: its tests would silently lose `slow`.
+    named = {entry.split("::", 1)[0] for entry in (*SLOW_FILES, *SLOW_TESTS, *GROUPS)}
+    gone = sorted(path for path in named if not (TESTS / path).is_file())
+    if gone:
+        raise pytest.UsageError(f"tests/conftest.py names test files that do not exist: {gone}")
     for item in items:
         path, test = _where(item)
         folder = path.split("/", 1)[0]
