@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import socket
 import subprocess
 import time
 from collections.abc import Iterator
@@ -20,7 +21,7 @@ from tensorwire.ps import ParamServer, Worker
 from tensorwire.ps.worker.rpc import server_stats
 from tensorwire.security import Security, load_token, write_token_file
 from tensorwire.server import ServerThread
-from tensorwire.testing.process import ServerProcess
+from tensorwire.testing.process import ServerProcess, wait_for
 
 
 def _ip(*args: str) -> None:
@@ -52,6 +53,13 @@ def namespace(index: int) -> Iterator[tuple[str, str, str]]:
         _ip("netns", "del", ns)
 
 
+def _reachable(url: str) -> bool:
+    host, port = url.removeprefix("tcp://").rsplit(":", 1)
+    with contextlib.suppress(OSError), socket.create_connection((host, int(port)), timeout=1.0):
+        return True
+    return False
+
+
 def train(worker: Worker, model: torch.nn.Module, steps: range) -> None:
     for step in steps:
         x, y = ps_job.batch(0, step)
@@ -75,6 +83,9 @@ def test_a_cut_off_server_fails_with_a_clear_error_within_the_timeout() -> None:
                 assert waited < 3 * timeout, f"waited {waited:.1f}s"
                 assert address in str(failure.value)
                 _ip("link", "set", host, "up")  # healed: the same worker goes on
+                # once the link carries packets again: on a busy machine the veth's carrier can take
+                # longer to come back than the worker's rejoin deadline (which is not what is tested)
+                wait_for(lambda: _reachable(server.url), 30, "the healed link")
                 train(worker, model, range(4, 6))
         finally:
             server.stop()

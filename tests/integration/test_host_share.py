@@ -6,6 +6,7 @@ at once, while the views they hold stay readable."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import select
@@ -116,8 +117,8 @@ class Host:
     followers: list[Child]
 
 
-@pytest.fixture(scope="module")
-def host() -> Iterator[Host]:
+@contextlib.contextmanager
+def _host() -> Iterator[Host]:
     """An origin in this process, a leader process, FOLLOWERS follower processes (started together:
     each imports torch)."""
     children: list[Child] = []
@@ -140,6 +141,29 @@ def host() -> Iterator[Host]:
             clean_stale(ws.shm_dir())  # what the killed leader left
 
 
+@pytest.fixture(scope="module")
+def host() -> Iterator[Host]:
+    """One host for the tests that leave it working. Each shares the generation it reads itself
+    (``share``): they pass alone, in any order, and split across pytest-xdist workers."""
+    with _host() as made:
+        yield made
+
+
+@pytest.fixture
+def own_host() -> Iterator[Host]:
+    """A host of the test's own, for the test that kills its leader."""
+    with _host() as made:
+        yield made
+
+
+def share(host: Host, seed: int) -> tuple[int, dict[str, torch.Tensor]]:
+    """Publish model ``seed`` at the origin and have the leader read it: (its generation, the model)."""
+    model = model_tensors(seed)
+    generation = host.trainer.publish(PREFIX, model).number
+    assert host.leader.ask("update") == str(generation)
+    return generation, model
+
+
 def sha(tensors: dict[str, torch.Tensor]) -> dict[str, str]:
     return {
         k: hashlib.sha256(v.reshape(-1).view(torch.uint8).numpy()).hexdigest() for k, v in tensors.items()
@@ -153,29 +177,28 @@ def answers(host: Host, command: str) -> list[dict[str, Any]]:
 
 
 def test_followers_read_the_leaders_generation_as_views_and_the_origin_sends_it_once(host: Host) -> None:
-    model = model_tensors(1)
-    generation = host.trainer.publish(PREFIX, model).number
-    assert host.leader.ask("update") == str(generation)
+    served = host.origin.server.status()["relay"]["served_bytes"].get(PREFIX, 0)
+    generation, model = share(host, 1)
     expected = sha(model)
     for got in answers(host, "update"):
         assert got["generation"] == generation
         assert got["sha"] == expected
         assert got["views"] == ["r--s"], "a follower's tensor is not a read-only view of a leader's segment"
-    served = host.origin.server.status()["relay"]["served_bytes"][PREFIX]
+    served = host.origin.server.status()["relay"]["served_bytes"][PREFIX] - served
     assert 0 < served <= 1.1 * model_bytes(model)  # one network copy into the host, not one per rank
 
 
 def test_a_waiting_follower_wakes_on_the_leaders_next_generation(host: Host) -> None:
     waiter = host.followers[0]
+    waiter.ask("update")  # holds what the leader shares now (an error if nothing yet): waits for the next
     waiter.send("wait")
-    second = model_tensors(2)
-    generation = host.trainer.publish(PREFIX, second).number
-    assert host.leader.ask("update") == str(generation)
+    generation, second = share(host, 2)
     got = json.loads(waiter.line(30))
     assert got["generation"] == generation and got["sha"] == sha(second)
 
 
 def test_a_reader_needs_the_leaders_token_and_its_views_are_read_only(host: Host) -> None:
+    number, model = share(host, 3)
     for token in (None, "wrong"):
         with (
             tensorwire.HostReader(host.share_url, PREFIX, token=token) as stranger,
@@ -183,13 +206,12 @@ def test_a_reader_needs_the_leaders_token_and_its_views_are_read_only(host: Host
         ):
             stranger.update(10)
     with tensorwire.HostReader(host.share_url, PREFIX, token=TOKEN) as reader:
-        number = reader.update(10)
-        assert number == host.trainer.manifest(PREFIX).generation.number
+        assert reader.update(10) == number == host.trainer.manifest(PREFIX).generation.number
         assert segment_mapping(reader.tensors["fc1.weight"]) == "r--s"
-        into = {k: torch.zeros_like(v) for k, v in model_tensors(2).items()}
+        into = {k: torch.zeros_like(v) for k, v in model.items()}
     with tensorwire.HostReader(host.share_url, PREFIX, token=TOKEN, into=into) as copier:
         assert copier.update(10) == number
-        assert same_bytes(into, model_tensors(2))  # copied once into the caller's tensors
+        assert same_bytes(into, model)  # copied once into the caller's tensors
         assert all(segment_mapping(t) is None for t in copier.tensors.values())
 
 
@@ -233,8 +255,9 @@ def test_a_half_done_update_is_never_shared_and_a_viewed_generation_outlives_its
                 wait_for(lambda: store.kept < pinned, 10, "generation 1 to be freed once its views are")
 
 
-def test_a_leader_killed_fails_its_followers_at_once_and_held_views_stay_readable(host: Host) -> None:
-    """Last in this module: it kills the leader."""
+def test_a_leader_killed_fails_its_followers_at_once_and_held_views_stay_readable(own_host: Host) -> None:
+    host = own_host
+    _, model = share(host, 4)
     held = tensorwire.HostReader(host.share_url, PREFIX, token=TOKEN)
     try:
         number = held.update(10)
@@ -253,7 +276,7 @@ def test_a_leader_killed_fails_its_followers_at_once_and_held_views_stay_readabl
         with pytest.raises((ConnectError, ConnectionLost), match=host.share_url):
             held.update(10)
         assert held.generation == number
-        assert sha(views) == sha(model_tensors(2))  # the pages stay mapped after the leader is gone
+        assert sha(views) == sha(model)  # the pages stay mapped after the leader is gone
     finally:
         held.close()
 
