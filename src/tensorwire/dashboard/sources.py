@@ -52,18 +52,23 @@ def local(server: Observed, timeout: float = 10.0) -> Callable[[], Awaitable[lis
     async def status() -> dict[str, Any]:
         return server.status()
 
+    known = str(server.addresses[0]) if server.addresses else "local"  # a stopped server has none
+
     async def snapshot() -> list[Node]:
-        url = str(server.addresses[0]) if server.addresses else "local"
+        url = str(server.addresses[0]) if server.addresses else known
         if asyncio.get_running_loop() is home:
             doc = server.status()
         else:
             ask = status()
             try:
                 asked = asyncio.run_coroutine_threadsafe(ask, home)
-            except RuntimeError:  # the server's loop is closed: it is stopping
+            except RuntimeError:  # the server's loop is closed: a row says so (the module's rule)
                 ask.close()
-                raise
-            doc = await asyncio.wait_for(asyncio.wrap_future(asked), timeout)
+                return [Node(url, error="the server has stopped")]
+            try:
+                doc = await asyncio.wait_for(asyncio.wrap_future(asked), timeout)
+            except TimeoutError:
+                return [Node(url, error=f"the server's event loop did not answer STATUS within {timeout}s")]
         page = await asyncio.to_thread(generate_latest, server.registry)  # in full: no pseudonyms here
         doc = dict(doc)
         take_key(doc)  # not for the page to show
