@@ -124,6 +124,7 @@ GROUPS = {
     "integration/test_busy_poll.py": "timing",
     "fault/test_faults.py": "timing",
     "fault/test_ps_faults.py": "timing",
+    "bench/test_bench_chaos_smoke.py": "timing",
     "adversarial/test_cli_exit_clean.py": "test_cli_exit_clean",
     "integration/test_grpc_third_party.py": "test_grpc_third_party",
     "integration/test_host_share.py": "test_host_share",
