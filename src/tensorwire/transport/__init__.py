@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import ipaddress
 import logging
 from collections.abc import Awaitable, Callable
 from typing import NamedTuple
@@ -213,7 +214,21 @@ def local_listener(transport: Transport) -> Address | None:
     except ValueError:
         return None
     # Only a loopback shm:// address: a server cannot send this client anywhere else.
-    return listener if listener.scheme == "shm" and is_loopback(listener.host) else None
+    return listener if listener.scheme == "shm" and _dialable_loopback(listener.host) else None
+
+
+def _dialable_loopback(host: str) -> bool:
+    """A peer-sent host this client may dial as this machine: a loopback address written as one, or
+    ``localhost`` itself. Other spellings that ``is_loopback`` accepts for a listen address
+    (``localhost.``) name a host a resolver might look up in DNS, where a spoofer picks
+    the host (and the connection carries this client's token)."""
+    if host == "localhost":
+        return True
+    try:
+        ipaddress.ip_address(host.strip("[]"))
+    except ValueError:
+        return False
+    return is_loopback(host)
 
 
 async def _prefer_local(transport: Transport, options: TransportOptions) -> Transport:
