@@ -158,7 +158,13 @@ def test_a_part_without_a_token_is_refused_before_it_is_read(srv: tensorwire.Ser
         head = wg.PartHead("p", os.urandom(16), 0, 2, 5000)
         async with grpc.aio.insecure_channel(_target(srv)) as channel:
             messages = _chunks(head, _meta("p/t", 1 << 19), bytes(1 << 19))
-            code, _ = await _status(_part_call(channel)(_stream(messages), timeout=10))
+            # Only the first message is sent, then the stream waits: a server that read on before
+            # refusing would wait for the rest and the call would end in its deadline. (Sending
+            # it all raced the refusal: a client still writing when the server ends the stream
+            # may see gRPC's INTERNAL for the reset instead of the server's status.)
+            rest = asyncio.Event()
+            call = _part_call(channel)(_stream(messages[:2], hold=rest), timeout=10)
+            code, _ = await _status(call)
             assert code == grpc.StatusCode.UNAUTHENTICATED
         assert not srv.server.generation_ops.parts.open  # no transaction was opened
 
