@@ -95,27 +95,35 @@ def test_an_asyncio_clients_wait_spins_before_it_sleeps(slow_server: ServerThrea
 
 def test_a_server_polls_for_the_next_request_with_busy_poll(asyncio_loops: None) -> None:
     """A client that sends a request 1 ms after each answer finds a server with ``busy_poll``
-    awake: its loop did not sleep meanwhile; without it, it sleeps once in each of those gaps."""
-    sleeps = {}
-    for busy_poll in (0.0, 0.01):
-        store = TensorStore(1 << 26)
-        with (
-            ServerThread(
-                ["tcp://127.0.0.1:0"],
-                ServerOptions(connections=ConnectionOptions(busy_poll=busy_poll)),
-                store=store,
-            ) as srv,
-            tensorwire.connect(srv.url, busy_wait=0.0) as c,
-        ):
-            c.put("spin/y", torch.randn(256))
-            selects = _watch(srv._thread.loop)
+    awake: its loop did not sleep meanwhile; without it, it sleeps once in each of those gaps.
+    A spin needs a free CPU: on a machine busy with other work (``make test``'s other workers) a
+    round can find none, so the busy-polling server has three rounds to show it (20 and 0 sleeps
+    here when the CPUs are free; 15 of 20 in one loaded round)."""
+    assert _loop_sleeps(busy_poll=0.0) >= 15
+    polled: list[int] = []
+    while len(polled) < 3 and (not polled or polled[-1] > 8):
+        polled.append(_loop_sleeps(busy_poll=0.01))
+    assert polled[-1] <= 8, polled
+
+
+def _loop_sleeps(busy_poll: float) -> int:
+    """How many times a server's loop went to sleep over 20 gets, each 1 ms after the last answer."""
+    with (
+        ServerThread(
+            ["tcp://127.0.0.1:0"],
+            ServerOptions(connections=ConnectionOptions(busy_poll=busy_poll)),
+            store=TensorStore(1 << 26),
+        ) as srv,
+        tensorwire.connect(srv.url, busy_wait=0.0) as c,
+    ):
+        c.put("spin/y", torch.randn(256))
+        selects = _watch(srv._thread.loop)
+        c.get("spin/y")
+        selects.sleeps()  # what came before: the wait for this first request
+        for _ in range(20):
+            time.sleep(0.001)  # the client's own work between its requests
             c.get("spin/y")
-            selects.sleeps()  # what came before: the wait for this first request
-            for _ in range(20):
-                time.sleep(0.001)  # the client's own work between its requests
-                c.get("spin/y")
-            sleeps[busy_poll] = selects.sleeps()  # and the wait after the last one, maybe
-    assert sleeps[0.0] >= 15 and sleeps[0.01] <= 8, sleeps  # 20 and 0 here, when the CPUs are free
+        return selects.sleeps()  # and the wait after the last one, maybe
 
 
 def test_spins_that_run_out_are_skipped_for_longer_each_time() -> None:
