@@ -87,10 +87,14 @@ def _gets_that_slept(url: str, busy_wait: float) -> int:
 
 def test_an_asyncio_clients_wait_spins_before_it_sleeps(slow_server: ServerThread) -> None:
     """Each answer comes 2 ms after its request: without a spin (nearly) every wait for one sleeps;
-    with a 10 ms spin hardly any does (20 and 0 of 20 here; a spin that ran out, on a loaded
-    machine, makes the next ones sleep)."""
-    never, spinning = _gets_that_slept(slow_server.url, 0.0), _gets_that_slept(slow_server.url, 0.01)
-    assert never >= 15 and spinning <= 8, (never, spinning)
+    with a 10 ms spin hardly any does (20 and 0 of 20 here). A spin needs a free CPU: on a machine
+    busy with other work a spin runs out and the next ones sleep (11 of 20 in one loaded CI round),
+    so the spinning client has three rounds to show it, as the busy-polling server below does."""
+    assert _gets_that_slept(slow_server.url, 0.0) >= 15
+    spun: list[int] = []
+    while len(spun) < 3 and (not spun or spun[-1] > 8):
+        spun.append(_gets_that_slept(slow_server.url, 0.01))
+    assert spun[-1] <= 8, spun
 
 
 def test_a_server_polls_for_the_next_request_with_busy_poll(asyncio_loops: None) -> None:
