@@ -31,12 +31,13 @@ of these. Each class says whether retrying the same call can help.
     │   ├── VerificationFailed         what a server holds differs from its source; resending can help
     │   └── DatasetConflict            a data set command would overwrite or delete other data; no retry
     ├── InvalidTensor                  (also ValueError) dtype/shape/size unusable or inconsistent
-    │   └── LayoutMismatch             a sharded state's layouts disagree or do not tile; no retry
+    │   └── LayoutMismatch             layouts disagree or do not tile (sharded state; weights vs model)
     ├── UnsupportedTransport           (also ValueError) this address's transport cannot do what was asked
     ├── AuthenticationError            the server refused the token or client certificate
     │   └── CertificateRefused         (also ConnectError) a TLS handshake failed on certificates; no retry
     ├── NotAuthorized                  (also PermissionError) not this client's to change: another job's
     │                                  (its job token) or an operator's (the operator token); no retry
+    ├── WeightUpdateFailed             an engine kept its weights: a generation could not be brought in
     ├── WorkerDropped                  the server does not count this worker in the job: rejoin
     ├── ServerError                    an unexpected failure inside the server
     │   └── ReplicationRefused         a backup refused the primary's peer credentials: change not made
@@ -200,8 +201,21 @@ class InvalidTensor(TensorwireError, ValueError):
 class LayoutMismatch(InvalidTensor):
     """A sharded state's layouts cannot be used together (``tensorwire.sharded``): ranks disagree
     on a parameter's dtype, global shape or placements, shards overlap, leave gaps or lie outside
-    the global shape, or what is read into differs from what was stored. The message names the
-    parameter and both layouts; raised before any byte moves. Retrying cannot help."""
+    the global shape, or what is read into differs from what was stored. Or a generation of
+    weights does not fit the model an engine serves (``tensorwire.vllm``: a name, shape or dtype
+    the model's checkpoint lacks, or more bytes than the model has). The message names the
+    (first) parameter and both layouts; raised before any byte moves. Retrying cannot help."""
+
+
+class WeightUpdateFailed(TensorwireError):
+    """An inference engine could not bring a generation of weights in (``tensorwire.vllm``): the
+    message names the generation and the version the engine keeps serving, which it still holds
+    whole (nothing of the failed generation was applied); the cause is ``__cause__``."""
+
+    def __init__(self, message: str, *, generation: int | str, serving: str) -> None:
+        super().__init__(message)
+        self.generation = generation
+        self.serving = serving
 
 
 class UnsupportedTransport(TensorwireError, ValueError):

@@ -1,0 +1,38 @@
+"""``Engines``: vLLM's weight-sync control plane over ``LLM`` objects in this process.
+
+vLLM ships clients for its HTTP routes and for Ray actors (``vllm.distributed.weight_transfer.
+clients``); a trainer that holds its engines as offline ``LLM`` objects (one process, a test, a
+benchmark) uses this one. Each call goes to every engine in turn, so several engines update as one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+
+class Engines:
+    """The four weight-sync methods a ``TrainerWeightTransferEngine`` calls, over ``llms``."""
+
+    def __init__(self, llms: Any | Sequence[Any]) -> None:
+        self.llms = list(llms) if isinstance(llms, Sequence) else [llms]
+
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        for llm in self.llms:
+            llm.init_weight_transfer_engine({"init_info": init_info})
+
+    def start_weight_update(self) -> None:
+        for llm in self.llms:
+            llm.start_weight_update()
+
+    def update_weights(self, update_info: dict[str, Any] | list[dict[str, Any]]) -> None:
+        for llm in self.llms:
+            llm.update_weights({"update_info": update_info})
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        for llm in self.llms:
+            llm.finish_weight_update(weight_version=weight_version)
+
+    def weight_versions(self) -> list[str]:
+        """Each engine's weight version, in order."""
+        return [str(llm.get_weight_version()) for llm in self.llms]

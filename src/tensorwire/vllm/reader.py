@@ -1,0 +1,174 @@
+"""An engine's side of a weight update, without vLLM: bring one generation of a prefix into staging
+tensors, checked whole, before anything touches the model.
+
+``WeightReader.bring`` does, in order:
+
+1. reads the generation's manifest from the store (names, shapes, dtypes, per-chunk checksums) and
+   checks it against the model's reference (layout.py): a generation that does not fit the model is
+   refused here, before a byte of it is read or a staging tensor allocated;
+2. brings it into the staging tensors with a ``Subscriber``: through the relay when several engines
+   read the same generation (the origin sends the model about once), as a delta from the origin
+   when the staging tensors hold the previous generation, every chunk checked against the
+   manifest's checksum on arrival;
+3. if the Subscriber brought a newer generation than the one checked (a trainer published again
+   meanwhile), checks that one's manifest too, so staging never holds a layout that was not
+   checked; with ``verify``, re-checksums all of staging against the manifest and its root digest.
+
+Only then does the caller apply the staging tensors to its model (``load_weights``, in engine.py):
+a failure in any step above leaves the model as it was. Staging costs the model's size once, the
+room the deltas and the relay need: it holds the last generation brought, which the next update's
+delta is taken against and which this reader forwards to the engines after it.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+
+from tensorwire.broadcast import Subscriber
+from tensorwire.client.core import Client, connect
+from tensorwire.client.generations import verify_read
+from tensorwire.errors import LayoutMismatch
+from tensorwire.logs import event
+from tensorwire.security import TlsFiles
+from tensorwire.types import GenerationManifest, TensorMeta
+from tensorwire.vllm.layout import MAX_VERSION_BYTES, VERSION_KEY, Reference, key_of
+
+log = logging.getLogger(__name__)
+
+At = int | Literal["latest"]
+
+
+@dataclass(frozen=True)
+class ReaderOptions:
+    """Where an engine reads its weights and how. ``url``: the store (origin) the trainer publishes
+    to; ``prefix``: the one prefix this engine reads (its generations' names are ``prefix/key``).
+    ``token``/``tls``: credentials, as any client's (None: ``$TENSORWIRE_TOKEN`` and the system CA).
+    ``relay``: serve the chunks read to the engines that read after this one; ``deltas``: read only
+    what changed when staging holds the previous generation; ``verify``: also re-checksum all of
+    staging before applying. ``timeout``: one update's read, at most (seconds)."""
+
+    url: str
+    prefix: str
+    token: str | None = field(default=None, repr=False)
+    tls: TlsFiles | None = None
+    relay: bool = True
+    deltas: bool = True
+    verify: bool = False
+    timeout: float = 120.0
+    connect_timeout: float = 10.0
+
+
+@dataclass(frozen=True)
+class Brought:
+    """One generation, whole and checked, in staging: its ``number``, its ``version`` (the string
+    the trainer published with it, or the number), and the weights by key (staging's own tensors:
+    valid until the next ``bring``)."""
+
+    number: int
+    version: str
+    weights: Mapping[str, torch.Tensor]
+    received: int  # bytes this update moved over the network (0: staging held it already)
+
+
+class WeightReader:
+    """Brings generations of ``options.prefix`` into staging (see the module docstring)."""
+
+    def __init__(self, options: ReaderOptions, reference: Reference) -> None:
+        if not 0 < options.timeout < float("inf"):
+            raise ValueError(f"an update needs a finite timeout, not {options.timeout}")
+        self.options = options
+        self.reference = reference
+        self.staging: dict[str, torch.Tensor] = {}
+        self._subscriber: Subscriber | None = None
+        self._client: Client | None = None
+
+    def newest(self) -> int:
+        """The newest generation of the prefix (0: none yet)."""
+        try:
+            return self._manifest("latest").generation.number
+        except KeyError:
+            return 0
+
+    def bring(self, at: At) -> Brought:
+        """Generation ``at`` (or the newest) in staging, checked; see the module docstring.
+        LayoutMismatch if it does not fit the model; the store's errors (GenerationRetired,
+        AuthenticationError, TransferTimeout, ...) as they come; in every case the model is untouched."""
+        started = time.monotonic()
+        manifest = self._manifest(at)
+        metas = self.reference.check(manifest, self.options.prefix)
+        subscriber = self._subscriber_for(metas)
+        received = subscriber.received
+        number = subscriber.update(self.options.timeout)
+        if number != manifest.generation.number:
+            if at != "latest" and number > at:
+                raise LayoutMismatch(
+                    f"asked for generation {at} of {self.options.prefix!r}, but generation {number} was "
+                    "published meanwhile: the update read that one and did not apply it"
+                )
+            manifest = self._manifest(number)
+            self.reference.check(manifest, self.options.prefix)
+        if self.options.verify:
+            full = {f"{self.options.prefix}/{k}": t for k, t in self.staging.items()}
+            verify_read(manifest, full, manifest.generation.digest)
+        event(log, logging.INFO, "generation brought into staging", prefix=self.options.prefix,
+              generation=number, received=subscriber.received - received,
+              seconds=round(time.monotonic() - started, 3))  # fmt: skip
+        return Brought(number, self._version(manifest), self._weights(), subscriber.received - received)
+
+    def close(self) -> None:
+        if self._subscriber is not None:
+            self._subscriber.close()
+            self._subscriber = None
+        if self._client is not None:
+            self._client.close()
+            self._client = None
+
+    # -- parts ---------------------------------------------------------------------------------------
+    def _manifest(self, at: At) -> GenerationManifest:
+        if self._client is None:
+            o = self.options
+            self._client = connect(
+                o.url, token=o.token, tls=o.tls, timeout=o.timeout, connect_timeout=o.connect_timeout
+            )
+        return self._client.manifest(self.options.prefix, at=at)
+
+    def _subscriber_for(self, metas: list[TensorMeta]) -> Subscriber:
+        """The Subscriber whose staging fits ``metas`` (checked against the reference, so bounded
+        by the model's size); a new one, with new staging, when the dtypes changed."""
+        wanted = {key_of(self.options.prefix, m.name): m for m in metas}
+        same = (
+            self._subscriber is not None
+            and set(wanted) == set(self.staging) - {VERSION_KEY}
+            and all(
+                self.staging[k].dtype == m.dtype and tuple(self.staging[k].shape) == m.shape
+                for k, m in wanted.items()
+            )
+        )
+        if self._subscriber is not None and same:
+            return self._subscriber
+        self.close()
+        self.staging = {k: torch.empty(m.shape, dtype=m.dtype) for k, m in wanted.items()}
+        self.staging[VERSION_KEY] = torch.zeros(MAX_VERSION_BYTES, dtype=torch.uint8)
+        o = self.options
+        self._subscriber = Subscriber(
+            o.url, o.prefix, self.staging, token=o.token, tls=o.tls, relay=o.relay, deltas=o.deltas,
+            timeout=o.timeout, connect_timeout=o.connect_timeout,
+        )  # fmt: skip
+        return self._subscriber
+
+    def _version(self, manifest: GenerationManifest) -> str:
+        """The version string published with the generation (its number if none was)."""
+        names = {entry.meta.name for entry in manifest.tensors}
+        raw = b""
+        if f"{self.options.prefix}/{VERSION_KEY}" in names:
+            raw = bytes(self.staging[VERSION_KEY].numpy()).rstrip(b"\0")
+        return raw.decode("utf-8", "replace") if raw else str(manifest.generation.number)
+
+    def _weights(self) -> dict[str, torch.Tensor]:
+        return {k: t for k, t in self.staging.items() if k != VERSION_KEY}
