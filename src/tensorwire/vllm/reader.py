@@ -50,7 +50,8 @@ class ReaderOptions:
     to; ``prefix``: the one prefix this engine reads (its generations' names are ``prefix/key``).
     ``token``/``tls``: credentials, as any client's (None: ``$TENSORWIRE_TOKEN`` and the system CA).
     ``relay``: serve the chunks read to the engines that read after this one; ``deltas``: read only
-    what changed when staging holds the previous generation; ``verify``: also re-checksum all of
+    what changed when staging holds the previous generation and at most ``delta_limit`` of its
+    bytes changed (the manifests' chunk checksums say which); ``verify``: also re-checksum all of
     staging before applying. ``timeout``: one update's read, at most (seconds)."""
 
     url: str
@@ -62,6 +63,9 @@ class ReaderOptions:
     verify: bool = False
     timeout: float = 120.0
     connect_timeout: float = 10.0
+    # A delta is read from the origin by each engine, the relay's chunks about once in all: past
+    # this share of changed bytes (a full fine-tuning step changes them all), the relay is cheaper.
+    delta_limit: float = 0.25
 
 
 @dataclass(frozen=True)
@@ -87,6 +91,7 @@ class WeightReader:
         self.staging: dict[str, torch.Tensor] = {}
         self._subscriber: Subscriber | None = None
         self._client: Client | None = None
+        self._held: GenerationManifest | None = None  # the manifest of what staging holds
 
     def newest(self) -> int:
         """The newest generation of the prefix (0: none yet)."""
@@ -103,7 +108,8 @@ class WeightReader:
         manifest = self._manifest(at)
         metas = self.reference.check(manifest, self.options.prefix)
         subscriber = self._subscriber_for(metas)
-        received = subscriber.received
+        subscriber.deltas = self.options.deltas and changed(self._held, manifest) <= self.options.delta_limit
+        self._held = None  # staging is being overwritten: no delta base until this update is done
         number = subscriber.update(self.options.timeout)
         if number != manifest.generation.number:
             if at != "latest" and number > at:
@@ -116,12 +122,16 @@ class WeightReader:
         if self.options.verify:
             full = {f"{self.options.prefix}/{k}": t for k, t in self.staging.items()}
             verify_read(manifest, full, manifest.generation.digest)
+        self._held = manifest
+        record = subscriber.updates[-1]  # this update's: how it came and the data bytes it moved
+        moved = record.bytes if record.way != "current" else 0
         event(log, logging.INFO, "generation brought into staging", prefix=self.options.prefix,
-              generation=number, received=subscriber.received - received,
+              generation=number, way=record.way, received=moved,
               seconds=round(time.monotonic() - started, 3))  # fmt: skip
-        return Brought(number, self._version(manifest), self._weights(), subscriber.received - received)
+        return Brought(number, self._version(manifest), self._weights(), moved)
 
     def close(self) -> None:
+        self._held = None
         if self._subscriber is not None:
             self._subscriber.close()
             self._subscriber = None
@@ -172,3 +182,27 @@ class WeightReader:
 
     def _weights(self) -> dict[str, torch.Tensor]:
         return {k: t for k, t in self.staging.items() if k != VERSION_KEY}
+
+
+def changed(held: GenerationManifest | None, new: GenerationManifest) -> float:
+    """The share of ``new``'s bytes in chunks whose checksum differs from ``held``'s (1.0 when
+    nothing is held, or the chunking differs): what a delta read of ``new`` would move."""
+    total = new.generation.nbytes
+    if (
+        held is None
+        or held.chunk_size != new.chunk_size
+        or held.checksum_kind != new.checksum_kind
+        or not total
+    ):
+        return 1.0
+    before = {entry.meta.name: entry for entry in held.tensors}
+    moved = 0
+    for entry in new.tensors:
+        old = before.get(entry.meta.name)
+        if old is None or old.meta.dtype != entry.meta.dtype or old.meta.shape != entry.meta.shape:
+            moved += entry.meta.nbytes
+            continue
+        for index, (a, b) in enumerate(zip(old.checksums, entry.checksums, strict=True)):
+            if a != b:
+                moved += min(new.chunk_size, entry.meta.nbytes - index * new.chunk_size)
+    return moved / total
