@@ -149,10 +149,15 @@ def read_header(path: Path) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
         (length,) = struct.unpack("<Q", head)
         if length > MAX_HEADER_BYTES:
             raise LayoutMismatch(f"{path}: a header of {length} bytes, over {MAX_HEADER_BYTES}")
-        try:
-            doc = json.loads(f.read(length))
-        except ValueError as exc:
-            raise LayoutMismatch(f"{path}: its safetensors header is not JSON") from exc
+        raw = f.read(length)
+    if len(raw) != length:
+        raise LayoutMismatch(f"{path}: its header is cut short ({len(raw)} of {length} bytes)")
+    try:
+        doc = json.loads(raw)
+    except ValueError as exc:
+        raise LayoutMismatch(f"{path}: its safetensors header is not JSON") from exc
+    if not isinstance(doc, dict):
+        raise LayoutMismatch(f"{path}: its safetensors header is not a JSON object")
     out: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {}
     for name, entry in doc.items():
         if name == "__metadata__":
@@ -160,5 +165,13 @@ def read_header(path: Path) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
         dtype = _SAFETENSORS_DTYPES.get(entry.get("dtype", "")) if isinstance(entry, dict) else None
         if dtype is None:
             raise LayoutMismatch(f"{path}: {name!r} has a dtype tensorwire.vllm does not know")
-        out[name] = (dtype, tuple(int(n) for n in entry["shape"]))
+        out[name] = (dtype, _shape(path, name, entry.get("shape")))
     return out
+
+
+def _shape(path: Path, name: str, shape: object) -> tuple[int, ...]:
+    """A header's shape: a list of non-negative integers (not a string of digits, a float or a
+    bool, which ``int()`` would quietly turn into another shape)."""
+    if not isinstance(shape, list) or not all(type(n) is int and n >= 0 for n in shape):
+        raise LayoutMismatch(f"{path}: {name!r} has the shape {repr(shape)[:80]}, not a list of sizes")
+    return tuple(shape)

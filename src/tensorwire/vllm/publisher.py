@@ -5,7 +5,9 @@ A generation is atomic: readers see all of it or none of it, so a trainer killed
 leaves the engines on the last complete generation. With ``world_size`` ranks, each rank publishes
 its part (``publish_part``) under one transaction id that every rank derives from ``run_id`` and
 the round, so no rank waits for another to tell it; the generation appears when the last part is
-in, and a part that does not come within ``part_timeout`` aborts the whole (``PublishAborted``).
+in. A part that does not come within ``part_timeout`` aborts the whole (every rank's ``publish``
+raises ``WaitTimeout``), as does a part that fails or whose connection closes (``PublishAborted``);
+either way nothing of it is visible and readers keep the previous generation.
 """
 
 from __future__ import annotations

@@ -120,7 +120,14 @@ class WeightReader:
             manifest = self._manifest(number)
             self.reference.check(manifest, self.options.prefix)
         if self.options.verify:
-            full = {f"{self.options.prefix}/{k}": t for k, t in self.staging.items()}
+            # staging always has room for a version record; a generation published without one
+            # has none to check (its weights were checked against the reference above)
+            versioned = self._versioned(manifest)
+            full = {
+                f"{self.options.prefix}/{k}": t
+                for k, t in self.staging.items()
+                if k != VERSION_KEY or versioned
+            }
             verify_read(manifest, full, manifest.generation.digest)
         self._held = manifest
         record = subscriber.updates[-1]  # this update's: how it came and the data bytes it moved
@@ -174,11 +181,13 @@ class WeightReader:
 
     def _version(self, manifest: GenerationManifest) -> str:
         """The version string published with the generation (its number if none was)."""
-        names = {entry.meta.name for entry in manifest.tensors}
-        raw = b""
-        if f"{self.options.prefix}/{VERSION_KEY}" in names:
-            raw = bytes(self.staging[VERSION_KEY].numpy()).rstrip(b"\0")
+        raw = bytes(self.staging[VERSION_KEY].numpy()).rstrip(b"\0") if self._versioned(manifest) else b""
         return raw.decode("utf-8", "replace") if raw else str(manifest.generation.number)
+
+    def _versioned(self, manifest: GenerationManifest) -> bool:
+        """Whether the generation was published with a version record."""
+        name = f"{self.options.prefix}/{VERSION_KEY}"
+        return any(entry.meta.name == name for entry in manifest.tensors)
 
     def _weights(self) -> dict[str, torch.Tensor]:
         return {k: t for k, t in self.staging.items() if k != VERSION_KEY}
