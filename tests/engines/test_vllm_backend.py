@@ -17,6 +17,11 @@ from typing import Any
 
 import pytest
 import torch
+
+# These run in the engines' own environment (`make test-engines` makes .venv-engines); without
+# vLLM (`make test`'s .venv) the module is skipped, so the main environment stays small.
+pytest.importorskip("vllm", reason="needs vLLM: `make test-engines` runs tests/engines in .venv-engines")
+
 from vllm import LLM, SamplingParams
 from vllm.distributed.weight_transfer.base import ModuleSource
 from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory

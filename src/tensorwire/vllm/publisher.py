@@ -4,7 +4,10 @@ prefix, from one process or as one part per rank.
 A generation is atomic: readers see all of it or none of it, so a trainer killed mid-publish
 leaves the engines on the last complete generation. With ``world_size`` ranks, each rank publishes
 its part (``publish_part``) under one transaction id that every rank derives from ``run_id`` and
-the round, so no rank waits for another to tell it; the generation appears when the last part is
+the round, so no rank waits for another to tell it. Ranks call ``publish`` in lockstep, the same
+number of times, failed rounds included (the store answers a transaction id it has ended with that
+end, so a round is never retried under its id); a job restarted after a rank died takes a new
+``run_id``; the generation appears when the last part is
 in. A part that does not come within ``part_timeout`` aborts the whole (every rank's ``publish``
 raises ``WaitTimeout``), as does a part that fails or whose connection closes (``PublishAborted``);
 either way nothing of it is visible and readers keep the previous generation.
