@@ -114,8 +114,8 @@ def stop(llm: LLM) -> None:
     llm.llm_engine.engine_core.shutdown()
 
 
-def sender(store: tensorwire.ServerThread, llms: list[LLM], model: torch.nn.Module) -> Any:
-    info = TensorwireTrainerInitInfo(rank=0, url=store.url, prefix=PREFIX, token=TOKEN)
+def sender(store: tensorwire.ServerThread, llms: list[LLM], model: torch.nn.Module, **options: Any) -> Any:
+    info = TensorwireTrainerInitInfo(rank=0, url=store.url, prefix=PREFIX, token=TOKEN, **options)
     return WeightTransferTrainerFactory.trainer_init(info, client=Engines(llms), source=ModuleSource(model))
 
 
@@ -165,8 +165,9 @@ def test_a_corrupt_generation_is_refused_and_the_engine_keeps_serving(
 ) -> None:
     """A chunk whose bytes differ from the checksum the store computed at publish (a bit flipped
     in the store's memory) is refused: the update fails naming the generation, the engine's
-    outputs and version are those of the last good update."""
-    trainer = sender(store, [engine], weights["model_b"])
+    outputs and version are those of the last good update. (Without prefetch: a prefetching
+    engine could read the generation before the bit is flipped, and rightly apply it.)"""
+    trainer = sender(store, [engine], weights["model_b"], prefetch=False)
     try:
         trainer.send_weights(version="good")
         served = outputs(engine)
@@ -186,6 +187,35 @@ def flip_a_byte(store: tensorwire.ServerThread, name: str, number: int) -> None:
     kept = generations.find(PREFIX, number)
     _, data = kept.tensors[name]
     data[data.nbytes // 2] ^= 1
+
+
+def test_an_engine_reads_a_generation_as_it_is_published_and_the_update_only_applies_it(
+    engine: LLM,
+    weights: dict[str, Any],
+    fresh_a: list[Any],
+    fresh_b: list[Any],
+    store: tensorwire.ServerThread,
+) -> None:
+    """With prefetch (the default) the engine brings a generation into staging when the store
+    announces it, while it keeps serving; the update that applies it then moves no data."""
+    trainer = sender(store, [engine], weights["model_b"])
+    try:
+        trainer.send_weights(version="b-again")
+        assert outputs(engine) == fresh_b
+        served = store.server.status()["relay"]["served_bytes"][PREFIX]
+        published = trainer.publisher.publish(ModuleSource(weights["model_a"]), "a-prefetched")
+        deadline = time.monotonic() + 60
+        while store.server.status()["relay"]["served_bytes"][PREFIX] - served < published.nbytes:
+            assert time.monotonic() < deadline, "the engine did not read the new generation by itself"
+            time.sleep(0.05)
+        assert outputs(engine) == fresh_b  # read, not applied: still serving b-again
+        read = store.server.status()["relay"]["served_bytes"][PREFIX]
+        trainer.apply(published.number, "a-prefetched")
+        assert store.server.status()["relay"]["served_bytes"][PREFIX] == read  # the apply moved nothing
+        assert outputs(engine) == fresh_a
+        assert engine.get_weight_version() == "a-prefetched"
+    finally:
+        trainer.shutdown()
 
 
 PART_OF_A = """
@@ -256,6 +286,18 @@ def test_an_engine_restarted_mid_run_catches_up_by_itself(
     assert tensorwire.vllm.catch_up(restarted, store.url, PREFIX) == "restart-b"
     assert restarted.get_weight_version() == "restart-b"
     assert outputs(restarted) == fresh_b
+
+
+def test_an_engine_configured_on_its_side_reads_no_other_store_or_prefix(
+    restarted: LLM, store: tensorwire.ServerThread
+) -> None:
+    """Its environment named the store and the prefix: a trainer's init naming another store (to
+    which the engine would send its host's token) or another prefix is refused, and it still
+    reads where it was configured to."""
+    for init in ({"url": "tcp://127.0.0.1:9", "prefix": PREFIX}, {"url": store.url, "prefix": "other"}):
+        with pytest.raises(Exception, match="this engine reads only"):
+            restarted.init_weight_transfer_engine({"init_info": init})
+    assert tensorwire.vllm.catch_up(restarted, store.url, PREFIX) == "restart-b"
 
 
 def test_two_engines_read_one_update_through_the_relay(

@@ -8,7 +8,8 @@ staging and checked (reader.py) before ``load_weights`` applies it, so a failed 
 model on its previous generation, whole, and says so (``WeightUpdateFailed``, naming both).
 
 An engine started with ``TENSORWIRE_VLLM_URL`` and ``TENSORWIRE_VLLM_PREFIX`` in its environment is
-configured on its own side: it reads only that prefix (an init naming another is refused), and it
+configured on its own side: it reads only that prefix from only that store (an init naming another
+is refused: the engine sends its host's token where it reads), and it
 catches up to the newest generation as it starts (a restarted engine needs no trainer to come back
 to the current weights; ``tensorwire.vllm.catch_up`` then sets the engine's weight version).
 """
@@ -34,12 +35,14 @@ from tensorwire.errors import TensorwireError, WeightUpdateFailed
 from tensorwire.logs import event
 from tensorwire.security import TlsFiles
 from tensorwire.vllm import layout
-from tensorwire.vllm.reader import ReaderOptions, WeightReader
+from tensorwire.vllm.reader import Prefetcher, ReaderOptions, WeightReader
 
 log = logging.getLogger(__name__)
 
 URL_ENV = "TENSORWIRE_VLLM_URL"
 PREFIX_ENV = "TENSORWIRE_VLLM_PREFIX"
+# An update blocks the engine's serving while it reads: a trainer may not ask for more than this.
+MAX_TIMEOUT = 3600.0
 
 
 @dataclass
@@ -53,6 +56,7 @@ class TensorwireInitInfo(WeightTransferInitInfo):
     deltas: bool = True
     verify: bool = False
     timeout: float = 120.0
+    prefetch: bool = True
     tls_ca: str | None = None  # a path on the engine's host
 
 
@@ -73,12 +77,13 @@ class TensorwireWeightTransferEngine(WeightTransferEngine[TensorwireInitInfo, Te
     def __init__(self, config: Any, vllm_config: Any, device: torch.device, model: torch.nn.Module) -> None:
         super().__init__(config, vllm_config, device, model)
         self.reader: WeightReader | None = None
+        self.prefetcher: Prefetcher | None = None
         self.generation = 0  # the generation the model holds (0: the checkpoint it started from)
         self.version = "checkpoint"
         self.pinned_prefix = os.environ.get(PREFIX_ENV) or None
-        url = os.environ.get(URL_ENV)
-        if url and self.pinned_prefix:
-            self._configure(ReaderOptions(url, self.pinned_prefix))
+        self.pinned_url = os.environ.get(URL_ENV) or None
+        if self.pinned_url and self.pinned_prefix:
+            self._configure(ReaderOptions(self.pinned_url, self.pinned_prefix))
             self._cold_start()
 
     # -- vLLM's interface --------------------------------------------------------------------------
@@ -88,14 +93,24 @@ class TensorwireWeightTransferEngine(WeightTransferEngine[TensorwireInitInfo, Te
             raise PermissionError(
                 f"this engine reads only {self.pinned_prefix!r} (${PREFIX_ENV}), not {init_info.prefix!r}"
             )
-        if not init_info.url or not prefix:
+        url = init_info.url or self.pinned_url or ""
+        if self.pinned_url and url != self.pinned_url:
+            # the engine sends its host's token to this address: only the one it was configured with
+            raise PermissionError(
+                f"this engine reads only from {self.pinned_url!r} (${URL_ENV}), not {url!r}"
+            )
+        if not url or not prefix:
             raise ValueError(
                 "tensorwire needs the store's url and the prefix to read (init_info url=, prefix=)"
             )
+        if not 0 < init_info.timeout <= MAX_TIMEOUT:
+            raise ValueError(
+                f"an update's timeout is over 0 and at most {MAX_TIMEOUT} s, not {init_info.timeout}"
+            )
         tls = TlsFiles(ca=Path(init_info.tls_ca)) if init_info.tls_ca else None
         options = ReaderOptions(
-            init_info.url, prefix, tls=tls, relay=init_info.relay, deltas=init_info.deltas,
-            verify=init_info.verify, timeout=init_info.timeout,
+            url, prefix, tls=tls, relay=init_info.relay, deltas=init_info.deltas,
+            verify=init_info.verify, timeout=init_info.timeout, prefetch=init_info.prefetch,
         )  # fmt: skip
         self._configure(options)
 
@@ -120,6 +135,9 @@ class TensorwireWeightTransferEngine(WeightTransferEngine[TensorwireInitInfo, Te
         """Nothing to do: the update was applied whole in ``receive_weights``."""
 
     def shutdown(self) -> None:
+        if self.prefetcher is not None:
+            self.prefetcher.close()
+            self.prefetcher = None
         if self.reader is not None:
             self.reader.close()
             self.reader = None
@@ -151,9 +169,10 @@ class TensorwireWeightTransferEngine(WeightTransferEngine[TensorwireInitInfo, Te
         if self.reader is not None and self.reader.options == options:
             return  # the same store and prefix: keep the staging (the next delta's base)
         reference = self._reference()
-        if self.reader is not None:
-            self.reader.close()
+        self.shutdown()
         self.reader = WeightReader(options, reference)
+        if options.prefetch:
+            self.prefetcher = Prefetcher(self.reader)
 
     def _reference(self) -> layout.Reference:
         """The checkpoint the engine was started from: its tensors are what a generation must hold."""

@@ -23,6 +23,7 @@ delta is taken against and which this reader forwards to the engines after it.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -33,7 +34,7 @@ import torch
 from tensorwire.broadcast import Subscriber
 from tensorwire.client.core import Client, connect
 from tensorwire.client.generations import verify_read
-from tensorwire.errors import LayoutMismatch
+from tensorwire.errors import LayoutMismatch, TensorwireError, WaitTimeout
 from tensorwire.logs import event
 from tensorwire.security import TlsFiles
 from tensorwire.types import GenerationManifest, TensorMeta
@@ -66,6 +67,9 @@ class ReaderOptions:
     # A delta is read from the origin by each engine, the relay's chunks about once in all: past
     # this share of changed bytes (a full fine-tuning step changes them all), the relay is cheaper.
     delta_limit: float = 0.25
+    # Read each generation into staging as soon as it is published (``Prefetcher``), so that the
+    # update that applies it only applies it: the engine's serving waits for the apply alone.
+    prefetch: bool = True
 
 
 @dataclass(frozen=True)
@@ -92,6 +96,8 @@ class WeightReader:
         self._subscriber: Subscriber | None = None
         self._client: Client | None = None
         self._held: GenerationManifest | None = None  # the manifest of what staging holds
+        # One bring at a time: the update's, or the prefetcher's on its thread (Prefetcher).
+        self._lock = threading.RLock()
 
     def newest(self) -> int:
         """The newest generation of the prefix (0: none yet)."""
@@ -103,7 +109,12 @@ class WeightReader:
     def bring(self, at: At) -> Brought:
         """Generation ``at`` (or the newest) in staging, checked; see the module docstring.
         LayoutMismatch if it does not fit the model; the store's errors (GenerationRetired,
-        AuthenticationError, TransferTimeout, ...) as they come; in every case the model is untouched."""
+        AuthenticationError, TransferTimeout, ...) as they come; in every case the model is untouched.
+        A generation brought already (by the prefetcher) costs two small requests, no data."""
+        with self._lock:
+            return self._bring(at)
+
+    def _bring(self, at: At) -> Brought:
         started = time.monotonic()
         manifest = self._manifest(at)
         metas = self.reference.check(manifest, self.options.prefix)
@@ -138,6 +149,10 @@ class WeightReader:
         return Brought(number, self._version(manifest), self._weights(), moved)
 
     def close(self) -> None:
+        with self._lock:
+            self._close()
+
+    def _close(self) -> None:
         self._held = None
         if self._subscriber is not None:
             self._subscriber.close()
@@ -169,7 +184,7 @@ class WeightReader:
         )
         if self._subscriber is not None and same:
             return self._subscriber
-        self.close()
+        self._close()
         self.staging = {k: torch.empty(m.shape, dtype=m.dtype) for k, m in wanted.items()}
         self.staging[VERSION_KEY] = torch.zeros(MAX_VERSION_BYTES, dtype=torch.uint8)
         o = self.options
@@ -215,3 +230,59 @@ def changed(held: GenerationManifest | None, new: GenerationManifest) -> float:
             if a != b:
                 moved += min(new.chunk_size, entry.meta.nbytes - index * new.chunk_size)
     return moved / total
+
+
+class Prefetcher:
+    """Brings each generation of ``reader``'s prefix into its staging as soon as it is published
+    (the store notifies a wait; no polling), on a thread of its own, so that the update which
+    applies it finds it there. A generation it cannot bring (it does not fit, a chunk is corrupt,
+    the store is unreachable) is logged and counted (``failures``) and left to the update, which
+    raises why. ``close`` stops it within ``poll`` seconds."""
+
+    def __init__(self, reader: WeightReader, poll: float = 2.0) -> None:
+        self.reader = reader
+        self.poll = poll
+        self.brought = 0  # generations brought ahead of their update
+        self.failures = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="tensorwire-prefetch", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        o = self.reader.options
+        after = 0
+        client: Client | None = None
+        while not self._stop.is_set():
+            try:
+                if client is None:
+                    client = connect(
+                        o.url, token=o.token, tls=o.tls, timeout=o.timeout, connect_timeout=o.connect_timeout
+                    )
+                after = client.wait(o.prefix, after, timeout=self.poll).number
+            except WaitTimeout:
+                continue  # nothing new within poll: look at the stop flag, and wait again
+            except (TensorwireError, OSError) as exc:
+                self._failed("cannot wait for generations", exc)
+                if client is not None:
+                    client.close()
+                    client = None
+                self._stop.wait(self.poll)
+                continue
+            if self._stop.is_set():
+                break
+            try:
+                self.reader.bring("latest")
+                self.brought += 1
+            except Exception as exc:
+                self._failed("could not bring a generation ahead of its update", exc)
+        if client is not None:
+            client.close()
+
+    def _failed(self, what: str, exc: BaseException) -> None:
+        self.failures += 1
+        event(log, logging.WARNING, what, prefix=self.reader.options.prefix, failures=self.failures,
+              error=repr(exc))  # fmt: skip
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(self.poll + self.reader.options.timeout)

@@ -30,7 +30,7 @@ class TensorwireTrainerInitInfo(TrainerInitInfo):
     """``url``: the store the trainer publishes to; ``engine_url``: where the engines reach it
     (default: ``url``); ``prefix``: the weights' prefix. ``world_size``/``run_id``: with several
     trainer ranks, each publishes a part (``run_id`` the same on all). ``relay``, ``deltas``,
-    ``verify``, ``timeout``: the engines' reading (``ReaderOptions``). ``token``/``tls``: the
+    ``verify``, ``timeout``, ``prefetch``: the engines' reading (``ReaderOptions``). ``token``/``tls``: the
     trainer's own credentials (the engines use those of their hosts)."""
 
     backend: ClassVar[str] = "tensorwire"
@@ -44,6 +44,7 @@ class TensorwireTrainerInitInfo(TrainerInitInfo):
     deltas: bool = True
     verify: bool = False
     timeout: float = 120.0
+    prefetch: bool = True
     part_timeout: float = 300.0
     token: str | None = field(default=None, repr=False)
     tls: TlsFiles | None = None
@@ -122,7 +123,7 @@ def _engine_init(info: TensorwireTrainerInitInfo) -> dict[str, Any]:
     """The engines' init info (engine.TensorwireInitInfo's fields) from the trainer's."""
     init: dict[str, Any] = {
         "url": info.engine_url or info.url, "prefix": info.prefix, "relay": info.relay,
-        "deltas": info.deltas, "verify": info.verify, "timeout": info.timeout,
+        "deltas": info.deltas, "verify": info.verify, "timeout": info.timeout, "prefetch": info.prefetch,
     }  # fmt: skip
     if info.tls is not None and info.tls.ca is not None:
         init["tls_ca"] = str(info.tls.ca)
