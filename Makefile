@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 TORCH := torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: system-libs install demo test test-fast test-unit test-integration test-fault test-adversarial test-bench gpu-check bench bench-all lint format proto fuzz clean
+.PHONY: system-libs install demo test test-fast test-unit test-integration test-fault test-adversarial test-bench gpu-check bench bench-all bench-engines lint format proto fuzz clean
 
 $(STAMP): pyproject.toml
 	$(MAKE) --no-print-directory system-libs
@@ -74,6 +74,19 @@ gpu-check: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/tensorwire bench transfer --json
+
+# The engines' virtualenv (vLLM's CPU build, tensorwire[vllm]): `make test-engines` creates it.
+# Until that target is here, this minimal rule only says so.
+ENGINES_VENV := .venv-engines
+ENGINES_STAMP := $(ENGINES_VENV)/.installed
+
+$(ENGINES_STAMP):
+	@echo "$(ENGINES_VENV) is missing: make test-engines creates it (vLLM's CPU build)" >&2; exit 2
+
+# vLLM engines' weight updates, tensorwire vs collective_rpc(state_dict), one JSON line: a 256 MiB
+# Llama into 1 engine, then 2 (~2 min on 2 cores; --mib up to 1024).
+bench-engines: $(ENGINES_STAMP)
+	$(ENGINES_VENV)/bin/tensorwire bench engines --json $(BENCH_ENGINES_ARGS)
 
 # Every benchmark into bench-report/report.md, report.json and plots (~10 min on 2 cores).
 bench-all: $(STAMP)
