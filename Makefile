@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 TORCH := torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: system-libs install demo test test-engines test-fast test-unit test-integration test-fault test-adversarial test-bench gpu-check bench bench-all lint format proto fuzz clean
+.PHONY: system-libs install demo test test-engines test-fast test-unit test-integration test-fault test-adversarial test-bench gpu-check bench bench-all bench-engines lint format proto fuzz clean
 
 $(STAMP): pyproject.toml
 	$(MAKE) --no-print-directory system-libs
@@ -92,6 +92,11 @@ gpu-check: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/tensorwire bench transfer --json
+
+# vLLM engines' weight updates, tensorwire vs collective_rpc(state_dict), one JSON line: a 256 MiB
+# Llama into 1 engine, then 2 (~2 min on 2 cores; --mib up to 1024).
+bench-engines: $(ENGINES_STAMP)
+	$(ENGINES)/bin/tensorwire bench engines --json $(BENCH_ENGINES_ARGS)
 
 # Every benchmark into bench-report/report.md, report.json and plots (~10 min on 2 cores).
 bench-all: $(STAMP)

@@ -128,6 +128,12 @@ BENCHMARKS: dict[str, Benchmark] = {
             ),
         ),
         Benchmark(
+            "engines",
+            "vLLM engines' weight updates through tensorwire vs collective_rpc(state_dict), the "
+            "link's bound, deltas' bytes, the origin's egress to 2 engines (--json, --mib, --engines).",
+            None,  # needs vLLM (the engines' virtualenv: make bench-engines) and ~3 minutes
+        ),
+        Benchmark(
             "sweep",
             "Bandwidth by tensor size (4 KiB to 256 MiB), latency percentiles, CPU s/GB and peak RSS "
             "per transport and peer (--max-size, --json).",
