@@ -9,7 +9,9 @@ process. Every round changes every weight, as a training step does. Measured:
   store, then the engine reads the generation into staging, checks it and applies it with
   ``load_weights``. The first round (fresh staging, read through the relay) is
   ``tw_first_update_s``; ``tw_update_s`` is the median of the later ones (staging warm: deltas in
-  which every chunk changed). ``tw_publish_s``: the publish part of those rounds.
+  which every chunk changed). ``tw_publish_s``: the publish part of those rounds; ``tw_pause_s``:
+  the engines' update call, for which the engine stops serving (it read the generation as it was
+  published: this is the apply), against ``load_s`` in ``tw_pause_vs_load``.
 - ``rpc_update_s``: ``llm.collective_rpc(fn, args=(state_dict,))``, ``fn`` handing it to the
   model's ``load_weights`` through vLLM's in-place reload (``rpc_load``): the state dict pickled
   to the engine core, then to its worker process (the callable and the pickling need
@@ -162,19 +164,21 @@ def trainer_for(url: str, prefix: str, llms: list[Any], model: torch.nn.Module, 
     )
 
 
-def timed_publish(trainer: Any) -> list[float]:
-    """Times each publish of ``trainer`` (the trainer's side of ``send_weights``) into the list."""
+def timing(owner: Any, method: str) -> list[float]:
+    """Times each call of ``owner.method`` into the list: ``trainer.publisher.publish`` (the
+    trainer's side of ``send_weights``), ``trainer.apply`` (the engines' update calls, for which
+    they stop serving: with prefetch, the generation is read already and this is the apply)."""
     times: list[float] = []
-    publish = trainer.publisher.publish
+    call = getattr(owner, method)
 
     def wrapped(*args: Any, **kwargs: Any) -> Any:
         started = time.perf_counter()
         try:
-            return publish(*args, **kwargs)
+            return call(*args, **kwargs)
         finally:
             times.append(time.perf_counter() - started)
 
-    trainer.publisher.publish = wrapped
+    setattr(owner, method, wrapped)
     return times
 
 
@@ -225,7 +229,7 @@ def one_engine(setup: Setup, url: str, server: Child, llm: Any, model: torch.nn.
         loads.extend(llm.collective_rpc(rpc_load, args=(sent,), timeout=setup.timeout))
         rpc.append(time.perf_counter() - started)
     trainer = trainer_for(url, "bench/engines", [llm], model, setup.timeout)
-    publishes = timed_publish(trainer)
+    publishes, pauses = timing(trainer.publisher, "publish"), timing(trainer, "apply")
     tw: list[float] = []
     tw_sent: list[int] = []
     for _ in range(setup.rounds):
@@ -246,6 +250,8 @@ def one_engine(setup: Setup, url: str, server: Child, llm: Any, model: torch.nn.
         "tw_publish_rounds_s": publishes[: setup.rounds],
         "rpc_rounds_s": rpc,
         "tw_publish_s": statistics.median(publishes[1 : setup.rounds] or publishes[:1]),
+        "tw_pause_rounds_s": pauses[: setup.rounds],
+        "tw_pause_s": statistics.median(pauses[1 : setup.rounds] or pauses[:1]),
         "rpc_update_s": statistics.median(rpc),
         "load_s": statistics.median(loads),
         "delta_update_s": delta_s,
@@ -310,6 +316,7 @@ def summary(setup: Setup, nbytes: int, gbps: float, one: Figures, two: Figures) 
         "layers": layers, "dtype": "float32", "engines": setup.engines, "rounds": setup.rounds,
         **one, "socket_gbps": gbps, "link_s": link_s, "bound_s": bound,
         "tw_vs_rpc": one["tw_update_s"] / one["rpc_update_s"], "tw_vs_bound": one["tw_update_s"] / bound,
+        "tw_pause_vs_load": one["tw_pause_s"] / one["load_s"],
         "delta_update_bytes_ratio": one["delta_update_bytes"] / nbytes,
         "delta_changed_ratio": one["delta_changed_bytes"] / nbytes,
         "tw_update_bytes_ratio": one["tw_update_bytes"] / nbytes,

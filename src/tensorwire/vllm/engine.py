@@ -158,7 +158,8 @@ class TensorwireWeightTransferEngine(WeightTransferEngine[TensorwireInitInfo, Te
             ) from exc  # fmt: skip
         if brought.number != self.generation:
             started = time.monotonic()
-            apply(self.model, brought.weights, self.model_config, self.device)
+            with _current(self.vllm_config):  # as vLLM's own reload runs (quantized layers read it)
+                apply(self.model, brought.weights, self.model_config, self.device)
             self.generation, self.version = brought.number, brought.version
             event(log, logging.INFO, "weights applied", prefix=prefix, generation=brought.number,
                   version=brought.version, received=brought.received,
@@ -211,6 +212,12 @@ def apply(
     finalize_layerwise_reload(model, model_config)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def _current(vllm_config: Any) -> Any:
+    from vllm.config import set_current_vllm_config
+
+    return set_current_vllm_config(vllm_config)
 
 
 def _generation(value: int | str) -> int | str:
