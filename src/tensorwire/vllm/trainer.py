@@ -128,3 +128,14 @@ def _engine_init(info: TensorwireTrainerInitInfo) -> dict[str, Any]:
     if info.tls is not None and info.tls.ca is not None:
         init["tls_ca"] = str(info.tls.ca)
     return init
+
+
+def _register() -> None:
+    """The trainer's process has no engine that would load vLLM's plugins: whoever imports this
+    module (``TensorwireTrainerInitInfo`` lives here) has the backend registered."""
+    from tensorwire.vllm import register
+
+    register()
+
+
+_register()
