@@ -8,12 +8,20 @@ import math
 
 import pytest
 
-pytest.importorskip("vllm")
+pytest.importorskip("vllm", reason="needs vLLM: `make test-engines` runs tests/engines in .venv-engines")
 
 from tensorwire.bench import engines
 
 RATIOS = ("tw_vs_rpc", "tw_vs_bound", "delta_update_bytes_ratio", "origin_egress_ratio")
-SECONDS = ("tw_update_s", "tw_first_update_s", "rpc_update_s", "bound_s", "load_s", "delta_update_s")
+SECONDS = (
+    "tw_update_s",
+    "tw_first_update_s",
+    "rpc_update_s",
+    "bound_s",
+    "load_s",
+    "delta_update_s",
+    "tw_pause_s",
+)
 
 
 @pytest.mark.slow

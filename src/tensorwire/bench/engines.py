@@ -7,15 +7,15 @@ process. Every round changes every weight, as a training step does. Measured:
 
 - ``tw_update_s``: a full update through tensorwire, the trainer's ``send_weights``: publish to the
   store, then the engine reads the generation into staging, checks it and applies it with
-  ``load_weights``. The first round (fresh staging, read through the relay) is
-  ``tw_first_update_s``; ``tw_update_s`` is the median of the later ones (staging warm: deltas in
-  which every chunk changed). ``tw_publish_s``: the publish part of those rounds; ``tw_pause_s``:
-  the engines' update call, for which the engine stops serving (it read the generation as it was
-  published: this is the apply), against ``load_s`` in ``tw_pause_vs_load``.
+  ``load_weights``. The first round (fresh staging) is ``tw_first_update_s``; ``tw_update_s`` is
+  the median of the rounds after ``WARMUP`` (every chunk changed: read through the relay).
+  ``tw_publish_s``: the publish part of those rounds; ``tw_pause_s``: the engines' update call,
+  for which the engine stops serving (it read the generation as it was published: this is the
+  apply), against ``load_s`` in ``tw_pause_vs_load``.
 - ``rpc_update_s``: ``llm.collective_rpc(fn, args=(state_dict,))``, ``fn`` handing it to the
   model's ``load_weights`` through vLLM's in-place reload (``rpc_load``): the state dict pickled
   to the engine core, then to its worker process (the callable and the pickling need
-  ``VLLM_ALLOW_INSECURE_SERIALIZATION=1``). Median of rounds.
+  ``VLLM_ALLOW_INSECURE_SERIALIZATION=1``). Median of the rounds after ``WARMUP``.
 - ``bound_s``: the model's bytes through one plain loopback socket stream between two processes
   (sendall -> recv_into) plus ``load_weights`` alone (``load_s``: the reload timed inside the
   worker during the rpc rounds, on tensors already there).
@@ -50,10 +50,15 @@ import torch
 from tensorwire.bench.children import Child, serve_requests, spawned, starting
 from tensorwire.bench.engine_models import build_llama, engine_args
 from tensorwire.bench.report import show, table
+from tensorwire.store.generation_config import DEFAULT_KEEP
 from tensorwire.types import MiB
 
 VOCAB = 512  # engine_models' default: the embeddings stay small beside the layers
 DELTA_FRACTION = 0.01
+# Rounds run before the measured ones, each way: the store keeps DEFAULT_KEEP generations, so the
+# first publishes land in fresh pages until a retired generation's buffers come back (3x slower
+# here); a training run is past them after its third step.
+WARMUP = DEFAULT_KEEP + 1
 TIMEOUT = 600.0
 
 
@@ -220,11 +225,12 @@ def socket_gbps(nbytes: int) -> float:
 
 # -- the measurements --------------------------------------------------------------------------------
 def one_engine(setup: Setup, url: str, server: Child, llm: Any, model: torch.nn.Module) -> dict[str, Any]:
-    """collective_rpc and tensorwire full updates, then a 1% delta, on one engine."""
+    """collective_rpc and tensorwire full updates (``WARMUP`` rounds each first, then
+    ``setup.rounds`` measured), then a 1% delta, on one engine."""
     sent = Pickled({n: p.detach() for n, p in model.named_parameters()})
     rpc: list[float] = []
     loads: list[float] = []
-    for _ in range(setup.rounds):
+    for _ in range(WARMUP + setup.rounds):
         started = time.perf_counter()
         loads.extend(llm.collective_rpc(rpc_load, args=(sent,), timeout=setup.timeout))
         rpc.append(time.perf_counter() - started)
@@ -232,7 +238,7 @@ def one_engine(setup: Setup, url: str, server: Child, llm: Any, model: torch.nn.
     publishes, pauses = timing(trainer.publisher, "publish"), timing(trainer, "apply")
     tw: list[float] = []
     tw_sent: list[int] = []
-    for _ in range(setup.rounds):
+    for _ in range(WARMUP + setup.rounds):
         change_all(model)
         before = origin_sent(server)
         tw.append(timed(trainer.send_weights))
@@ -244,16 +250,16 @@ def one_engine(setup: Setup, url: str, server: Child, llm: Any, model: torch.nn.
     trainer.shutdown()
     return {
         "tw_first_update_s": tw[0],
-        "tw_update_s": statistics.median(tw[1:] or tw),
+        "tw_update_s": statistics.median(tw[WARMUP:]),
         "tw_update_bytes": tw_sent[-1],  # the origin's, for the last full round
         "tw_rounds_s": tw,
-        "tw_publish_rounds_s": publishes[: setup.rounds],
+        "tw_publish_rounds_s": publishes[: len(tw)],
         "rpc_rounds_s": rpc,
-        "tw_publish_s": statistics.median(publishes[1 : setup.rounds] or publishes[:1]),
-        "tw_pause_rounds_s": pauses[: setup.rounds],
-        "tw_pause_s": statistics.median(pauses[1 : setup.rounds] or pauses[:1]),
-        "rpc_update_s": statistics.median(rpc),
-        "load_s": statistics.median(loads),
+        "tw_publish_s": statistics.median(publishes[WARMUP : len(tw)]),
+        "tw_pause_rounds_s": pauses[: len(tw)],
+        "tw_pause_s": statistics.median(pauses[WARMUP : len(tw)]),
+        "rpc_update_s": statistics.median(rpc[WARMUP:]),
+        "load_s": statistics.median(loads[WARMUP:]),
         "delta_update_s": delta_s,
         "delta_changed_bytes": changed,
         "delta_update_bytes": delta_bytes,
