@@ -87,21 +87,31 @@ class TensorwireTrainerWeightTransferEngine(TrainerWeightTransferEngine[Tensorwi
     def send_weights(self, version: str | None = None) -> int:
         """Publish the source's weights as one generation and have the engines apply it; its
         version is ``version`` (default: the generation's number). Returns the generation.
-        WeightUpdateFailed if the engines could not apply it (they keep their previous version)."""
+        WeightUpdateFailed if the engines could not apply it (they keep their previous version).
+        The engines start reading as the generation is published; the update call waits for the
+        rest of the read, then applies. To keep them serving for the read too, ``publish`` now
+        and ``apply`` later (the next step of an asynchronous RL loop, say)."""
+        generation = self.publish(version)
+        if self.is_sender:
+            self.apply(generation, version or str(generation))
+        self.generation = generation
+        return generation
+
+    def publish(self, version: str | None = None) -> int:
+        """Publish the source's weights (this rank's part of them) as one generation, without
+        asking the engines to apply it: they read it meanwhile (prefetch). Returns its number."""
         if self.source is None or self.publisher is None:
             raise RuntimeError("tensorwire: trainer_init with a source= first")
         held = self.source.held_names()
         names = [m.name for m in self.source.metadata()]
         mine = self.publisher.mine(names, held)
         weights = ((n, t) for n, t in self.source if t is not None and n in mine)
-        generation = self.publisher.publish(weights, version).number
-        if self.is_sender:
-            self.apply(generation, version or str(generation))
-        self.generation = generation
-        return generation
+        return self.publisher.publish(weights, version).number
 
-    def apply(self, generation: int, version: str) -> None:
-        """Have the engines apply ``generation`` (already published) as ``version``."""
+    def apply(self, generation: int, version: str | None = None) -> None:
+        """Have the engines apply ``generation`` (published already) as ``version`` (default: the
+        generation's number); on the sender only. WeightUpdateFailed if they could not."""
+        version = version or str(generation)
         self.client.start_weight_update()
         try:
             self.client.update_weights({"generation": generation})
