@@ -28,31 +28,12 @@ from typing import TYPE_CHECKING, Any
 
 from tensorwire.vllm.clients import Engines
 from tensorwire.vllm.layout import VERSION_KEY, Reference
+from tensorwire.vllm.plugin import BACKEND, register
 from tensorwire.vllm.publisher import PublisherOptions, WeightPublisher
 from tensorwire.vllm.reader import Brought, ReaderOptions, WeightReader
 
 if TYPE_CHECKING:
     from tensorwire.vllm.trainer import TensorwireTrainerInitInfo
-
-BACKEND = "tensorwire"
-
-
-def register() -> None:
-    """Register the backend with vLLM's weight-transfer factories (the plugin entry point; vLLM
-    calls it in every process it starts). Registering twice does nothing."""
-    from vllm.distributed.weight_transfer.factory import (
-        WeightTransferEngineFactory,
-        WeightTransferTrainerFactory,
-    )
-
-    if BACKEND not in WeightTransferEngineFactory._registry:
-        WeightTransferEngineFactory.register_engine(
-            BACKEND, "tensorwire.vllm.engine", "TensorwireWeightTransferEngine"
-        )
-    if BACKEND not in WeightTransferTrainerFactory._registry:
-        WeightTransferTrainerFactory.register_engine(
-            BACKEND, "tensorwire.vllm.trainer", "TensorwireTrainerWeightTransferEngine"
-        )
 
 
 def catch_up(llm: Any, url: str, prefix: str, *, token: str | None = None, timeout: float = 120.0) -> str:

@@ -22,6 +22,7 @@ from vllm.distributed.weight_transfer.base import (
 
 from tensorwire.errors import WeightUpdateFailed
 from tensorwire.security import TlsFiles
+from tensorwire.vllm.plugin import register
 from tensorwire.vllm.publisher import PublisherOptions, WeightPublisher
 
 
@@ -140,12 +141,6 @@ def _engine_init(info: TensorwireTrainerInitInfo) -> dict[str, Any]:
     return init
 
 
-def _register() -> None:
-    """The trainer's process has no engine that would load vLLM's plugins: whoever imports this
-    module (``TensorwireTrainerInitInfo`` lives here) has the backend registered."""
-    from tensorwire.vllm import register
-
-    register()
-
-
-_register()
+# A trainer's process starts no engine that would load vLLM's plugins: whoever imports this module
+# (``TensorwireTrainerInitInfo`` lives here) has the backend registered.
+register()
