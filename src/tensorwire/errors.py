@@ -203,8 +203,10 @@ class LayoutMismatch(InvalidTensor):
     on a parameter's dtype, global shape or placements, shards overlap, leave gaps or lie outside
     the global shape, or what is read into differs from what was stored. Or a generation of
     weights does not fit the model an engine serves (``tensorwire.vllm``: a name, shape or dtype
-    the model's checkpoint lacks, or more bytes than the model has). The message names the
-    (first) parameter and both layouts; raised before any byte moves. Retrying cannot help."""
+    the model's checkpoint lacks, or more bytes than the model has; ``tensorwire.hf.load_into``: a
+    name the model does not save, a tensor it saves that the generation lacks, a shape or dtype
+    that differs). The message names the (first) parameter and both layouts; raised before any
+    byte moves. Retrying cannot help."""
 
 
 class WeightUpdateFailed(TensorwireError):

@@ -15,13 +15,16 @@ def build_llama(folder: Path, seed: int, *, hidden: int = 256, layers: int = 2, 
     from transformers import LlamaConfig, LlamaForCausalLM
 
     heads = max(hidden // 64, 1)
-    config = LlamaConfig(
-        hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-        num_attention_heads=heads, num_key_value_heads=max(heads // 2, 1), vocab_size=vocab,
-        max_position_embeddings=256, tie_word_embeddings=False, torch_dtype="float32",
-    )  # fmt: skip
+    # Any: transformers 5 ships its types, and vLLM's pinned transformers (where this runs) takes
+    # torch_dtype, which 5's signature no longer names
+    fields: dict[str, Any] = {
+        "hidden_size": hidden, "intermediate_size": 2 * hidden, "num_hidden_layers": layers,
+        "num_attention_heads": heads, "num_key_value_heads": max(heads // 2, 1), "vocab_size": vocab,
+        "max_position_embeddings": 256, "tie_word_embeddings": False, "torch_dtype": "float32",
+    }  # fmt: skip
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(config).to(torch.float32)
+    model: Any = LlamaForCausalLM(LlamaConfig(**fields))
+    model = model.to(torch.float32)
     model.save_pretrained(folder, safe_serialization=True)
     return model
 

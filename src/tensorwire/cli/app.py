@@ -4,6 +4,7 @@
 
     tensorwire serve --listen 0.0.0.0:7070 --capacity 16GiB --data-dir /var/lib/tensorwire
     tensorwire put model/w weights.safetensors --key layer0.weight
+    tensorwire put --generation policy ./checkpoint   # a save_pretrained folder, one generation
     tensorwire get model/w -o w.npy
     tensorwire ls model/ --json
 

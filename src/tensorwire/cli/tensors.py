@@ -1,7 +1,9 @@
 """``tensorwire put | get | ls | stat | rm``: tensors between files and a server.
 
 A file is ``.safetensors``, ``.npy`` or ``.pt``/``.pth``; ``load_tensor`` reads the one tensor a
-command sends and ``save_tensor`` writes one atomically, never through a link planted where it goes.
+command sends (``put --generation``: every tensor of a safetensors checkpoint as one generation,
+``tensorwire.hf``) and ``save_tensor`` writes one atomically, never through a link planted where
+it goes.
 Tensor names come from the server: escaped before they reach the terminal (``tensorwire.cli.text``).
 """
 
@@ -23,6 +25,7 @@ from rich.table import Table
 from tensorwire._fs import write_file
 from tensorwire.cli.options import CliError, open_client, server_option
 from tensorwire.cli.text import markup, printable
+from tensorwire.hf.checkpoint import open_checkpoint
 from tensorwire.types import MiB, TensorMeta
 from tensorwire.wire.dtypes import dtype_name
 
@@ -39,11 +42,24 @@ _NUMPY_DTYPES = frozenset({
 
 @click.command()
 @click.argument("name")
-@click.argument("file", type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@click.argument("file", type=click.Path(exists=True, path_type=Path))
 @server_option
 @click.option("--key", help="Which tensor of FILE to send, when it holds several.")
-def put(name: str, file: Path, server: str, key: str | None) -> None:
-    """Store the tensor in FILE (.safetensors, .npy, .pt/.pth) under NAME."""
+@click.option(
+    "--generation", is_flag=True,
+    help="Publish every tensor of FILE as one generation of the prefix NAME: a .safetensors file, a "
+    "sharded checkpoint's model.safetensors.index.json, or a save_pretrained folder.",
+)  # fmt: skip
+def put(name: str, file: Path, server: str, key: str | None, generation: bool) -> None:
+    """Store the tensor in FILE (.safetensors, .npy, .pt/.pth) under NAME; with --generation, every
+    tensor of a safetensors checkpoint as one generation of NAME (NAME/<tensor name>)."""
+    if generation:
+        if key is not None:
+            raise CliError("--key picks one tensor; --generation publishes them all")
+        _put_generation(name, file, server)
+        return
+    if file.is_dir():
+        raise CliError(f"{file} is a directory: publish a checkpoint folder with --generation")
     tensor = load_tensor(file, key)
     nbytes = tensor.numel() * tensor.element_size()
     with open_client(server) as client, _progress(nbytes, f"put {name}") as advance:
@@ -51,6 +67,18 @@ def put(name: str, file: Path, server: str, key: str | None) -> None:
         version = client.put(name, tensor, progress=advance)
         elapsed = time.perf_counter() - start
     click.echo(f"{name}  version {version}  {nbytes} bytes  {_rate(nbytes, elapsed)}")
+
+
+def _put_generation(prefix: str, path: Path, server: str) -> None:
+    """``put --generation``: the checkpoint at ``path`` (memory-mapped) as one generation."""
+    with open_checkpoint(path) as tensors:  # a refusal (InvalidTensor) names the file
+        nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+        with open_client(server) as client, _progress(nbytes, f"put {prefix}") as advance:
+            start = time.perf_counter()
+            gen = client.publish(prefix, tensors, progress=advance)
+            elapsed = time.perf_counter() - start
+    sent = f"{len(gen.names)} tensors  {gen.nbytes} bytes  {_rate(nbytes, elapsed)}"
+    click.echo(f"{prefix}  generation {gen.number}  {sent}")
 
 
 @click.command()
@@ -167,7 +195,10 @@ def _choose_key(keys: list[str], key: str | None, path: Path) -> str:
     if key is None:
         if len(keys) == 1:
             return keys[0]
-        raise CliError(f"{path} holds {len(keys)} tensors; pick one with --key ({shown or 'none'})")
+        raise CliError(
+            f"{path} holds {len(keys)} tensors; pick one with --key ({shown or 'none'}), or publish them"
+            " all as one generation with --generation"
+        )
     if key not in keys:
         raise CliError(f"no key {key!r} in {path}; it holds: {shown or 'nothing'}")
     return key
