@@ -151,3 +151,16 @@ def test_cli_put_generation_of_a_sharded_checkpoint(tmp_path: Path, monkeypatch:
         plain = runner.invoke(cli.main, ["put", "w", str(tmp_path), "--server", srv.url])
         assert plain.exit_code == 1 and "--generation" in plain.output
     assert same_state(snapshot(fresh), snapshot(source))
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (none on this machine)")
+def test_a_model_on_a_cuda_device_publishes_and_loads() -> None:
+    """Device tensors are sent from host copies and read through host memory, then copied in."""
+    source, fresh = tiny(tied=True, seed=0).cuda(), tiny(tied=True, seed=1).cuda()
+    before = pointers(fresh)
+    with store() as srv:
+        tensorwire.hf.publish(source, srv.url, "policy", token=TOKEN)
+        tensorwire.hf.load_into(fresh, srv.url, "policy", token=TOKEN)
+    assert pointers(fresh) == before and fresh.lm_head.weight is fresh.model.embed_tokens.weight
+    assert same_state(snapshot(fresh), snapshot(source))
