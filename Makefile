@@ -14,7 +14,7 @@ $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --disable-pip-version-check -q --upgrade pip
 	$(BIN)/pip install --disable-pip-version-check -q "$(TORCH)"
-	$(BIN)/pip install --disable-pip-version-check -q -e ".[fast,demo,dev,bench,ray,rdma,dashboard]" "$(TORCH)"
+	$(BIN)/pip install --disable-pip-version-check -q -e ".[fast,demo,dev,bench,ray,rdma,dashboard,hf]" "$(TORCH)"
 	touch $(STAMP)
 
 install: $(STAMP)
