@@ -29,7 +29,8 @@ of these. Each class says whether retrying the same call can help.
     │   ├── GenerationRetired          a read at a generation the server no longer keeps; no retry
     │   ├── PublishAborted             a multi-part publish lost a part (a rank died): nothing visible
     │   ├── VerificationFailed         what a server holds differs from its source; resending can help
-    │   └── DatasetConflict            a data set command would overwrite or delete other data; no retry
+    │   ├── DatasetConflict            a data set command would overwrite or delete other data; no retry
+    │   └── CheckpointConflict         a DCP checkpoint id already taken, or taken by another save; no retry
     ├── InvalidTensor                  (also ValueError) dtype/shape/size unusable or inconsistent
     │   └── LayoutMismatch             layouts disagree or do not tile (sharded state; weights vs model)
     ├── UnsupportedTransport           (also ValueError) this address's transport cannot do what was asked
@@ -183,6 +184,14 @@ class DatasetConflict(StoreError):
     under ``--out`` with other bytes. Raised by clients, never sent by servers, before anything is
     changed; the message names what is there. Retrying will not help: pass ``--replace``
     (``replace=True``) to overwrite it, or choose another name (``--name``, ``--out``)."""
+
+
+class CheckpointConflict(StoreError):
+    """A ``torch.distributed.checkpoint`` save through ``tensorwire.dcp`` was refused because its
+    checkpoint id is taken: a checkpoint is saved under an id once (the id already holds one, or
+    another save committed under it first; the reader reads only that first one), and nothing of
+    the two is mixed. Or a checkpoint changed between a load's metadata and its reads. Raised on
+    the client (never sent by a server); retrying under the same id cannot help."""
 
 
 class PublishAborted(StoreError):

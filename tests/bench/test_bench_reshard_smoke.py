@@ -27,6 +27,12 @@ def test_reshard_measures_both_ways_and_moves_only_the_overlap(transport: str) -
     for phase in ("save4_s", "load2_s", "save2_s", "load4_s"):
         assert result["dcp_phases"][phase] > 0, phase
     assert result["tw_vs_dcp"] == result["tw_s"] / result["dcp_s"]
+    # DCP through tensorwire.dcp (the same save4 + load2, read back bit for bit by every rank)
+    # against DCP's own files on tmpfs, from the same run's dcp phases
+    assert result["dcp_tw_save_s"] > 0 and result["dcp_tw_load_s"] > 0 and result["dcp_tw_cold_s"] > 0
+    tmpfs = result["dcp_phases"]["save4_s"] + result["dcp_phases"]["load2_s"]
+    assert result["dcp_tmpfs_s"] == tmpfs
+    assert result["dcp_tw_vs_tmpfs"] == (result["dcp_tw_save_s"] + result["dcp_tw_load_s"]) / tmpfs
     # every put sends the whole state once and every get only its overlaps: 4 x the state in all
     assert result["overlap_bytes"] == 16 << 20
     # what the server's counters saw (and over shm:// what the ranks copied through segments): all
@@ -39,6 +45,7 @@ def test_reshard_measures_both_ways_and_moves_only_the_overlap(transport: str) -
     assert by_peer["torch.distributed.checkpoint, /dev/shm"].ratio == result["tw_vs_dcp"]
     assert by_peer["the layouts' overlap"].ratio == result["moved_vs_overlap"]
     assert by_peer["synchronous put"].ratio == result["async_blocking_ratio"]
+    assert by_peer["DCP's own files, /dev/shm"].ratio == result["dcp_tw_vs_tmpfs"]
 
 
 def test_overlap_of_the_layouts_counts_each_reading_rank_once() -> None:

@@ -195,7 +195,14 @@ def _reshard(r: dict[str, Any]) -> list[Row]:
             _get(r, "overlap_bytes"), lower_is_better=True),
         Row("reshard", "async save: the training step waits", _get(r, "async_blocked_s"), "s",
             "synchronous put", _get(r, "sync_put_s"), lower_is_better=True),
+        Row("reshard", f"DCP save + load {size} 4 ranks -> 2 through tensorwire.dcp",
+            _dcp_tw(r), "s", "DCP's own files, /dev/shm", _get(r, "dcp_tmpfs_s"), lower_is_better=True),
     ]  # fmt: skip
+
+
+def _dcp_tw(r: dict[str, Any]) -> float | None:
+    save, load = _get(r, "dcp_tw_save_s"), _get(r, "dcp_tw_load_s")
+    return None if save is None or load is None else save + load
 
 
 def _peers(r: dict[str, Any]) -> list[Row]:

@@ -9,6 +9,12 @@ and 2 ranks sharding it by columns (``Shard(1)``). Each way goes 4 -> 2 -> 4:
   parts that overlap its columns: one per row of each part), then the 2 put and the 4 get.
 * torch.distributed.checkpoint (``dcp_s``): ``dcp.save`` from the 4 into a fresh directory under
   /dev/shm (tmpfs: memory, no disk), ``dcp.load`` into the 2, then the 2 save and the 4 load.
+* torch.distributed.checkpoint through ``tensorwire.dcp`` (``dcp_tw_save_s``, ``dcp_tw_load_s``):
+  the same ``dcp.save`` from the 4 and ``dcp.load`` into the 2, DCP's own planners, with the
+  ``StorageWriter``/``StorageReader`` of the same server in place of files (each rank keeps one of
+  each; every save a new checkpoint id, dropped after its load). ``dcp_tw_vs_tmpfs`` = their sum
+  over DCP's own save4 + load2 on tmpfs (target <= 0.7): what a DCP user gains by changing only the
+  storage. One untimed round first (``dcp_tw_cold_s``).
 
 Each phase is timed between two barriers of its world and every read is checked against the
 values the state was filled with. What is timed is the steady state of a job that checkpoints every
@@ -59,6 +65,8 @@ from tensorwire.bench.children import Child, spawned
 from tensorwire.bench.report import show, table
 from tensorwire.bench.reshard_ranks import HOST, Place, Setup, World, rank_main
 from tensorwire.bench.transfer import parse_size
+from tensorwire.client import connect
+from tensorwire.dcp.storage import DEFAULT_NAMESPACE as DCP_NAMESPACE
 from tensorwire.server import ServerThread
 from tensorwire.store import TensorStore
 from tensorwire.types import MiB
@@ -86,6 +94,12 @@ class Worlds:
             child.tell(request)
         return [_answer(child, self.timeout) for child in ranks]
 
+    def drop(self, prefix: str) -> None:
+        """Every generation of ``prefix`` dropped (over the server's tcp:// listener)."""
+        tcp = next(a for a in self.server.addresses if a.scheme == "tcp")
+        with connect(str(tcp), timeout=self.timeout) as client:
+            client.drop_generations(prefix)
+
     def moved(self) -> int:
         """Data bytes the server has received and sent so far (all operations)."""
         rows = list(self.server.server.counts.rows.values())
@@ -109,10 +123,12 @@ def _answer(child: Child, timeout: float) -> dict[str, Any]:
 @contextlib.contextmanager
 def worlds(setup: Setup) -> Iterator[Worlds]:
     """Both worlds' ranks started (in parallel) against one server; all gone on leaving."""
-    capacity = 8 * setup.nbytes + 64 * MiB  # 3 prefixes x 2 kept, a put in flight
+    capacity = 9 * setup.nbytes + 64 * MiB  # 3 prefixes x 2 kept, a put in flight, a DCP checkpoint
     store = dist.TCPStore(HOST, 0, is_master=True, wait_for_workers=False)  # type: ignore[attr-defined]
-    listen = f"{setup.transport}://{HOST}:0"
-    with ServerThread([listen], store=TensorStore(capacity)) as server, spawned() as children:
+    listen = [f"{setup.transport}://{HOST}:0"]
+    if setup.transport != "tcp":  # this process drops the DCP checkpoints (shm:// serves no GEN_DROP)
+        listen.append(f"tcp://{HOST}:0")
+    with ServerThread(listen, store=TensorStore(capacity)) as server, spawned() as children:
         for world in (SAVERS, READERS):
             places = [Place(world, r, store.port, server.url) for r in range(world.size)]
             children += [Child(rank_main, place, setup) for place in places]
@@ -157,6 +173,15 @@ def dcp_round(w: Worlds) -> dict[str, float]:
         }
     finally:
         shutil.rmtree(root, ignore_errors=True)
+
+
+def dcp_tw_round(w: Worlds, number: int) -> dict[str, float]:
+    """4 -> 2 through DCP with tensorwire.dcp's storage: save and load seconds; then dropped."""
+    checkpoint_id = f"reshard/dcp-{number}"
+    save = _slowest(w.ask(w.savers, "dcp_tw_save", checkpoint_id))
+    load = _slowest(w.ask(w.readers, "dcp_tw_load", checkpoint_id))
+    w.drop(f"{DCP_NAMESPACE}/{checkpoint_id}")  # its memory back to the server's pool
+    return {"save4_s": save, "load2_s": load}
 
 
 def overlap_bytes(setup: Setup) -> int:
@@ -205,13 +230,24 @@ def run(setup: Setup, repeats: int = 1, warmup: int | None = None) -> dict[str, 
         for _ in range(rounds - 1):
             tensorwire_round(w)
         dcp_cold = dcp_round(w)  # every save writes new files: there is no warmer state to reach
+        dcp_tw_cold = dcp_tw_round(w, 0)
         tw = _median_phases([tensorwire_round(w) for _ in range(repeats)])
         dcp = _median_phases([dcp_round(w) for _ in range(repeats)])
+        dcp_tw = _median_phases([dcp_tw_round(w, n + 1) for n in range(repeats)])
         saves = w.ask(w.savers, "async_save", "reshard/async")
     result = summary(setup, repeats, socket, (tw, dcp, saves))
     result.update(warmup_rounds=rounds, tw_cold_s=_total(tw_cold), dcp_cold_s=_total(dcp_cold),
-                  tw_cold_phases=tw_cold)  # fmt: skip
+                  tw_cold_phases=tw_cold, dcp_tw_cold_s=_total(dcp_tw_cold))  # fmt: skip
+    result.update(dcp_tw_figures(dcp_tw, dcp))
     return result
+
+
+def dcp_tw_figures(dcp_tw_phases: dict[str, float], dcp_phases: dict[str, float]) -> dict[str, float]:
+    """DCP through tensorwire.dcp against DCP's own files on tmpfs, the same 4 -> 2 reshard."""
+    save, load = dcp_tw_phases["save4_s"], dcp_tw_phases["load2_s"]
+    tmpfs = dcp_phases["save4_s"] + dcp_phases["load2_s"]
+    return {"dcp_tw_save_s": save, "dcp_tw_load_s": load, "dcp_tmpfs_s": tmpfs,
+            "dcp_tw_vs_tmpfs": (save + load) / tmpfs}  # fmt: skip
 
 
 def _total(phases: dict[str, float]) -> float:
@@ -277,6 +313,10 @@ def _readable(r: dict[str, Any]) -> str:
         ("bytes moved", _mib(r["bytes_moved"]), f"overlap {_mib(r['overlap_bytes'])}: "
          f"moved_vs_overlap {_num(r['moved_vs_overlap'], '.4f')} (target <= 1.01)"),
         ("socket bound", f"{r['tw_bound_s']:.3f} s", f"one socket stream {r['socket_gbps']:.2f} GB/s"),
+        ("DCP via tensorwire.dcp", f"{r['dcp_tw_save_s'] + r['dcp_tw_load_s']:.3f} s",
+         f"save4 {r['dcp_tw_save_s']:.3f}, load2 {r['dcp_tw_load_s']:.3f}; "
+         f"DCP on tmpfs {r['dcp_tmpfs_s']:.3f} s: "
+         f"dcp_tw_vs_tmpfs {r['dcp_tw_vs_tmpfs']:.3f} (target <= 0.7)"),
         ("async save blocks", f"{r['async_blocked_s']:.3f} s", f"sync put {r['sync_put_s']:.3f} s: "
          f"async_blocking_ratio {r['async_blocking_ratio']:.3f} (target <= 0.1)"),
     ]  # fmt: skip

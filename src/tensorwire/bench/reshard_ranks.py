@@ -31,6 +31,7 @@ from torch.distributed.tensor import DTensor, Shard
 from tensorwire import sharded
 from tensorwire.bench.children import serve_requests, starting
 from tensorwire.client import Client, connect
+from tensorwire.dcp import StorageReader, StorageWriter
 from tensorwire.sharded.checkpoint import AsyncSaver
 from tensorwire.types import MiB
 
@@ -99,6 +100,10 @@ class Rank:
         self.region = _region(setup.shape, world.dim, world.size, self.rank)
         self.state = {name(i): self._filled(i) for i in range(setup.tensors)}
         self.client: Client = connect(url, timeout=setup.timeout)
+        # DCP through tensorwire.dcp: one writer and one reader kept across saves, as a job keeps
+        # them (dcp.save(checkpoint_id=...) resets the writer to each new id); clients opened lazily
+        self.writer = StorageWriter(url, "reshard/unused", timeout=setup.timeout)
+        self.reader = StorageReader(url, "reshard/unused", timeout=setup.timeout)
 
     def handle(self, request: object) -> object:
         assert isinstance(request, tuple)
@@ -106,6 +111,8 @@ class Rank:
         return OPS[op](self, *args)
 
     def close(self) -> None:
+        self.writer.close()
+        self.reader.close()
         self.client.close()
         dist.destroy_process_group()
 
@@ -158,6 +165,20 @@ class Rank:
             shutil.rmtree(Path(directory))  # read by every rank (the barrier above): tmpfs is memory
         return {"s": seconds}
 
+    def dcp_tw_save(self, checkpoint_id: str) -> dict[str, Any]:
+        seconds = self._timed(
+            lambda: dcp_save(self.state, checkpoint_id=checkpoint_id, storage_writer=self.writer)
+        )
+        return {"s": seconds, "generation": self.writer.generation.number if self.writer.generation else 0}
+
+    def dcp_tw_load(self, checkpoint_id: str) -> dict[str, Any]:
+        self._clear()
+        seconds = self._timed(
+            lambda: dcp_load(self.state, checkpoint_id=checkpoint_id, storage_reader=self.reader)
+        )
+        self._verify(f"dcp.load of {checkpoint_id} through tensorwire.dcp")
+        return {"s": seconds}
+
     def async_save(self, prefix: str) -> dict[str, Any]:
         """A warm-up save (buffers made, group made), then one timed while a training-like loop
         runs until it is committed, then a synchronous put of the same state."""
@@ -182,6 +203,8 @@ OPS: dict[str, Callable[..., object]] = {
     "tw_get": Rank.tw_get,
     "dcp_save": Rank.dcp_save,
     "dcp_load": Rank.dcp_load,
+    "dcp_tw_save": Rank.dcp_tw_save,
+    "dcp_tw_load": Rank.dcp_tw_load,
     "async_save": Rank.async_save,
 }
 
