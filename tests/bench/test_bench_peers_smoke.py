@@ -1,6 +1,7 @@
 """The peers benchmark runs end to end on tiny sizes against gloo and the Mooncake engine (TCP
 mode) and reports every figure; a peer that cannot run gives None and says why. Ray's own start
-takes ~8 s here, so its real run is ``bench peers`` itself (the README's table), not this test."""
+takes ~8 s here: one test runs the Ray peer on tiny sizes (its RDT keys: tensorwire's transport,
+Ray's gloo and object store, actor to actor); its real run is ``bench peers`` itself."""
 
 from __future__ import annotations
 
@@ -46,3 +47,19 @@ def test_a_peer_that_cannot_run_gives_nulls_and_why() -> None:
     missing = peers._guarded(peers_ray.KEYS, "ray", "Ray is not installed", broken)
     assert missing["ray_note"] == "Ray is not installed"
     assert peers_ray.rows(missing, format) == [("Ray", "n/a", "Ray is not installed")]
+
+
+def test_peers_bench_ray_reports_the_rdt_figures(capsys: pytest.CaptureFixture[str]) -> None:
+    tiny = [*TINY, "--ray-size", "1MiB", "--rdt-sizes", "1MiB,2MiB", "--small-iters", "5"]
+    result = peers.main(["--peers", "ray", *tiny, "--json"])
+
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == result
+    _positive(result, ("ray_rdt_tw_gbps", "ray_rdt_object_store_gbps"))
+    if result["ray_rdt_gloo_gbps"] is None:  # Ray's gloo RDT could not run here: it says why
+        assert "gloo" in str(result["ray_rdt_note"]) and result["ray_rdt_tw_vs_gloo"] is None
+    else:
+        _positive(result, ("ray_rdt_gloo_gbps", "ray_rdt_tw_vs_gloo"))
+    assert result["ray_rdt_tw_gbps"] == result["ray_rdt_tw_gbps_2mib"]  # the largest size's
+    _positive(result, tuple(f"ray_rdt_{w}_gbps_1mib" for w in ("tw", "object_store")))
+    assert set(peers_ray.RDT_KEYS) <= set(peers_ray.KEYS)  # a failed Ray run nulls them too
+    assert any(row[0] == "Ray RDT tensorwire" for row in peers_ray.rows(result, peers._fmt))

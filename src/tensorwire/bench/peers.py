@@ -64,11 +64,20 @@ def _peers(text: str) -> tuple[str, ...]:
     return names
 
 
+def _sizes(text: str) -> tuple[int, ...]:
+    sizes = tuple(parse_size(n.strip()) for n in text.split(",") if n.strip())
+    if not sizes or any(n < 4 for n in sizes):
+        raise argparse.ArgumentTypeError(f"sizes of at least 4 bytes, comma-separated; got {text!r}")
+    return sizes
+
+
 def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="tensorwire bench peers", description=__doc__.split("\n")[0])
     parser.add_argument("--peers", type=_peers, default=PEERS, help="comma-separated: ray,mooncake,gloo")
     parser.add_argument("--size", type=parse_size, default=parse_size("256MiB"), help="mooncake/gloo bulk")
     parser.add_argument("--ray-size", type=parse_size, default=parse_size("16MiB"), help="Ray's put/get")
+    parser.add_argument("--rdt-sizes", type=_sizes, default=(64 * MiB, 256 * MiB),
+                        help="Ray RDT actor-to-actor tensors, comma-separated [64MiB,256MiB]")  # fmt: skip
     parser.add_argument("--iters", type=int, default=5, help="timed bulk rounds (after warm-up)")
     parser.add_argument("--small-iters", type=int, default=1000, help="timed 1 KiB round trips")
     parser.add_argument("--many", type=int, default=10_000, help="small objects put (Ray: single puts)")

@@ -7,11 +7,21 @@ returns 1 KiB (round trip from the driver), and ``--many`` single ``ray.put`` s 
 it, tensorwire over shm:// and tcp:// (a server in a child process): put, get(out=) of the same
 size, a 1 KiB get round trip, and ``put_many`` of ``--many`` 1 KiB tensors (one call: what a user
 would do with many small tensors; Ray has no batched put). Ratios above 1: tensorwire better.
+
+Ray Direct Transport (RDT), in the same Ray session: one actor's method returns a tensor of each
+``--rdt-sizes`` (64 MiB and 256 MiB) and another actor's method takes it, timed from the first
+call to the second's answer, three ways: ``tensor_transport="tensorwire"``
+(``tensorwire.ray.transport``), ``tensor_transport="gloo"`` (Ray's own, over a
+``torch_gloo`` collective group of the two actors) and no transport (Ray's object store). The
+``ray_rdt_*`` keys are the largest size's; ``ray_rdt_<way>_gbps_<N>mib`` each size's. Between
+rounds, untimed, the sender's tensorwire store is let free the last object (Ray frees it
+asynchronously), as it would be between two steps of a training loop.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import statistics
 import time
@@ -30,11 +40,15 @@ SMALL_BYTES = KiB
 TRANSPORTS = ("shm", "tcp")
 _TW = ("put_gbps", "get_gbps", "get_us", "small_per_s")
 _VS = ("put", "get", "call", "small")
+RDT_WAYS = ("tw", "gloo", "object_store")
+RDT_KEYS = (*(f"ray_rdt_{w}_gbps" for w in RDT_WAYS), "ray_rdt_tw_vs_gloo")
 KEYS = (
     "ray_put_gbps", "ray_get_gbps", "ray_call_us", "ray_small_per_s",
     *(f"tw_{t}_{k}" for t in TRANSPORTS for k in _TW),
     *(f"tw_{t}_vs_ray_{k}" for t in TRANSPORTS for k in _VS),
+    *RDT_KEYS,
 )  # fmt: skip
+RDT_FREE_TIMEOUT = 60.0  # seconds the sender's store gets to free an object between rounds
 
 
 def missing() -> str | None:
@@ -68,9 +82,11 @@ def ray_figures(args: argparse.Namespace) -> Result:
     """Ray's four figures; Ray is started and shut down here, its start outside the timing."""
     import ray
 
-    store = max(128 * MiB, 6 * args.ray_size, 4 * args.many * SMALL_BYTES)
+    store = max(128 * MiB, 6 * args.ray_size, 4 * args.many * SMALL_BYTES, 3 * max(args.rdt_sizes, default=0))
     ray.init(object_store_memory=store, include_dashboard=False, num_cpus=2, log_to_driver=False)
     try:
+        # First: the many small puts below leave Ray freeing 10k objects for seconds after.
+        rdt = _rdt_guarded(ray, args)
         array = np.random.randint(0, 255, args.ray_size, dtype=np.uint8)
         getter = _getter_class(ray).remote(args.ray_size)
         ray.get(getter.echo.remote(b""))  # the actor's process has started
@@ -87,15 +103,126 @@ def ray_figures(args: argparse.Namespace) -> Result:
         refs = [ray.put(small) for _ in range(args.many)]
         small_s = time.perf_counter() - start
         del refs
+        ray.kill(getter)
         return {
             "ray_put_gbps": args.ray_size / put_s / 1e9,
             "ray_get_gbps": args.ray_size / statistics.median(gets[1:]) / 1e9,
             "ray_call_us": call_us,
             "ray_small_per_s": args.many / small_s,
             "ray_version": ray.__version__,
+            **rdt,
         }
     finally:
         ray.shutdown()
+
+
+def _rdt_classes(ray: Any) -> tuple[Any, Any]:
+    """The sender and receiver actor classes; made after the transport is registered (Ray checks
+    a method's ``tensor_transport`` when the class is defined)."""
+
+    @ray.remote(num_cpus=0, enable_tensor_transport=True)
+    class Sender:
+        def __init__(self, nbytes: int) -> None:
+            self.t = torch.rand(nbytes // 4)  # pages faulted in now, not in the timing
+
+        @ray.method(tensor_transport="tensorwire")  # type: ignore[untyped-decorator]
+        def tw(self) -> torch.Tensor:
+            return self.t
+
+        @ray.method(tensor_transport="gloo")  # type: ignore[untyped-decorator]
+        def gloo(self) -> torch.Tensor:
+            return self.t
+
+        def object_store(self) -> torch.Tensor:
+            return self.t
+
+        def tw_objects(self) -> int:
+            from tensorwire.ray.transport import local_store_stats
+
+            return local_store_stats()["objects"]
+
+    @ray.remote(num_cpus=0, enable_tensor_transport=True)
+    class Receiver:
+        def take(self, t: torch.Tensor) -> tuple[int, float]:
+            return t.numel(), float(t[-1])
+
+    return Sender, Receiver
+
+
+def _rdt_round(ray: Any, sender: Any, receiver: Any, way: str, expect: tuple[int, float]) -> float:
+    start = time.perf_counter()
+    ref = getattr(sender, way).remote()
+    got = ray.get(receiver.take.remote(ref))
+    seconds = time.perf_counter() - start
+    if tuple(got) != expect:
+        raise RuntimeError(f"RDT over {way}: the receiver got {got}, not {expect}")
+    del ref
+    if way == "tw":  # untimed: the store frees the object before the next round reuses its room
+        deadline = time.monotonic() + RDT_FREE_TIMEOUT
+        while ray.get(sender.tw_objects.remote()) and time.monotonic() < deadline:
+            time.sleep(0.01)
+    return seconds
+
+
+def rdt_figures(ray: Any, args: argparse.Namespace) -> Result:
+    """Actor to actor through Ray's RDT: tensorwire, Ray's gloo, Ray's object store (module doc)."""
+    from tensorwire.ray import transport
+
+    transport.register()
+    sender_cls, receiver_cls = _rdt_classes(ray)
+    result: Result = {}
+    notes = []
+    for nbytes in args.rdt_sizes:
+        sender, receiver = sender_cls.remote(nbytes), receiver_cls.remote()
+        gloo_missing: str | None = "not started"
+        try:
+            expect = (nbytes // 4, float(ray.get(sender.object_store.remote())[-1]))
+            gloo_group = f"tensorwire-bench-{nbytes}"
+            gloo_missing = _gloo_group(sender, receiver, gloo_group)
+            for way in RDT_WAYS:
+                key = f"ray_rdt_{way}_gbps_{nbytes // MiB}mib"
+                if way == "gloo" and gloo_missing is not None:
+                    result[key] = None
+                    continue
+                times = [_rdt_round(ray, sender, receiver, way, expect) for _ in range(args.iters + 1)]
+                result[key] = nbytes / statistics.median(times[1:]) / 1e9  # the first: warm-up
+        finally:
+            if gloo_missing is None:
+                with contextlib.suppress(Exception):  # the actors go next anyway
+                    from ray.experimental.collective import destroy_collective_group
+
+                    destroy_collective_group(gloo_group)
+            ray.kill(sender)
+            ray.kill(receiver)
+    largest = max(args.rdt_sizes) // MiB
+    for way in RDT_WAYS:
+        result[f"ray_rdt_{way}_gbps"] = result[f"ray_rdt_{way}_gbps_{largest}mib"]
+    g = result.get
+    result["ray_rdt_tw_vs_gloo"] = ratio(g("ray_rdt_tw_gbps"), g("ray_rdt_gloo_gbps"))  # type: ignore[arg-type]
+    if gloo_missing is not None:
+        notes.append(f"Ray's gloo RDT: {gloo_missing}")
+    sizes = ", ".join(f"{n // MiB} MiB" for n in args.rdt_sizes)
+    result["ray_rdt_note"] = "; ".join([f"actor to actor, {sizes}, median of {args.iters}", *notes])
+    return result
+
+
+def _rdt_guarded(ray: Any, args: argparse.Namespace) -> Result:
+    """``rdt_figures``, or None for each with the error (the object store's figures stand)."""
+    try:
+        return rdt_figures(ray, args)
+    except Exception as exc:
+        return {**dict.fromkeys(RDT_KEYS), "ray_rdt_note": f"failed: {type(exc).__name__}: {exc}"}
+
+
+def _gloo_group(sender: Any, receiver: Any, name: str) -> str | None:
+    """Put the two actors in a gloo collective group (Ray's gloo RDT needs one); why not, or None."""
+    try:
+        from ray.experimental.collective import create_collective_group
+
+        create_collective_group([sender, receiver], backend="torch_gloo", name=name)
+    except Exception as exc:  # the figure is None and says why; the others still run
+        return f"no collective group: {type(exc).__name__}: {exc}"
+    return None
 
 
 def tw_figures(url: str, args: argparse.Namespace) -> dict[str, float]:
@@ -153,6 +280,13 @@ def rows(r: Result, f: Any) -> list[tuple[str, str, str]]:
         ("Ray 1 KiB actor call p50", f"{f(r['ray_call_us'], '.1f')} us", ""),
         ("Ray small puts", f"{f(r['ray_small_per_s'], ',.0f')} /s", "single ray.put each"),
     ]
+    if r.get("ray_rdt_tw_gbps") is not None:
+        out += [
+            ("Ray RDT tensorwire", f"{f(r['ray_rdt_tw_gbps'], '.3f')} GB/s",
+             f"{f(r['ray_rdt_tw_vs_gloo'], '.2f')} x Ray's gloo RDT; {r.get('ray_rdt_note', '')}"),
+            ("Ray RDT gloo", f"{f(r['ray_rdt_gloo_gbps'], '.3f')} GB/s", ""),
+            ("Ray RDT object store", f"{f(r['ray_rdt_object_store_gbps'], '.3f')} GB/s", "no transport"),
+        ]  # fmt: skip
     for t in TRANSPORTS:
         out += [
             (f"{t}:// put", f"{f(r[f'tw_{t}_put_gbps'], '.3f')} GB/s",

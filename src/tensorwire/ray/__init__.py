@@ -17,6 +17,9 @@ functions as tasks.
 * ``workers``: ``run_workers``, each rank a task with ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
   ``LOCAL_WORLD_SIZE`` and ``TENSORWIRE_SERVERS`` set, which ``ps.Worker`` reads.
 * ``cluster``: placement groups and Ray's errors (as ``errors.ClusterError``), for the two above.
+* ``transport``: Ray Direct Transport through tensorwire, ``@ray.method(tensor_transport="tensorwire")``
+  after ``transport.register()``: an actor's returned tensors go through a store in its own process
+  (shm:// on its node, tcp:// across nodes), read by the receiving actor or the driver.
 
 ``import tensorwire`` does not import Ray; ``import tensorwire.ray`` does.
 """
