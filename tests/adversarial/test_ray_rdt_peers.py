@@ -1,7 +1,8 @@
 """The tensorwire RDT transport (``tensorwire.ray.transport``) against peers that lie: a reader with
 the wrong token, metadata forged to make a reader allocate or read what it should not, and a
 client that holds the token but not an object's metadata. No Ray cluster: the sender's store and
-the reader are the transport's own parts, on loopback, in this process."""
+the reader are the transport's own parts (``rdt_store.Sender``, ``transport._Reader``), on loopback,
+in this process."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from tensorwire.errors import AuthenticationError, KeyNotFound, NotAuthorized
 
 pytest.importorskip("ray", reason="tensorwire.ray needs Ray: pip install 'tensorwire[ray]'")
 
-from tensorwire.ray import transport
+from tensorwire.ray import rdt_store, transport
 
 TOKEN = "the-clusters-token"
 NODE = "node-a"
@@ -33,7 +34,7 @@ class Sender:
     """One actor's side: its store (a real server on loopback) and an object in it."""
 
     def __init__(self) -> None:
-        self.side = transport._Sender(TOKEN, 1 << 30, "127.0.0.1", NODE)
+        self.side = rdt_store.Sender(TOKEN, 1 << 30, "127.0.0.1", NODE)
         self.tensors = [torch.arange(16, dtype=torch.float32), torch.ones(100_000, dtype=torch.int64)]
         self.names = self.side.put("obj-1", self.tensors)
         self.meta = transport.TensorwireMetadata(

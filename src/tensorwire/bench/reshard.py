@@ -66,7 +66,7 @@ from tensorwire.bench.report import show, table
 from tensorwire.bench.reshard_ranks import HOST, Place, Setup, World, rank_main
 from tensorwire.bench.transfer import parse_size
 from tensorwire.client import connect
-from tensorwire.dcp.storage import DEFAULT_NAMESPACE as DCP_NAMESPACE
+from tensorwire.dcp.connection import DEFAULT_NAMESPACE as DCP_NAMESPACE
 from tensorwire.server import ServerThread
 from tensorwire.store import TensorStore
 from tensorwire.types import MiB

@@ -19,7 +19,9 @@ functions as tasks.
 * ``cluster``: placement groups and Ray's errors (as ``errors.ClusterError``), for the two above.
 * ``transport``: Ray Direct Transport through tensorwire, ``@ray.method(tensor_transport="tensorwire")``
   after ``transport.register()``: an actor's returned tensors go through a store in its own process
-  (shm:// on its node, tcp:// across nodes), read by the receiving actor or the driver.
+  (shm:// on its node, tcp:// across nodes), read by the receiving actor or the driver. Its parts:
+  ``rdt_metadata`` (what Ray carries to readers, and the checks a reader makes of it) and
+  ``rdt_store`` (the sender's store, read-only to the network).
 
 ``import tensorwire`` does not import Ray; ``import tensorwire.ray`` does.
 """

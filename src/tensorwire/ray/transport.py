@@ -58,21 +58,23 @@ before it allocates or connects (``check_metadata``): the number of tensors, eac
 wire carries) and shape (``max_ndim`` non-negative ints), the total bytes (``max_object_bytes``),
 the names' form, the URLs' schemes and hosts (shm:// only on loopback, tcp:// only at the address
 of the sender's Ray node); then what the store says it holds must equal the metadata.
+
+Modules: this one holds Ray's interface (``TensorwireTransport``, ``register``) and the reader's
+side; ``rdt_metadata.py`` the metadata and its checks; ``rdt_store.py`` the sender's store. The
+names tests and benches use (``TensorwireMetadata``, ``InvalidMetadata``, ``check_metadata``, ...)
+are importable from here as before.
 """
 
 from __future__ import annotations
 
-import atexit
 import logging
 import math
 import mmap
 import os
-import re
 import secrets
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from typing import Any, ClassVar, cast
 
 import ray
@@ -84,29 +86,24 @@ from ray.experimental.rdt.tensor_transport_manager import (
 )
 
 from tensorwire.client.core import Client, connect
-from tensorwire.errors import ClusterError, KeyNotFound, NotAuthorized, TensorwireError, TransportError
-from tensorwire.security import is_loopback
-from tensorwire.server.core import ServerThread
-from tensorwire.server.options import ServerOptions
-from tensorwire.store import TensorStore
-from tensorwire.store.memory import Reservation
-from tensorwire.types import Address, GiB, Limits, MiB, TensorMeta
-from tensorwire.wire.dtypes import SUPPORTED_DTYPES
-from tensorwire.wire.tensors import byte_view
+from tensorwire.errors import ClusterError, KeyNotFound, TransportError
+from tensorwire.ray.rdt_metadata import (
+    DEVICES,
+    LIMITS,
+    InvalidMetadata,
+    NodeAddress,
+    TensorwireCommunicatorMetadata,
+    TensorwireMetadata,
+    check_metadata,
+)
+from tensorwire.ray.rdt_store import Sender
+from tensorwire.types import GiB, MiB
 
 log = logging.getLogger(__name__)
 
 NAME = "TENSORWIRE"  # what Ray keys the transport by; tensor_transport="tensorwire" works too
 TOKEN_ENV = "TENSORWIRE_RDT_TOKEN"
-PREFIX = "rdt"
-MAX_TENSORS = 65536  # in one object
-NAME_RE = re.compile(rf"{PREFIX}/[0-9a-f]{{32}}/(0|[1-9][0-9]{{0,5}})")
-DEVICES = ("cpu", "cuda")
-LIMITS = Limits()
 HUGE_MIN = 2 * MiB  # a read buffer from here up is mapped for huge pages (empty_host)
-
-
-NodeAddress = Callable[[str], "str | None"]  # a Ray node's address by its id (None: no such node)
 
 
 class SenderUnreachable(ClusterError):
@@ -117,172 +114,7 @@ class ObjectNotFound(ClusterError):
     """The sender's store does not hold the object (freed already, or forged names)."""
 
 
-# -- what travels in Ray's metadata ----------------------------------------------------------------
-@dataclass
-class TensorwireMetadata(TensorTransportMetadata):
-    """Ray's tensor metadata (shapes, dtypes, device) and where the tensors are: the names in the
-    sender's store, its URLs and its Ray node."""
-
-    names: list[str] = field(default_factory=list)
-    shm_url: str = ""
-    tcp_url: str = ""
-    node_id: str = ""
-
-
-@dataclass
-class TensorwireCommunicatorMetadata(CommunicatorMetadata):
-    """Nothing: a reader needs only the object's metadata."""
-
-
-# -- the sender's store ----------------------------------------------------------------------------
-class OwnStore(TensorStore):
-    """A store only its own process writes: the network may read what it is told the names of, but
-    never put, delete or list (``NotAuthorized``). The process writes inside ``owner()``."""
-
-    def __init__(self, capacity: int) -> None:
-        super().__init__(capacity)
-        self._owner = threading.local()
-
-    @contextmanager
-    def owner(self) -> Iterator[None]:
-        self._owner.active = True
-        try:
-            yield
-        finally:
-            self._owner.active = False
-
-    def _mine(self, what: str) -> None:
-        if not getattr(self._owner, "active", False):
-            raise NotAuthorized(f"this store is an actor's RDT store: {what} is not open to its clients")
-
-    def reserve(self, metas: Sequence[TensorMeta], extend: Reservation | None = None) -> Reservation:
-        self._mine("put")
-        return super().reserve(metas, extend)
-
-    def delete(self, names: Sequence[str]) -> int:
-        self._mine("delete")
-        return super().delete(names)
-
-    def list(self, prefix: str = "", limit: int = 0) -> list[TensorMeta]:
-        raise NotAuthorized("this store is an actor's RDT store: its names are not listed")
-
-
-class _Sender:
-    """This process's store and server, started on its first object."""
-
-    def __init__(self, token: str, capacity: int, host: str, node_id: str) -> None:
-        self.store = OwnStore(capacity)
-        urls = ["shm://127.0.0.1:0", str(Address("tcp", host, 0))]
-        self.server = ServerThread(urls, ServerOptions(token=token), store=self.store)
-        by_scheme = {a.scheme: str(a) for a in self.server.addresses}
-        self.shm_url, self.tcp_url = by_scheme["shm"], by_scheme["tcp"]
-        self.node_id = node_id
-        self.objects: dict[str, list[str]] = {}  # Ray's object id -> its names here
-        self.lock = threading.Lock()
-        atexit.register(self.server.close)  # unlinks the shared-memory segments
-
-    def put(self, obj_id: str, tensors: Sequence[torch.Tensor]) -> list[str]:
-        key = secrets.token_hex(16)  # 128 random bits: the capability to read this object
-        names = [f"{PREFIX}/{key}/{i}" for i in range(len(tensors))]
-        hosts = [_host_copy(t) for t in tensors]
-        with self.store.owner():
-            res = self.store.reserve([TensorMeta.of(n, t) for n, t in zip(names, hosts, strict=True)])
-        try:
-            for buf, t in zip(res.buffers, hosts, strict=True):
-                if t.nbytes:
-                    buf[:] = byte_view(t)
-            self.store.commit(res)
-        except BaseException:
-            self.store.abort(res)
-            raise
-        with self.lock:
-            old = self.objects.pop(obj_id, None)
-            self.objects[obj_id] = names
-        if old:  # a retried task described again: its first copy is not Ray's any more
-            self.delete(old)
-        return names
-
-    def free(self, obj_id: str) -> None:
-        with self.lock:
-            names = self.objects.pop(obj_id, None)
-        if names:
-            self.delete(names)
-
-    def delete(self, names: list[str]) -> None:
-        with self.store.owner():
-            self.store.delete(names)
-
-
-def _host_copy(t: torch.Tensor) -> torch.Tensor:
-    """``t`` as a contiguous CPU tensor (a CUDA tensor copied to host memory, after its stream)."""
-    t = t.detach()
-    if t.device.type != "cpu":
-        t = t.to("cpu")  # synchronous: waits for the work that produced it
-    return t.contiguous()
-
-
 # -- the reader's side -----------------------------------------------------------------------------
-def check_metadata(meta: object, max_object_bytes: int, node_address: NodeAddress) -> TensorwireMetadata:
-    """``meta`` as a ``TensorwireMetadata`` whose every field a reader uses is sane, else
-    ``InvalidMetadata`` naming the field. ``node_address(node_id)`` is the address of a Ray node
-    (None if unknown): a tcp:// URL must point there."""
-    if not isinstance(meta, TensorwireMetadata):
-        raise InvalidMetadata(f"metadata of type {type(meta).__name__}, not TensorwireMetadata")
-    entries, names = meta.tensor_meta, meta.names
-    if not isinstance(entries, list) or not isinstance(names, list):
-        raise InvalidMetadata("tensor_meta and names must be lists")
-    if len(entries) != len(names) or len(names) > MAX_TENSORS:
-        raise InvalidMetadata(f"{len(entries)} tensors described, {len(names)} names (at most {MAX_TENSORS})")
-    if meta.tensor_device not in (*DEVICES, None):
-        raise InvalidMetadata(f"device {meta.tensor_device!r} is not one of {DEVICES}")
-    total, keys = 0, set()
-    for i, (entry, name) in enumerate(zip(entries, names, strict=True)):
-        if not isinstance(entry, tuple) or len(entry) != 2:
-            raise InvalidMetadata(f"tensor {i}: not a (shape, dtype) pair")
-        shape, dtype = entry
-        if not isinstance(dtype, torch.dtype) or dtype not in SUPPORTED_DTYPES:
-            raise InvalidMetadata(f"tensor {i}: dtype {dtype!r} is not one tensorwire carries")
-        if not isinstance(shape, tuple) or len(shape) > LIMITS.max_ndim:
-            raise InvalidMetadata(f"tensor {i}: shape {shape!r} is not a tuple of <= {LIMITS.max_ndim} dims")
-        if any(type(d) is not int or d < 0 for d in shape):
-            raise InvalidMetadata(f"tensor {i}: shape {shape!r} has a dimension that is not an int >= 0")
-        total += math.prod(shape) * dtype.itemsize
-        if total > max_object_bytes:
-            raise InvalidMetadata(f"the object's tensors exceed max_object_bytes ({max_object_bytes} bytes)")
-        if not isinstance(name, str) or NAME_RE.fullmatch(name) is None or name.rsplit("/", 1)[1] != str(i):
-            raise InvalidMetadata(f"tensor {i}: name {name!r} is not one this transport gives")
-        keys.add(name.split("/")[1])
-    if len(keys) > 1:
-        raise InvalidMetadata("the names belong to more than one object")
-    if not names:
-        return meta  # nothing to read: no store is asked
-    for url, scheme in ((meta.shm_url, "shm"), (meta.tcp_url, "tcp")):
-        address = _address(url)
-        if address is None or address.scheme != scheme:
-            raise InvalidMetadata(f"{scheme} URL {url!r} is not a {scheme}:// address")
-    if not is_loopback(Address.parse(meta.shm_url).host):
-        raise InvalidMetadata(f"shm URL {meta.shm_url!r} is not on loopback")
-    if not isinstance(meta.node_id, str):
-        raise InvalidMetadata("node_id is not a string")
-    if Address.parse(meta.tcp_url).host != node_address(meta.node_id):
-        raise InvalidMetadata(f"tcp URL {meta.tcp_url!r} is not the address of Ray node {meta.node_id!r}")
-    return meta
-
-
-def _address(url: object) -> Address | None:
-    if not isinstance(url, str):
-        return None
-    try:
-        return Address.parse(url)
-    except (TensorwireError, ValueError):
-        return None
-
-
-class InvalidMetadata(TensorwireError, ValueError):
-    """The RDT metadata a reader was given is not what this transport makes: refused before it
-    allocates or connects."""
-
-
 def _node_id() -> str:
     return str(ray.get_runtime_context().get_node_id())
 
@@ -386,16 +218,16 @@ class TensorwireTransport(TensorTransportManager):
     max_object_bytes: ClassVar[int] = LIMITS.max_request_bytes
 
     def __init__(self) -> None:
-        self._sender: _Sender | None = None
+        self._sender: Sender | None = None
         self._reader: _Reader | None = None
         self._lock = threading.Lock()
         self._aborted: set[str] = set()
 
-    def sender(self) -> _Sender:
+    def sender(self) -> Sender:
         with self._lock:
             if self._sender is None:
                 host = str(ray.util.get_node_ip_address())  # type: ignore[no-untyped-call]
-                self._sender = _Sender(self._token(), self.capacity, host, _node_id())
+                self._sender = Sender(self._token(), self.capacity, host, _node_id())
             return self._sender
 
     def reader(self) -> _Reader:
@@ -541,3 +373,10 @@ def register(
     register_tensor_transport(NAME, list(DEVICES), cls, torch.Tensor)
     _registered = cls
     return chosen
+
+
+__all__ = [
+    "NAME", "TOKEN_ENV", "InvalidMetadata", "ObjectNotFound", "SenderUnreachable",
+    "TensorwireCommunicatorMetadata", "TensorwireMetadata", "TensorwireTransport", "check_metadata",
+    "empty_host", "local_store_stats", "local_store_urls", "register",
+]  # fmt: skip
