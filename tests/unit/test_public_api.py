@@ -184,10 +184,17 @@ GIVEN: dict[str, Callable[[], dict[str, object]]] = {
     "Generations": dict,  # the example builds its own models
     "Publish once, read by many": dict,
     "Sharded state (DTensor, FSDP)": dict,  # a world of one when torch.distributed is not initialised
+    "Checkpoints with torch.distributed.checkpoint": dict,  # DCP without a process group: one rank
+    "Ray Direct Transport": dict,  # starts (and shuts down) a local Ray cluster of its own
+    "Hugging Face models": dict,  # builds a tiny model from a config
 }
+# Examples that start a Ray cluster run on the worker that runs the other Ray tests, one at a time,
+# and are slow (over 2 s: the cluster, transformers' import) like every test that starts one.
+RAY_EXAMPLES = frozenset({"Ray Direct Transport"})
+SLOW_EXAMPLES = frozenset({"Ray Direct Transport", "Hugging Face models"})
 BROKEN: dict[str, str] = {}  # examples that do not run as written, and why: strict, so a fix shows up
 EXAMPLE_URL = re.compile(r"\b([a-z]+)://127\.0\.0\.1:\d+")
-EXAMPLE_TIMEOUT = 60  # seconds for one example (they take well under one)
+EXAMPLE_TIMEOUT = 120  # seconds for one example (most take well under one; Ray's ~20)
 
 
 def _examples() -> list[Any]:
@@ -196,6 +203,10 @@ def _examples() -> list[Any]:
         marks = []
         if heading in BROKEN:
             marks.append(pytest.mark.xfail(strict=True, raises=AttributeError, reason=BROKEN[heading]))
+        if heading in RAY_EXAMPLES:
+            marks.append(pytest.mark.xdist_group("ray"))
+        if heading in SLOW_EXAMPLES:
+            marks.append(pytest.mark.slow)
         params.append(pytest.param(heading, line, code, id=f"README.md:{line}", marks=marks))
     return params
 
