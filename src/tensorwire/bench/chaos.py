@@ -326,13 +326,21 @@ def _peer_ready(cluster: Cluster, slot: int, index: int) -> bool:
 def _final_primary(cluster: Cluster, slot: int, deadline: float = 30.0) -> dict[str, Any]:
     """The slot's primary of the highest epoch once training is over. A loaded machine may leave a
     STATUS unanswered for the 2 s ``stats`` waits, or a restarted server still starting: asked
-    again until ``deadline`` s, then the error names every server's state."""
+    again until ``deadline`` s, then the error names every server's state.
+
+    A primary killed as training ended has no successor: a backup takes over when a worker asks
+    it to, and none is left to ask. Then every server answers and none is primary, and the
+    slot's record is its replica of the highest epoch and version that holds the workers' marks
+    (what a takeover would serve): that one is accounted."""
     end = time.monotonic() + deadline
     while True:
         docs = [cluster.stats(server.url) for server in cluster.slots[slot]]
         primaries = [doc for doc in docs if doc and doc["role"] == "primary"]
         if primaries:
             return max(primaries, key=lambda d: d["epoch"])
+        holding = [doc for doc in docs if doc and doc.get("workers")]
+        if cluster.done() and all(docs) and holding:
+            return max(holding, key=lambda d: (d["epoch"], d["version"]))
         if time.monotonic() > end:
             raise RuntimeError(f"slot {slot} has no primary at the end:\n{_snapshot(cluster)}")
         time.sleep(0.2)

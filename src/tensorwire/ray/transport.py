@@ -320,10 +320,7 @@ class TensorwireTransport(TensorTransportManager):
 def local_store_stats() -> dict[str, int]:
     """This process's RDT store: its tensors and bytes (zeros before its first object). Call it
     in an actor with ``actor.__ray_call__.remote(lambda self: local_store_stats())``."""
-    from ray.experimental.rdt.util import get_tensor_transport_manager
-
-    manager = get_tensor_transport_manager(NAME)
-    sender = manager._sender if isinstance(manager, TensorwireTransport) else None
+    sender = _local_sender()
     if sender is None:
         return {"tensors": 0, "bytes": 0, "objects": 0}
     return {"tensors": len(sender.store), "bytes": sender.store.stored, "objects": len(sender.objects)}
@@ -331,11 +328,20 @@ def local_store_stats() -> dict[str, int]:
 
 def local_store_urls() -> tuple[str, str] | None:
     """This process's RDT store's shm:// and tcp:// URLs (None before its first object)."""
+    sender = _local_sender()
+    return None if sender is None else (sender.shm_url, sender.tcp_url)
+
+
+def _local_sender() -> Sender | None:
+    """This process's sender, if it made one. Ray registers the transport on an actor with a task
+    of its own, which a call of the actor's may overtake: not registered yet, it has no store."""
     from ray.experimental.rdt.util import get_tensor_transport_manager
 
-    manager = get_tensor_transport_manager(NAME)
-    sender = manager._sender if isinstance(manager, TensorwireTransport) else None
-    return None if sender is None else (sender.shm_url, sender.tcp_url)
+    try:
+        manager = get_tensor_transport_manager(NAME)
+    except ValueError:  # "Unsupported tensor transport protocol": not registered here (yet)
+        return None
+    return manager._sender if isinstance(manager, TensorwireTransport) else None
 
 
 # -- registration (the driver) ---------------------------------------------------------------------
