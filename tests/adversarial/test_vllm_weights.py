@@ -391,3 +391,34 @@ def test_a_part_that_fails_aborts_the_whole_and_leaves_the_previous_generation_n
         finally:
             weights.close()
     assert brought.number == number and same(brought, first)
+
+
+# -- 9. catch_up reads a version record only of its fixed size ---------------------------------------
+class _Calls:
+    """The engine side of catch_up's calls, recorded (what is tested is catch_up's read of the store)."""
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    def __getattr__(self, name: str) -> object:
+        return lambda *args, **kwargs: self.calls.append(name)
+
+
+def test_catch_up_reads_a_version_record_only_of_its_fixed_size() -> None:
+    """A store whose version record is larger than a record (4 MiB here) is refused before the
+    record is read, and the engine is not asked to update; a right-sized one gives the version."""
+    import tensorwire.vllm
+
+    with store() as srv:
+        publish(srv, {**model(1), VERSION_KEY: torch.zeros(4 << 20, dtype=torch.uint8)})
+        engine = _Calls()
+        with pytest.raises(TensorwireError):
+            tensorwire.vllm.catch_up(engine, srv.url, PREFIX, token=TOKEN, timeout=10.0)
+        assert engine.calls == []
+        record = torch.zeros(MAX_VERSION_BYTES, dtype=torch.uint8)
+        record[:6] = torch.tensor(list(b"step-7"), dtype=torch.uint8)
+        publish(srv, {**model(2), VERSION_KEY: record})
+        assert tensorwire.vllm.catch_up(engine, srv.url, PREFIX, token=TOKEN, timeout=10.0) == "step-7"
+        assert engine.calls == [
+            "init_weight_transfer_engine", "start_weight_update", "update_weights", "finish_weight_update"
+        ]  # fmt: skip

@@ -27,7 +27,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from tensorwire.vllm.clients import Engines
-from tensorwire.vllm.layout import VERSION_KEY, Reference
+from tensorwire.vllm.layout import MAX_VERSION_BYTES, VERSION_KEY, Reference, decode_version
 from tensorwire.vllm.plugin import BACKEND, register
 from tensorwire.vllm.publisher import PublisherOptions, WeightPublisher
 from tensorwire.vllm.reader import Brought, ReaderOptions, WeightReader
@@ -41,6 +41,8 @@ def catch_up(llm: Any, url: str, prefix: str, *, token: str | None = None, timeo
     generation of ``prefix`` and set its weight version to that generation's: what an engine
     restarted mid-run calls (one started with ``TENSORWIRE_VLLM_URL``/``_PREFIX`` has brought the
     weights in already as it started; then only the version is set). Returns the version."""
+    import torch
+
     from tensorwire.client.core import connect
 
     with connect(url, token=token, timeout=timeout) as client:
@@ -48,8 +50,10 @@ def catch_up(llm: Any, url: str, prefix: str, *, token: str | None = None, timeo
         number = manifest.generation.number
         version = str(number)
         if any(e.meta.name == f"{prefix}/{VERSION_KEY}" for e in manifest.tensors):
-            raw = bytes(client.get(f"{prefix}/{VERSION_KEY}", at=number).numpy()).rstrip(b"\0")
-            version = raw.decode("utf-8", "replace") or version
+            # into a record of its fixed size: a store that says otherwise is refused, not read
+            record = torch.zeros(MAX_VERSION_BYTES, dtype=torch.uint8)
+            client.get(f"{prefix}/{VERSION_KEY}", out=record, at=number)
+            version = decode_version(record, number)
     llm.init_weight_transfer_engine({"init_info": {"url": url, "prefix": prefix, "timeout": timeout}})
     llm.start_weight_update()
     llm.update_weights({"update_info": {"generation": number}})

@@ -110,6 +110,13 @@ class Reference:
             raise LayoutMismatch(f"generation {number}: {key!r} is {meta.dtype}, the model takes {allowed}")
 
 
+def decode_version(record: torch.Tensor, number: int) -> str:
+    """The version string a record holds (publisher.version_record), or the generation's number
+    when it holds none."""
+    raw = bytes(record.numpy()).rstrip(b"\0")
+    return raw.decode("utf-8", "replace") if raw else str(number)
+
+
 def key_of(prefix: str, name: str) -> str:
     """A published name's key: ``name`` without ``prefix/``."""
     return name[len(prefix) + 1 :] if name.startswith(prefix + "/") else name

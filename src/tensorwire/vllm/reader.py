@@ -38,7 +38,7 @@ from tensorwire.errors import LayoutMismatch, TensorwireError, WaitTimeout
 from tensorwire.logs import event
 from tensorwire.security import TlsFiles
 from tensorwire.types import GenerationManifest, TensorMeta
-from tensorwire.vllm.layout import MAX_VERSION_BYTES, VERSION_KEY, Reference, key_of
+from tensorwire.vllm.layout import MAX_VERSION_BYTES, VERSION_KEY, Reference, decode_version, key_of
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +70,11 @@ class ReaderOptions:
     # Read each generation into staging as soon as it is published (``Prefetcher``), so that the
     # update that applies it only applies it: the engine's serving waits for the apply alone.
     prefetch: bool = True
+
+    def connect(self) -> Client:
+        """A client of the store with these credentials and timeouts."""
+        return connect(self.url, token=self.token, tls=self.tls, timeout=self.timeout,
+                       connect_timeout=self.connect_timeout)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -164,10 +169,7 @@ class WeightReader:
     # -- parts ---------------------------------------------------------------------------------------
     def _manifest(self, at: At) -> GenerationManifest:
         if self._client is None:
-            o = self.options
-            self._client = connect(
-                o.url, token=o.token, tls=o.tls, timeout=o.timeout, connect_timeout=o.connect_timeout
-            )
+            self._client = self.options.connect()
         return self._client.manifest(self.options.prefix, at=at)
 
     def _subscriber_for(self, metas: list[TensorMeta]) -> Subscriber:
@@ -196,8 +198,8 @@ class WeightReader:
 
     def _version(self, manifest: GenerationManifest) -> str:
         """The version string published with the generation (its number if none was)."""
-        raw = bytes(self.staging[VERSION_KEY].numpy()).rstrip(b"\0") if self._versioned(manifest) else b""
-        return raw.decode("utf-8", "replace") if raw else str(manifest.generation.number)
+        number = manifest.generation.number
+        return decode_version(self.staging[VERSION_KEY], number) if self._versioned(manifest) else str(number)
 
     def _versioned(self, manifest: GenerationManifest) -> bool:
         """Whether the generation was published with a version record."""
@@ -255,9 +257,7 @@ class Prefetcher:
         while not self._stop.is_set():
             try:
                 if client is None:
-                    client = connect(
-                        o.url, token=o.token, tls=o.tls, timeout=o.timeout, connect_timeout=o.connect_timeout
-                    )
+                    client = o.connect()
                 after = client.wait(o.prefix, after, timeout=self.poll).number
             except WaitTimeout:
                 continue  # nothing new within poll: look at the stop flag, and wait again
