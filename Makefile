@@ -7,14 +7,14 @@ BIN := $(VENV)/bin
 TORCH := torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: system-libs install demo test test-engines test-fast test-unit test-integration test-fault test-adversarial test-bench gpu-check bench bench-all bench-engines lint format proto fuzz clean
+.PHONY: system-libs install demo test test-engines test-fast test-unit test-integration test-fault test-adversarial test-bench gpu-check docs bench bench-all bench-engines lint format proto fuzz clean
 
 $(STAMP): pyproject.toml
 	$(MAKE) --no-print-directory system-libs
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --disable-pip-version-check -q --upgrade pip
 	$(BIN)/pip install --disable-pip-version-check -q "$(TORCH)"
-	$(BIN)/pip install --disable-pip-version-check -q -e ".[fast,demo,dev,bench,ray,rdma,dashboard,hf]" "$(TORCH)"
+	$(BIN)/pip install --disable-pip-version-check -q -e ".[fast,demo,dev,bench,ray,rdma,dashboard,hf,docs]" "$(TORCH)"
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -33,6 +33,13 @@ system-libs:
 
 demo: $(STAMP)
 	$(BIN)/tensorwire demo
+
+# The documentation site (docs/, Sphinx + MyST), strict: warnings are errors (-W), every cross-
+# reference must resolve (-n), and so must every link between pages and to a heading's anchor. Open
+# docs/_build/html/index.html. Its Python examples run in `make test` (tests/integration/test_doc_examples.py).
+docs: $(STAMP)
+	$(BIN)/python -m sphinx -b html -W --keep-going -n -q docs docs/_build/html
+	@echo "docs: docs/_build/html/index.html"
 
 # The tests. tests/conftest.py marks each test with its folder (unit, integration, fault,
 # adversarial, deploy, fuzz, bench) and `slow` where it starts processes, netns, Ray or a browser.
@@ -103,14 +110,14 @@ bench-all: $(STAMP)
 	$(BIN)/tensorwire bench all --out bench-report
 
 lint: $(STAMP)
-	$(BIN)/ruff check src tests fuzz
-	$(BIN)/ruff format --check src tests fuzz
+	$(BIN)/ruff check src tests fuzz docs
+	$(BIN)/ruff format --check src tests fuzz docs
 	$(BIN)/mypy
 	$(BIN)/lint-imports --no-cache
 
 format: $(STAMP)
-	$(BIN)/ruff check --fix src tests fuzz
-	$(BIN)/ruff format src tests fuzz
+	$(BIN)/ruff check --fix src tests fuzz docs
+	$(BIN)/ruff format src tests fuzz docs
 
 # Regenerate the gRPC modules from the schema (tests/unit/test_proto.py fails when they are stale):
 # the schema as a FileDescriptorSet (tensorwire/v1/_pool.py builds the message classes from it, in a
@@ -127,4 +134,4 @@ fuzz: $(STAMP)
 	$(BIN)/python fuzz/fuzz_frames.py -atheris_runs=2000000 -max_total_time=$(FUZZ_SECONDS)
 
 clean:
-	rm -rf $(VENV) $(ENGINES) build dist .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(ENGINES) build dist .pytest_cache .mypy_cache .ruff_cache docs/_build

@@ -1,22 +1,16 @@
 """The public API holds: every public ``__all__`` is the curated surface below (nothing lost, no
-internal slipped in) and resolves, the names deprecated in issue 33 still work and warn, and the
-README's Python examples run as written against a real server."""
+internal slipped in) and resolves, and the names deprecated in issue 33 still work and warn.
+(The README's and the docs' examples run in tests/integration/test_doc_examples.py.)"""
 
 from __future__ import annotations
 
 import importlib
 import re
 import warnings
-from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
-
-import tensorwire
-from tensorwire import ps
-from tensorwire.broadcast.coordinator import RelayCoordinator
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 
@@ -135,100 +129,3 @@ def test_an_unknown_name_is_still_an_attribute_error() -> None:
 
     with pytest.raises(AttributeError, match="no attribute 'Nothing'"):
         tensorwire.broadcast.Nothing  # noqa: B018
-
-
-# -- the README's examples -------------------------------------------------------------------------
-def python_blocks(text: str) -> Iterator[tuple[str, int, str]]:
-    """(the section's heading, the line the code starts on, the code) of each ```python block."""
-    heading = ""
-    lines = text.splitlines()
-    i = 0
-    while i < len(lines):
-        if lines[i].startswith("## "):
-            heading = lines[i][3:].strip()
-        if lines[i].strip() == "```python":
-            end = lines.index("```", i + 1)
-            yield heading, i + 2, "\n".join(lines[i + 1 : end]) + "\n"
-            i = end
-        i += 1
-
-
-def _linear_model() -> dict[str, object]:
-    return {"model": torch.nn.Linear(1024, 1024)}  # client.get(..., out=model.weight.data) of 1024 x 1024
-
-
-def _shm_tensors() -> dict[str, object]:
-    w = torch.randn(256, 256)  # 256 KiB: over the 64 KiB from which a tensor lives in a segment
-    return {"w": w, "param": torch.nn.Parameter(torch.zeros_like(w))}
-
-
-def _small_dataset() -> dict[str, object]:
-    # One batch of 32 per epoch: the example's 10 epochs are 10 steps.
-    features, labels = torch.randn(32, 64), torch.randint(0, 10, (32,))
-    return {"my_dataset": torch.utils.data.TensorDataset(features, labels)}
-
-
-def _model_with_grads() -> dict[str, object]:
-    model = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.ReLU(), torch.nn.Linear(32, 10))
-    model(torch.randn(4, 64)).sum().backward()
-    return {"model": model}
-
-
-# What each section's examples assume is there, besides ``torch``, ``tensorwire``, ``ps`` and ``url``
-# (the server's tcp:// URL). A new section with a Python example needs an entry.
-GIVEN: dict[str, Callable[[], dict[str, object]]] = {
-    "The Python API": _linear_model,
-    "Shared memory (`shm://`)": _shm_tensors,
-    "The parameter server": _small_dataset,
-    "Compression": _model_with_grads,
-    "Generations": dict,  # the example builds its own models
-    "Publish once, read by many": dict,
-    "Sharded state (DTensor, FSDP)": dict,  # a world of one when torch.distributed is not initialised
-    "Checkpoints with torch.distributed.checkpoint": dict,  # DCP without a process group: one rank
-    "Ray Direct Transport": dict,  # starts (and shuts down) a local Ray cluster of its own
-    "Hugging Face models": dict,  # builds a tiny model from a config
-}
-# Examples that start a Ray cluster run on the worker that runs the other Ray tests, one at a time,
-# and are slow (over 2 s: the cluster, transformers' import) like every test that starts one.
-RAY_EXAMPLES = frozenset({"Ray Direct Transport"})
-SLOW_EXAMPLES = frozenset({"Ray Direct Transport", "Hugging Face models"})
-BROKEN: dict[str, str] = {}  # examples that do not run as written, and why: strict, so a fix shows up
-EXAMPLE_URL = re.compile(r"\b([a-z]+)://127\.0\.0\.1:\d+")
-EXAMPLE_TIMEOUT = 120  # seconds for one example (most take well under one; Ray's ~20)
-
-
-def _examples() -> list[Any]:
-    params = []
-    for heading, line, code in python_blocks(README.read_text()):
-        marks = []
-        if heading in BROKEN:
-            marks.append(pytest.mark.xfail(strict=True, raises=AttributeError, reason=BROKEN[heading]))
-        if heading in RAY_EXAMPLES:
-            marks.append(pytest.mark.xdist_group("ray"))
-        if heading in SLOW_EXAMPLES:
-            marks.append(pytest.mark.slow)
-        params.append(pytest.param(heading, line, code, id=f"README.md:{line}", marks=marks))
-    return params
-
-
-def test_the_readme_has_the_examples_this_test_knows() -> None:
-    headings = {heading for heading, _, _ in python_blocks(README.read_text())}
-    assert headings == set(GIVEN), f"give the names the examples of {headings ^ set(GIVEN)} assume in GIVEN"
-
-
-@pytest.mark.timeout(EXAMPLE_TIMEOUT)
-@pytest.mark.parametrize(("heading", "line", "code"), _examples())
-def test_readme_example_runs(heading: str, line: int, code: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    urls = ["tcp://127.0.0.1:0", "shm://127.0.0.1:0"]
-    with tensorwire.ServerThread(urls, extensions=[ps.ParamServer()]) as server:
-        RelayCoordinator.of(server.server)  # as `tensorwire serve` has it
-        bound = {address.scheme: str(address) for address in server.addresses}
-        # A worker finds its servers, rank and world size in the environment (torchrun, ps launch).
-        monkeypatch.setenv("TENSORWIRE_SERVERS", bound["tcp"])
-        monkeypatch.setenv("RANK", "0")
-        monkeypatch.setenv("WORLD_SIZE", "1")
-        code = EXAMPLE_URL.sub(lambda m: bound[m.group(1)], code)
-        namespace: dict[str, Any] = {"torch": torch, "tensorwire": tensorwire, "ps": ps, "url": bound["tcp"]}
-        namespace.update(GIVEN[heading]())
-        # Blank lines first, so that a traceback names the README's own line numbers.
-        exec(compile("\n" * (line - 1) + code, str(README), "exec"), namespace)

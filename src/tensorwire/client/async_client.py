@@ -73,7 +73,7 @@ class AsyncClient:
 
     @property
     def transport(self) -> str:
-        """The transport this client's calls take: the address scheme, or "shm" where
+        """The transport this client's calls take, the address scheme, or "shm" where
         ``prefer_local`` moved to the server's shm:// listener (known once connected)."""
         t = self._transport
         return t.address.scheme if t is not None else self.address.scheme
@@ -262,7 +262,7 @@ class AsyncClient:
 
     @property
     def segment_bytes(self) -> int:
-        """Bytes this client's connection copied into or out of shared-memory segments (shm://:
+        """Bytes this client's connection copied into or out of shared-memory segments (an shm address;
         puts, parts, gets and reads of generations; what no socket counter sees); 0 otherwise."""
         t = self._transport
         return t.copied_bytes if isinstance(t, GenerationViews) else 0

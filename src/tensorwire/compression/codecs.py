@@ -167,7 +167,7 @@ class Cast(Codec):
 
 
 class Int8(Codec):
-    """Symmetric int8 with one float32 scale (max |x| / 127) per chunk of ``chunk`` elements;
+    """Symmetric int8 with one float32 scale (max ``|x|`` / 127) per chunk of ``chunk`` elements;
     nearest rounding, or stochastic rounding (unbiased: E[decode] = x)."""
 
     def __init__(self, stochastic: bool = False, chunk: int = INT8_CHUNK) -> None:
@@ -337,7 +337,7 @@ def _exact_top(values: torch.Tensor, k: int) -> torch.Tensor:
 
 
 class Sign(Codec):
-    """One bit per element (its sign) and one scale, mean |x|: decode(x) = ±mean|x| (scaled
+    """One bit per element (its sign) and one scale, mean ``|x|``: decode(x) = ±mean ``|x|`` (scaled
     signSGD, which with error feedback converges like SGD)."""
 
     name = "sign"

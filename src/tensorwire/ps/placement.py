@@ -111,7 +111,7 @@ class Shard:
 
     @property
     def key(self) -> str:
-        """The store key of this shard: ``f"{param}#{start}:{stop}"``, e.g. ``"fc.weight#0:4096"``.
+        """The store key of this shard, ``f"{param}#{start}:{stop}"``, e.g. ``"fc.weight#0:4096"``.
 
         The range is part of the key even for a whole parameter, so a shard stored under a plan
         with other boundaries is never read as a shard of this one. A name may itself contain

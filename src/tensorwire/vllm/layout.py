@@ -60,7 +60,7 @@ class Reference:
 
     @property
     def most_bytes(self) -> int:
-        """The most bytes a generation that fits may hold: what staging one may cost."""
+        """The most bytes a generation that fits may hold, what staging one may cost."""
         return sum(e.most_bytes for e in self.expected.values()) + MAX_VERSION_BYTES
 
     def check(self, manifest: GenerationManifest, prefix: str) -> list[TensorMeta]:

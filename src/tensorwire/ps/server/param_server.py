@@ -191,7 +191,7 @@ class ParamServer:
 
     @property
     def sole(self) -> JobRun:
-        """The server's one job: the only one it holds, else (none held) the one that ended last
+        """The server's one job, the only one it holds, else (none held) the one that ended last
         (its counters; its tensors are freed), else an empty one. LookupError with several."""
         runs = list(self.jobs)
         if len(runs) == 1:
@@ -264,7 +264,7 @@ class ParamServer:
 
     @property
     def peer_token(self) -> str | None:
-        """The slot's peer token: the server opens a peer session for a HELLO that offers it."""
+        """The slot's peer token; the server opens a peer session for a HELLO that offers it."""
         return self.peer.token
 
     @property
