@@ -1,9 +1,10 @@
 """tensorwire: move and keep PyTorch tensors across the processes and machines of a training job.
 
->>> import tensorwire
->>> with tensorwire.connect("tcp://127.0.0.1:7070") as client:   # doctest: +SKIP
-...     client.put("model/w", torch.ones(3))
-...     client.get("model/w", out=param.data)
+>>> import torch, tensorwire
+>>> with tensorwire.ServerThread() as server, tensorwire.connect(server.url) as client:
+...     version = client.put("model/w", torch.ones(3))
+...     client.get("model/w")
+tensor([1., 1., 1.])
 """
 
 from tensorwire import errors

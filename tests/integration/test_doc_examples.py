@@ -185,3 +185,17 @@ def run_page(page: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Non
             # Blank lines first, so that a traceback names the page's own line numbers.
             runnable = "\n" * (line - 1) + cluster.rewrite(code, names)
             exec(compile(runnable, str(page), "exec"), namespace)
+
+
+def test_docstring_examples_run() -> None:
+    """The API reference shows the docstrings: every module's ``>>>`` examples run too (doctest)."""
+    import doctest
+    import importlib
+
+    src = ROOT / "src"
+    files = [f for f in sorted((src / "tensorwire").rglob("*.py")) if ">>> " in f.read_text()]
+    assert files, "the package's docstring shows an example"
+    for file in files:
+        name = ".".join(file.relative_to(src).with_suffix("").parts).removesuffix(".__init__")
+        result = doctest.testmod(importlib.import_module(name), optionflags=doctest.ELLIPSIS)
+        assert result.failed == 0 and result.attempted > 0, f"{name}'s docstring examples: {result}"
