@@ -99,7 +99,7 @@ def url_param(ctx: click.Context, param: click.Parameter, value: str | tuple[str
         raise click.BadParameter(str(exc), ctx, param) from exc
 
 
-# -- deprecated spellings ----------------------------------------------------------------------------
+# -- deprecated spellings --------------------------------------------------------------------------
 def warn_deprecated(old: str, new: str, *, note: str = "") -> None:
     """Say on stderr, in one line, that ``old`` is deprecated and what to say instead.
 
@@ -118,7 +118,8 @@ def renamed_option(new: str, old: str, name: str, **attrs: Any) -> Callable[[Com
     The old spelling is a hidden option of its own, so that the command knows which one was said.
     click processes the options given on the command line first, in their order, then the others:
     when only ``old`` is given, its value is recorded before ``new`` is processed, and ``new``
-    (not given) takes it; when both are given, whichever comes second refuses the pair."""
+    (not given) takes it; when both are given, whichever comes second refuses the pair. For options
+    that take a value (not flags, not ``required``: a missing ``new`` fails before it can look)."""
     given = attrs.pop("callback", None)
     key = f"{_DEPRECATED_META}.{name}"
 
