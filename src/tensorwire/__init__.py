@@ -16,7 +16,7 @@ from tensorwire.server.options import ServerOptions
 from tensorwire.store import TensorStore
 from tensorwire.types import Address, Generation, GenerationManifest, Limits, TensorMeta
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"  # the one place it is said (pyproject reads it); CHANGELOG.md names it
 
 __all__ = [
     "Address",

@@ -122,7 +122,7 @@ def test_beyond_loopback_the_page_refuses_plain_http(tmp_path: Path) -> None:
          "--port", "0", "--token-file", str(token)],
         check=False, capture_output=True, text=True, timeout=60,
     )  # fmt: skip
-    assert refused.returncode == 2 and "--tls-cert" in refused.stderr
+    assert refused.returncode == 2 and "--page-tls-cert" in refused.stderr
 
 
 @pytest.fixture

@@ -1,7 +1,9 @@
 """``tensorwire dashboard`` (a child process) against real servers on loopback port 0: its
 server-sent-events stream sends snapshots, beyond loopback it asks for the servers' token (and
-never sends the token back), a down server is shown with its reason within the timeout, and
-``serve --dashboard-port`` serves the server's own page."""
+never sends the token back), a down server is shown with its reason within the timeout, it reaches
+mutual-TLS servers with the client certificate every command takes (--tls-cert/--tls-key) while
+serving its page with its own (--page-tls-cert/--page-tls-key), and ``serve --dashboard-port``
+serves the server's own page."""
 
 from __future__ import annotations
 
@@ -24,7 +26,7 @@ pytest.importorskip("aiohttp", reason="the dashboard extra (aiohttp) is not inst
 from dashboard_kit import DashboardProcess
 
 from tensorwire.ps import ParamServer
-from tensorwire.security import write_dev_certs, write_token_file
+from tensorwire.security import TlsFiles, write_dev_certs, write_token_file
 from tensorwire.server import ServerThread
 from tensorwire.server.options import MetricsOptions, ServerOptions
 from tensorwire.testing.process import ServerProcess, wait_for
@@ -130,7 +132,7 @@ def test_beyond_loopback_the_page_needs_the_token_and_never_sends_it(
     assert refused.returncode == 2 and "--token-file" in refused.stderr
     certs = write_dev_certs(tmp_path / "certs", ["localhost", "127.0.0.1"], 1)
     CONTEXT["https"] = ssl.create_default_context(cafile=str(certs["ca"]))
-    tls = ["--tls-cert", str(certs["server"]), "--tls-key", str(certs["server_key"])]
+    tls = ["--page-tls-cert", str(certs["server"]), "--page-tls-key", str(certs["server_key"])]
     extra = ["--host", "0.0.0.0", "--token-file", str(token_file), "--interval", "0.3", *tls]
     with DashboardProcess([server.url], extra) as dashboard:
         local = dashboard.url.replace("0.0.0.0", "127.0.0.1")
@@ -200,7 +202,7 @@ def test_beyond_loopback_with_a_certificate_the_page_is_https_and_its_cookie_sec
 ) -> None:
     certs = write_dev_certs(tmp_path / "certs", ["localhost", "127.0.0.1"], 1)
     token_file = write_token_file(tmp_path / "token", TOKEN)
-    tls = ["--tls-cert", str(certs["server"]), "--tls-key", str(certs["server_key"])]
+    tls = ["--page-tls-cert", str(certs["server"]), "--page-tls-key", str(certs["server_key"])]
     extra = ["--host", "0.0.0.0", "--token-file", str(token_file), *tls]
     with DashboardProcess([server.url], extra) as dashboard:
         assert dashboard.url.startswith("https://")
@@ -223,3 +225,26 @@ def test_beyond_loopback_with_a_certificate_the_page_is_https_and_its_cookie_sec
             plain.request("GET", "/")
             plain.getresponse().read()
         plain.close()
+
+
+def test_the_page_reaches_mutual_tls_servers_with_the_client_certificate(tmp_path: Path) -> None:
+    """--tls-cert/--tls-key are the client's, as on every command, once the page has its own
+    (--page-tls-cert/--page-tls-key): the servers that ask for a client certificate are up on the
+    page; without one the same server is shown down."""
+    certs = write_dev_certs(tmp_path / "certs", ["localhost", "127.0.0.1"], 1)
+    CONTEXT["https"] = ssl.create_default_context(cafile=str(certs["ca"]))
+    mutual = TlsFiles(certs["server"], certs["server_key"], ca=certs["ca"])
+    page = ["--page-tls-cert", str(certs["server"]), "--page-tls-key", str(certs["server_key"])]
+    reach = ["--tls-ca", str(certs["ca"]), "--interval", "0.3", "--timeout", "2", *page]
+    with ServerThread(["tls://127.0.0.1:0"], ServerOptions(tls=mutual)) as srv:
+        mine = ["--tls-cert", str(certs["client"]), "--tls-key", str(certs["client_key"])]
+        with DashboardProcess([srv.url], [*reach, *mine]) as dashboard:
+            assert dashboard.url.startswith("https://")
+            wait_for(lambda: snapshot(dashboard.url).get("servers"), 30, "a snapshot")
+            (row,) = snapshot(dashboard.url)["servers"]
+            assert row["up"], row
+            assert "deprecated" not in "".join(dashboard.lines)
+        with DashboardProcess([srv.url], reach) as dashboard:
+            wait_for(lambda: snapshot(dashboard.url).get("servers"), 30, "a snapshot")
+            (row,) = snapshot(dashboard.url)["servers"]
+            assert not row["up"], row

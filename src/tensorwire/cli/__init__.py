@@ -6,9 +6,19 @@ from tensorwire.cli.options import (
     SERVER_ENV,
     CliError,
     client_options,
+    connection_options,
     parse_size,
     parse_url,
     security_options,
 )
 
-__all__ = ["SERVER_ENV", "CliError", "client_options", "main", "parse_size", "parse_url", "security_options"]
+__all__ = [
+    "SERVER_ENV",
+    "CliError",
+    "client_options",
+    "connection_options",
+    "main",
+    "parse_size",
+    "parse_url",
+    "security_options",
+]

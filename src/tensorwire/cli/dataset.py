@@ -13,7 +13,14 @@ from rich.console import Console
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
 
 from tensorwire._aio import Deadline
-from tensorwire.cli.options import CliError, client_options, security_options, size_param, url_param
+from tensorwire.cli.options import (
+    EACH_WAIT,
+    CliError,
+    client_options,
+    connection_options,
+    size_param,
+    url_param,
+)
 from tensorwire.cli.text import printable
 from tensorwire.client.core import ClientOptions
 from tensorwire.dataset.fetch import fetch as fetch_shards
@@ -21,6 +28,10 @@ from tensorwire.dataset.scatter import Advance, NodeReport, ScatterReport, check
 from tensorwire.dataset.scatter import scatter as scatter_shards
 
 DEFAULT_DEADLINE = 3600.0  # seconds a whole scatter or fetch may take (--deadline)
+
+
+# --timeout is each network wait; --deadline (above) the whole command.
+_connection_options = connection_options(timeout_help=f"{EACH_WAIT} --deadline bounds the whole command.")
 
 
 def _parse_nodes(ctx: click.Context, param: click.Parameter, value: tuple[str, ...]) -> list[str]:
@@ -47,7 +58,7 @@ def _deadline_option(what: str) -> Callable[[Callable[..., Any]], Callable[..., 
     return click.option(
         "--deadline", type=click.FloatRange(min=1), default=DEFAULT_DEADLINE, show_default=True,
         metavar="SECONDS", help=f"Give up {what} after this many seconds in all, however slowly "
-        "the servers answer (a re-run goes on from what is already there).",
+        "the servers answer (--timeout bounds each wait; a re-run goes on from what is already there).",
     )  # fmt: skip
 
 
@@ -106,7 +117,7 @@ def dataset() -> None:
     "re-run of the same SRC needs no flag.",
 )  # fmt: skip
 @_deadline_option("the scatter")
-@security_options
+@_connection_options
 def scatter(
     *, src: Path, nodes: list[str], shards: int | None, by: str, name: str | None, block_size: int,
     max_rate: int | None, as_json: bool, replace: bool, deadline: float,
@@ -143,7 +154,7 @@ def scatter(
     "fetch is refused before anything is written.",
 )  # fmt: skip
 @_deadline_option("the fetch")
-@security_options
+@_connection_options
 def fetch(
     *, source: str, out: Path, name: str | None, as_json: bool, prefer_local: bool, replace: bool,
     deadline: float,

@@ -14,7 +14,16 @@ from typing import TYPE_CHECKING, Any
 import click
 import torch
 
-from tensorwire.cli.options import FILE, CliError, client_options, parse_size, security_options, url_param
+from tensorwire.cli.options import (
+    FILE,
+    CliError,
+    client_security,
+    client_timeout,
+    connection_options,
+    parse_size,
+    renamed_option,
+    url_param,
+)
 from tensorwire.cli.ps_options import PsOptions, ps_options
 from tensorwire.cli.serve import Page, dashboard_options, log_level_option, relay_option, start
 from tensorwire.cli.server_options import Listen, check_secrets, listen_options, server_options
@@ -56,12 +65,13 @@ def ps_serve(
     "--replicas", type=click.IntRange(min=0), default=0, show_default=True,
     help="Standby backups per server (each takes over when its primary dies).",
 )  # fmt: skip
-@click.option(
-    "--timeout", type=click.FloatRange(min=1), default=None, help="Stop everything after this many s."
-)
+@renamed_option(
+    "--deadline", "--timeout", "deadline", type=click.FloatRange(min=1), default=None, metavar="SECONDS",
+    help="Stop everything after this many seconds in all (as dataset --deadline).",
+)  # fmt: skip
 @click.argument("script", nargs=-1, required=True, type=click.UNPROCESSED)
 def ps_launch(
-    servers: int, workers: int, replicas: int, timeout: float | None, script: tuple[str, ...]
+    servers: int, workers: int, replicas: int, deadline: float | None, script: tuple[str, ...]
 ) -> None:
     """Start SERVERS parameter servers and WORKERS copies of `python SCRIPT ARGS...` on this machine.
 
@@ -70,7 +80,7 @@ def ps_launch(
     `tensorwire.ps.Worker` reads. Exits with the first failing worker's code."""
     from tensorwire.ps import launch
 
-    raise SystemExit(launch.run(script, servers, workers, timeout, replicas))
+    raise SystemExit(launch.run(script, servers, workers, deadline, replicas))
 
 
 def _job_param(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
@@ -82,19 +92,23 @@ def _job_param(ctx: click.Context, param: click.Parameter, value: str | None) ->
         raise click.BadParameter(str(exc), ctx, param) from exc
 
 
+# ps stats and ps end wait 10 s for each server by default (as tensorwire.ps.worker.rpc does).
+_connection_options = connection_options(timeout=10.0)
+
+
 @ps.command("stats")
 @click.argument("servers", nargs=-1, required=True, callback=url_param)
 @click.option("--job", metavar="JOB", callback=_job_param, help="That job's view (default: the server's).")
 @click.option("--jobs", "as_table", is_flag=True, help="One line per job of each server, not JSON.")
-@security_options
+@_connection_options
 def ps_stats(servers: tuple[str, ...], job: str | None, as_table: bool) -> None:
     """Print each parameter server's view (JSON): role, capacity, its jobs (id, mode, world, live
     workers, step), the jobs that ended, and a job's mode, step, workers, staleness (--job JOB,
     or the server's only job)."""
     from tensorwire.ps.worker.rpc import server_stats
 
-    security = ClientOptions(**client_options()).security()
-    docs = server_stats(list(servers), security=security, job=job)
+    security = ClientOptions(**client_security()).security()
+    docs = server_stats(list(servers), timeout=client_timeout(), security=security, job=job)
     if not as_table:
         click.echo(json.dumps(docs, indent=2))
         return
@@ -117,7 +131,7 @@ def ps_stats(servers: tuple[str, ...], job: str | None, as_table: bool) -> None:
     "--operator-token-file", type=FILE,
     help="A file holding the servers' operator token (ps serve --operator-token-file): it ends any job.",
 )  # fmt: skip
-@security_options
+@_connection_options
 def ps_end(
     job: str,
     servers: tuple[str, ...],
@@ -136,9 +150,11 @@ def ps_end(
     if job_token_file is not None and operator_token_file is not None:
         raise click.UsageError("give --job-token-file or --operator-token-file, not both")
     given = job_token_file or operator_token_file
-    security = ClientOptions(**client_options()).security()
+    security = ClientOptions(**client_security()).security()
     credential = load_token(given) if given is not None else None
-    end_job(list(servers), job, force=force, security=security, credential=credential)
+    end_job(
+        list(servers), job, force=force, timeout=client_timeout(), security=security, credential=credential
+    )
     click.echo(f"ended job {job} on {len(servers)} server(s)")
 
 

@@ -17,7 +17,7 @@ from typing import Any
 
 import click
 
-from tensorwire.cli.options import client_options, security_options, url_param
+from tensorwire.cli.options import client_security, client_timeout, connection_options, url_param
 from tensorwire.cli.text import markup, printable
 from tensorwire.client.options import ClientOptions
 from tensorwire.dashboard.collect import (
@@ -44,15 +44,12 @@ from tensorwire.dashboard.collect import (
     "--metrics", "metrics_urls", metavar="URL", multiple=True,
     help="Also scrape this metrics endpoint (http://host:port/metrics), e.g. of a gRPC-only server.",
 )  # fmt: skip
-@click.option(
-    "--timeout", type=click.FloatRange(min=0.05), default=2.0, show_default=True,
-    help="Seconds to wait for each server; one that does not answer in time is shown as down.",
-)  # fmt: skip
 @click.option("--json", "as_json", is_flag=True, help="Print JSON: each server's STATUS, metrics summary.")
-@security_options
-def status_command(
-    *, servers: tuple[str, ...], metrics_urls: tuple[str, ...], timeout: float, as_json: bool
-) -> None:
+@connection_options(
+    timeout=2.0,
+    timeout_help="Seconds to wait for each server; one that does not answer in time is shown as down.",
+)
+def status_command(*, servers: tuple[str, ...], metrics_urls: tuple[str, ...], as_json: bool) -> None:
     """A one-screen summary of a cluster: which SERVERS are up, their role, shards, load and lag.
 
     SERVERS are URLs (HOST:PORT means tcp://); `a|b` names the replicas of one slot. Each is asked
@@ -61,7 +58,7 @@ def status_command(
     server is down."""
     from rich.console import Console
 
-    nodes = collect([*servers, *metrics_urls], timeout, **client_options())
+    nodes = collect([*servers, *metrics_urls], client_timeout(), **client_security())
     if as_json:
         click.echo(json.dumps([n.to_dict() for n in nodes], indent=2, default=str))
     else:
@@ -73,18 +70,17 @@ def status_command(
 
 @click.command("probe")
 @click.argument("url", callback=url_param)
-@click.option(
-    "--timeout", type=click.FloatRange(min=0.05), default=2.0, show_default=True,
-    help="Seconds the whole probe (connect, TLS, HELLO, STATUS) may take.",
-)  # fmt: skip
-@security_options
-def probe_command(url: str, timeout: float) -> None:
+@connection_options(
+    timeout=2.0, timeout_help="Seconds the whole probe (connect, TLS, HELLO, STATUS) may take."
+)
+def probe_command(url: str) -> None:
     """Exit 0 when the server at URL answers STATUS within --timeout; else exit 1 with one line on
     stderr saying why (down, refused token or certificate, timeout).
 
     A readiness and liveness probe (the Helm chart's): `tensorwire probe tcp://localhost:7070
     --token-file /etc/tensorwire/auth/token`. A gRPC server (grpc://), which has no STATUS, is pinged."""
-    options = ClientOptions(timeout=timeout, connect_timeout=timeout, **client_options())
+    timeout = client_timeout()
+    options = ClientOptions(timeout=timeout, connect_timeout=timeout, **client_security())
     answer = answers(url, options)
     if answer is None:
         click.echo(f"{url} answered a ping (gRPC: no STATUS)")

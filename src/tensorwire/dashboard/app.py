@@ -332,8 +332,8 @@ def check_exposure(host: str, token: str | None, ssl_context: ssl.SSLContext | N
                          "token (--token-file), which a browser must enter to see the page")  # fmt: skip
     if ssl_context is None:
         raise ValueError(f"the dashboard on {where} is reachable beyond loopback: give it a certificate "
-                         "(--tls-cert, --tls-key); the login would send the token in the clear over "
-                         "plain HTTP")  # fmt: skip
+                         "(dashboard --page-tls-cert/--page-tls-key, serve --tls-cert/--tls-key); the login "
+                         "would send the token in the clear over plain HTTP")  # fmt: skip
 
 
 __all__ = ["DEFAULT_HOST", "DEFAULT_PORT", "Dashboard", "Limits", "Source", "check_exposure"]
