@@ -104,17 +104,27 @@ def pages_with_examples(*, vllm: bool) -> list[Any]:
 
 
 def authorities(code: str) -> list[str]:
-    """The distinct ``host:port`` of the page's URLs, in the order they first appear."""
-    return list(dict.fromkeys(f"{m.group(2)}:{m.group(3)}" for m in URL.finditer(code)))
+    """The distinct ``host:port`` of the page's URLs, in the order they first appear; port 0 is an
+    address to listen on (``share="shm://127.0.0.1:0"``), not a server's, and is left as written."""
+    named = (f"{m.group(2)}:{m.group(3)}" for m in URL.finditer(code) if m.group(3) != "0")
+    return list(dict.fromkeys(named))
+
+
+def schemes(code: str) -> set[str]:
+    return {m.group(1) for m in URL.finditer(code) if m.group(3) != "0"}
 
 
 class Cluster:
-    """One real server per address of a page (tcp://, shm:// and, when secure, tls:// listeners),
-    each with the parameter-server extension and the relay coordinator, as ``tensorwire serve``."""
+    """One real server per address of a page (tcp://, shm:// and, when secure, tls:// listeners; a
+    grpc:// or grpcs:// one when the page uses it), each with the parameter-server extension and the
+    relay coordinator, as ``tensorwire serve``."""
 
-    def __init__(self, stack: ExitStack, count: int, where: Path, secure: bool, hosts: list[str]) -> None:
+    def __init__(
+        self, stack: ExitStack, count: int, where: Path, *, secure: bool, hosts: list[str], used: set[str]
+    ) -> None:
         options = tensorwire.ServerOptions()
         urls = ["tcp://127.0.0.1:0", "shm://127.0.0.1:0"]
+        urls += [f"{scheme}://127.0.0.1:0" for scheme in sorted(used & {"grpc", "grpcs"})]
         if secure:
             written = write_dev_certs(where / "certs", ["localhost", "127.0.0.1", "::1", *hosts], 1)
             write_token_file(where / "token", TOKEN)
@@ -133,6 +143,8 @@ class Cluster:
     def rewrite(self, code: str, names: list[str]) -> str:
         def bound(m: re.Match[str]) -> str:
             scheme, authority = m.group(1), f"{m.group(2)}:{m.group(3)}"
+            if m.group(3) == "0":
+                return m.group(0)
             listeners = self.servers[names.index(authority)]
             if scheme not in listeners:
                 raise AssertionError(
@@ -169,11 +181,19 @@ def run_page(page: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Non
     text = page.read_text()
     setup = Setup.of(text)
     blocks = list(python_blocks(text))
-    names = authorities("".join(code for _, code in blocks))
+    source = "".join(code for _, code in blocks)
+    names = authorities(source)
     hosts = sorted({name.rsplit(":", 1)[0].strip("[]") for name in names})
     monkeypatch.chdir(tmp_path)
     with ExitStack() as stack:
-        cluster = Cluster(stack, max(setup.servers, len(names)), tmp_path, setup.secure, hosts)
+        cluster = Cluster(
+            stack,
+            max(setup.servers, len(names)),
+            tmp_path,
+            secure=setup.secure,
+            hosts=hosts,
+            used=schemes(source),
+        )
         # A worker finds its servers, rank and world size in the environment (torchrun, ps launch).
         monkeypatch.setenv("TENSORWIRE_SERVERS", ",".join(s["tcp"] for s in cluster.servers))
         monkeypatch.setenv("RANK", "0")

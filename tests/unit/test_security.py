@@ -503,3 +503,11 @@ def test_client_tls_comes_from_the_environment_when_the_caller_names_none(
     given = TlsFiles(ca=tmp_path / "other.pem")
     assert client_security(given, "mine").tls is given  # what the caller names wins
     assert client_security(given, "mine").token == "mine"
+
+
+def test_tls_files_given_as_strings_are_paths() -> None:
+    """``TlsFiles(ca="certs/ca.pem")``, as the docs write it: a relay reader reads its certificate
+    with ``read_bytes``, which a str lacks (it raised AttributeError)."""
+    files = TlsFiles(cert="c.pem", key="k.pem", ca="ca.pem")  # type: ignore[arg-type]
+    assert files == TlsFiles(Path("c.pem"), Path("k.pem"), Path("ca.pem"))
+    assert all(isinstance(f, Path) for f in (files.cert, files.key, files.ca))

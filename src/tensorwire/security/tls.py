@@ -54,6 +54,14 @@ class TlsFiles:
     key: Path | None = None
     ca: Path | None = None
 
+    def __post_init__(self) -> None:
+        # ``TlsFiles(ca="certs/ca.pem")`` is how people write it: every user of the fields may then
+        # rely on a Path (a relay reader reads its certificate with ``read_bytes``).
+        for name in ("cert", "key", "ca"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, Path):
+                object.__setattr__(self, name, Path(value))
+
 
 # --- ssl contexts (socket transport) --------------------------------------------------------------
 
