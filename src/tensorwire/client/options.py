@@ -65,7 +65,8 @@ class ClientOptions:
     # socket; a call on an event loop keeps the loop turning. 0: never spin.
     busy_wait: float = 200e-6
     # TLS for tls://, grpcs:// and rdmas://: ``ca`` signs the server's certificate (None: the system
-    # store, or $TENSORWIRE_TLS_CA), ``cert``/``key`` are this client's, for servers that ask (mTLS).
+    # store; clients read no environment for it: ps.Worker, ExchangeClient and Subscriber do read
+    # $TENSORWIRE_TLS_CA), ``cert``/``key`` are this client's, for servers that ask (mTLS).
     # The one way to say TLS, as ``ServerOptions(tls=)`` and ``Worker(tls=)`` do.
     tls: TlsFiles | None = None
 
