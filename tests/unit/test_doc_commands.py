@@ -96,7 +96,7 @@ def check(args: list[str]) -> None:
             check_benchmark(name, rest[1:])
             return
         command, args = command.commands[name], rest[1:]
-        ctx = click.Context(command, info_name=name, parent=ctx)
+        ctx = click.Context(command, info_name=name, parent=ctx, **command.context_settings)
     command.make_parser(ctx).parse_args(list(args))
 
 
