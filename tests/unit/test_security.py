@@ -511,3 +511,17 @@ def test_tls_files_given_as_strings_are_paths() -> None:
     files = TlsFiles(cert="c.pem", key="k.pem", ca="ca.pem")  # type: ignore[arg-type]
     assert files == TlsFiles(Path("c.pem"), Path("k.pem"), Path("ca.pem"))
     assert all(isinstance(f, Path) for f in (files.cert, files.key, files.ca))
+
+
+def test_a_refused_certificate_names_the_address_the_client_used(
+    certs: dict[str, Path], other_certs: dict[str, Path]
+) -> None:
+    """The error says tls://NAME:PORT as the user wrote it (it said tcp://IP:PORT)."""
+    import tensorwire
+    from tensorwire.errors import CertificateRefused
+
+    options = tensorwire.ServerOptions(tls=server_files(certs))
+    with tensorwire.ServerThread(["tls://127.0.0.1:0"], options) as server:
+        url = f"tls://localhost:{server.addresses[0].port}"
+        with pytest.raises(CertificateRefused, match=f"certificate of {url} does not verify"):
+            tensorwire.connect(url, tls=TlsFiles(ca=other_certs["ca"]))

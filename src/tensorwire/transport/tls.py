@@ -35,8 +35,12 @@ _REFUSED_CERTIFICATE = frozenset({
 class TlsStream(tcp.TcpStream):
     _sock: ssl.SSLSocket
 
-    def __init__(self, sock: ssl.SSLSocket, *, shake_on_first_use: bool = False) -> None:
+    def __init__(
+        self, sock: ssl.SSLSocket, *, shake_on_first_use: bool = False, peer: str | None = None
+    ) -> None:
         super().__init__(sock)
+        if peer is not None:  # a client names the server as its user did (tls://NAME:PORT), not tcp://IP
+            self.peer = peer
         # Set on a server's streams. The session that owns one reads or writes, never both at
         # once, before its first frame is in, so one handshake runs at a time.
         self._unshaken = shake_on_first_use
@@ -138,7 +142,7 @@ async def connect(address: Address, timeout: float, context: ssl.SSLContext) -> 
     except BaseException:
         sock.close()
         raise
-    stream = TlsStream(wrapped)
+    stream = TlsStream(wrapped, peer=f"tls://{address.host}:{address.port}")
     try:
         await stream.handshake(timeout)
     except BaseException:
