@@ -110,14 +110,14 @@ bench-all: $(STAMP)
 	$(BIN)/tensorwire bench all --out bench-report
 
 lint: $(STAMP)
-	$(BIN)/ruff check src tests fuzz docs
-	$(BIN)/ruff format --check src tests fuzz docs
+	$(BIN)/ruff check src tests fuzz docs/conf.py docs/_ext
+	$(BIN)/ruff format --check src tests fuzz docs/conf.py docs/_ext
 	$(BIN)/mypy
 	$(BIN)/lint-imports --no-cache
 
 format: $(STAMP)
-	$(BIN)/ruff check --fix src tests fuzz docs
-	$(BIN)/ruff format src tests fuzz docs
+	$(BIN)/ruff check --fix src tests fuzz docs/conf.py docs/_ext
+	$(BIN)/ruff format src tests fuzz docs/conf.py docs/_ext
 
 # Regenerate the gRPC modules from the schema (tests/unit/test_proto.py fails when they are stale):
 # the schema as a FileDescriptorSet (tensorwire/v1/_pool.py builds the message classes from it, in a

@@ -25,6 +25,7 @@ import pytest
 import tensorwire
 from tensorwire import ps
 from tensorwire.broadcast.coordinator import RelayCoordinator
+from tensorwire.dataset import DigestService
 from tensorwire.security import TlsFiles
 from tensorwire.security.certs import write_dev_certs
 from tensorwire.security.tokens import write_token_file
@@ -116,8 +117,8 @@ def schemes(code: str) -> set[str]:
 
 class Cluster:
     """One real server per address of a page (tcp://, shm:// and, when secure, tls:// listeners; a
-    grpc:// or grpcs:// one when the page uses it), each with the parameter-server extension and the
-    relay coordinator, as ``tensorwire serve``."""
+    grpc:// or grpcs:// one when the page uses it), each with the parameter-server extension, the
+    relay coordinator and the dataset digests, as ``tensorwire serve``."""
 
     def __init__(
         self, stack: ExitStack, count: int, where: Path, *, secure: bool, hosts: list[str], used: set[str]
@@ -138,6 +139,7 @@ class Cluster:
                 tensorwire.ServerThread(urls, options, extensions=[ps.ParamServer()])
             )
             RelayCoordinator.of(server.server)
+            server.server.extend(DigestService(server.server.store))  # dataset scatter's checks
             self.servers.append({address.scheme: str(address) for address in server.addresses})
 
     def rewrite(self, code: str, names: list[str]) -> str:

@@ -31,14 +31,16 @@ def shell_lines(text: str) -> Iterator[tuple[int, str]]:
     lines = text.splitlines()
     i = 0
     while i < len(lines):
-        if SHELL.match(lines[i]):
+        if block := SHELL.match(lines[i]):
+            console = block.group(1) == "console"  # a session: commands after "$ ", then their output
             i += 1
             while i < len(lines) and lines[i].strip() != "```":
                 start, line = i + 1, lines[i]
                 while line.rstrip().endswith("\\") and i + 1 < len(lines):
                     i += 1
                     line = line.rstrip()[:-1] + " " + lines[i]
-                yield start, line.strip().removeprefix("$ ")
+                if not console or line.lstrip().startswith("$ "):
+                    yield start, line.strip().removeprefix("$ ")
                 i += 1
         i += 1
 
