@@ -1,4 +1,4 @@
-"""docs/scaling.md and the scaling model say what the codecs put on the wire: bytes per element
+"""docs/explanation/scaling.md and the scaling model say what the codecs put on the wire: bytes per element
 come from ``tensorwire.compression`` (int8 scales per 4096 elements, sign's one scale per shard),
 not from numbers written by hand, and the doc's table is what the model prints."""
 
@@ -11,7 +11,7 @@ import pytest
 from tensorwire.bench import scaling
 from tensorwire.compression.codecs import codec_for
 
-DOC = Path(__file__).resolve().parents[2] / "docs" / "scaling.md"
+DOC = Path(__file__).resolve().parents[2] / "docs" / "explanation" / "scaling.md"
 WIRE_NAMES = [  # label keyword -> codec wire name (first match wins)
     ("topk 1% + fp16", "topk:0.01+fp16"),
     ("topk 1%", "topk:0.01"),

@@ -9,6 +9,9 @@ from pathlib import Path
 
 import pytest
 
+# Like the other tests here, for the engines' own environment (`make test-engines`): skipped in .venv.
+pytest.importorskip("vllm", reason="needs vLLM: `make test-engines` runs tests/engines in .venv-engines")
+
 _HARNESS = Path(__file__).resolve().parents[1] / "integration" / "test_doc_examples.py"
 _spec = importlib.util.spec_from_file_location("doc_examples_harness", _HARNESS)
 assert _spec is not None and _spec.loader is not None

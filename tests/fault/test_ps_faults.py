@@ -380,13 +380,27 @@ def test_a_stopped_primary_that_comes_back_follows_the_backup_that_took_over(tmp
         (doc,) = server_stats([url], timeout=5)
         return doc["role"], doc["epoch"], doc["version"]
 
-    urls = [f"tcp://127.0.0.1:{free_port()}" for _ in range(2)]
     peer = write_token_file(tmp_path / "peer.token")
     flags = ["--failover-timeout", "0.5"]
-    with (
-        ServerProcess(urls[0], extra=[*replica_flags(urls, 0, peer), *flags]) as first,
-        ServerProcess(urls[1], extra=[*replica_flags(urls, 1, peer), *flags]) as second,
-    ):
+
+    def pair(tries: int = 3) -> tuple[list[str], ServerProcess, ServerProcess]:
+        """The replicas name each other, so their ports are picked before they listen: a port
+        another test's server took meanwhile is picked again, not a failure of this test."""
+        urls = [f"tcp://127.0.0.1:{free_port()}" for _ in range(2)]
+        started: list[ServerProcess] = []
+        try:
+            for i in range(2):
+                started.append(ServerProcess(urls[i], extra=[*replica_flags(urls, i, peer), *flags]))
+        except RuntimeError as exc:
+            for server in started:
+                server.stop()
+            if "Address already in use" in str(exc) and tries > 1:
+                return pair(tries - 1)
+            raise
+        return urls, started[0], started[1]
+
+    urls, first, second = pair()
+    with first, second:
         model = ps_job.model()
         with Worker(model, "|".join(urls), "async", rank=0, heartbeat=0.25, timeout=30) as worker:
             async_steps(worker, model, 0, 3)

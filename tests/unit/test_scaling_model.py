@@ -1,4 +1,4 @@
-"""The bytes-per-step model of docs/scaling.md (tensorwire.bench.scaling): the numbers it gives for
+"""The bytes-per-step model of docs/explanation/scaling.md (tensorwire.bench.scaling): its numbers for
 jobs one can count by hand, and the table the doc embeds."""
 
 from __future__ import annotations

@@ -79,7 +79,7 @@ BENCHMARKS: dict[str, Benchmark] = {
         Benchmark(
             "scaling",
             "PS bytes per step across network namespaces vs the model (--json, --jobs, --table).",
-            None,  # needs root for network namespaces and ~2 minutes: docs/scaling.md has its table
+            None,  # needs root (network namespaces) and ~2 minutes: docs/explanation/scaling.md has its table
         ),
         Benchmark(
             "gpu",

@@ -1,4 +1,4 @@
-"""Bytes moved per training step by the parameter server, as a model and as measured (docs/scaling.md).
+"""Bytes moved per step by the parameter server, as a model and as measured (docs/explanation/scaling.md).
 
 The model (``traffic`` and ``step_time``): a job of P parameters on S servers (each a primary with
 R backups) and W workers, synchronous, whose pushes carry ``push`` bytes per element (the worker's
@@ -21,7 +21,7 @@ joined to a bridge by a veth link shaped to ``--rate`` (tc tbf, both directions)
 ~``--params`` parameters for ``--steps`` sync steps, and reads each link's byte counters
 (/sys/class/net/<veth>/statistics) around those steps. Skipped, with the reason, where namespaces
 cannot be made. ``python -m tensorwire.bench.scaling --json`` (< 2 minutes); ``--table`` prints
-the model's table for docs/scaling.md (``--pull int8`` with quantised pulls).
+the model's table for docs/explanation/scaling.md (``--pull int8`` with quantised pulls).
 """
 
 from __future__ import annotations
@@ -110,7 +110,7 @@ def step_time(job: Job, link_bytes_per_s: float, compute_s: float = 0.0) -> dict
 
 def markdown_table(params: int, workers: int, gbits: float, pull: float = 4.0) -> str:
     """The model's step times for a grid of servers, replicas and push codecs, with pulls of
-    ``pull`` bytes per element (docs/scaling.md)."""
+    ``pull`` bytes per element (docs/explanation/scaling.md)."""
     rate = gbits * 1e9 / 8
     rows = [f"| codec (push) | B/elem | S | R | worker sends/step | server sends/step | network/step "
             f"| comm s/step @ {gbits:g} Gb/s | bound |",
@@ -126,7 +126,7 @@ def markdown_table(params: int, workers: int, gbits: float, pull: float = 4.0) -
 
 
 def measured_markdown(runs: Sequence[dict[str, Any]]) -> str:
-    """The measured runs of ``main`` as the markdown table of docs/scaling.md."""
+    """The measured runs of ``main`` as the markdown table of docs/explanation/scaling.md."""
     head = (
         "| S | R | W | link | model MB/step | measured MB/step | wire/model | step s model | step s measured "
     )

@@ -45,7 +45,7 @@ def local_servers(count: int, extra: Sequence[str] = (), replicas: int = 0) -> I
     extra = ["--keep-jobs", *extra]
     if replicas:  # a weakened guarantee is never silent
         why = ("a local cluster runs on one host: a host failure loses a slot's primary and its "
-               "backups; start servers on other hosts for that (docs/scaling.md)")  # fmt: skip
+               "backups; start servers on other hosts for that (docs/explanation/scaling.md)")  # fmt: skip
         event(log, logging.WARNING, "backups on the primary's host", servers=count, replicas=replicas,
               host=topology.here().host, why=why)  # fmt: skip
     servers: list[ServerProcess] = []

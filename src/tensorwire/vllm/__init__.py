@@ -18,7 +18,7 @@ vLLM finds the backend through its plugin entry point (``vllm.general_plugins``:
     sender = WeightTransferTrainerFactory.trainer_init(info, client=engines, source=ModuleSource(model))
     sender.send_weights(version="step-1")  # publish, then every engine applies it
 
-docs/vllm.md is the guide (torchrun and Ray); engine.py, trainer.py, reader.py, publisher.py and
+docs/howto/engines-vllm.md is the guide (torchrun and Ray); engine.py, trainer.py, reader.py, publisher.py and
 layout.py say how each side works. Only engine.py and trainer.py import vLLM.
 """
 
