@@ -68,6 +68,7 @@ SLOW_FILES = frozenset({
     "integration/test_sharded.py",
     "integration/test_sharded_fsdp.py",
     "integration/test_tcp_server.py",
+    "integration/test_tutorial_commands.py",
 })  # fmt: skip
 SLOW_TESTS = frozenset({
     "adversarial/test_capacity_one_ledger.py::test_tensors_do_not_fit_beside_an_exchange_round",
