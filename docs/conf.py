@@ -8,8 +8,12 @@ missing anchor or a reference to a name that does not exist fails it.
 
 from __future__ import annotations
 
+import inspect
 import sys
 from pathlib import Path
+from typing import Any
+
+from sphinx.util.docstrings import prepare_docstring
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "src"))
@@ -80,3 +84,25 @@ napoleon_numpy_docstring = False
 html_theme = "furo"
 html_title = f"tensorwire {release}"
 html_static_path: list[str] = []
+
+
+def _prose_first_lines(*args: Any) -> None:
+    """Napoleon reads a property's first line ``X: Y`` as a Google-style "type: text" and moves X
+    to a ``:type:`` field; ours are prose (``The transport this client's calls take: ...``). Run
+    after it, this puts the line back as it was written."""
+    _, what, _, obj, _, lines = args  # app, what, name, obj, options, lines: Sphinx's event
+    if what not in ("property", "attribute", "data") or len(lines) < 2:
+        return
+    if not (lines[-1].startswith(":type: ") and lines[-2] == ""):
+        return
+    written = inspect.getdoc(obj) if isinstance(obj, property) else None
+    if written:
+        lines[:] = prepare_docstring(written)
+    else:
+        first = lines[-1].removeprefix(":type: ")
+        del lines[-2:]
+        lines[0] = f"{first}: {lines[0]}" if lines and lines[0] else first
+
+
+def setup(app: Any) -> None:
+    app.connect("autodoc-process-docstring", _prose_first_lines, priority=600)  # napoleon's is 500
