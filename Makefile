@@ -39,6 +39,9 @@ demo: $(STAMP)
 # docs/_build/html/index.html. Its Python examples run in `make test` (tests/integration/test_doc_examples.py).
 docs: $(STAMP)
 	$(BIN)/python -m sphinx -b html -W --keep-going -n -q docs docs/_build/html
+	@# reStructuredText that MyST parsed as Markdown shows up as text (a directive's ".. name::")
+	@! grep -rlE '(^|>)\.\. [a-z:-]+::' --include='*.html' docs/_build/html || \
+		(echo "docs: pages above show reStructuredText as text: wrap it in {eval-rst}"; exit 1)
 	@echo "docs: docs/_build/html/index.html"
 
 # The tests. tests/conftest.py marks each test with its folder (unit, integration, fault,
