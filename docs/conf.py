@@ -83,7 +83,8 @@ napoleon_numpy_docstring = False
 
 html_theme = "furo"
 html_title = f"tensorwire {release}"
-html_static_path: list[str] = []
+html_static_path = ["_static"]
+html_css_files = ["tensorwire.css"]
 
 
 def _prose_first_lines(*args: Any) -> None:
