@@ -142,7 +142,7 @@ async def connect(address: Address, timeout: float, context: ssl.SSLContext) -> 
     except BaseException:
         sock.close()
         raise
-    stream = TlsStream(wrapped, peer=f"tls://{address.host}:{address.port}")
+    stream = TlsStream(wrapped, peer=str(address))  # tls://NAME:PORT or rdmas://, [v6] bracketed
     try:
         await stream.handshake(timeout)
     except BaseException:
