@@ -106,15 +106,16 @@ class Job:
             d = into[name]
             local_shape, offsets = compute_local_shape_and_global_offset(shape, d.device_mesh, d.placements)
             index = tuple(slice(o, o + n) for o, n in zip(offsets, local_shape, strict=True))
-            if not _same_bits(d.to_local(), full[index]):
+            if not same_bits(d.to_local(), full[index]):
                 bad.append(name)
         for i, (name, shape, dtype) in enumerate(PLAIN):
-            if not _same_bits(into[name], global_tensor(seed * 100 + 50 + i, shape, dtype)):
+            if not same_bits(into[name], global_tensor(seed * 100 + 50 + i, shape, dtype)):
                 bad.append(name)
         return bad
 
 
-def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal bit for bit: dtype, shape and bytes (NaNs and -0.0 included)."""
     if a.shape != b.shape or a.dtype != b.dtype:
         return False
     return bool(

@@ -27,6 +27,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from sharded_kit import same_bits  # tests/integration: the spawned ranks find it as the test did
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -104,9 +105,9 @@ class Rank:
         for name, (shape, _, _) in PARAMS.items():
             d = state[name]
             want = full(name, seed)[_index(shape, d.device_mesh, d.placements[0])]
-            if not _same_bits(d.to_local(), want):
+            if not same_bits(d.to_local(), want):
                 bad.append(name)
-        if not _same_bits(state["plain"], full("plain", seed)):
+        if not same_bits(state["plain"], full("plain", seed)):
             bad.append("plain")
         if state["extra"] != extras(seed):
             bad.append(f"extra: {state['extra']}")
@@ -124,14 +125,17 @@ def _index(shape: tuple[int, ...], mesh: Any, placement: Any) -> tuple[slice, ..
     return tuple(slice(o, o + n) for o, n in zip(offsets, local, strict=True))
 
 
-def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    if a.shape != b.shape or a.dtype != b.dtype:
-        return False
-    return bool(
-        torch.equal(
-            a.contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8)
-        )
-    )
+def load_whole(url: str, checkpoint_id: str, seed: int) -> None:
+    """Checkpoint ``checkpoint_id`` read whole in this process (a world of one: also a reshard), and
+    checked to hold the state of ``seed``, bit for bit."""
+    state: dict[str, Any] = {
+        name: torch.zeros(shape, dtype=dtype) for name, (shape, dtype, _) in PARAMS.items()
+    }
+    state |= {"plain": torch.zeros(5, dtype=torch.float64), "extra": blank_extras()}
+    with StorageReader(url, checkpoint_id, token=TOKEN) as reader:
+        dcp.load(state, storage_reader=reader, no_dist=True)
+    assert all(same_bits(state[name], full(name, seed)) for name in (*PARAMS, "plain"))
+    assert state["extra"] == extras(seed)
 
 
 def save_job(me: Rank, saves: list[tuple[str, int, str]]) -> dict[str, Any]:
@@ -218,15 +222,7 @@ def test_saved_on_4_ranks_loads_on_2_and_on_3_bit_for_bit(server: Any, store: An
         for answer in run_children(f"{world} ranks load", loads, 120):
             assert answer == {"a": [], "b": []}
     # one process, the whole state: a world of 1 reads every chunk, also a reshard
-    state: dict[str, Any] = {
-        name: torch.zeros(shape, dtype=dtype) for name, (shape, dtype, _) in PARAMS.items()
-    }
-    state |= {"plain": torch.zeros(5, dtype=torch.float64), "extra": blank_extras()}
-    with StorageReader(server.url, "b", token=TOKEN) as reader:
-        dcp.load(state, storage_reader=reader, no_dist=True)
-    assert all(_same_bits(state[name], full(name, 2)) for name in (*PARAMS, "plain")) and state[
-        "extra"
-    ] == extras(2)
+    load_whole(server.url, "b", 2)
 
 
 def test_a_rank_killed_mid_save_leaves_the_previous_checkpoint_loadable(server: Any, store: Any) -> None:
@@ -241,15 +237,7 @@ def test_a_rank_killed_mid_save_leaves_the_previous_checkpoint_loadable(server: 
     ):
         dcp.load({"plain": torch.zeros(5, dtype=torch.float64)}, storage_reader=reader, no_dist=True)
     assert "no committed metadata" in str(caught.value)
-    state: dict[str, Any] = {
-        name: torch.zeros(shape, dtype=dtype) for name, (shape, dtype, _) in PARAMS.items()
-    }
-    state |= {"plain": torch.zeros(5, dtype=torch.float64), "extra": blank_extras()}
-    with StorageReader(server.url, "good", token=TOKEN) as reader:
-        dcp.load(state, storage_reader=reader, no_dist=True)
-    assert all(_same_bits(state[name], full(name, 1)) for name in (*PARAMS, "plain")) and state[
-        "extra"
-    ] == extras(1)
+    load_whole(server.url, "good", 1)
 
 
 def test_two_saves_under_one_checkpoint_id_never_mix(server: Any) -> None:
