@@ -2,9 +2,16 @@
 
 from __future__ import annotations
 
+import pytest
+
 from tensorwire.bench import chaos
 
+# Past the benchmark's own 120 s wait for a failover (bench/chaos.py), whose error says what each
+# server reports (role, epoch, step): the suite's 120 s would end the test first, saying nothing.
+CHAOS_TIMEOUT = 300
 
+
+@pytest.mark.timeout(CHAOS_TIMEOUT)
 def test_a_short_chaos_run_loses_and_doubles_nothing() -> None:
     result = chaos.run(steps=300, interval=1.5, seed=1)
     assert result["faults_injected"] >= 1
@@ -12,6 +19,7 @@ def test_a_short_chaos_run_loses_and_doubles_nothing() -> None:
     assert result["loss"] > 0
 
 
+@pytest.mark.timeout(CHAOS_TIMEOUT)
 def test_with_a_token_on_every_server_the_replicas_still_hold_every_update() -> None:
     """`bench chaos --token`: every server requires a client token, so the replicas must reach each
     other with their peer token; a primary that could not would lose acknowledged updates at the
