@@ -7,6 +7,9 @@ checkpoints a step interval apart."""
 from __future__ import annotations
 
 import shutil
+import threading
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import ps_job
@@ -42,3 +45,56 @@ def test_servers_restored_a_checkpoint_apart_are_rolled_back_to_one_step(tmp_pat
     with ServerThread(extensions=[restored[0]]) as a, ServerThread(extensions=[restored[1]]) as b:
         train(model, [a.url, b.url], 5, 3)
         assert restored[0].step == restored[1].step == 8
+
+
+def _train_until(model: torch.nn.Module, urls: list[str], rank: int, until: int) -> None:
+    """One of two sync workers: steps until the job reaches ``until`` (as the chaos benchmark's)."""
+    sgd = SGD(lr=0.05)
+    with Worker(model, urls, "sync", sgd, rank=rank, world_size=2, heartbeat=0, timeout=60) as worker:
+        while worker.clock < until:
+            x, y = ps_job.batch(rank, worker.clock)
+            torch.nn.functional.cross_entropy(model(x), y).backward()  # type: ignore[no-untyped-call]
+            worker.step()
+
+
+def _two_workers(urls: list[str], until: int, second_starts: Callable[[], bool]) -> None:
+    errors: list[BaseException] = []
+
+    def run(rank: int) -> None:
+        try:
+            _train_until(ps_job.model(), urls, rank, until)
+        except BaseException as exc:  # reported below, in the test's thread
+            errors.append(exc)
+
+    first = threading.Thread(target=run, args=(1,))
+    first.start()
+    deadline = time.monotonic() + 30
+    while not second_starts() and time.monotonic() < deadline and first.is_alive():
+        time.sleep(0.005)
+    second = threading.Thread(target=run, args=(0,))
+    second.start()
+    first.join(120)
+    second.join(120)
+    assert not first.is_alive() and not second.is_alive()
+    assert not errors, errors
+
+
+def test_two_workers_that_rejoin_servers_a_checkpoint_apart_both_go_on(tmp_path: Path) -> None:
+    """The chaos benchmark's rare failure: two workers rejoin servers restored a checkpoint apart,
+    the second once the first is live on the server ahead. Each finds the other live there when it
+    asks for the rollback: a refusal that says someone else is live is a reason to look again, not
+    to fail, and the servers end at one step."""
+    dirs = [tmp_path / "a", tmp_path / "b"]
+    policies = [CheckpointPolicy(d, every_steps=5) for d in dirs]
+    servers = [ServerThread(extensions=[ParamServer(checkpoints=p, keep_jobs=True)]) for p in policies]
+    with servers[0], servers[1]:
+        _two_workers([s.url for s in servers], 10, lambda: True)
+    (job_directory,) = dirs[1].iterdir()
+    for newest in sorted(job_directory.iterdir())[1:]:
+        shutil.rmtree(newest)
+    restored = [ParamServer(checkpoints=p) for p in policies]
+    assert [r.restore(p.directory) for r, p in zip(restored, policies, strict=True)] == [True, True]
+    assert [r.step for r in restored] == [10, 5]
+    with ServerThread(extensions=[restored[0]]) as a, ServerThread(extensions=[restored[1]]) as b:
+        _two_workers([a.url, b.url], 12, lambda: 1 in restored[0].sole.members.live())
+        assert restored[0].step == restored[1].step

@@ -16,7 +16,8 @@ session that joined with its rank. Who may end a job (PS_END, ``tensorwire ps en
 client offering the job's token or the servers' operator token (``ps serve --operator-token-file``),
 any client the server admits for a job started without a token (or not claimed yet); while the job
 has live workers only with ``force``. Who may roll a job back (PS_ROLLBACK): only one of its
-workers, from the session that joined with its rank, after stepping aside (no worker live).
+workers, from the session that joined with its rank, after stepping aside, and only while no
+worker is live there (one that is still moves the job; the asker is told to rejoin and look again).
 Every change is replicated first (ps/server/replica.py), in the server's one order of changes (a JOIN
 carries the job's owner); a backup makes it with the same code (``make_change``).
 """
@@ -305,8 +306,11 @@ class Lifecycle:
         head = wps.PsHead.decode(request.meta)
         request.meta.done()
         run = self.run_of(head)
-        if run.members.live():
-            raise ProtocolError(f"cannot roll back while workers {run.members.live()} are live")
+        if live := run.members.live():
+            # Another worker is live here: it is still moving the job (its push may be what a server
+            # behind waits for), so the job is not stuck. The asker stepped aside: it rejoins and looks
+            # again, as after any drop.
+            raise WorkerDropped(f"not rolling job {run.id!r} back: workers {live[:16]} are live here; rejoin")
         self._check_stepped_aside(request, run, head)
         policy = run.state.policy
         # The checkpoint is read beside the job it replaces: a second copy of the job, counted (as

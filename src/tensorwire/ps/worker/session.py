@@ -72,35 +72,55 @@ class WorkerSession:
     async def join_all(self, first: bool = False) -> None:
         """Join on every server (initialising the job where there is none). In sync mode this
         worker must be at one step on all of them. Servers of a live job can be a step apart for a
-        moment (each takes the step when its pushes are in): then it leaves those behind, lets them
-        finish that step without it, and joins again. Servers restored from checkpoints written a
-        step apart do not move by themselves: after a while they are rolled back to the older one,
-        which each of them keeps."""
+        while (each takes the step when its pushes are in; a failover may hold one back): then it
+        leaves those behind, lets them finish that step without it, and joins again. Servers
+        restored from checkpoints written a step apart do not move by themselves: after a while the
+        ones ahead are rolled back to the older step, which each of them keeps. A server refuses
+        that while another worker is live there (that one still moves the job): this one looks
+        again, until its timeout."""
         config = JobConfig(self.config.mode, self.config.optimizer, self.config.model).to_json()
         slots = self.serving
-        clocks: list[int] = []
-        for attempt in range(CATCH_UP_TRIES + 3):
-            joined = await asyncio.gather(*(self._join(slot, config, first) for slot in slots))
-            self.joined = True
-            for slot, (clock, seq, _) in zip(slots, joined, strict=True):
-                slot.joined(clock, seq)
-            self.barriers = max(self.barriers, joined[0][2])  # barriers are kept by the first server
-            clocks = [slot.clock for slot in slots]
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.config.timeout
+        for attempt in itertools.count():
+            clocks = await self._join_everywhere(config, first)
             if self.config.mode.kind != "sync" or len(set(clocks)) == 1:
                 self.clock = max(clocks)
                 return
-            if attempt < CATCH_UP_TRIES:
-                behind = [slot for slot in slots if slot.clock < max(clocks)]
-                await asyncio.gather(*(self._leave_for_now(slot) for slot in behind))
-                await asyncio.sleep(0.05 * (attempt + 1))
-                continue
-            target = min(clocks)
-            log.warning("servers stay at steps %s: rolling back to step %d", clocks, target)
-            ahead = [slot for slot in slots if slot.clock > target]
-            # A server rolls back only with no worker live, and this one has just joined it.
-            await asyncio.gather(*(self._leave_for_now(slot) for slot in ahead))
-            await asyncio.gather(*(slot.rpc.rollback(target, self.incarnation) for slot in ahead))
-        raise ProtocolError(f"the servers could not be brought to one step: {clocks}")
+            behind = [slot for slot in slots if slot.clock < max(clocks)]
+            await asyncio.gather(*(self._leave_for_now(slot) for slot in behind))
+            if attempt >= CATCH_UP_TRIES:
+                if loop.time() >= deadline:
+                    raise ProtocolError(f"the servers could not be brought to one step: {clocks}")
+                await self._roll_back([slot for slot in slots if slot not in behind], clocks)
+            await asyncio.sleep(min(0.05 * (attempt + 1), RETRY_CAP))
+        raise AssertionError("unreachable")
+
+    async def _join_everywhere(self, config: str, first: bool) -> list[int]:
+        """PS_JOIN on every serving server; the clock each one gives this worker."""
+        joined = await asyncio.gather(*(self._join(slot, config, first) for slot in self.serving))
+        self.joined = True
+        for slot, (clock, seq, _) in zip(self.serving, joined, strict=True):
+            slot.joined(clock, seq)
+        self.barriers = max(self.barriers, joined[0][2])  # barriers are kept by the first server
+        return [slot.clock for slot in self.serving]
+
+    async def _roll_back(self, ahead: list[ServerSlot], clocks: list[int]) -> None:
+        """Ask the servers ``ahead`` to go back to the oldest step in ``clocks``, having stepped
+        aside there (a server rolls back only with no worker live). A server refuses (WorkerDropped)
+        while another worker is live there, or without a checkpoint of that step: then the caller
+        looks again."""
+        target = min(clocks)
+        log.warning("servers stay at steps %s: rolling back to step %d", clocks, target)
+        await asyncio.gather(*(self._leave_for_now(slot) for slot in ahead))
+        answers = await asyncio.gather(
+            *(slot.rpc.rollback(target, self.incarnation) for slot in ahead), return_exceptions=True
+        )
+        for answer in answers:
+            if isinstance(answer, WorkerDropped):
+                log.warning("worker %d: no rollback yet (%s): looking again", self.config.rank, answer)
+            elif isinstance(answer, BaseException):
+                raise answer
 
     async def _leave_for_now(self, slot: ServerSlot) -> None:
         await slot.rpc.leave(slot.clock, self.incarnation, final=False)
