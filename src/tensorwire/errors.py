@@ -13,6 +13,7 @@ of these. Each class says whether retrying the same call can help.
     │   ├── TransferTimeout            (also TimeoutError) a wait ran out
     │   │   └── WaitTimeout            the server waited for other workers and gave up; no retry
     │   ├── NotPrimary                 a parameter-server replica that does not serve now: try another
+    │   ├── CoordinatorUnavailable     the coordinator (etcd) did not answer in time, or refused
     │   ├── SharedMemoryUnavailable    shm:// asked for, but client and server share no memory; no retry
     │   └── RdmaUnavailable            rdma:// asked for, but no engine or no RDMA device; no retry
     ├── ProtocolError                  a peer broke the wire protocol
@@ -40,6 +41,7 @@ of these. Each class says whether retrying the same call can help.
     │                                  (its job token) or an operator's (the operator token); no retry
     ├── WeightUpdateFailed             an engine kept its weights: a generation could not be brought in
     ├── WorkerDropped                  the server does not count this worker in the job: rejoin
+    ├── LeaseLost                      a replica's term as a slot's primary is over: step down; no retry
     ├── ServerError                    an unexpected failure inside the server
     │   └── ReplicationRefused         a backup refused the primary's peer credentials: change not made
     │                                  (server side only; a client receives it as ServerError)
@@ -89,6 +91,15 @@ class WaitTimeout(TransferTimeout):
 class NotPrimary(TransportError):
     """This replica of a parameter server does not serve workers now (it is a backup whose primary
     is alive, or a primary a backup took over from): the client moves to another replica."""
+
+
+class CoordinatorUnavailable(TransportError):
+    """The coordinator that decides a parameter-server slot's primary (etcd, ``etcd://``) could not
+    be reached, did not answer within its timeout, or answered with something unusable; the message
+    names the endpoint and the call. Nothing is known about the outcome of a call that changes
+    state (a campaign may have taken the key: its lease is revoked, best-effort). Retrying can help
+    once the coordinator is back; a primary whose renewals keep failing must step down when its
+    term runs out, whatever this error says."""
 
 
 class SharedMemoryUnavailable(TransportError):
@@ -260,6 +271,13 @@ class NotAuthorized(TensorwireError, PermissionError):
 class WorkerDropped(TensorwireError):
     """The parameter server does not count this worker in its job: it missed its heartbeats, left,
     or the server restarted from a checkpoint. ``ps.Worker`` rejoins and carries on."""
+
+
+class LeaseLost(TensorwireError):
+    """A replica's term as its slot's primary is over: the coordinator no longer holds its lease
+    (it expired, was revoked) or the slot's leader key is no longer the one this term created. The
+    replica must stop serving as primary at once; campaigning again starts a new term (with a
+    larger epoch). Retrying the renewal cannot help."""
 
 
 class ServerError(TensorwireError):

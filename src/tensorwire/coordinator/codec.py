@@ -1,0 +1,102 @@
+"""What the coordinator stores, and the strict reading of it back.
+
+Anything under the prefix may have been written by someone else (an operator with ``etcdctl``,
+another program, an attacker with write access to the prefix): every value is read as untrusted.
+A value that is not exactly what ``encode_leader`` writes reads as "no valid leader" (``None``,
+with a warning naming the key and why), never as an exception, and never as a free slot: a
+campaign only creates a key that does not exist.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+
+from tensorwire.coordinator.base import Leader
+from tensorwire.logs import event
+
+log = logging.getLogger("tensorwire.coordinator")
+
+FORMAT_VERSION = 1
+MAX_VALUE = 4096  # bytes of a leader value: two short strings, and room to spare
+MAX_FIELD = 1024  # characters of member or address
+MAX_SLOT = 128
+MAX_INT64 = 2**63 - 1
+_SLOT = re.compile(r"[A-Za-z0-9._-]+")
+
+
+class BadValue(ValueError):
+    """A stored value or field that is not what this module writes; the message says why."""
+
+
+def check_slot(slot: str) -> str:
+    """``slot`` if it is a usable slot name (one key component), else ``ValueError``."""
+    if not isinstance(slot, str) or len(slot) > MAX_SLOT or not _SLOT.fullmatch(slot) or slot in {".", ".."}:
+        raise ValueError(f"slot name {str(slot)[:64]!r}: 1-{MAX_SLOT} characters of [A-Za-z0-9._-]")
+    return slot
+
+
+def leader_key(prefix: str, slot: str) -> bytes:
+    return f"{prefix}/slots/{check_slot(slot)}/leader".encode()
+
+
+def encode_leader(member: str, address: str) -> bytes:
+    """The leader key's value; ``ValueError`` for fields that ``decode_leader`` would refuse."""
+    for name, value in (("member", member), ("address", address)):
+        _check_field(name, value, ValueError)
+    doc = {"v": FORMAT_VERSION, "member": member, "address": address}
+    return json.dumps(doc, separators=(",", ":"), ensure_ascii=True).encode()
+
+
+def decode_leader(value: bytes, create_revision: int, lease: int) -> Leader:
+    """The leader a stored key names; ``BadValue`` saying why when it is not one we wrote."""
+    epoch = check_revision(create_revision, "create revision")
+    if check_int64(lease, "lease") == 0:
+        raise BadValue("the key is held by no lease (it would never expire)")
+    if len(value) > MAX_VALUE:
+        raise BadValue(f"value is {len(value)} bytes, over {MAX_VALUE}")
+    try:
+        doc = json.loads(value.decode("utf-8"))
+    except (ValueError, RecursionError) as exc:  # UnicodeDecodeError, JSONDecodeError are ValueErrors
+        raise BadValue(f"value is not JSON ({type(exc).__name__})") from exc
+    if not isinstance(doc, dict) or set(doc) != {"v", "member", "address"}:
+        raise BadValue("value is not an object of exactly v, member, address")
+    if type(doc["v"]) is not int or doc["v"] != FORMAT_VERSION:
+        raise BadValue(f"value's format version is not {FORMAT_VERSION}")
+    for name in ("member", "address"):
+        _check_field(name, doc[name], BadValue)
+    return Leader(doc["member"], doc["address"], epoch)
+
+
+def decode_or_warn(key: bytes, value: bytes, create_revision: int, lease: int) -> Leader | None:
+    """``decode_leader``, with a value that is not a leader logged and read as ``None``."""
+    try:
+        return decode_leader(value, create_revision, lease)
+    except BadValue as exc:
+        event(log, logging.WARNING, "coordinator key holds no valid leader", key=_show(key), why=str(exc))
+        return None
+
+
+def check_int64(value: object, what: str) -> int:
+    """``value`` if it is an int in 0..2**63-1 (what etcd's int64 fields may hold for us)."""
+    if type(value) is not int or not 0 <= value <= MAX_INT64:
+        raise BadValue(f"{what} {str(value)[:32]} is not an integer in 0..2**63-1")
+    return value
+
+
+def check_revision(value: object, what: str) -> int:
+    """``value`` if it is a positive int64 (a revision, a lease id)."""
+    number = check_int64(value, what)
+    if number == 0:
+        raise BadValue(f"{what} is 0")
+    return number
+
+
+def _check_field(name: str, value: object, error: type[ValueError]) -> None:
+    if not isinstance(value, str) or not value or len(value) > MAX_FIELD or not value.isprintable():
+        raise error(f"{name} is not a printable string of 1-{MAX_FIELD} characters")
+
+
+def _show(key: bytes) -> str:
+    return key[:200].decode("utf-8", "replace")
