@@ -17,7 +17,7 @@ from tensorwire.cli.server_options import flags_of, option_group
 from tensorwire.security import Security, TlsFiles, load_token
 
 if TYPE_CHECKING:  # the parameter server's modules load when a server starts
-    from tensorwire.ps import ParamServer
+    from tensorwire.ps import Coordination, ParamServer
 
 
 @dataclass(frozen=True)
@@ -38,6 +38,7 @@ class PsOptions:
     peer: Security = field(default_factory=Security)  # how the replicas of a slot reach and admit each other
     operator_token: str | None = None
     threads: int | None = None  # torch threads for the optimizer; None: half the cores, at most 4
+    coordinator: Coordination | None = None  # --coordinator and its flags: the lease decides the primary
 
     @property
     def torch_threads(self) -> int:
@@ -69,6 +70,7 @@ def param_server(ps: PsOptions, capacity: int) -> ParamServer:
         max_jobs=ps.max_jobs,
         keep_jobs=ps.keep_jobs,
         operator_token=ps.operator_token,
+        coordinator=ps.coordinator,
     )
     if policy is not None:
         for job in server.jobs.restore_all(policy.directory):
@@ -109,10 +111,23 @@ def _ps(
     peer_tls_cert: Path | None,
     peer_tls_key: Path | None,
     threads: int | None,
+    coordinator: str | None,
+    slot: str | None,
+    advertise: str | None,
+    lease_ttl: float,
+    coordinator_user: str | None,
+    coordinator_password_file: Path | None,
+    coordinator_tls_ca: Path | None,
+    coordinator_tls_cert: Path | None,
+    coordinator_tls_key: Path | None,
 ) -> PsOptions:
     peer = _peer_security(
         bool(backups) or standby, peer_token_file, TlsFiles(peer_tls_cert, peer_tls_key, peer_tls_ca)
     )
+    coordination = _coordination(
+        coordinator, slot, advertise, lease_ttl, coordinator_user, coordinator_password_file,
+        TlsFiles(coordinator_tls_cert, coordinator_tls_key, coordinator_tls_ca),
+    )  # fmt: skip
     operator = load_token(operator_token_file) if operator_token_file else None
     return PsOptions(
         workers,
@@ -129,7 +144,38 @@ def _ps(
         peer,
         operator,
         threads,
+        coordination,
     )
+
+
+def _coordination(
+    url: str | None,
+    slot: str | None,
+    advertise: str | None,
+    ttl: float,
+    user: str | None,
+    password_file: Path | None,
+    tls: TlsFiles,
+) -> Coordination | None:
+    """``--coordinator`` and its flags, checked together; None without ``--coordinator``."""
+    has_tls = tls.ca is not None or tls.cert is not None or tls.key is not None
+    if url is None:
+        if slot or advertise or user or password_file or has_tls:
+            raise click.UsageError("--slot, --advertise and --coordinator-* need --coordinator URL")
+        return None
+    if slot is None:
+        raise click.UsageError("--coordinator needs --slot NAME: the replica slot (the same on each of its replicas)")
+    if (user is None) != (password_file is None):
+        raise click.UsageError("--coordinator-user and --coordinator-password-file go together")
+    from tensorwire.ps import Coordination
+
+    password = load_token(password_file) if password_file is not None else None
+    try:
+        return Coordination(
+            url, slot, advertise, ttl, tls if has_tls else None, user, password
+        )
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from exc
 
 
 ps_options = option_group(
@@ -237,6 +283,40 @@ ps_options = option_group(
         default=None,
         help="Parameter server: torch threads for the optimizer [default: half the cores, at most 4].",
     ),
+    click.option(
+        "--coordinator",
+        metavar="URL",
+        help="Parameter server: etcd://HOST:2379[,HOST:2379...]/PREFIX (etcds:// for TLS): the replica "
+        "holding the slot's lease there is its primary (every replica of the slot starts as a backup).",
+    ),
+    click.option(
+        "--slot",
+        metavar="NAME",
+        help="Parameter server (--coordinator): this replica's slot, the same on each of its replicas.",
+    ),
+    click.option(
+        "--advertise",
+        metavar="URL",
+        callback=lambda ctx, param, value: None if value is None else url_param(ctx, param, value),
+        help="Parameter server (--coordinator): the URL the slot's peers (their --backup) and workers "
+        "reach this server at [default: the first --listen URL].",
+    ),
+    click.option(
+        "--lease-ttl",
+        type=click.FloatRange(min=1, max=3600),
+        default=3.0,
+        show_default=True,
+        help="Parameter server (--coordinator): seconds a primary's lease lasts without a renewal.",
+    ),
+    click.option("--coordinator-user", metavar="NAME", help="Parameter server: the etcd user (etcd's own auth)."),
+    click.option(
+        "--coordinator-password-file", type=FILE, help="Parameter server: the etcd user's password, in a file."
+    ),
+    click.option("--coordinator-tls-ca", type=FILE, help="Parameter server: CA of the etcd servers (etcds://)."),
+    click.option(
+        "--coordinator-tls-cert", type=FILE, help="Parameter server: client certificate for etcd (etcds://)."
+    ),
+    click.option("--coordinator-tls-key", type=FILE, help="The private key of --coordinator-tls-cert."),
 )
 
 # The flags above, for the message of a `tensorwire serve` given one of them.

@@ -31,6 +31,7 @@ from tensorwire.ps.exchange.client import ExchangeClient
 from tensorwire.ps.job import CheckpointPolicy, JobConfig, Mode
 from tensorwire.ps.optim import SGD, Adam, AdamW, OptimizerSpec
 from tensorwire.ps.placement import ParamSpec, Placement, Shard, plan
+from tensorwire.ps.server.leadership import Coordination
 from tensorwire.ps.server.param_server import ParamServer
 from tensorwire.ps.worker.worker import PushResult, Worker, pull_parameters
 
@@ -39,6 +40,7 @@ __all__ = [
     "Adam",
     "AdamW",
     "CheckpointPolicy",
+    "Coordination",
     "ExchangeClient",
     "JobConfig",
     "Mode",

@@ -30,7 +30,7 @@ from tensorwire.server import rdma as server_rdma
 from tensorwire.server import shm as server_shm
 from tensorwire.server.generation_ops import GenerationOps
 from tensorwire.server.options import ServerOptions, from_keywords
-from tensorwire.server.request import Attached, Extension, Handler, Request, opname, peer_token_of
+from tensorwire.server.request import Attached, Extension, Handler, Request, Started, opname, peer_token_of
 from tensorwire.server.session import Serving, Session
 from tensorwire.server.store_ops import StoreOps
 from tensorwire.store import TensorStore
@@ -181,6 +181,9 @@ class Server:
             )
         event(log, logging.INFO, "server started", addresses=[str(a) for a in self.addresses],
               metrics=self.exporter.url if self.exporter else None, pid=os.getpid())  # fmt: skip
+        for extension in self.extensions:
+            if isinstance(extension, Started):
+                await extension.started(self)
         return self.addresses
 
     @property

@@ -209,6 +209,15 @@ class Attached(Protocol):
 
 
 @runtime_checkable
+class Started(Protocol):
+    """An extension with work of its own once the server listens (the parameter server's
+    leadership campaigns for its slot's lease): ``Server.start`` awaits ``started(server)`` after
+    each start's listeners are up; it must be idempotent."""
+
+    async def started(self, server: Any) -> None: ...
+
+
+@runtime_checkable
 class Replicated(Protocol):
     """An extension whose replicas talk to each other (the parameter server). A HELLO offering its
     ``peer_token`` opens a peer session (``Request.from_peer``), also on a server whose clients

@@ -61,6 +61,7 @@ from tensorwire.ps.exchange.server import GradientExchange
 from tensorwire.ps.job import CheckpointPolicy, HeldShard, Job, JobConfig, Mode
 from tensorwire.ps.server import metrics, replication
 from tensorwire.ps.server.jobs import DEFAULT_MAX_JOBS, JobRun, Jobs, JobSettings
+from tensorwire.ps.server.leadership import Coordination
 from tensorwire.ps.server.lifecycle import Lifecycle
 from tensorwire.ps.server.membership import Member, Members
 from tensorwire.ps.server.relay import RelayPublisher
@@ -109,7 +110,8 @@ class ParamServer:
     most jobs held at once (job ids are chosen by peers); ``keep_jobs``: a job whose last worker
     left keeps its state (for a restart of its workers) instead of ending (ps/server/jobs.py).
     ``operator_token``: the servers' operator token (``ps serve --operator-token-file``), which may end
-    any job; a job's own token (ps/job.py) always may.
+    any job; a job's own token (ps/job.py) always may. ``coordinator``: the slot's primary is decided
+    by a lease in a coordinator (etcd; ps/server/leadership.py), not by the replicas themselves.
     """
 
     def __init__(
@@ -127,6 +129,7 @@ class ParamServer:
         max_jobs: int = DEFAULT_MAX_JOBS,
         keep_jobs: bool = False,
         operator_token: str | None = None,
+        coordinator: Coordination | None = None,
     ) -> None:
         self.capacity = capacity
         self.wait_timeout = wait_timeout
@@ -135,7 +138,10 @@ class ParamServer:
         self.budget = Budget(capacity)
         # The gradient exchange (ALLREDUCE, gRPC GradientService) rides on the same server.
         self.exchange = GradientExchange(workers, wait_timeout, capacity)
-        self._replica = replica = Replica(backups, peer, standby=standby, failover_timeout=failover_timeout)
+        leadership = coordinator.leadership(standby=standby) if coordinator is not None else None
+        self._replica = replica = Replica(
+            backups, peer, standby=standby, failover_timeout=failover_timeout, leadership=leadership
+        )
         settings = JobSettings(wait_timeout, heartbeat_timeout, checkpoints)
         self.jobs = Jobs(
             lambda job_id: JobRun(job_id, self.budget, replica, settings, self._lifecycle.drop),
@@ -161,6 +167,12 @@ class ParamServer:
                                                                   security.tls.ca is not None)  # fmt: skip
         self.relay.attach(server.generations, RelayCoordinator.of(server).chains)
 
+    async def started(self, server: Server) -> None:
+        """The server listens: with a coordinator, this replica watches and campaigns for its
+        slot's lease from now on (ps/server/leadership.py)."""
+        if server.addresses:
+            self._replica.lead(str(server.addresses[0]))
+
     # The server's own attributes, and its one job's (``sole``), under the names a ParamServer
     # always had.
     config = _Of[JobConfig | None]("_job")
@@ -184,6 +196,11 @@ class ParamServer:
     failover_timeout = _Of[float]("_replica")
     peer = _Of[Security]("_replica")
     replicate_refused = _Of[Counter[str]]("_replica")
+
+    def leadership_status(self) -> dict[str, Any] | None:
+        """The slot's leadership as this replica sees it (with a coordinator; else None)."""
+        leadership = self._replica.leadership
+        return leadership.status() if leadership is not None else None
 
     def job(self, job_id: str) -> JobRun | None:
         """The job ``job_id`` held here, with its parts (``.job``, ``.members``, ...), if any."""
@@ -308,6 +325,7 @@ class ParamServer:
             "keep_jobs": jobs.keep_jobs,
             "jobs_limit_refused": jobs.refused,
             "operator": self.operator,  # whether an operator token may end any job
+            "coordinator": self.leadership_status(),
             "relay": self.relay.stats(),
             "jobs": {run.id: run.summary() for run in jobs},
             "ended": [

@@ -12,7 +12,11 @@ to its backups (``Backups``); its module doc tells the whole scheme. Here:
   turn before it is made here (``replicate``): an acknowledged change is on every live backup.
 * ``serving``: a worker's request is refused (NOT_PRIMARY) unless this replica is the primary; a
   backup whose primary has been silent for ``failover_timeout`` takes over first (``_promote``).
-  A primary pings its backups twice a second while it serves.
+  A primary pings its backups twice a second while it serves. With a coordinator
+  (``ps serve --coordinator``, ps/server/leadership.py) the lease decides instead: every replica
+  starts as a backup, the lease holder is the primary at the coordinator's epoch (``take_over``),
+  it serves only while its term holds and steps down when it ends (``step_down``), and it writes
+  the slot's in-sync set before it acknowledges a change without a backup that was in it.
 * ``replicate``: a backup refusing a change with a newer epoch fences this primary (role
   ``fenced``: it answers NOT_PRIMARY from then on). A backup that is new, or back, first gets
   every job (the SYNC state transfer, from the ``Holder``: ps/server/jobs.py).
@@ -20,9 +24,10 @@ to its backups (``Backups``); its module doc tells the whole scheme. Here:
   session) under an epoch in range, follows a newer primary, takes a state transfer itself and
   hands every other change to the server to make, exactly as the primary made it.
 
-Lifecycle: made with the server (``standby``: a backup at epoch 0; else the primary at epoch 1),
-then given what holds the jobs (``hold``); the first request served starts the pings; ``close``
-stops them and closes the connections.
+Lifecycle: made with the server (``standby`` or a coordinator: a backup at epoch 0; else the
+primary at epoch 1), then given what holds the jobs (``hold``); ``lead`` starts the leadership
+(with a coordinator) once the server listens; the first request served starts the pings;
+``close`` stops them, resigns a term held and closes the connections.
 """
 
 from __future__ import annotations
@@ -34,7 +39,7 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any, Protocol
+from typing import Any, NoReturn, Protocol
 
 import torch
 
@@ -45,9 +50,11 @@ from tensorwire.errors import (
     NotPrimary,
     ProtocolError,
     ReplicationRefused,
+    TensorwireError,
 )
 from tensorwire.logs import event
 from tensorwire.ps.server import replication
+from tensorwire.ps.server.leadership import Leadership
 from tensorwire.security import Security
 from tensorwire.server.core import Request
 from tensorwire.types import TensorMeta
@@ -90,9 +97,12 @@ class Replica:
         *,
         standby: bool,
         failover_timeout: float,
+        leadership: Leadership | None = None,
     ) -> None:
-        self.role = "backup" if standby else "primary"
-        self.epoch = 0 if standby else 1
+        # With a coordinator every replica starts as a backup: the lease makes one the primary.
+        self.leadership = leadership
+        self.role = "backup" if standby or leadership is not None else "primary"
+        self.epoch = 0 if self.role == "backup" else 1
         self.failover_timeout = failover_timeout
         self.failovers = 0
         # How this replica reaches the others of its slot, and what they must offer it: the peer
@@ -141,16 +151,66 @@ class Replica:
     # -- the primary ----------------------------------------------------------------------------
     def serving(self) -> None:
         """Refuse a worker's request unless this replica is the primary. A backup whose primary has
-        been silent for ``failover_timeout`` takes over first."""
+        been silent for ``failover_timeout`` takes over first (without a coordinator)."""
+        if self.leadership is not None:
+            self._serving_by_lease(self.leadership)
+            return
         if self.role == "primary":
-            if self._backups is not None and self._pinging is None:
-                self._pinging = asyncio.get_running_loop().create_task(self._ping_backups())
+            self._start_pings()
             return
         seen = self._primary_seen
         if self.role == "backup" and seen is not None and time.monotonic() - seen > self.failover_timeout:
             self._promote()
             return
         raise NotPrimary(f"this replica is a {self.role} at epoch {self.epoch}: ask another one")
+
+    def _start_pings(self) -> None:
+        if self._backups is not None and self._pinging is None:
+            self._pinging = asyncio.get_running_loop().create_task(self._ping_backups())
+
+    def _serving_by_lease(self, leadership: Leadership) -> None:
+        """Serve while this replica's term holds; past it, step down and name the leader known."""
+        if self.role == "primary":
+            if leadership.holds(self):
+                self._start_pings()
+                return
+            leadership.give_up(self, "its term ran out: no renewal for the lease's ttl less the margin")
+        raise NotPrimary(f"this replica is a {self.role} at epoch {self.epoch}: {leadership.named_leader()}")
+
+    def lead(self, listening: str) -> None:
+        """Start watching and campaigning for the slot's lease (with a coordinator; idempotent);
+        ``listening``: the server's first address (this replica's name without ``--advertise``)."""
+        if self.leadership is not None:
+            self.leadership.start(self, listening)
+
+    def take_over(self, epoch: int) -> None:
+        """This backup won the slot's lease: the primary, at the coordinator's ``epoch``."""
+        if not self.epoch < epoch < replication.MAX_EPOCH:  # etcd revisions only grow
+            raise ProtocolError(f"the coordinator's epoch {epoch} is not past this replica's {self.epoch}")
+        self.epoch = epoch - 1  # _promote counts it up
+        self._promote()
+
+    def step_down(self, why: str) -> None:
+        """The term ended: acknowledge nothing more; a backup, following whoever leads next."""
+        self.role = "backup"
+        event(log, logging.WARNING, "stepped down: this primary no longer holds its slot's lease",
+              epoch=self.epoch, why=why)  # fmt: skip
+
+    def in_sync(self) -> list[str]:
+        """The backups that hold every change acknowledged so far (the in-sync set, less this one)."""
+        if self._backups is None:
+            return []
+        return [b.url for b in self._backups.backups.values() if b.synced and not b.lost and not b.refused]
+
+    def reaches_all(self) -> bool:
+        """Whether every backup applied a change or ping lately (the failsafe: ps/server/leadership.py)."""
+        if self._backups is None:
+            return True
+        recent = time.monotonic() - 4 * replication.PING_SECONDS
+        return all(
+            b.synced and not b.lost and b.acked is not None and b.acked >= recent
+            for b in self._backups.backups.values()
+        )
 
     def _promote(self) -> None:
         if self.epoch + 1 >= replication.MAX_EPOCH:  # cannot happen: epochs are checked on receipt
@@ -162,7 +222,7 @@ class Replica:
         self.holder.promoted()  # a grace period: the workers are moving over from the old primary
         if self._backups is not None and self._pinging is None:  # its peers become its backups
             self._backups.reset()
-            self._pinging = asyncio.get_running_loop().create_task(self._ping_backups())
+            self._start_pings()
         event(log, logging.WARNING, "failover: this backup takes over", epoch=self.epoch,
               jobs=self.holder.describe(), silent_s=round(now - (self._primary_seen or now), 3))  # fmt: skip
 
@@ -175,15 +235,36 @@ class Replica:
             # It stepped down (fenced, or following a newer primary) while this request waited
             # for its turn: the change must not be made or acknowledged here, only by the primary.
             raise NotPrimary(f"this replica became a {self.role} at epoch {self.epoch}: ask another one")
-        if self._backups is None:
-            return
-        meta = replication.encode(change, self.epoch, head, body)
+        leadership = self.leadership
+        if leadership is not None and not leadership.holds(self):  # e.g. woken from a long pause
+            leadership.give_up(self, "its term ran out while a change waited")
+            raise NotPrimary(f"this replica's term ran out: {leadership.named_leader()}")
+        if self._backups is not None:
+            meta = replication.encode(change, self.epoch, head, body)
+            try:
+                ping = change == replication.Change.PING
+                await self._backups.send(meta, data, self._state_transfer, ping=ping)
+            except NotPrimary:
+                self._fenced()
+        if leadership is not None:
+            await self._publish_in_sync(leadership)
+
+    def _fenced(self) -> NoReturn:
+        self.role = "fenced"
+        if self.leadership is not None:
+            self.leadership.give_up(self, "a backup took over from it")
+        event(log, logging.ERROR, "fenced: a backup took over from this primary", epoch=self.epoch)
+        raise NotPrimary("this primary was fenced: a backup took over; ask another replica") from None
+
+    async def _publish_in_sync(self, leadership: Leadership) -> None:
+        """The in-sync set as the coordinator must know it before this change is acknowledged;
+        a primary that cannot write it (its term is over, the coordinator unreachable while a
+        backup was lost) steps down and the change is not acknowledged."""
         try:
-            await self._backups.send(meta, data, self._state_transfer, ping=change == replication.Change.PING)
-        except NotPrimary:
-            self.role = "fenced"
-            event(log, logging.ERROR, "fenced: a backup took over from this primary", epoch=self.epoch)
-            raise NotPrimary("this primary was fenced: a backup took over; ask another replica") from None
+            await leadership.publish_in_sync(self)
+        except TensorwireError as exc:
+            leadership.give_up(self, f"the slot's in-sync set could not be written ({exc})")
+            raise NotPrimary(f"this replica stepped down: {leadership.named_leader()}") from exc
 
     def _state_transfer(self) -> tuple[bytes, list[memoryview]] | None:
         """The SYNC change: every job, as it is between two changes (we are in ``in_order``)."""
@@ -224,6 +305,8 @@ class Replica:
             await request.skip()
             raise NotPrimary(f"epoch {epoch} is over: this replica is a {self.role} at epoch {self.epoch}")
         if self.role != "backup":
+            if self.leadership is not None:
+                self.leadership.give_up(self, f"a primary at epoch {epoch} took over")
             # A newer primary: it took over from this one (which was slow or cut off, or fenced
             # already). Step down and follow it; its state transfer comes first. Refusing would
             # fence it too and leave the slot with no primary.
@@ -251,11 +334,15 @@ class Replica:
         tensors = {m.name: torch.empty(m.shape, dtype=m.dtype) for m in metas}
         await request.receive([byte_view(t) for t in tensors.values()])
         await self.holder.load_all(state, tensors)
+        if self.leadership is not None:
+            self.leadership.state_received()
         log.info("state transfer from the primary: %s", self.holder.describe())
 
     async def close(self) -> None:
-        """Stop pinging and close the connections to the backups."""
+        """Stop pinging, resign a term held, and close the connections to the backups."""
         await cancel_and_wait(self._pinging)
         self._pinging = None
+        if self.leadership is not None:
+            await self.leadership.close()
         if self._backups is not None:
             await self._backups.close()

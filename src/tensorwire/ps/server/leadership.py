@@ -1,0 +1,316 @@
+"""A replica slot's primary, decided by a coordinator's lease (``ps serve --coordinator``):
+``Leadership``.
+
+Without a coordinator a slot's replicas decide among themselves (ps/server/replica.py: a standby
+takes over when its primary has been silent for ``failover_timeout`` and a worker asks). With one,
+they do what Patroni and Kubernetes controllers do: every replica starts as a backup; the one
+holding the slot's lease is the primary, under the coordinator's number for that term as its epoch
+(etcd: the revision that created the leader key), so the fencing token comes from the
+coordinator, not from a process.
+
+* **Keeping the term.** The primary renews every ``ttl / 3``. Its term holds until ``ttl -
+  margin`` after the last renewal *was sent* (``Term.valid_until``): the coordinator cannot let the
+  lease pass before then. Past it, the primary stops acknowledging (``holds`` is false: the replica
+  answers NOT_PRIMARY naming the leader it knows) unless the failsafe below applies. A renewal
+  answered "lease lost" ends the term at once.
+* **Failsafe.** With the coordinator unreachable, a primary that still reaches every replica of
+  its slot (each applied the last ping or change) keeps serving, as Patroni's failsafe mode does:
+  no replica can have taken over without the lease, and one that did would refuse this primary's
+  next change (a newer epoch fences it). A primary that lost a replica steps down instead.
+* **Who may take over.** The primary keeps the slot's *in-sync set* in the coordinator: itself and
+  the backups that hold every change it acknowledged. It writes the set (bound to its term: a
+  write after the term ended fails) before it acknowledges anything without a backup that was in
+  it. A backup campaigns only once the lease is gone, only if it is in the set and has received
+  the state since this process started (a restarted, empty replica is not up to date, whatever
+  its address), and the campaign fails if the set changed meanwhile. A slot whose in-sync replicas
+  are all gone stays down and says why (``down``: status, metrics, log), rather than lose
+  acknowledged updates; an operator who accepts the loss deletes the in-sync key.
+* A replica started with ``--standby`` lets the others campaign first: it waits one ``ttl`` at start.
+
+Lifecycle: made with the server's options, ``start(replica)`` on the server's loop when the
+replica starts serving (a task watches the leader and campaigns or renews), ``close`` resigns a
+held term (the lease goes at once: a successor need not wait for it to run out) and closes the
+coordinator.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from tensorwire._aio import cancel_and_wait
+from tensorwire.coordinator import Coordinator, Leader, Term, open_coordinator
+from tensorwire.coordinator.codec import check_slot
+from tensorwire.errors import CoordinatorUnavailable, LeaseLost, TensorwireError
+from tensorwire.logs import event
+from tensorwire.security import TlsFiles
+
+log = logging.getLogger("tensorwire.ps")
+DEFAULT_TTL = 3.0
+COORDINATOR_TIMEOUT = 2.0  # each call to the coordinator (a renewal: at most a third of the ttl)
+_WILDCARDS = ("0.0.0.0", "::", "[::]", "")
+
+
+@dataclass(frozen=True)
+class Coordination:
+    """How a replica takes part in its slot's leadership (``ps serve --coordinator URL --slot
+    NAME``): the coordinator's URL and credentials, the slot, the address the slot's peers and
+    workers reach this replica at (``--advertise``; default: where it listens), the lease's ttl."""
+
+    url: str
+    slot: str
+    advertise: str | None = None
+    ttl: float = DEFAULT_TTL
+    tls: TlsFiles | None = None
+    user: str | None = None
+    password: str | None = field(default=None, repr=False)
+    timeout: float = COORDINATOR_TIMEOUT
+
+    def __post_init__(self) -> None:
+        check_slot(self.slot)
+        if self.ttl < 1:
+            raise ValueError(f"lease ttl {self.ttl!r}: at least 1 second")
+
+    def leadership(self, *, standby: bool) -> Leadership:
+        coordinator = open_coordinator(
+            self.url, tls=self.tls, user=self.user, password=self.password, timeout=self.timeout
+        )
+        return Leadership(coordinator, self.slot, self.advertise, ttl=self.ttl, standby=standby)
+
+
+class Led(Protocol):
+    """The replica, as its leadership drives it (ps/server/replica.py ``Replica``)."""
+
+    role: str
+
+    def take_over(self, epoch: int) -> None:
+        """This backup won the lease: become the primary at ``epoch``."""
+        ...
+
+    def step_down(self, why: str) -> None:
+        """The term ended: stop acknowledging; a backup from now on."""
+        ...
+
+    def in_sync(self) -> list[str]:
+        """The backups that hold every change acknowledged so far (their URLs)."""
+        ...
+
+    def reaches_all(self) -> bool:
+        """Whether every backup of the slot applied the last ping or change (the failsafe)."""
+        ...
+
+
+class Leadership:
+    """This replica's part in its slot's leadership by lease (see the module doc)."""
+
+    def __init__(
+        self,
+        coordinator: Coordinator,
+        slot: str,
+        address: str | None,
+        *,
+        ttl: float = DEFAULT_TTL,
+        standby: bool = False,
+    ) -> None:
+        if ttl < 1:
+            raise ValueError(f"lease ttl {ttl!r}: at least 1 second")
+        self.coordinator = coordinator
+        self.slot = slot
+        # This replica's member name, as the others list it with --backup (None: ``start`` says).
+        self.address = address or ""
+        self.ttl = ttl
+        self.margin = max(0.2, ttl / 6)  # what a renewal's answer may take beyond the send time
+        self.term: Term | None = None
+        self.leader: Leader | None = None  # the slot's leader as last seen
+        self.synced = False  # received the state from a primary since this process started
+        self.down: str | None = None  # why this replica may not take over, when it may not
+        self.failsafe = False  # serving past the term: the coordinator is unreachable
+        self.step_downs = 0
+        self.unavailable = 0  # coordinator calls that failed
+        self._standby = standby
+        self._published: list[str] | None = None  # the in-sync set as last written
+        self._changed = asyncio.Event()
+        self._tasks: list[asyncio.Task[None]] = []
+
+    # -- what the replica asks --------------------------------------------------------------------
+    def holds(self, replica: Led) -> bool:
+        """Whether this replica may act as the primary now: its term holds, or (coordinator
+        unreachable) the failsafe keeps it."""
+        term = self.term
+        if term is None:
+            return False
+        if not term.expired(self.margin):
+            return True
+        self.failsafe = self.unavailable > 0 and replica.reaches_all()
+        return self.failsafe
+
+    def named_leader(self) -> str:
+        """The leader to name in a NOT_PRIMARY answer."""
+        leader = self.leader
+        if leader is None or leader.address == self.address:
+            return "no primary is known now" + (f" ({self.down})" if self.down else "")
+        return f"the primary is {leader.address} (epoch {leader.epoch})"
+
+    async def publish_in_sync(self, replica: Led) -> None:
+        """Write the in-sync set if it changed; before a change is acknowledged without a backup
+        that was in it. LeaseLost or CoordinatorUnavailable: the change must not be acknowledged
+        (unless the failsafe holds and nothing was lost: a set that only grew)."""
+        members = [self.address, *sorted(replica.in_sync())]
+        published = self._published
+        if members == published or self.term is None:
+            return
+        try:
+            await self.coordinator.set_in_sync(self.term, members)
+        except CoordinatorUnavailable:
+            self.unavailable += 1
+            if published is not None and set(published) <= set(members):
+                return  # it only grew: the set written still names no one out of date
+            raise
+        self._published = members
+        log.info("slot %s: in sync %s", self.slot, members)
+
+    def state_received(self) -> None:
+        """A state transfer from a primary arrived: this backup is up to date from now on."""
+        self.synced = True
+
+    def status(self) -> dict[str, object]:
+        """This replica's view of its slot's leadership (PS_STATS, STATUS, metrics)."""
+        leader = self.leader
+        return {
+            "slot": self.slot,
+            "member": self.address,
+            "leader": leader.address if leader is not None else None,
+            "leader_epoch": leader.epoch if leader is not None else None,
+            "holds_term": self.term is not None,
+            "in_sync": list(self._published or []),
+            "down": self.down,
+            "failsafe": self.failsafe,
+            "step_downs": self.step_downs,
+            "coordinator_errors": self.unavailable,
+        }
+
+    # -- the task ---------------------------------------------------------------------------------
+    def start(self, replica: Led, listening: str) -> None:
+        """Watch the slot's leader and campaign or renew, on the running loop (idempotent).
+        ``listening``: the server's first address, this replica's name without ``--advertise``."""
+        if self._tasks:
+            return
+        if not self.address:
+            host = listening.split("://", 1)[-1].rsplit(":", 1)[0]
+            if host in _WILDCARDS:
+                raise ValueError(
+                    f"this server listens on {listening}: give --advertise the URL its slot's peers "
+                    "and workers reach it at (the one they list it with)"
+                )
+            self.address = listening
+        loop = asyncio.get_running_loop()
+        self._tasks = [loop.create_task(self._watch()), loop.create_task(self._lead(replica))]
+
+    async def _watch(self) -> None:
+        while True:
+            try:
+                async for leader in self.coordinator.watch(self.slot):
+                    self.leader = leader
+                    self._changed.set()
+            except TensorwireError as exc:  # the first read failed: the campaign loop says so
+                self.unavailable += 1
+                log.debug("slot %s: watching the leader failed (%s)", self.slot, exc)
+            await asyncio.sleep(self.ttl / 3)
+
+    async def _lead(self, replica: Led) -> None:
+        if self._standby:  # let the others campaign first
+            await asyncio.sleep(self.ttl)
+        while True:
+            if self.term is None:
+                await self._campaign(replica)
+            else:
+                await self._renew(replica)
+
+    async def _campaign(self, replica: Led) -> None:
+        """Wait for the lease to be free, then try to take it (if this replica may)."""
+        self._changed.clear()
+        try:
+            in_sync = await self._may_campaign()
+            if in_sync is not None:
+                term = await self.coordinator.campaign(
+                    self.slot, self.address, self.address, self.ttl, in_sync_revision=in_sync
+                )
+                if term is not None:
+                    self._won(term, replica)
+                    return
+        except CoordinatorUnavailable as exc:
+            self.unavailable += 1
+            log.info("slot %s: campaign not possible now (%s)", self.slot, exc)
+        with contextlib.suppress(TimeoutError):  # a watch event, or a look again after a while
+            await asyncio.wait_for(self._changed.wait(), self.ttl / 3)
+
+    async def _may_campaign(self) -> int | None:
+        """If the lease is free and this replica is up to date, the revision of the in-sync set
+        that says so (0: none written yet, a new slot), which the campaign requires unchanged (a
+        replica paused between this read and its campaign must not win on what it read). Else
+        None, and ``down`` says why."""
+        if await self.coordinator.leader(self.slot) is not None:
+            self.down = None
+            return None
+        in_sync = await self.coordinator.in_sync(self.slot)
+        if in_sync is None:  # a new slot: every replica is as up to date as the others
+            return 0
+        if self.address in in_sync.members and self.synced:
+            return in_sync.revision
+        listed = list(in_sync.members[:8])
+        state = "is not in it" if self.address not in in_sync.members else "restarted since"
+        why = f"slot {self.slot} has no primary; the in-sync set is {listed} and this replica {state}"
+        if why != self.down:
+            event(log, logging.ERROR, "slot down: this replica is not up to date, so it may not take over",
+                  slot=self.slot, in_sync=listed, this=self.address, synced=self.synced)  # fmt: skip
+        self.down = why
+        return None
+
+    def _won(self, term: Term, replica: Led) -> None:
+        self.term, self.down, self.failsafe, self._published = term, None, False, None
+        self.leader = term.leader
+        self.synced = True  # a primary holds its own state
+        replica.take_over(term.epoch)
+
+    async def _renew(self, replica: Led) -> None:
+        term = self.term
+        assert term is not None
+        await asyncio.sleep(max(0.0, term.renewed_at + term.ttl / 3 - time.monotonic()))
+        try:
+            self.term = await self.coordinator.renew(term)
+            self.unavailable, self.failsafe = 0, False
+            await self.publish_in_sync(replica)
+        except LeaseLost as exc:
+            self._lost(replica, str(exc))
+        except CoordinatorUnavailable as exc:
+            self.unavailable += 1
+            if term.expired(self.margin) and not self.holds(replica):
+                self._lost(replica, f"the term ran out with the coordinator unreachable ({exc})")
+            else:
+                await asyncio.sleep(min(0.25, term.ttl / 12))
+
+    def give_up(self, replica: Led, why: str) -> None:
+        """The term is over (lost, run out, or the in-sync set could not be written): a backup now."""
+        self._lost(replica, why)
+
+    def _lost(self, replica: Led, why: str) -> None:
+        self.term, self.failsafe = None, False
+        self.step_downs += 1
+        if replica.role == "primary":
+            replica.step_down(why)
+
+    async def close(self) -> None:
+        """Stop watching and campaigning; resign a term held (a successor need not wait out its
+        lease); close the coordinator."""
+        for task in self._tasks:
+            await cancel_and_wait(task)
+        self._tasks = []
+        if self.term is not None:
+            await self.coordinator.resign(self.term)
+            self.term = None
+        await self.coordinator.close()
+
