@@ -14,16 +14,19 @@ from typing import Any, TypeVar
 
 import grpc
 import pytest
-from aetcd import rpc
 
 from tensorwire.coordinator import Coordinator, Leader, Term, open_coordinator
 from tensorwire.coordinator.codec import leader_key
 from tensorwire.coordinator.local import LocalEtcd
 from tensorwire.errors import CoordinatorUnavailable, LeaseLost
 
+rpc = pytest.importorskip("aetcd.rpc", reason="the etcd extra (aetcd) is not installed")
+
 pytestmark = [
     pytest.mark.slow,  # starts etcd processes
-    pytest.mark.skipif(shutil.which("etcd") is None, reason="etcd not on PATH (apt-get install etcd-server)"),
+    pytest.mark.skipif(
+        shutil.which("etcd") is None, reason="etcd not on PATH (as root: apt-get install etcd-server)"
+    ),
 ]
 
 T = TypeVar("T")

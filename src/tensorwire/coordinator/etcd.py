@@ -20,7 +20,7 @@ from aetcd import rpc
 
 from tensorwire.client.retry import RetryPolicy, backoff, retrying
 from tensorwire.coordinator import codec
-from tensorwire.coordinator.base import Coordinator, Leader, Term
+from tensorwire.coordinator.base import DEFAULT_TIMEOUT, Coordinator, Leader, Term
 from tensorwire.coordinator.etcd_rpc import EtcdConnection, Stubs, log_ignored
 from tensorwire.coordinator.url import CoordinatorUrl
 from tensorwire.coordinator.watch import open_watch
@@ -30,7 +30,6 @@ from tensorwire.security import TlsFiles
 
 log = logging.getLogger("tensorwire.coordinator")
 
-DEFAULT_TIMEOUT = 2.0
 MAX_TTL = 3600.0  # a term longer than an hour would leave a dead primary's slot empty that long
 WATCH_IDLE = 10.0  # seconds a watch stream may be quiet before etcd is asked to show it is alive
 # After a broken watch stream: retry until the coordinator is closed, never more than 1 s apart.
