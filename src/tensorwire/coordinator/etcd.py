@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import math
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -61,6 +62,8 @@ class EtcdCoordinator(Coordinator):
 
     # -- campaign, renew, resign ---------------------------------------------------------------
     async def campaign(self, slot: str, member: str, address: str, ttl: float) -> Term | None:
+        """Three calls at most, each bounded by the timeout: grant a lease, create the key in a
+        transaction, and (lost, or failed after the grant) revoke the lease."""
         key = codec.leader_key(self.prefix, slot)
         value = codec.encode_leader(member, address)
         if not 1 <= ttl <= MAX_TTL:
@@ -81,7 +84,7 @@ class EtcdCoordinator(Coordinator):
 
     async def _grant(self, slot: str, ttl: float) -> tuple[int, float]:
         async def op(stubs: Stubs, left: float) -> Any:
-            request = rpc.LeaseGrantRequest(TTL=int(ttl))
+            request = rpc.LeaseGrantRequest(TTL=math.ceil(ttl))  # whole seconds; the term keeps ttl
             return await stubs.lease.LeaseGrant(request, timeout=left, metadata=stubs.metadata)
 
         reply = await self._conn.call(f"lease grant for slot {slot}", op)

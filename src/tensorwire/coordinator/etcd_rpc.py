@@ -44,6 +44,7 @@ Metadata = tuple[tuple[str, str], ...]
 MAX_RECEIVE = 4 * 1024 * 1024
 _DETAILS = 200  # characters of an error's details (etcd's, or a peer's) quoted in a message
 _TOKEN_EXPIRED = "invalid auth token"
+_REFUSED = ("authentication failed", "user name is empty")  # INVALID_ARGUMENT, for etcd 3.4
 _TLS_FAILURE = ("handshake", "ssl", "certificate")
 
 
@@ -162,7 +163,7 @@ class EtcdConnection:
         where = stubs.endpoint.target if stubs is not None else self._current_target()
         if code == grpc.StatusCode.PERMISSION_DENIED:
             return NotAuthorized(f"etcd at {where} refused {what}: {details}")
-        if code == grpc.StatusCode.UNAUTHENTICATED or "authentication failed" in details:
+        if code == grpc.StatusCode.UNAUTHENTICATED or any(text in details for text in _REFUSED):
             return AuthenticationError(f"etcd at {where} refused the credentials ({what}): {details}")
         if code == grpc.StatusCode.FAILED_PRECONDITION and "authentication is not enabled" in details:
             return AuthenticationError(f"etcd at {where} has no authentication, but a user was given")
