@@ -73,6 +73,10 @@ def test_the_factory_table_and_its_refusals() -> None:
         open_coordinator("zookeeper://a:2181/p")
     with pytest.raises(ValueError, match="TLS is etcds://"):
         open_coordinator("etcd://a/p", tls=TlsFiles())
+
+
+def test_the_etcd_coordinator_refuses_half_credentials_and_unbounded_timeouts() -> None:
+    pytest.importorskip("aetcd", reason="the etcd extra (aetcd) is not installed")
     with pytest.raises(ValueError, match="both a user and a password"):
         open_coordinator("etcd://a/p", user="u")
     with pytest.raises(ValueError, match="timeout"):

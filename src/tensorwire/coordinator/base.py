@@ -32,6 +32,8 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
+DEFAULT_TIMEOUT = 2.0  # seconds any one call to the coordinator may take
+
 
 @dataclass(frozen=True, slots=True)
 class Leader:

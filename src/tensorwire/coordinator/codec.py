@@ -22,7 +22,7 @@ FORMAT_VERSION = 1
 MAX_VALUE = 4096  # bytes of a leader value: two short strings, and room to spare
 MAX_FIELD = 1024  # characters of member or address
 MAX_SLOT = 128
-MAX_INT64 = 2**63 - 1
+MAX_INT64 = 2**63 - 2  # int64's top, less one: a watch starts at a revision read plus one
 _SLOT = re.compile(r"[A-Za-z0-9._-]+")
 
 
@@ -79,9 +79,9 @@ def decode_or_warn(key: bytes, value: bytes, create_revision: int, lease: int) -
 
 
 def check_int64(value: object, what: str) -> int:
-    """``value`` if it is an int in 0..2**63-1 (what etcd's int64 fields may hold for us)."""
+    """``value`` if it is an int in 0..2**63-2 (what etcd's int64 fields may hold for us)."""
     if type(value) is not int or not 0 <= value <= MAX_INT64:
-        raise BadValue(f"{what} {str(value)[:32]} is not an integer in 0..2**63-1")
+        raise BadValue(f"{what} {str(value)[:32]} is not an integer in 0..2**63-2")
     return value
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import math
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -20,7 +21,7 @@ from aetcd import rpc
 
 from tensorwire.client.retry import RetryPolicy, backoff, retrying
 from tensorwire.coordinator import codec
-from tensorwire.coordinator.base import Coordinator, Leader, Term
+from tensorwire.coordinator.base import DEFAULT_TIMEOUT, Coordinator, Leader, Term
 from tensorwire.coordinator.etcd_rpc import EtcdConnection, Stubs, log_ignored
 from tensorwire.coordinator.url import CoordinatorUrl
 from tensorwire.coordinator.watch import open_watch
@@ -30,7 +31,6 @@ from tensorwire.security import TlsFiles
 
 log = logging.getLogger("tensorwire.coordinator")
 
-DEFAULT_TIMEOUT = 2.0
 MAX_TTL = 3600.0  # a term longer than an hour would leave a dead primary's slot empty that long
 WATCH_IDLE = 10.0  # seconds a watch stream may be quiet before etcd is asked to show it is alive
 # After a broken watch stream: retry until the coordinator is closed, never more than 1 s apart.
@@ -62,6 +62,8 @@ class EtcdCoordinator(Coordinator):
 
     # -- campaign, renew, resign ---------------------------------------------------------------
     async def campaign(self, slot: str, member: str, address: str, ttl: float) -> Term | None:
+        """Three calls at most, each bounded by the timeout: grant a lease, create the key in a
+        transaction, and (lost, or failed after the grant) revoke the lease."""
         key = codec.leader_key(self.prefix, slot)
         value = codec.encode_leader(member, address)
         if not 1 <= ttl <= MAX_TTL:
@@ -82,7 +84,7 @@ class EtcdCoordinator(Coordinator):
 
     async def _grant(self, slot: str, ttl: float) -> tuple[int, float]:
         async def op(stubs: Stubs, left: float) -> Any:
-            request = rpc.LeaseGrantRequest(TTL=int(ttl))
+            request = rpc.LeaseGrantRequest(TTL=math.ceil(ttl))  # whole seconds; the term keeps ttl
             return await stubs.lease.LeaseGrant(request, timeout=left, metadata=stubs.metadata)
 
         reply = await self._conn.call(f"lease grant for slot {slot}", op)

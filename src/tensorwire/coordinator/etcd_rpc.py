@@ -44,6 +44,8 @@ Metadata = tuple[tuple[str, str], ...]
 MAX_RECEIVE = 4 * 1024 * 1024
 _DETAILS = 200  # characters of an error's details (etcd's, or a peer's) quoted in a message
 _TOKEN_EXPIRED = "invalid auth token"
+_MAX_TOKEN = 4096  # etcd's simple tokens are 16 letters and a number; JWTs a few hundred bytes
+_REFUSED = ("authentication failed", "user name is empty")  # INVALID_ARGUMENT, for etcd 3.4
 _TLS_FAILURE = ("handshake", "ssl", "certificate")
 
 
@@ -137,7 +139,7 @@ class EtcdConnection:
             name, password = self._user
             request = rpc.AuthenticateRequest(name=name, password=password)
             reply = await rpc.AuthStub(channel).Authenticate(request, timeout=timeout)
-            metadata = (("token", str(reply.token)),)
+            metadata = (("token", _checked_token(reply.token, endpoint)),)
         return Stubs(rpc.KVStub(channel), rpc.LeaseStub(channel), rpc.WatchStub(channel), metadata, endpoint)
 
     def drop(self, stubs: Stubs | None) -> None:
@@ -162,7 +164,7 @@ class EtcdConnection:
         where = stubs.endpoint.target if stubs is not None else self._current_target()
         if code == grpc.StatusCode.PERMISSION_DENIED:
             return NotAuthorized(f"etcd at {where} refused {what}: {details}")
-        if code == grpc.StatusCode.UNAUTHENTICATED or "authentication failed" in details:
+        if code == grpc.StatusCode.UNAUTHENTICATED or any(text in details for text in _REFUSED):
             return AuthenticationError(f"etcd at {where} refused the credentials ({what}): {details}")
         if code == grpc.StatusCode.FAILED_PRECONDITION and "authentication is not enabled" in details:
             return AuthenticationError(f"etcd at {where} has no authentication, but a user was given")
@@ -183,6 +185,14 @@ class EtcdConnection:
 
     def _current_target(self) -> str:
         return self.endpoints[self._next % len(self.endpoints)].target
+
+
+def _checked_token(token: object, endpoint: Endpoint) -> str:
+    # Sent back as gRPC metadata on every call: what gRPC would refuse there (or a token that
+    # makes every request large) is refused here, once, as etcd's fault.
+    if isinstance(token, str) and 0 < len(token) <= _MAX_TOKEN and token.isascii() and token.isprintable():
+        return token
+    raise AuthenticationError(f"etcd at {endpoint.target} answered authentication with an unusable token")
 
 
 def _tls_failed(exc: grpc.aio.AioRpcError) -> bool:

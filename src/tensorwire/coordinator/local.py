@@ -22,13 +22,17 @@ from __future__ import annotations
 import contextlib
 import shutil
 import socket
+import ssl
 import subprocess
 import tempfile
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Sequence
 from pathlib import Path
 from types import TracebackType
+
+from tensorwire.security import TlsFiles, client_ssl_context
 
 START_TIMEOUT = 20.0
 _HEALTH_POLL = 0.05
@@ -37,8 +41,19 @@ _HEALTH_POLL = 0.05
 class LocalEtcd:
     """One etcd process on loopback (see the module docstring for the lifecycle)."""
 
-    def __init__(self, prefix: str = "/tensorwire", data_dir: Path | None = None) -> None:
+    def __init__(
+        self,
+        prefix: str = "/tensorwire",
+        data_dir: Path | None = None,
+        extra_args: Sequence[str] = (),
+        tls: TlsFiles | None = None,
+    ) -> None:
         self.prefix = prefix
+        # TLS (etcds://): the server's cert and key; a ca asks clients for certificates it signed.
+        # The health check presents the server's own certificate (development certificates,
+        # security/certs.py, serve both ways).
+        self.tls = tls
+        self.extra_args = tuple(extra_args)  # more etcd flags: "--auth-token-ttl=1"
         self.client_port = _free_port()
         self.peer_port = _free_port()
         self._own_dir = data_dir is None
@@ -48,11 +63,13 @@ class LocalEtcd:
 
     @property
     def url(self) -> str:
-        return f"etcd://127.0.0.1:{self.client_port}{self.prefix}"
+        scheme = "etcd" if self.tls is None else "etcds"
+        return f"{scheme}://127.0.0.1:{self.client_port}{self.prefix}"
 
     @property
     def client_url(self) -> str:
-        return f"http://127.0.0.1:{self.client_port}"
+        scheme = "http" if self.tls is None else "https"
+        return f"{scheme}://127.0.0.1:{self.client_port}"
 
     def start(self, timeout: float = START_TIMEOUT) -> LocalEtcd:
         if self._proc is not None and self._proc.poll() is None:
@@ -121,22 +138,39 @@ class LocalEtcd:
             "--election-timeout=500",
             "--logger=zap",
             "--log-outputs=stderr",
+            *self._tls_args(),
+            *self.extra_args,
         ]
+
+    def _tls_args(self) -> list[str]:
+        if self.tls is None:
+            return []
+        if self.tls.cert is None or self.tls.key is None:
+            raise ValueError("LocalEtcd with TLS needs the server's cert and key")
+        args = [f"--cert-file={self.tls.cert}", f"--key-file={self.tls.key}"]
+        if self.tls.ca is not None:
+            args += [f"--trusted-ca-file={self.tls.ca}", "--client-cert-auth"]
+        return args
 
     def _wait_healthy(self, proc: subprocess.Popen[bytes], timeout: float) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if proc.poll() is not None:
                 raise RuntimeError(f"etcd exited with {proc.returncode}:\n{self.log_tail()}")
-            if _healthy(self.client_url + "/health"):
+            if _healthy(self.client_url + "/health", self._health_context()):
                 return
             time.sleep(_HEALTH_POLL)
         raise RuntimeError(f"etcd did not become healthy within {timeout:.3g}s:\n{self.log_tail()}")
 
+    def _health_context(self) -> ssl.SSLContext | None:
+        if self.tls is None:
+            return None
+        return client_ssl_context(TlsFiles(cert=self.tls.cert, key=self.tls.key, ca=self.tls.ca))
 
-def _healthy(url: str) -> bool:
+
+def _healthy(url: str, context: ssl.SSLContext | None) -> bool:
     try:
-        with urllib.request.urlopen(url, timeout=1.0) as reply:  # our own loopback URL
+        with urllib.request.urlopen(url, timeout=1.0, context=context) as reply:  # our own loopback URL
             return b'"health":"true"' in reply.read(4096)
     except (OSError, urllib.error.URLError):
         return False
