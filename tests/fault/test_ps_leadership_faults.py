@@ -19,11 +19,13 @@ import pytest
 import torch
 
 from tensorwire.coordinator.local import LocalEtcd
+from tensorwire.errors import TensorwireError
 from tensorwire.ps import Worker
 from tensorwire.ps.launch import free_port, replica_flags
+from tensorwire.ps.worker.rpc import server_stats
 from tensorwire.security import write_token_file
 from tensorwire.testing.faults import kill9, sigcont, sigstop
-from tensorwire.testing.process import ServerProcess, server_stats, wait_for
+from tensorwire.testing.process import ServerProcess, wait_for
 
 pytest.importorskip("aetcd", reason="the etcd extra (aetcd) is not installed")
 pytestmark = [
@@ -127,7 +129,8 @@ def test_a_lease_holder_paused_past_its_term_acknowledges_nothing_after_it_wakes
             # Awake, the old primary serves nothing: its term ran out while it slept.
             wait_for(lambda: role(urls[0]) == "backup", WITHIN, "the old primary to step down and follow")
             assert stats(urls[0])["coordinator"]["step_downs"] >= 1
-            with Worker(ps_job.model(), urls[0], "async", rank=1, timeout=3) as stray:
+            # A worker that reaches only the old primary is refused (NOT_PRIMARY until its timeout).
+            with pytest.raises(TensorwireError), Worker(ps_job.model(), urls[0], "sync", timeout=3) as stray:
                 pytest.fail(f"the old primary admitted a worker at clock {stray.clock}")
     assert same(model, 6)
 

@@ -106,7 +106,7 @@ def test_the_lease_holder_serves_at_etcds_epoch_and_a_backup_takes_over_when_it_
         with Worker(net, "|".join(urls), "async", rank=0, timeout=60) as worker:
             steps(worker, net, 0, 3)
             wait_for(lambda: urls[1] in ps_of(first)._replica.in_sync(), WITHIN, "the backup in sync")
-            first.stop()  # it resigns: the backup need not wait out the lease
+            first.close()  # it resigns: the backup need not wait out the lease
             wait_for(lambda: ps_of(second).role == "primary", WITHIN, "the backup to take over")
             assert ps_of(second).epoch > epoch
             steps(worker, net, 3, 3)

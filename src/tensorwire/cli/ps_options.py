@@ -164,16 +164,16 @@ def _coordination(
             raise click.UsageError("--slot, --advertise and --coordinator-* need --coordinator URL")
         return None
     if slot is None:
-        raise click.UsageError("--coordinator needs --slot NAME: the replica slot (the same on each of its replicas)")
+        raise click.UsageError(
+            "--coordinator needs --slot NAME: the replica slot (the same on each of its replicas)"
+        )
     if (user is None) != (password_file is None):
         raise click.UsageError("--coordinator-user and --coordinator-password-file go together")
     from tensorwire.ps import Coordination
 
     password = load_token(password_file) if password_file is not None else None
     try:
-        return Coordination(
-            url, slot, advertise, ttl, tls if has_tls else None, user, password
-        )
+        return Coordination(url, slot, advertise, ttl, tls if has_tls else None, user, password)
     except ValueError as exc:
         raise click.UsageError(str(exc)) from exc
 
@@ -308,11 +308,17 @@ ps_options = option_group(
         show_default=True,
         help="Parameter server (--coordinator): seconds a primary's lease lasts without a renewal.",
     ),
-    click.option("--coordinator-user", metavar="NAME", help="Parameter server: the etcd user (etcd's own auth)."),
     click.option(
-        "--coordinator-password-file", type=FILE, help="Parameter server: the etcd user's password, in a file."
+        "--coordinator-user", metavar="NAME", help="Parameter server: the etcd user (etcd's own auth)."
     ),
-    click.option("--coordinator-tls-ca", type=FILE, help="Parameter server: CA of the etcd servers (etcds://)."),
+    click.option(
+        "--coordinator-password-file",
+        type=FILE,
+        help="Parameter server: the etcd user's password, in a file.",
+    ),
+    click.option(
+        "--coordinator-tls-ca", type=FILE, help="Parameter server: CA of the etcd servers (etcds://)."
+    ),
     click.option(
         "--coordinator-tls-cert", type=FILE, help="Parameter server: client certificate for etcd (etcds://)."
     ),

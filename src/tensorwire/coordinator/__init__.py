@@ -13,12 +13,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Protocol
 
-from tensorwire.coordinator.base import DEFAULT_TIMEOUT, Coordinator, Leader, Term
+from tensorwire.coordinator.base import DEFAULT_TIMEOUT, Coordinator, InSync, Leader, Term
 from tensorwire.coordinator.url import CoordinatorUrl, parse_url
 from tensorwire.errors import UnsupportedTransport
 from tensorwire.security import TlsFiles
 
-__all__ = ["COORDINATORS", "DEFAULT_TIMEOUT", "Coordinator", "Leader", "Term", "open_coordinator"]
+__all__ = ["COORDINATORS", "DEFAULT_TIMEOUT", "Coordinator", "InSync", "Leader", "Term", "open_coordinator"]
 
 
 class CoordinatorFactory(Protocol):

@@ -17,6 +17,12 @@ Lifecycle, for a replica (the *member*):
 3. ``resign(term)`` ends a term at once (the key goes, a watcher sees ``None``): best-effort and
    bounded, it never raises.
 
+The slot's *in-sync set* (the members that hold every change its primary acknowledged) is the
+primary's to write, and only while its term holds (``set_in_sync``: refused with ``LeaseLost``
+once the leader key is not its term's); anyone may read it (``in_sync``). A member that relies on
+it to campaign passes the revision it read (``campaign(..., in_sync_revision=)``), so that a set
+rewritten meanwhile makes the campaign fail rather than win on what it read.
+
 For a watcher (a worker, a backup): ``leader(slot)`` reads the slot's leader once; ``watch(slot)``
 yields it, then every change, until ``close()``.
 
@@ -29,7 +35,7 @@ from __future__ import annotations
 
 import abc
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
 DEFAULT_TIMEOUT = 2.0  # seconds any one call to the coordinator may take
@@ -43,6 +49,15 @@ class Leader:
     member: str
     address: str
     epoch: int
+
+
+@dataclass(frozen=True, slots=True)
+class InSync:
+    """A slot's in-sync set as read: its members (their names), and the revision that last wrote
+    it (a campaign relying on it requires that revision unchanged)."""
+
+    members: tuple[str, ...]
+    revision: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,9 +94,23 @@ class Coordinator(abc.ABC):
     """Leadership of replica slots through leases (see the module docstring for the lifecycle)."""
 
     @abc.abstractmethod
-    async def campaign(self, slot: str, member: str, address: str, ttl: float) -> Term | None:
+    async def campaign(
+        self, slot: str, member: str, address: str, ttl: float, *, in_sync_revision: int | None = None
+    ) -> Term | None:
         """Try to become ``slot``'s leader under a lease of ``ttl`` seconds: the term, or ``None``
-        when the slot has a leader key already (the lease granted for the try is revoked)."""
+        when the slot has a leader key already (the lease granted for the try is revoked).
+        ``in_sync_revision``: also ``None`` unless the in-sync set is still the one read at that
+        revision (0: none written)."""
+
+    @abc.abstractmethod
+    async def in_sync(self, slot: str) -> InSync | None:
+        """``slot``'s in-sync set, or ``None`` if none was ever written (a new slot). A value that
+        is not a set we wrote reads as an empty set (nobody may rely on it), with a warning."""
+
+    @abc.abstractmethod
+    async def set_in_sync(self, term: Term, members: Sequence[str]) -> None:
+        """Write ``term.slot``'s in-sync set, if ``term`` is still the slot's leader; else
+        ``LeaseLost``."""
 
     @abc.abstractmethod
     async def renew(self, term: Term) -> Term:

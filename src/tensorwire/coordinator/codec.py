@@ -13,7 +13,7 @@ import json
 import logging
 import re
 
-from tensorwire.coordinator.base import Leader
+from tensorwire.coordinator.base import InSync, Leader
 from tensorwire.logs import event
 
 log = logging.getLogger("tensorwire.coordinator")
@@ -22,6 +22,7 @@ FORMAT_VERSION = 1
 MAX_VALUE = 4096  # bytes of a leader value: two short strings, and room to spare
 MAX_FIELD = 1024  # characters of member or address
 MAX_SLOT = 128
+MAX_MEMBERS = 16  # members of one in-sync set: a slot's replicas
 MAX_INT64 = 2**63 - 2  # int64's top, less one: a watch starts at a revision read plus one
 _SLOT = re.compile(r"[A-Za-z0-9._-]+")
 
@@ -41,6 +42,54 @@ def leader_key(prefix: str, slot: str) -> bytes:
     return f"{prefix}/slots/{check_slot(slot)}/leader".encode()
 
 
+def in_sync_key(prefix: str, slot: str) -> bytes:
+    return f"{prefix}/slots/{check_slot(slot)}/in_sync".encode()
+
+
+def encode_in_sync(members: list[str] | tuple[str, ...]) -> bytes:
+    """The in-sync key's value; ``ValueError`` for members ``decode_in_sync`` would refuse."""
+    if not 1 <= len(members) <= MAX_MEMBERS:
+        raise ValueError(f"an in-sync set has 1-{MAX_MEMBERS} members, not {len(members)}")
+    for member in members:
+        _check_field("member", member, ValueError)
+    doc = {"v": FORMAT_VERSION, "members": list(members)}
+    return json.dumps(doc, separators=(",", ":"), ensure_ascii=True).encode()
+
+
+def decode_in_sync(key: bytes, value: bytes, mod_revision: int) -> InSync:
+    """The in-sync set a stored key holds; one that is not what ``encode_in_sync`` writes reads as
+    an empty set (nobody may rely on it to take over), with a warning naming the key and why."""
+    revision = check_revision(mod_revision, "mod revision")
+    try:
+        doc = _json_object(value, ("v", "members"))
+        members = doc["members"]
+        if not isinstance(members, list) or not 1 <= len(members) <= MAX_MEMBERS:
+            raise BadValue(f"members is not a list of 1-{MAX_MEMBERS}")
+        for member in members:
+            _check_field("member", member, BadValue)
+    except BadValue as exc:
+        event(
+            log, logging.WARNING, "coordinator key holds no valid in-sync set", key=_show(key), why=str(exc)
+        )
+        return InSync((), revision)
+    return InSync(tuple(str(m) for m in members), revision)
+
+
+def _json_object(value: bytes, fields: tuple[str, ...]) -> dict[str, object]:
+    """A stored value as the JSON object of exactly ``fields`` (and our format version)."""
+    if len(value) > MAX_VALUE:
+        raise BadValue(f"value is {len(value)} bytes, over {MAX_VALUE}")
+    try:
+        doc = json.loads(value.decode("utf-8"))
+    except (ValueError, RecursionError) as exc:  # UnicodeDecodeError, JSONDecodeError are ValueErrors
+        raise BadValue(f"value is not JSON ({type(exc).__name__})") from exc
+    if not isinstance(doc, dict) or set(doc) != set(fields):
+        raise BadValue(f"value is not an object of exactly {', '.join(fields)}")
+    if type(doc["v"]) is not int or doc["v"] != FORMAT_VERSION:
+        raise BadValue(f"value's format version is not {FORMAT_VERSION}")
+    return doc
+
+
 def encode_leader(member: str, address: str) -> bytes:
     """The leader key's value; ``ValueError`` for fields that ``decode_leader`` would refuse."""
     for name, value in (("member", member), ("address", address)):
@@ -54,19 +103,10 @@ def decode_leader(value: bytes, create_revision: int, lease: int) -> Leader:
     epoch = check_revision(create_revision, "create revision")
     if check_int64(lease, "lease") == 0:
         raise BadValue("the key is held by no lease (it would never expire)")
-    if len(value) > MAX_VALUE:
-        raise BadValue(f"value is {len(value)} bytes, over {MAX_VALUE}")
-    try:
-        doc = json.loads(value.decode("utf-8"))
-    except (ValueError, RecursionError) as exc:  # UnicodeDecodeError, JSONDecodeError are ValueErrors
-        raise BadValue(f"value is not JSON ({type(exc).__name__})") from exc
-    if not isinstance(doc, dict) or set(doc) != {"v", "member", "address"}:
-        raise BadValue("value is not an object of exactly v, member, address")
-    if type(doc["v"]) is not int or doc["v"] != FORMAT_VERSION:
-        raise BadValue(f"value's format version is not {FORMAT_VERSION}")
+    doc = _json_object(value, ("v", "member", "address"))
     for name in ("member", "address"):
         _check_field(name, doc[name], BadValue)
-    return Leader(doc["member"], doc["address"], epoch)
+    return Leader(str(doc["member"]), str(doc["address"]), epoch)  # strings: checked just above
 
 
 def decode_or_warn(key: bytes, value: bytes, create_revision: int, lease: int) -> Leader | None:

@@ -14,14 +14,14 @@ import dataclasses
 import logging
 import math
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 from aetcd import rpc
 
 from tensorwire.client.retry import RetryPolicy, backoff, retrying
 from tensorwire.coordinator import codec
-from tensorwire.coordinator.base import DEFAULT_TIMEOUT, Coordinator, Leader, Term
+from tensorwire.coordinator.base import DEFAULT_TIMEOUT, Coordinator, InSync, Leader, Term
 from tensorwire.coordinator.etcd_rpc import EtcdConnection, Stubs, log_ignored
 from tensorwire.coordinator.url import CoordinatorUrl
 from tensorwire.coordinator.watch import open_watch
@@ -61,7 +61,9 @@ class EtcdCoordinator(Coordinator):
         self._closed = asyncio.Event()
 
     # -- campaign, renew, resign ---------------------------------------------------------------
-    async def campaign(self, slot: str, member: str, address: str, ttl: float) -> Term | None:
+    async def campaign(
+        self, slot: str, member: str, address: str, ttl: float, *, in_sync_revision: int | None = None
+    ) -> Term | None:
         """Three calls at most, each bounded by the timeout: grant a lease, create the key in a
         transaction, and (lost, or failed after the grant) revoke the lease."""
         key = codec.leader_key(self.prefix, slot)
@@ -71,7 +73,7 @@ class EtcdCoordinator(Coordinator):
         started = time.monotonic()  # the lease's clock starts at etcd after this
         lease_id, granted = await self._grant(slot, ttl)
         try:
-            epoch = await self._create(slot, key, value, lease_id)
+            epoch = await self._create(slot, key, value, lease_id, in_sync_revision)
         except BaseException:
             # The transaction may have been applied before the failure: revoking the lease takes
             # the key with it, so that no term exists that its member does not know of.
@@ -95,15 +97,27 @@ class EtcdCoordinator(Coordinator):
             raise CoordinatorUnavailable(f"etcd granted an unusable lease for slot {slot}: {exc}") from exc
         return lease_id, float(granted)
 
-    async def _create(self, slot: str, key: bytes, value: bytes, lease_id: int) -> int | None:
-        """The new key's create revision, or None if the key exists."""
+    async def _create(
+        self, slot: str, key: bytes, value: bytes, lease_id: int, in_sync_revision: int | None
+    ) -> int | None:
+        """The new key's create revision, or None if the key exists (or the in-sync set is no
+        longer the one at ``in_sync_revision``)."""
+        absent = rpc.Compare(result=rpc.Compare.EQUAL, target=rpc.Compare.CREATE, key=key, create_revision=0)
+        compare = [absent]
+        if in_sync_revision is not None:
+            in_sync = codec.in_sync_key(self.prefix, slot)
+            compare.append(
+                rpc.Compare(
+                    result=rpc.Compare.EQUAL,
+                    target=rpc.Compare.MOD,
+                    key=in_sync,
+                    mod_revision=in_sync_revision,
+                )
+            )
 
         async def op(stubs: Stubs, left: float) -> Any:
-            absent = rpc.Compare(
-                result=rpc.Compare.EQUAL, target=rpc.Compare.CREATE, key=key, create_revision=0
-            )
             put = rpc.RequestOp(request_put=rpc.PutRequest(key=key, value=value, lease=lease_id))
-            request = rpc.TxnRequest(compare=[absent], success=[put], failure=[])
+            request = rpc.TxnRequest(compare=compare, success=[put], failure=[])
             return await stubs.kv.Txn(request, timeout=left, metadata=stubs.metadata)
 
         reply = await self._conn.call(f"campaign for slot {slot}", op)
@@ -146,6 +160,43 @@ class EtcdCoordinator(Coordinator):
     async def _check_still_ours(self, term: Term, budget: float) -> None:
         kv = await self._get(term.slot, budget)
         if kv is None or kv.create_revision != term.epoch or kv.lease != term.lease_id:
+            raise LeaseLost(f"slot {term.slot}: the leader key is no longer epoch {term.epoch}'s")
+
+    # -- the in-sync set ------------------------------------------------------------------------
+    async def in_sync(self, slot: str) -> InSync | None:
+        key = codec.in_sync_key(self.prefix, slot)
+        kvs = list((await self._range(slot, key, None)).kvs)
+        if not kvs:
+            return None
+        if len(kvs) > 1 or kvs[0].key != key:
+            event(log, logging.WARNING, "etcd answered a read of one key with others", slot=slot)
+            return InSync((), 0)
+        try:
+            return codec.decode_in_sync(key, kvs[0].value, kvs[0].mod_revision)
+        except codec.BadValue as exc:
+            raise CoordinatorUnavailable(
+                f"etcd answered the read of slot {slot}'s in-sync set: {exc}"
+            ) from exc
+
+    async def set_in_sync(self, term: Term, members: Sequence[str]) -> None:
+        """One transaction: the set is written only while the leader key is ``term``'s (its
+        create revision and lease)."""
+        leader = codec.leader_key(self.prefix, term.slot)
+        value = codec.encode_in_sync(tuple(members))
+        equal = rpc.Compare.EQUAL
+        ours = [
+            rpc.Compare(result=equal, target=rpc.Compare.CREATE, key=leader, create_revision=term.epoch),
+            rpc.Compare(result=equal, target=rpc.Compare.LEASE, key=leader, lease=term.lease_id),
+        ]
+        key = codec.in_sync_key(self.prefix, term.slot)
+        put = rpc.RequestOp(request_put=rpc.PutRequest(key=key, value=value))
+
+        async def op(stubs: Stubs, left: float) -> Any:
+            request = rpc.TxnRequest(compare=ours, success=[put], failure=[])
+            return await stubs.kv.Txn(request, timeout=left, metadata=stubs.metadata)
+
+        reply = await self._conn.call(f"write of slot {term.slot}'s in-sync set", op)
+        if not reply.succeeded:
             raise LeaseLost(f"slot {term.slot}: the leader key is no longer epoch {term.epoch}'s")
 
     async def resign(self, term: Term) -> None:

@@ -313,4 +313,3 @@ class Leadership:
             await self.coordinator.resign(self.term)
             self.term = None
         await self.coordinator.close()
-

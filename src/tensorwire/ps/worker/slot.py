@@ -168,7 +168,10 @@ class ServerSlot:
         except TensorwireError as exc:
             log.debug("heartbeat to %s failed: %s", self.url, exc)
             self._missed += 1
-            if self._missed == 2:  # the server is unreachable (cut off, gone without a reset)
+            if self._missed >= 2:  # the server is unreachable (cut off, gone without a reset)
+                # Counted afresh: a worker that comes back to this replica (the others said
+                # NOT_PRIMARY meanwhile) drops it again two misses later, not never.
+                self._missed = 0
                 await self._abandon()
 
     async def _abandon(self) -> None:
