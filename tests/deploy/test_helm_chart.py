@@ -34,6 +34,8 @@ SECRET_FLAGS = ("--token-file", "--peer-token-file", "--tls-cert", "--tls-key", 
                 "--metrics-token-file", "--operator-token-file")  # fmt: skip
 CERT_MANAGER_KEYS = {"tls.crt", "tls.key", "ca.crt"}  # what a cert-manager Certificate's Secret holds
 
+ETCD = ["etcd-0.etcd.db.svc:2379", "etcd-1.etcd.db.svc:2379", "etcd-2.etcd.db.svc:2379"]
+
 # The chart makes no token of its own (one made at render time would change at every render): a
 # release names a Secret (auth.existingSecret) or gives the tokens.
 TOKENS = {"token": "client-token-0123456789abcdef", "peerToken": "peer-token-0123456789abcdef"}
@@ -60,6 +62,8 @@ VALUE_SETS = {
                                  "optionalKeys": ["metrics-token", "operator-token"]},
                         "store": {"enabled": True}},
     "no-auth": {"auth": {"enabled": False}, "ps": {"replicas": 0}, "store": {"enabled": True}},
+    # etcd elects each slot's primary (issue 37); the credentials' variants are tested further down
+    "coordinator": {"auth": TOKENS, "ps": {"replicas": 2}, "coordinator": {"endpoints": ETCD}},
 }  # fmt: skip
 
 
@@ -239,12 +243,18 @@ def test_tensorwire_servers_lists_the_pods_dns_names_primary_first(case: Any) ->
         assert "|" not in expected
 
 
-def run_entrypoint(workload: dict[str, Any], pod: str, stub_dir: Path) -> subprocess.CompletedProcess[str]:
+def run_entrypoint(
+    workload: dict[str, Any], pod: str, stub_dir: Path, etcd_secret: Path | None = None
+) -> subprocess.CompletedProcess[str]:
     """The container's command and args as the kubelet runs them, in pod ``pod``, with the stand-in
-    ``tensorwire`` (it prints one argument a line) first on PATH."""
+    ``tensorwire`` (it prints one argument a line) first on PATH; ``etcd_secret``: a directory that
+    stands in for the mounted coordinator.existingSecret."""
     c = container(workload)
     env = {"PATH": f"{stub_dir}{os.pathsep}/usr/bin{os.pathsep}/bin", "TENSORWIRE_POD_NAME": pod}
-    argv = [*c["command"], *c["args"]]
+    command = c["command"]
+    if etcd_secret is not None:
+        command = [part.replace(COORDINATOR_DIR, str(etcd_secret)) for part in command]
+    argv = [*command, *c["args"]]
     return subprocess.run(argv, env=env, capture_output=True, text=True, timeout=10, check=False)
 
 
@@ -276,7 +286,8 @@ def test_each_ordinal_gets_its_role_and_every_other_replica_as_backup(case: Any,
             done = run_entrypoint(sts, f"{sts['metadata']['name']}-{ordinal}", stub_dir)
             assert done.returncode == 0, done.stderr
             argv = done.stdout.splitlines()
-            assert argv == ["ps", "serve", *common, *role_flags(urls, ordinal)]
+            advertise = ["--advertise", urls[ordinal]] if "coordinator" in values else []
+            assert argv == ["ps", "serve", *common, *role_flags(urls, ordinal), *advertise]
             assert bool(flag_values(argv, "--peer-token-file")) == (len(urls) > 1)
         stray = run_entrypoint(sts, f"{sts['metadata']['name']}-{len(urls)}", stub_dir)
         assert stray.returncode == 64 and "is not replica" in stray.stderr
@@ -442,7 +453,9 @@ def test_tensorwire_accepts_every_command_line_the_chart_writes(
     are stood in for under ``tmp_path``); nothing is started."""
     from tensorwire.cli import main
 
-    _, docs = case
+    values, docs = case
+    if "coordinator" in values:
+        needs_coordinator_flags()
     for workload in servers(docs):
         c = container(workload)
         if workload["kind"] == "StatefulSet":
@@ -473,3 +486,221 @@ def parse(group: Any, argv: list[str]) -> None:
         command, argv = command.commands[argv[0]], argv[1:]
     assert not hasattr(command, "commands"), f"no command for {argv}"
     command.make_context(command.name, argv)
+
+
+# -- leadership from etcd (coordinator.*, issue 37) -----------------------------------------------
+COORDINATOR_DIR = "/etc/tensorwire/coordinator"  # where coordinator.existingSecret is mounted
+COORDINATED = {
+    "auth": TOKENS,
+    "ps": {"slots": 2, "replicas": 2},
+    "tls": {"enabled": True, "existingSecret": "tw-tls"},
+    "coordinator": {"endpoints": ETCD, "prefix": "/tensorwire/ml", "leaseTtl": 5, "tls": True,
+                    "existingSecret": "tw-etcd"},
+}  # fmt: skip
+ETCD_USER, ETCD_PASSWORD = "tw-server", "etcd-password-0123456789abcdef"
+ETCD_KEYS = {"username": f"{ETCD_USER}\n", "password": f"{ETCD_PASSWORD}\n", "ca.crt": "CA\n",
+             "tls.crt": "CERT\n", "tls.key": "KEY\n"}  # fmt: skip
+COORDINATOR_ARGS = ("--coordinator", "--slot", "--advertise", "--lease-ttl", "--coordinator-user",
+                    "--coordinator-password-file", "--coordinator-tls-ca", "--coordinator-tls-cert",
+                    "--coordinator-tls-key")  # fmt: skip
+
+
+def needs_coordinator_flags() -> None:
+    """Skip until ``tensorwire ps serve`` takes the coordinator's flags (issue 37, being added)."""
+    from tensorwire.cli import main
+
+    serve = main.commands["ps"].commands["serve"]
+    names = {name for param in serve.params for name in getattr(param, "opts", ())}
+    missing = [flag for flag in COORDINATOR_ARGS if flag not in names]
+    if missing:
+        pytest.skip(f"tensorwire ps serve has no {', '.join(missing)} yet (issue 37)")
+
+
+def etcd_secret(root: Path, keys: Any) -> Path:
+    """A stand-in for coordinator.existingSecret as a pod sees it: a directory holding ``keys``."""
+    folder = root / "etcd-secret"
+    folder.mkdir(parents=True)
+    for key in keys:
+        (folder / key).write_text(ETCD_KEYS[key])
+        (folder / key).chmod(0o600)
+    return folder
+
+
+def coordinated(helm: Any, **coordinator: Any) -> list[dict[str, Any]]:
+    values = {**COORDINATED, "coordinator": {**COORDINATED["coordinator"], **coordinator}}
+    return render(helm, values)
+
+
+def test_a_coordinated_release_lints_and_validates(helm: Any) -> None:
+    report = helm.lint(CHART, COORDINATED, strict=True)
+    assert not report["errors"] and not [m for m in report["messages"] if m["severity"] >= 2], report
+    for doc in render(helm, COORDINATED):
+        for version in KUBE_VERSIONS:
+            kubernetes_validate.validate(doc, version, strict=True)
+
+
+def test_every_replica_of_a_slot_gets_the_coordinator_its_slot_and_the_ttl(helm: Any) -> None:
+    docs = render(helm, COORDINATED)
+    found = slots(docs)
+    assert len(found) == 2
+    for sts in found:
+        args = container(sts)["args"]
+        assert flag_values(args, "--coordinator") == [f"etcds://{','.join(ETCD)}/tensorwire/ml"]
+        assert flag_values(args, "--slot") == [sts["metadata"]["name"]]  # one name per slot, all replicas
+        assert flag_values(args, "--lease-ttl") == ["5"]
+        assert not flag_values(args, "--failover-timeout")  # the lease, not silence, decides
+        assert flag_values(args, "--peer-token-file")
+    assert len({flag_values(container(s)["args"], "--slot")[0] for s in found}) == len(found)
+
+
+def test_each_coordinated_replica_advertises_its_pod_and_reads_the_etcd_secret(
+    helm: Any, stub_dir: Path, tmp_path: Path
+) -> None:
+    secret = etcd_secret(tmp_path, ETCD_KEYS)
+    docs = render(helm, COORDINATED)
+    credentials = ["--coordinator-user", ETCD_USER, "--coordinator-password-file", f"{secret}/password",
+                   "--coordinator-tls-ca", f"{secret}/ca.crt", "--coordinator-tls-cert", f"{secret}/tls.crt",
+                   "--coordinator-tls-key", f"{secret}/tls.key"]  # fmt: skip
+    for sts in slots(docs):
+        urls = pod_urls(docs, sts, "tls", 7070)
+        common = container(sts)["args"]
+        for ordinal, url in enumerate(urls):
+            # --standby on ordinals 1..N: with a coordinator it only lets ordinal 0 campaign first
+            done = run_entrypoint(sts, f"{sts['metadata']['name']}-{ordinal}", stub_dir, secret)
+            assert done.returncode == 0, done.stderr
+            role = [*role_flags(urls, ordinal), "--advertise", url]
+            assert done.stdout.splitlines() == ["ps", "serve", *common, *role, *credentials]
+
+
+def test_the_etcd_secret_is_mounted_whole_read_only_and_not_made_by_the_chart(helm: Any) -> None:
+    docs = render(helm, COORDINATED)
+    assert not [s for s in of_kind(docs, "Secret") if s["metadata"]["name"] == "tw-etcd"]
+    for sts in slots(docs):
+        pod = sts["spec"]["template"]["spec"]
+        (volume,) = [v for v in pod["volumes"] if v["name"] == "coordinator"]
+        assert volume["secret"]["secretName"] == "tw-etcd"
+        assert "items" not in volume["secret"]  # each key is optional: the entrypoint looks which are there
+        assert volume["secret"]["defaultMode"] == 0o440
+        (mount,) = [m for m in container(sts)["volumeMounts"] if m["name"] == "coordinator"]
+        assert mount == {"name": "coordinator", "mountPath": COORDINATOR_DIR, "readOnly": True}
+    for workload in of_kind(docs, "DaemonSet") + of_kind(docs, "Job"):  # only the parameter servers
+        assert "coordinator" not in {v["name"] for v in workload["spec"]["template"]["spec"]["volumes"]}
+
+
+def test_no_etcd_password_reaches_a_command_line_or_the_environment(
+    helm: Any, stub_dir: Path, tmp_path: Path
+) -> None:
+    with pytest.raises(helm.HelmError, match="additional properties 'password'"):
+        coordinated(helm, password=ETCD_PASSWORD)  # there is no value to put one in
+    secret = etcd_secret(tmp_path, ETCD_KEYS)
+    docs = render(helm, COORDINATED)
+    for sts in slots(docs):
+        c = container(sts)
+        assert not [e for e in c["env"] if "secretKeyRef" in e.get("valueFrom", {})]
+        assert "envFrom" not in c
+        assert not [a for a in c["args"] if a.startswith("--coordinator-password") or "password" in a]
+        done = run_entrypoint(sts, f"{sts['metadata']['name']}-0", stub_dir, secret)
+        assert ETCD_PASSWORD not in done.stdout and ETCD_PASSWORD not in done.stderr
+        assert flag_values(done.stdout.splitlines(), "--coordinator-password-file") == [f"{secret}/password"]
+
+
+def test_the_etcd_secret_keys_are_optional_and_checked_when_the_pod_starts(
+    helm: Any, stub_dir: Path, tmp_path: Path
+) -> None:
+    """Which keys the Secret holds is known only in the pod: the entrypoint passes what is there and
+    stops (exit 64, saying why) on a Secret that cannot work."""
+    for n, (tls, keys, expected) in enumerate([
+        (False, [], []),
+        (False, ["username", "password"], ["--coordinator-user", "--coordinator-password-file"]),
+        (False, ["password"], "username and password go together"),
+        (False, ["username"], "username and password go together"),
+        (False, ["ca.crt"], "coordinator.tls is false"),
+        (True, ["ca.crt"], ["--coordinator-tls-ca"]),
+        (True, [], "key ca.crt"),
+        (True, ["ca.crt", "tls.crt"], "tls.crt and tls.key go together"),
+        (True, ["ca.crt", "tls.key"], "tls.crt and tls.key go together"),
+        (True, ["ca.crt", "tls.crt", "tls.key"], ["--coordinator-tls-ca", "--coordinator-tls-cert",
+                                                  "--coordinator-tls-key"]),
+    ]):  # fmt: skip
+        secret = etcd_secret(tmp_path / str(n), keys)
+        sts = slots(coordinated(helm, tls=tls))[0]
+        done = run_entrypoint(sts, f"{sts['metadata']['name']}-1", stub_dir, secret)
+        if isinstance(expected, str):
+            assert done.returncode == 64 and expected in done.stderr and "tw-etcd" in done.stderr, done
+            continue
+        assert done.returncode == 0, done.stderr
+        argv = done.stdout.splitlines()
+        assert [a for a in argv if a.startswith("--coordinator-")] == expected, (keys, argv)
+
+
+def test_without_endpoints_the_slots_fail_over_by_silence_as_before(helm: Any, stub_dir: Path) -> None:
+    docs = render(helm, {"auth": TOKENS, "coordinator": {"existingSecret": "tw-etcd", "leaseTtl": 9}})
+    for sts in slots(docs):
+        c = container(sts)
+        assert flag_values(c["args"], "--failover-timeout") == ["2"]
+        assert not [a for a in c["args"] if a in COORDINATOR_ARGS]
+        assert "coordinator" not in {v["name"] for v in sts["spec"]["template"]["spec"]["volumes"]}
+        assert COORDINATOR_DIR not in c["command"][2]
+        argv = run_entrypoint(sts, f"{sts['metadata']['name']}-1", stub_dir).stdout.splitlines()
+        assert "--advertise" not in argv and "--standby" in argv
+
+
+def test_coordinator_values_that_cannot_work_are_refused(helm: Any) -> None:
+    for coordinator, says in [
+        ({"endpoints": ["http://etcd:2379"]}, "does not match pattern"),  # HOST:PORT, not a URL
+        ({"endpoints": ["etcd:2379/tensorwire"]}, "does not match pattern"),  # the prefix is apart
+        ({"endpoints": ["etcd:65536"]}, "does not match pattern"),
+        ({"endpoints": ["etcd:2379", "etcd:2379"]}, "are equal"),
+        ({"endpoints": [f"etcd-{n}:2379" for n in range(17)]}, "maxItems"),
+        ({"prefix": "tensorwire"}, "does not match pattern"),  # no leading /
+        ({"prefix": "/tensorwire/"}, "does not match pattern"),
+        ({"prefix": "/tensorwire/../other"}, "does not match pattern"),
+        ({"prefix": "/tensor wire"}, "does not match pattern"),
+        ({"leaseTtl": 1}, "minimum"),  # under etcd's smallest lease with its default timings
+        ({"leaseTtl": 2.5}, "want integer"),
+        ({"tls": "yes"}, "want boolean"),
+        ({"existingSecret": "Tw_Etcd"}, "does not match pattern"),
+        ({"ttl": 3}, "additional properties 'ttl'"),
+    ]:
+        with pytest.raises(helm.HelmError, match=says):
+            render(helm, {"auth": TOKENS, "coordinator": coordinator})
+    assert slots(render(helm, {"auth": TOKENS, "coordinator": {"endpoints": ["[fd00::1]:2379", "10.0.0.5"]}}))
+
+
+def test_coordinator_combinations_that_cannot_work_are_refused(helm: Any) -> None:
+    for values, says in [
+        ({"ps": {"replicas": 0}, "coordinator": {"endpoints": ETCD}}, "needs ps.replicas > 0"),
+        ({"coordinator": {"endpoints": ETCD, "tls": True}}, "tls needs coordinator.existingSecret"),
+    ]:
+        with pytest.raises(helm.HelmError, match=says):
+            render(helm, {"auth": TOKENS, **values})
+
+
+def notes(helm: Any, values: dict[str, Any]) -> str:
+    with helm.Chart.load(CHART) as chart:
+        files = chart.render(values, name=RELEASE, namespace=NAMESPACE, is_install=True)
+    (text,) = [text for path, text in files.items() if path.endswith("NOTES.txt")]
+    return str(text)
+
+
+def test_the_notes_name_the_leader_keys_and_warn_about_open_credentials(helm: Any) -> None:
+    text = notes(helm, COORDINATED)
+    assert "etcd elects each slot's primary" in text and "/tensorwire/ml/slots/SLOT/leader" in text
+    assert "WARNING" not in text
+    plain = notes(helm, {**COORDINATED, "coordinator": {"endpoints": ETCD, "existingSecret": "tw-etcd"}})
+    assert "crosses the network to\netcd in plain text" in plain
+    open_etcd = notes(helm, {"auth": TOKENS, "coordinator": {"endpoints": ETCD}})
+    assert "coordinator.existingSecret is not set" in open_etcd
+    assert "etcd" not in notes(helm, {"auth": TOKENS})
+
+
+def test_tensorwire_accepts_the_coordinated_command_lines(helm: Any, stub_dir: Path, tmp_path: Path) -> None:
+    """As test_tensorwire_accepts_every_command_line_the_chart_writes, with every etcd credential."""
+    from tensorwire.cli import main
+
+    needs_coordinator_flags()
+    secret = etcd_secret(tmp_path, ETCD_KEYS)
+    for sts in slots(render(helm, COORDINATED)):
+        for ordinal in range(sts["spec"]["replicas"]):
+            done = run_entrypoint(sts, f"{sts['metadata']['name']}-{ordinal}", stub_dir, secret)
+            parse(main, [stand_in(arg, tmp_path) for arg in done.stdout.splitlines()])

@@ -323,3 +323,48 @@ podAntiAffinity:
     {{- end }}
   {{- end }}
 {{- end }}
+
+{{/* The etcd coordinator (coordinator.endpoints set): "true" when it is on. */}}
+{{- define "tensorwire.coordinated" -}}
+{{- if .Values.coordinator.endpoints }}true{{ end -}}
+{{- end }}
+
+{{/* --coordinator: etcd://HOST:PORT[,HOST:PORT...]/PREFIX (etcds:// with coordinator.tls). */}}
+{{- define "tensorwire.coordinatorUrl" -}}
+{{ ternary "etcds" "etcd" .Values.coordinator.tls }}://{{ join "," .Values.coordinator.endpoints }}{{ .Values.coordinator.prefix }}
+{{- end }}
+
+{{/* Where coordinator.existingSecret is mounted (all its keys: each one is optional). */}}
+{{- define "tensorwire.coordinatorDir" -}}/etc/tensorwire/coordinator{{- end }}
+
+{{/* The lines of a server's entrypoint script that add the etcd credentials its Secret holds. The
+Secret's keys are optional, so the pod looks at what is mounted when it starts: a user name
+(--coordinator-user, not a secret), a password only as a file (--coordinator-password-file, never on
+the command line or in the environment), and with coordinator.tls the CA (required) and a client
+certificate and key (both or neither). A Secret that does not fit stops the pod with a message. */}}
+{{- define "tensorwire.coordinatorScript" -}}
+{{- $dir := include "tensorwire.coordinatorDir" . -}}
+{{- if and .Values.coordinator.endpoints .Values.coordinator.existingSecret -}}
+etcd={{ $dir }}
+has() { [ -f "$etcd/$1" ]; }
+refuse() { echo "tensorwire: coordinator.existingSecret {{ .Values.coordinator.existingSecret }}: $*" >&2; exit 64; }
+if has username && has password; then
+  set -- "$@" --coordinator-user "$(cat "$etcd/username")" --coordinator-password-file "$etcd/password"
+elif has username || has password; then
+  refuse "keys username and password go together"
+fi
+{{- if .Values.coordinator.tls }}
+has ca.crt || refuse "key ca.crt (the CA of etcd's certificate) is missing; coordinator.tls needs it"
+set -- "$@" --coordinator-tls-ca "$etcd/ca.crt"
+if has tls.crt && has tls.key; then
+  set -- "$@" --coordinator-tls-cert "$etcd/tls.crt" --coordinator-tls-key "$etcd/tls.key"
+elif has tls.crt || has tls.key; then
+  refuse "keys tls.crt and tls.key go together"
+fi
+{{- else }}
+if has ca.crt || has tls.crt || has tls.key; then
+  refuse "holds TLS files but coordinator.tls is false: set it (etcds://), or remove them"
+fi
+{{- end }}
+{{- end }}
+{{- end }}
