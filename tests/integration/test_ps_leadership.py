@@ -122,7 +122,7 @@ def test_a_replica_that_restarted_empty_does_not_take_over_and_says_why(etcd: Lo
     first = replica(etcd, "down", urls, 0)
     with first:
         wait_for(lambda: ps_of(first).role == "primary", WITHIN, "the first replica to win the lease")
-        with replica(etcd, "down", urls, 1) as second:
+        with replica(etcd, "down", urls, 1):
             net = model()
             with Worker(net, "|".join(urls), "async", rank=0, timeout=60) as worker:
                 steps(worker, net, 0, 2)

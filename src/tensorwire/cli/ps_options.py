@@ -125,8 +125,9 @@ def _ps(
         bool(backups) or standby, peer_token_file, TlsFiles(peer_tls_cert, peer_tls_key, peer_tls_ca)
     )
     coordination = _coordination(
-        coordinator, slot, advertise, lease_ttl, coordinator_user, coordinator_password_file,
-        TlsFiles(coordinator_tls_cert, coordinator_tls_key, coordinator_tls_ca),
+        url=coordinator, slot=slot, advertise=advertise, ttl=lease_ttl, user=coordinator_user,
+        password_file=coordinator_password_file,
+        tls=TlsFiles(coordinator_tls_cert, coordinator_tls_key, coordinator_tls_ca),
     )  # fmt: skip
     operator = load_token(operator_token_file) if operator_token_file else None
     return PsOptions(
@@ -149,6 +150,7 @@ def _ps(
 
 
 def _coordination(
+    *,
     url: str | None,
     slot: str | None,
     advertise: str | None,
