@@ -33,6 +33,7 @@ from tensorwire.errors import ConnectError, ConnectionLost, NotPrimary, Tensorwi
 from tensorwire.ps.placement import Shard
 from tensorwire.ps.worker.rpc import PsChannel, Sender
 from tensorwire.transport.base import FrameChannel, Progress, Sink
+from tensorwire.types import Address
 from tensorwire.wire import meta as wm
 
 log = logging.getLogger("tensorwire.ps.worker")  # the worker's log, as before the slots moved here
@@ -113,16 +114,23 @@ class ServerSlot:
         """One request to this server (a ``FrameCaller``), resent on a new connection while the
         network fails (a broken connection, a server restarting), for at most ``timeout`` seconds."""
 
+        tried = self._link.at  # the replica the last attempt went to
+
+        async def connection() -> FrameChannel:
+            nonlocal tried
+            tried = self._link.at
+            return await self._connection()
+
         async def attempt(conn: FrameChannel) -> wm.MetaReader:
             return await conn.call(opcode, meta, data, sink, what=what, timeout=timeout, progress=progress)
 
         async def failed(exc: TensorwireError) -> None:  # a broken connection, a corrupt chunk: resend
             log.info("%s failed (%s); retrying", what, exc)
             if isinstance(exc, (ConnectError, ConnectionLost, NotPrimary)):
-                await self._next_replica()
+                await self._next_replica(tried)
 
         deadline = Deadline.after(self._timeout, what)
-        return await retrying(attempt, self._connection, _RESEND, deadline=deadline, on_retry=failed)
+        return await retrying(attempt, connection, _RESEND, deadline=deadline, on_retry=failed)
 
     async def _connection(self) -> FrameChannel:
         conn = self._link.conn
@@ -135,16 +143,38 @@ class ServerSlot:
                 self._link = _Link(at, conn)
             return conn
 
-    async def _next_replica(self) -> None:
-        """Move to the server's next replica (a failover), if it has several."""
+    async def _next_replica(self, failed: int) -> None:
+        """Move on from replica ``failed`` to the next one (a failover), if it has several and
+        the link is still there (another request, or the coordinator's word, may have moved it:
+        moving again would undo that)."""
         if len(self.replicas) < 2:
             return
         async with self._reconnecting:  # not while a connection to the old one is being opened
             at, conn = self._link
+            if at != failed:
+                return
             self._link = _Link((at + 1) % len(self.replicas))
             if conn is not None:
                 await conn.close()
         log.info("worker %d moves to replica %s", self.rank, self.url)
+
+    async def follow(self, address: str) -> bool:
+        """The coordinator names ``address`` this server's primary: move there now, if it is one
+        of its replicas and not the one in use (a request waiting on the old one fails and is
+        resent there). Whether it moved."""
+        index = _replica_index(self.replicas, address)
+        if index is None:
+            log.warning("the coordinator names %s the primary of %s, which does not list it", address, self.name)
+            return False
+        async with self._reconnecting:
+            at, conn = self._link
+            if at == index:
+                return False
+            self._link = _Link(index)
+            if conn is not None:
+                await conn.close()
+        log.info("worker %d follows the coordinator to replica %s", self.rank, self.url)
+        return True
 
     @staticmethod
     async def _open(url: str, options: transports.TransportOptions) -> FrameChannel:
@@ -198,3 +228,20 @@ class ServerSlot:
     async def close(self) -> None:
         if self._link.conn is not None:
             await self._link.conn.close()
+
+
+def _replica_index(replicas: Sequence[str], address: str) -> int | None:
+    """Which of ``replicas`` is ``address`` (compared as parsed addresses: "host:port" and
+    "tcp://host:port" are one), if any."""
+    wanted = _canonical(address)
+    for index, replica in enumerate(replicas):
+        if _canonical(replica) == wanted:
+            return index
+    return None
+
+
+def _canonical(url: str) -> str:
+    try:
+        return str(Address.parse(url))
+    except ValueError:
+        return url

@@ -78,12 +78,14 @@ import torch
 
 from tensorwire._aio import LoopThread, wait
 from tensorwire.compression import Codec, ErrorFeedback
+from tensorwire.coordinator import Coordinator, open_coordinator
 from tensorwire.errors import ProtocolError, TensorwireError, WorkerDropped
 from tensorwire.ps.job import Mode
 from tensorwire.ps.optim import OptimizerSpec
 from tensorwire.ps.placement import ParamSpec, Placement, plan
 from tensorwire.ps.worker.config import MARGIN, WorkerConfig
 from tensorwire.ps.worker.device import DeviceStaging
+from tensorwire.ps.worker.leaders import COORDINATOR_ENV, LeaderWatch
 from tensorwire.ps.worker.relay_reader import RelayPulls
 from tensorwire.ps.worker.rendezvous import JOB_ENV, find_job
 from tensorwire.ps.worker.rpc import Sender
@@ -128,9 +130,12 @@ class _Setting(Generic[T]):
 class Worker:
     """One data-parallel worker of a parameter-server job (see the module doc).
 
-    Its arguments, less ``model`` and ``staging``, are ``WorkerConfig.resolve``'s: the resolved
-    settings are ``worker.config``, and the most read of them are also attributes (``rank``,
-    ``world_size``, ``job``, ``servers``, ``mode``, ...).
+    Its arguments, less ``model``, ``staging`` and ``coordinator``, are ``WorkerConfig.resolve``'s:
+    the resolved settings are ``worker.config``, and the most read of them are also attributes
+    (``rank``, ``world_size``, ``job``, ``servers``, ``mode``, ...). ``coordinator``: where the
+    servers' leadership is decided (``etcd://...``, or an opened ``Coordinator`` with credentials;
+    default ``$TENSORWIRE_COORDINATOR``): the worker watches each replica set's primary there
+    (ps/worker/leaders.py) and moves to a new one at once.
     """
 
     def __init__(
@@ -157,6 +162,7 @@ class Worker:
         prefer_local: bool = True,
         pull: str = "direct",
         job_token: str | None = None,
+        coordinator: str | Coordinator | None = None,
     ) -> None:
         self.model = model
         self._params = check_params(model)
@@ -182,6 +188,7 @@ class Worker:
         self._slots = self._make_slots()  # one per server: everything this worker keeps of it
         self._session = WorkerSession(config, self._slots, self._tensors, self._pull_all)
         self.relay = self._relay_pulls()  # pull="relay": through the servers' relays
+        self.leaders = self._leader_watch(coordinator)  # the coordinator's word on each primary
         self._pending: concurrent.futures.Future[PushResult] | None = None
         self._thread: LoopThread | None = None
 
@@ -194,6 +201,16 @@ class Worker:
             raise ValueError("pull='relay' lands in CPU parameters: a CUDA model pulls directly")
         return RelayPulls(self.job, self._options, self._params, exact=self.mode.kind == "sync",
                           stall_timeout=min(10.0, self.timeout))  # fmt: skip
+
+    def _leader_watch(self, coordinator: str | Coordinator | None) -> LeaderWatch | None:
+        """``coordinator`` (or ``$TENSORWIRE_COORDINATOR``): a URL, or a ``Coordinator`` opened
+        with credentials (``open_coordinator(url, tls=..., user=..., password=...)``)."""
+        chosen = coordinator if coordinator is not None else os.environ.get(COORDINATOR_ENV) or None
+        if chosen is None:
+            return None
+        if isinstance(chosen, str):
+            chosen = open_coordinator(chosen, timeout=min(self.config.connect_timeout, 5.0))
+        return LeaderWatch(chosen, self._slots)
 
     def _make_slots(self) -> list[ServerSlot]:
         config = self.config
@@ -333,10 +350,14 @@ class Worker:
             await self._pull_all()
             return
         await self._session.start()
+        if self.leaders is not None:
+            await self.leaders.start()
         self.version = await self._pull()
 
     async def _leave(self) -> None:
         await self._session.stop_heartbeats()
+        if self.leaders is not None:
+            await self.leaders.close()
         if self.relay is not None:
             await self.relay.close()
         await self._session.leave()
