@@ -14,7 +14,7 @@ $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --disable-pip-version-check -q --upgrade pip
 	$(BIN)/pip install --disable-pip-version-check -q "$(TORCH)"
-	$(BIN)/pip install --disable-pip-version-check -q -e ".[fast,demo,dev,bench,ray,rdma,dashboard,hf,docs]" "$(TORCH)"
+	$(BIN)/pip install --disable-pip-version-check -q -e ".[fast,demo,dev,bench,ray,rdma,dashboard,hf,docs,etcd]" "$(TORCH)"
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -30,6 +30,14 @@ system-libs:
 		 (apt-get update -q >/dev/null && apt-get install -y -q libibverbs1 >/dev/null)) || \
 		echo "could not install libibverbs1: rdma:// tests will skip"; \
 	else echo "libibverbs1 missing and not root: rdma:// tests will skip (apt-get install libibverbs1)"; fi
+	@# etcd (Debian's etcd-server, one binary): the tests of ps serve --coordinator start it on loopback.
+	@if command -v etcd >/dev/null; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+		echo "installing etcd-server (ps serve --coordinator tests)"; \
+		(apt-get install -y -q etcd-server >/dev/null 2>&1 || \
+		 (apt-get update -q >/dev/null && apt-get install -y -q etcd-server >/dev/null)) || \
+		echo "could not install etcd-server: the coordinator tests will skip"; \
+	else echo "etcd missing and not root: the coordinator tests will skip (apt-get install etcd-server)"; fi
 
 demo: $(STAMP)
 	$(BIN)/tensorwire demo

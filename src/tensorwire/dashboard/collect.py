@@ -313,6 +313,19 @@ def _merge(nodes: list[Node]) -> list[Node]:
 
 
 # -- what the screen shows -------------------------------------------------------------------------
+def _lease(ps: dict[str, Any], node: Node) -> str:
+    """With a coordinator (``ps serve --coordinator``): the slot, and whether it is down (no
+    primary, and this replica may not take over) or its primary serves under the failsafe."""
+    led = _obj(ps.get("coordinator"))
+    slot = _str(led.get("slot"))
+    down = bool(_str(led.get("down"))) or node.value("tensorwire_ps_slot_down") == 1
+    failsafe = led.get("failsafe") is True or node.value("tensorwire_ps_failsafe") == 1
+    if not slot and not down:
+        return ""
+    said = f" slot {slot}" if slot else " slot"
+    return said + (", DOWN: no up-to-date replica" if down else ", failsafe" if failsafe else "")
+
+
 def summary(node: Node) -> dict[str, Any]:
     """The columns of the node's row, from STATUS where it answered, else from its metrics. Every
     field is taken only if it has the type it should (a server may answer anything)."""
@@ -331,7 +344,7 @@ def summary(node: Node) -> dict[str, Any]:
     epoch = _num(ps.get("epoch"), _int(node.value("tensorwire_ps_epoch")))
     return {
         "host": _where(status),
-        "role": f"{role} @{epoch}" if role else "",
+        "role": f"{role} @{epoch}{_lease(ps, node)}" if role else "",
         "shards": _num(ps.get("shards"), _int(node.value("tensorwire_ps_shards"))),
         "step": _num(ps.get("step"), _int(node.value("tensorwire_ps_steps_total"))),
         "workers": _workers(ps, node),

@@ -130,7 +130,8 @@ class Leadership:
         self.down: str | None = None  # why this replica may not take over, when it may not
         self.failsafe = False  # serving past the term: the coordinator is unreachable
         self.step_downs = 0
-        self.unavailable = 0  # coordinator calls that failed
+        self.unavailable = 0  # coordinator calls that failed since the last renewal
+        self.errors = 0  # coordinator calls that failed, in all
         self._standby = standby
         self._published: list[str] | None = None  # the in-sync set as last written
         self._changed = asyncio.Event()
@@ -147,6 +148,10 @@ class Leadership:
             return True
         self.failsafe = self.unavailable > 0 and replica.reaches_all()
         return self.failsafe
+
+    def _unreachable(self) -> None:
+        self.unavailable += 1
+        self.errors += 1
 
     def named_leader(self) -> str:
         """The leader to name in a NOT_PRIMARY answer."""
@@ -166,7 +171,7 @@ class Leadership:
         try:
             await self.coordinator.set_in_sync(self.term, members)
         except CoordinatorUnavailable:
-            self.unavailable += 1
+            self._unreachable()
             if published is not None and set(published) <= set(members):
                 return  # it only grew: the set written still names no one out of date
             raise
@@ -190,7 +195,7 @@ class Leadership:
             "down": self.down,
             "failsafe": self.failsafe,
             "step_downs": self.step_downs,
-            "coordinator_errors": self.unavailable,
+            "coordinator_errors": self.errors,
         }
 
     # -- the task ---------------------------------------------------------------------------------
@@ -217,7 +222,7 @@ class Leadership:
                     self.leader = leader
                     self._changed.set()
             except TensorwireError as exc:  # the first read failed: the campaign loop says so
-                self.unavailable += 1
+                self._unreachable()
                 log.debug("slot %s: watching the leader failed (%s)", self.slot, exc)
             await asyncio.sleep(self.ttl / 3)
 
@@ -243,7 +248,7 @@ class Leadership:
                     self._won(term, replica)
                     return
         except CoordinatorUnavailable as exc:
-            self.unavailable += 1
+            self._unreachable()
             log.info("slot %s: campaign not possible now (%s)", self.slot, exc)
         with contextlib.suppress(TimeoutError):  # a watch event, or a look again after a while
             await asyncio.wait_for(self._changed.wait(), self.ttl / 3)
@@ -287,7 +292,7 @@ class Leadership:
         except LeaseLost as exc:
             self._lost(replica, str(exc))
         except CoordinatorUnavailable as exc:
-            self.unavailable += 1
+            self._unreachable()
             if term.expired(self.margin) and not self.holds(replica):
                 self._lost(replica, f"the term ran out with the coordinator unreachable ({exc})")
             else:

@@ -44,6 +44,12 @@ The server's (no ``job`` label):
   ``tensorwire_ps_replication_refusals_total`` (changes not made because of it), and
   ``tensorwire_ps_replicate_refused_total{reason}`` (PS_REPLICATE frames this replica refused:
   ``not_peer``, from a connection without the peer token; ``malformed``, e.g. an epoch out of range).
+* Leadership by a coordinator's lease (``ps serve --coordinator``; absent without one):
+  ``tensorwire_ps_lease_held`` (1 while this replica's term holds), ``tensorwire_ps_slot_down``
+  (1 while the slot has no primary and this replica, not up to date, may not take over),
+  ``tensorwire_ps_failsafe`` (1 while a primary serves past its term with the coordinator
+  unreachable, reaching every backup), ``tensorwire_ps_step_downs_total`` (terms this replica
+  lost or gave up), ``tensorwire_ps_coordinator_errors_total`` (coordinator calls that failed).
 """
 
 from __future__ import annotations
@@ -115,6 +121,7 @@ class ParamServerState(Protocol):
     @property
     def jobs(self) -> Any: ...  # ps/server/jobs.py ``Jobs``: len(), max_jobs, refused
     def job_samples(self) -> list[JobSample]: ...
+    def leadership_status(self) -> dict[str, Any] | None: ...
 
 
 class PsCollector:
@@ -149,6 +156,28 @@ class PsCollector:
             held.add_metric([kind], nbytes)
         yield held
         yield from _replication(ps)
+        yield from _leadership(ps.leadership_status())
+
+
+def _leadership(status: dict[str, Any] | None) -> Iterator[Any]:
+    """The lease's families (the module doc), with a coordinator only."""
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+    if status is None:
+        return
+    for name, doc, value in (
+        ("lease_held", "1 while this replica's term as its slot's primary holds.", status["holds_term"]),
+        ("slot_down", "1 while the slot has no primary and this replica may not take over.",
+         bool(status["down"])),
+        ("failsafe", "1 while serving past the term: coordinator unreachable, every backup reached.",
+         status["failsafe"]),
+    ):  # fmt: skip
+        yield GaugeMetricFamily(f"tensorwire_ps_{name}", doc, value=int(value))
+    for name, doc, value in (
+        ("step_downs", "Terms this replica lost or gave up as its slot's primary.", status["step_downs"]),
+        ("coordinator_errors", "Calls to the coordinator that failed.", status["coordinator_errors"]),
+    ):
+        yield CounterMetricFamily(f"tensorwire_ps_{name}", doc, value=value)
 
 
 _JOB_COUNTERS = (

@@ -164,7 +164,9 @@ class ServerSlot:
         resent there). Whether it moved."""
         index = _replica_index(self.replicas, address)
         if index is None:
-            log.warning("the coordinator names %s the primary of %s, which does not list it", address, self.name)
+            log.warning(
+                "the coordinator names %s the primary of %s, which does not list it", address, self.name
+            )
             return False
         async with self._reconnecting:
             at, conn = self._link
