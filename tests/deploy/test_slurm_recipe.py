@@ -300,10 +300,12 @@ def test_with_etcd_a_worker_trains_through_a_killed_primary(etcd_env: dict[str, 
                        timeout=30) as worker:  # fmt: skip
             losses = []
             for step in range(8):
-                if step == 4:  # slot 0's primary: etcd's lease passes to its backup on the other node
+                # Slot 1's primary: etcd's lease passes to its backup on the first node. (Not slot 0's:
+                # its node's script would end, and with it the job's etcd, which runs on that node.)
+                if step == 4:
                     (primary,) = [
-                        p for p in psutil.Process(scripts[0].pid).children()
-                        if f"tcp://{NODES[0]}:{port}" in p.cmdline() and "--standby" not in p.cmdline()
+                        p for p in psutil.Process(scripts[1].pid).children()
+                        if f"tcp://{NODES[1]}:{port}" in p.cmdline() and "--standby" not in p.cmdline()
                     ]  # fmt: skip
                     primary.kill()
                 loss = F.cross_entropy(model(x), y)
