@@ -34,3 +34,23 @@ def test_a_row_from_metrics_alone_and_a_down_row() -> None:
     console.print(status.render(nodes))
     text = console.export_text()
     assert "1 of 2 servers up" in text and "down" in text and "cannot connect" in text and "backup @3" in text
+
+
+def test_a_slot_led_by_etcd_shows_its_name_and_when_it_is_down() -> None:
+    """``ps serve --coordinator``: the row says the slot, and a slot that has no primary and whose
+    replica may not take over (STATUS, or the metric alone), or a primary under the failsafe."""
+
+    def ps(**coordinator: object) -> dict[str, object]:
+        return {"ps": {"role": "backup", "epoch": 7, "coordinator": {"slot": "slot0", **coordinator}}}
+
+    assert status.summary(status.Node("tcp://a:1", status=ps(down=None)))["role"] == "backup @7 slot slot0"
+    down = status.summary(status.Node("tcp://a:1", status=ps(down="not in the in-sync set")))
+    assert down["role"] == "backup @7 slot slot0, DOWN: no up-to-date replica"
+    failsafe = {"ps": {"role": "primary", "epoch": 9, "coordinator": {"slot": "s", "failsafe": True}}}
+    assert status.summary(status.Node("tcp://a:1", status=failsafe))["role"] == "primary @9 slot s, failsafe"
+    page = "# TYPE tensorwire_ps_role gauge\ntensorwire_ps_role{role=\"backup\"} 1\n"
+    page += "# TYPE tensorwire_ps_slot_down gauge\ntensorwire_ps_slot_down 1\n"
+    scraped = status.Node("tcp://b:1", samples=metrics.parse(page))
+    assert status.summary(scraped)["role"].endswith("slot, DOWN: no up-to-date replica")
+    garbage = {"ps": {"role": "backup", "epoch": 1, "coordinator": {"slot": ["x"], "down": 5}}}
+    assert status.summary(status.Node("tcp://c:1", status=garbage))["role"] == "backup @1"

@@ -338,6 +338,7 @@ def summary(node: Node) -> dict[str, Any]:
         and not ps.get("mode")
         and not jobs
         and not ps.get("backups")
+        and not ps.get("coordinator")
         and not node.value("tensorwire_ps_shards")
     ):
         role = None  # a plain store: a parameter server with no job and no replicas
