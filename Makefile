@@ -38,6 +38,10 @@ system-libs:
 		 (apt-get update -q >/dev/null && apt-get install -y -q etcd-server >/dev/null)) || \
 		echo "could not install etcd-server: the coordinator tests will skip"; \
 	else echo "etcd missing and not root: the coordinator tests will skip (apt-get install etcd-server)"; fi
+	@# libfaketime: a clock-jump test runs a server under it (tests/fault/test_ps_leadership_faults.py).
+	@if [ -e /usr/lib/x86_64-linux-gnu/faketime/libfaketimeMT.so.1 ] || [ "$$(id -u)" != 0 ] || \
+		! command -v apt-get >/dev/null; then :; \
+	else apt-get install -y -q libfaketime >/dev/null 2>&1 || echo "could not install libfaketime: a test will skip"; fi
 
 demo: $(STAMP)
 	$(BIN)/tensorwire demo

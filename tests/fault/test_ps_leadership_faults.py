@@ -172,3 +172,40 @@ def stack_proc(stack: ExitStack, url: str) -> Any:
         if isinstance(server, ServerProcess) and server.url == url:
             return server.proc
     raise LookupError(url)
+
+
+LIBFAKETIME = Path("/usr/lib/x86_64-linux-gnu/faketime/libfaketimeMT.so.1")  # Debian's libfaketime
+
+
+@pytest.mark.skipif(
+    not LIBFAKETIME.exists(), reason="libfaketime missing (as root: apt-get install libfaketime)"
+)
+def test_a_clock_jump_on_the_primary_costs_its_term_not_an_acknowledgement(
+    etcd: LocalEtcd, tmp_path: Path
+) -> None:
+    """The primary's clocks (wall and monotonic: a VM resumed, a clock stepped) jump 30 s ahead
+    under libfaketime: by its own clock its term ran out, so it steps down rather than trust a
+    lease it cannot vouch for; the slot goes on (a replica takes the lease again) and no push is
+    lost or applied twice."""
+    jump = tmp_path / "faketime"
+    jump.write_text("+0\n")
+    wrapper = ["env", f"LD_PRELOAD={LIBFAKETIME}", f"FAKETIME_TIMESTAMP_FILE={jump}", "FAKETIME_NO_CACHE=1"]
+    peer = write_token_file(tmp_path / "peer")
+    urls = [f"tcp://127.0.0.1:{free_port()}" for _ in range(2)]
+    lease = ["--coordinator", etcd.url, "--slot", "jump", "--lease-ttl", str(TTL)]
+    with ExitStack() as stack:
+        for i, url in enumerate(urls):
+            flags = [*replica_flags(urls, i, peer), *lease]
+            stack.enter_context(ServerProcess(url, extra=flags, wrapper=wrapper if i == 0 else ()))
+        wait_for(lambda: role(urls[0]) == "primary", WITHIN, "the first replica to take the lease")
+        model = ps_job.model()
+        with Worker(model, "|".join(urls), "async", rank=0, heartbeat=0.25, timeout=60,
+                    coordinator=etcd.url) as worker:  # fmt: skip
+            steps(worker, model, 0, 3)
+            wait_for(lambda: in_sync(urls[0], urls[1]), WITHIN, "the backup in the in-sync set")
+            jump.write_text("+30\n")
+            wait_for(
+                lambda: stats(urls[0])["coordinator"]["step_downs"] >= 1, WITHIN, "the primary to step down"
+            )
+            steps(worker, model, 3, 3)
+    assert same(model, 6)

@@ -48,7 +48,7 @@ def test_a_slot_led_by_etcd_shows_its_name_and_when_it_is_down() -> None:
     assert down["role"] == "backup @7 slot slot0, DOWN: no up-to-date replica"
     failsafe = {"ps": {"role": "primary", "epoch": 9, "coordinator": {"slot": "s", "failsafe": True}}}
     assert status.summary(status.Node("tcp://a:1", status=failsafe))["role"] == "primary @9 slot s, failsafe"
-    page = "# TYPE tensorwire_ps_role gauge\ntensorwire_ps_role{role=\"backup\"} 1\n"
+    page = '# TYPE tensorwire_ps_role gauge\ntensorwire_ps_role{role="backup"} 1\n'
     page += "# TYPE tensorwire_ps_slot_down gauge\ntensorwire_ps_slot_down 1\n"
     scraped = status.Node("tcp://b:1", samples=metrics.parse(page))
     assert status.summary(scraped)["role"].endswith("slot, DOWN: no up-to-date replica")
