@@ -134,6 +134,8 @@ class Leadership:
         self.errors = 0  # coordinator calls that failed, in all
         self._standby = standby
         self._published: list[str] | None = None  # the in-sync set as last written
+        self._growing: asyncio.Task[None] | None = None  # writing a larger set, in the background
+        self._writing = asyncio.Lock()  # in-sync writes, one at a time
         self._changed = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
 
@@ -161,21 +163,43 @@ class Leadership:
         return f"the primary is {leader.address} (epoch {leader.epoch})"
 
     async def publish_in_sync(self, replica: Led) -> None:
-        """Write the in-sync set if it changed; before a change is acknowledged without a backup
-        that was in it. LeaseLost or CoordinatorUnavailable: the change must not be acknowledged
-        (unless the failsafe holds and nothing was lost: a set that only grew)."""
+        """Write the in-sync set if it changed: a set that lost a member (or a new term's first)
+        before this returns, and so before the change is acknowledged (LeaseLost or
+        CoordinatorUnavailable: it must not be); a set that only grew in the background (the one
+        written still names no one out of date, and an etcd write can take a while: the changes
+        and the renewals must not wait for it)."""
         members = [self.address, *sorted(replica.in_sync())]
-        published = self._published
-        if members == published or self.term is None:
+        published, term = self._published, self.term
+        if members == published or term is None:
             return
-        try:
-            await self.coordinator.set_in_sync(self.term, members)
-        except CoordinatorUnavailable:
-            self._unreachable()
-            if published is not None and set(published) <= set(members):
-                return  # it only grew: the set written still names no one out of date
-            raise
-        self._published = members
+        if published is not None and set(published) <= set(members):
+            if self._growing is None or self._growing.done():
+                self._growing = asyncio.get_running_loop().create_task(self._write_in_sync(term, members))
+            return
+        await self._write_in_sync(term, members, wait=True)
+
+    async def _write_in_sync(self, term: Term, members: list[str], *, wait: bool = False) -> None:
+        """One write at a time (a background write of a larger set never lands after a smaller one)."""
+        async with self._writing:
+            held = (
+                self.term
+            )  # a renewal may have replaced the term meanwhile: the same epoch is the same term
+            if held is None or held.epoch != term.epoch:
+                if wait:
+                    raise LeaseLost(f"slot {self.slot}: the term ended before the in-sync set was written")
+                return
+            try:
+                await self.coordinator.set_in_sync(held, members)
+            except CoordinatorUnavailable:
+                self._unreachable()
+                if wait:
+                    raise
+                return
+            except LeaseLost:
+                if wait:
+                    raise
+                return
+            self._published = members
         log.info("slot %s: in sync %s", self.slot, members)
 
     def state_received(self) -> None:
@@ -230,10 +254,16 @@ class Leadership:
         if self._standby:  # let the others campaign first
             await asyncio.sleep(self.ttl)
         while True:
-            if self.term is None:
-                await self._campaign(replica)
-            else:
-                await self._renew(replica)
+            try:
+                if self.term is None:
+                    await self._campaign(replica)
+                else:
+                    await self._renew(replica)
+            except Exception as exc:  # noqa: BLE001 - a task that dies would renew nothing, silently
+                self.errors += 1
+                event(log, logging.ERROR, "leadership: unexpected failure; going on", slot=self.slot,
+                      error=f"{type(exc).__name__}: {exc}"[:300])  # fmt: skip
+                await asyncio.sleep(self.ttl / 6)
 
     async def _campaign(self, replica: Led) -> None:
         """Wait for the lease to be free, then try to take it (if this replica may)."""
@@ -288,7 +318,6 @@ class Leadership:
         try:
             self.term = await self.coordinator.renew(term)
             self.unavailable, self.failsafe = 0, False
-            await self.publish_in_sync(replica)
         except LeaseLost as exc:
             self._lost(replica, str(exc))
         except CoordinatorUnavailable as exc:
@@ -311,9 +340,9 @@ class Leadership:
     async def close(self) -> None:
         """Stop watching and campaigning; resign a term held (a successor need not wait out its
         lease); close the coordinator."""
-        for task in self._tasks:
+        for task in [*self._tasks, self._growing]:
             await cancel_and_wait(task)
-        self._tasks = []
+        self._tasks, self._growing = [], None
         if self.term is not None:
             await self.coordinator.resign(self.term)
             self.term = None
