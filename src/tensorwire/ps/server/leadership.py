@@ -259,7 +259,7 @@ class Leadership:
                     await self._campaign(replica)
                 else:
                     await self._renew(replica)
-            except Exception as exc:  # noqa: BLE001 - a task that dies would renew nothing, silently
+            except Exception as exc:
                 self.errors += 1
                 event(log, logging.ERROR, "leadership: unexpected failure; going on", slot=self.slot,
                       error=f"{type(exc).__name__}: {exc}"[:300])  # fmt: skip
