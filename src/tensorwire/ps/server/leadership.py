@@ -159,12 +159,15 @@ class Leadership:
         """Write the in-sync set if it changed; before a change is acknowledged without a backup
         that was in it. LeaseLost or CoordinatorUnavailable: the change must not be acknowledged
         (unless the failsafe holds and nothing was lost: a set that only grew)."""
+        term = self.term
+        if term is None:  # the term ended (the caller checked it holds, then waited): nothing to
+            raise LeaseLost(f"slot {self.slot}: this replica holds no term")  # acknowledge by it
         members = [self.address, *sorted(replica.in_sync())]
         published = self._published
-        if members == published or self.term is None:
+        if members == published:
             return
         try:
-            await self.coordinator.set_in_sync(self.term, members)
+            await self.coordinator.set_in_sync(term, members)
         except CoordinatorUnavailable:
             self.unavailable += 1
             if published is not None and set(published) <= set(members):
