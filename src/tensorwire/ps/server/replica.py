@@ -165,8 +165,13 @@ class Replica:
         raise NotPrimary(f"this replica is a {self.role} at epoch {self.epoch}: ask another one")
 
     def _start_pings(self) -> None:
-        if self._backups is not None and self._pinging is None:
+        if self._backups is not None and not self._pings_running():
             self._pinging = asyncio.get_running_loop().create_task(self._ping_backups())
+
+    def _pings_running(self) -> bool:
+        # The loop ends when this replica stops being the primary: a primary again (a term won
+        # back after a step-down, a takeover after following another) must start it again.
+        return self._pinging is not None and not self._pinging.done()
 
     def _serving_by_lease(self, leadership: Leadership) -> None:
         """Serve while this replica's term holds; past it, step down and name the leader known."""
@@ -220,7 +225,7 @@ class Replica:
         self.failovers += 1
         now = time.monotonic()
         self.holder.promoted()  # a grace period: the workers are moving over from the old primary
-        if self._backups is not None and self._pinging is None:  # its peers become its backups
+        if self._backups is not None and not self._pings_running():  # its peers become its backups
             self._backups.reset()
             self._start_pings()
         event(log, logging.WARNING, "failover: this backup takes over", epoch=self.epoch,
