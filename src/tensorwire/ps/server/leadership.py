@@ -283,13 +283,25 @@ class Leadership:
         term = self.term
         assert term is not None
         await asyncio.sleep(max(0.0, term.renewed_at + term.ttl / 3 - time.monotonic()))
+        # The term may be given up while this task waits (give_up: a change could not be made or
+        # acknowledged); it stays given up: a renewal answered later must not bring it back (a
+        # backup renewing the lease would keep every other replica from taking over), nor count
+        # a second step-down.
+        if self.term is not term:
+            return
         try:
-            self.term = await self.coordinator.renew(term)
+            renewed = await self.coordinator.renew(term)
+            if self.term is not term:
+                return
+            self.term = term = renewed
             self.unavailable, self.failsafe = 0, False
             await self.publish_in_sync(replica)
         except LeaseLost as exc:
-            self._lost(replica, str(exc))
+            if self.term is term:
+                self._lost(replica, str(exc))
         except CoordinatorUnavailable as exc:
+            if self.term is not term:
+                return
             self.unavailable += 1
             if term.expired(self.margin) and not self.holds(replica):
                 self._lost(replica, f"the term ran out with the coordinator unreachable ({exc})")
