@@ -168,9 +168,12 @@ class Leadership:
         CoordinatorUnavailable: it must not be); a set that only grew in the background (the one
         written still names no one out of date, and an etcd write can take a while: the changes
         and the renewals must not wait for it)."""
+        term = self.term
+        if term is None:  # the term ended (the caller checked it holds, then waited): nothing to
+            raise LeaseLost(f"slot {self.slot}: this replica holds no term")  # acknowledge by it
         members = [self.address, *sorted(replica.in_sync())]
-        published, term = self._published, self.term
-        if members == published or term is None:
+        published = self._published
+        if members == published:
             return
         if published is not None and set(published) <= set(members):
             if self._growing is None or self._growing.done():
@@ -181,9 +184,8 @@ class Leadership:
     async def _write_in_sync(self, term: Term, members: list[str], *, wait: bool = False) -> None:
         """One write at a time (a background write of a larger set never lands after a smaller one)."""
         async with self._writing:
-            held = (
-                self.term
-            )  # a renewal may have replaced the term meanwhile: the same epoch is the same term
+            # A renewal may have replaced the term meanwhile: the same epoch is the same term.
+            held = self.term
             if held is None or held.epoch != term.epoch:
                 if wait:
                     raise LeaseLost(f"slot {self.slot}: the term ended before the in-sync set was written")
@@ -315,12 +317,24 @@ class Leadership:
         term = self.term
         assert term is not None
         await asyncio.sleep(max(0.0, term.renewed_at + term.ttl / 3 - time.monotonic()))
+        # The term may be given up while this task waits (give_up: a change could not be made or
+        # acknowledged); it stays given up: a renewal answered later must not bring it back (a
+        # backup renewing the lease would keep every other replica from taking over), nor count
+        # a second step-down.
+        if self.term is not term:
+            return
         try:
-            self.term = await self.coordinator.renew(term)
+            renewed = await self.coordinator.renew(term)
+            if self.term is not term:
+                return
+            self.term = term = renewed
             self.unavailable, self.failsafe = 0, False
         except LeaseLost as exc:
-            self._lost(replica, str(exc))
+            if self.term is term:
+                self._lost(replica, str(exc))
         except CoordinatorUnavailable as exc:
+            if self.term is not term:
+                return
             self._unreachable()
             if term.expired(self.margin) and not self.holds(replica):
                 self._lost(replica, f"the term ran out with the coordinator unreachable ({exc})")

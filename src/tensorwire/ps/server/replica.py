@@ -165,8 +165,13 @@ class Replica:
         raise NotPrimary(f"this replica is a {self.role} at epoch {self.epoch}: ask another one")
 
     def _start_pings(self) -> None:
-        if self._backups is not None and self._pinging is None:
+        if self._backups is not None and not self._pings_running():
             self._pinging = asyncio.get_running_loop().create_task(self._ping_backups())
+
+    def _pings_running(self) -> bool:
+        # The loop ends when this replica stops being the primary: a primary again (a term won
+        # back after a step-down, a takeover after following another) must start it again.
+        return self._pinging is not None and not self._pinging.done()
 
     def _serving_by_lease(self, leadership: Leadership) -> None:
         """Serve while this replica's term holds; past it, step down and name the leader known."""
@@ -220,7 +225,7 @@ class Replica:
         self.failovers += 1
         now = time.monotonic()
         self.holder.promoted()  # a grace period: the workers are moving over from the old primary
-        if self._backups is not None and self._pinging is None:  # its peers become its backups
+        if self._backups is not None and not self._pings_running():  # its peers become its backups
             self._backups.reset()
             self._start_pings()
         event(log, logging.WARNING, "failover: this backup takes over", epoch=self.epoch,
@@ -231,14 +236,9 @@ class Replica:
     ) -> None:
         """Apply a change on every backup before making it here (inside ``in_order``). A backup
         that is new, or back, first gets every job (a state transfer)."""
-        if self.role != "primary":
-            # It stepped down (fenced, or following a newer primary) while this request waited
-            # for its turn: the change must not be made or acknowledged here, only by the primary.
-            raise NotPrimary(f"this replica became a {self.role} at epoch {self.epoch}: ask another one")
-        leadership = self.leadership
-        if leadership is not None and not leadership.holds(self):  # e.g. woken from a long pause
-            leadership.give_up(self, "its term ran out while a change waited")
-            raise NotPrimary(f"this replica's term ran out: {leadership.named_leader()}")
+        # It may have stepped down (fenced, following a newer primary, its term over: e.g. woken
+        # from a long pause) while this request waited for its turn.
+        self._still_primary("while the change waited for its turn")
         if self._backups is not None:
             meta = replication.encode(change, self.epoch, head, body)
             try:
@@ -246,8 +246,22 @@ class Replica:
                 await self._backups.send(meta, data, self._state_transfer, ping=ping)
             except NotPrimary:
                 self._fenced()
-        if leadership is not None:
-            await self._publish_in_sync(leadership)
+            # The send may have waited up to the replication timeout for a backup that stopped
+            # answering (cut off, stopped), then given it up: meanwhile the term may have run out
+            # and that backup taken over without this change, which must then not be made here.
+            self._still_primary("while the change waited for its backups")
+        if self.leadership is not None:
+            await self._publish_in_sync(self.leadership)
+
+    def _still_primary(self, when: str) -> None:
+        """NotPrimary unless this replica is the primary, and (with a coordinator) its term holds:
+        a change must not be made or acknowledged here then, only by the primary."""
+        if self.role != "primary":
+            raise NotPrimary(f"this replica became a {self.role} at epoch {self.epoch}: ask another one")
+        leadership = self.leadership
+        if leadership is not None and not leadership.holds(self):
+            leadership.give_up(self, f"its term ran out {when}")
+            raise NotPrimary(f"this replica's term ran out: {leadership.named_leader()}")
 
     def _fenced(self) -> NoReturn:
         self.role = "fenced"
