@@ -45,6 +45,7 @@ shared lock that a step takes exclusively, so a pull never sees half a step.
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections import Counter
 from collections.abc import Mapping, Sequence
@@ -169,8 +170,11 @@ class ParamServer:
 
     async def started(self, server: Server) -> None:
         """The server listens: with a coordinator, this replica watches and campaigns for its
-        slot's lease from now on (ps/server/leadership.py)."""
-        if server.addresses:
+        slot's lease from now on (ps/server/leadership.py). First, off the loop, it builds an
+        optimizer once: the first one imports much of torch (1-2 s), which on the loop, at a job's
+        first PS_INIT, would stall the renewals past a short term."""
+        if self._replica.leadership is not None and server.addresses:
+            await asyncio.to_thread(_warm_optimizers)
             self._replica.lead(str(server.addresses[0]))
 
     # The server's own attributes, and its one job's (``sole``), under the names a ParamServer
@@ -393,3 +397,11 @@ class ParamServer:
 
     async def _on_replicate(self, request: Request) -> None:
         await self._replica.on_replicate(request, self._lifecycle.make_change)
+
+
+def _warm_optimizers() -> None:
+    """Build and step an optimizer once, so that what torch imports then is imported now."""
+    param = torch.nn.Parameter(torch.zeros(1))
+    param.grad = torch.zeros(1)
+    for kind in (torch.optim.SGD, torch.optim.Adam):
+        kind([param], lr=0.0).step()
