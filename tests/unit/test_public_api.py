@@ -24,13 +24,16 @@ PUBLIC: dict[str, set[str]] = {
         "errors", "Generation", "GenerationManifest", "HostReader", "Subscriber",
     },
     "tensorwire.ps": {
-        "SGD", "Adam", "AdamW", "CheckpointPolicy", "ExchangeClient", "JobConfig", "Mode", "OptimizerSpec",
-        "ParamServer",
+        "SGD", "Adam", "AdamW", "CheckpointPolicy", "Coordination", "ExchangeClient", "JobConfig", "Mode",
+        "OptimizerSpec", "ParamServer",
         "ParamSpec", "Placement", "PushResult", "Shard", "Worker", "plan", "pull_parameters",
     },
     "tensorwire.dataset": {
         "Digest", "DigestService", "FetchReport", "NodeReport", "Plan", "ScatterReport", "ShardDataset",
         "fetch", "make_plan", "scatter",
+    },
+    "tensorwire.coordinator": {
+        "COORDINATORS", "DEFAULT_TIMEOUT", "Coordinator", "InSync", "Leader", "Term", "open_coordinator",
     },
     "tensorwire.compression": {"Cast", "Codec", "ErrorFeedback", "Int8", "Sign", "TopK", "codec_for"},
     "tensorwire.sharded": {
