@@ -106,7 +106,9 @@ def test_a_killed_lease_holder_is_replaced_within_its_ttl(etcd: LocalEtcd, tmp_p
             took = time.monotonic() - killed
             steps(worker, model, 3, 3)
         assert stats(urls[1])["epoch"] > epoch
-        assert took < TTL + 5, f"the takeover took {took:.1f}s with a {TTL}s ttl"
+        # Its process is gone (its port refuses connections): the backup revokes its lease rather than
+        # wait for it to run out.
+        assert took < TTL, f"the takeover took {took:.1f}s with a {TTL}s ttl"
     assert same(model, 6)
 
 

@@ -36,7 +36,7 @@ from __future__ import annotations
 import abc
 import time
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 DEFAULT_TIMEOUT = 2.0  # seconds any one call to the coordinator may take
 
@@ -49,6 +49,7 @@ class Leader:
     member: str
     address: str
     epoch: int
+    lease: int = field(default=0, compare=False)  # the lease holding the key (0: not known)
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,7 +88,7 @@ class Term:
 
     @property
     def leader(self) -> Leader:
-        return Leader(self.member, self.address, self.epoch)
+        return Leader(self.member, self.address, self.epoch, self.lease_id)
 
 
 class Coordinator(abc.ABC):
@@ -121,6 +122,11 @@ class Coordinator(abc.ABC):
     async def resign(self, term: Term) -> None:
         """End ``term`` now (its leader key goes with its lease). Bounded, best-effort: an
         unreachable coordinator is logged, never raised; the lease then runs out on its own."""
+
+    @abc.abstractmethod
+    async def revoke(self, leader: Leader) -> None:
+        """End ``leader``'s term now (its key goes with its lease): for a member that knows the
+        leader's process is gone. Bounded, best-effort, like ``resign``."""
 
     @abc.abstractmethod
     async def leader(self, slot: str) -> Leader | None:

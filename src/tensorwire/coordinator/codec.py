@@ -106,7 +106,7 @@ def decode_leader(value: bytes, create_revision: int, lease: int) -> Leader:
     doc = _json_object(value, ("v", "member", "address"))
     for name in ("member", "address"):
         _check_field(name, doc[name], BadValue)
-    return Leader(str(doc["member"]), str(doc["address"]), epoch)  # strings: checked just above
+    return Leader(str(doc["member"]), str(doc["address"]), epoch, lease)  # strings: checked just above
 
 
 def decode_or_warn(key: bytes, value: bytes, create_revision: int, lease: int) -> Leader | None:

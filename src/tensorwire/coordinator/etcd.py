@@ -199,6 +199,10 @@ class EtcdCoordinator(Coordinator):
         if not reply.succeeded:
             raise LeaseLost(f"slot {term.slot}: the leader key is no longer epoch {term.epoch}'s")
 
+    async def revoke(self, leader: Leader) -> None:
+        if leader.lease:
+            await self._revoke(leader.lease, f"the lease of {leader.address} (epoch {leader.epoch}), gone")
+
     async def resign(self, term: Term) -> None:
         await self._revoke(term.lease_id, f"the lease of slot {term.slot} (epoch {term.epoch})")
 

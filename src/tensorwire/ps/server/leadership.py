@@ -39,6 +39,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -48,9 +49,13 @@ from tensorwire.coordinator.codec import check_slot
 from tensorwire.errors import CoordinatorUnavailable, LeaseLost, TensorwireError
 from tensorwire.logs import event
 from tensorwire.security import TlsFiles
+from tensorwire.types import Address
 
 log = logging.getLogger("tensorwire.ps")
 DEFAULT_TTL = 3.0
+# A primary silent this long (it pings twice a second), whose address refuses connections, is gone.
+SILENT = 1.0
+PROBE_TIMEOUT = 0.5
 COORDINATOR_TIMEOUT = 2.0  # each call to the coordinator (a renewal: at most a third of the ttl)
 _WILDCARDS = ("0.0.0.0", "::", "[::]", "")
 
@@ -103,6 +108,11 @@ class Led(Protocol):
         """Whether every backup of the slot applied the last ping or change (the failsafe)."""
         ...
 
+    @property
+    def primary_seen(self) -> float | None:
+        """When (monotonic) this backup last heard from its primary."""
+        ...
+
 
 class Leadership:
     """This replica's part in its slot's leadership by lease (see the module doc)."""
@@ -135,6 +145,7 @@ class Leadership:
         self._standby = standby
         self._published: list[str] | None = None  # the in-sync set as last written
         self._growing: asyncio.Task[None] | None = None  # writing a larger set, in the background
+        self._primary_seen: Callable[[], float | None] = lambda: None  # the replica's, at start
         self._writing = asyncio.Lock()  # in-sync writes, one at a time
         self._changed = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
@@ -238,6 +249,7 @@ class Leadership:
                     "and workers reach it at (the one they list it with)"
                 )
             self.address = listening
+        self._primary_seen = lambda: replica.primary_seen
         loop = asyncio.get_running_loop()
         self._tasks = [loop.create_task(self._watch()), loop.create_task(self._lead(replica))]
 
@@ -290,7 +302,8 @@ class Leadership:
         that says so (0: none written yet, a new slot), which the campaign requires unchanged (a
         replica paused between this read and its campaign must not win on what it read). Else
         None, and ``down`` says why."""
-        if await self.coordinator.leader(self.slot) is not None:
+        leader = await self.coordinator.leader(self.slot)
+        if leader is not None and not await self._gone(leader):
             self.down = None
             return None
         in_sync = await self.coordinator.in_sync(self.slot)
@@ -306,6 +319,26 @@ class Leadership:
                   slot=self.slot, in_sync=listed, this=self.address, synced=self.synced)  # fmt: skip
         self.down = why
         return None
+
+    async def _gone(self, leader: Leader) -> bool:
+        """Whether ``leader`` is another replica whose process is gone (its lease, then, is
+        revoked, so that the slot need not wait for it to run out). Gone means: this backup, up
+        to date, has not heard from it for ``SILENT`` seconds, and its address refuses a
+        connection (nothing listens there: a process that is alive but cut off gives no answer
+        at all, and then the lease runs its course). Safe even if it were alive: it acknowledges
+        nothing that this backup has not applied, unless it writes to the coordinator under its
+        lease first, which the revocation ends."""
+        if leader.address == self.address or not self.synced or not leader.lease:
+            return False
+        seen = self._primary_seen()
+        if seen is not None and time.monotonic() - seen < SILENT:
+            return False
+        if not await _refuses(leader.address):
+            return False
+        event(log, logging.WARNING, "the primary's process is gone: revoking its lease", slot=self.slot,
+              primary=leader.address, epoch=leader.epoch)  # fmt: skip
+        await self.coordinator.revoke(leader)
+        return True
 
     def _won(self, term: Term, replica: Led) -> None:
         self.term, self.down, self.failsafe, self._published = term, None, False, None
@@ -361,3 +394,21 @@ class Leadership:
             await self.coordinator.resign(self.term)
             self.term = None
         await self.coordinator.close()
+
+
+async def _refuses(address: str) -> bool:
+    """Whether ``address`` (a tcp:// or tls:// URL) refuses a connection now: nothing listens."""
+    try:
+        where = Address.parse(address)
+    except ValueError:
+        return False
+    if where.scheme not in ("tcp", "tls") or not where.port:
+        return False
+    try:
+        _, writer = await asyncio.wait_for(asyncio.open_connection(where.host, where.port), PROBE_TIMEOUT)
+    except ConnectionRefusedError:
+        return True
+    except (OSError, TimeoutError):
+        return False
+    writer.close()
+    return False
