@@ -98,3 +98,25 @@ def test_two_workers_that_rejoin_servers_a_checkpoint_apart_both_go_on(tmp_path:
     with ServerThread(extensions=[restored[0]]) as a, ServerThread(extensions=[restored[1]]) as b:
         _two_workers([a.url, b.url], 12, lambda: 1 in restored[0].sole.members.live())
         assert restored[0].step == restored[1].step
+
+
+def test_servers_a_step_apart_with_nothing_to_go_back_to_meet_at_the_later_step(tmp_path: Path) -> None:
+    """Every worker dropped from one server mid-step while the other took the step (the chaos
+    benchmark's partitions) leaves them a step apart with no checkpoint to go back to: the one
+    behind takes that step empty, as a step whose workers were all dropped, instead of the
+    workers failing at their timeout with "the servers could not be brought to one step"."""
+    dirs = [tmp_path / "a", tmp_path / "b"]
+    policies = [CheckpointPolicy(d, every_steps=1) for d in dirs]
+    model = ps_job.model()
+    servers = [ServerThread(extensions=[ParamServer(checkpoints=p, keep_jobs=True)]) for p in policies]
+    with servers[0], servers[1]:
+        train(model, [s.url for s in servers], 0, 10)
+    (job_directory,) = dirs[1].iterdir()
+    shutil.rmtree(sorted(job_directory.iterdir())[-1])  # b comes back a step behind
+    restored = [ParamServer(checkpoints=p) for p in policies]
+    assert [r.restore(p.directory) for r, p in zip(restored, policies, strict=True)] == [True, True]
+    assert [r.step for r in restored] == [10, 9]
+    shutil.rmtree(dirs[0])  # and a keeps nothing to go back to
+    with ServerThread(extensions=[restored[0]]) as a, ServerThread(extensions=[restored[1]]) as b:
+        train(model, [a.url, b.url], 10, 2)
+        assert restored[0].step == restored[1].step == 12

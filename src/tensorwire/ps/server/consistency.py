@@ -296,6 +296,22 @@ class Consistency:
                 self.notify()
                 await self._state.maybe_checkpoint()
 
+    async def skip_step(self) -> None:
+        """Take the current sync step empty (PS_ROLLBACK one step forward, ps/server/lifecycle.py):
+        its pushes, if some arrived, are dropped, and no update is applied, as when every worker
+        of a step is dropped; the step and version move on, so that this server is at the others'
+        step again."""
+        job = self._job
+        async with self.step_lock():
+            pending = self._gradients.pending.pop(job.step, None)
+            if pending is not None:
+                self._gradients.free.extend(buffers for buffers, _ in pending.grads.values())
+            job.version += 1
+            job.step += 1
+            self.notify()
+        log.warning("job %s: step %d taken empty (its pushes were lost here), to meet its other servers",
+                    job.id, job.step - 1)  # fmt: skip
+
     def step_lock(self) -> asyncio.Lock:
         """Held while sync steps are taken: a join waits, so a step being taken does not count it."""
         if self._applying is None:

@@ -301,7 +301,10 @@ class Lifecycle:
 
     async def on_rollback(self, request: Request) -> None:
         """Go back to the job's checkpoint of version ``clock``: after a restart of several
-        servers, workers bring them all to the newest version every one of them has."""
+        servers, workers bring them all to the newest version every one of them has. Or, in sync
+        mode, one step forward (``clock`` is the next step): the step this server missed while the
+        others took it (every worker dropped here mid-step, say) is taken empty, as a step whose
+        workers were all dropped, when the others keep no checkpoint to go back to."""
         self._replica.serving()
         head = wps.PsHead.decode(request.meta)
         request.meta.done()
@@ -312,6 +315,13 @@ class Lifecycle:
             # again, as after any drop.
             raise WorkerDropped(f"not rolling job {run.id!r} back: workers {live[:16]} are live here; rejoin")
         self._check_stepped_aside(request, run, head)
+        job = run.job
+        if _forward(run, head.clock):
+            async with self._replica.in_order():
+                await self._replica.replicate(replication.Change.ROLLBACK, head)
+                await run.consistency.skip_step()
+            await request.reply(wps.encode_u64(job.version))
+            return
         policy = run.state.policy
         # The checkpoint is read beside the job it replaces: a second copy of the job, counted (as
         # ``restore``) while both are held.
@@ -383,6 +393,8 @@ class Lifecycle:
             await self.jobs.end(
                 run, "ended by tensorwire ps end" + (" --force" if force else ""), force=force
             )
+        elif change == replication.Change.ROLLBACK and _forward(run, head.clock):
+            await run.consistency.skip_step()
         elif change == replication.Change.ROLLBACK and run.state.policy is not None:
             run.state.restore(run.state.policy.directory, head.clock)
 
@@ -393,3 +405,9 @@ class Lifecycle:
         values = [torch.empty(m.numel, dtype=m.dtype) for m in metas]
         await request.receive([byte_view(v) for v in values])
         run.job.install(head.world, config, metas, values)
+
+
+def _forward(run: JobRun, clock: int) -> bool:
+    """Whether a PS_ROLLBACK to ``clock`` is the one step forward of a sync job (``on_rollback``)."""
+    job = run.job
+    return job.mode is not None and job.mode.kind == "sync" and clock == job.step + 1

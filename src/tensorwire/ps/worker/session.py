@@ -92,7 +92,7 @@ class WorkerSession:
             if attempt >= CATCH_UP_TRIES:
                 if loop.time() >= deadline:
                     raise ProtocolError(f"the servers could not be brought to one step: {clocks}")
-                await self._roll_back([slot for slot in slots if slot not in behind], clocks)
+                await self._roll_back([slot for slot in slots if slot not in behind], behind, clocks)
             await asyncio.sleep(min(0.05 * (attempt + 1), RETRY_CAP))
         raise AssertionError("unreachable")
 
@@ -105,22 +105,32 @@ class WorkerSession:
         self.barriers = max(self.barriers, joined[0][2])  # barriers are kept by the first server
         return [slot.clock for slot in self.serving]
 
-    async def _roll_back(self, ahead: list[ServerSlot], clocks: list[int]) -> None:
+    async def _roll_back(self, ahead: list[ServerSlot], behind: list[ServerSlot], clocks: list[int]) -> None:
         """Ask the servers ``ahead`` to go back to the oldest step in ``clocks``, having stepped
         aside there (a server rolls back only with no worker live). A server refuses (WorkerDropped)
-        while another worker is live there, or without a checkpoint of that step: then the caller
-        looks again."""
+        while another worker is live there, or without a checkpoint of that step: then, servers a
+        step apart (every worker dropped from one mid-step, while the others took it), those
+        ``behind`` take that step empty instead; and the caller looks again."""
         target = min(clocks)
         log.warning("servers stay at steps %s: rolling back to step %d", clocks, target)
         await asyncio.gather(*(self._leave_for_now(slot) for slot in ahead))
+        if await self._ask_rollback(ahead, target) or max(clocks) - target != 1:
+            return
+        log.warning("servers stay at steps %s, with no checkpoint to go back to: step %d is taken empty "
+                    "where it is missing", clocks, target)  # fmt: skip
+        await self._ask_rollback(behind, target + 1)  # they were left for now: no worker of ours is live
+
+    async def _ask_rollback(self, slots: list[ServerSlot], target: int) -> bool:
+        """PS_ROLLBACK to ``target`` on every one of ``slots``; whether all of them did it."""
         answers = await asyncio.gather(
-            *(slot.rpc.rollback(target, self.incarnation) for slot in ahead), return_exceptions=True
+            *(slot.rpc.rollback(target, self.incarnation) for slot in slots), return_exceptions=True
         )
         for answer in answers:
             if isinstance(answer, WorkerDropped):
-                log.warning("worker %d: no rollback yet (%s): looking again", self.config.rank, answer)
+                log.warning("worker %d: not yet (%s): looking again", self.config.rank, answer)
             elif isinstance(answer, BaseException):
                 raise answer
+        return not any(isinstance(answer, BaseException) for answer in answers)
 
     async def _leave_for_now(self, slot: ServerSlot) -> None:
         await slot.rpc.leave(slot.clock, self.incarnation, final=False)
