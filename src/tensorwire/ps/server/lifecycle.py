@@ -314,7 +314,7 @@ class Lifecycle:
             # behind waits for), so the job is not stuck. The asker stepped aside: it rejoins and looks
             # again, as after any drop.
             raise WorkerDropped(f"not rolling job {run.id!r} back: workers {live[:16]} are live here; rejoin")
-        self._check_stepped_aside(request, run, head)
+        _check_stepped_aside(request, run, head)
         job = run.job
         if _forward(run, head.clock):
             async with self._replica.in_order():
@@ -342,19 +342,6 @@ class Lifecycle:
         finally:
             run.budget.release("restore", held)
         await request.reply(wps.encode_u64(run.job.version))
-
-    def _check_stepped_aside(self, request: Request, run: JobRun, head: wps.PsHead) -> None:
-        """Only a worker of the job that stepped aside to roll it back (its rank joined by the
-        session sending it, not left for good) may move the job to an older checkpoint: anyone
-        else could make a server drop acknowledged steps while no worker is live."""
-        state = run.members.workers.get(head.worker)
-        if state is None or state.finished:
-            raise ProtocolError(
-                f"a rollback of job {run.id!r} comes from one of its workers (worker {head.worker} "
-                f"{'left it for good' if state is not None else 'never joined it'})"
-            )
-        if head.seq != state.incarnation:
-            run.members.refuse_identity(request, head, head.seq)
 
     # -- a backup -------------------------------------------------------------------------------
     async def make_change(self, change: replication.Change, head: wps.PsHead, request: Request) -> None:
@@ -411,3 +398,17 @@ def _forward(run: JobRun, clock: int) -> bool:
     """Whether a PS_ROLLBACK to ``clock`` is the one step forward of a sync job (``on_rollback``)."""
     job = run.job
     return job.mode is not None and job.mode.kind == "sync" and clock == job.step + 1
+
+
+def _check_stepped_aside(request: Request, run: JobRun, head: wps.PsHead) -> None:
+    """Only a worker of the job that stepped aside to roll it back (its rank joined by the
+    session sending it, not left for good) may move the job to an older checkpoint: anyone
+    else could make a server drop acknowledged steps while no worker is live."""
+    state = run.members.workers.get(head.worker)
+    if state is None or state.finished:
+        raise ProtocolError(
+            f"a rollback of job {run.id!r} comes from one of its workers (worker {head.worker} "
+            f"{'left it for good' if state is not None else 'never joined it'})"
+        )
+    if head.seq != state.incarnation:
+        run.members.refuse_identity(request, head, head.seq)
