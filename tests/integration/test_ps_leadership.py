@@ -137,3 +137,26 @@ def test_a_replica_that_restarted_empty_does_not_take_over_and_says_why(etcd: Lo
         assert "not in it" in ps_of(revived).leadership_status()["down"]
         with pytest.raises(NotPrimary, match="no primary is known"):
             ps_of(revived)._replica.serving()
+
+
+def test_a_backup_tells_a_restarted_primary_from_the_one_holding_the_lease(etcd: LocalEtcd) -> None:
+    """A primary's port served by another process (killed and started again at once, as a
+    supervisor does) says another store id in its HELLO than the lease's incarnation: the
+    process holding the lease is gone, and its lease may be revoked without waiting it out. The
+    same process, or one that does not answer, is not gone."""
+    from tensorwire.coordinator import Leader
+    from tensorwire.ps.server.leadership import Leadership
+
+    with ServerThread(extensions=[ParamServer(peer=PEER)]) as other:
+        leadership = Leadership(open_coordinator(etcd.url), "probe", "tcp://127.0.0.1:1")
+        leadership._peer = lambda: PEER
+        store_id = other.server.store_id
+
+        async def gone(incarnation: int, address: str = other.url) -> bool:
+            return await leadership._succeeded(Leader("m", address, 5, 9, incarnation))
+
+        assert asyncio.run(gone(store_id ^ 1)) is True  # another process answers there
+        assert asyncio.run(gone(store_id)) is False  # the leader itself
+        assert asyncio.run(gone(0)) is False  # a leader that did not say which process it is
+        silent = f"tcp://127.0.0.1:{free_port()}"
+        assert asyncio.run(gone(store_id ^ 1, silent)) is False  # nothing answers: not known

@@ -50,6 +50,9 @@ class Leader:
     address: str
     epoch: int
     lease: int = field(default=0, compare=False)  # the lease holding the key (0: not known)
+    # The leader's process (its server's random store id, which its HELLO says; 0: not said): a
+    # process at ``address`` that says another is not the one holding the lease.
+    incarnation: int = field(default=0, compare=False)
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,6 +80,7 @@ class Term:
     lease_id: int
     ttl: float
     renewed_at: float
+    incarnation: int = 0
 
     def valid_until(self, margin: float = 0.0) -> float:
         """The ``time.monotonic()`` until which this term surely holds, less ``margin`` seconds."""
@@ -88,7 +92,7 @@ class Term:
 
     @property
     def leader(self) -> Leader:
-        return Leader(self.member, self.address, self.epoch, self.lease_id)
+        return Leader(self.member, self.address, self.epoch, self.lease_id, self.incarnation)
 
 
 class Coordinator(abc.ABC):
@@ -96,12 +100,20 @@ class Coordinator(abc.ABC):
 
     @abc.abstractmethod
     async def campaign(
-        self, slot: str, member: str, address: str, ttl: float, *, in_sync_revision: int | None = None
+        self,
+        slot: str,
+        member: str,
+        address: str,
+        ttl: float,
+        *,
+        in_sync_revision: int | None = None,
+        incarnation: int = 0,
     ) -> Term | None:
         """Try to become ``slot``'s leader under a lease of ``ttl`` seconds: the term, or ``None``
         when the slot has a leader key already (the lease granted for the try is revoked).
         ``in_sync_revision``: also ``None`` unless the in-sync set is still the one read at that
-        revision (0: none written)."""
+        revision (0: none written). ``incarnation``: this member's process, which the others tell
+        from a successor at the same address by it."""
 
     @abc.abstractmethod
     async def in_sync(self, slot: str) -> InSync | None:

@@ -24,6 +24,7 @@ MAX_FIELD = 1024  # characters of member or address
 MAX_SLOT = 128
 MAX_MEMBERS = 16  # members of one in-sync set: a slot's replicas
 MAX_INT64 = 2**63 - 2  # int64's top, less one: a watch starts at a revision read plus one
+MAX_U64 = 2**64 - 1
 _SLOT = re.compile(r"[A-Za-z0-9._-]+")
 
 
@@ -75,26 +76,33 @@ def decode_in_sync(key: bytes, value: bytes, mod_revision: int) -> InSync:
     return InSync(tuple(str(m) for m in members), revision)
 
 
-def _json_object(value: bytes, fields: tuple[str, ...]) -> dict[str, object]:
-    """A stored value as the JSON object of exactly ``fields`` (and our format version)."""
+def _json_object(value: bytes, fields: tuple[str, ...], optional: tuple[str, ...] = ()) -> dict[str, object]:
+    """A stored value as the JSON object of exactly ``fields`` (and our format version), and any
+    of ``optional``."""
     if len(value) > MAX_VALUE:
         raise BadValue(f"value is {len(value)} bytes, over {MAX_VALUE}")
     try:
         doc = json.loads(value.decode("utf-8"))
     except (ValueError, RecursionError) as exc:  # UnicodeDecodeError, JSONDecodeError are ValueErrors
         raise BadValue(f"value is not JSON ({type(exc).__name__})") from exc
-    if not isinstance(doc, dict) or set(doc) != set(fields):
-        raise BadValue(f"value is not an object of exactly {', '.join(fields)}")
+    if not isinstance(doc, dict) or not set(fields) <= set(doc) <= {*fields, *optional}:
+        also = f" (and {', '.join(optional)})" if optional else ""
+        raise BadValue(f"value is not an object of exactly {', '.join(fields)}{also}")
     if type(doc["v"]) is not int or doc["v"] != FORMAT_VERSION:
         raise BadValue(f"value's format version is not {FORMAT_VERSION}")
     return doc
 
 
-def encode_leader(member: str, address: str) -> bytes:
-    """The leader key's value; ``ValueError`` for fields that ``decode_leader`` would refuse."""
+def encode_leader(member: str, address: str, incarnation: int = 0) -> bytes:
+    """The leader key's value; ``ValueError`` for fields that ``decode_leader`` would refuse.
+    ``incarnation``: the leader's process (its server's random store id; 0: not said)."""
     for name, value in (("member", member), ("address", address)):
         _check_field(name, value, ValueError)
-    doc = {"v": FORMAT_VERSION, "member": member, "address": address}
+    if not 0 <= incarnation <= MAX_U64:
+        raise ValueError(f"incarnation {incarnation} is not a u64")
+    doc: dict[str, object] = {"v": FORMAT_VERSION, "member": member, "address": address}
+    if incarnation:
+        doc["incarnation"] = incarnation
     return json.dumps(doc, separators=(",", ":"), ensure_ascii=True).encode()
 
 
@@ -103,10 +111,15 @@ def decode_leader(value: bytes, create_revision: int, lease: int) -> Leader:
     epoch = check_revision(create_revision, "create revision")
     if check_int64(lease, "lease") == 0:
         raise BadValue("the key is held by no lease (it would never expire)")
-    doc = _json_object(value, ("v", "member", "address"))
+    doc = _json_object(value, ("v", "member", "address"), ("incarnation",))
     for name in ("member", "address"):
         _check_field(name, doc[name], BadValue)
-    return Leader(str(doc["member"]), str(doc["address"]), epoch, lease)  # strings: checked just above
+    incarnation = doc.get("incarnation", 0)
+    lowest = 1 if "incarnation" in doc else 0  # said: a store id, never 0
+    if type(incarnation) is not int or not lowest <= incarnation <= MAX_U64:
+        raise BadValue("incarnation is not an integer in 1..2**64-1")
+    # member and address: strings, checked just above
+    return Leader(str(doc["member"]), str(doc["address"]), epoch, lease, incarnation)
 
 
 def decode_or_warn(key: bytes, value: bytes, create_revision: int, lease: int) -> Leader | None:

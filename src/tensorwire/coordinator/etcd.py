@@ -62,12 +62,19 @@ class EtcdCoordinator(Coordinator):
 
     # -- campaign, renew, resign ---------------------------------------------------------------
     async def campaign(
-        self, slot: str, member: str, address: str, ttl: float, *, in_sync_revision: int | None = None
+        self,
+        slot: str,
+        member: str,
+        address: str,
+        ttl: float,
+        *,
+        in_sync_revision: int | None = None,
+        incarnation: int = 0,
     ) -> Term | None:
         """Three calls at most, each bounded by the timeout: grant a lease, create the key in a
         transaction, and (lost, or failed after the grant) revoke the lease."""
         key = codec.leader_key(self.prefix, slot)
-        value = codec.encode_leader(member, address)
+        value = codec.encode_leader(member, address, incarnation)
         if not 1 <= ttl <= MAX_TTL:
             raise ValueError(f"lease ttl {ttl!r} is not in [1, {MAX_TTL:.0f}] seconds")
         started = time.monotonic()  # the lease's clock starts at etcd after this
@@ -82,7 +89,7 @@ class EtcdCoordinator(Coordinator):
         if epoch is None:
             await self._revoke(lease_id, f"the lease of a lost campaign for slot {slot}")
             return None
-        return Term(slot, member, address, epoch, lease_id, min(float(ttl), granted), started)
+        return Term(slot, member, address, epoch, lease_id, min(float(ttl), granted), started, incarnation)
 
     async def _grant(self, slot: str, ttl: float) -> tuple[int, float]:
         async def op(stubs: Stubs, left: float) -> Any:

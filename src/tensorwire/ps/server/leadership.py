@@ -48,7 +48,8 @@ from tensorwire.coordinator import Coordinator, Leader, Term, open_coordinator
 from tensorwire.coordinator.codec import check_slot
 from tensorwire.errors import CoordinatorUnavailable, LeaseLost, TensorwireError
 from tensorwire.logs import event
-from tensorwire.security import TlsFiles
+from tensorwire import transport as transports
+from tensorwire.security import Security, TlsFiles
 from tensorwire.types import Address
 
 log = logging.getLogger("tensorwire.ps")
@@ -113,6 +114,11 @@ class Led(Protocol):
         """When (monotonic) this backup last heard from its primary."""
         ...
 
+    @property
+    def peer(self) -> Security:
+        """How this replica reaches the others of its slot (the peer token and TLS files)."""
+        ...
+
 
 class Leadership:
     """This replica's part in its slot's leadership by lease (see the module doc)."""
@@ -146,6 +152,8 @@ class Leadership:
         self._published: list[str] | None = None  # the in-sync set as last written
         self._growing: asyncio.Task[None] | None = None  # writing a larger set, in the background
         self._primary_seen: Callable[[], float | None] = lambda: None  # the replica's, at start
+        self._peer: Callable[[], Security] = Security  # how the replica reaches its slot's others
+        self.incarnation = 0  # this process (its server's store id): set at start
         self._writing = asyncio.Lock()  # in-sync writes, one at a time
         self._changed = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
@@ -236,11 +244,13 @@ class Leadership:
         }
 
     # -- the task ---------------------------------------------------------------------------------
-    def start(self, replica: Led, listening: str) -> None:
+    def start(self, replica: Led, listening: str, incarnation: int = 0) -> None:
         """Watch the slot's leader and campaign or renew, on the running loop (idempotent).
-        ``listening``: the server's first address, this replica's name without ``--advertise``."""
+        ``listening``: the server's first address, this replica's name without ``--advertise``;
+        ``incarnation``: this process (the server's store id, which its HELLO says)."""
         if self._tasks:
             return
+        self.incarnation = incarnation
         if not self.address:
             host = listening.split("://", 1)[-1].rsplit(":", 1)[0]
             if host in _WILDCARDS:
@@ -250,6 +260,7 @@ class Leadership:
                 )
             self.address = listening
         self._primary_seen = lambda: replica.primary_seen
+        self._peer = lambda: replica.peer
         loop = asyncio.get_running_loop()
         self._tasks = [loop.create_task(self._watch()), loop.create_task(self._lead(replica))]
 
@@ -286,8 +297,9 @@ class Leadership:
             in_sync = await self._may_campaign()
             if in_sync is not None:
                 term = await self.coordinator.campaign(
-                    self.slot, self.address, self.address, self.ttl, in_sync_revision=in_sync
-                )
+                    self.slot, self.address, self.address, self.ttl, in_sync_revision=in_sync,
+                    incarnation=self.incarnation,
+                )  # fmt: skip
                 if term is not None:
                     self._won(term, replica)
                     return
@@ -324,21 +336,37 @@ class Leadership:
         """Whether ``leader`` is another replica whose process is gone (its lease, then, is
         revoked, so that the slot need not wait for it to run out). Gone means: this backup, up
         to date, has not heard from it for ``SILENT`` seconds, and its address refuses a
-        connection (nothing listens there: a process that is alive but cut off gives no answer
-        at all, and then the lease runs its course). Safe even if it were alive: it acknowledges
-        nothing that this backup has not applied, unless it writes to the coordinator under its
-        lease first, which the revocation ends."""
+        connection (nothing listens there) or is served by another process (its HELLO says
+        another store id than the leader's incarnation: it was restarted). A process that is
+        alive but cut off gives no answer at all, and then the lease runs its course. Safe even
+        if it were alive: it acknowledges nothing that this backup has not applied, unless it
+        writes to the coordinator under its lease first, which the revocation ends."""
         if leader.address == self.address or not self.synced or not leader.lease:
             return False
         seen = self._primary_seen()
         if seen is not None and time.monotonic() - seen < SILENT:
             return False
-        if not await _refuses(leader.address):
+        if not await _refuses(leader.address) and not await self._succeeded(leader):
             return False
         event(log, logging.WARNING, "the primary's process is gone: revoking its lease", slot=self.slot,
               primary=leader.address, epoch=leader.epoch)  # fmt: skip
         await self.coordinator.revoke(leader)
         return True
+
+    async def _succeeded(self, leader: Leader) -> bool:
+        """Whether another process than ``leader``'s serves its address now (its HELLO's store
+        id is not the leader's incarnation). Not known (no incarnation, no answer): no."""
+        if not leader.incarnation:
+            return False
+        options = transports.TransportOptions(PROBE_TIMEOUT, PROBE_TIMEOUT, security=self._peer())
+        try:
+            conn = await transports.open_channel(leader.address, options, what="a look at the primary")
+        except TensorwireError:
+            return False
+        try:
+            return conn.info.store_id not in (0, leader.incarnation)
+        finally:
+            await conn.close()
 
     def _won(self, term: Term, replica: Led) -> None:
         self.term, self.down, self.failsafe, self._published = term, None, False, None

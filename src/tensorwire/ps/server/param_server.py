@@ -175,7 +175,7 @@ class ParamServer:
         first PS_INIT, would stall the renewals past a short term."""
         if self._replica.leadership is not None and server.addresses:
             await asyncio.to_thread(_warm_optimizers)
-            self._replica.lead(str(server.addresses[0]))
+            self._replica.lead(str(server.addresses[0]), server.store_id)
 
     # The server's own attributes, and its one job's (``sole``), under the names a ParamServer
     # always had.

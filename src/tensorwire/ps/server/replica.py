@@ -182,11 +182,12 @@ class Replica:
             leadership.give_up(self, "its term ran out: no renewal for the lease's ttl less the margin")
         raise NotPrimary(f"this replica is a {self.role} at epoch {self.epoch}: {leadership.named_leader()}")
 
-    def lead(self, listening: str) -> None:
+    def lead(self, listening: str, incarnation: int) -> None:
         """Start watching and campaigning for the slot's lease (with a coordinator; idempotent);
-        ``listening``: the server's first address (this replica's name without ``--advertise``)."""
+        ``listening``: the server's first address (this replica's name without ``--advertise``),
+        ``incarnation``: the server's store id (its HELLO says it: a successor has another)."""
         if self.leadership is not None:
-            self.leadership.start(self, listening)
+            self.leadership.start(self, listening, incarnation)
 
     def take_over(self, epoch: int) -> None:
         """This backup won the slot's lease: the primary, at the coordinator's ``epoch``."""
