@@ -43,12 +43,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from tensorwire import transport as transports
 from tensorwire._aio import cancel_and_wait
 from tensorwire.coordinator import Coordinator, Leader, Term, open_coordinator
 from tensorwire.coordinator.codec import check_slot
 from tensorwire.errors import CoordinatorUnavailable, LeaseLost, TensorwireError
 from tensorwire.logs import event
-from tensorwire import transport as transports
 from tensorwire.security import Security, TlsFiles
 from tensorwire.types import Address
 
