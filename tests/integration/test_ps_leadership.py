@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import shutil
+import socket
 from collections.abc import Iterator
-from typing import Any
 
 import pytest
 import torch
@@ -24,6 +24,7 @@ from tensorwire.ps import Coordination, ParamServer, Worker
 from tensorwire.ps.launch import free_port
 from tensorwire.security import Security
 from tensorwire.server import ServerThread
+from tensorwire.testing.process import param_server_of as ps_of
 from tensorwire.testing.process import wait_for
 
 pytest.importorskip("aetcd", reason="the etcd extra (aetcd) is not installed")
@@ -65,11 +66,6 @@ def replica(etcd: LocalEtcd, slot: str, urls: list[str], index: int) -> ServerTh
         coordinator=Coordination(etcd.url, slot, urls[index], ttl=TTL, timeout=1.0),
     )
     return ServerThread([urls[index]], extensions=[ps])
-
-
-def ps_of(server: ServerThread) -> Any:
-    (ps,) = [e for e in server.server.extensions if isinstance(e, ParamServer)]
-    return ps
 
 
 def steps(worker: Worker, model: torch.nn.Module, first: int, count: int) -> None:
@@ -139,24 +135,27 @@ def test_a_replica_that_restarted_empty_does_not_take_over_and_says_why(etcd: Lo
             ps_of(revived)._replica.serving()
 
 
-def test_a_backup_tells_a_restarted_primary_from_the_one_holding_the_lease(etcd: LocalEtcd) -> None:
+def test_a_backup_tells_a_restarted_primary_from_the_one_holding_the_lease() -> None:
     """A primary's port served by another process (killed and started again at once, as a
-    supervisor does) says another store id in its HELLO than the lease's incarnation: the
-    process holding the lease is gone, and its lease may be revoked without waiting it out. The
-    same process, or one that does not answer, is not gone."""
+    supervisor does) says another store id in its HELLO than the lease's incarnation, and a port
+    nothing listens on refuses: either way the process holding the lease is gone, and its lease
+    may be revoked without waiting it out. The same process, or one that does not answer, is not
+    gone."""
     from tensorwire.coordinator import Leader
-    from tensorwire.ps.server.leadership import Leadership
+    from tensorwire.ps.server.leadership import process_gone
 
-    with ServerThread(extensions=[ParamServer(peer=PEER)]) as other:
-        leadership = Leadership(open_coordinator(etcd.url), "probe", "tcp://127.0.0.1:1")
-        leadership._peer = lambda: PEER
+    with ServerThread(extensions=[ParamServer(peer=PEER)]) as other, socket.socket() as silent:
         store_id = other.server.store_id
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()  # accepts (the kernel does), never answers a HELLO
 
-        async def gone(incarnation: int, address: str = other.url) -> bool:
-            return await leadership._succeeded(Leader("m", address, 5, 9, incarnation))
+        def gone(incarnation: int, address: str = other.url) -> bool:
+            return asyncio.run(process_gone(Leader("m", address, 5, 9, incarnation), PEER))
 
-        assert asyncio.run(gone(store_id ^ 1)) is True  # another process answers there
-        assert asyncio.run(gone(store_id)) is False  # the leader itself
-        assert asyncio.run(gone(0)) is False  # a leader that did not say which process it is
-        silent = f"tcp://127.0.0.1:{free_port()}"
-        assert asyncio.run(gone(store_id ^ 1, silent)) is False  # nothing answers: not known
+        assert gone(store_id ^ 1) is True  # another process answers there
+        assert gone(store_id) is False  # the leader itself
+        assert gone(0) is False  # a leader that did not say which process it is
+        assert (
+            gone(store_id ^ 1, f"tcp://127.0.0.1:{silent.getsockname()[1]}") is False
+        )  # no answer: not known
+        assert gone(store_id, f"tcp://127.0.0.1:{free_port()}") is True  # nothing listens there

@@ -39,7 +39,6 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -58,7 +57,7 @@ DEFAULT_TTL = 3.0
 SILENT = 1.0
 PROBE_TIMEOUT = 0.5
 COORDINATOR_TIMEOUT = 2.0  # each call to the coordinator (a renewal: at most a third of the ttl)
-_WILDCARDS = ("0.0.0.0", "::", "[::]", "")
+_WILDCARDS = ("0.0.0.0", "::")
 
 
 @dataclass(frozen=True)
@@ -151,8 +150,6 @@ class Leadership:
         self._standby = standby
         self._published: list[str] | None = None  # the in-sync set as last written
         self._growing: asyncio.Task[None] | None = None  # writing a larger set, in the background
-        self._primary_seen: Callable[[], float | None] = lambda: None  # the replica's, at start
-        self._peer: Callable[[], Security] = Security  # how the replica reaches its slot's others
         self.incarnation = 0  # this process (its server's store id): set at start
         self._writing = asyncio.Lock()  # in-sync writes, one at a time
         self._changed = asyncio.Event()
@@ -211,15 +208,12 @@ class Leadership:
                 return
             try:
                 await self.coordinator.set_in_sync(held, members)
-            except CoordinatorUnavailable:
-                self._unreachable()
+            except (CoordinatorUnavailable, LeaseLost) as exc:
+                if isinstance(exc, CoordinatorUnavailable):
+                    self._unreachable()
                 if wait:
                     raise
-                return
-            except LeaseLost:
-                if wait:
-                    raise
-                return
+                return  # a larger set: the one written still holds; the next change tries again
             self._published = members
         log.info("slot %s: in sync %s", self.slot, members)
 
@@ -252,15 +246,12 @@ class Leadership:
             return
         self.incarnation = incarnation
         if not self.address:
-            host = listening.split("://", 1)[-1].rsplit(":", 1)[0]
-            if host in _WILDCARDS:
+            if Address.parse(listening).host in _WILDCARDS:
                 raise ValueError(
                     f"this server listens on {listening}: give --advertise the URL its slot's peers "
                     "and workers reach it at (the one they list it with)"
                 )
             self.address = listening
-        self._primary_seen = lambda: replica.primary_seen
-        self._peer = lambda: replica.peer
         loop = asyncio.get_running_loop()
         self._tasks = [loop.create_task(self._watch()), loop.create_task(self._lead(replica))]
 
@@ -294,7 +285,7 @@ class Leadership:
         """Wait for the lease to be free, then try to take it (if this replica may)."""
         self._changed.clear()
         try:
-            in_sync = await self._may_campaign()
+            in_sync = await self._may_campaign(replica)
             if in_sync is not None:
                 term = await self.coordinator.campaign(
                     self.slot, self.address, self.address, self.ttl, in_sync_revision=in_sync,
@@ -309,13 +300,13 @@ class Leadership:
         with contextlib.suppress(TimeoutError):  # a watch event, or a look again after a while
             await asyncio.wait_for(self._changed.wait(), self.ttl / 3)
 
-    async def _may_campaign(self) -> int | None:
+    async def _may_campaign(self, replica: Led) -> int | None:
         """If the lease is free and this replica is up to date, the revision of the in-sync set
         that says so (0: none written yet, a new slot), which the campaign requires unchanged (a
         replica paused between this read and its campaign must not win on what it read). Else
         None, and ``down`` says why."""
         leader = await self.coordinator.leader(self.slot)
-        if leader is not None and not await self._gone(leader):
+        if leader is not None and not await self._gone(leader, replica):
             self.down = None
             return None
         in_sync = await self.coordinator.in_sync(self.slot)
@@ -332,7 +323,7 @@ class Leadership:
         self.down = why
         return None
 
-    async def _gone(self, leader: Leader) -> bool:
+    async def _gone(self, leader: Leader, replica: Led) -> bool:
         """Whether ``leader`` is another replica whose process is gone (its lease, then, is
         revoked, so that the slot need not wait for it to run out). Gone means: this backup, up
         to date, has not heard from it for ``SILENT`` seconds, and its address refuses a
@@ -343,30 +334,15 @@ class Leadership:
         writes to the coordinator under its lease first, which the revocation ends."""
         if leader.address == self.address or not self.synced or not leader.lease:
             return False
-        seen = self._primary_seen()
+        seen = replica.primary_seen
         if seen is not None and time.monotonic() - seen < SILENT:
             return False
-        if not await _refuses(leader.address) and not await self._succeeded(leader):
+        if not await process_gone(leader, replica.peer):
             return False
         event(log, logging.WARNING, "the primary's process is gone: revoking its lease", slot=self.slot,
               primary=leader.address, epoch=leader.epoch)  # fmt: skip
         await self.coordinator.revoke(leader)
         return True
-
-    async def _succeeded(self, leader: Leader) -> bool:
-        """Whether another process than ``leader``'s serves its address now (its HELLO's store
-        id is not the leader's incarnation). Not known (no incarnation, no answer): no."""
-        if not leader.incarnation:
-            return False
-        options = transports.TransportOptions(PROBE_TIMEOUT, PROBE_TIMEOUT, security=self._peer())
-        try:
-            conn = await transports.open_channel(leader.address, options, what="a look at the primary")
-        except TensorwireError:
-            return False
-        try:
-            return conn.info.store_id not in (0, leader.incarnation)
-        finally:
-            await conn.close()
 
     def _won(self, term: Term, replica: Led) -> None:
         self.term, self.down, self.failsafe, self._published = term, None, False, None
@@ -392,21 +368,18 @@ class Leadership:
             self.unavailable, self.failsafe = 0, False
         except LeaseLost as exc:
             if self.term is term:
-                self._lost(replica, str(exc))
+                self.give_up(replica, str(exc))
         except CoordinatorUnavailable as exc:
             if self.term is not term:
                 return
             self._unreachable()
             if term.expired(self.margin) and not self.holds(replica):
-                self._lost(replica, f"the term ran out with the coordinator unreachable ({exc})")
+                self.give_up(replica, f"the term ran out with the coordinator unreachable ({exc})")
             else:
                 await asyncio.sleep(min(0.25, term.ttl / 12))
 
     def give_up(self, replica: Led, why: str) -> None:
         """The term is over (lost, run out, or the in-sync set could not be written): a backup now."""
-        self._lost(replica, why)
-
-    def _lost(self, replica: Led, why: str) -> None:
         self.term, self.failsafe = None, False
         self.step_downs += 1
         if replica.role == "primary":
@@ -424,19 +397,27 @@ class Leadership:
         await self.coordinator.close()
 
 
-async def _refuses(address: str) -> bool:
-    """Whether ``address`` (a tcp:// or tls:// URL) refuses a connection now: nothing listens."""
+async def process_gone(leader: Leader, peer: Security) -> bool:
+    """Whether the process that holds ``leader``'s lease is gone: its address refuses connections
+    (nothing listens there), or another process answers there (its HELLO's store id is not the
+    leader's incarnation: it was started again). No answer, or a leader that did not say its
+    incarnation: not known, so no."""
+    options = transports.TransportOptions(PROBE_TIMEOUT, PROBE_TIMEOUT, security=peer)
     try:
-        where = Address.parse(address)
-    except ValueError:
-        return False
-    if where.scheme not in ("tcp", "tls") or not where.port:
-        return False
+        conn = await transports.open_channel(leader.address, options, what="a look at the primary")
+    except TensorwireError as exc:
+        return _refused(exc)
     try:
-        _, writer = await asyncio.wait_for(asyncio.open_connection(where.host, where.port), PROBE_TIMEOUT)
-    except ConnectionRefusedError:
-        return True
-    except (OSError, TimeoutError):
-        return False
-    writer.close()
+        return leader.incarnation != 0 and conn.info.store_id not in (0, leader.incarnation)
+    finally:
+        await conn.close()
+
+
+def _refused(exc: BaseException) -> bool:
+    """Whether ``exc`` says the connection was refused (the cause of a ConnectError)."""
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, ConnectionRefusedError):
+            return True
+        seen = seen.__cause__ or seen.__context__
     return False
