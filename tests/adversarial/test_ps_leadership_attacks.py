@@ -42,11 +42,13 @@ from tensorwire.errors import AuthenticationError, NotAuthorized, NotPrimary, Te
 from tensorwire.ps import Coordination, ParamServer, Worker
 from tensorwire.ps.launch import free_port, replica_flags
 from tensorwire.ps.server import replication as rp
-from tensorwire.ps.worker.rpc import server_stats
 from tensorwire.security import Security, write_token_file
 from tensorwire.server import ServerThread
 from tensorwire.testing.faults import sigstop
 from tensorwire.testing.process import ServerProcess, wait_for
+from tensorwire.testing.process import param_server_of as ps_of
+from tensorwire.testing.process import ps_role as role
+from tensorwire.testing.process import ps_stats as stats
 from tensorwire.transport.frame_client import FramedTransport
 from tensorwire.types import Address
 from tensorwire.wire import ps as wps
@@ -92,11 +94,6 @@ def replica(etcd: LocalEtcd, slot: str, urls: list[str], index: int) -> ServerTh
         coordinator=Coordination(etcd.url, slot, urls[index], ttl=TTL, timeout=1.0),
     )
     return ServerThread([urls[index]], extensions=[ps])
-
-
-def ps_of(server: ServerThread) -> Any:
-    (ps,) = [e for e in server.server.extensions if isinstance(e, ParamServer)]
-    return ps
 
 
 def leading(server: ServerThread) -> dict[str, Any]:
@@ -262,8 +259,7 @@ def test_garbage_in_the_leader_key_keeps_the_slot_down_and_the_servers_up(etcd: 
         for server in (first, second):
             assert alive(server), "a leadership task ended"
             assert leading(server)["leader"] is None and leading(server)["step_downs"] == 0
-            (doc,) = server_stats([server.url], timeout=5)  # it still answers
-            assert doc["role"] == "backup"
+            assert stats(server.url)["role"] == "backup"  # it still answers
         with pytest.raises(NotPrimary, match="no primary is known"):
             Worker(torch.nn.Linear(4, 2), "|".join(urls), "async", rank=0, heartbeat=0, timeout=2).start()
 
@@ -342,18 +338,6 @@ def warm_up(url: str) -> None:
     with Worker(net, url, "async", rank=0, heartbeat=0, timeout=WITHIN) as worker:
         torch.nn.functional.mse_loss(net(torch.ones(2, 4)), torch.zeros(2, 2)).backward()  # type: ignore[no-untyped-call]
         worker.step()
-
-
-def stats(url: str) -> dict[str, Any]:
-    (doc,) = server_stats([url], timeout=5)
-    return doc
-
-
-def role(url: str) -> str:
-    try:
-        return str(stats(url)["role"])
-    except Exception:
-        return "gone"
 
 
 def test_a_paused_etcd_leaves_the_primary_serving_only_under_the_failsafe_until_its_backup_stops_too(

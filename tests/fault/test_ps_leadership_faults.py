@@ -22,10 +22,11 @@ from tensorwire.coordinator.local import LocalEtcd
 from tensorwire.errors import TensorwireError
 from tensorwire.ps import Worker
 from tensorwire.ps.launch import free_port, replica_flags
-from tensorwire.ps.worker.rpc import server_stats
 from tensorwire.security import write_token_file
 from tensorwire.testing.faults import kill9, sigcont, sigstop
 from tensorwire.testing.process import ServerProcess, wait_for
+from tensorwire.testing.process import ps_role as role
+from tensorwire.testing.process import ps_stats as stats
 
 pytest.importorskip("aetcd", reason="the etcd extra (aetcd) is not installed")
 pytestmark = [
@@ -41,18 +42,6 @@ WITHIN = 30.0
 def etcd() -> Iterator[LocalEtcd]:
     with LocalEtcd() as server:
         yield server
-
-
-def stats(url: str) -> dict[str, Any]:
-    (doc,) = server_stats([url], timeout=5)
-    return doc
-
-
-def role(url: str) -> str:
-    try:
-        return str(stats(url)["role"])
-    except Exception:  # a stopped or killed process answers nothing: not a primary
-        return "gone"
 
 
 def slot(etcd: LocalEtcd, tmp_path: Path, name: str, stack: ExitStack) -> list[str]:

@@ -47,6 +47,8 @@ from tensorwire.ps.worker.rpc import server_stats
 from tensorwire.security import write_token_file
 from tensorwire.server import ServerThread
 from tensorwire.testing.process import ServerProcess, wait_for
+from tensorwire.testing.process import ps_role as role
+from tensorwire.testing.process import ps_stats as stats
 
 pytest.importorskip("aetcd", reason="the etcd extra (aetcd) is not installed")
 pytestmark = [
@@ -159,18 +161,6 @@ class Recorder:
         except Exception:  # cut off, stopped: it acknowledges nothing we could see
             return Sample(time.monotonic(), "gone", 0, -1)
         return Sample(time.monotonic(), str(doc["role"]), int(doc["epoch"]), int(doc.get("version") or 0))
-
-
-def stats(url: str) -> dict[str, Any]:
-    (doc,) = server_stats([url], timeout=5)
-    return doc
-
-
-def role(url: str) -> str:
-    try:
-        return str(stats(url)["role"])
-    except Exception:
-        return "gone"
 
 
 def in_sync(url: str, member: str) -> bool:

@@ -53,7 +53,9 @@ PUBLIC: dict[str, set[str]] = {
         "random_tensor", "run_case", "same_bytes", "put_frame", "raw", "read_reply",
         "corrupt_get_response_is_retried",
     },
-    "tensorwire.testing.process": {"ServerProcess", "run_threads", "wait_for"},
+    "tensorwire.testing.process": {
+        "ServerProcess", "param_server_of", "ps_role", "ps_stats", "run_threads", "wait_for",
+    },
 }  # fmt: skip
 
 
