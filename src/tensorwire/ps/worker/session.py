@@ -176,15 +176,23 @@ class WorkerSession:
 
     async def _heartbeats(self) -> None:
         """Tell every server this worker is alive, each on a connection of its own (a pull waiting
-        for a step must not hold up the heartbeat); a server that drops it is rejoined by the
-        next push or pull."""
+        for a step must not hold up the heartbeat) and on a loop of its own: a server that stopped
+        answering holds its beat for the beat's timeout, which must not delay the others' past
+        theirs (they would drop this worker too). A server that drops it is rejoined by the next
+        push or pull."""
         wait = max(self.config.heartbeat * 4, 1.0)
         options = self.config.options._replace(connect_timeout=wait, request_timeout=wait)
         sender = self._sender()
-        try:
+
+        async def beat(slot: ServerSlot) -> None:
             while True:
-                await asyncio.gather(*(s.beat(sender, self.incarnation, options) for s in self.serving))
+                await slot.beat(sender, self.incarnation, options)
                 await asyncio.sleep(self.config.heartbeat)
+
+        try:
+            async with asyncio.TaskGroup() as beating:
+                for slot in self.serving:
+                    beating.create_task(beat(slot))
         finally:
             for slot in self.slots:
                 await slot.close_beat()
