@@ -298,7 +298,16 @@ class Leadership:
             self._unreachable()
             log.info("slot %s: campaign not possible now (%s)", self.slot, exc)
         with contextlib.suppress(TimeoutError):  # a watch event, or a look again after a while
-            await asyncio.wait_for(self._changed.wait(), self.ttl / 3)
+            await asyncio.wait_for(self._changed.wait(), self._look_again(replica))
+
+    def _look_again(self, replica: Led) -> float:
+        """Seconds to the next look at the lease without a watch event: every ``ttl / 3``, and
+        four times a ``SILENT`` period while the primary is quiet (a dead one's lease is revoked
+        about ``SILENT`` after its last ping, not up to ``ttl / 3`` later)."""
+        seen = replica.primary_seen
+        if seen is not None and time.monotonic() - seen >= SILENT / 2:
+            return min(self.ttl / 3, SILENT / 4)
+        return self.ttl / 3
 
     async def _may_campaign(self, replica: Led) -> int | None:
         """If the lease is free and this replica is up to date, the revision of the in-sync set

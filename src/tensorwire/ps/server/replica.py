@@ -227,7 +227,10 @@ class Replica:
         now = time.monotonic()
         self.holder.promoted()  # a grace period: the workers are moving over from the old primary
         if self._backups is not None and not self._pings_running():  # its peers become its backups
-            self._backups.reset()
+            # Without a coordinator the first change must reach them: it is what fences an old
+            # primary that is still alive. With one its lease did, and waiting on it would stall
+            # the slot on a stopped process's connect timeout.
+            self._backups.reset(wait_for_them=self.leadership is None)
             self._start_pings()
         event(log, logging.WARNING, "failover: this backup takes over", epoch=self.epoch,
               jobs=self.holder.describe(), silent_s=round(now - (self._primary_seen or now), 3))  # fmt: skip

@@ -186,10 +186,15 @@ class Backups:
         self._host = topology.here().host
         self._host_id = topology.host_identity(ws.shm_dir())
 
-    def reset(self) -> None:
-        """Forget every backup's state (this server just became the primary)."""
+    def reset(self, *, wait_for_them: bool = True) -> None:
+        """Forget every backup's state (this server just became the primary). ``wait_for_them``:
+        the next change goes to each and waits for it (an old primary that was only stopped holds
+        it up for the connect timeout); else each is taken back in the background by the pings, as
+        a lost one is (with a coordinator, whose in-sync set, written before a change is
+        acknowledged, says which copies there are)."""
         for backup in self.backups.values():
-            backup.lost = backup.synced = False
+            backup.synced = False
+            backup.lost = not wait_for_them
 
     async def send(
         self, meta: bytes, data: Sequence[memoryview] = (), sync: Sync | None = None, *, ping: bool = False

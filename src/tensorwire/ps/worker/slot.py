@@ -76,6 +76,10 @@ class ServerSlot:
         # NOT_PRIMARY: which replica and the connection to it are one value, changed under the lock.
         self._link = _Link(0)
         self._reconnecting = asyncio.Lock()
+        # The connection being opened under the lock, and to which replica: ``follow`` ends it when
+        # the coordinator names another (a stopped process accepts a connection and never answers,
+        # so the open would hold the lock, and the move, until its timeout).
+        self._opening: tuple[int, asyncio.Task[FrameChannel]] | None = None
         self._beat: FrameChannel | None = None  # the heartbeat's own connection
         self._beat_for = ""  # the replica URL it was opened for
         self._missed = 0  # heartbeats missed in a row
@@ -139,7 +143,18 @@ class ServerSlot:
         async with self._reconnecting:
             at, conn = self._link
             if conn is None or conn.closed:
-                conn = await self._open(self.replicas[at], self._options)
+                opening = asyncio.ensure_future(self._open(self.replicas[at], self._options))
+                self._opening = (at, opening)
+                try:
+                    conn = await opening
+                except asyncio.CancelledError:
+                    task = asyncio.current_task()
+                    if task is not None and task.cancelling():  # this request was cancelled
+                        raise
+                    moved = f"{self.replicas[at]}: left for the primary the coordinator named"
+                    raise ConnectError(moved) from None
+                finally:
+                    self._opening = None
                 self._link = _Link(at, conn)
             return conn
 
@@ -168,6 +183,8 @@ class ServerSlot:
                 "the coordinator names %s the primary of %s, which does not list it", address, self.name
             )
             return False
+        if self._opening is not None and self._opening[0] != index:
+            self._opening[1].cancel()
         async with self._reconnecting:
             at, conn = self._link
             if at == index:
@@ -175,6 +192,8 @@ class ServerSlot:
             self._link = _Link(index)
             if conn is not None:
                 await conn.close()
+            if self._beat is not None:  # a heartbeat waiting on the old primary ends now too
+                await self._beat.close()
         log.info("worker %d follows the coordinator to replica %s", self.rank, self.url)
         return True
 
@@ -186,19 +205,22 @@ class ServerSlot:
     async def beat(self, sender: Sender, incarnation: int, options: transports.TransportOptions) -> None:
         """One heartbeat, on a connection of its own (a pull waiting for a step must not hold it
         up); two missed in a row drop the request connection (``_abandon``)."""
+        url = self.url
         try:
             conn = self._beat
             # Which replica it was opened for, not its address: prefer_local may have moved it to
             # that replica's shm:// listener.
-            if conn is None or conn.closed or self._beat_for != self.url:
+            if conn is None or conn.closed or self._beat_for != url:
                 if conn is not None:
                     await conn.close()
-                conn = self._beat = await self._open(self.url, options)
-                self._beat_for = self.url
+                conn = self._beat = await self._open(url, options)
+                self._beat_for = url
             await PsChannel(conn, sender).heartbeat(self.clock, incarnation)
             self._missed = 0
         except TensorwireError as exc:
-            log.debug("heartbeat to %s failed: %s", self.url, exc)
+            log.debug("heartbeat to %s failed: %s", url, exc)
+            if self.url != url:  # moved to another replica meanwhile: not a miss of that one
+                return
             self._missed += 1
             if self._missed >= 2:  # the server is unreachable (cut off, gone without a reset)
                 # Counted afresh: a worker that comes back to this replica (the others said
