@@ -115,3 +115,19 @@ def test_a_connection_that_hangs_is_given_up_at_the_deadline_not_at_its_connect_
         return loop.time() - start
 
     assert asyncio.run(asyncio.wait_for(call(), 30)) < 10
+
+
+def test_a_wait_that_uses_up_the_deadline_raises_the_last_error_not_a_timeout() -> None:
+    """The backoff is cut short at the deadline; an attempt after it would have no time (its
+    connect times out at once, naming a wait of ~0 s), so the error that led to the wait is the
+    answer: a NOT_PRIMARY naming why, not "waited 6e-05s for a connection"."""
+    flaky = Flaky(op_fails=1000, error=ConnectError("this replica is a backup: no primary is known"))
+
+    async def slow_connect() -> str:
+        await asyncio.sleep(0)  # one loop turn: more than a spent deadline allows
+        return await flaky.connect()
+
+    for _ in range(5):
+        with pytest.raises(ConnectError, match="no primary is known"):
+            asyncio.run(retrying(flaky.op, slow_connect, RetryPolicy(None, lambda _: 0.05),
+                                 deadline=Deadline.after(0.12, "PS_JOIN")))  # fmt: skip

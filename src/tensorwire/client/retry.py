@@ -17,7 +17,8 @@ Lifecycle of one ``retrying`` call, for each attempt in turn:
 2. ``op(connection)`` runs the request on it;
 3. on a failure that may be retried, ``on_retry(error)`` runs (drop the connection, move to
    another replica, log), then the backoff sleep (``policy.delay(attempt)``, cut short at the
-   deadline), and the next attempt begins.
+   deadline), and the next attempt begins; if the sleep left less than ``MIN_ATTEMPT`` of the
+   deadline, this error is raised instead (the reason, not the timeout of an attempt with no time).
 
 Nothing here depends on the client's classes: a connection is whatever ``connect`` returns.
 """
@@ -35,6 +36,9 @@ from tensorwire.errors import TensorwireError
 
 T = TypeVar("T")
 C = TypeVar("C")
+# Less time than this left after a wait: no new attempt (not even a loopback connect fits), the
+# last error is the answer rather than a timeout of an attempt that had no time.
+MIN_ATTEMPT = 0.01
 
 
 def backoff(first: float, cap: float, *, jitter: bool = True) -> Callable[[int], float]:
@@ -95,5 +99,8 @@ async def retrying(
                 raise
             if on_retry is not None:
                 await on_retry(exc)
-        wait = policy.delay(attempt)
-        await asyncio.sleep(wait if deadline is None else min(wait, deadline.remaining()))
+            wait = policy.delay(attempt)
+            await asyncio.sleep(wait if deadline is None else min(wait, deadline.remaining()))
+            if deadline is not None and deadline.remaining() < MIN_ATTEMPT:
+                # The wait used up the time: this error says why, not an attempt given none.
+                raise
