@@ -43,4 +43,6 @@ def test_with_etcd_leases_a_killed_or_stopped_primary_hands_over_and_nothing_is_
     assert result["faults_injected"] >= 1 and len(result["failovers"]) == result["faults_injected"]
     assert result["failovers"][0]["kind"] == "partition"
     assert all(f["seconds"] > 0 for f in result["failovers"])
+    # Each failover measured the end of the failed primary's lease, which its next step follows.
+    assert all(f["lease_s"] is not None and f["lease_s"] <= f["seconds"] for f in result["failovers"])
     assert result["lost_updates"] == 0 and result["duplicate_updates"] == 0

@@ -26,9 +26,15 @@ each the mean over ``EVAL_BATCHES`` held-out batches of data no worker trains on
 next step on its new primary; ``failovers`` lists each, with its kind, and ``takeover_s``: to the
 new primary saying it is one); ``lost_updates`` (pushes a worker saw acknowledged that its slot
 does not hold) and ``duplicate_updates`` (pushes applied more than once: applied minus distinct
-sequence numbers); ``coordinator`` and ``lease_ttl`` (null without a coordinator).
+sequence numbers); ``coordinator`` and ``lease_ttl`` (null without a coordinator). With a
+coordinator each failover also has ``lease_s``, from the fault to etcd no longer naming the failed
+primary: the bound of any failover that waits for a lease, measured in the same run (a stopped
+primary's lease runs out; a dead one's is revoked by its backup), with its median per kind and the
+median of the rest of the failover past it. ``--primaries``: every fault fails a slot's primary
+(partitions and kills in turn with a coordinator), so that each is a failover.
 
-Run: ``tensorwire bench chaos --minutes 3 [--token] [--coordinator etcd [--lease-ttl 3]] [--json]``.
+Run: ``tensorwire bench chaos --minutes 3 [--token] [--coordinator etcd [--lease-ttl 3]]
+[--primaries] [--json]``.
 """
 
 from __future__ import annotations
@@ -268,6 +274,12 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         "partitions (a primary stopped past the ttl) join the faults (default: none)",
     )
     parser.add_argument(
+        "--primaries",
+        action="store_true",
+        help="every fault fails a slot's primary, so that each is a failover (with etcd: "
+        "partitions and kills in turn; default: any server or worker, at random)",
+    )
+    parser.add_argument(
         "--lease-ttl", type=float, default=DEFAULT_LEASE_TTL, help="seconds of a slot's lease (etcd)"
     )
     parser.add_argument("--worker", nargs=3, metavar=("SERVERS", "STEPS", "OUT"), help=argparse.SUPPRESS)
@@ -277,15 +289,17 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         worker_main(servers, int(steps), Path(out))
         return {}
     options = {"token": args.token, "coordinator": args.coordinator, "lease_ttl": args.lease_ttl}
+    faults = {"primaries": args.primaries}
     probe = run(300, None, **options)  # how fast the job runs here, to size the runs to --minutes
     steps = max(100, int(probe["samples_per_s"] / (WORKERS * BATCH) * args.minutes * 60))
     calm = run(steps, None, **options)
-    chaos = run(steps, args.interval, **options)
+    chaos = run(steps, args.interval, **options, **faults)
     result = {
         "minutes": args.minutes,
         "token": args.token,
         "coordinator": args.coordinator,
         "lease_ttl": args.lease_ttl if args.coordinator != "none" else None,
+        "primaries": args.primaries,
         "steps": steps,
         "faults_injected": chaos["faults_injected"],
         "faults_by_kind": chaos["faults_by_kind"],
@@ -300,19 +314,28 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
 
 def _failover_summary(failovers: list[dict[str, Any]]) -> dict[str, Any]:
-    """The failovers' median and maximum (all kinds together, and the median of each kind), then
-    the list of them."""
+    """The failovers' median and maximum (all kinds together, and the median of each kind); with a
+    coordinator, the median of each kind's wait for the failed primary's lease to end, and of the
+    failover past that end (what follows the lease: the takeover, the workers' move, the step);
+    then the list of them."""
     seconds = [f["seconds"] for f in failovers]
-    by_kind: dict[str, list[float]] = {}
-    for f in failovers:
-        by_kind.setdefault(f["kind"], []).append(f["seconds"])
+    leased = [f for f in failovers if f.get("lease_s") is not None]
     return {
         "failover_p50_s": statistics.median(seconds) if seconds else None,
         "failover_max_s": max(seconds) if seconds else None,
-        "failover_p50_by_kind_s": {kind: statistics.median(s) for kind, s in sorted(by_kind.items())},
+        "failover_p50_by_kind_s": _median_by_kind(failovers, lambda f: f["seconds"]),
+        "lease_end_p50_by_kind_s": _median_by_kind(leased, lambda f: f["lease_s"]),
+        "past_lease_end_p50_by_kind_s": _median_by_kind(leased, lambda f: f["seconds"] - f["lease_s"]),
         "failovers_measured": len(seconds),
         "failovers": [{k: _rounded(v) for k, v in f.items()} for f in failovers],
     }
+
+
+def _median_by_kind(failovers: list[dict[str, Any]], value: Any) -> dict[str, float]:
+    by_kind: dict[str, list[float]] = {}
+    for f in failovers:
+        by_kind.setdefault(f["kind"], []).append(value(f))
+    return {kind: statistics.median(v) for kind, v in sorted(by_kind.items())}
 
 
 def _rounded(value: Any) -> Any:

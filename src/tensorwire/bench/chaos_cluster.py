@@ -19,6 +19,7 @@ Lifecycle: ``Cluster(...)``, ``start()``, any number of ``inject(cluster, target
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import secrets
@@ -27,10 +28,13 @@ import subprocess
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from tensorwire.coordinator import Leader, open_coordinator
+from tensorwire.errors import TensorwireError
 from tensorwire.ps.launch import free_port, replica_flags
 from tensorwire.ps.worker.leaders import COORDINATOR_ENV
 from tensorwire.ps.worker.rpc import JOB_TOKEN_ENV
@@ -62,9 +66,12 @@ class Cluster:
     # servers must carry it through every failover and state transfer or the rejoin is refused.
     job_token: str | None = None
     flags: list[str] = field(default_factory=list)  # every server's
+    leases: Leases | None = None  # the coordinator's word on each slot's leader (with a coordinator)
 
     def start(self) -> None:
         self.flags = list(SERVER_FLAGS)
+        if self.coordinator is not None:
+            self.leases = Leases(self.coordinator)
         if self.token:
             path = write_token_file(self.out / "client.token")
             self.client_token = load_token(path)
@@ -149,6 +156,29 @@ class Cluster:
         for slot in self.slots:
             for server in slot:
                 server.stop(5)  # a stopped (partitioned) one is continued first
+        if self.leases is not None:
+            self.leases.close()
+            self.leases = None
+
+
+class Leases:
+    """Reads each slot's leader key from the controller: one client, on one event loop of its own."""
+
+    def __init__(self, url: str) -> None:
+        self._runner = asyncio.Runner()
+        self._coordinator = open_coordinator(url)
+
+    def leader(self, slot: int) -> Leader | Exception | None:
+        """Slot ``slot``'s leader, None if the key is gone, or the error that kept the read from
+        answering (within two seconds)."""
+        try:
+            return self._runner.run(asyncio.wait_for(self._coordinator.leader(f"slot{slot}"), 2.0))
+        except (TensorwireError, TimeoutError) as exc:
+            return exc
+
+    def close(self) -> None:
+        self._runner.run(self._coordinator.close())
+        self._runner.close()
 
 
 # -- faults ----------------------------------------------------------------------------------------
@@ -164,13 +194,16 @@ class Target(NamedTuple):
 @dataclass(frozen=True)
 class Failover:
     """A slot's primary failed (``kind``: ``kill`` or ``partition``): ``seconds`` from the fault to
-    the slot's next step on its new primary, ``takeover_s`` to the new primary saying so (as often
-    as the controller asks: every few ms)."""
+    the slot's next step on its new primary, ``takeover_s`` to the new primary saying so, and
+    ``lease_s`` (with a coordinator) to the coordinator no longer naming the failed one (its lease
+    ran out, or, for a dead process, its backup revoked it), each as seen by the controller's
+    polls every few ms."""
 
     kind: str
     slot: int
     seconds: float
     takeover_s: float | None
+    lease_s: float | None = None
 
 
 def targets(cluster: Cluster, *, primaries: bool, kind: str | None = None) -> list[Target]:
@@ -230,10 +263,16 @@ def inject(cluster: Cluster, target: Target) -> Failover | None:
         return _partition(cluster, target, step_at)
     failed = time.monotonic()
     server.proc.kill()
-    cluster.restart_server(slot, index)
     if not was_primary:
+        cluster.restart_server(slot, index)
         return None
-    return _failover(cluster, target, step_at, failed)
+    # Started again meanwhile, not first: the failover does not wait for a process to start, and
+    # neither may its measure.
+    with ThreadPoolExecutor(1) as pool:
+        restarted = pool.submit(cluster.restart_server, slot, index)
+        failover = _failover(cluster, target, step_at, failed)
+        restarted.result()
+    return failover
 
 
 def _partition(cluster: Cluster, target: Target, step_at: int) -> Failover:
@@ -268,8 +307,19 @@ def _failover(cluster: Cluster, target: Target, step_at: int, failed: float) -> 
     """Wait for the slot's other replica to be the primary and take a step past ``step_at``."""
     peer = cluster.slots[target.slot][1 - target.replica].url
     took: list[float] = []
+    lease_end: list[float] = []
+    failed_one = target.replica
+
+    def lease_over() -> None:
+        if cluster.leases is None or lease_end:
+            return
+        leader = cluster.leases.leader(target.slot)
+        failed_url = cluster.slots[target.slot][failed_one].url
+        if not isinstance(leader, Exception) and (leader is None or leader.address != failed_url):
+            lease_end.append(time.monotonic() - failed)
 
     def stepped() -> bool:
+        lease_over()
         doc = cluster.stats(peer)
         if doc is None or doc["role"] != "primary":
             return False
@@ -282,7 +332,12 @@ def _failover(cluster: Cluster, target: Target, step_at: int, failed: float) -> 
         return stepped() or cluster.done()
 
     _wait(cluster, over, FAILOVER_WAIT, f"slot {target.slot}'s backup to take over")
-    return Failover(target.kind, target.slot, time.monotonic() - failed, took[0] if took else None)
+    seconds = time.monotonic() - failed
+    return Failover(target.kind, target.slot, seconds, _first(took), _first(lease_end))
+
+
+def _first(seen: list[float]) -> float | None:
+    return seen[0] if seen else None
 
 
 def _wait(cluster: Cluster, condition: Any, timeout: float, what: str) -> None:
