@@ -11,7 +11,7 @@ passed to the backup:
   waited out the open; the workers followed only when the stopped primary was continued.
 * The new primary's first change went to its peers, the stopped old primary among them, and
   waited for that connection (5 s) before it could be acknowledged. With a coordinator it takes
-  them back in the background, as a lost backup (``Backups.reset(wait_for_them=False)``).
+  the old primary back in the background, as a lost backup (``Backups.reset(previous)``).
 """
 
 from __future__ import annotations
@@ -69,10 +69,14 @@ def test_follow_ends_an_open_waiting_on_a_silent_replica(silent: str) -> None:
 
 
 def test_a_new_primary_with_a_coordinator_does_not_wait_for_a_silent_old_one(silent: str) -> None:
+    other = "tcp://127.0.0.1:1"  # another replica of the slot, not the old primary
+
     async def scenario() -> replication.Backup:
-        backups = replication.Backups([silent], Security(token="peer"), connect_timeout=CONNECT_TIMEOUT)
+        peers = [silent, other]
+        backups = replication.Backups(peers, Security(token="peer"), connect_timeout=CONNECT_TIMEOUT)
         try:
-            backups.reset(wait_for_them=False)  # a promotion under a coordinator's lease
+            backups.reset(previous=silent)  # a takeover of its lease from the silent one
+            assert not backups.backups[other].lost  # the others are waited for, as at a first election
             meta = replication.encode(replication.Change.PING, 7, wps.PsHead(wps.OBSERVER))
             # A change, then a ping: neither waits for the silent one (it is reconnected apart).
             await asyncio.wait_for(backups.send(meta), 5)

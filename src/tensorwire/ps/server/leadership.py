@@ -92,8 +92,10 @@ class Led(Protocol):
 
     role: str
 
-    def take_over(self, epoch: int) -> None:
-        """This backup won the lease: become the primary at ``epoch``."""
+    def take_over(self, epoch: int, previous: str | None) -> None:
+        """This backup won the lease: become the primary at ``epoch``; ``previous`` is the
+        address of the slot's last primary before it (None: none was seen), which may be stopped
+        and is not waited for."""
         ...
 
     def step_down(self, why: str) -> None:
@@ -116,6 +118,10 @@ class Led(Protocol):
     @property
     def peer(self) -> Security:
         """How this replica reaches the others of its slot (the peer token and TLS files)."""
+        ...
+
+    def is_peer(self, address: str) -> bool:
+        """Whether ``address`` is one of the slot's replicas this one was given (``--backup``)."""
         ...
 
 
@@ -141,6 +147,7 @@ class Leadership:
         self.margin = max(0.2, ttl / 6)  # what a renewal's answer may take beyond the send time
         self.term: Term | None = None
         self.leader: Leader | None = None  # the slot's leader as last seen
+        self.previous: str | None = None  # the last other replica seen leading (its address)
         self.synced = False  # received the state from a primary since this process started
         self.down: str | None = None  # why this replica may not take over, when it may not
         self.failsafe = False  # serving past the term: the coordinator is unreachable
@@ -260,6 +267,8 @@ class Leadership:
             try:
                 async for leader in self.coordinator.watch(self.slot):
                     self.leader = leader
+                    if leader is not None and leader.address != self.address:
+                        self.previous = leader.address
                     self._changed.set()
             except TensorwireError as exc:  # the first read failed: the campaign loop says so
                 self._unreachable()
@@ -340,8 +349,12 @@ class Leadership:
         another store id than the leader's incarnation: it was restarted). A process that is
         alive but cut off gives no answer at all, and then the lease runs its course. Safe even
         if it were alive: it acknowledges nothing that this backup has not applied, unless it
-        writes to the coordinator under its lease first, which the revocation ends."""
+        writes to the coordinator under its lease first, which the revocation ends. Only a
+        replica this one was given is probed: the probe offers the slot's peer credentials, which
+        a leader key naming another address (anyone who may write the prefix) must not collect."""
         if leader.address == self.address or not self.synced or not leader.lease:
+            return False
+        if not replica.is_peer(leader.address):
             return False
         seen = replica.primary_seen
         if seen is not None and time.monotonic() - seen < SILENT:
@@ -357,7 +370,7 @@ class Leadership:
         self.term, self.down, self.failsafe, self._published = term, None, False, None
         self.leader = term.leader
         self.synced = True  # a primary holds its own state
-        replica.take_over(term.epoch)
+        replica.take_over(term.epoch, self.previous)
 
     async def _renew(self, replica: Led) -> None:
         term = self.term

@@ -138,6 +138,11 @@ class Replica:
         assert self._holder is not None, "Replica.hold was not called"
         return self._holder
 
+    def is_peer(self, address: str) -> bool:
+        """Whether ``address`` is one of the replicas this one was given (``--backup``): the only
+        addresses it offers the slot's peer credentials to."""
+        return self._backups is not None and address in self._backups.urls
+
     @property
     def primary_seen(self) -> float | None:
         """When (monotonic) a backup last heard from its primary."""
@@ -189,12 +194,16 @@ class Replica:
         if self.leadership is not None:
             self.leadership.start(self, listening, incarnation)
 
-    def take_over(self, epoch: int) -> None:
-        """This backup won the slot's lease: the primary, at the coordinator's ``epoch``."""
+    def take_over(self, epoch: int, previous: str | None = None) -> None:
+        """This backup won the slot's lease: the primary, at the coordinator's ``epoch``.
+        ``previous``: the slot's primary before it, whose lease ran out or was revoked: it may be
+        stopped (a connection to it opens and never answers), so it is taken back in the
+        background rather than waited for by the first change. The others are waited for as
+        always (at a slot's first election, every replica)."""
         if not self.epoch < epoch < replication.MAX_EPOCH:  # etcd revisions only grow
             raise ProtocolError(f"the coordinator's epoch {epoch} is not past this replica's {self.epoch}")
         self.epoch = epoch - 1  # _promote counts it up
-        self._promote()
+        self._promote(previous)
 
     def step_down(self, why: str) -> None:
         """The term ended: acknowledge nothing more; a backup, following whoever leads next."""
@@ -218,7 +227,7 @@ class Replica:
             for b in self._backups.backups.values()
         )
 
-    def _promote(self) -> None:
+    def _promote(self, previous: str | None = None) -> None:
         if self.epoch + 1 >= replication.MAX_EPOCH:  # cannot happen: epochs are checked on receipt
             raise NotPrimary(f"this backup is at the last epoch ({self.epoch}) and cannot take over")
         self.role = "primary"
@@ -227,10 +236,7 @@ class Replica:
         now = time.monotonic()
         self.holder.promoted()  # a grace period: the workers are moving over from the old primary
         if self._backups is not None and not self._pings_running():  # its peers become its backups
-            # Without a coordinator the first change must reach them: it is what fences an old
-            # primary that is still alive. With one its lease did, and waiting on it would stall
-            # the slot on a stopped process's connect timeout.
-            self._backups.reset(wait_for_them=self.leadership is None)
+            self._backups.reset(previous)
             self._start_pings()
         event(log, logging.WARNING, "failover: this backup takes over", epoch=self.epoch,
               jobs=self.holder.describe(), silent_s=round(now - (self._primary_seen or now), 3))  # fmt: skip

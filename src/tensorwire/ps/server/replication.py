@@ -186,15 +186,17 @@ class Backups:
         self._host = topology.here().host
         self._host_id = topology.host_identity(ws.shm_dir())
 
-    def reset(self, *, wait_for_them: bool = True) -> None:
-        """Forget every backup's state (this server just became the primary). ``wait_for_them``:
-        the next change goes to each and waits for it (an old primary that was only stopped holds
-        it up for the connect timeout); else each is taken back in the background by the pings, as
-        a lost one is (with a coordinator, whose in-sync set, written before a change is
-        acknowledged, says which copies there are)."""
+    def reset(self, previous: str | None = None) -> None:
+        """Forget every backup's state (this server just became the primary): the next change
+        goes to each and waits for it (up to the connect timeout for one that accepts and never
+        answers: a stopped process). Except ``previous``, the primary whose lease a coordinator
+        let pass to this one: it may be just that, so it starts lost and the pings take it back
+        in the background (the coordinator's in-sync set, written before a change is
+        acknowledged, says which copies there are). Without a coordinator there is none: the
+        first change must reach the old primary, which is what fences it if it is alive."""
         for backup in self.backups.values():
             backup.synced = False
-            backup.lost = not wait_for_them
+            backup.lost = backup.url == previous
 
     async def send(
         self, meta: bytes, data: Sequence[memoryview] = (), sync: Sync | None = None, *, ping: bool = False
