@@ -130,6 +130,16 @@ class Cluster:
         except Exception:
             return None
 
+    def trained(self, rank: int) -> bool:
+        """Whether worker ``rank`` took the job's last step: killed now, it would be started again
+        after the job ended (its last worker gone) and begin a new one at step 0 that waits for a
+        partner that is done."""
+        try:
+            report = json.loads((self.out / f"rank{rank}.json").read_text())
+        except (OSError, ValueError):
+            return False
+        return bool(report["step"] >= self.steps)
+
     def done(self) -> bool:
         return all((self.out / f"rank{r}.done").exists() for r in range(WORKERS))
 
@@ -213,7 +223,8 @@ def targets(cluster: Cluster, *, primaries: bool, kind: str | None = None) -> li
     too. ``primaries``: only the slots' primaries; ``kind``: only faults of that kind."""
     found: list[Target] = []
     if not primaries:
-        found += [Target("worker", r) for r, p in cluster.workers.items() if p.poll() is None]
+        found += [Target("worker", r) for r, p in cluster.workers.items() if p.poll() is None
+                  and not cluster.trained(r)]  # fmt: skip
     for slot in range(SLOTS):
         for i in range(2):
             role = (cluster.stats(cluster.slots[slot][i].url) or {}).get("role")
