@@ -243,10 +243,12 @@ class RdmaTransport(SegmentTransport[wr.BufferRef]):
                 self._later([reservation])
 
     async def close(self) -> None:
-        await super().close()
-        engine = self.__dict__.pop("engine", None)  # once, however often close is called
-        if engine is not None:
-            release_client_engine(engine)
+        try:
+            await super().close()
+        finally:  # a connection that closed badly still lets its engine go
+            engine = self.__dict__.pop("engine", None)  # once, however often close is called
+            if engine is not None:
+                release_client_engine(engine)
 
 
 @contextlib.contextmanager

@@ -42,7 +42,9 @@ async def silent_server_times_out(h: Harness) -> None:
 
 async def closed_client_and_server(h: Harness) -> None:
     async with h.server() as srv:
-        async with h.client(srv, retries=1, backoff=0.01, connect_timeout=1.0) as c:
+        # A connect timeout for a loaded machine (an RDMA attach starts an engine); a closed
+        # server refuses at once, so the failures below do not wait for it.
+        async with h.client(srv, retries=1, backoff=0.01, connect_timeout=5.0) as c:
             await c.put("x", torch.ones(1))
             await srv.close()  # the server goes away under a connected client
             try:
