@@ -9,6 +9,11 @@ the absolute numbers.
 * small: p50 latency of a 1 KiB ``get`` (asyncio and blocking clients) against a 1 KiB asyncio
   echo round trip on the same kind of event loop; the asyncio get and the echo take turns, one
   round trip each, so that the ratio compares the same moments.
+* small, in CPU: client + server CPU per 1 KiB ``get`` of the blocking client
+  (``small_get_cpu_us``, and its two parts), from both processes' CPU times over
+  ``SMALL_CPU_GETS`` gets: what a request costs, stable on a noisy host where latency follows the
+  host's wake-up cost. The client does not spin for it (``busy_wait=0``): a spin burns CPU for
+  as long as the answer takes, which is latency again, not work.
 * many: tensors per second of one ``put_many`` / ``get_many`` of thousands of 1 KiB tensors.
 * shm: ``put`` / ``get(out=...)`` over ``shm://`` against a memcpy of the same size (bench/shm.py).
 * rdma: ``put`` / ``get(out=...)`` over ``rdma://`` against the bare transfer engine moving the same
@@ -49,6 +54,7 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any, NamedTuple, TypeVar
 
+import psutil
 import torch
 
 import tensorwire
@@ -79,6 +85,7 @@ from tensorwire.wire.tensors import byte_view
 T = TypeVar("T")
 
 SMALL_BYTES = KiB  # the "small" tensor and the echo message
+SMALL_CPU_GETS = 10_000  # 1 KiB gets whose CPU time is counted
 MANY_REPEATS = 3
 _UNITS = {"": 1, "B": 1, "KIB": KiB, "MIB": MiB, "GIB": 1 << 30}
 _SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([KMG]IB|B)?\s*", re.IGNORECASE)
@@ -257,6 +264,32 @@ def _sync_small_us(client: tensorwire.Client, iters: int) -> float:
     return _p50_us(samples)
 
 
+def small_get_cpu_us(client: tensorwire.Client, server_pid: int, gets: int) -> dict[str, float]:
+    """CPU per 1 KiB get of the blocking ``client``, in µs: the client's process (every thread:
+    its loop's too) and the server's (``server_pid``), from their CPU times over ``gets`` gets
+    after a warm-up. A wait costs no CPU, so the figure is the work, however slowly the host
+    wakes either side."""
+    server = psutil.Process(server_pid)
+    out = torch.zeros(SMALL_BYTES // 4)
+    for _ in range(_warmup_count(gets)):
+        client.get("bench/small", out=out)
+    client_start, server_start = time.process_time(), _cpu_seconds(server)
+    for _ in range(gets):
+        client.get("bench/small", out=out)
+    client_us = (time.process_time() - client_start) / gets * 1e6
+    server_us = (_cpu_seconds(server) - server_start) / gets * 1e6
+    return {
+        "small_get_cpu_us": client_us + server_us,
+        "small_get_client_cpu_us": client_us,
+        "small_get_server_cpu_us": server_us,
+    }
+
+
+def _cpu_seconds(process: psutil.Process) -> float:
+    times = process.cpu_times()
+    return float(times.user + times.system)
+
+
 async def _small_and_echo_us(
     url: str, echo_port: int, iters: int, busy_wait: float = ClientOptions().busy_wait
 ) -> tuple[float, float]:
@@ -322,6 +355,7 @@ class _Servers(NamedTuple):
 
     url: str
     tls_url: str
+    server_pid: int  # the process serving ``url`` and ``tls_url``
     sink_port: int
     echo_port: int
     shm_url: str
@@ -341,7 +375,8 @@ def _start_servers(
     capacity += 2 * ping_put_size  # the ping run's put and the one that replaces it
     capacity += 6 * min(size, fastpaths.COMPRESSIBLE_MAX)  # the fast paths' sparse and noise tensors
     urls = ["tcp://127.0.0.1:0", "tls://127.0.0.1:0"]
-    children.append(Child(_serve_tensorwire, capacity, urls, certs, cpus=cpus))
+    served = Child(_serve_tensorwire, capacity, urls, certs, cpus=cpus)
+    children.append(served)
     children.append(Child(socket_sink, size, cpus=cpus))
     children.append(Child(_echo_server, cpus=cpus))
     shm_capacity = 4 * size + 64 * MiB  # a server of its own: its tensors live in /dev/shm
@@ -359,7 +394,7 @@ def _start_servers(
         rdma_bound, peer = ready[4:6]
         assert isinstance(rdma_bound, list) and isinstance(peer, tuple)
         rdma = (rdma_bound[0], peer)
-    return _Servers(bound[0], bound[1], sink_port, echo_port, shm_bound[0], rdma, rdma_missing)
+    return _Servers(bound[0], bound[1], served.pid, sink_port, echo_port, shm_bound[0], rdma, rdma_missing)
 
 
 def run(
@@ -390,6 +425,9 @@ def _measure(
         put_gbps, get_gbps = _bulk(client, data, iters)
         client.put("bench/small", torch.rand(SMALL_BYTES // 4))
         sync_small_us = _sync_small_us(client, small_iters)
+    with tensorwire.connect(s.url, busy_wait=0.0) as client:
+        small_cpu = small_get_cpu_us(client, s.server_pid, SMALL_CPU_GETS)
+    with tensorwire.connect(s.url) as client:
         many_put, many_get = _many(client, many)
     with tensorwire.connect(s.tls_url, tls=TlsFiles(ca=Path(ca))) as client:
         tls_put_gbps, tls_get_gbps = _bulk(client, data, iters, name="bench/tls")
@@ -408,6 +446,7 @@ def _measure(
         "socket_gbps": socket_gbps,
         "put_ratio": _ratio(put_gbps, socket_gbps),
         "get_ratio": _ratio(get_gbps, socket_gbps),
+        **small_cpu,
         "small_get_us": small_us,
         "sync_small_get_us": sync_small_us,
         "echo_us": echo_us,

@@ -33,6 +33,11 @@ def format_table(r: Result) -> str:
             f"{_fmt(r['small_unspun_ratio'], '.2f')} x echo",
         ),
         ("1 KiB get p50 (sync)", f"{_fmt(r['sync_small_get_us'], '.1f')} us", ""),
+        (
+            "1 KiB get CPU (client + server)",
+            f"{_fmt(r['small_get_cpu_us'], '.1f')} us",
+            f"{_fmt(r['small_get_client_cpu_us'], '.1f')} + {_fmt(r['small_get_server_cpu_us'], '.1f')}",
+        ),
         ("1 KiB asyncio echo p50", f"{_fmt(r['echo_us'], '.1f')} us", "baseline"),
         (f"put_many {r['many']} x 1 KiB", f"{_fmt(r['many_small_per_s'], ',.0f')} tensors/s", ""),
         (f"get_many {r['many']} x 1 KiB", f"{_fmt(r['many_get_per_s'], ',.0f')} tensors/s", ""),
