@@ -18,6 +18,7 @@ import pytest
 from tensorwire.coordinator import Leader, open_coordinator
 from tensorwire.ps.server.leadership import Leadership
 from tensorwire.security import Security
+from tensorwire.testing.faults import silent_listener
 
 pytest.importorskip("aetcd", reason="the etcd extra (aetcd) is not installed")
 
@@ -39,10 +40,7 @@ class Backup:
 @pytest.fixture
 def listener() -> Iterator[socket.socket]:
     """Someone else's port: connections complete (the backlog), nothing answers."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        sock.listen(8)
-        sock.setblocking(False)
+    with silent_listener() as sock:
         yield sock
 
 

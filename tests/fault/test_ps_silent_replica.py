@@ -17,7 +17,6 @@ passed to the backup:
 from __future__ import annotations
 
 import asyncio
-import socket
 import time
 from collections.abc import Iterator
 
@@ -29,6 +28,7 @@ from tensorwire.ps.worker.rpc import Sender
 from tensorwire.ps.worker.slot import ServerSlot
 from tensorwire.security import Security
 from tensorwire.server import ServerThread
+from tensorwire.testing.faults import silent_listener
 from tensorwire.transport import TransportOptions
 from tensorwire.wire import ps as wps
 
@@ -38,9 +38,7 @@ CONNECT_TIMEOUT = 30.0  # what the open to the silent replica would wait without
 @pytest.fixture
 def silent() -> Iterator[str]:
     """A listening socket nobody accepts from: connections open, nothing ever answers."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        sock.listen(8)
+    with silent_listener() as sock:
         yield f"tcp://127.0.0.1:{sock.getsockname()[1]}"
 
 

@@ -6,7 +6,6 @@ loopback that completes the TCP handshake and never answers."""
 
 from __future__ import annotations
 
-import socket
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,6 +18,7 @@ from tensorwire import cli
 from tensorwire.cli.dashboard import split_page_tls
 from tensorwire.cli.ps import ps_launch
 from tensorwire.security import TlsFiles
+from tensorwire.testing.faults import silent_listener
 
 VOCABULARY = {"--tls-ca", "--tls-cert", "--tls-key", "--token", "--token-file", "--timeout"}
 # The commands that talk to a server as its client. A new one is caught by the test below: it
@@ -83,9 +83,7 @@ def test_each_command_keeps_its_own_timeout_default() -> None:
 @pytest.fixture
 def silent_server() -> Iterator[str]:
     """A tcp:// URL whose socket listens (the kernel completes the handshake) and never answers."""
-    with socket.socket() as listener:
-        listener.bind(("127.0.0.1", 0))
-        listener.listen(64)
+    with silent_listener() as listener:
         yield f"tcp://127.0.0.1:{listener.getsockname()[1]}"
 
 

@@ -18,7 +18,8 @@ fault test cannot pass by never injecting its fault::
 Network faults go through ``FaultyProxy``, a TCP relay on loopback between clients and one
 server: ``drop`` closes every relayed connection (both ends see a reset), ``delay`` holds every
 chunk for some seconds, ``corrupt`` flips one byte of the next chunk towards the server,
-``partition`` drops every connection and refuses new ones until ``heal``.
+``partition`` drops every connection and refuses new ones until ``heal``. ``silent_listener``
+is a server that is there and never answers (a stopped or wedged process, as a connection sees it).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import asyncio
 import contextlib
 import os
 import signal
+import socket
 import subprocess
 import threading
 import time
@@ -129,6 +131,18 @@ def sigstop(proc: subprocess.Popen[bytes]) -> Callable[[], None]:
 
 def sigcont(proc: subprocess.Popen[bytes]) -> Callable[[], None]:
     return lambda: _signal(proc, signal.SIGCONT)
+
+
+@contextlib.contextmanager
+def silent_listener() -> Iterator[socket.socket]:
+    """A loopback socket that listens and never accepts: the kernel completes each TCP handshake
+    from its backlog and nothing ever answers, as with a stopped (SIGSTOP) or wedged server.
+    Non-blocking: ``accept()`` raises BlockingIOError unless someone connected."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen(64)
+        sock.setblocking(False)
+        yield sock
 
 
 def _signal(proc: subprocess.Popen[bytes], sig: signal.Signals) -> None:
