@@ -359,12 +359,25 @@ class Leadership:
         seen = replica.primary_seen
         if seen is not None and time.monotonic() - seen < SILENT:
             return False
-        if not await process_gone(leader, replica.peer):
+        if not await self._probe(leader, replica):
             return False
         event(log, logging.WARNING, "the primary's process is gone: revoking its lease", slot=self.slot,
               primary=leader.address, epoch=leader.epoch)  # fmt: skip
         await self.coordinator.revoke(leader)
         return True
+
+    async def _probe(self, leader: Leader, replica: Led) -> bool:
+        """``process_gone``, given up when the leader key changes meanwhile: a stopped primary
+        answers no probe for its whole timeout, and its lease running out in that time must
+        start the campaign now, not when the probe gives up."""
+        probe = asyncio.ensure_future(process_gone(leader, replica.peer))
+        changed = asyncio.ensure_future(self._changed.wait())
+        try:
+            await asyncio.wait({probe, changed}, return_when=asyncio.FIRST_COMPLETED)
+            return probe.done() and probe.result()
+        finally:
+            await cancel_and_wait(probe)
+            await cancel_and_wait(changed)
 
     def _won(self, term: Term, replica: Led) -> None:
         self.term, self.down, self.failsafe, self._published = term, None, False, None
