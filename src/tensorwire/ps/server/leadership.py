@@ -25,6 +25,12 @@ coordinator, not from a process.
   its address), and the campaign fails if the set changed meanwhile. A slot whose in-sync replicas
   are all gone stays down and says why (``down``: status, metrics, log), rather than lose
   acknowledged updates; an operator who accepts the loss deletes the in-sync key.
+* **A dead primary.** A backup in the set whose primary has been silent for ``SILENT`` probes
+  the primary's address, if it is one of its ``--backup`` peers (the probe offers the peer token):
+  refused, or answered by another process, means gone, and its lease is revoked rather than waited
+  out. A probe the stopped process never answers gives way to the lease's end.
+* **Taking over.** The new primary waits for every peer with its first change as always, except
+  the primary before it (``previous``), which may be stopped: the pings take that one back.
 * A replica started with ``--standby`` lets the others campaign first: it waits one ``ttl`` at start.
 
 Lifecycle: made with the server's options, ``start(replica)`` on the server's loop when the
