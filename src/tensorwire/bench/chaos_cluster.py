@@ -319,13 +319,12 @@ def _failover(cluster: Cluster, target: Target, step_at: int, failed: float) -> 
     peer = cluster.slots[target.slot][1 - target.replica].url
     took: list[float] = []
     lease_end: list[float] = []
-    failed_one = target.replica
 
     def lease_over() -> None:
         if cluster.leases is None or lease_end:
             return
         leader = cluster.leases.leader(target.slot)
-        failed_url = cluster.slots[target.slot][failed_one].url
+        failed_url = cluster.slots[target.slot][target.replica].url
         if not isinstance(leader, Exception) and (leader is None or leader.address != failed_url):
             lease_end.append(time.monotonic() - failed)
 

@@ -225,3 +225,11 @@ def pinned(cpus: Cpus) -> Iterator[None]:
         yield
     finally:
         os.sched_setaffinity(0, before)  # main() may run inside a test process or the CLI
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of a process, its threads included."""
+    import psutil
+
+    times = psutil.Process(pid).cpu_times()
+    return float(times.user + times.system)

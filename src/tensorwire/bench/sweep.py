@@ -41,7 +41,7 @@ from typing import Any
 import torch
 
 import tensorwire
-from tensorwire.bench.children import Child, Cpus, add_run_options, placement, spawned, starting
+from tensorwire.bench.children import Child, Cpus, add_run_options, cpu_seconds, placement, spawned, starting
 from tensorwire.bench.report import show
 from tensorwire.bench.transfer import _recv_exactly, _serve_tensorwire, parse_size
 from tensorwire.transport import rdma_engine
@@ -95,14 +95,6 @@ def sizes_up_to(max_size: int) -> tuple[int, ...]:
 
 
 # -- measuring processes ---------------------------------------------------------------------------
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds of a process, its threads included."""
-    import psutil
-
-    times = psutil.Process(pid).cpu_times()
-    return float(times.user + times.system)
-
-
 def peak_rss(pid: int) -> int:
     """The process's peak resident memory in bytes (VmHWM), or its current RSS without /proc."""
     try:

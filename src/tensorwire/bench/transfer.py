@@ -54,7 +54,6 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any, NamedTuple, TypeVar
 
-import psutil
 import torch
 
 import tensorwire
@@ -65,6 +64,7 @@ from tensorwire.bench import shm as shm_bench
 from tensorwire.bench.children import (
     Child,
     add_run_options,
+    cpu_seconds,
     pinned,
     placement,
     spawned,
@@ -267,27 +267,21 @@ def _sync_small_us(client: tensorwire.Client, iters: int) -> float:
 def small_get_cpu_us(client: tensorwire.Client, server_pid: int, gets: int) -> dict[str, float]:
     """CPU per 1 KiB get of the blocking ``client``, in µs: the client's process (every thread:
     its loop's too) and the server's (``server_pid``), from their CPU times over ``gets`` gets
-    after a warm-up. A wait costs no CPU, so the figure is the work, however slowly the host
-    wakes either side."""
-    server = psutil.Process(server_pid)
+    after a warm-up. A wait costs no CPU (the kernel's work to wake a sleeper does, and is
+    counted), so the figure does not grow with how long the host takes to wake either side."""
     out = torch.zeros(SMALL_BYTES // 4)
     for _ in range(_warmup_count(gets)):
         client.get("bench/small", out=out)
-    client_start, server_start = time.process_time(), _cpu_seconds(server)
+    client_start, server_start = time.process_time(), cpu_seconds(server_pid)
     for _ in range(gets):
         client.get("bench/small", out=out)
     client_us = (time.process_time() - client_start) / gets * 1e6
-    server_us = (_cpu_seconds(server) - server_start) / gets * 1e6
+    server_us = (cpu_seconds(server_pid) - server_start) / gets * 1e6
     return {
         "small_get_cpu_us": client_us + server_us,
         "small_get_client_cpu_us": client_us,
         "small_get_server_cpu_us": server_us,
     }
-
-
-def _cpu_seconds(process: psutil.Process) -> float:
-    times = process.cpu_times()
-    return float(times.user + times.system)
 
 
 async def _small_and_echo_us(
