@@ -17,6 +17,7 @@ import torch
 
 from tensorwire.ps import SGD, CheckpointPolicy, ParamServer, Worker
 from tensorwire.server import ServerThread
+from tensorwire.testing.process import param_server_of
 
 
 def train(model: torch.nn.Module, urls: list[str], first: int, steps: int) -> None:
@@ -27,21 +28,29 @@ def train(model: torch.nn.Module, urls: list[str], first: int, steps: int) -> No
             worker.step()
 
 
-def test_servers_restored_a_checkpoint_apart_are_rolled_back_to_one_step(tmp_path: Path) -> None:
+def restored_a_checkpoint_apart(
+    tmp_path: Path, every_steps: int, train_on: Callable[[list[str]], None]
+) -> tuple[list[ParamServer], list[Path]]:
+    """Two servers checkpointing every ``every_steps`` steps, trained by ``train_on(urls)``, then
+    restored from their checkpoints after server b lost its newest one (killed before it wrote
+    it): the restored ParamServers, not serving yet, and the two checkpoint directories."""
     dirs = [tmp_path / "a", tmp_path / "b"]
-    policies = [CheckpointPolicy(d, every_steps=5) for d in dirs]
-    model = ps_job.model()
-    # The servers keep the job when its worker leaves (as after a crash of the servers).
+    policies = [CheckpointPolicy(d, every_steps=every_steps) for d in dirs]
+    # The servers keep the job when its workers leave (as after a crash of the servers).
     servers = [ServerThread(extensions=[ParamServer(checkpoints=p, keep_jobs=True)]) for p in policies]
     with servers[0], servers[1]:
-        train(model, [s.url for s in servers], 0, 10)
-    # Server b lost its newest checkpoints (killed before it wrote them): it comes back at step 5.
+        train_on([s.url for s in servers])
     (job_directory,) = dirs[1].iterdir()  # <checkpoint dir>/<job id>
-    for newest in sorted(job_directory.iterdir())[1:]:
-        shutil.rmtree(newest)
+    shutil.rmtree(sorted(job_directory.iterdir())[-1])
     restored = [ParamServer(checkpoints=p) for p in policies]
     assert [r.restore(p.directory) for r, p in zip(restored, policies, strict=True)] == [True, True]
-    assert [r.step for r in restored] == [10, 5]
+    return restored, dirs
+
+
+def test_servers_restored_a_checkpoint_apart_are_rolled_back_to_one_step(tmp_path: Path) -> None:
+    model = ps_job.model()
+    restored, _ = restored_a_checkpoint_apart(tmp_path, 5, lambda urls: train(model, urls, 0, 10))
+    assert [r.step for r in restored] == [10, 5]  # b comes back at step 5
     with ServerThread(extensions=[restored[0]]) as a, ServerThread(extensions=[restored[1]]) as b:
         train(model, [a.url, b.url], 5, 3)
         assert restored[0].step == restored[1].step == 8
@@ -84,16 +93,7 @@ def test_two_workers_that_rejoin_servers_a_checkpoint_apart_both_go_on(tmp_path:
     the second once the first is live on the server ahead. Each finds the other live there when it
     asks for the rollback: a refusal that says someone else is live is a reason to look again, not
     to fail, and the servers end at one step."""
-    dirs = [tmp_path / "a", tmp_path / "b"]
-    policies = [CheckpointPolicy(d, every_steps=5) for d in dirs]
-    servers = [ServerThread(extensions=[ParamServer(checkpoints=p, keep_jobs=True)]) for p in policies]
-    with servers[0], servers[1]:
-        _two_workers([s.url for s in servers], 10, lambda: True)
-    (job_directory,) = dirs[1].iterdir()
-    for newest in sorted(job_directory.iterdir())[1:]:
-        shutil.rmtree(newest)
-    restored = [ParamServer(checkpoints=p) for p in policies]
-    assert [r.restore(p.directory) for r, p in zip(restored, policies, strict=True)] == [True, True]
+    restored, _ = restored_a_checkpoint_apart(tmp_path, 5, lambda urls: _two_workers(urls, 10, lambda: True))
     assert [r.step for r in restored] == [10, 5]
     with ServerThread(extensions=[restored[0]]) as a, ServerThread(extensions=[restored[1]]) as b:
         _two_workers([a.url, b.url], 12, lambda: 1 in restored[0].sole.members.live())
@@ -105,18 +105,25 @@ def test_servers_a_step_apart_with_nothing_to_go_back_to_meet_at_the_later_step(
     benchmark's partitions) leaves them a step apart with no checkpoint to go back to: the one
     behind takes that step empty, as a step whose workers were all dropped, instead of the
     workers failing at their timeout with "the servers could not be brought to one step"."""
-    dirs = [tmp_path / "a", tmp_path / "b"]
-    policies = [CheckpointPolicy(d, every_steps=1) for d in dirs]
     model = ps_job.model()
-    servers = [ServerThread(extensions=[ParamServer(checkpoints=p, keep_jobs=True)]) for p in policies]
-    with servers[0], servers[1]:
-        train(model, [s.url for s in servers], 0, 10)
-    (job_directory,) = dirs[1].iterdir()
-    shutil.rmtree(sorted(job_directory.iterdir())[-1])  # b comes back a step behind
-    restored = [ParamServer(checkpoints=p) for p in policies]
-    assert [r.restore(p.directory) for r, p in zip(restored, policies, strict=True)] == [True, True]
-    assert [r.step for r in restored] == [10, 9]
+    restored, dirs = restored_a_checkpoint_apart(tmp_path, 1, lambda urls: train(model, urls, 0, 10))
+    assert [r.step for r in restored] == [10, 9]  # b comes back a step behind
     shutil.rmtree(dirs[0])  # and a keeps nothing to go back to
     with ServerThread(extensions=[restored[0]]) as a, ServerThread(extensions=[restored[1]]) as b:
         train(model, [a.url, b.url], 10, 2)
         assert restored[0].step == restored[1].step == 12
+
+
+def test_a_step_taken_empty_is_not_taken_twice(tmp_path: Path) -> None:
+    """A one-step-forward rollback is checked (the job at ``clock - 1``) before it waits for its
+    turn in the order of changes; a step taken meanwhile must not be followed by a second, empty
+    one: ``skip_step`` looks again under the step lock."""
+    model = ps_job.model()
+    with ServerThread(extensions=[ParamServer(keep_jobs=True)]) as server:
+        train(model, [server.url], 0, 3)
+        run = param_server_of(server).sole
+        assert run.job.step == 3
+        server._thread.call(run.consistency.skip_step(2), 10, "a stale skip")
+        assert (run.job.step, run.job.version) == (3, 3)  # the job was past step 2: nothing
+        server._thread.call(run.consistency.skip_step(3), 10, "a skip of the current step")
+        assert (run.job.step, run.job.version) == (4, 4)

@@ -296,13 +296,16 @@ class Consistency:
                 self.notify()
                 await self._state.maybe_checkpoint()
 
-    async def skip_step(self) -> None:
-        """Take the current sync step empty (PS_ROLLBACK one step forward, ps/server/lifecycle.py):
+    async def skip_step(self, step: int) -> None:
+        """Take sync step ``step`` empty (PS_ROLLBACK one step forward, ps/server/lifecycle.py):
         its pushes, if some arrived, are dropped, and no update is applied, as when every worker
         of a step is dropped; the step and version move on, so that this server is at the others'
-        step again."""
+        step again. Nothing, if the job is past ``step`` by the time the step lock is held (the
+        request was checked before it waited for its turn)."""
         job = self._job
         async with self.step_lock():
+            if job.step != step:
+                return
             pending = self._gradients.pending.pop(job.step, None)
             if pending is not None:
                 self._gradients.free.extend(buffers for buffers, _ in pending.grads.values())

@@ -319,7 +319,7 @@ class Lifecycle:
         if _forward(run, head.clock):
             async with self._replica.in_order():
                 await self._replica.replicate(replication.Change.ROLLBACK, head)
-                await run.consistency.skip_step()
+                await run.consistency.skip_step(head.clock - 1)
             await request.reply(wps.encode_u64(job.version))
             return
         policy = run.state.policy
@@ -381,7 +381,7 @@ class Lifecycle:
                 run, "ended by tensorwire ps end" + (" --force" if force else ""), force=force
             )
         elif change == replication.Change.ROLLBACK and _forward(run, head.clock):
-            await run.consistency.skip_step()
+            await run.consistency.skip_step(head.clock - 1)
         elif change == replication.Change.ROLLBACK and run.state.policy is not None:
             run.state.restore(run.state.policy.directory, head.clock)
 
