@@ -44,11 +44,11 @@ def etcd() -> Iterator[LocalEtcd]:
         yield server
 
 
-def slot(etcd: LocalEtcd, tmp_path: Path, name: str, stack: ExitStack) -> list[str]:
+def slot(etcd: LocalEtcd, tmp_path: Path, name: str, stack: ExitStack, ttl: float = TTL) -> list[str]:
     """Two replicas of slot ``name``, the first campaigning first; their URLs."""
     peer = write_token_file(tmp_path / f"{name}.peer")
     urls = [f"tcp://127.0.0.1:{free_port()}" for _ in range(2)]
-    lease = ["--coordinator", etcd.url, "--slot", name, "--lease-ttl", str(TTL)]
+    lease = ["--coordinator", etcd.url, "--slot", name, "--lease-ttl", str(ttl)]
     for i, url in enumerate(urls):
         stack.enter_context(ServerProcess(url, extra=[*replica_flags(urls, i, peer), *lease]))
     wait_for(lambda: role(urls[0]) == "primary", WITHIN, "the first replica to take the lease")
@@ -83,21 +83,21 @@ def in_sync(url: str, member: str) -> bool:
 
 def test_a_killed_lease_holder_is_replaced_within_its_ttl(etcd: LocalEtcd, tmp_path: Path) -> None:
     with ExitStack() as stack:
-        urls = slot(etcd, tmp_path, "killed", stack)
+        # A ttl the revocation beats by seconds even under load (it comes ~1.2 s after the kill;
+        # the lease, left alone, would run 4-6 s).
+        urls = slot(etcd, tmp_path, "killed", stack, ttl=3 * TTL)
         epoch = stats(urls[0])["epoch"]
         model = ps_job.model()
         with Worker(model, "|".join(urls), "async", rank=0, heartbeat=0.25, timeout=60) as worker:
             steps(worker, model, 0, 3)
             wait_for(lambda: in_sync(urls[0], urls[1]), WITHIN, "the backup in the in-sync set")
-            killed = time.monotonic()
             kill9(stack_proc(stack, urls[0]))()
             wait_for(lambda: role(urls[1]) == "primary", WITHIN, "the backup to take the lease")
-            took = time.monotonic() - killed
             steps(worker, model, 3, 3)
         assert stats(urls[1])["epoch"] > epoch
-        # Its process is gone (its port refuses connections): the backup revokes its lease rather than
-        # wait for it to run out.
-        assert took < TTL, f"the takeover took {took:.1f}s with a {TTL}s ttl"
+        # Its process is gone (its port refuses connections): the backup revoked its lease rather
+        # than wait for it to run out (said by the backup, not by the time it took).
+        assert stats(urls[1])["coordinator"]["revoked"] == 1
     assert same(model, 6)
 
 

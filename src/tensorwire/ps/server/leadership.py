@@ -158,6 +158,7 @@ class Leadership:
         self.down: str | None = None  # why this replica may not take over, when it may not
         self.failsafe = False  # serving past the term: the coordinator is unreachable
         self.step_downs = 0
+        self.revoked = 0  # leases of dead primaries this backup revoked (not waited out)
         self.unavailable = 0  # coordinator calls that failed since the last renewal
         self.errors = 0  # coordinator calls that failed, in all
         self._standby = standby
@@ -247,6 +248,7 @@ class Leadership:
             "down": self.down,
             "failsafe": self.failsafe,
             "step_downs": self.step_downs,
+            "revoked": self.revoked,
             "coordinator_errors": self.errors,
         }
 
@@ -370,6 +372,7 @@ class Leadership:
         event(log, logging.WARNING, "the primary's process is gone: revoking its lease", slot=self.slot,
               primary=leader.address, epoch=leader.epoch)  # fmt: skip
         await self.coordinator.revoke(leader)
+        self.revoked += 1
         return True
 
     async def _probe(self, leader: Leader, replica: Led) -> bool:

@@ -195,8 +195,9 @@ class Backups:
         acknowledged, says which copies there are). Without a coordinator there is none: the
         first change must reach the old primary, which is what fences it if it is alive."""
         for backup in self.backups.values():
-            backup.synced = False
-            backup.lost = backup.url == previous
+            backup.lost = backup.synced = False
+            if backup.url == previous:
+                self._lost(backup, "the primary before this one: taken back by the pings", missed=False)
 
     async def send(
         self, meta: bytes, data: Sequence[memoryview] = (), sync: Sync | None = None, *, ping: bool = False
@@ -293,7 +294,7 @@ class Backups:
                 return
             backup.conn, backup.synced = conn, False
 
-    def _lost(self, backup: Backup, exc: TensorwireError, *, missed: bool) -> None:
+    def _lost(self, backup: Backup, exc: TensorwireError | str, *, missed: bool) -> None:
         """A dead backup must not stop training: go on with the others (fewer copies), visibly."""
         if not backup.lost:
             event(log, logging.WARNING, "backup lost: going on with fewer copies", backup=backup.url,
