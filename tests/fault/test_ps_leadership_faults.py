@@ -84,8 +84,8 @@ def in_sync(url: str, member: str) -> bool:
 def test_a_killed_lease_holder_is_replaced_within_its_ttl(etcd: LocalEtcd, tmp_path: Path) -> None:
     with ExitStack() as stack:
         # A ttl the revocation beats by seconds even under load (it comes ~1.2 s after the kill;
-        # the lease, left alone, would run 4-6 s).
-        urls = slot(etcd, tmp_path, "killed", stack, ttl=3 * TTL)
+        # the lease, left alone, would run 7-10 s).
+        urls = slot(etcd, tmp_path, "killed", stack, ttl=5 * TTL)
         epoch = stats(urls[0])["epoch"]
         model = ps_job.model()
         with Worker(model, "|".join(urls), "async", rank=0, heartbeat=0.25, timeout=60) as worker:
@@ -97,7 +97,8 @@ def test_a_killed_lease_holder_is_replaced_within_its_ttl(etcd: LocalEtcd, tmp_p
         assert stats(urls[1])["epoch"] > epoch
         # Its process is gone (its port refuses connections): the backup revoked its lease rather
         # than wait for it to run out (said by the backup, not by the time it took).
-        assert stats(urls[1])["coordinator"]["revoked"] == 1
+        backup = stack_server(stack, urls[1])
+        assert stats(urls[1])["coordinator"]["revoked"] == 1, backup.output()[-4000:]
     assert same(model, 6)
 
 
@@ -156,13 +157,18 @@ def test_with_etcd_down_a_primary_that_reaches_its_backup_keeps_serving(
     assert same(model, 8)
 
 
-def stack_proc(stack: ExitStack, url: str) -> Any:
-    """The process of the server listening at ``url`` among those ``stack`` started."""
+def stack_server(stack: ExitStack, url: str) -> ServerProcess:
+    """The server listening at ``url`` among those ``stack`` started."""
     for callback in stack._exit_callbacks:  # type: ignore[attr-defined]
         server = getattr(callback[1], "__self__", None)
         if isinstance(server, ServerProcess) and server.url == url:
-            return server.proc
+            return server
     raise LookupError(url)
+
+
+def stack_proc(stack: ExitStack, url: str) -> Any:
+    """The process of the server listening at ``url`` among those ``stack`` started."""
+    return stack_server(stack, url).proc
 
 
 LIBFAKETIME = Path("/usr/lib/x86_64-linux-gnu/faketime/libfaketimeMT.so.1")  # Debian's libfaketime

@@ -167,6 +167,7 @@ class Leadership:
         self.incarnation = 0  # this process (its server's store id): set at start
         self._writing = asyncio.Lock()  # in-sync writes, one at a time
         self._changed = asyncio.Event()
+        self._looked: tuple[int, str] | None = None  # the last probe's answer logged, per epoch
         self._tasks: list[asyncio.Task[None]] = []
 
     # -- what the replica asks --------------------------------------------------------------------
@@ -378,15 +379,22 @@ class Leadership:
     async def _probe(self, leader: Leader, replica: Led) -> bool:
         """``process_gone``, given up when the leader key changes meanwhile: a stopped primary
         answers no probe for its whole timeout, and its lease running out in that time must
-        start the campaign now, not when the probe gives up."""
-        probe = asyncio.ensure_future(process_gone(leader, replica.peer))
+        start the campaign now, not when the probe gives up. A primary found not gone is logged
+        once per epoch and answer (why its lease is waited out)."""
+        probe = asyncio.ensure_future(look_at(leader, replica.peer))
         changed = asyncio.ensure_future(self._changed.wait())
         try:
             await asyncio.wait({probe, changed}, return_when=asyncio.FIRST_COMPLETED)
-            return probe.done() and probe.result()
+            answer = probe.result() if probe.done() else "given up: the leader key changed"
         finally:
             await cancel_and_wait(probe)
             await cancel_and_wait(changed)
+        kind = answer.split(" (")[0]  # the same answer, whatever its detail
+        if answer not in GONE and (leader.epoch, kind) != self._looked:
+            self._looked = (leader.epoch, kind)
+            event(log, logging.INFO, "the quiet primary is not known to be gone: its lease runs its course",
+                  slot=self.slot, primary=leader.address, epoch=leader.epoch, answer=answer)  # fmt: skip
+        return answer in GONE
 
     def _won(self, term: Term, replica: Led) -> None:
         self.term, self.down, self.failsafe, self._published = term, None, False, None
@@ -446,13 +454,24 @@ async def process_gone(leader: Leader, peer: Security) -> bool:
     (nothing listens there), or another process answers there (its HELLO's store id is not the
     leader's incarnation: it was started again). No answer, or a leader that did not say its
     incarnation: not known, so no."""
+    return (await look_at(leader, peer)) in GONE
+
+
+GONE = ("refused", "another process")
+
+
+async def look_at(leader: Leader, peer: Security) -> str:
+    """What ``leader``'s address says of its process: ``refused``, ``another process``, ``the
+    same process``, ``unnamed`` (the leader did not say its incarnation) or ``no answer (...)``."""
     options = transports.TransportOptions(PROBE_TIMEOUT, PROBE_TIMEOUT, security=peer)
     try:
         conn = await transports.open_channel(leader.address, options, what="a look at the primary")
     except TensorwireError as exc:
-        return _refused(exc)
+        return "refused" if _refused(exc) else f"no answer ({exc})"[:200]
     try:
-        return leader.incarnation != 0 and conn.info.store_id not in (0, leader.incarnation)
+        if leader.incarnation == 0:
+            return "unnamed"
+        return "the same process" if conn.info.store_id in (0, leader.incarnation) else "another process"
     finally:
         await conn.close()
 
