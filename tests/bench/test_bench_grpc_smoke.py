@@ -16,6 +16,10 @@ ALWAYS = [
     "naive_get_gbps",
     "put_vs_naive",
     "get_vs_naive",
+    "grpc_discard_put_gbps",
+    "grpc_discard_get_gbps",
+    "grpc_put_vs_discard",
+    "grpc_get_vs_discard",
 ]
 FLIGHT = ["flight_put_gbps", "flight_get_gbps", "put_vs_flight", "get_vs_flight"]
 

@@ -17,9 +17,17 @@ TINY = ["--sizes", "32,64,10", "--batch", "16", "--steps", "5", "--warmup", "1",
 
 
 def _live_children() -> list[psutil.Process]:
-    # multiprocessing's resource tracker is started by the first spawn and lives on by design.
-    children = psutil.Process().children(recursive=True)
-    return [c for c in children if c.is_running() and "resource_tracker" not in " ".join(c.cmdline())]
+    # multiprocessing's resource tracker is started by the first spawn and lives on by design. A
+    # zombie has ended (it waits for its parent to read its status: another test's, maybe) and one
+    # that ends meanwhile is gone: neither is alive.
+    live = []
+    for child in psutil.Process().children(recursive=True):
+        try:
+            if child.status() != psutil.STATUS_ZOMBIE and "resource_tracker" not in " ".join(child.cmdline()):
+                live.append(child)
+        except (psutil.NoSuchProcess, psutil.ZombieProcess):
+            continue
+    return live
 
 
 def test_both_baselines_smoke(capsys: pytest.CaptureFixture[str]) -> None:

@@ -14,8 +14,14 @@ not the absolute numbers):
   as a zero-copy uint8 column in 4 MiB record batches, ``do_put`` / ``do_get`` + ``read_all()``,
   copied into a preallocated tensor. Reported as null when pyarrow is not installed.
 
+* grpcio's own ceiling (``grpc_discard.py``): the same streams of raw messages into a handler that
+  drops each one and out of one that sends a preallocated message, with nothing of tensorwire in
+  them. ``grpc_put_vs_discard`` and ``grpc_get_vs_discard`` say how much of what grpcio can move
+  tensorwire moves.
+
 Ratios are tensorwire / baseline (``put_vs_flight``, ``get_vs_flight``, ``put_vs_naive``,
-``get_vs_naive``); the targets (>= 1x Flight, >= 5x naive) are shown in the table, never asserted.
+``get_vs_naive``, ``grpc_put_vs_discard``, ``grpc_get_vs_discard``); the targets (>= 1x Flight,
+>= 5x naive, >= 0.9x grpcio's ceiling) are shown in the table, never asserted.
 Processes, placement and shutdown work as in ``transfer.py``: both use ``children.py``.
 
 Run: ``python -m tensorwire.bench.grpc [--size 64MiB] [--iters 5] [--json] [--no-pin]``.
@@ -46,6 +52,7 @@ from tensorwire.bench.children import (
     serve_until_stopped,
     spawned,
 )
+from tensorwire.bench.grpc_discard import discard_bulk, serve_discard
 from tensorwire.bench.report import show, table, throughput_head
 from tensorwire.bench.transfer import (
     _bulk,
@@ -69,6 +76,7 @@ MAX_MESSAGE = (1 << 31) - 1  # protobuf and grpcio refuse messages of 2 GiB or m
 NAIVE_SERVICE = "naive.Naive"
 TARGET_VS_FLIGHT = 1.0
 TARGET_VS_NAIVE = 5.0
+TARGET_VS_DISCARD = 0.9
 Arrow = tuple[Any, Any]  # (pyarrow, pyarrow.flight); both untyped
 
 
@@ -296,24 +304,30 @@ def run(size: int, iters: int, pin: bool = True) -> Result:
         # Start all children before waiting for any: each spends over a second importing torch.
         children.append(Child(_serve_tensorwire, capacity, ["grpc://127.0.0.1:0"], cpus=server_cpus))
         children.append(Child(_serve_naive, size, cpus=server_cpus))
+        children.append(Child(serve_discard, cpus=server_cpus))
         if arrow is not None:
             children.append(Child(_serve_flight, cpus=server_cpus))
         ready = [child.ready() for child in children]
-        bound, naive_port = ready[0], ready[1]
-        assert isinstance(bound, list) and isinstance(naive_port, int)
+        bound, naive_port, discard_port = ready[0], ready[1], ready[2]
+        assert isinstance(bound, list) and isinstance(naive_port, int) and isinstance(discard_port, int)
         url = bound[0]
         stack.enter_context(pinned(client_cpus))
 
         grpc_put, grpc_get = _tensorwire_bulk(url, data, iters)
+        discard_put, discard_get = discard_bulk(discard_port, size, iters)
         naive_put, naive_get = _naive_bulk(naive_port, data, iters)
         if arrow is not None:
-            assert isinstance(ready[2], int)
-            flight_put, flight_get = _flight_bulk(arrow, ready[2], data, iters)
+            assert isinstance(ready[3], int)
+            flight_put, flight_get = _flight_bulk(arrow, ready[3], data, iters)
     return {
         "grpc_put_gbps": grpc_put,
         "grpc_get_gbps": grpc_get,
         "naive_put_gbps": naive_put,
         "naive_get_gbps": naive_get,
+        "grpc_discard_put_gbps": discard_put,
+        "grpc_discard_get_gbps": discard_get,
+        "grpc_put_vs_discard": _ratio(grpc_put, discard_put),
+        "grpc_get_vs_discard": _ratio(grpc_get, discard_get),
         "flight_put_gbps": flight_put,
         "flight_get_gbps": flight_get,
         "put_vs_flight": _vs(grpc_put, flight_put),
@@ -351,14 +365,18 @@ def format_table(r: Result) -> str:
             "tensorwire put",
             gbps("grpc_put_gbps"),
             f"{_target(r['put_vs_flight'], TARGET_VS_FLIGHT, 'Flight')}, "
-            f"{_target(r['put_vs_naive'], TARGET_VS_NAIVE, 'naive')}",
+            f"{_target(r['put_vs_naive'], TARGET_VS_NAIVE, 'naive')}, "
+            f"{_target(r['grpc_put_vs_discard'], TARGET_VS_DISCARD, 'grpcio discard')}",
         ),
         (
             "tensorwire get(out=)",
             gbps("grpc_get_gbps"),
             f"{_target(r['get_vs_flight'], TARGET_VS_FLIGHT, 'Flight')}, "
-            f"{_target(r['get_vs_naive'], TARGET_VS_NAIVE, 'naive')}",
+            f"{_target(r['get_vs_naive'], TARGET_VS_NAIVE, 'naive')}, "
+            f"{_target(r['grpc_get_vs_discard'], TARGET_VS_DISCARD, 'grpcio discard')}",
         ),
+        ("grpcio discard put", gbps("grpc_discard_put_gbps"), "ceiling: raw messages, dropped"),
+        ("grpcio discard get", gbps("grpc_discard_get_gbps"), "ceiling: a preallocated message, sent again"),
         ("Arrow Flight do_put", gbps("flight_put_gbps"), flight_note),
         ("Arrow Flight do_get", gbps("flight_get_gbps"), flight_note),
         ("naive unary put", gbps("naive_put_gbps"), "baseline"),

@@ -14,6 +14,8 @@ the absolute numbers.
   ``SMALL_CPU_GETS`` gets: what a request costs, stable on a noisy host where latency follows the
   host's wake-up cost. The client does not spin for it (``busy_wait=0``): a spin burns CPU for
   as long as the answer takes, which is latency again, not work.
+* tls: ``put`` / ``get(out=...)`` over ``tls://``, against tcp:// and against their own bound: one
+  core's AES-256-GCM in series with the tcp:// path of the same run (bench/tls_bound.py).
 * many: tensors per second of one ``put_many`` / ``get_many`` of thousands of 1 KiB tensors.
 * shm: ``put`` / ``get(out=...)`` over ``shm://`` against a memcpy of the same size (bench/shm.py).
 * rdma: ``put`` / ``get(out=...)`` over ``rdma://`` against the bare transfer engine moving the same
@@ -58,7 +60,7 @@ import torch
 
 import tensorwire
 from tensorwire import _aio
-from tensorwire.bench import fastpaths, pinglag
+from tensorwire.bench import fastpaths, pinglag, tls_bound
 from tensorwire.bench import rdma as rdma_bench
 from tensorwire.bench import shm as shm_bench
 from tensorwire.bench.children import (
@@ -425,6 +427,7 @@ def _measure(
         many_put, many_get = _many(client, many)
     with tensorwire.connect(s.tls_url, tls=TlsFiles(ca=Path(ca))) as client:
         tls_put_gbps, tls_get_gbps = _bulk(client, data, iters, name="bench/tls")
+    tls = tls_bound.bound(tls_bound.aead_gbps(), put_gbps, get_gbps, tls_put_gbps, tls_get_gbps)
     segments = _segment_transports(s, data, iters)
     small_us, echo_us = _on_loop(_small_and_echo_us(s.url, s.echo_port, small_iters))
     # What the client's spin (busy_wait) buys: the same without it, against its own echoes.
@@ -454,6 +457,7 @@ def _measure(
         "tls_get_gbps": tls_get_gbps,
         "tls_put_ratio": _ratio(tls_put_gbps, put_gbps),  # what TLS costs: tls:// over tcp://
         "tls_get_ratio": _ratio(tls_get_gbps, get_gbps),
+        **tls,  # tls:// against its own ceiling: one core's AEAD in series with the plain path
         **segments,
     }
 

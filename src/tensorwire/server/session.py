@@ -52,6 +52,7 @@ from tensorwire.wire.frame import (
 
 log = logging.getLogger("tensorwire.server")
 _RID = struct.Struct("<Q")
+_MORE = int(Flags.MORE)  # a plain int: ``int & IntFlag`` runs IntFlag's Python __rand__ on every request
 # Two version bytes, a u16 length, the token, the compression field (2), wants (1).
 _HELLO_MAX_META = 7 + wm.MAX_TOKEN_BYTES
 
@@ -181,7 +182,7 @@ class Session:
             await self._interrupted(request)  # whatever the frame is, it broke the open batch
         if op not in OPCODES:
             raise ProtocolError(f"unknown opcode {op}")
-        if header.flags & Flags.MORE and op not in SPANNING:
+        if header.flags & _MORE and op not in SPANNING:
             only = "only PUT_MANY, GEN_PUBLISH and GEN_PUBLISH_PART can span several frames"
             raise ProtocolError(f"{only}, not {opname(op)}")
         handler = self.serving.handlers.get(op)

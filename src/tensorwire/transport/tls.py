@@ -22,6 +22,7 @@ from tensorwire.transport.base import Buffer, StreamHandler
 from tensorwire.types import Address
 
 log = logging.getLogger("tensorwire.server")
+_MORE_BYTES = 1 << 20  # most bytes one read takes beyond its first record, before the loop's turn
 HANDSHAKE_TIMEOUT = 10.0  # a peer that does not finish its TLS handshake in this time is dropped
 # TLS alerts by which a server says it refuses this client's certificate (or its lack of one);
 # with TLS 1.3 they arrive after the client's side of the handshake, at its first read.
@@ -110,7 +111,24 @@ class TlsStream(tcp.TcpStream):
                 self._check_refusal(exc)
                 raise ConnectionLost(f"receiving from {self.peer}: {exc}") from exc
             self.last_active = time.monotonic()
-            return got
+            return got + self._more_into(buf, got) if got else 0
+
+    def _more_into(self, buf: memoryview, got: int) -> int:
+        """Bytes of further records read into ``buf[got:]`` without waiting: one SSL read returns at
+        most one record (16 KiB), and a trip through the event loop per record cost more than the
+        record's decryption (get over tls:// went 0.69-0.81 to 0.83-0.97 GB/s). Stops at the first
+        read that would wait, or fails (the next call meets that failure again and says it), and
+        after ``_MORE_BYTES``: a fast sender must not keep the loop from the other connections."""
+        more, size = 0, min(buf.nbytes, got + _MORE_BYTES)
+        while got + more < size:
+            try:
+                n = self._sock.recv_into(buf[got + more : size])
+            except (ssl.SSLError, OSError):  # would wait, or failed: the next call sees which
+                break
+            if not n:
+                break
+            more += n
+        return more
 
     async def send(self, buffers: Sequence[Buffer]) -> None:
         if self._unshaken:

@@ -456,10 +456,14 @@ class Worker:
 
     def _call(self, coro: Any, what: str) -> Any:
         try:
-            return self._loop().call(coro, self.timeout + 2 * MARGIN, what)
+            thread = self._loop()
         except BaseException:
-            coro.close()  # never scheduled when the loop is missing
+            coro.close()  # never scheduled: the loop is missing
             raise
+        # Scheduled from here on: the loop's task owns the coroutine (closing it from this thread,
+        # after a timeout, would break the task's cancellation with "cannot reuse already awaited
+        # coroutine" instead of ending it).
+        return thread.call(coro, self.timeout + 2 * MARGIN, what)
 
     def _finish_push(self) -> None:
         pending, self._pending = self._pending, None
