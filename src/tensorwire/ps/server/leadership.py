@@ -31,7 +31,8 @@ coordinator, not from a process.
   out. A probe the stopped process never answers gives way to the lease's end.
 * **Taking over.** The new primary waits for every peer with its first change as always, except
   the primary before it (``previous``), which may be stopped: the pings take that one back.
-* A replica started with ``--standby`` lets the others campaign first: it waits one ``ttl`` at start.
+* A replica started with ``--standby`` lets the others campaign first: it waits one ``ttl`` at start,
+  or until it sees one of them lead.
 
 Lifecycle: made with the server's options, ``start(replica)`` on the server's loop when the
 replica starts serving (a task watches the leader and campaigns or renews), ``close`` resigns a
@@ -285,8 +286,9 @@ class Leadership:
             await asyncio.sleep(self.ttl / 3)
 
     async def _lead(self, replica: Led) -> None:
-        if self._standby:  # let the others campaign first
-            await asyncio.sleep(self.ttl)
+        if self._standby:  # let the others campaign first: for a ttl, or until one of them leads
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._until_led(), self.ttl)
         while True:
             try:
                 if self.term is None:
@@ -317,6 +319,14 @@ class Leadership:
             log.info("slot %s: campaign not possible now (%s)", self.slot, exc)
         with contextlib.suppress(TimeoutError):  # a watch event, or a look again after a while
             await asyncio.wait_for(self._changed.wait(), self._look_again(replica))
+
+    async def _until_led(self) -> None:
+        """Return once the watch has seen a leader. A standby that slept out its whole ttl while
+        the others had already elected one looked at the lease only after it: a primary killed
+        meanwhile had its lease run out rather than revoked (seen under ``make test``'s load)."""
+        while self.leader is None:
+            self._changed.clear()  # no await since the check: the watch cannot have set it between
+            await self._changed.wait()
 
     def _look_again(self, replica: Led) -> float:
         """Seconds to the next look at the lease without a watch event: every ``ttl / 3``, and
@@ -392,7 +402,7 @@ class Leadership:
         kind = answer.split(" (")[0]  # the same answer, whatever its detail
         if answer not in GONE and (leader.epoch, kind) != self._looked:
             self._looked = (leader.epoch, kind)
-            event(log, logging.INFO, "the quiet primary is not known to be gone: its lease runs its course",
+            event(log, logging.WARNING, "the quiet primary is not known to be gone: its lease runs out",
                   slot=self.slot, primary=leader.address, epoch=leader.epoch, answer=answer)  # fmt: skip
         return answer in GONE
 
