@@ -460,9 +460,8 @@ class Worker:
         except BaseException:
             coro.close()  # never scheduled: the loop is missing
             raise
-        # Scheduled from here on: the loop's task owns the coroutine (closing it from this thread,
-        # after a timeout, would break the task's cancellation with "cannot reuse already awaited
-        # coroutine" instead of ending it).
+        # Scheduled from here on: the loop's task owns it (a close from this thread after a timeout
+        # broke the task's cancellation: "cannot reuse already awaited coroutine").
         return thread.call(coro, self.timeout + 2 * MARGIN, what)
 
     def _finish_push(self) -> None:
