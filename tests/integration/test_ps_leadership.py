@@ -142,7 +142,7 @@ def test_a_backup_tells_a_restarted_primary_from_the_one_holding_the_lease() -> 
     may be revoked without waiting it out. The same process, or one that does not answer, is not
     gone."""
     from tensorwire.coordinator import Leader
-    from tensorwire.ps.server.leadership import process_gone
+    from tensorwire.ps.server.leadership import GONE, look_at
 
     with ServerThread(extensions=[ParamServer(peer=PEER)]) as other, socket.socket() as silent:
         store_id = other.server.store_id
@@ -150,7 +150,7 @@ def test_a_backup_tells_a_restarted_primary_from_the_one_holding_the_lease() -> 
         silent.listen()  # accepts (the kernel does), never answers a HELLO
 
         def gone(incarnation: int, address: str = other.url) -> bool:
-            return asyncio.run(process_gone(Leader("m", address, 5, 9, incarnation), PEER))
+            return asyncio.run(look_at(Leader("m", address, 5, 9, incarnation), PEER)) in GONE
 
         assert gone(store_id ^ 1) is True  # another process answers there
         assert gone(store_id) is False  # the leader itself

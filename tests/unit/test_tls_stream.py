@@ -20,12 +20,12 @@ RECORD = 16 * KiB
 async def _reads(tmp_path: Path) -> list[int]:
     """What each ``recv_into`` returned while reading ``SENT`` bytes that were all sent first."""
     certs = write_dev_certs(tmp_path)
-    sent = asyncio.Event()
+    sent, read = asyncio.Event(), asyncio.Event()
 
     async def serve(stream: ByteStream) -> None:
         await stream.send([bytes(range(256)) * (SENT // 256)])
         sent.set()
-        await asyncio.sleep(30)  # keep the connection while the client reads
+        await asyncio.wait_for(read.wait(), 10.0)  # keep the connection while the client reads
 
     context = server_ssl_context(TlsFiles(certs["server"], certs["server_key"]))
     listener = await tls.listen(Address("tls", "127.0.0.1", 0), serve, context)
@@ -40,6 +40,7 @@ async def _reads(tmp_path: Path) -> list[int]:
         assert bytes(buf) == bytes(range(256)) * (SENT // 256)
         return reads
     finally:
+        read.set()
         await stream.close()
         await listener.close()
 

@@ -339,7 +339,9 @@ def _failover(cluster: Cluster, target: Target, step_at: int, failed: float) -> 
 
     def over() -> bool:
         cluster.check_workers()  # a worker that died meanwhile says why now, not after the wait
-        return stepped() or cluster.done()
+        # With leases, the lease's end must have been read too: a read that failed under load (its
+        # 2 s timeout) is made again at the next poll rather than leave the figure out.
+        return (stepped() and (cluster.leases is None or bool(lease_end))) or cluster.done()
 
     _wait(cluster, over, FAILOVER_WAIT, f"slot {target.slot}'s backup to take over")
     seconds = time.monotonic() - failed

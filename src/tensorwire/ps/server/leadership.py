@@ -387,10 +387,10 @@ class Leadership:
         return True
 
     async def _probe(self, leader: Leader, replica: Led) -> bool:
-        """``process_gone``, given up when the leader key changes meanwhile: a stopped primary
-        answers no probe for its whole timeout, and its lease running out in that time must
-        start the campaign now, not when the probe gives up. A primary found not gone is logged
-        once per epoch and answer (why its lease is waited out)."""
+        """Whether ``look_at`` finds the leader's process ``GONE``, given up when the leader key
+        changes meanwhile: a stopped primary answers no probe for its whole timeout, and its lease
+        running out in that time must start the campaign now, not when the probe gives up. A
+        primary found not gone is logged once per epoch and answer (why its lease is waited out)."""
         probe = asyncio.ensure_future(look_at(leader, replica.peer))
         changed = asyncio.ensure_future(self._changed.wait())
         try:
@@ -459,20 +459,16 @@ class Leadership:
         await self.coordinator.close()
 
 
-async def process_gone(leader: Leader, peer: Security) -> bool:
-    """Whether the process that holds ``leader``'s lease is gone: its address refuses connections
-    (nothing listens there), or another process answers there (its HELLO's store id is not the
-    leader's incarnation: it was started again). No answer, or a leader that did not say its
-    incarnation: not known, so no."""
-    return (await look_at(leader, peer)) in GONE
-
-
+# What ``look_at`` answers when the process holding a lease is gone: nothing listens at its address,
+# or another process answers there (its HELLO's store id is not the leader's incarnation: it was
+# started again). No answer, or a leader that did not say its incarnation: not known, so not gone.
 GONE = ("refused", "another process")
 
 
 async def look_at(leader: Leader, peer: Security) -> str:
     """What ``leader``'s address says of its process: ``refused``, ``another process``, ``the
-    same process``, ``unnamed`` (the leader did not say its incarnation) or ``no answer (...)``."""
+    same process``, ``unnamed`` (the leader did not say its incarnation) or ``no answer (...)``;
+    the first two are ``GONE``."""
     options = transports.TransportOptions(PROBE_TIMEOUT, PROBE_TIMEOUT, security=peer)
     try:
         conn = await transports.open_channel(leader.address, options, what="a look at the primary")
