@@ -20,6 +20,8 @@ KEYS = [
     "small_get_cpu_us",
     "small_get_client_cpu_us",
     "small_get_server_cpu_us",
+    "small_echo_cpu_us",
+    "small_cpu_vs_echo",
     "echo_us",
     "small_ratio",
     "small_unspun_get_us",
@@ -70,6 +72,8 @@ def test_transfer_bench_smoke(capsys: pytest.CaptureFixture[str]) -> None:
         value = result[key]
         assert isinstance(value, int | float) and not isinstance(value, bool), key
         assert value > 0, key
+    ratio = result["small_get_cpu_us"] / result["small_echo_cpu_us"]
+    assert result["small_cpu_vs_echo"] == pytest.approx(ratio)
     assert "iperf_gbps" in result  # null where iperf3 is not installed, with the reason
     assert isinstance(result["iperf_note"], str)
     if result["iperf_gbps"] is not None:

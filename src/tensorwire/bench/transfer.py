@@ -10,10 +10,12 @@ the absolute numbers.
   echo round trip on the same kind of event loop; the asyncio get and the echo take turns, one
   round trip each, so that the ratio compares the same moments.
 * small, in CPU: client + server CPU per 1 KiB ``get`` of the blocking client
-  (``small_get_cpu_us``, and its two parts), from both processes' CPU times over
-  ``SMALL_CPU_GETS`` gets: what a request costs, stable on a noisy host where latency follows the
-  host's wake-up cost. The client does not spin for it (``busy_wait=0``): a spin burns CPU for
-  as long as the answer takes, which is latency again, not work.
+  (``small_get_cpu_us``, and its two parts), from both processes' CPU times over 10,000 gets:
+  what a request costs, stable on a noisy host where latency follows the host's wake-up cost;
+  next to its floor, a blocking socket's 1 KiB round trip through the asyncio echo server
+  (``small_echo_cpu_us``, ``small_cpu_vs_echo``; bench/small_cpu.py). The client does not spin
+  for it (``busy_wait=0``): a spin burns CPU for as long as the answer takes, which is latency
+  again, not work.
 * tls: ``put`` / ``get(out=...)`` over ``tls://``, against tcp:// and against their own bound: one
   core's AES-256-GCM in series with the tcp:// path of the same run (bench/tls_bound.py).
 * many: tensors per second of one ``put_many`` / ``get_many`` of thousands of 1 KiB tensors.
@@ -63,10 +65,10 @@ from tensorwire import _aio
 from tensorwire.bench import fastpaths, pinglag, tls_bound
 from tensorwire.bench import rdma as rdma_bench
 from tensorwire.bench import shm as shm_bench
+from tensorwire.bench import small_cpu as small_cpu_bench
 from tensorwire.bench.children import (
     Child,
     add_run_options,
-    cpu_seconds,
     pinned,
     placement,
     spawned,
@@ -87,7 +89,6 @@ from tensorwire.wire.tensors import byte_view
 T = TypeVar("T")
 
 SMALL_BYTES = KiB  # the "small" tensor and the echo message
-SMALL_CPU_GETS = 10_000  # 1 KiB gets whose CPU time is counted
 MANY_REPEATS = 3
 _UNITS = {"": 1, "B": 1, "KIB": KiB, "MIB": MiB, "GIB": 1 << 30}
 _SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([KMG]IB|B)?\s*", re.IGNORECASE)
@@ -266,26 +267,6 @@ def _sync_small_us(client: tensorwire.Client, iters: int) -> float:
     return _p50_us(samples)
 
 
-def small_get_cpu_us(client: tensorwire.Client, server_pid: int, gets: int) -> dict[str, float]:
-    """CPU per 1 KiB get of the blocking ``client``, in µs: the client's process (every thread:
-    its loop's too) and the server's (``server_pid``), from their CPU times over ``gets`` gets
-    after a warm-up. A wait costs no CPU (the kernel's work to wake a sleeper does, and is
-    counted), so the figure does not grow with how long the host takes to wake either side."""
-    out = torch.zeros(SMALL_BYTES // 4)
-    for _ in range(_warmup_count(gets)):
-        client.get("bench/small", out=out)
-    client_start, server_start = time.process_time(), cpu_seconds(server_pid)
-    for _ in range(gets):
-        client.get("bench/small", out=out)
-    client_us = (time.process_time() - client_start) / gets * 1e6
-    server_us = (cpu_seconds(server_pid) - server_start) / gets * 1e6
-    return {
-        "small_get_cpu_us": client_us + server_us,
-        "small_get_client_cpu_us": client_us,
-        "small_get_server_cpu_us": server_us,
-    }
-
-
 async def _small_and_echo_us(
     url: str, echo_port: int, iters: int, busy_wait: float = ClientOptions().busy_wait
 ) -> tuple[float, float]:
@@ -354,6 +335,7 @@ class _Servers(NamedTuple):
     server_pid: int  # the process serving ``url`` and ``tls_url``
     sink_port: int
     echo_port: int
+    echo_pid: int  # the process serving ``echo_port``
     shm_url: str
     rdma: tuple[str, tuple[Any, ...]] | None
     rdma_missing: str | None
@@ -374,7 +356,8 @@ def _start_servers(
     served = Child(_serve_tensorwire, capacity, urls, certs, cpus=cpus)
     children.append(served)
     children.append(Child(socket_sink, size, cpus=cpus))
-    children.append(Child(_echo_server, cpus=cpus))
+    echo = Child(_echo_server, cpus=cpus)
+    children.append(echo)
     shm_capacity = 4 * size + 64 * MiB  # a server of its own: its tensors live in /dev/shm
     children.append(Child(_serve_tensorwire, shm_capacity, ["shm://127.0.0.1:0"], cpus=cpus))
     rdma_missing = rdma_engine.unavailable()
@@ -390,7 +373,9 @@ def _start_servers(
         rdma_bound, peer = ready[4:6]
         assert isinstance(rdma_bound, list) and isinstance(peer, tuple)
         rdma = (rdma_bound[0], peer)
-    return _Servers(bound[0], bound[1], served.pid, sink_port, echo_port, shm_bound[0], rdma, rdma_missing)
+    return _Servers(
+        bound[0], bound[1], served.pid, sink_port, echo_port, echo.pid, shm_bound[0], rdma, rdma_missing
+    )
 
 
 def run(
@@ -422,7 +407,7 @@ def _measure(
         client.put("bench/small", torch.rand(SMALL_BYTES // 4))
         sync_small_us = _sync_small_us(client, small_iters)
     with tensorwire.connect(s.url, busy_wait=0.0) as client:
-        small_cpu = small_get_cpu_us(client, s.server_pid, SMALL_CPU_GETS)
+        small_cpu = small_cpu_bench.measure(client, s.server_pid, s.echo_port, s.echo_pid)
     with tensorwire.connect(s.url) as client:
         many_put, many_get = _many(client, many)
     with tensorwire.connect(s.tls_url, tls=TlsFiles(ca=Path(ca))) as client:

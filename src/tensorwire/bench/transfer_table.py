@@ -36,7 +36,13 @@ def format_table(r: Result) -> str:
         (
             "1 KiB get CPU (client + server)",
             f"{_fmt(r['small_get_cpu_us'], '.1f')} us",
-            f"{_fmt(r['small_get_client_cpu_us'], '.1f')} + {_fmt(r['small_get_server_cpu_us'], '.1f')}",
+            f"{_fmt(r['small_get_client_cpu_us'], '.1f')} + {_fmt(r['small_get_server_cpu_us'], '.1f')}, "
+            f"{_fmt(r['small_cpu_vs_echo'], '.2f')} x echo",
+        ),
+        (
+            "1 KiB echo CPU (client + server)",
+            f"{_fmt(r['small_echo_cpu_us'], '.1f')} us",
+            "floor: a blocking socket",
         ),
         ("1 KiB asyncio echo p50", f"{_fmt(r['echo_us'], '.1f')} us", "baseline"),
         (f"put_many {r['many']} x 1 KiB", f"{_fmt(r['many_small_per_s'], ',.0f')} tensors/s", ""),
