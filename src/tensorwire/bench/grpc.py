@@ -61,6 +61,7 @@ from tensorwire.bench.transfer import (
     _positive,
     _ratio,
     _serve_tensorwire,
+    _timed,
     parse_size,
 )
 from tensorwire.bench.transfer_table import Result
@@ -206,7 +207,7 @@ def _against_discard(
             steps[warm]()
         for _ in range(iters):
             for kind, step in steps.items():
-                times[kind].append(_median_seconds(step, 1, warmup=0))
+                times[kind].append(_timed(step))
             put_gbps, get_gbps = discard_bulk(discard_port, nbytes, 1)
             ceiling["put"].append(put_gbps)
             ceiling["get"].append(get_gbps)

@@ -22,11 +22,12 @@ import tensorwire
 from tensorwire.bench.children import cpu_seconds
 from tensorwire.types import KiB
 
-SMALL_BYTES = KiB  # the "small" tensor and the echo message
+SMALL_BYTES = KiB  # the "small" tensor ("bench/small", put by bench/transfer.py) and the echo message
 GETS = 10_000  # 1 KiB round trips whose CPU time is counted
 
 
-def _warmup(rounds: int) -> int:
+def warmup_count(rounds: int) -> int:
+    """Untimed round trips before ``rounds`` timed ones (the bench's small figures all warm so)."""
     return max(10, rounds // 10)
 
 
@@ -36,7 +37,7 @@ def small_get_cpu_us(client: tensorwire.Client, server_pid: int, gets: int = GET
     after a warm-up. A wait costs no CPU (the kernel's work to wake a sleeper does, and is
     counted), so the figure does not grow with how long the host takes to wake either side."""
     out = torch.zeros(SMALL_BYTES // 4)
-    for _ in range(_warmup(gets)):
+    for _ in range(warmup_count(gets)):
         client.get("bench/small", out=out)
     client_start, server_start = time.process_time(), cpu_seconds(server_pid)
     for _ in range(gets):
@@ -60,14 +61,10 @@ def echo_cpu_us(port: int, echo_pid: int, rounds: int = GETS) -> float:
 
         def round_trip() -> None:
             sock.sendall(message)
-            filled = 0
-            while filled < SMALL_BYTES:
-                got = sock.recv_into(back[filled:])
-                if not got:
-                    raise ConnectionError("the echo server closed the connection")
-                filled += got
+            if sock.recv_into(back, SMALL_BYTES, socket.MSG_WAITALL) != SMALL_BYTES:
+                raise ConnectionError("the echo server closed the connection mid-answer")
 
-        for _ in range(_warmup(rounds)):
+        for _ in range(warmup_count(rounds)):
             round_trip()
         client_start, server_start = time.process_time(), cpu_seconds(echo_pid)
         for _ in range(rounds):

@@ -76,6 +76,7 @@ from tensorwire.bench.children import (
     until_stopped,
 )
 from tensorwire.bench.report import show
+from tensorwire.bench.small_cpu import SMALL_BYTES, warmup_count
 from tensorwire.bench.transfer_table import Result, format_table
 from tensorwire.client import ClientOptions
 from tensorwire.security import TlsFiles, write_dev_certs
@@ -88,7 +89,6 @@ from tensorwire.wire.tensors import byte_view
 
 T = TypeVar("T")
 
-SMALL_BYTES = KiB  # the "small" tensor and the echo message
 MANY_REPEATS = 3
 _UNITS = {"": 1, "B": 1, "KIB": KiB, "MIB": MiB, "GIB": 1 << 30}
 _SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([KMG]IB|B)?\s*", re.IGNORECASE)
@@ -282,17 +282,13 @@ def _p50_us(samples_ns: list[int]) -> float:
     return statistics.median(samples_ns) / 1e3
 
 
-def _warmup_count(iters: int) -> int:
-    return max(10, iters // 10)
-
-
 def _sync_small_us(client: tensorwire.Client, iters: int) -> float:
     out = torch.zeros(SMALL_BYTES // 4)
     samples = []
-    for i in range(_warmup_count(iters) + iters):
+    for i in range(warmup_count(iters) + iters):
         start = time.perf_counter_ns()
         client.get("bench/small", out=out)
-        if i >= _warmup_count(iters):
+        if i >= warmup_count(iters):
             samples.append(time.perf_counter_ns() - start)
     return _p50_us(samples)
 
@@ -309,13 +305,13 @@ async def _small_and_echo_us(
         out = torch.zeros(SMALL_BYTES // 4)
         message = bytes(SMALL_BYTES)
         gets, echoes = [], []
-        for i in range(_warmup_count(iters) + iters):
+        for i in range(warmup_count(iters) + iters):
             start = time.perf_counter_ns()
             await client.get("bench/small", out=out)
             middle = time.perf_counter_ns()
             writer.write(message)
             await reader.readexactly(SMALL_BYTES)
-            if i >= _warmup_count(iters):
+            if i >= warmup_count(iters):
                 gets.append(middle - start)
                 echoes.append(time.perf_counter_ns() - middle)
         return _p50_us(gets), _p50_us(echoes)
