@@ -146,7 +146,10 @@ class Cluster:
     def check_workers(self) -> None:
         for rank, proc in self.workers.items():
             if proc.poll() not in (None, 0):
-                raise RuntimeError(f"worker {rank} failed with exit code {proc.returncode}")
+                # Each server's view (role, step, its workers' clocks and liveness) says which side
+                # a worker waited on: a pull that timed out under load is otherwise bare.
+                failed = f"worker {rank} failed with exit code {proc.returncode}"
+                raise RuntimeError(f"{failed}:\n{self.snapshot()}")
 
     def snapshot(self) -> str:
         """Each server's role, epoch, step and jobs (one line each), for a failure's message."""
