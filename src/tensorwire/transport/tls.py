@@ -52,7 +52,12 @@ class TlsStream(tcp.TcpStream):
     async def handshake(self, timeout: float) -> None:
         """Run the TLS handshake; TransferTimeout or ConnectError (naming the reason) on failure."""
         try:
-            await asyncio.wait_for(self._handshake(), timeout)
+            # asyncio.timeout, not wait_for: 3.11's wait_for returns (or raises) the handshake's
+            # outcome when it lands in the same turn as a cancellation, and the cancellation is lost
+            # (a heartbeat loop cancelled at its handshake's failure then beat on, and a Worker's
+            # close waited 20 s for it).
+            async with asyncio.timeout(timeout):
+                await self._handshake()
         except TimeoutError as exc:
             raise TransferTimeout(f"waited {timeout:.3g}s for the TLS handshake with {self.peer}") from exc
 
