@@ -137,3 +137,163 @@ def test_bytes_sent_unasked_while_lent_drop_the_connection(loop: LoopThread) -> 
             assert first.closed and c._async.current_transport is not first
     finally:
         close()
+
+
+def _lent_after_first_get(url: str, **options: object) -> tuple[tensorwire.Client, RangedTransport]:
+    """A client whose first get went through the loop, which lent the connection after it: the
+    next plain get is read with plain calls (``FrameMux.read_frame_now``)."""
+    c = tensorwire.connect(url, **options)  # type: ignore[arg-type]
+    assert torch.equal(c.get("p"), PAYLOAD)
+    t = c._async.current_transport
+    assert isinstance(t, RangedTransport) and t._lending.loan is not None
+    return c, t
+
+
+def _first_good(then: Answer) -> Answer:
+    async def answer(stream: ByteStream, req: Header, count: int) -> None:
+        if count == 1:
+            await _good_get(stream, req)
+        else:
+            await then(stream, req, count)
+
+    return answer
+
+
+def test_a_corrupt_chunk_never_reaches_an_inline_gets_out(loop: LoopThread) -> None:
+    """The inline get's answer carries a flipped byte under the good chunk's checksum: the get
+    fails with CorruptFrame, the caller's ``out`` keeps every byte it had (the chunk is checked in
+    the read buffer, before it is copied), and the connection stays in step for the next get."""
+
+    async def corrupt(stream: ByteStream, req: Header, count: int) -> None:
+        if count != 2:
+            await _good_get(stream, req)
+            return
+        meta = wm.encode_records([TensorMeta.of("p", PAYLOAD).with_version(1)])
+        frame = bytearray()
+        head = _response(req, meta, PAYLOAD.numel() * 4)
+        await send_frame(_Collect(frame), head, meta, [byte_view(PAYLOAD)])
+        frame[len(frame) - 8 - 3] ^= 0xFF  # a byte of the data, not of its trailer
+        await stream.send([bytes(frame)])
+
+    url, close = _listen(loop, _first_good(corrupt))
+    try:
+        c, t = _lent_after_first_get(url, timeout=5, retries=0)
+        with c:
+            out = torch.full_like(PAYLOAD, -1)
+            with pytest.raises(errors.CorruptFrame):
+                c.get("p", out=out)
+            assert torch.equal(out, torch.full_like(PAYLOAD, -1)), "a corrupt chunk reached out"
+            assert torch.equal(c.get("p", out=out), PAYLOAD) and out.data_ptr() == out.data_ptr()
+            assert c._async.current_transport is t and not t.closed
+    finally:
+        close()
+
+
+class _Collect(ByteStream):
+    """A stream that keeps what is sent to it: the bytes of a frame, to tamper with."""
+
+    peer = "collect"
+
+    def __init__(self, into: bytearray) -> None:
+        self._into = into
+
+    async def recv_into(self, buf: memoryview) -> int:
+        return 0
+
+    async def send(self, buffers: object) -> None:
+        for b in buffers:  # type: ignore[attr-defined]
+            self._into += bytes(b)
+
+    async def close(self) -> None:
+        pass
+
+
+def _answer_with(header: Callable[[Header, bytes], Header], meta: bytes) -> Answer:
+    async def answer(stream: ByteStream, req: Header, count: int) -> None:
+        await stream.send([encode_frame_head(header(req, meta), meta)])
+
+    return answer
+
+
+def _as_delete(req: Header, meta: bytes) -> Header:
+    return Header(1, Opcode.DELETE, Flags.RESPONSE, req.checksum, req.request_id, len(meta), 4096, 0)
+
+
+def _as_request(req: Header, meta: bytes) -> Header:
+    return Header(1, req.opcode, 0, req.checksum, req.request_id, len(meta), 4096, 0)
+
+
+def _for_the_connection(req: Header, meta: bytes) -> Header:
+    return Header(1, 0, Flags.RESPONSE | Flags.ERROR, req.checksum, 0, len(meta), 4096, 0)
+
+
+def _of_a_gibibyte(req: Header, meta: bytes) -> Header:
+    return _response(req, meta, 1 << 30)
+
+
+_ERROR_META = wm.encode_error(int(errors.ErrorCode.SERVER_ERROR), "everything is on fire")
+_GIBIBYTE_META = wm.encode_records([TensorMeta("p", torch.uint8, (1 << 30,), 1 << 30)])
+
+
+@pytest.mark.parametrize(
+    ("answer", "error"),
+    [
+        pytest.param(
+            _answer_with(_as_delete, (1).to_bytes(4, "little")), errors.ProtocolError, id="another-opcode"
+        ),
+        pytest.param(_answer_with(_as_request, b""), errors.ProtocolError, id="a-request"),
+        pytest.param(
+            _answer_with(_for_the_connection, _ERROR_META), errors.ServerError, id="connection-error"
+        ),
+        # Only the header of a 1 GiB answer comes: the coroutines read it, then meet the close.
+        pytest.param(_answer_with(_of_a_gibibyte, _GIBIBYTE_META), errors.ConnectionLost, id="not-sent"),
+    ],
+)
+def test_an_inline_answer_out_of_step_drops_the_connection(
+    loop: LoopThread, answer: Answer, error: type[errors.TensorwireError]
+) -> None:
+    """An answer the inline get cannot take (another request's opcode, a request frame, an error
+    for the whole connection, a frame that never comes whole) fails the get, by name, at once;
+    the connection is dropped and the next call goes out on a fresh one."""
+
+    async def then_close(stream: ByteStream, req: Header, count: int) -> None:
+        if count != 2:
+            await _good_get(stream, req)
+            return
+        await answer(stream, req, count)
+        await stream.close()
+
+    url, close = _listen(loop, _first_good(then_close))
+    try:
+        c, t = _lent_after_first_get(url, timeout=5, retries=0)
+        with c:
+            start = time.monotonic()
+            with pytest.raises(error):
+                c.get("p")
+            assert time.monotonic() - start < 4, "the get waited for its timeout"
+            assert torch.equal(c.get("p"), PAYLOAD)
+            assert t.closed and c._async.current_transport is not t
+    finally:
+        close()
+
+
+def test_a_stale_answer_before_an_inline_gets_own_is_skipped(loop: LoopThread) -> None:
+    """A late answer to a request nobody waits for (another id) comes first: the inline get skips
+    it, data and all, and takes its own."""
+
+    async def stale_first(stream: ByteStream, req: Header, count: int) -> None:
+        if count == 2:
+            meta = wm.encode_records([TensorMeta.of("p", PAYLOAD).with_version(1)])
+            rid, size = req.request_id + 1000, PAYLOAD.numel() * 4
+            stale = Header(1, req.opcode, Flags.RESPONSE, req.checksum, rid, len(meta), 4096, size)
+            await send_frame(stream, stale, meta, [byte_view(PAYLOAD)])
+        await _good_get(stream, req)
+
+    url, close = _listen(loop, _first_good(stale_first))
+    try:
+        c, t = _lent_after_first_get(url, timeout=5, retries=0)
+        with c:
+            assert torch.equal(c.get("p"), PAYLOAD)
+            assert c._async.current_transport is t and not t.closed
+    finally:
+        close()

@@ -196,13 +196,19 @@ def test_a_request_waiting_for_a_borrower_takes_back_the_loan_lent_since(server:
 
 
 def _waits_on_the_loop(loop: asyncio.AbstractEventLoop) -> Any:
-    """A lent stream's wait that awaits a future of the client's loop instead of blocking its
-    thread in poll(2): what an asyncio lock, an executor or a sleep on the inline path would do."""
+    """A lent stream's coroutine read that awaits a future of the client's loop instead of
+    blocking its thread: what an asyncio lock, an executor or a sleep on the inline path would do.
+    A small answer is read with plain calls (``read_frame_now``), a large one by the multiplexer's
+    coroutines, stepped by ``drive``: ``BIG``'s get reaches this."""
 
-    async def readable(self: LentTcp) -> None:
+    async def recv_into(self: LentTcp, buf: memoryview) -> int:
         await asyncio.Future(loop=loop)  # settled by nobody: only the loop's thread could
+        return 0
 
-    return readable
+    return recv_into
+
+
+BIG = 1 << 18  # float32s: 1 MiB, past the read buffer
 
 
 def _in_a_thread(call: Any) -> BaseException | object:
@@ -232,16 +238,16 @@ def test_an_inline_call_that_waits_on_the_loop_fails_by_name(
     so, and its connection is dropped. (Remove the guard, in ``drive`` or in ``run_inline``, and
     this fails.)"""
     with tensorwire.connect(server.url, retries=0) as c:
-        c.put("inline/w", torch.ones(4))  # through the loop, which lends the connection after it
+        c.put("inline/w", torch.ones(BIG))  # through the loop, which lends the connection after it
         lent = _transport(c)
         assert _lent(c)
-        monkeypatch.setattr(LentTcp, "_readable", _waits_on_the_loop(c._loop))
+        monkeypatch.setattr(LentTcp, "recv_into", _waits_on_the_loop(c._loop))
         with caplog.at_level("WARNING", logger="tensorwire.transport"):
             failed = _in_a_thread(lambda: c.get("inline/w"))
         assert isinstance(failed, errors.ConnectionLost) and "outside its loop" in str(failed), failed
         assert any(r.getMessage() == "inline call waited on the loop" for r in caplog.records)
         monkeypatch.undo()
-        assert torch.equal(c.get("inline/w"), torch.ones(4))  # on a fresh connection
+        assert torch.equal(c.get("inline/w"), torch.ones(BIG))  # on a fresh connection
         assert lent.closed and _transport(c) is not lent
 
 
@@ -251,13 +257,13 @@ def test_an_inline_call_that_waits_on_the_loop_is_made_on_the_loop(
     """With retries, the call that waited on the loop is made again through it: it succeeds,
     visibly (the warning, one call through the loop, a new connection)."""
     with tensorwire.connect(server.url) as c:
-        c.put("inline/v", torch.full((4,), 2.0))
+        c.put("inline/v", torch.full((BIG,), 2.0))
         lent = _transport(c)
         loop = _LoopCalls(c)
-        monkeypatch.setattr(LentTcp, "_readable", _waits_on_the_loop(c._loop))
+        monkeypatch.setattr(LentTcp, "recv_into", _waits_on_the_loop(c._loop))
         with caplog.at_level("WARNING", logger="tensorwire.transport"):
             got = _in_a_thread(lambda: c.get("inline/v"))
-        assert isinstance(got, torch.Tensor) and torch.equal(got, torch.full((4,), 2.0)), got
+        assert isinstance(got, torch.Tensor) and torch.equal(got, torch.full((BIG,), 2.0)), got
         assert loop.count == 1 and lent.closed and _transport(c) is not lent
         assert any(r.getMessage() == "inline call waited on the loop" for r in caplog.records)
 

@@ -16,12 +16,13 @@ timeout, a corrupt chunk) made one: the loop makes the retries the options leave
 the loan's end dropped if it broke; with no retries the error is raised here, as is one no retry
 cures (KeyNotFound, a wrong ``out``).
 
-The path's invariant: **nothing on it may wait on the event loop.** It runs in the caller's thread,
-stepping the transport's coroutines itself (``_aio.drive``, from ``Lending.run_inline``): a bare
-yield is a turn given to nobody, but an ``await`` of a future would wait for the loop's thread,
-which is not running this coroutine and would never settle it. ``drive`` stops such a call
-(``WouldWait``); the lending half turns that into ConnectionLost ("outside its loop"), drops the
-connection and logs a warning, and the call goes to the loop (tests/integration/
+The path's invariant: **nothing on it may wait on the event loop.** It runs in the caller's thread:
+a small get or put with plain calls only (``Lendable.get_now``, ``put_now``: no coroutine at all,
+half the Python calls of stepping them), a larger one stepping the transport's coroutines itself
+(``_aio.drive``): a bare yield is a turn given to nobody, but an ``await`` of a future would wait
+for the loop's thread, which is not running this coroutine and would never settle it. ``drive``
+stops such a call (``WouldWait``); the lending half turns that into ConnectionLost ("outside its
+loop"), drops the connection and logs a warning, and the call goes to the loop (tests/integration/
 test_inline_calls.py holds a test that fails if this guard goes). So: no locks of asyncio, no
 ``run_in_executor``, no sleeps but ``asyncio.sleep(0)`` anywhere under a plain get or put of a
 lendable transport.
@@ -36,11 +37,11 @@ from typing import Any, TypeVar, cast
 import torch
 
 from tensorwire.client.async_client import AsyncClient
-from tensorwire.client.batches import TensorBatch
-from tensorwire.client.routes import Route, plain_get
+from tensorwire.client.batches import Landing, TensorBatch
+from tensorwire.client.routes import Route
 from tensorwire.errors import TensorwireError
 from tensorwire.transport.base import Transport
-from tensorwire.transport.lending import NOT_LENT, Lendable
+from tensorwire.transport.lending import Lendable, NotLent
 
 T = TypeVar("T")
 
@@ -62,10 +63,11 @@ def get(client: AsyncClient, name: str, out: torch.Tensor | None, timeout: float
     t = _lent(client)
     if t is None or client.routes.get(t, name, out) is not Route.PLAIN:
         return NOT_TAKEN
-    got = _run(client, t, plain_get(name, out), timeout)
+    landing = Landing([name], {name: out} if out is not None else {})
+    got = _run(client, cast(Lendable, t).get_now, [name], landing.sink, timeout)
     if isinstance(got, ToLoop):
         return got
-    tensor = got[0]
+    tensor = landing.finish()[name]
     client.routes.moved(name, tensor.numel() * tensor.element_size())
     return tensor
 
@@ -79,11 +81,7 @@ def put(client: AsyncClient, name: str, tensor: torch.Tensor, timeout: float) ->
     if t is None or client.routes.put(t, nbytes, cuda=False) is not Route.PLAIN:
         return NOT_TAKEN
     batch = TensorBatch([(name, tensor)])  # an invalid name or tensor is refused here, as there
-
-    async def op(t: Transport) -> int:
-        return await t.put(batch)
-
-    version = _run(client, t, op, timeout)
+    version = _run(client, cast(Lendable, t).put_now, batch, timeout)
     if not isinstance(version, ToLoop):
         client.routes.moved(name, nbytes)
     return version
@@ -110,17 +108,15 @@ def _lendable(t: Transport) -> bool:
 _LENDABLE: dict[type, bool] = {}
 
 
-def _run(
-    client: AsyncClient, t: Transport, op: Callable[[Transport], Coroutine[Any, Any, T]], timeout: float
-) -> T | ToLoop:
-    """``op`` run to its end on ``t`` in this thread, or ToLoop."""
+def _run(client: AsyncClient, call: Callable[..., T | NotLent], *args: Any) -> T | ToLoop:
+    """``call(*args, spin)`` (a lent connection's ``get_now`` or ``put_now``), or ToLoop."""
     try:
-        done = cast(Lendable, t).run_inline(op, timeout, client.options.busy_wait)
+        done = call(*args, client.options.busy_wait)
     except TensorwireError as exc:
         if exc.retryable and client.options.retries > 0:
             return ToLoop(1)  # the loop retries; the loan's end drops a broken connection
         raise
-    return NOT_TAKEN if done is NOT_LENT else done
+    return NOT_TAKEN if isinstance(done, NotLent) else done
 
 
 async def on_loop(client: AsyncClient, coro: Coroutine[Any, Any, T], lend: bool) -> T:

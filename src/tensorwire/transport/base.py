@@ -130,16 +130,27 @@ class ByteStream(ABC):
 
 class LentStream(ByteStream):
     """The twin of a lent stream, driven by one borrowing thread: its waits block that thread until
-    ``deadline`` (and raise TransferTimeout then), so its coroutines never suspend; each wait
-    spins first for up to ``spin`` seconds (the borrower's choice: ClientOptions.busy_wait)."""
+    ``deadline`` (TransferTimeout then), each spinning first for up to ``spin`` seconds (the
+    borrower's ClientOptions.busy_wait), so its coroutines never suspend. ``recv_now`` and
+    ``send_now`` (of one buffer) are its reads and writes as plain calls, for a borrower's small
+    requests. A borrowed call runs from ``begin`` (False: not quiet: the peer closed it, or sent
+    bytes unasked, since the last answer; it goes back to the loop) to ``end``; an owner's close in
+    between leaves the descriptor for ``end`` to close."""
 
     deadline: float = 0.0  # time.monotonic()
     spin: float = 0.0
 
     @abstractmethod
-    def quiet(self) -> bool:
-        """Whether nothing arrived since the last answer: no peer's close, no bytes unasked (asked
-        before each borrowed call; a connection that is not quiet goes back to the loop)."""
+    def begin(self) -> bool: ...
+
+    @abstractmethod
+    def end(self) -> None: ...
+
+    @abstractmethod
+    def recv_now(self, buf: memoryview) -> int: ...
+
+    @abstractmethod
+    def send_now(self, frame: bytes) -> None: ...
 
 
 StreamHandler = Callable[[ByteStream], Awaitable[None]]
@@ -218,7 +229,6 @@ class FrameCaller(Protocol):
         """One request: ``meta``, then ``data``; the answer's metadata comes back (with ``sink``, the
         answer's tensor records are read and its data lands in the buffers the sink hands out).
         ``what`` names the request in errors; ``timeout`` replaces the channel's own for it."""
-        ...
 
 
 @runtime_checkable
@@ -266,15 +276,12 @@ class Ranged(Protocol):
 
     async def put_range(self, upload: int, meta: TensorMeta, offset: int, data: memoryview) -> None:
         """Bytes ``offset .. offset + len(data)`` of the tensor ``meta`` into upload ``upload``."""
-        ...
 
     async def get_range(self, meta: TensorMeta, offset: int, dest: memoryview) -> None:
         """Bytes ``offset .. offset + len(dest)`` of ``meta``'s tensor at ``meta.version`` into ``dest``."""
-        ...
 
     async def commit(self, upload: int, meta: TensorMeta) -> int:
         """Publish upload ``upload`` (all of ``meta``'s bytes in); return the tensor's new version."""
-        ...
 
     async def close(self) -> None: ...
 
@@ -300,7 +307,6 @@ class Resumable(Protocol):
         progress: Progress | None = None,
     ) -> int:
         """Send ``data`` (all of the tensor's bytes) from ``offset`` on; return the new version."""
-        ...
 
 
 @runtime_checkable
@@ -309,7 +315,6 @@ class Viewable(Protocol):
 
     async def view(self, name: str) -> torch.Tensor:
         """A read-only tensor over the pages that hold ``name``, held for as long as it lives."""
-        ...
 
 
 @runtime_checkable
@@ -321,13 +326,11 @@ class RangedGenerations(Protocol):
     async def get_ranges_at(self, name: str, at: int, ranges: Sequence[tuple[int, memoryview]]) -> int:
         """Each ``(offset, dest)``: bytes ``offset .. offset + len(dest)`` of ``name`` at generation
         ``at`` into ``dest``, all in one request (GEN_GET_RANGES); the generation's number."""
-        ...
 
     async def manifest(self, prefix: str, at: int) -> GenerationManifest: ...
 
     async def lease(self, prefix: str, number: int, seconds: float) -> tuple[float, int]:
         """Seconds granted (0 after a release) and the oldest generation the prefix keeps."""
-        ...
 
 
 @runtime_checkable
@@ -346,22 +349,18 @@ class Generational(RangedGenerations, Protocol):
     async def get_at(self, names: Sequence[str], at: int, sink: Sink) -> tuple[str, int, bytes]:
         """Tensors of one generation into the sink's buffers; the prefix, number and digest of the
         generation read."""
-        ...
 
     async def get_delta_at(self, names: Sequence[str], at: int, base: int, sink: Sink) -> DeltaAnswer:
         """Generation ``at`` of ``names`` for a reader holding generation ``base`` (GEN_GET_DELTA):
         each tensor's deltas, one uint8 record per name, land in the sink's buffers; the answer
         says, per chunk, how long each delta is and the new chunk's checksum."""
-        ...
 
     async def get_range_at(self, name: str, at: int, offset: int, dest: memoryview) -> int:
         """Bytes ``offset .. offset + len(dest)`` of ``name`` at generation ``at``; its number."""
-        ...
 
     async def get_ranges_at(self, name: str, at: int, ranges: Sequence[tuple[int, memoryview]]) -> int:
         """Each ``(offset, dest)``: bytes ``offset .. offset + len(dest)`` of ``name`` at generation
         ``at`` into ``dest``, all in one request (GEN_GET_RANGES); the generation's number."""
-        ...
 
     async def manifest(self, prefix: str, at: int) -> GenerationManifest: ...
 
@@ -369,7 +368,6 @@ class Generational(RangedGenerations, Protocol):
 
     async def lease(self, prefix: str, number: int, seconds: float) -> tuple[float, int]:
         """Seconds granted (0 after a release) and the oldest generation the prefix keeps."""
-        ...
 
 
 @runtime_checkable
@@ -474,7 +472,6 @@ class StagedData(Protocol):
 
     async def ready(self, end: int) -> None:
         """Return once the first ``end`` bytes of the data may be read."""
-        ...
 
 
 def as_ranged(transport: Transport, what: str) -> Ranged:

@@ -111,24 +111,17 @@ class FramedTransport(Transport):
 
     # -- operations ----------------------------------------------------------------------------
     async def put(self, batch: PutBatch, progress: Progress | None = None) -> int:
-        what = f"put of {describe(batch.names)}"
-        op = Opcode.PUT if len(batch.names) == 1 else Opcode.PUT_MANY
+        op, what = put_request(batch)
         _, reader = await self._request(op, b"", batch=batch, progress=progress, what=what)  # no head
         return finish(reader, reader.u64())
 
     async def get(
         self, names: Sequence[str], sink: Sink, progress: Callable[[int], None] | None = None
     ) -> list[TensorMeta]:
-        op = Opcode.GET if len(names) == 1 else Opcode.GET_MANY
-        landed: list[list[TensorMeta]] = []
-
-        def land(metas: list[TensorMeta]) -> list[memoryview]:
-            landed.append(metas)  # the records are decoded once, by the reader task
-            return sink(metas)
-
-        what = f"get of {describe(names)}"
-        _, reader = await self._request(op, wm.encode_names(names), sink=land, progress=progress, what=what)
-        return finish(reader, landed[-1])
+        op, request, what = get_request(names)
+        landed = Landed(sink)
+        _, reader = await self._request(op, request, sink=landed, progress=progress, what=what)
+        return finish(reader, landed.metas)
 
     async def delete(self, names: Sequence[str]) -> int:
         what = f"delete of {describe(names)}"
@@ -195,6 +188,32 @@ class FramedTransport(Transport):
 
     async def close(self) -> None:
         await self._mux.fail(ConnectionLost(f"connection to {self.address} was closed by the client"))
+
+
+def put_request(batch: PutBatch) -> tuple[int, str]:
+    """A put's opcode, and how its errors name it."""
+    return (Opcode.PUT if len(batch.names) == 1 else Opcode.PUT_MANY), f"put of {describe(batch.names)}"
+
+
+def get_request(names: Sequence[str]) -> tuple[int, bytes, str]:
+    """A get's opcode, its request's metadata, and how its errors name it."""
+    op = Opcode.GET if len(names) == 1 else Opcode.GET_MANY
+    return op, wm.encode_names(names), f"get of {describe(names)}"
+
+
+class Landed:
+    """A get's sink that keeps the records it is handed: they are decoded once, by whoever reads
+    the answer, and are what the get returns."""
+
+    __slots__ = ("_sink", "metas")
+
+    def __init__(self, sink: Sink) -> None:
+        self._sink = sink
+        self.metas: list[TensorMeta] = []
+
+    def __call__(self, metas: list[TensorMeta]) -> list[memoryview]:
+        self.metas = metas
+        return self._sink(metas)
 
 
 def describe(names: Sequence[str]) -> str:

@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterable, Sequence
 
 from tensorwire.errors import ConnectionLost, CorruptFrame
 from tensorwire.transport import chunks as cut
-from tensorwire.transport.base import Buffer, ByteStream, StagedData
+from tensorwire.transport.base import Buffer, ByteStream, LentStream, StagedData
 from tensorwire.wire import lossless
 from tensorwire.wire.checksum import checksum
 from tensorwire.wire.frame import (
@@ -30,7 +30,7 @@ from tensorwire.wire.frame import (
 
 _COMPRESSED = int(Flags.COMPRESSED)
 
-_TRAILER = struct.Struct("<Q")
+TRAILER = struct.Struct("<Q")
 Notify = tuple[Callable[[int], None] | None, Callable[[int], None] | None]  # (progress, verified)
 READ_BUFFER = 256 << 10  # reads smaller than this go through the buffer; larger ones land directly
 _MAX_IOV = 512  # stay well under IOV_MAX per sendmsg
@@ -130,6 +130,36 @@ class FrameReader:
             buf += piece
         return bytes(buf)
 
+    # -- a borrowing thread's reads (lending.py): plain calls on a ``LentStream`` -----------------
+    def fill_now(self, stream: LentStream, n: int) -> bool:
+        """Have at least ``n`` bytes buffered, receiving from ``stream`` with plain calls; False if
+        ``n`` bytes cannot fit the buffer (nothing is read then). ConnectionLost if the stream ends."""
+        if self._end - self._pos >= n:
+            return True
+        if n > READ_BUFFER:
+            return False
+        if self._pos + n > READ_BUFFER:  # make room at the end: move what is left to the front
+            have = self._end - self._pos
+            self._buf[:have] = self._buf[self._pos : self._end]
+            self._pos, self._end = 0, have
+        while self._end - self._pos < n:
+            got = stream.recv_now(self._view[self._end :])
+            if got == 0:
+                raise ConnectionLost(f"{stream.peer} closed the connection")
+            self.received += got
+            self._end += got
+        return True
+
+    def peek(self, n: int) -> memoryview:
+        """The next ``n`` buffered bytes, left in the buffer (``fill_now`` made sure they are)."""
+        return self._view[self._pos : self._pos + n]
+
+    def take(self, n: int) -> memoryview:
+        """The next ``n`` buffered bytes, taken: valid until the next read."""
+        start = self._pos
+        self._pos = start + n
+        return self._view[start : self._pos]
+
     async def at_frame_start(self) -> bool:
         """Wait for the next frame; False if the peer closed the stream cleanly between frames."""
         self._turns.reset()
@@ -176,22 +206,33 @@ async def send_frame(
     )
     if compressed:
         header.flags |= _COMPRESSED
-    head = encode_frame_head(header, meta)
-    if not header.data_len:
-        await stream.send([head])
-        return
-    if not compressed and header.data_len < cut.COALESCE and header.data_len <= header.chunk_size:
-        # One small chunk (a 1 KiB get answer, say): one buffer, one checksum, one syscall.
-        if staged is not None:
+    if not compressed and one_buffer(header):
+        if staged is not None and header.data_len:
             await staged.ready(header.data_len)
-        data = b"".join(segments)
-        await stream.send([head + data + _TRAILER.pack(checksum(header.checksum, data))])
-        if progress is not None:
-            progress(len(data))
+        await stream.send([whole_frame(header, meta, segments)])
+        if progress is not None and header.data_len:
+            progress(header.data_len)
         return
+    head = encode_frame_head(header, meta)
     await _send_chunks(
         stream, head, header, segments, progress, encoder=encoder if compressed else None, staged=staged
     )
+
+
+def one_buffer(header: Header) -> bool:
+    """Whether ``header``'s frame goes out as one buffer (``whole_frame``): no data, or one small
+    uncompressed chunk (a 1 KiB get answer, say): one checksum, one syscall."""
+    data_len = header.data_len
+    return not data_len or (data_len < cut.COALESCE and data_len <= header.chunk_size)
+
+
+def whole_frame(header: Header, meta: bytes, segments: Sequence[Buffer]) -> bytes:
+    """The frame of ``header`` (``one_buffer``), ``meta`` and ``segments`` as one buffer."""
+    head = encode_frame_head(header, meta)
+    if not header.data_len:
+        return head
+    data = b"".join(segments)
+    return head + data + TRAILER.pack(checksum(header.checksum, data))
 
 
 async def _send_chunks(
@@ -225,7 +266,7 @@ async def _send_chunks(
         if staged is not None:
             reached += sum(p.nbytes for p in pieces)
             await staged.ready(reached)
-        digest = _TRAILER.pack(cut.digest(header.checksum, pieces))
+        digest = TRAILER.pack(cut.digest(header.checksum, pieces))
         if chunks is None:
             out += pieces
         else:
@@ -280,7 +321,7 @@ async def recv_data(
         await reader.readinto(tview)
         if progress is not None:
             progress(header.data_len)
-        if _TRAILER.unpack(trailer)[0] != checksum(header.checksum, segments[0]):
+        if TRAILER.unpack(trailer)[0] != checksum(header.checksum, segments[0]):
             raise CorruptFrame(f"corrupt chunk in request {header.request_id}; nothing was kept")
         if verified is not None:
             verified(header.data_len)
@@ -291,7 +332,7 @@ async def recv_data(
         for piece in pieces:
             await reader.readinto(piece)
         await reader.readinto(tview)
-        good = _TRAILER.unpack(trailer)[0] == cut.digest(header.checksum, pieces)
+        good = TRAILER.unpack(trailer)[0] == cut.digest(header.checksum, pieces)
         bad = _checked(good, sum(p.nbytes for p in pieces), bad, not staged, (progress, verified))
     await _finish_recv(header, bad, staged)
 
@@ -365,7 +406,7 @@ async def _recv_compressed(
             await reader.readinto(scratch[:wire])
             ok = await _decode_into(codec, scratch[:wire], pieces, size)
         await reader.readinto(tview)
-        good = ok and _TRAILER.unpack(trailer)[0] == cut.digest(header.checksum, pieces)
+        good = ok and TRAILER.unpack(trailer)[0] == cut.digest(header.checksum, pieces)
         bad = _checked(good, size, bad, not staged, notify)
     await _finish_recv(header, bad, staged)
 

@@ -18,8 +18,10 @@ every other request on it fails with it and the stream is closed.
 
 Lending (lending.py) borrows this connection through the seam at the end of the class:
 ``hand_over`` stops reading and hands out a twin of the stream; the borrower's requests are
-``track``ed, sent with ``framing.send`` (framing.py) and answered by ``read_frame``; ``take_back``
-and ``carry_on`` end the loan. The multiplexer knows nothing else of loans.
+``track``ed, sent with ``framing.whole`` or ``framing.send`` (framing.py) and answered by
+``read_frame_now`` (a small answer, with plain calls) or ``read_frame``; ``take_back`` and
+``carry_on`` end the loan. The multiplexer knows nothing else of loans. How an answer settles its
+request, on either path, is answers.py.
 """
 
 from __future__ import annotations
@@ -28,53 +30,33 @@ import asyncio
 import contextlib
 import itertools
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
-from typing import Any, Protocol
 
-from tensorwire.errors import (
-    ConnectionLost,
-    InvalidTensor,
-    ProtocolError,
-    TensorwireError,
-    TransferTimeout,
-    error_for_code,
+from tensorwire.errors import ConnectionLost, ProtocolError, TensorwireError, TransferTimeout
+from tensorwire.transport.answers import (
+    CLIENT_LIMITS,
+    Answer,
+    Pending,
+    Settles,
+    as_tensorwire,
+    check_opcode,
+    drop_outcome,
+    land_now,
+    landing,
+    lost_mid_answer,
+    refused,
+    settle,
 )
-from tensorwire.transport.base import ByteStream, LentStream, Progress, PutBatch, Sink
+from tensorwire.transport.base import Buffer, ByteStream, LentStream, Progress, PutBatch, Sink
 from tensorwire.transport.frame_io import FrameReader, read_head, recv_data, skip_data
 from tensorwire.transport.framing import Framing
 from tensorwire.types import Address, Limits
 from tensorwire.wire import meta as wm
-from tensorwire.wire.frame import Header, check_meta_crc, decode_header
+from tensorwire.wire.frame import HEADER_BYTES, TRAILER_BYTES, Flags, Header, check_meta_crc, decode_header
 
-Answer = tuple[Header, wm.MetaReader]
-
-# What a client accepts from a server: generous, but every length is still bounded.
-CLIENT_LIMITS = Limits(max_meta_bytes=256 << 20, max_batch=10_000_000, max_request_bytes=1 << 50)
-
-
-class Settles(Protocol):
-    """Where a request's answer goes: an ``asyncio.Future``, or a borrower's ``lending.Outcome``."""
-
-    def done(self) -> bool: ...
-
-    def set_result(self, result: Any) -> None: ...
-
-    def set_exception(self, error: BaseException) -> None: ...
-
+_COMPRESSED = int(Flags.COMPRESSED)  # a plain int: IntFlag's operators are slow Python
 
 # What a transport's operations call: ``FrameMux.request``, or ``Lending.request`` in front of it.
 Requests = Callable[..., Awaitable[Answer]]
-
-
-@dataclass(slots=True)
-class _Pending:
-    opcode: int
-    future: Settles  # settled by whoever reads the answer
-    wait: float  # seconds it may take, its send included
-    deadline: float  # the loop time those seconds end at (0: a borrower's, timed by its stream)
-    what: str
-    sink: Sink | None = None
-    progress: Callable[[int], None] | None = None
 
 
 class FrameMux:
@@ -88,7 +70,7 @@ class FrameMux:
         self._stream = stream
         self._reader = FrameReader(stream)
         self._ids = itertools.count(1)
-        self._pending: dict[int, _Pending] = {}
+        self._pending: dict[int, Pending] = {}
         self._write_lock = asyncio.Lock()
         self._loop = asyncio.get_running_loop()
         self._closing: asyncio.Task[None] | None = None
@@ -97,7 +79,7 @@ class FrameMux:
         # request cost more than the rest of a small request's bookkeeping together.
         self._sweep: asyncio.TimerHandle | None = None
         self._sweep_at = 0.0
-        self._answering: _Pending | None = None  # out of the table while its answer is read
+        self._answering: Pending | None = None  # out of the table while its answer is read
         self.closed = False  # set once, by ``fail``: the connection is done
         self._failure: TensorwireError | None = None
         self._reading = False  # someone holds the reader role (see the module docstring)
@@ -132,7 +114,7 @@ class FrameMux:
         # the send as well as the answer.
         wait = self.timeout if timeout is None else timeout
         deadline = loop.time() + wait
-        self._pending[rid] = _Pending(opcode, future, wait, deadline, what, sink, None if batch else progress)
+        self._pending[rid] = Pending(opcode, future, wait, deadline, what, sink, None if batch else progress)
         if self._sweep is None or deadline < self._sweep_at:
             self._arm(deadline)
         try:
@@ -146,7 +128,7 @@ class FrameMux:
         except asyncio.CancelledError:
             # A request abandoned mid-flight leaves the stream in an unknown state: drop it. Its
             # outcome, if one came meanwhile (a timeout, say), is nobody's to hear any more.
-            _drop_outcome(future)
+            drop_outcome(future)
             self._pending.pop(rid, None)
             await self.fail(ConnectionLost(f"request to {self.address} was abandoned mid-flight"))
             raise
@@ -177,7 +159,7 @@ class FrameMux:
             await self.fail(exc)
         except Exception as exc:  # e.g. the caller's progress callback: the frame is half sent
             await self.fail(ConnectionLost(f"a request to {self.address} stopped mid-frame: {exc!r}"))
-            _drop_outcome(future)  # the caller hears of its own exception instead
+            drop_outcome(future)  # the caller hears of its own exception instead
             raise
 
     # -- the deadline sweep ------------------------------------------------------------------------
@@ -202,11 +184,11 @@ class FrameMux:
         if later and not self.closed:
             self._arm(min(later))
 
-    def _expire(self, pending: _Pending) -> None:
+    def _expire(self, pending: Pending) -> None:
         """A request's deadline passed: fail it, and drop the connection it is stuck on (also when
         its answer is half received: the reader is cancelled with the connection)."""
         waited = f"waited {pending.wait:.3g}s for the answer to the {pending.what} from {self.address}"
-        _settle(pending, error=TransferTimeout(waited))
+        settle(pending, error=TransferTimeout(waited))
         lost = ConnectionLost(f"connection to {self.address} dropped: a request on it timed out")
         self._closing = self._loop.create_task(self.fail(lost))
 
@@ -272,70 +254,62 @@ class FrameMux:
         raw = await read_head(self._reader)
         header = decode_header(raw, CLIENT_LIMITS)
         meta = await self._reader.read(header.meta_len)
-        check_meta_crc(raw, header, meta)
-        if not header.is_response:
-            raise ProtocolError(f"{self.address} sent a request frame to a client")
-        reader = wm.MetaReader(meta, CLIENT_LIMITS)
-        # Taken out as it is answered: a later frame with the same id can never reach its sink.
-        pending = self._pending.pop(header.request_id, None)
-        if pending is not None and pending.future.done():  # timed out, already failed
-            pending = None
+        pending, reader = self._claim(raw, header, meta)
         self._answering = pending
         try:
             await self._answer(header, meta, reader, pending)
         except BaseException as exc:
-            # Out of the pending table already, so the connection's failure (``fail``) would not
-            # reach it: it fails here, at once, not when its timer runs out.
-            lost = ConnectionLost(f"the connection to {self.address} failed mid-answer: {exc!r}")
-            _settle(pending, error=exc if isinstance(exc, TensorwireError) else lost)
+            lost_mid_answer(pending, exc, self.address)
             raise
         finally:
             self._answering = None
 
+    def _claim(self, raw: Buffer, header: Header, meta: bytes) -> tuple[Pending | None, wm.MetaReader]:
+        """An answer's metadata checked, and the request it answers (None: nobody waits for it
+        any more), taken out of the pending table: a later frame with the same id can never reach
+        its sink. Out of the table, the connection's failure (``fail``) would not reach it either:
+        whoever claims it settles it, even when the answer breaks off (``_lost_mid_answer``)."""
+        check_meta_crc(raw, header, meta)
+        if not header.is_response:
+            raise ProtocolError(f"{self.address} sent a request frame to a client")
+        pending = self._pending.pop(header.request_id, None)
+        if pending is not None and pending.future.done():  # timed out, already failed
+            pending = None
+        return pending, wm.MetaReader(meta, CLIENT_LIMITS)
+
     async def _answer(
-        self, header: Header, meta: bytes, reader: wm.MetaReader, pending: _Pending | None
+        self, header: Header, meta: bytes, reader: wm.MetaReader, pending: Pending | None
     ) -> None:
         """Settle ``pending`` (None: nobody waits for it any more) with the answer ``header``."""
-        if pending is not None and header.opcode not in (pending.opcode, 0):
-            raise ProtocolError(f"{self.address} answered request {header.request_id} with another opcode")
+        check_opcode(header, pending, self.address)
         if header.is_error:
-            code, message = wm.decode_error(reader)
             await skip_data(self._reader, header)
-            if pending is None and header.request_id == 0:
-                raise error_for_code(code, message)  # a connection-level error: fail everything
-            _settle(pending, error=error_for_code(code, message))
+            refused(header, reader, pending)
             return
         if pending is not None and pending.sink is not None:
             await self._read_tensors(header, meta, pending)
             return
         await skip_data(self._reader, header)  # a late answer to an abandoned request, or no data
-        _settle(pending, result=(header, reader))
+        settle(pending, result=(header, reader))
 
-    async def _read_tensors(self, header: Header, meta: bytes, pending: _Pending) -> None:
+    async def _read_tensors(self, header: Header, meta: bytes, pending: Pending) -> None:
         """Land a GET response's data in the sink's buffers; a refused sink or bad chunk fails only
         this request."""
-        probe = wm.MetaReader(meta, CLIENT_LIMITS)
-        try:
-            assert pending.sink is not None
-            metas = wm.decode_records(probe)
-            # Sizes are checked before the sink allocates anything for them.
-            if sum(m.nbytes for m in metas) != header.data_len:
-                raise ProtocolError("response data length does not match its tensor records")
-            buffers = pending.sink(metas)
-        except Exception as exc:
+        landed = landing(header, meta, pending)
+        if landed is None:
             await skip_data(self._reader, header)
-            _settle(pending, error=as_tensorwire(exc, "landing the answer"))
             return
+        probe, buffers = landed
         try:
             await recv_data(self._reader, header, buffers, pending.progress)
         except ConnectionLost:
             raise
         except Exception as exc:  # a corrupt chunk, or the caller's progress callback
-            _settle(pending, error=as_tensorwire(exc, "receiving the answer"))
+            settle(pending, error=as_tensorwire(exc, "receiving the answer"))
             if not isinstance(exc, TensorwireError):
                 raise ConnectionLost(f"a callback failed mid-frame: {exc!r}") from exc  # stream out of step
             return
-        _settle(pending, result=(header, probe))
+        settle(pending, result=(header, probe))
 
     async def fail(self, exc: TensorwireError) -> None:
         """Close the connection once and fail every request still waiting with ``exc``."""
@@ -347,7 +321,7 @@ class FrameMux:
             self._sweep.cancel()
             self._sweep = None
         for pending in list(self._pending.values()):
-            _settle(pending, error=exc)
+            settle(pending, error=exc)
         self._pending.clear()
         task = self._reader_task
         if task is not None and task is not asyncio.current_task():
@@ -376,11 +350,43 @@ class FrameMux:
     def track(self, opcode: int, outcome: Settles, wait: float, what: str, sink: Sink | None) -> int:
         """A borrower's request in the pending table (its stream times it, not the sweep); its id."""
         rid = next(self._ids)
-        self._pending[rid] = _Pending(opcode, outcome, wait, 0.0, what, sink)
+        self._pending[rid] = Pending(opcode, outcome, wait, 0.0, what, sink)
         return rid
 
     def untrack(self, rid: int) -> None:
         self._pending.pop(rid, None)
+
+    def read_frame_now(self, stream: LentStream) -> bool:
+        """``read_frame`` as a plain call, for the borrower of ``stream``, when the answer is small
+        and plain: whole in the read buffer, at most one chunk, uncompressed (a small get's or a
+        put's). False when it is not: nothing was taken, and ``read_frame`` reads it."""
+        buffered = self._reader
+        buffered.fill_now(stream, HEADER_BYTES)
+        header = decode_header(buffered.peek(HEADER_BYTES), CLIENT_LIMITS)
+        data_len = header.data_len
+        size = HEADER_BYTES + header.meta_len + (data_len + TRAILER_BYTES if data_len else 0)
+        if (
+            header.flags & Flags.COMPRESSED
+            or data_len > header.chunk_size
+            or not buffered.fill_now(stream, size)
+        ):
+            return False
+        raw = buffered.take(HEADER_BYTES)
+        meta = bytes(buffered.take(header.meta_len))
+        data = buffered.take(size - HEADER_BYTES - header.meta_len)
+        pending, reader = self._claim(raw, header, meta)
+        try:
+            check_opcode(header, pending, self.address)
+            if header.is_error:
+                refused(header, reader, pending)
+            elif pending is None or pending.sink is None:
+                settle(pending, result=(header, reader))
+            else:
+                land_now(header, meta, pending, data)
+        except BaseException as exc:
+            lost_mid_answer(pending, exc, self.address)
+            raise
+        return True
 
     def take_back(self, failure: TensorwireError | None) -> TensorwireError | None:
         """The loan ended (no await since the caller saw it): read the stream again. What broke the
@@ -398,33 +404,3 @@ class FrameMux:
             await self.fail(failure)
         else:
             self._after_reading()
-
-
-def as_tensorwire(
-    exc: BaseException, what: str, kind: type[TensorwireError] = InvalidTensor
-) -> TensorwireError:
-    """``exc`` as a ``TensorwireError`` (``kind``, naming ``what`` failed, if it is not one)."""
-    if isinstance(exc, TensorwireError):
-        return exc
-    error = kind(f"{what} failed: {exc!r}")
-    error.__cause__ = exc
-    return error
-
-
-def _drop_outcome(future: asyncio.Future[Answer]) -> None:
-    """Mark the outcome of a request nobody will await as heard (no "exception was never
-    retrieved" log when the future is collected)."""
-    if future.done() and not future.cancelled():
-        future.exception()
-
-
-def _settle(
-    pending: _Pending | None, result: Answer | None = None, error: BaseException | None = None
-) -> None:
-    if pending is None or pending.future.done():
-        return
-    if error is not None:
-        pending.future.set_exception(error)
-    else:
-        assert result is not None
-        pending.future.set_result(result)

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from tensorwire.transport.base import Buffer, ByteStream, Progress, PutBatch
-from tensorwire.transport.frame_io import send_frame
+from tensorwire.transport.frame_io import one_buffer, send_frame, whole_frame
 from tensorwire.wire import lossless
 from tensorwire.wire import meta as wm
 from tensorwire.wire.checksum import ChecksumKind
@@ -48,6 +48,21 @@ class Framing:
             return
         header = self.header(opcode, rid, meta, sum(memoryview(d).nbytes for d in data))
         await send_frame(stream, header, meta, data, progress if data else None, encoder=self.encoder)
+
+    def whole(
+        self, opcode: int, rid: int, meta: bytes, *, batch: PutBatch | None, data: Sequence[Buffer]
+    ) -> bytes | None:
+        """The request ``send`` would send, as one buffer, when it is one small frame (no
+        compression, at most one small chunk); None when it is not (``send`` sends it)."""
+        if self.encoder is not None:
+            return None
+        if batch is not None:
+            if batch.parts != 1:
+                return None
+            metas, data = batch.part(0)
+            meta += wm.encode_records(metas)
+        header = self.header(opcode, rid, meta, sum(memoryview(d).nbytes for d in data))
+        return whole_frame(header, meta, data) if one_buffer(header) else None
 
     async def _send_batch(
         self,

@@ -3,19 +3,22 @@
 A blocking ``Client`` runs each call on its event-loop thread and waits: two thread wake-ups per
 call, which cost a small request more than everything else in it. So an idle connection may be
 *lent* (``Lending.lend``, on the loop): the loop stops reading and watching it
-(``FrameMux.hand_over``), and a thread that then calls ``run_inline`` runs one of the transport's
-own operations to its end itself, over a twin of the stream whose waits block that thread in
-poll(2) (``tcp.LentTcp``), with no loop turn and no hop. The loan ends when any request is made on
-the loop (``reclaim``): it waits for a borrower mid-call, and drops the connection if its
-borrower's call broke it or if the peer closed it (or sent anything unasked) while it was lent.
+(``FrameMux.hand_over``), and a thread that then calls ``get_now`` or ``put_now`` (``call_now``)
+makes the request itself, over a twin of the stream whose waits block that thread in poll(2)
+(``tcp.LentTcp``), with no loop turn and no hop: a small request and its answer with plain calls
+only (``Framing.whole``, ``FrameMux.read_frame_now``), a larger one by the multiplexer's own
+coroutines, stepped in that thread. ``run_inline`` runs any of the transport's operations so.
+The loan ends when any request is made on the loop (``reclaim``): it waits for a borrower
+mid-call, and drops the connection if its borrower's call broke it or if the peer closed it (or
+sent anything unasked) while it was lent.
 
 One thread borrows at a time (``Loan.lock``); another finds it taken (``NOT_LENT``) and goes
 through the loop as before.
 
-The invariant: nothing a borrower runs may wait on the event loop. ``run_inline`` steps the
-operation's coroutines in the borrowing thread (``_aio.drive``), which can give a turn to nobody
-(a bare yield) but cannot wait for a future: only the loop's thread could settle it, and it does
-not run the borrower's coroutine. An operation that awaits a future anyway (a bug) is closed
+The invariant: nothing a borrower runs may wait on the event loop. A borrower steps coroutines
+in its own thread (``_aio.drive``), which can give a turn to nobody (a bare yield) but cannot wait
+for a future: only the loop's thread could settle it, and it does not run the borrower's
+coroutine. An operation that awaits a future anyway (a bug) is closed
 there, its connection dropped, a warning logged, and the call fails with ConnectionLost naming it
 ("outside its loop"), which the client retries through the loop.
 """
@@ -34,8 +37,11 @@ from typing import Any, Protocol, TypeVar, runtime_checkable
 from tensorwire._aio import WouldWait, drive
 from tensorwire.errors import ConnectionLost, TensorwireError, TransferTimeout
 from tensorwire.logs import event
+from tensorwire.transport.answers import Answer, as_tensorwire
 from tensorwire.transport.base import LentStream, PutBatch, Sink
-from tensorwire.transport.frame_mux import Answer, FrameMux, as_tensorwire
+from tensorwire.transport.frame_client import Landed, finish, get_request, put_request
+from tensorwire.transport.frame_mux import FrameMux
+from tensorwire.types import TensorMeta
 
 T = TypeVar("T")
 log = logging.getLogger("tensorwire.transport")
@@ -54,16 +60,23 @@ NOT_LENT = NotLent.NOT_LENT
 @runtime_checkable
 class Lendable(Protocol):
     """An idle connection another thread may drive itself: ``lend`` (on the loop) hands it over;
-    ``run_inline`` (on the borrowing thread) runs the transport's own operations to their end
-    there, with no loop turn and no thread hop; ``reclaim`` (on the loop) ends the loan, and so does
-    any request made on the loop. What the blocking client's plain gets and puts run on. tcp://
-    (not tls://, nor memory://, nor a connection that compresses)."""
+    on the borrowing thread, ``get_now`` and ``put_now`` make a get or a put (``Transport.get``,
+    ``put``) and ``run_inline`` any of the transport's own operations, to their end, with no loop
+    turn and no thread hop; ``reclaim`` (on the loop) ends the loan, and so does any request made
+    on the loop. What the blocking client's plain gets and puts run on. tcp:// (not tls://, nor
+    memory://, nor a connection that compresses). Each returns NOT_LENT when it made nothing."""
 
     def lend(self) -> bool: ...
 
     def run_inline(
         self, op: Callable[[Any], Coroutine[Any, Any, T]], timeout: float, spin: float = 0.0
     ) -> T | NotLent: ...
+
+    def get_now(
+        self, names: Sequence[str], sink: Sink, timeout: float, spin: float = 0.0
+    ) -> list[TensorMeta] | NotLent: ...
+
+    def put_now(self, batch: PutBatch, timeout: float, spin: float = 0.0) -> int | NotLent: ...
 
     def reclaim(self) -> Awaitable[None]: ...
 
@@ -143,15 +156,39 @@ class Lending:
         request waiting at most ``timeout`` (and the connection's own), each wait spinning first
         for up to ``spin`` seconds. NOT_LENT when it ran nothing; any error is the operation's (a
         TensorwireError; one that broke the connection ends the loan)."""
+        return self._borrowed(timeout, spin, _drive_op, op, owner)
+
+    def call_now(
+        self,
+        opcode: int,
+        meta: bytes,
+        *,
+        batch: PutBatch | None,
+        sink: Sink | None,
+        what: str,
+        timeout: float,
+        spin: float,
+    ) -> Answer | NotLent:
+        """``run_inline`` of one request, made with plain calls: no coroutine at all when the
+        request and its answer are small (``Framing.whole``, ``FrameMux.read_frame_now``): half
+        the Python calls of a small get or put whose coroutines are stepped."""
+        return self._borrowed(
+            timeout, spin, self._exchange, opcode, meta, batch=batch, data=(), sink=sink, what=what
+        )
+
+    def _borrowed(
+        self, timeout: float, spin: float, call: Callable[..., T], *args: Any, **kwargs: Any
+    ) -> T | NotLent:
+        """``call(loan, *args, **kwargs)`` on the loan, if it is there to take: NOT_LENT if not."""
         loan = self._loan  # as ``loan``, without the property's call: this is every inline call
         if loan is None or self._mux.closed or not loan.lock.acquire(blocking=False):
             return NOT_LENT
         try:
-            if self._loan is not loan or loan.failure is not None or not loan.stream.quiet():
+            if self._loan is not loan or loan.failure is not None or not loan.stream.begin():
                 return NOT_LENT  # a connection the server closed while lent: the loop reopens it
             loan.borrower, loan.timeout, loan.stream.spin = threading.get_ident(), timeout, spin
             try:
-                return drive(op(owner))
+                return call(loan, *args, **kwargs)
             except WouldWait as exc:  # a bug, not the peer: say so, and let the loan's end drop it
                 where = f"a call on {self._mux.address} outside its loop: {exc}"
                 event(
@@ -163,6 +200,8 @@ class Lending:
                 )
                 loan.failure = ConnectionLost(where)
                 raise loan.failure from exc
+            finally:
+                loan.stream.end()
         finally:
             loan.borrower = None
             loan.lock.release()
@@ -214,9 +253,27 @@ class Lending:
         timeout: float | None = None,
         progress: object = None,
     ) -> Answer:
-        """A request on the borrowing thread: the same frames over the lent stream, whose waits end
-        at the request's deadline (no sweep, no write lock: the borrower is alone). It reports no
-        ``progress``: the inline path takes only calls without a callback."""
+        """A request on the borrowing thread (``_exchange``). It reports no ``progress``: the
+        inline path takes only calls without a callback."""
+        return self._exchange(
+            loan, opcode, meta, batch=batch, data=data, sink=sink, what=what, timeout=timeout
+        )
+
+    def _exchange(
+        self,
+        loan: Loan,
+        opcode: int,
+        meta: bytes,
+        *,
+        batch: PutBatch | None,
+        data: Sequence[memoryview],
+        sink: Sink | None,
+        what: str,
+        timeout: float | None = None,
+    ) -> Answer:
+        """A borrower's request: the same frames over the lent stream, whose waits end at the
+        request's deadline (no sweep, no write lock: the borrower is alone). Sent and read with
+        plain calls when small; otherwise by the multiplexer's own coroutines, stepped here."""
         mux = self._mux
         stream = loan.stream
         wait = min(mux.timeout if timeout is None else timeout, loan.timeout)
@@ -224,9 +281,14 @@ class Lending:
         rid = mux.track(opcode, outcome, wait, what, sink)
         stream.deadline = time.monotonic() + wait
         try:
-            await mux.framing.send(stream, opcode, rid, meta, batch=batch, data=data, progress=None)
+            frame = mux.framing.whole(opcode, rid, meta, batch=batch, data=data)
+            if frame is not None:
+                stream.send_now(frame)
+            else:
+                drive(mux.framing.send(stream, opcode, rid, meta, batch=batch, data=data, progress=None))
             while not outcome.done():
-                await mux.read_frame()
+                if not mux.read_frame_now(stream):
+                    drive(mux.read_frame())
         except TransferTimeout as exc:
             waited = f"waited {wait:.3g}s for the answer to the {what} from {mux.address}"
             loan.failure = TransferTimeout(waited)
@@ -238,6 +300,10 @@ class Lending:
             mux.untrack(rid)
         answer: Answer = outcome.result()
         return answer  # a refusal (KeyNotFound, say) leaves the connection in step
+
+
+def _drive_op(loan: Loan, op: Callable[[Any], Coroutine[Any, Any, T]], owner: object) -> T:
+    return drive(op(owner))
 
 
 class Lends:
@@ -252,6 +318,23 @@ class Lends:
         self, op: Callable[[Any], Coroutine[Any, Any, T]], timeout: float, spin: float = 0.0
     ) -> T | NotLent:
         return self._lending.run_inline(op, self, timeout, spin)
+
+    def get_now(
+        self, names: Sequence[str], sink: Sink, timeout: float, spin: float = 0.0
+    ) -> list[TensorMeta] | NotLent:
+        op, request, what = get_request(names)
+        landed = Landed(sink)
+        answer = self._lending.call_now(
+            op, request, batch=None, sink=landed, what=what, timeout=timeout, spin=spin
+        )
+        return answer if answer is NOT_LENT else finish(answer[1], landed.metas)
+
+    def put_now(self, batch: PutBatch, timeout: float, spin: float = 0.0) -> int | NotLent:
+        op, what = put_request(batch)
+        answer = self._lending.call_now(
+            op, b"", batch=batch, sink=None, what=what, timeout=timeout, spin=spin
+        )
+        return answer if answer is NOT_LENT else finish(answer[1], answer[1].u64())
 
     def reclaim(self) -> Awaitable[None]:
         return self._lending.reclaim()

@@ -57,18 +57,23 @@ class SocketStream(ByteStream):
         if self._drained:
             self._drained = False
             await self._readable()
-        while True:
-            if self._closed:
-                raise ConnectionLost(f"connection to {self.peer} is closed")
-            try:
-                got = self._sock.recv_into(buf)
-                self.last_active = time.monotonic()
-                self._drained = 0 < got < buf.nbytes
-                return got
-            except (BlockingIOError, InterruptedError):
-                await self._readable()
-            except OSError as exc:
-                raise ConnectionLost(f"receiving from {self.peer}: {exc}") from exc
+        while (got := self._try_recv(buf)) is None:
+            await self._readable()
+        return got
+
+    def _try_recv(self, buf: memoryview) -> int | None:
+        """One receive into ``buf``: how many bytes came (0: the peer closed), None if none are there."""
+        if self._closed:
+            raise ConnectionLost(f"connection to {self.peer} is closed")
+        try:
+            got = self._sock.recv_into(buf)
+        except (BlockingIOError, InterruptedError):
+            return None
+        except OSError as exc:
+            raise ConnectionLost(f"receiving from {self.peer}: {exc}") from exc
+        self.last_active = time.monotonic()
+        self._drained = 0 < got < buf.nbytes
+        return got
 
     async def send(self, buffers: Sequence[Buffer]) -> None:
         if len(buffers) == 1 and not self._closed:  # a small frame: usually one syscall, done
@@ -256,12 +261,12 @@ class LentTcp(SocketStream, LentStream):
     wait for readiness blocks that thread in poll(2), no later than ``deadline``, rather than
     suspending on the loop, so its coroutines run to their end without one (``_aio.drive``).
 
-    The owner may close the stream (on its loop's thread) while the borrower is in a read or a
-    write, asleep in poll(2) or in the syscall itself. It then only shuts the socket down, which
-    wakes the borrower and fails its I/O; the borrower closes the descriptor on its way out
-    (``let_go``). Closed under a thread still using it, the descriptor's number could be reused by
-    a new socket before that thread's syscall runs, which would then read another connection's
-    bytes."""
+    The owner may close the stream (on its loop's thread) while the borrower is in a call
+    (``begin`` .. ``end``), asleep in poll(2) or in a syscall. It then only shuts the socket down,
+    which wakes the borrower and fails its I/O; ``end`` closes the descriptor (``let_go``). Closed
+    under a thread still using it, the descriptor's number could be reused by a new socket before
+    that thread's syscall runs, which would then read another connection's bytes. (One hold per
+    call, not per read or write: this is the blocking client's small-call path.)"""
 
     def __init__(self, sock: socket.socket, peer: str) -> None:
         # Lent idle, so a read waits for readiness first (drained). ``_closed`` is this twin's own
@@ -272,7 +277,7 @@ class LentTcp(SocketStream, LentStream):
         self.spin = 0.0  # seconds each wait polls without sleeping first (the borrower sets it)
         self._budget = Spin(0.0)  # whether a wait spins (after spins that ran out, not always)
         self._guard = threading.Lock()  # between the owner's close and the borrower's I/O
-        self._inside = False  # the borrower is in a read, a write or a poll on the socket
+        self._inside = False  # the borrower is in a call (begin .. end)
         self._orphaned = False  # the owner closed the stream: the socket is no longer ours
 
     def let_go(self) -> bool:
@@ -282,15 +287,18 @@ class LentTcp(SocketStream, LentStream):
             self._orphaned = True
             return not self._inside
 
-    def _enter(self) -> None:
-        """The borrower starts a read or a write (explicit calls, not a context manager: this is
-        the blocking client's small-call path, where each microsecond shows)."""
+    def begin(self) -> bool:
         with self._guard:
             if self._orphaned:
-                raise ConnectionLost(f"connection to {self.peer} was closed while lent")
+                return False  # closed by its owner meanwhile
             self._inside = True
+        self._poll.register(self._fd, select.POLLIN)
+        if not self._poll.poll(0):
+            return True
+        self.end()
+        return False
 
-    def _leave(self) -> None:
+    def end(self) -> None:
         with self._guard:
             self._inside = False
             abandoned = self._orphaned
@@ -298,18 +306,29 @@ class LentTcp(SocketStream, LentStream):
             self._sock.close()  # the owner let go of it meanwhile: nobody else will
 
     async def recv_into(self, buf: memoryview) -> int:
-        self._enter()
-        try:
-            return await super().recv_into(buf)
-        finally:
-            self._leave()
+        return self.recv_now(buf)
 
-    async def send(self, buffers: Sequence[Buffer]) -> None:
-        self._enter()
-        try:
-            await super().send(buffers)
-        finally:
-            self._leave()
+    def recv_now(self, buf: memoryview) -> int:
+        if self._drained:
+            self._drained = False
+            self._wait(select.POLLIN)
+        while (got := self._try_recv(buf)) is None:
+            self._wait(select.POLLIN)
+        return got
+
+    def send_now(self, frame: bytes) -> None:
+        view = memoryview(frame)
+        sent = 0
+        while sent < view.nbytes:
+            if self._closed:
+                raise ConnectionLost(f"connection to {self.peer} is closed")
+            try:
+                sent += self._sock.send(view[sent:] if sent else view)
+            except (BlockingIOError, InterruptedError):
+                self._wait(select.POLLOUT)
+            except OSError as exc:
+                raise ConnectionLost(f"sending to {self.peer}: {exc}") from exc
+        self.last_active = time.monotonic()
 
     async def _readable(self) -> None:
         self._wait(select.POLLIN)
@@ -337,17 +356,6 @@ class LentTcp(SocketStream, LentStream):
                 return False
         self._budget.ended(caught=True)
         return True
-
-    def quiet(self) -> bool:
-        try:
-            self._enter()
-        except ConnectionLost:
-            return False  # closed by its owner meanwhile
-        try:
-            self._poll.register(self._fd, select.POLLIN)
-            return not self._poll.poll(0)
-        finally:
-            self._leave()
 
     async def close(self) -> None:
         self._closed = True
