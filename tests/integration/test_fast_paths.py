@@ -4,7 +4,9 @@ state_dict, CUDA staging (its pipeline on the CPU here; the device itself where 
 from __future__ import annotations
 
 import asyncio
+import gc
 import itertools
+import threading
 from collections.abc import Iterator
 
 import pytest
@@ -116,6 +118,34 @@ def test_a_state_dict_round_trip_is_one_request_each_way(server: ServerThread) -
         got = c.get_many(list(state))
         assert _requests_sent(c) == before + 2
         assert all(torch.equal(got[k], v) for k, v in state.items())
+
+
+def test_a_large_batch_leaves_the_collector_alone(server: ServerThread) -> None:
+    """A put_many and a get_many (into ``out``) of 3,000 small tensors: no cyclic collection runs
+    in the client while they do (each tensor's records and views would be walked and promoted, a
+    third of the client's CPU per tensor at 10,000), and the collector is on again after. (The
+    server here shares the process, and its store keeps what the batch put: its collections, owed
+    once the client's call is over, are not the batch's.)"""
+    tensors = {f"gc/{i}": torch.full((4,), float(i)) for i in range(3000)}
+    out = {name: torch.empty(4) for name in tensors}
+    runs: list[tuple[str, int]] = []
+
+    def counted(phase: str, info: dict[str, int]) -> None:
+        if phase == "start" and threading.current_thread().name != "tensorwire-server":
+            runs.append((threading.current_thread().name, info["generation"]))
+
+    with tensorwire.connect(server.url) as c:
+        c.put_many(tensors)  # warm: the connection, the server's first batch
+        for call in (lambda: c.put_many(tensors), lambda: c.get_many(list(tensors), out=out)):
+            gc.collect()  # what is owed from before is not the batch's to pay
+            gc.callbacks.append(counted)
+            try:
+                call()
+            finally:
+                gc.callbacks.remove(counted)
+    assert runs == [], f"collections (thread, generation) {runs} ran during the batches"
+    assert gc.isenabled()
+    assert all(torch.equal(out[k], v) for k, v in tensors.items())
 
 
 # -- pinned staging --------------------------------------------------------------------------------
