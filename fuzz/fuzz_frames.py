@@ -45,7 +45,7 @@ from tensorwire.server.options import ServerOptions
 
 with atheris.instrument_imports(include=["tensorwire"]):
     from tensorwire import ServerThread, errors, transport
-    from tensorwire._aio import new_event_loop
+    from tensorwire._aio import new_event_loop, within
     from tensorwire.errors import ErrorCode, TensorwireError
     from tensorwire.store import TensorStore
     from tensorwire.testing.conformance import put_frame
@@ -210,7 +210,7 @@ def TestOneInput(data: bytes) -> None:  # the name atheris documents
     if len(STORE) > 32:  # keep puts succeeding: a full store would only answer CAPACITY_EXCEEDED
         STORE.delete([meta.name for meta in STORE.list()])
     try:
-        LOOP.run_until_complete(asyncio.wait_for(session(data), TIMEOUT))
+        LOOP.run_until_complete(within(session(data), TIMEOUT))
     except TimeoutError:
         timeouts += 1  # acceptable, but worth a look: say so without stopping the run
         print(f"timeout #{timeouts} after {TIMEOUT}s on input {data.hex()}", file=sys.stderr)

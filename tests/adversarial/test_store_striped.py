@@ -78,6 +78,11 @@ async def until(condition: Callable[[], bool], what: str) -> None:
     raise AssertionError(f"waited 5 s for {what}")
 
 
+def writing(srv: Server) -> bool:
+    """Whether a write into the striped upload is under way (its range claimed, not yet done)."""
+    return any(u.writing for u in list(srv.uploads._open.values()))
+
+
 def waiting_or_answered(srv: Server) -> bool:
     """Whether B's write waits for A's to let go of the range, or (a server that lets two writers
     in at once) was already answered."""
@@ -97,6 +102,7 @@ async def two_writers_of_one_range() -> None:
             good = range_frame(0, GOOD, rid=1)
             last = CHUNK + 8  # the last chunk and its checksum
             await a.send([good[:-last]])  # A is mid-write, its first chunks verified
+            await until(lambda: writing(srv), "A's write to be under way")  # before B's comes in
             await b.send([range_frame(0, BAD, rid=2, damaged=True)])
             await until(lambda: waiting_or_answered(srv), "B's write to wait for A's, or be answered")
             await a.send([good[-last:]])

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from tensorwire._aio import within
 from tensorwire.coordinator import Leader, open_coordinator
 from tensorwire.errors import TensorwireError
 from tensorwire.ps.launch import free_port, replica_flags
@@ -185,7 +186,7 @@ class Leases:
         """Slot ``slot``'s leader, None if the key is gone, or the error that kept the read from
         answering (within two seconds)."""
         try:
-            return self._runner.run(asyncio.wait_for(self._coordinator.leader(f"slot{slot}"), 2.0))
+            return self._runner.run(within(self._coordinator.leader(f"slot{slot}"), 2.0))
         except (TensorwireError, TimeoutError) as exc:
             return exc
 

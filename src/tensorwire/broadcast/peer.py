@@ -40,6 +40,7 @@ from typing import Any
 
 import torch
 
+from tensorwire._aio import within
 from tensorwire.errors import ProtocolError, VersionChanged, WaitTimeout
 from tensorwire.security import Security, TlsFiles
 from tensorwire.server import Handler, Request, Server
@@ -146,7 +147,7 @@ class RelayPeer:
                 if not older or left <= 0:
                     raise
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._held.wait(), left)
+                await within(self._held.wait(), left)
 
     async def _verified(self, prefix: str, generation: int, first: int, wait: float) -> Holding:
         """The holding once chunk ``first`` is verified; WaitTimeout after ``wait`` seconds."""
@@ -162,7 +163,7 @@ class RelayPeer:
                     f"chunk {first} of generation {generation} of {prefix!r} not here within {wait:.3g}s"
                 )
             try:
-                await asyncio.wait_for(holding.moved.wait(), left)
+                await within(holding.moved.wait(), left)
             except TimeoutError:
                 continue
 

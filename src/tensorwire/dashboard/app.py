@@ -44,6 +44,7 @@ from typing import Any
 
 from aiohttp import web
 
+from tensorwire._aio import within
 from tensorwire.dashboard.collect import Node
 from tensorwire.dashboard.guard import HostCheck, Limits, LoginThrottle, StreamSlots, client_key, retry_after
 from tensorwire.dashboard.listen import Listener
@@ -246,7 +247,7 @@ class Dashboard:
                 else f"event: snapshot\ndata: {json.dumps(doc)}\n\n".encode()
             )
             try:
-                await asyncio.wait_for(response.write(event), self.limits.write_timeout)
+                await within(response.write(event), self.limits.write_timeout)
             except ConnectionResetError:  # the browser went away
                 return
             except TimeoutError:
@@ -263,7 +264,7 @@ class Dashboard:
         while True:
             async with self._changed:
                 try:
-                    await asyncio.wait_for(
+                    await within(
                         self._changed.wait_for(
                             lambda: self.latest is not None and self.latest is not sent[0]
                         ),
@@ -289,7 +290,7 @@ class Dashboard:
             return web.Response(status=429, text="too many login attempts; wait\n",
                                 headers={"Retry-After": retry_after(wait)})  # fmt: skip
         try:
-            form = await asyncio.wait_for(request.post(), self.limits.read_timeout)
+            form = await within(request.post(), self.limits.read_timeout)
         except TimeoutError:
             return web.Response(status=408, text="the login form did not arrive in time\n")
         offered = form.get("token")

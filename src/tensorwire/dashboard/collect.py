@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tensorwire import transport as transports
+from tensorwire._aio import within
 from tensorwire.client.core import ClientOptions
 from tensorwire.client.options import transport_options
 from tensorwire.errors import TensorwireError
@@ -210,7 +211,7 @@ async def probe(url: str, options: ClientOptions) -> Node:
     node = Node(url)
     deadline = DEADLINE_FACTOR * options.timeout
     try:
-        await asyncio.wait_for(_probe(node, options), deadline)
+        await within(_probe(node, options), deadline)
     except TimeoutError:
         why = f"no complete answer within {deadline:.3g}s (--timeout {options.timeout:g} x {DEADLINE_FACTOR})"
         if node.status is None and not node.answered:
@@ -241,7 +242,7 @@ async def _ask(node: Node, options: ClientOptions) -> bool:
     """Ask the server its STATUS (or, without it, a ping) and note the metrics URL it reports;
     False when there is nothing more to ask (it did not answer, or it has no STATUS)."""
     try:
-        node.status = await asyncio.wait_for(status_or_ping(node.url, options), options.timeout * 2)
+        node.status = await within(status_or_ping(node.url, options), options.timeout * 2)
     except (TensorwireError, OSError, TimeoutError, ValueError) as exc:
         node.error = str(exc) or type(exc).__name__
         return False

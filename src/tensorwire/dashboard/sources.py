@@ -11,6 +11,7 @@ import asyncio
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Protocol
 
+from tensorwire._aio import within
 from tensorwire.client.core import ClientOptions
 from tensorwire.dashboard.collect import Node, probe_all, take_key
 from tensorwire.server import metrics
@@ -66,7 +67,7 @@ def local(server: Observed, timeout: float = 10.0) -> Callable[[], Awaitable[lis
                 ask.close()
                 return [Node(url, error="the server has stopped")]
             try:
-                doc = await asyncio.wait_for(asyncio.wrap_future(asked), timeout)
+                doc = await within(asyncio.wrap_future(asked), timeout)
             except TimeoutError:
                 return [Node(url, error=f"the server's event loop did not answer STATUS within {timeout}s")]
         page = await asyncio.to_thread(generate_latest, server.registry)  # in full: no pseudonyms here

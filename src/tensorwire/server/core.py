@@ -21,7 +21,7 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
 from tensorwire import topology, transport
-from tensorwire._aio import LoopThread, cancel_and_wait
+from tensorwire._aio import LoopThread, cancel_and_wait, within
 from tensorwire.errors import ConnectionLost, LimitExceeded
 from tensorwire.logs import event
 from tensorwire.security import TlsFiles, exposure_warning, server_ssl_context
@@ -317,7 +317,7 @@ class Server:
             session = Session(self._serving, stream, transport)
             # Within the auth deadline: over TLS the answer needs the peer's handshake first.
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(session.send_error(0, refusal), limits.auth_timeout)
+                await within(session.send_error(0, refusal), limits.auth_timeout)
         finally:
             self._refusing -= 1
 

@@ -40,6 +40,7 @@ from typing import Any
 
 import torch
 
+from tensorwire._aio import within
 from tensorwire.errors import (
     CapacityExceeded,
     GenerationRetired,
@@ -380,7 +381,7 @@ class GenerationOps:
                     return
                 event = self._published.setdefault(prefix, asyncio.Event())
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(event.wait(), left)
+                    await within(event.wait(), left)
 
     async def _notify(self, req: Request, block: bytes) -> None:
         """A parked wait's answer: its frame's copy of ``block`` counts against the capacity while

@@ -22,6 +22,7 @@ from typing import Any, TypeVar
 
 import torch
 
+from tensorwire._aio import within
 from tensorwire._gc import gc_paused
 from tensorwire.errors import (
     ConnectionLost,
@@ -330,7 +331,7 @@ class StoreOps:
                 released: asyncio.Future[None] = asyncio.get_running_loop().create_future()
                 busy.upload.on_release.append(functools.partial(_settle, released))
                 with req.waiting(), contextlib.suppress(TimeoutError):  # on the server, not the peer
-                    await asyncio.wait_for(released, left)
+                    await within(released, left)
 
     async def put_commit(self, req: Request) -> None:
         upload_id, _, metas = wm.decode_resumable(req.meta)

@@ -9,12 +9,12 @@ status becomes the tensorwire error its trailing metadata names (or the closest 
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncIterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import grpc
 
+from tensorwire._aio import within
 from tensorwire.errors import (
     ConnectError,
     ConnectionLost,
@@ -104,9 +104,7 @@ class RpcTransport(Transport):
     async def open(self, timeout: float) -> None:
         """Wait until the channel is connected; ConnectError/TransferTimeout otherwise."""
         try:
-            await asyncio.wait_for(
-                self._stub.Ping(pb.Empty(), timeout=timeout, metadata=self._metadata), timeout
-            )
+            await within(self._stub.Ping(pb.Empty(), timeout=timeout, metadata=self._metadata), timeout)
         except TimeoutError as exc:
             await self.close()
             raise TransferTimeout(f"connecting to {self.address}: no answer within {timeout:.3g}s") from exc

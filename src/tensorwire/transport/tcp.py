@@ -14,7 +14,7 @@ import time
 from abc import abstractmethod
 from collections.abc import Awaitable, Callable, Sequence
 
-from tensorwire._aio import cancel_and_wait
+from tensorwire._aio import cancel_and_wait, within
 from tensorwire.errors import ConnectError, ConnectionLost, TransferTimeout
 from tensorwire.transport.base import Buffer, ByteStream, LentStream, Listener, StreamHandler
 from tensorwire.transport.spin import Spin, busy_loop
@@ -394,16 +394,14 @@ async def connect_socket(address: Address, timeout: float) -> socket.socket:
     """A connected non-blocking socket to ``address`` within ``timeout`` seconds."""
     loop = asyncio.get_running_loop()
     try:
-        infos = await asyncio.wait_for(
-            loop.getaddrinfo(address.host, address.port, type=socket.SOCK_STREAM), timeout
-        )
+        infos = await within(loop.getaddrinfo(address.host, address.port, type=socket.SOCK_STREAM), timeout)
     except (OSError, TimeoutError) as exc:
         raise ConnectError(f"cannot resolve {address}: {exc or 'timed out'}") from exc
     family, kind, proto, _, sockaddr = infos[0]
     sock = socket.socket(family, kind, proto)
     sock.setblocking(False)
     try:
-        await asyncio.wait_for(loop.sock_connect(sock, sockaddr), timeout)
+        await within(loop.sock_connect(sock, sockaddr), timeout)
     except TimeoutError as exc:
         sock.close()
         raise TransferTimeout(f"connecting to {address}: no answer within {timeout:.3g}s") from exc

@@ -53,6 +53,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from tensorwire._aio import within
 from tensorwire.compression.codecs import Codec, decode_all, from_wire, payload_total
 from tensorwire.errors import (
     CapacityExceeded,
@@ -228,7 +229,7 @@ class GradientExchange:
         # The caller may ask for a shorter wait, never a longer one than the server's own.
         seconds = self.wait_timeout if wait is None else min(wait, self.wait_timeout)
         try:
-            return await asyncio.wait_for(asyncio.shield(round_.result), seconds)
+            return await within(asyncio.shield(round_.result), seconds)
         except TimeoutError:
             self._withdraw(key, round_, worker)
             missing = sorted(set(range(round_.world)) - set(round_.grads) - self.left - {worker})[:16]

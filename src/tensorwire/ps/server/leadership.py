@@ -50,7 +50,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from tensorwire import transport as transports
-from tensorwire._aio import cancel_and_wait
+from tensorwire._aio import cancel_and_wait, within
 from tensorwire.coordinator import Coordinator, Leader, Term, open_coordinator
 from tensorwire.coordinator.codec import check_slot
 from tensorwire.errors import CoordinatorUnavailable, LeaseLost, TensorwireError
@@ -288,7 +288,7 @@ class Leadership:
     async def _lead(self, replica: Led) -> None:
         if self._standby:  # let the others campaign first: for a ttl, or until one of them leads
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._until_led(), self.ttl)
+                await within(self._until_led(), self.ttl)
         while True:
             try:
                 if self.term is None:
@@ -318,7 +318,7 @@ class Leadership:
             self._unreachable()
             log.info("slot %s: campaign not possible now (%s)", self.slot, exc)
         with contextlib.suppress(TimeoutError):  # a watch event, or a look again after a while
-            await asyncio.wait_for(self._changed.wait(), self._look_again(replica))
+            await within(self._changed.wait(), self._look_again(replica))
 
     async def _until_led(self) -> None:
         """Return once the watch has seen a leader. A standby that slept out its whole ttl while

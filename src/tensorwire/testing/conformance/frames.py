@@ -3,7 +3,6 @@ themselves (corrupt, truncated, over a limit) and for tests outside the suite th
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import struct
 from collections.abc import AsyncIterator
@@ -11,6 +10,7 @@ from collections.abc import AsyncIterator
 import torch
 
 from tensorwire import Server, errors, transport
+from tensorwire._aio import within
 from tensorwire.testing.conformance.harness import Harness
 from tensorwire.transport.base import ByteStream
 from tensorwire.transport.frame_io import FrameReader, read_head
@@ -31,7 +31,7 @@ async def raw(srv: Server) -> AsyncIterator[tuple[ByteStream, FrameReader]]:
 
 
 async def read_reply(reader: FrameReader) -> tuple[Header, wm.MetaReader]:
-    raw_head = await asyncio.wait_for(read_head(reader), 5)
+    raw_head = await within(read_head(reader), 5)
     header = decode_header(raw_head, Limits(max_meta_bytes=1 << 30))
     meta = await reader.read(header.meta_len)
     return header, wm.MetaReader(meta, Limits())

@@ -10,6 +10,7 @@ import time
 import torch
 
 from tensorwire import AsyncClient, ClientOptions, errors
+from tensorwire._aio import within
 from tensorwire.testing.conformance.frames import (
     assert_alive_and_empty,
     compressed_put_frame,
@@ -54,19 +55,19 @@ async def an_unfinished_batch_stores_nothing(h: Harness) -> None:
             # another request in the middle of the batch: refused, and the connection is dropped
             await stream.send([put_frame([TensorMeta("u/b", torch.uint8, (1,), 1)], b"x", rid=6)])
             await expect_error(reader, errors.ErrorCode.PROTOCOL_ERROR)
-            assert not await asyncio.wait_for(reader.at_frame_start(), 5), "session stayed open"
+            assert not await within(reader.at_frame_start(), 5), "session stayed open"
         async with raw(srv) as (stream, reader):  # any other request in the middle: the same
             await stream.send([put_frame([part], bytes(600_000), rid=5, flags=Flags.MORE)])
             ping = Header(1, Opcode.PING, 0, ChecksumKind.XXH3_64, 9, 0, 4096, 0)
             await stream.send([encode_frame_head(ping, b"")])
             await expect_error(reader, errors.ErrorCode.PROTOCOL_ERROR)
-            assert not await asyncio.wait_for(reader.at_frame_start(), 5), "session stayed open"
+            assert not await within(reader.at_frame_start(), 5), "session stayed open"
         async with raw(srv) as (stream, reader):  # an unknown opcode in the middle: the same
             await stream.send([put_frame([part], bytes(600_000), rid=5, flags=Flags.MORE)])
             odd = Header(1, 77, 0, ChecksumKind.XXH3_64, 6, 0, 4096, 0)
             await stream.send([encode_frame_head(odd, b"")])
             await expect_error(reader, errors.ErrorCode.PROTOCOL_ERROR)
-            assert not await asyncio.wait_for(reader.at_frame_start(), 5), "session stayed open"
+            assert not await within(reader.at_frame_start(), 5), "session stayed open"
         async with raw(srv) as (stream, reader):  # MORE on anything but PUT_MANY is refused
             more_ping = Header(1, Opcode.PING, Flags.MORE, ChecksumKind.XXH3_64, 11, 0, 4096, 0)
             await stream.send([encode_frame_head(more_ping, b"")])
@@ -95,7 +96,7 @@ async def an_unauthenticated_peer_cannot_make_the_server_allocate(h: Harness) ->
         hello[16:20] = (8 << 20).to_bytes(4, "little")  # meta_len: 8 MiB promised, 1 byte sent
         await stream.send([hello, b"x"])
         await expect_error(reader, errors.ErrorCode.UNAUTHENTICATED)
-        assert not await asyncio.wait_for(reader.at_frame_start(), 5), "session stayed open"
+        assert not await within(reader.at_frame_start(), 5), "session stayed open"
 
 
 async def _until_stored(c: AsyncClient, name: str, tensor: torch.Tensor, timeout: float = 5.0) -> None:
@@ -148,7 +149,7 @@ async def a_lying_chunk_head_ends_the_session(h: Harness) -> None:
         head = HEADER_BYTES + len(wm.encode_records([TensorMeta("x", torch.uint8, (4096,), 4096)]))
         frame[head + 1 : head + 5] = struct.pack("<I", 1 << 30)  # announces a GiB for a 4 KiB chunk
         await stream.send([frame])
-        assert not await asyncio.wait_for(reader.at_frame_start(), 5), "session stayed open"
+        assert not await within(reader.at_frame_start(), 5), "session stayed open"
         await assert_alive_and_empty(srv, h)
 
 
@@ -193,7 +194,7 @@ async def bad_magic_and_version_end_the_session(h: Harness) -> None:
                 frame[offset] = value
                 await stream.send([frame])
                 await expect_error(reader, code)
-                assert not await asyncio.wait_for(reader.at_frame_start(), 5), "session stayed open"
+                assert not await within(reader.at_frame_start(), 5), "session stayed open"
         await assert_alive_and_empty(srv, h)
 
 

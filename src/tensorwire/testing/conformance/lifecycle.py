@@ -9,6 +9,7 @@ import time
 import torch
 
 from tensorwire import AsyncClient, ClientOptions, errors, transport
+from tensorwire._aio import within
 from tensorwire.client.options import transport_options
 from tensorwire.server.options import ConnectionOptions
 from tensorwire.testing.conformance.frames import (
@@ -70,7 +71,7 @@ async def a_stalled_request_is_cut_off(h: Harness) -> None:
             frame = put_frame([TensorMeta("s/big", torch.uint8, (900_000,), 900_000)], bytes(900_000), rid=2)
             await asyncio.sleep(0.8)  # idle for longer than the stall timeout, on purpose
             await stream.send([frame[: len(frame) // 3]])  # then a third of a request, and silence
-            assert not await asyncio.wait_for(reader.at_frame_start(), 5), "a stalled request was kept"
+            assert not await within(reader.at_frame_start(), 5), "a stalled request was kept"
             assert time.monotonic() - idle_since > 0.8
         async with h.client(srv) as c:
             await c.delete("s/x")
@@ -86,9 +87,9 @@ async def connections_are_bounded_and_idle_ones_dropped(h: Harness) -> None:
             await two.send([encode_frame_head(ping, b"")])
             async with raw(srv) as (_, third_reader):
                 await expect_error(third_reader, errors.ErrorCode.LIMIT_EXCEEDED)
-                assert not await asyncio.wait_for(third_reader.at_frame_start(), 5)
+                assert not await within(third_reader.at_frame_start(), 5)
             # then both sit idle: each is closed after idle_timeout, well within this wait
-            assert not await asyncio.wait_for(one_reader.at_frame_start(), 5), "an idle session was kept"
+            assert not await within(one_reader.at_frame_start(), 5), "an idle session was kept"
         async with h.client(srv) as c:  # room again; a client reconnects without noticing
             await c.ping()
             await asyncio.sleep(0.6)  # idle past the timeout, on purpose
@@ -112,7 +113,7 @@ async def each_request_keeps_its_own_deadline(h: Harness) -> None:
                 raise AssertionError("a silent server answered")
             assert time.monotonic() - start < 5, "the short request waited for the long one's deadline"
             # The timeout dropped the connection: the long request fails with it, now.
-            (outcome,) = await asyncio.wait_for(asyncio.gather(slow, return_exceptions=True), 5)
+            (outcome,) = await within(asyncio.gather(slow, return_exceptions=True), 5)
             assert isinstance(outcome, errors.TransportError), outcome
         finally:
             await t.close()
