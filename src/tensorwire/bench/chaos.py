@@ -56,7 +56,15 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from tensorwire.bench.chaos_cluster import DEFAULT_LEASE_TTL, WORKERS, Cluster, Failover, inject, targets
+from tensorwire.bench.chaos_cluster import (
+    DEFAULT_LEASE_TTL,
+    WORKERS,
+    Cluster,
+    Failover,
+    Spared,
+    inject,
+    targets,
+)
 from tensorwire.coordinator.local import LocalEtcd
 
 BATCH = 32
@@ -191,7 +199,11 @@ def _train(
                 next_fault = time.monotonic() + 0.2
                 continue
             target = rng.choice(found)
-            failover = inject(cluster, target)
+            try:
+                failover = inject(cluster, target)
+            except Spared:
+                next_fault = time.monotonic() + 0.2
+                continue
             faults[target.kind] += 1
             if failover is not None:
                 failovers.append(failover)

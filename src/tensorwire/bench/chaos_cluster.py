@@ -14,7 +14,8 @@ one fail and measures the failover it causes. The fault kinds:
   lease meanwhile; awake, it must find its term gone, step down and follow the new primary.
 
 Lifecycle: ``Cluster(...)``, ``start()``, any number of ``inject(cluster, target)`` with a target
-``targets(cluster, ...)`` gave, ``stop()`` once (also after an error).
+``targets(cluster, ...)`` gave (``Spared`` if it is no longer one), ``stop()`` once (also after an
+error).
 """
 
 from __future__ import annotations
@@ -258,11 +259,25 @@ def _peer_ready(cluster: Cluster, slot: int, index: int) -> bool:
     return bool(peer["version"] >= mine["version"] - 5)
 
 
+class Spared(Exception):
+    """``inject`` did not make its target fail: it was no longer one (a worker that is done)."""
+
+
 def inject(cluster: Cluster, target: Target) -> Failover | None:
-    """Make ``target`` fail (and a killed process start again); the failover if a primary failed."""
+    """Make ``target`` fail (and a killed process start again); the failover if a primary failed.
+    Spared if the target turned out not to be one."""
     if target.kind == "worker":
         rank = target.slot
         proc = cluster.workers[rank]
+        # Stopped first, and looked at again: ``targets`` read its report a while ago, and a worker
+        # that took the last step meanwhile may have left the job for good, which ends it once
+        # the other has too; started again it would begin a new job at step 0 and wait there for
+        # a partner that is done (seen under ``make test``'s load). Stopped, its report cannot
+        # move, and it writes its last step's report before it leaves.
+        proc.send_signal(signal.SIGSTOP)
+        if cluster.trained(rank):
+            proc.send_signal(signal.SIGCONT)
+            raise Spared(f"worker {rank} took the job's last step before it could be killed")
         proc.kill()
         proc.wait()
         if not (cluster.out / f"rank{rank}.done").exists():
