@@ -297,3 +297,30 @@ def test_a_stale_answer_before_an_inline_gets_own_is_skipped(loop: LoopThread) -
             assert c._async.current_transport is t and not t.closed
     finally:
         close()
+
+
+def test_bytes_unasked_behind_an_inline_answer_drop_the_connection(loop: LoopThread) -> None:
+    """The peer sends junk in the same write as an inline get's answer, so the get reads it into
+    its buffer along with the answer: the get succeeds, and the next call, a delete that is never
+    retried, goes out on a fresh connection (not on one whose next "answer" is the junk)."""
+
+    async def junk_behind(stream: ByteStream, req: Header, count: int) -> None:
+        if count != 2:
+            await _good_get(stream, req)
+            return
+        meta = wm.encode_records([TensorMeta.of("p", PAYLOAD).with_version(1)])
+        frame = bytearray()
+        head = _response(req, meta, PAYLOAD.numel() * 4)
+        await send_frame(_Collect(frame), head, meta, [byte_view(PAYLOAD)])
+        await stream.send([bytes(frame) + b"\x00junk, unasked"])
+
+    url, close = _listen(loop, _first_good(junk_behind))
+    try:
+        c, t = _lent_after_first_get(url, timeout=5, retries=0)
+        with c:
+            assert torch.equal(c.get("p"), PAYLOAD)  # inline, the junk read with it
+            assert t._mux._reader.buffered  # the junk, read behind the answer
+            c.delete("p")  # not retried: it must not go out on the connection with the junk
+            assert t.closed and c._async.current_transport is not t
+    finally:
+        close()

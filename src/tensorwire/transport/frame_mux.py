@@ -391,11 +391,18 @@ class FrameMux:
     def take_back(self, failure: TensorwireError | None) -> TensorwireError | None:
         """The loan ended (no await since the caller saw it): read the stream again. What broke the
         connection while it was lent: ``failure`` (the borrower's), else the peer's close or bytes
-        it sent unasked; None if nothing did."""
+        it sent unasked (read already, past an answer, or still in the socket); None if nothing did."""
         self._reader.switch(self._stream)
-        if failure is None and not self._stream.take_back():
-            failure = ConnectionLost(f"{self.address} closed the connection while it was lent")
+        if failure is None and (self._reader.buffered or not self._stream.take_back()):
+            failure = ConnectionLost(
+                f"{self.address} sent bytes unasked, or closed the connection, while it was lent"
+            )
         return failure
+
+    @property
+    def buffered(self) -> bool:
+        """Whether bytes past the last answer were read already (a borrower's call ends the loan)."""
+        return bool(self._reader.buffered)
 
     async def carry_on(self, failure: TensorwireError | None) -> None:
         """After ``take_back``: drop the connection if it broke, else watch it again for what the

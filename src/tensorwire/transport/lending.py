@@ -184,7 +184,9 @@ class Lending:
         if loan is None or self._mux.closed or not loan.lock.acquire(blocking=False):
             return NOT_LENT
         try:
-            if self._loan is not loan or loan.failure is not None or not loan.stream.begin():
+            if self._loan is not loan or loan.failure is not None or self._mux.buffered:
+                return NOT_LENT  # bytes unasked read with the last answer: the loop drops it
+            if not loan.stream.begin():
                 return NOT_LENT  # a connection the server closed while lent: the loop reopens it
             loan.borrower, loan.timeout, loan.stream.spin = threading.get_ident(), timeout, spin
             try:
