@@ -365,11 +365,8 @@ class FrameMux:
         header = decode_header(buffered.peek(HEADER_BYTES), CLIENT_LIMITS)
         data_len = header.data_len
         size = HEADER_BYTES + header.meta_len + (data_len + TRAILER_BYTES if data_len else 0)
-        if (
-            header.flags & Flags.COMPRESSED
-            or data_len > header.chunk_size
-            or not buffered.fill_now(stream, size)
-        ):
+        plain = data_len <= header.chunk_size and not header.flags & _COMPRESSED
+        if not plain or not buffered.fill_now(stream, size):
             return False
         raw = buffered.take(HEADER_BYTES)
         meta = bytes(buffered.take(header.meta_len))
