@@ -33,8 +33,15 @@ def _response(req: Header, meta: bytes, data_len: int) -> Header:
 
 
 async def _good_get(stream: ByteStream, req: Header) -> None:
+    await stream.send([bytes(await _good_answer(req))])
+
+
+async def _good_answer(req: Header) -> bytearray:
+    """The bytes of a good answer to the GET ``req``, to send as they are or tampered with."""
     meta = wm.encode_records([TensorMeta.of("p", PAYLOAD).with_version(1)])
-    await send_frame(stream, _response(req, meta, PAYLOAD.numel() * 4), meta, [byte_view(PAYLOAD)])
+    frame = bytearray()
+    await send_frame(_Collect(frame), _response(req, meta, PAYLOAD.numel() * 4), meta, [byte_view(PAYLOAD)])
+    return frame
 
 
 def _peer(answer_get: Answer) -> Callable[[ByteStream], Awaitable[None]]:
@@ -168,10 +175,7 @@ def test_a_corrupt_chunk_never_reaches_an_inline_gets_out(loop: LoopThread) -> N
         if count != 2:
             await _good_get(stream, req)
             return
-        meta = wm.encode_records([TensorMeta.of("p", PAYLOAD).with_version(1)])
-        frame = bytearray()
-        head = _response(req, meta, PAYLOAD.numel() * 4)
-        await send_frame(_Collect(frame), head, meta, [byte_view(PAYLOAD)])
+        frame = await _good_answer(req)
         frame[len(frame) - 8 - 3] ^= 0xFF  # a byte of the data, not of its trailer
         await stream.send([bytes(frame)])
 
@@ -308,11 +312,7 @@ def test_bytes_unasked_behind_an_inline_answer_drop_the_connection(loop: LoopThr
         if count != 2:
             await _good_get(stream, req)
             return
-        meta = wm.encode_records([TensorMeta.of("p", PAYLOAD).with_version(1)])
-        frame = bytearray()
-        head = _response(req, meta, PAYLOAD.numel() * 4)
-        await send_frame(_Collect(frame), head, meta, [byte_view(PAYLOAD)])
-        await stream.send([bytes(frame) + b"\x00junk, unasked"])
+        await stream.send([bytes(await _good_answer(req)) + b"\x00junk, unasked"])
 
     url, close = _listen(loop, _first_good(junk_behind))
     try:

@@ -18,7 +18,7 @@ cures (KeyNotFound, a wrong ``out``).
 
 The path's invariant: **nothing on it may wait on the event loop.** It runs in the caller's thread:
 a small get or put with plain calls only (``Lendable.get_now``, ``put_now``: no coroutine at all,
-half the Python calls of stepping them), a larger one stepping the transport's coroutines itself
+about a tenth less CPU than stepping them), a larger one stepping the transport's coroutines itself
 (``_aio.drive``): a bare yield is a turn given to nobody, but an ``await`` of a future would wait
 for the loop's thread, which is not running this coroutine and would never settle it. ``drive``
 stops such a call (``WouldWait``); the lending half turns that into ConnectionLost ("outside its

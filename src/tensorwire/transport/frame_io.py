@@ -206,7 +206,7 @@ async def send_frame(
     )
     if compressed:
         header.flags |= _COMPRESSED
-    if not compressed and one_buffer(header):
+    if not compressed and one_buffer(header.data_len, header.chunk_size):
         if staged is not None and header.data_len:
             await staged.ready(header.data_len)
         await stream.send([whole_frame(header, meta, segments)])
@@ -219,15 +219,15 @@ async def send_frame(
     )
 
 
-def one_buffer(header: Header) -> bool:
-    """Whether ``header``'s frame goes out as one buffer (``whole_frame``): no data, or one small
-    uncompressed chunk (a 1 KiB get answer, say): one checksum, one syscall."""
-    data_len = header.data_len
-    return not data_len or (data_len < cut.COALESCE and data_len <= header.chunk_size)
+def one_buffer(data_len: int, chunk_size: int) -> bool:
+    """Whether a frame of ``data_len`` bytes of data goes out as one buffer (``whole_frame``): no
+    data, or one small uncompressed chunk (a 1 KiB get answer, say): one checksum, one syscall."""
+    return not data_len or (data_len < cut.COALESCE and data_len <= chunk_size)
 
 
 def whole_frame(header: Header, meta: bytes, segments: Sequence[Buffer]) -> bytes:
-    """The frame of ``header`` (``one_buffer``), ``meta`` and ``segments`` as one buffer."""
+    """The frame of ``header`` (small enough: ``one_buffer``), ``meta`` and ``segments`` as one
+    buffer."""
     head = encode_frame_head(header, meta)
     if not header.data_len:
         return head

@@ -268,7 +268,7 @@ class FrameMux:
         """An answer's metadata checked, and the request it answers (None: nobody waits for it
         any more), taken out of the pending table: a later frame with the same id can never reach
         its sink. Out of the table, the connection's failure (``fail``) would not reach it either:
-        whoever claims it settles it, even when the answer breaks off (``_lost_mid_answer``)."""
+        whoever claims it settles it, even when the answer breaks off (``lost_mid_answer``)."""
         check_meta_crc(raw, header, meta)
         if not header.is_response:
             raise ProtocolError(f"{self.address} sent a request frame to a client")

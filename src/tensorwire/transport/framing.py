@@ -54,15 +54,15 @@ class Framing:
     ) -> bytes | None:
         """The request ``send`` would send, as one buffer, when it is one small frame (no
         compression, at most one small chunk); None when it is not (``send`` sends it)."""
-        if self.encoder is not None:
+        if self.encoder is not None or (batch is not None and batch.parts != 1):
             return None
+        metas, data = batch.part(0) if batch is not None else ((), data)
+        data_len = sum(memoryview(d).nbytes for d in data)
+        if not one_buffer(data_len, self.chunk_size):
+            return None  # before its records are encoded: ``send`` encodes them
         if batch is not None:
-            if batch.parts != 1:
-                return None
-            metas, data = batch.part(0)
             meta += wm.encode_records(metas)
-        header = self.header(opcode, rid, meta, sum(memoryview(d).nbytes for d in data))
-        return whole_frame(header, meta, data) if one_buffer(header) else None
+        return whole_frame(self.header(opcode, rid, meta, data_len), meta, data)
 
     async def _send_batch(
         self,

@@ -170,8 +170,8 @@ class Lending:
         spin: float,
     ) -> Answer | NotLent:
         """``run_inline`` of one request, made with plain calls: no coroutine at all when the
-        request and its answer are small (``Framing.whole``, ``FrameMux.read_frame_now``): half
-        the Python calls of a small get or put whose coroutines are stepped."""
+        request and its answer are small (``Framing.whole``, ``FrameMux.read_frame_now``), about
+        a tenth less of the client's CPU than stepping them (docs/explanation/performance.md)."""
         return self._borrowed(
             timeout, spin, self._exchange, opcode, meta, batch=batch, data=(), sink=sink, what=what
         )
