@@ -146,6 +146,20 @@ def drive(coro: Coroutine[Any, Any, T]) -> T:
     raise WouldWait("a call run outside the event loop had to wait on it")
 
 
+def hold_now(lock: asyncio.Lock) -> bool:
+    """Take ``lock`` without waiting, from code that cannot (a loop's callback): False, and
+    nothing taken, when another task holds it or waits for it (their turn comes first)."""
+    if lock.locked():
+        return False
+    acquire = lock.acquire()
+    try:
+        acquire.send(None)
+    except StopIteration:
+        return True
+    acquire.close()  # it queued behind a waiter: withdraw (its own clean-up runs)
+    return False
+
+
 async def cancel_and_wait(task: asyncio.Task[Any] | None) -> None:
     """Stop a background task (a watchdog, a ping loop) and wait until it has: its own
     cancellation is the expected end, not an error. ``None``: nothing to stop."""

@@ -109,8 +109,9 @@ class Server:
         for extension in extensions:
             self.extend(extension)
         self._serving = Serving(
-            self.store, self.limits, self.handlers, self.counts, self.security.token, self.peer_token
-        )
+            self.store, self.limits, self.handlers, store_ops.ready_handlers(), self.counts,
+            self.security.token, self.peer_token,
+        )  # fmt: skip
 
     def _store_ops(self) -> StoreOps:
         return StoreOps(

@@ -29,7 +29,15 @@ from tensorwire.errors import ProtocolError
 from tensorwire.security import tokens_match
 from tensorwire.store import TensorStore
 from tensorwire.transport.base import ByteStream
-from tensorwire.transport.frame_io import FrameReader, compressed_scratch, recv_data, send_frame, skip_data
+from tensorwire.transport.frame_io import (
+    FrameReader,
+    compressed_scratch,
+    goes_whole,
+    recv_data,
+    send_frame,
+    skip_data,
+    whole_frame,
+)
 from tensorwire.types import Limits
 from tensorwire.wire import lossless
 from tensorwire.wire import meta as wm
@@ -140,18 +148,33 @@ class Request:
 
     async def reply(self, meta: bytes, data: Sequence[memoryview] = ()) -> None:
         """Answer, in the client's checksum kind and chunk size when the server accepts them."""
+        conn = self._conn
+        header = self._answer(meta, data)
+        async with conn.write_lock:
+            await send_frame(conn.stream, header, meta, data, encoder=conn.encoder)
+
+    def answer_now(self, meta: bytes, data: Sequence[memoryview] = ()) -> bytes | None:
+        """``reply``'s frame as one buffer, for a handler run from the loop's readiness callback
+        (``ReadyHandler``), which sends it; None when the answer is not one small plain frame
+        (large, or compressed): the handler then leaves the request to its task."""
+        header = self._answer(meta, data, counted=False)
+        if not goes_whole(header, self._conn.encoder):
+            return None
+        self.sent += header.data_len
+        return whole_frame(header, meta, data)
+
+    def _answer(self, meta: bytes, data: Sequence[memoryview], *, counted: bool = True) -> Header:
         conn, req = self._conn, self.header
         data_len = sum(d.nbytes for d in data)
-        self.sent += data_len
+        if counted:
+            self.sent += data_len
         kind = req.checksum if req.checksum in CHECKSUM_KINDS else ChecksumKind.XXH3_64
         lo, hi = conn.limits.min_chunk_bytes, conn.limits.max_chunk_bytes
         chunk = req.chunk_size if lo <= req.chunk_size <= hi else min(max(DEFAULT_CHUNK_BYTES, lo), hi)
-        header = Header(
+        return Header(
             conn.version, req.opcode, Flags.RESPONSE, kind, req.request_id, len(meta),
             chunk if data_len else 0, data_len,
         )  # fmt: skip
-        async with conn.write_lock:
-            await send_frame(conn.stream, header, meta, data, encoder=conn.encoder)
 
     async def reply_error(self, exc: BaseException) -> None:
         """Answer with an ERROR frame for ``exc`` (a handler that answers later, from a task of its
@@ -172,6 +195,10 @@ class Request:
 
 
 Handler = Callable[[Request], Awaitable[None]]
+# A handler's form for the loop's readiness callback (session.py): the whole answer frame
+# (``Request.answer_now``), or None, having done nothing, to leave the request to ``Handler``.
+# A request with a data section never comes here; nothing here waits.
+ReadyHandler = Callable[[Request], bytes | None]
 
 
 class Extension(Protocol):

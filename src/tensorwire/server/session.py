@@ -22,6 +22,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from tensorwire._aio import hold_now
 from tensorwire.errors import (
     AuthenticationError,
     ConnectionLost,
@@ -33,14 +34,16 @@ from tensorwire.errors import (
 from tensorwire.logs import event
 from tensorwire.security import tokens_match
 from tensorwire.server.metrics import RequestCounts, op_name
-from tensorwire.server.request import Handler, Request, Spanning, is_peer_token, opname
+from tensorwire.server.request import Handler, ReadyHandler, Request, Spanning, is_peer_token, opname
 from tensorwire.store import TensorStore
 from tensorwire.transport.base import ByteStream
-from tensorwire.transport.frame_io import FrameReader, read_head, send_frame
+from tensorwire.transport.frame_io import FrameReader, read_head
+from tensorwire.transport.plain import ReadyIO
 from tensorwire.types import Limits
 from tensorwire.wire import lossless
 from tensorwire.wire import meta as wm
 from tensorwire.wire.frame import (
+    HEADER_BYTES,
     OPCODES,
     PROTOCOL_VERSIONS,
     Flags,
@@ -48,6 +51,7 @@ from tensorwire.wire.frame import (
     Opcode,
     check_meta_crc,
     decode_header,
+    encode_frame_head,
 )
 
 log = logging.getLogger("tensorwire.server")
@@ -76,6 +80,8 @@ SERVED_BY: dict[int, str] = {
     **dict.fromkeys(_RDMA_OPS, _NO_RDMA),
 }
 # opcodes whose parts may span frames
+# requests served by one readiness callback at most, before the loop's other connections have a turn
+_READY_FRAMES = 64
 SPANNING = frozenset((Opcode.PUT_MANY, Opcode.GEN_PUBLISH, Opcode.GEN_PUBLISH_PART))
 
 
@@ -86,6 +92,7 @@ class Serving:
     store: TensorStore
     limits: Limits
     handlers: dict[int, Handler]  # the server's one table; an extension added later joins it in place
+    ready: dict[Handler, ReadyHandler]  # the form of some handlers for a readiness callback
     counts: RequestCounts
     token: str | None  # what a client's HELLO must offer, when set
     peer_token: str | None  # what a replica's HELLO offers instead (``Replicated``)
@@ -123,6 +130,7 @@ class Session:
         self.working = False  # the server, not the peer, is what a request waits on (a disk write)
         # Keeps frames whole: an answer sent later (a parked GEN_WAIT) goes out between the others.
         self.write_lock = asyncio.Lock()
+        self.unsent: memoryview | None = None  # the rest of an answer ``_ready`` could not send, till sent
 
     @property
     def busy(self) -> bool:
@@ -130,7 +138,7 @@ class Session:
         return (self.in_request or self.spanning is not None) and not self.working
 
     async def run(self) -> None:
-        while await self.reader.at_frame_start():
+        while await self._next_frame():
             self.in_request = True
             raw = await read_head(self.reader)
             try:
@@ -151,6 +159,97 @@ class Session:
                 return
             self.admitted = True
             await self._serve(Request(self, header, wm.MetaReader(meta, self.limits)))
+            self.in_request = False
+
+    async def _next_frame(self) -> bool:
+        """Wait for the next frame; False if the peer closed the stream between frames. Past its
+        first frame, a session waits with ``serve_idle``: the small requests that come whole are
+        served from the loop's readiness callback (``_ready``), and only the rest wakes this task."""
+        if self.admitted and self.spanning is None and not self.reader.buffered:
+            await self.stream.serve_idle(self._ready)
+            if self.unsent is not None:
+                await self._flush(self.unsent)
+        return await self.reader.at_frame_start()
+
+    def _ready(self, io: ReadyIO) -> bool:
+        """The readiness callback while the task waits for a frame: serve what one receive brought,
+        as long as it comes as whole requests with a ``ReadyHandler``, at most ``_READY_FRAMES`` of
+        them (the loop's other connections wait meanwhile). True: all of it was served."""
+        reader = self.reader
+        try:
+            got = reader.pull(io)
+            if not got:
+                return got is None  # None: woken for nothing, wait on; 0: the peer closed (the task sees it)
+            for _ in range(_READY_FRAMES):
+                if reader.buffered < HEADER_BYTES or not self._serve_ready(io):
+                    break
+        except ConnectionLost:
+            return False  # the task meets it again, and ends the session
+        except Exception:  # never into the loop's callback: the task serves the frame instead
+            log.exception("serving %s from its readiness callback failed", self.stream.peer)
+            return False
+        return not reader.buffered and self.unsent is None
+
+    def _serve_ready(self, io: ReadyIO) -> bool:
+        """Serve the next buffered frame here if it is a whole request with no data section that a
+        ``ReadyHandler`` answers now; False (nothing taken) to leave it to the task, which also
+        answers every frame whose header or metadata fails its checks."""
+        reader = self.reader
+        raw = reader.peek(HEADER_BYTES)
+        try:
+            header = decode_header(raw, self.limits)
+        except ProtocolError:
+            return False
+        size = HEADER_BYTES + header.meta_len
+        handler = self.serving.handlers.get(header.opcode)  # the one table: a removed opcode is gone here too
+        now = self.serving.ready.get(handler) if handler is not None else None
+        if now is None or header.flags or header.data_len or reader.buffered < size:
+            return False
+        meta = bytes(reader.peek(size)[HEADER_BYTES:])
+        try:
+            check_meta_crc(raw, header, meta)
+        except ProtocolError:
+            return False
+        if not hold_now(self.write_lock):
+            return False  # an answer sent later (GEN_WAIT) is going out: the task waits its turn
+        try:
+            return self._run_ready(io, now, Request(self, header, wm.MetaReader(meta, self.limits)), size)
+        finally:
+            if self.unsent is None:
+                self.write_lock.release()
+
+    def _run_ready(self, io: ReadyIO, now: ReadyHandler, request: Request, size: int) -> bool:
+        header = request.header
+        started = time.perf_counter()
+        self.failed = False
+        try:
+            frame = now(request)
+        except Exception as exc:
+            if not isinstance(exc, TensorwireError):
+                log.exception("request %d (%s) failed", header.request_id, opname(header.opcode))
+            frame = self._error_frame(header.request_id, exc, header.opcode)
+        if frame is None:
+            return False
+        self.reader.take(size)
+        row = self.counts.begin(op_name(header.opcode), self.transport)
+        try:
+            sent = io.try_send(frame)
+        finally:
+            self.counts.end(row, 0, request.sent, self.failed, time.perf_counter() - started)
+        if sent < len(frame):
+            self.unsent = memoryview(frame)[sent:]  # the task sends the rest, holding the write lock
+            return False
+        return True
+
+    async def _flush(self, unsent: memoryview) -> None:
+        """Send the rest of an answer the readiness callback could not send whole (the peer reads
+        slowly), under the write lock it took; a peer that stops reading meets the stall timeout."""
+        self.in_request = True
+        try:
+            await self.stream.send([unsent])
+        finally:
+            self.unsent = None
+            self.write_lock.release()
             self.in_request = False
 
     async def _serve(self, request: Request) -> None:
@@ -240,6 +339,13 @@ class Session:
         return False
 
     async def send_error(self, request_id: int, exc: BaseException, opcode: int = 0) -> None:
+        frame = self._error_frame(request_id, exc, opcode)
+        with contextlib.suppress(ConnectionLost):
+            async with self.write_lock:
+                await self.stream.send([frame])
+
+    def _error_frame(self, request_id: int, exc: BaseException, opcode: int) -> bytes:
+        """The ERROR frame answering request ``request_id`` with ``exc``; counted as failed."""
         self.failed = True
         if isinstance(exc, CorruptFrame):
             self.counts.checksum_failed(self.transport)
@@ -247,10 +353,9 @@ class Session:
                   transport=self.transport, error=str(exc))  # fmt: skip
         message = str(exc) if isinstance(exc, TensorwireError) else f"internal error: {type(exc).__name__}"
         meta = wm.encode_error(code_for_error(exc), message)
-        header = Header(self.version, opcode, Flags.RESPONSE | Flags.ERROR, 0, request_id, len(meta), 0, 0)
-        with contextlib.suppress(ConnectionLost):
-            async with self.write_lock:
-                await send_frame(self.stream, header, meta)
+        return encode_frame_head(
+            Header(self.version, opcode, Flags.RESPONSE | Flags.ERROR, 0, request_id, len(meta), 0, 0), meta
+        )
 
 
 def _request_id(raw: bytes) -> int:

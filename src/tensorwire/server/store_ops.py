@@ -34,7 +34,7 @@ from tensorwire.errors import (
     VersionChanged,
 )
 from tensorwire.server.metrics import RequestCounts
-from tensorwire.server.request import Handler, Request, is_peer_token, opname
+from tensorwire.server.request import Handler, ReadyHandler, Request, is_peer_token, opname
 from tensorwire.store import Entry, Reservation, TensorStore
 from tensorwire.store.uploads import Upload, UploadBusy, Uploads, client_of
 from tensorwire.types import Limits, TensorMeta
@@ -125,6 +125,10 @@ class StoreOps:
             Opcode.PUT_COMMIT: self.put_commit,
             Opcode.GET_RANGE: self.get_range,
         }
+
+    def ready_handlers(self) -> dict[Handler, ReadyHandler]:
+        """The forms of some handlers that the loop's readiness callback runs (session.py)."""
+        return {self.get: self.get_ready}
 
     # -- the connection and the server ----------------------------------------------------------
     async def hello(self, req: Request) -> None:
@@ -344,23 +348,35 @@ class StoreOps:
     # -- reads and the rest ---------------------------------------------------------------------
     async def get(self, req: Request) -> None:
         _no_data(req)
-        op = req.header.opcode
         big = req.header.meta_len >= _OFF_LOOP_META
         # A small request runs here and now: a hop through ``cpu`` costs more than its work.
         names = await cpu(big, _names, req.meta) if big else _names(req.meta)
-        if not names or (op == Opcode.GET and len(names) != 1):
-            raise ProtocolError(f"{opname(op)} cannot ask for {len(names)} tensors")
-        if len(names) > 1 and len(set(names)) != len(names):  # 100,000 times one small tensor is not a GET
-            raise ProtocolError(f"{opname(op)} names the same tensor twice")
+        _check_names(req.header.opcode, names)
         entries = await _acquire(self.store, names, big) if big else self.store.acquire(names)
         try:
-            total = sum(e.meta.nbytes for e in entries)
-            if total > self.limits.max_request_bytes:
-                raise LimitExceeded(f"an answer of {total} bytes exceeds {self.limits.max_request_bytes}")
+            self._check_answer(entries)
             records = await cpu(big, _records, entries) if big else _records(entries)
             await req.reply(records, [e.data for e in entries])
         finally:
             self.store.release(entries)
+
+    def get_ready(self, req: Request) -> bytes | None:
+        """``get`` from the loop's readiness callback: a small answer's frame, else None."""
+        if req.header.meta_len >= _OFF_LOOP_META:
+            return None
+        names = _names(req.meta)
+        _check_names(req.header.opcode, names)
+        entries = self.store.acquire(names)
+        try:
+            self._check_answer(entries)
+            return req.answer_now(_records(entries), [e.data for e in entries])
+        finally:
+            self.store.release(entries)
+
+    def _check_answer(self, entries: list[Entry]) -> None:
+        total = sum(e.meta.nbytes for e in entries)
+        if total > self.limits.max_request_bytes:
+            raise LimitExceeded(f"an answer of {total} bytes exceeds {self.limits.max_request_bytes}")
 
     async def get_range(self, req: Request) -> None:
         """Bytes ``offset .. offset + length`` of one tensor, of ``version`` (VERSION_CHANGED if it
@@ -456,6 +472,13 @@ def _records(entries: list[Entry]) -> bytes:
                 return wm.encode_records([e.meta for e in entries])
             entry.record = record
     return wm.join_records([e.record for e in entries])
+
+
+def _check_names(op: int, names: list[str]) -> None:
+    if not names or (op == Opcode.GET and len(names) != 1):
+        raise ProtocolError(f"{opname(op)} cannot ask for {len(names)} tensors")
+    if len(names) > 1 and len(set(names)) != len(names):  # 100,000 times one small tensor is not a GET
+        raise ProtocolError(f"{opname(op)} names the same tensor twice")
 
 
 def _names(reader: wm.MetaReader) -> list[str]:

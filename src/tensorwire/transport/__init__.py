@@ -45,6 +45,7 @@ from tensorwire.transport.base import (
 )
 from tensorwire.transport.frame_client import FramedTransport
 from tensorwire.transport.ranged import RangedTransport
+from tensorwire.transport.tcp_listener import listen as listen_tcp
 from tensorwire.types import Address
 from tensorwire.wire import shm as ws
 from tensorwire.wire.checksum import ChecksumKind
@@ -59,7 +60,7 @@ class StreamKind(NamedTuple):
 
 
 STREAMS: dict[str, StreamKind] = {
-    "tcp": StreamKind(tcp.connect, tcp.listen),
+    "tcp": StreamKind(tcp.connect, listen_tcp),
     "memory": StreamKind(memory.connect, memory.listen),
     "shm": StreamKind(tcp.connect, shm.listen_stream),  # the control connection of shm://
     "rdma": StreamKind(tcp.connect, rdma.listen_stream),  # the control connection of rdma://

@@ -63,6 +63,8 @@ from tensorwire.wire.meta import MetaReader, ServerInfo
 if TYPE_CHECKING:
     import torch
 
+    from tensorwire.transport.plain import LentStream, ReadyIO
+
 Buffer = bytes | bytearray | memoryview
 # Called by a transport with the metadata of the tensors a GET returns; answers with one writable
 # byte buffer per tensor (exactly meta.nbytes long) for the data to land in.
@@ -116,6 +118,15 @@ class ByteStream(ABC):
         up to ``seconds`` first (transport/spin.py); 0: never. False: this stream cannot."""
         return False
 
+    async def serve_idle(self, serve: Callable[[ReadyIO], bool]) -> bool:
+        """Wait for the peer's next bytes while the stream's loop calls ``serve(io)`` from its own
+        readiness callback, with no task woken: ``serve`` takes and answers what it can with
+        ``io``'s plain calls, and returns True to wait on (nothing is left for the caller) or False
+        to end the wait. Returns True then, or when the stream is closed; False at once where the
+        stream cannot (its bytes are not plain socket bytes, or no callback sees them): the caller
+        reads as usual."""
+        return False
+
     def lend(self) -> LentStream | None:
         """A twin of this idle stream for one other thread to drive with blocking waits (its
         coroutines never suspend), while this one's loop neither reads nor watches it; None: this
@@ -126,31 +137,6 @@ class ByteStream(ABC):
         """End a loan (on the stream's loop): False when something arrived meanwhile unasked (the
         peer's close, or bytes no request asked for), which leaves the connection unusable."""
         return True
-
-
-class LentStream(ByteStream):
-    """The twin of a lent stream, driven by one borrowing thread: its waits block that thread until
-    ``deadline`` (TransferTimeout then), each spinning first for up to ``spin`` seconds (the
-    borrower's ClientOptions.busy_wait), so its coroutines never suspend. ``recv_now`` and
-    ``send_now`` (of one buffer) are its reads and writes as plain calls, for a borrower's small
-    requests. A borrowed call runs from ``begin`` (False: not quiet: the peer closed it, or sent
-    bytes unasked, since the last answer; it goes back to the loop) to ``end``; an owner's close in
-    between leaves the descriptor for ``end`` to close."""
-
-    deadline: float = 0.0  # time.monotonic()
-    spin: float = 0.0
-
-    @abstractmethod
-    def begin(self) -> bool: ...
-
-    @abstractmethod
-    def end(self) -> None: ...
-
-    @abstractmethod
-    def recv_now(self, buf: memoryview) -> int: ...
-
-    @abstractmethod
-    def send_now(self, frame: bytes) -> None: ...
 
 
 StreamHandler = Callable[[ByteStream], Awaitable[None]]

@@ -16,7 +16,8 @@ from collections.abc import Callable, Iterable, Sequence
 
 from tensorwire.errors import ConnectionLost, CorruptFrame
 from tensorwire.transport import chunks as cut
-from tensorwire.transport.base import Buffer, ByteStream, LentStream, StagedData
+from tensorwire.transport.base import Buffer, ByteStream, StagedData
+from tensorwire.transport.plain import LentStream, ReadyIO
 from tensorwire.wire import lossless
 from tensorwire.wire.checksum import checksum
 from tensorwire.wire.frame import (
@@ -160,6 +161,16 @@ class FrameReader:
         self._pos = start + n
         return self._view[start : self._pos]
 
+    def pull(self, io: ReadyIO) -> int | None:
+        """One receive into the empty buffer from a readiness callback (``ByteStream.serve_idle``):
+        how many bytes came (0: the peer closed), None if none were there."""
+        self._pos = self._end = 0
+        got = io.try_recv(self._view)
+        if got:
+            self._end = got
+            self.received += got
+        return got
+
     async def at_frame_start(self) -> bool:
         """Wait for the next frame; False if the peer closed the stream cleanly between frames."""
         self._turns.reset()
@@ -200,10 +211,7 @@ async def send_frame(
     """
     # A plain list or tuple (every caller but CUDA staging) skips the protocol check's cost.
     staged = None if type(segments) in (list, tuple) or not isinstance(segments, StagedData) else segments
-    chunks = -(-header.data_len // header.chunk_size) if header.chunk_size else 0
-    compressed = (
-        encoder is not None and header.data_len >= lossless.MIN_FRAME_BYTES and not encoder.plain(chunks)
-    )
+    compressed = _compressed(header, encoder)
     if compressed:
         header.flags |= _COMPRESSED
     if not compressed and one_buffer(header.data_len, header.chunk_size):
@@ -217,6 +225,18 @@ async def send_frame(
     await _send_chunks(
         stream, head, header, segments, progress, encoder=encoder if compressed else None, staged=staged
     )
+
+
+def goes_whole(header: Header, encoder: lossless.Encoder | None) -> bool:
+    """Whether ``send_frame`` sends the frame of ``header`` as one uncompressed buffer
+    (``whole_frame``)."""
+    return one_buffer(header.data_len, header.chunk_size) and not _compressed(header, encoder)
+
+
+def _compressed(header: Header, encoder: lossless.Encoder | None) -> bool:
+    if encoder is None or header.data_len < lossless.MIN_FRAME_BYTES:
+        return False
+    return not encoder.plain(-(-header.data_len // header.chunk_size) if header.chunk_size else 0)
 
 
 def one_buffer(data_len: int, chunk_size: int) -> bool:

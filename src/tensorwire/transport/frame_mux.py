@@ -46,9 +46,10 @@ from tensorwire.transport.answers import (
     refused,
     settle,
 )
-from tensorwire.transport.base import Buffer, ByteStream, LentStream, Progress, PutBatch, Sink
+from tensorwire.transport.base import Buffer, ByteStream, Progress, PutBatch, Sink
 from tensorwire.transport.frame_io import FrameReader, read_head, recv_data, skip_data
 from tensorwire.transport.framing import Framing
+from tensorwire.transport.plain import LentStream
 from tensorwire.types import Address, Limits
 from tensorwire.wire import meta as wm
 from tensorwire.wire.frame import HEADER_BYTES, TRAILER_BYTES, Flags, Header, check_meta_crc, decode_header

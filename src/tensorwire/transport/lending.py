@@ -38,9 +38,10 @@ from tensorwire._aio import WouldWait, drive
 from tensorwire.errors import ConnectionLost, TensorwireError, TransferTimeout
 from tensorwire.logs import event
 from tensorwire.transport.answers import Answer, as_tensorwire
-from tensorwire.transport.base import LentStream, PutBatch, Sink
+from tensorwire.transport.base import PutBatch, Sink
 from tensorwire.transport.frame_client import Landed, finish, get_request, put_request
 from tensorwire.transport.frame_mux import FrameMux
+from tensorwire.transport.plain import LentStream
 from tensorwire.types import TensorMeta
 
 T = TypeVar("T")

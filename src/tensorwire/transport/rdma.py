@@ -42,11 +42,11 @@ from tensorwire.errors import (
     ProtocolError,
     RdmaUnavailable,
 )
-from tensorwire.transport import tcp
 from tensorwire.transport.base import Listener, Progress, Sink, StreamHandler
 from tensorwire.transport.rdma_clients import client_engine, release_client_engine
 from tensorwire.transport.rdma_engine import HOST_ENV, Engine, requested_protocol
 from tensorwire.transport.segments import SegmentTransport, Sums, in_order, inline_sink, land_inline
+from tensorwire.transport.tcp_listener import listen as listen_tcp
 from tensorwire.types import Address, TensorMeta
 from tensorwire.wire import meta as wm
 from tensorwire.wire import rdma as wr
@@ -265,7 +265,7 @@ def _device_registered(engine: Engine, tensor: torch.Tensor) -> Iterator[int]:
 
 async def listen_stream(address: Address, handler: StreamHandler) -> Listener:
     """The control connections of ``rdma://HOST:PORT``: TCP."""
-    return await tcp.listen(address, handler, scheme="rdma")
+    return await listen_tcp(address, handler, scheme="rdma")
 
 
 __all__ = ["RdmaTransport", "listen_stream"]

@@ -44,7 +44,6 @@ from tensorwire.errors import (
     ProtocolError,
     SharedMemoryUnavailable,
 )
-from tensorwire.transport import tcp
 from tensorwire.transport.base import Listener, Progress, PutBatch, Sink, StreamHandler
 from tensorwire.transport.segments import (
     SegmentTransport,
@@ -55,6 +54,7 @@ from tensorwire.transport.segments import (
     inline_sink,
     land_inline,
 )
+from tensorwire.transport.tcp_listener import listen as listen_tcp
 from tensorwire.types import Address, Generation, TensorMeta
 from tensorwire.wire import generations as wg
 from tensorwire.wire import meta as wm
@@ -364,4 +364,4 @@ def _tensor(pages: np.ndarray, meta: TensorMeta) -> torch.Tensor:
 
 async def listen_stream(address: Address, handler: StreamHandler) -> Listener:
     """The control connections of ``shm://HOST:PORT``: TCP on loopback."""
-    return await tcp.listen(address, handler, scheme="shm")
+    return await listen_tcp(address, handler, scheme="shm")

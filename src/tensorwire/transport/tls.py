@@ -14,11 +14,14 @@ import logging
 import socket
 import ssl
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from tensorwire.errors import CertificateRefused, ConnectError, ConnectionLost, TransferTimeout
 from tensorwire.transport import tcp
 from tensorwire.transport.base import Buffer, StreamHandler
+from tensorwire.transport.plain import ReadyIO
+from tensorwire.transport.tcp_listener import TcpListener
+from tensorwire.transport.tcp_listener import listen as listen_tcp
 from tensorwire.types import Address
 
 log = logging.getLogger("tensorwire.server")
@@ -48,6 +51,9 @@ class TlsStream(tcp.TcpStream):
 
     def lend(self) -> None:
         return None  # its records go through the SSL object; a plain socket twin would skip them
+
+    async def serve_idle(self, serve: Callable[[ReadyIO], bool]) -> bool:
+        return False  # the same: the socket's bytes are records, not frames
 
     async def handshake(self, timeout: float) -> None:
         """Run the TLS handshake; TransferTimeout or ConnectError (naming the reason) on failure."""
@@ -174,7 +180,7 @@ async def connect(address: Address, timeout: float, context: ssl.SSLContext) -> 
     return stream
 
 
-async def listen(address: Address, handler: StreamHandler, context: ssl.SSLContext) -> tcp.TcpListener:
+async def listen(address: Address, handler: StreamHandler, context: ssl.SSLContext) -> TcpListener:
     """Serve TLS on ``address``: ``handler`` gets each connection at once; its handshake runs on
     the stream's first read or write (ConnectionLost if it fails or takes ``HANDSHAKE_TIMEOUT``)."""
 
@@ -183,6 +189,6 @@ async def listen(address: Address, handler: StreamHandler, context: ssl.SSLConte
         wrapped = context.wrap_socket(sock, server_side=True, do_handshake_on_connect=False)
         return TlsStream(wrapped, shake_on_first_use=True)
 
-    listener = await tcp.listen(address, handler, accept, scheme="tls")
+    listener = await listen_tcp(address, handler, accept, scheme="tls")
     listener.encrypted = True
     return listener
