@@ -21,9 +21,10 @@ from tensorwire.store import TensorStore
 from tensorwire.testing.conformance.frames import put_frame, raw, read_reply
 from tensorwire.transport.frame_io import FrameReader, recv_data
 from tensorwire.transport.tcp import TcpStream
+from tensorwire.transport.whole import TRAILER
 from tensorwire.types import GiB, TensorMeta
 from tensorwire.wire import meta as wm
-from tensorwire.wire.checksum import ChecksumKind
+from tensorwire.wire.checksum import ChecksumKind, checksum
 from tensorwire.wire.frame import Header, Opcode, encode_frame_head
 
 DEADLINE = 20.0
@@ -33,6 +34,16 @@ STALL = 0.5
 def _get(names: list[str], rid: int, op: Opcode = Opcode.GET) -> bytes:
     meta = wm.encode_names(names)
     return encode_frame_head(Header(1, op, 0, ChecksumKind.XXH3_64, rid, len(meta), 0, 0), meta)
+
+
+def _put(name: str, data: bytes, rid: int, *, record_bytes: int = 0, records: int = 1) -> bytes:
+    """A PUT of one chunk (its record may say ``record_bytes`` instead, or come ``records`` times)."""
+    size = record_bytes or len(data)
+    block = wm.encode_records(
+        [TensorMeta(f"{name}{i or ''}", torch.uint8, (size,), size) for i in range(records)]
+    )
+    header = Header(1, Opcode.PUT, 0, ChecksumKind.XXH3_64, rid, len(block), 64 << 10, len(data))
+    return encode_frame_head(header, block) + data + TRAILER.pack(checksum(ChecksumKind.XXH3_64, data))
 
 
 async def _answer(reader: FrameReader) -> tuple[Header, object]:
@@ -74,6 +85,50 @@ def test_pipelined_gets_are_answered_in_order_across_the_callback_and_the_task()
                     (104, ErrorCode.CORRUPT_FRAME),
                 ]
                 assert await within(reader.at_frame_start(), DEADLINE) is False  # then it hung up
+        finally:
+            await srv.close()
+
+    run(main())
+
+
+def test_pipelined_puts_are_checked_in_the_read_buffer_before_anything_is_stored() -> None:
+    """One write carries small PUTs: a good one, one whose chunk fails its checksum, one whose
+    record says another size, one with two records, one over the store's capacity, then a GET.
+    Each is answered in order from the callback; only the good put is stored, the store counts no
+    byte of the others, and the GET reads the good bytes."""
+
+    async def main() -> None:
+        store = TensorStore(64 << 10)
+        srv = Server(store=store)
+        await srv.start("tcp://127.0.0.1:0")
+        try:
+            async with raw(srv) as (stream, reader):
+                await stream.send([_get(["nothing"], 1)])  # the first frame admits the session
+                assert (await read_reply(reader))[0].is_error
+                good = bytes(range(256)) * 4
+                corrupt = bytearray(_put("b", good, 3))
+                corrupt[-9] ^= 0xFF  # the chunk's last byte: its trailer no longer matches
+                frames = [
+                    _put("a", good, 2),
+                    bytes(corrupt),
+                    _put("c", good, 4, record_bytes=512),
+                    _put("d", good, 5, records=2),
+                    _put("e", bytes(63 << 10), 6),  # room for it alone, but not beside "a"
+                    _get(["a"], 7),
+                ]
+                await stream.send([b"".join(frames)])
+                answers = [await within(_answer(reader), DEADLINE) for _ in range(6)]
+                assert [h.request_id for h, _ in answers] == [2, 3, 4, 5, 6, 7]
+                assert not answers[0][0].is_error
+                assert [code for _, code in answers[1:5]] == [
+                    ErrorCode.CORRUPT_FRAME,
+                    ErrorCode.INVALID_TENSOR,
+                    ErrorCode.PROTOCOL_ERROR,
+                    ErrorCode.CAPACITY_EXCEEDED,
+                ]
+                assert answers[5][1] == good
+                assert [m.name for m in store.list()] == ["a"]
+                assert store.reserved == 0 and store.stored == len(good)
         finally:
             await srv.close()
 

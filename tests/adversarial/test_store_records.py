@@ -8,7 +8,7 @@ import torch
 
 import tensorwire
 from tensorwire.server import ServerThread
-from tensorwire.server.store_ops import RECORD_KEPT_BYTES
+from tensorwire.server.store_requests import RECORD_KEPT_BYTES
 from tensorwire.store import TensorStore
 from tensorwire.store.memory import ENTRY_OVERHEAD
 

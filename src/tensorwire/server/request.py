@@ -32,12 +32,11 @@ from tensorwire.transport.base import ByteStream
 from tensorwire.transport.frame_io import (
     FrameReader,
     compressed_scratch,
-    goes_whole,
     recv_data,
     send_frame,
     skip_data,
-    whole_frame,
 )
+from tensorwire.transport.whole import copy_chunk, goes_whole, whole_frame
 from tensorwire.types import Limits
 from tensorwire.wire import lossless
 from tensorwire.wire import meta as wm
@@ -86,14 +85,19 @@ class Request:
     See the module docstring for the order of calls. ``sent`` counts the answer's data bytes
     (metrics)."""
 
-    __slots__ = ("_conn", "_data_read", "header", "meta", "sent")
+    __slots__ = ("_conn", "_data_read", "_in_buffer", "header", "meta", "sent")
 
-    def __init__(self, conn: Connection, header: Header, meta: wm.MetaReader) -> None:
+    def __init__(
+        self, conn: Connection, header: Header, meta: wm.MetaReader, in_buffer: memoryview | None = None
+    ) -> None:
         self._conn = conn
         self.header = header
         self.meta = meta
         self.sent = 0
         self._data_read = False
+        # The data section (one chunk and its trailer) whole in the session's read buffer: a
+        # request served from the loop's readiness callback (``ReadyHandler``), valid while it runs.
+        self._in_buffer = in_buffer
 
     @property
     def connection(self) -> Connection:
@@ -135,6 +139,14 @@ class Request:
         with conn.store.scratch(compressed_scratch(self.header)):
             self._data_read = True
             await recv_data(conn.reader, self.header, buffers, verified=verified)
+
+    def receive_now(self, buffers: Sequence[memoryview]) -> None:
+        """``receive`` for a ``ReadyHandler``: the section's one chunk, checked in the read buffer
+        (CorruptFrame: nothing is copied), then copied into ``buffers``."""
+        data, self._data_read = self._in_buffer, True
+        if data is None:
+            raise ProtocolError("this request's data is not in the read buffer")
+        copy_chunk(self.header, data, buffers)
 
     async def skip(self) -> None:
         """Drop the data section unread (nothing, once it was read or skipped)."""
@@ -197,7 +209,8 @@ class Request:
 Handler = Callable[[Request], Awaitable[None]]
 # A handler's form for the loop's readiness callback (session.py): the whole answer frame
 # (``Request.answer_now``), or None, having done nothing, to leave the request to ``Handler``.
-# A request with a data section never comes here; nothing here waits.
+# Its data section, if any, is one chunk whole in the read buffer (``Request.receive_now``);
+# nothing here waits.
 ReadyHandler = Callable[[Request], bytes | None]
 
 

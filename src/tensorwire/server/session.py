@@ -39,6 +39,7 @@ from tensorwire.store import TensorStore
 from tensorwire.transport.base import ByteStream
 from tensorwire.transport.frame_io import FrameReader, read_head
 from tensorwire.transport.plain import ReadyIO
+from tensorwire.transport.whole import frame_size
 from tensorwire.types import Limits
 from tensorwire.wire import lossless
 from tensorwire.wire import meta as wm
@@ -191,21 +192,23 @@ class Session:
         return not reader.buffered and self.unsent is None
 
     def _serve_ready(self, io: ReadyIO) -> bool:
-        """Serve the next buffered frame here if it is a whole request with no data section that a
-        ``ReadyHandler`` answers now; False (nothing taken) to leave it to the task, which also
-        answers every frame whose header or metadata fails its checks."""
+        """Serve the next buffered frame here if it is a whole request (with at most one chunk of
+        data) that a ``ReadyHandler`` answers now; False (nothing taken) to leave it to the task,
+        which also answers every frame whose header or metadata fails its checks."""
         reader = self.reader
         raw = reader.peek(HEADER_BYTES)
         try:
             header = decode_header(raw, self.limits)
         except ProtocolError:
             return False
-        size = HEADER_BYTES + header.meta_len
+        size = frame_size(header)
         handler = self.serving.handlers.get(header.opcode)  # the one table: a removed opcode is gone here too
         now = self.serving.ready.get(handler) if handler is not None else None
-        if now is None or header.flags or header.data_len or reader.buffered < size:
-            return False
-        meta = bytes(reader.peek(size)[HEADER_BYTES:])
+        if now is None or header.flags or header.data_len > header.chunk_size or reader.buffered < size:
+            return False  # flags: MORE and COMPRESSED are the task's; more than a chunk of data too
+        frame = reader.peek(size)
+        meta_end = HEADER_BYTES + header.meta_len
+        meta = bytes(frame[HEADER_BYTES:meta_end])
         try:
             check_meta_crc(raw, header, meta)
         except ProtocolError:
@@ -213,7 +216,8 @@ class Session:
         if not hold_now(self.write_lock):
             return False  # an answer sent later (GEN_WAIT) is going out: the task waits its turn
         try:
-            return self._run_ready(io, now, Request(self, header, wm.MetaReader(meta, self.limits)), size)
+            request = Request(self, header, wm.MetaReader(meta, self.limits), frame[meta_end:])
+            return self._run_ready(io, now, request, size)
         finally:
             if self.unsent is None:
                 self.write_lock.release()
@@ -235,7 +239,7 @@ class Session:
         try:
             sent = io.try_send(frame)
         finally:
-            self.counts.end(row, 0, request.sent, self.failed, time.perf_counter() - started)
+            self.counts.end(row, header.data_len, request.sent, self.failed, time.perf_counter() - started)
         if sent < len(frame):
             self.unsent = memoryview(frame)[sent:]  # the task sends the rest, holding the write lock
             return False

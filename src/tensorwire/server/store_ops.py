@@ -34,7 +34,8 @@ from tensorwire.errors import (
     VersionChanged,
 )
 from tensorwire.server.metrics import RequestCounts
-from tensorwire.server.request import Handler, ReadyHandler, Request, is_peer_token, opname
+from tensorwire.server.request import Handler, ReadyHandler, Request, is_peer_token
+from tensorwire.server.store_requests import answer_records, check_names, names_of, no_data, one_record
 from tensorwire.store import Entry, Reservation, TensorStore
 from tensorwire.store.uploads import Upload, UploadBusy, Uploads, client_of
 from tensorwire.types import Limits, TensorMeta
@@ -50,9 +51,6 @@ _U32 = struct.Struct("<I")
 # from this many metadata bytes or tensors on, that work runs on a worker thread, so the loop
 # keeps serving the others meanwhile.
 _OFF_LOOP_META = 64 << 10
-# The longest record an entry keeps (``_records``): a name of ~70 bytes with 4 dims, well inside
-# the ~400 bytes of ``ENTRY_OVERHEAD`` that an entry's measured objects leave unused.
-RECORD_KEPT_BYTES = 128
 _OFF_LOOP_TENSORS = 2048
 _BUSY_WAIT = 10.0  # most seconds a write waits for another connection to let go of its upload's bytes
 
@@ -128,12 +126,12 @@ class StoreOps:
 
     def ready_handlers(self) -> dict[Handler, ReadyHandler]:
         """The forms of some handlers that the loop's readiness callback runs (session.py)."""
-        return {self.get: self.get_ready}
+        return {self.get: self.get_ready, self.put_one: self.put_ready}
 
     # -- the connection and the server ----------------------------------------------------------
     async def hello(self, req: Request) -> None:
         """Negotiate the connection (each HELLO again: its version, answer codec and role)."""
-        _no_data(req)
+        no_data(req)
         lo, hi, offered, compression = wm.decode_hello_request(req.meta)
         wants = wm.decode_hello_wants(req.meta)
         req.meta.done()
@@ -150,14 +148,14 @@ class StoreOps:
         await req.reply(wm.encode_hello_response(info, with_codecs=compression is not None, wants=wants))
 
     async def ping(self, req: Request) -> None:
-        _no_data(req)
+        no_data(req)
         req.meta.done()
         await req.reply(b"")
 
     async def status(self, req: Request) -> None:
         """The server's state as JSON (docs/protocol.md §11.9)."""
         req.meta.done()
-        _no_data(req)
+        no_data(req)
         doc = self._status()
         doc["in_flight"] -= 1  # not counting the asker's own request
         await req.reply(wm.encode_document(json.dumps(doc, sort_keys=True)))
@@ -168,15 +166,23 @@ class StoreOps:
         state across frames (``put``), and its one record is decoded here, on the loop (the
         server's CPU per 4 KiB put 73-90 -> 57-70 us). A refusal leaves the data for the session
         to skip."""
-        header, reader = req.header, req.meta
-        count = reader.peek_count()
-        if count != 1:  # before a record is decoded: 100,000 of them would stall the loop
-            raise ProtocolError(f"PUT cannot carry {count} tensors")
-        metas = wm.decode_records(reader)
-        reader.done()
-        if metas[0].nbytes != header.data_len:
-            raise InvalidTensor("the tensor records' sizes do not add up to the frame's data length")
-        await self._store_one(req, metas[0])
+        await self._store_one(req, one_record(req))
+
+    def put_ready(self, req: Request) -> bytes | None:
+        """``put_one`` from the loop's readiness callback (its one chunk whole in the read buffer):
+        the answer's frame; None with a data directory, where a commit waits on the disk."""
+        if self.store.persistent:
+            return None
+        res = self.store.reserve([one_record(req)])
+        try:
+            req.receive_now(res.buffers)
+            version = self.store.commit(res)
+        except BaseException:
+            self.store.abort(res)
+            raise
+        answer = req.answer_now(_RID.pack(version))
+        assert answer is not None  # eight bytes and no data: always one small plain frame
+        return answer
 
     async def _store_one(self, req: Request, meta: TensorMeta) -> None:
         """Reserve ``meta``, receive the request's data into it, publish it and answer."""
@@ -347,29 +353,30 @@ class StoreOps:
 
     # -- reads and the rest ---------------------------------------------------------------------
     async def get(self, req: Request) -> None:
-        _no_data(req)
+        no_data(req)
         big = req.header.meta_len >= _OFF_LOOP_META
         # A small request runs here and now: a hop through ``cpu`` costs more than its work.
-        names = await cpu(big, _names, req.meta) if big else _names(req.meta)
-        _check_names(req.header.opcode, names)
+        names = await cpu(big, names_of, req.meta) if big else names_of(req.meta)
+        check_names(req.header.opcode, names)
         entries = await _acquire(self.store, names, big) if big else self.store.acquire(names)
         try:
             self._check_answer(entries)
-            records = await cpu(big, _records, entries) if big else _records(entries)
-            await req.reply(records, [e.data for e in entries])
+            block = await cpu(big, answer_records, entries) if big else answer_records(entries)
+            await req.reply(block, [e.data for e in entries])
         finally:
             self.store.release(entries)
 
     def get_ready(self, req: Request) -> bytes | None:
         """``get`` from the loop's readiness callback: a small answer's frame, else None."""
+        no_data(req)
         if req.header.meta_len >= _OFF_LOOP_META:
             return None
-        names = _names(req.meta)
-        _check_names(req.header.opcode, names)
+        names = names_of(req.meta)
+        check_names(req.header.opcode, names)
         entries = self.store.acquire(names)
         try:
             self._check_answer(entries)
-            return req.answer_now(_records(entries), [e.data for e in entries])
+            return req.answer_now(answer_records(entries), [e.data for e in entries])
         finally:
             self.store.release(entries)
 
@@ -398,27 +405,21 @@ class StoreOps:
             self.store.release([entry])
 
     async def delete(self, req: Request) -> None:
-        _no_data(req)
-        names = await cpu(req.header.meta_len >= _OFF_LOOP_META, _names, req.meta)
+        no_data(req)
+        names = await cpu(req.header.meta_len >= _OFF_LOOP_META, names_of, req.meta)
         deleted = await self._on_disk(req, self.store.delete, names, big=len(names) >= _OFF_LOOP_TENSORS)
         await req.reply(_U32.pack(deleted))
 
     async def stat(self, req: Request) -> None:
-        _no_data(req)
-        await req.reply(wm.encode_records(self.store.stat(_names(req.meta))))
+        no_data(req)
+        await req.reply(wm.encode_records(self.store.stat(names_of(req.meta))))
 
     async def listing(self, req: Request) -> None:
-        _no_data(req)
+        no_data(req)
         prefix, limit = wm.decode_list_request(req.meta)
         req.meta.done()
         limit = min(limit or self.limits.max_batch, self.limits.max_batch)
         await req.reply(wm.encode_records(self.store.list(prefix, limit)))
-
-
-def _no_data(req: Request) -> None:
-    if req.header.data_len:
-        name = opname(req.header.opcode)
-        raise ProtocolError(f"{name} carries no data, but the frame has {req.header.data_len} bytes")
 
 
 async def cpu(big: bool, fn: Callable[..., S], *args: object) -> S:
@@ -458,33 +459,6 @@ def _answer_encoder(compression: wm.Compression | None) -> lossless.Encoder | No
         return None
     encoder = lossless.Encoder(mode)
     return encoder if compression.accepts & (1 << encoder.codec) else None
-
-
-def _records(entries: list[Entry]) -> bytes:
-    """A GET answer's records. A short record is kept on its entry, encoded on the first read:
-    encoding the same record again was a tenth of the server's time in a stream of 1 KiB gets. A
-    long one (a long name, many dims: up to ~1.3 KiB) is encoded each time, since what an entry
-    holds beyond its bytes must fit the ``ENTRY_OVERHEAD`` its name is charged."""
-    for entry in entries:
-        if not entry.record:
-            record = wm.encode_record(entry.meta)
-            if len(record) > RECORD_KEPT_BYTES:
-                return wm.encode_records([e.meta for e in entries])
-            entry.record = record
-    return wm.join_records([e.record for e in entries])
-
-
-def _check_names(op: int, names: list[str]) -> None:
-    if not names or (op == Opcode.GET and len(names) != 1):
-        raise ProtocolError(f"{opname(op)} cannot ask for {len(names)} tensors")
-    if len(names) > 1 and len(set(names)) != len(names):  # 100,000 times one small tensor is not a GET
-        raise ProtocolError(f"{opname(op)} names the same tensor twice")
-
-
-def _names(reader: wm.MetaReader) -> list[str]:
-    names = wm.decode_names(reader)
-    reader.done()
-    return names
 
 
 def _settle(future: asyncio.Future[None]) -> None:

@@ -19,10 +19,9 @@ from tensorwire.errors import (
     error_for_code,
 )
 from tensorwire.transport.base import Sink
-from tensorwire.transport.frame_io import TRAILER
+from tensorwire.transport.whole import copy_chunk
 from tensorwire.types import Address, Limits
 from tensorwire.wire import meta as wm
-from tensorwire.wire.checksum import checksum
 from tensorwire.wire.frame import Header
 
 Answer = tuple[Header, wm.MetaReader]
@@ -102,14 +101,11 @@ def land_now(header: Header, meta: bytes, pending: Pending, data: memoryview) ->
     if landed is None:
         return
     probe, buffers = landed
-    body = data[: header.data_len]
-    if header.data_len and TRAILER.unpack_from(data, header.data_len)[0] != checksum(header.checksum, body):
-        settle(pending, error=CorruptFrame(f"corrupt chunk in request {header.request_id}; nothing was kept"))
+    try:
+        copy_chunk(header, data, buffers)
+    except CorruptFrame as exc:
+        settle(pending, error=exc)
         return
-    at = 0
-    for dest in buffers:
-        dest[:] = body[at : at + dest.nbytes]
-        at += dest.nbytes
     settle(pending, result=(header, probe))
 
 

@@ -10,7 +10,6 @@ chunk is checked as it arrives, wherever its bytes land (the cut itself: chunks.
 from __future__ import annotations
 
 import asyncio
-import struct
 import time
 from collections.abc import Callable, Iterable, Sequence
 
@@ -18,6 +17,7 @@ from tensorwire.errors import ConnectionLost, CorruptFrame
 from tensorwire.transport import chunks as cut
 from tensorwire.transport.base import Buffer, ByteStream, StagedData
 from tensorwire.transport.plain import LentStream, ReadyIO
+from tensorwire.transport.whole import TRAILER, compressed_frame, one_buffer, whole_frame
 from tensorwire.wire import lossless
 from tensorwire.wire.checksum import checksum
 from tensorwire.wire.frame import (
@@ -31,7 +31,6 @@ from tensorwire.wire.frame import (
 
 _COMPRESSED = int(Flags.COMPRESSED)
 
-TRAILER = struct.Struct("<Q")
 Notify = tuple[Callable[[int], None] | None, Callable[[int], None] | None]  # (progress, verified)
 READ_BUFFER = 256 << 10  # reads smaller than this go through the buffer; larger ones land directly
 _MAX_IOV = 512  # stay well under IOV_MAX per sendmsg
@@ -211,7 +210,7 @@ async def send_frame(
     """
     # A plain list or tuple (every caller but CUDA staging) skips the protocol check's cost.
     staged = None if type(segments) in (list, tuple) or not isinstance(segments, StagedData) else segments
-    compressed = _compressed(header, encoder)
+    compressed = compressed_frame(header, encoder)
     if compressed:
         header.flags |= _COMPRESSED
     if not compressed and one_buffer(header.data_len, header.chunk_size):
@@ -225,34 +224,6 @@ async def send_frame(
     await _send_chunks(
         stream, head, header, segments, progress, encoder=encoder if compressed else None, staged=staged
     )
-
-
-def goes_whole(header: Header, encoder: lossless.Encoder | None) -> bool:
-    """Whether ``send_frame`` sends the frame of ``header`` as one uncompressed buffer
-    (``whole_frame``)."""
-    return one_buffer(header.data_len, header.chunk_size) and not _compressed(header, encoder)
-
-
-def _compressed(header: Header, encoder: lossless.Encoder | None) -> bool:
-    if encoder is None or header.data_len < lossless.MIN_FRAME_BYTES:
-        return False
-    return not encoder.plain(-(-header.data_len // header.chunk_size) if header.chunk_size else 0)
-
-
-def one_buffer(data_len: int, chunk_size: int) -> bool:
-    """Whether a frame of ``data_len`` bytes of data goes out as one buffer (``whole_frame``): no
-    data, or one small uncompressed chunk (a 1 KiB get answer, say): one checksum, one syscall."""
-    return not data_len or (data_len < cut.COALESCE and data_len <= chunk_size)
-
-
-def whole_frame(header: Header, meta: bytes, segments: Sequence[Buffer]) -> bytes:
-    """The frame of ``header`` (small enough: ``one_buffer``), ``meta`` and ``segments`` as one
-    buffer."""
-    head = encode_frame_head(header, meta)
-    if not header.data_len:
-        return head
-    data = b"".join(segments)
-    return head + data + TRAILER.pack(checksum(header.checksum, data))
 
 
 async def _send_chunks(

@@ -50,9 +50,10 @@ from tensorwire.transport.base import Buffer, ByteStream, Progress, PutBatch, Si
 from tensorwire.transport.frame_io import FrameReader, read_head, recv_data, skip_data
 from tensorwire.transport.framing import Framing
 from tensorwire.transport.plain import LentStream
+from tensorwire.transport.whole import frame_size
 from tensorwire.types import Address, Limits
 from tensorwire.wire import meta as wm
-from tensorwire.wire.frame import HEADER_BYTES, TRAILER_BYTES, Flags, Header, check_meta_crc, decode_header
+from tensorwire.wire.frame import HEADER_BYTES, Flags, Header, check_meta_crc, decode_header
 
 _COMPRESSED = int(Flags.COMPRESSED)  # a plain int: IntFlag's operators are slow Python
 
@@ -365,7 +366,7 @@ class FrameMux:
         buffered.fill_now(stream, HEADER_BYTES)
         header = decode_header(buffered.peek(HEADER_BYTES), CLIENT_LIMITS)
         data_len = header.data_len
-        size = HEADER_BYTES + header.meta_len + (data_len + TRAILER_BYTES if data_len else 0)
+        size = frame_size(header)
         plain = data_len <= header.chunk_size and not header.flags & _COMPRESSED
         if not plain or not buffered.fill_now(stream, size):
             return False

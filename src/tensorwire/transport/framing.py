@@ -10,7 +10,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from tensorwire.transport.base import Buffer, ByteStream, Progress, PutBatch
-from tensorwire.transport.frame_io import one_buffer, send_frame, whole_frame
+from tensorwire.transport.frame_io import send_frame
+from tensorwire.transport.whole import one_buffer, whole_frame
 from tensorwire.wire import lossless
 from tensorwire.wire import meta as wm
 from tensorwire.wire.checksum import ChecksumKind
