@@ -381,7 +381,7 @@ class StoreOps:
             self.store.release(entries)
 
     def _check_answer(self, entries: list[Entry]) -> None:
-        total = sum(e.meta.nbytes for e in entries)
+        total = sum(e.nbytes for e in entries)
         if total > self.limits.max_request_bytes:
             raise LimitExceeded(f"an answer of {total} bytes exceeds {self.limits.max_request_bytes}")
 
