@@ -310,7 +310,9 @@ class RdmaService:
                 self.free(entry)
             inline = [e for i, e in enumerate(entries) if i not in set(large)]
             meta = wm.encode_records([e.meta for e in inline]) + wr.encode_u64(reservation)
-            await req.reply(meta + wr.encode_refs(entry.refs, with_checksums=True), [e.data for e in inline])
+            await req.reply(
+                meta + wr.encode_refs(entry.refs, with_checksums=True), [e.payload for e in inline]
+            )
         finally:
             self.store.release(entries)
 

@@ -28,7 +28,7 @@ from typing import Any, Protocol, TypeVar, runtime_checkable
 from tensorwire.errors import ProtocolError
 from tensorwire.security import tokens_match
 from tensorwire.store import TensorStore
-from tensorwire.transport.base import ByteStream
+from tensorwire.transport.base import Buffer, ByteStream
 from tensorwire.transport.frame_io import (
     FrameReader,
     compressed_scratch,
@@ -158,14 +158,15 @@ class Request:
         """The session's last word on the request: skip its data section if nobody read it."""
         await self.skip()
 
-    async def reply(self, meta: bytes, data: Sequence[memoryview] = ()) -> None:
-        """Answer, in the client's checksum kind and chunk size when the server accepts them."""
+    async def reply(self, meta: bytes, data: Sequence[Buffer] = ()) -> None:
+        """Answer, in the client's checksum kind and chunk size when the server accepts them. ``data``
+        is byte buffers: views, or a stored tensor's own ``bytearray`` (``Entry.payload``)."""
         conn = self._conn
         header = self._answer(meta, data)
         async with conn.write_lock:
             await send_frame(conn.stream, header, meta, data, encoder=conn.encoder)
 
-    def answer_now(self, meta: bytes, data: Sequence[memoryview] = ()) -> bytes | None:
+    def answer_now(self, meta: bytes, data: Sequence[Buffer] = ()) -> bytes | None:
         """``reply``'s frame as one buffer, for a handler run from the loop's readiness callback
         (``ReadyHandler``), which sends it; None when the answer is not one small plain frame
         (large, or compressed): the handler then leaves the request to its task."""
@@ -175,9 +176,9 @@ class Request:
         self.sent += header.data_len
         return whole_frame(header, meta, data)
 
-    def _answer(self, meta: bytes, data: Sequence[memoryview], *, counted: bool = True) -> Header:
+    def _answer(self, meta: bytes, data: Sequence[Buffer], *, counted: bool = True) -> Header:
         conn, req = self._conn, self.header
-        data_len = sum(d.nbytes for d in data)
+        data_len = sum(d.nbytes if type(d) is memoryview else len(d) for d in data)
         if counted:
             self.sent += data_len
         kind = req.checksum if req.checksum in CHECKSUM_KINDS else ChecksumKind.XXH3_64

@@ -204,7 +204,7 @@ class ShmService:
                 session.leases[lease] = keep
                 session.leased += len(keep)
             meta = wm.encode_records([e.meta for e in inline]) + ws.encode_refs(refs) + _U64.pack(lease)
-            await req.reply(meta, [e.data for e in inline])
+            await req.reply(meta, [e.payload for e in inline])
         finally:
             kept = {id(e) for e in keep}
             self.store.release([e for e in entries if id(e) not in kept])

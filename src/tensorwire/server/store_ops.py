@@ -362,7 +362,7 @@ class StoreOps:
         try:
             self._check_answer(entries)
             block = await cpu(big, answer_records, entries) if big else answer_records(entries)
-            await req.reply(block, [e.data for e in entries])
+            await req.reply(block, [e.payload for e in entries])
         finally:
             self.store.release(entries)
 
@@ -376,7 +376,7 @@ class StoreOps:
         entries = self.store.acquire(names)
         try:
             self._check_answer(entries)
-            return req.answer_now(answer_records(entries), [e.data for e in entries])
+            return req.answer_now(answer_records(entries), [e.payload for e in entries])
         finally:
             self.store.release(entries)
 

@@ -58,7 +58,8 @@ class Entry:
     ever, a plain one would not) and a small tensor's bytes as their ``bytearray``, which the
     collector does not track (``data`` views it; a view and its buffer are two tracked objects).
     With 300,000 small tensors stored, each full collection (every ~100,000 tensors put) paused
-    the server's loop for up to 320 ms. Larger and shared-memory buffers stay views.
+    the server's loop for up to 255-320 ms; 113-164 ms now. Larger and shared-memory buffers stay
+    views.
     """
 
     __slots__ = ("_bytes", "dtype", "name", "nbytes", "pins", "record", "retired", "shape", "version")
@@ -87,6 +88,13 @@ class Entry:
         under = view.obj
         whole = isinstance(under, bytearray) and view.nbytes == len(under) and view.format == "B"
         self._bytes = under if whole and isinstance(under, bytearray) else view
+
+    @property
+    def payload(self) -> bytearray | memoryview:
+        """The bytes as kept, for a GET to send (``Request.reply`` takes them as they are): ``data``
+        without a new view. Views of 10,000 tensors alive while a ``get_many`` is sent brought
+        collections enough to double the server's CPU per tensor (2.2-3.2 -> 5.0-5.4 µs)."""
+        return self._bytes
 
 
 @dataclass(eq=False, slots=True)

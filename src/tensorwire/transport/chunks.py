@@ -82,23 +82,27 @@ def runs(
     return out, staged
 
 
-def coalesced(segments: Iterable[memoryview], cap: int) -> Iterator[memoryview]:
+def coalesced(segments: Iterable[bytes | bytearray | memoryview], cap: int) -> Iterator[memoryview]:
     """The segments to send, runs of small ones joined (a copy is cheaper than a call per tensor)
     into pieces of at most ``cap`` bytes, built as the sender reaches them: the memory a frame
-    needs stays one chunk, however many small tensors it carries."""
-    run: list[memoryview] = []
+    needs stays one chunk, however many small tensors it carries. A small segment that is not a
+    view (a stored tensor's ``bytearray``) is joined as it is: a view of each of 10,000 would be
+    20,000 tracked objects alive at once, and the collections they bring walk the whole store."""
+    run: list[bytes | bytearray | memoryview] = []
     size = 0
     for seg in segments:
-        if seg.nbytes >= COALESCE:
+        n = seg.nbytes if isinstance(seg, memoryview) else len(seg)
+        if n >= COALESCE:
             if run:
                 yield memoryview(b"".join(run))
                 run, size = [], 0
-            yield seg
+            yield seg if isinstance(seg, memoryview) else memoryview(seg)
             continue
         run.append(seg)
-        size += seg.nbytes
+        size += n
         if size >= cap:
             yield memoryview(b"".join(run))
             run, size = [], 0
     if run:
-        yield memoryview(b"".join(run)) if len(run) > 1 else run[0]
+        last = run[0]
+        yield memoryview(b"".join(run)) if len(run) > 1 or not isinstance(last, memoryview) else last

@@ -240,12 +240,7 @@ async def _send_chunks(
     each chunk is preceded by a chunk head and sent compressed or raw (the trailer is always over
     the raw bytes). ``staged``: each chunk's bytes are awaited before they are read."""
     views: Iterable[memoryview] = (
-        iter(staged)
-        if staged is not None
-        else cut.coalesced(
-            (s if isinstance(s, memoryview) else memoryview(s).cast("B") for s in segments),
-            header.chunk_size,
-        )
+        iter(staged) if staged is not None else cut.coalesced(segments, header.chunk_size)
     )
     reached = 0  # bytes of the data section read so far (for ``staged``)
     chunks = encoder.frame() if encoder is not None else None
