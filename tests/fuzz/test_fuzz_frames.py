@@ -399,9 +399,12 @@ def test_hello_response_decoder_raises_only_tensorwire_errors(blob: bytes) -> No
 _memory_names = itertools.count()
 
 
-async def first_answer(reader: FrameReader) -> str:
-    """How the server reacted to what was sent: its first answer, or that it hung up."""
+async def first_answer(reader: FrameReader, admitted: bool = False) -> str:
+    """How the server reacted to what was sent: its first answer (past the PING that admitted the
+    session, with ``admitted``), or that it hung up."""
     try:
+        if admitted:
+            await read_reply(reader)  # the PING's
         if not await reader.at_frame_start():
             return "closed"
         header, meta = await read_reply(reader)
@@ -419,13 +422,15 @@ async def first_answer(reader: FrameReader) -> str:
     return f"error {ErrorCode(code).name}: {message}"
 
 
-async def exchange(address: Address, payload: bytes) -> str:
-    """Send one fuzz case on a fresh connection and wait for the server's reaction."""
+async def exchange(address: Address, payload: bytes, admitted: bool = False) -> str:
+    """Send one fuzz case on a fresh connection and wait for the server's reaction. ``admitted``:
+    after a PING in the same write, so the case is a session's second frame (on tcp:// the first
+    that the loop's readiness callback sees, ``Session._ready``)."""
     stream = await transport.connect_stream(address, 5.0)
     try:
         with contextlib.suppress(errors.ConnectionLost):  # it may hang up before taking it all
-            await stream.send([payload])
-        return await asyncio.wait_for(first_answer(FrameReader(stream)), ANSWER_TIMEOUT)
+            await stream.send([frame(Opcode.PING, b"", rid=0) + payload if admitted else payload])
+        return await asyncio.wait_for(first_answer(FrameReader(stream), admitted), ANSWER_TIMEOUT)
     finally:
         await stream.close()
 
@@ -437,7 +442,9 @@ def acceptable(outcome: str) -> bool:
     )
 
 
-async def run_cases(address: Address, cases: Sequence[bytes]) -> tuple[Counter[str], list[str]]:
+async def run_cases(
+    address: Address, cases: Sequence[bytes], admitted: bool = False
+) -> tuple[Counter[str], list[str]]:
     limit = asyncio.Semaphore(CONCURRENCY)
     outcomes: Counter[str] = Counter()
     problems: list[str] = []
@@ -445,7 +452,7 @@ async def run_cases(address: Address, cases: Sequence[bytes]) -> tuple[Counter[s
     async def one(index: int, payload: bytes) -> None:
         async with limit:
             try:
-                outcome = await exchange(address, payload)
+                outcome = await exchange(address, payload, admitted)
             except TimeoutError:
                 outcome = f"no answer and no hang-up within {ANSWER_TIMEOUT}s (a hang)"
             except Exception as exc:  # whatever it is, it is a finding: report it with its input
@@ -479,8 +486,11 @@ def stored_bytes(store: TensorStore) -> int:
     return sum(m.nbytes + entry_cost(m.name) for m in store.list())
 
 
-async def fuzz_live_server(scheme: str, seed: int, count: int, token: str | None = None) -> Counter[str]:
-    """Run ``count`` seeded fuzz cases against one fresh server, then check its health."""
+async def fuzz_live_server(
+    scheme: str, seed: int, count: int, token: str | None = None, admitted: bool = False
+) -> Counter[str]:
+    """Run ``count`` seeded fuzz cases against one fresh server, then check its health. ``admitted``:
+    each case is its connection's second frame, after a PING."""
     store = TensorStore(capacity=CAPACITY)
     server = Server(
         ServerOptions(token=token, connections=ConnectionOptions(stall_timeout=STALL_TIMEOUT)), store=store
@@ -492,7 +502,7 @@ async def fuzz_live_server(scheme: str, seed: int, count: int, token: str | None
     process = psutil.Process()
     rss_before = process.memory_info().rss
     try:
-        outcomes, problems = await run_cases(address, cases)
+        outcomes, problems = await run_cases(address, cases, admitted)
         assert not problems, (
             f"{len(problems)} of {count} cases misbehaved (seed {seed}, {scheme}); first ones:\n"
             + "\n".join(problems[:5])
@@ -535,6 +545,23 @@ def test_a_server_with_a_token_lets_no_mutated_frame_in() -> None:
     assert set(outcomes) <= {"closed", "error UNAUTHENTICATED", "error PROTOCOL_ERROR", "error CORRUPT_FRAME",
                              "error LIMIT_EXCEEDED", "error UNSUPPORTED_VERSION"}, dict(outcomes)  # fmt: skip
     assert outcomes["error UNAUTHENTICATED"], dict(outcomes)
+
+
+def test_an_admitted_sessions_readiness_callback_meets_mutated_frames_as_its_task_does(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Past its first frame a tcp:// session's frames reach the loop's readiness callback first
+    (small GETs and PUTs are served there): mutated ones get the answers the task gives, the
+    server stays healthy, and it logs no unexpected exception."""
+    caplog.set_level(logging.ERROR, logger="tensorwire.server")
+    try:
+        outcomes = run(fuzz_live_server("tcp", SEED + 3, CASES, admitted=True))
+    finally:
+        logged = [r for r in caplog.records if r.name == "tensorwire.server" and r.levelno >= logging.ERROR]
+        assert not logged, "\n\n".join(logging.Formatter("%(message)s").format(r) for r in logged)
+    if CASES >= 100:
+        for wanted in ("ok", "closed", "error CORRUPT_FRAME", "error PROTOCOL_ERROR"):
+            assert outcomes[wanted], f"no case ended with {wanted!r}: {dict(outcomes)}"
 
 
 def test_mutated_frames_never_make_the_server_log_an_unexpected_exception(
