@@ -18,6 +18,7 @@ from collections.abc import Iterator
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -202,11 +203,24 @@ def run_page(page: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Non
         monkeypatch.setenv("WORLD_SIZE", "1")
         if setup.secure:
             monkeypatch.setenv("TENSORWIRE_TOKEN", TOKEN)
+        if "import ray" in source:
+            _retry_ray_start(monkeypatch)
         namespace: dict[str, Any] = {"__name__": "__main__"}
         for line, code in blocks:
             # Blank lines first, so that a traceback names the page's own line numbers.
             runnable = "\n" * (line - 1) + cluster.rewrite(code, names)
             exec(compile(runnable, str(page), "exec"), namespace)
+
+
+def _retry_ray_start(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The page's ``ray.init`` as the Ray tests start Ray: once more if Ray's own wait for its
+    control store ran out (``bench.peers_ray.start_ray``); the page's code runs as written."""
+    import ray
+
+    from tensorwire.bench.peers_ray import start_ray
+
+    first = SimpleNamespace(init=ray.init, shutdown=ray.shutdown)
+    monkeypatch.setattr(ray, "init", lambda **options: start_ray(first, **options))
 
 
 def test_docstring_examples_run() -> None:

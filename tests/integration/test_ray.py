@@ -24,7 +24,7 @@ from tensorwire.ps.worker.rpc import server_stats
 from tensorwire.testing.process import wait_for
 
 ray = pytest.importorskip("ray", reason="tensorwire.ray needs Ray: pip install 'tensorwire[ray]'")
-
+from tensorwire.bench.peers_ray import start_ray  # noqa: E402 - Ray, once more if its first start ran out
 from tensorwire.ray import Replica, run_workers, start_servers, start_stores  # noqa: E402 - needs Ray
 from tensorwire.ray import __main__ as ray_main  # noqa: E402 - needs Ray
 
@@ -38,7 +38,8 @@ SMALL = {"capacity": "512MiB", "cpus": 0.25, "timeout": DEADLINE, "host": "127.0
 def local_cluster() -> Iterator[None]:
     with pytest.MonkeyPatch.context() as env:
         env.setenv("RAY_USAGE_STATS_ENABLED", "0")  # no usage report, and no prompt about one
-        ray.init(
+        start_ray(
+            ray,
             address="local",  # a cluster of this test's own, whatever RAY_ADDRESS says
             num_cpus=2,
             include_dashboard=False,

@@ -25,7 +25,7 @@ from tensorwire.wire import shm as ws
 from tensorwire.wire.tensors import byte_view
 
 ray = pytest.importorskip("ray", reason="tensorwire.ray needs Ray: pip install 'tensorwire[ray]'")
-
+from tensorwire.bench.peers_ray import start_ray  # noqa: E402 - Ray, once more if its first start ran out
 from tensorwire.ray import transport  # noqa: E402 - needs Ray
 
 # Before the classes below: Ray checks the name when @ray.method is applied, and registers the
@@ -88,7 +88,8 @@ class Consumer:
 def cluster() -> Iterator[None]:
     with pytest.MonkeyPatch.context() as env:
         env.setenv("RAY_USAGE_STATS_ENABLED", "0")
-        ray.init(
+        start_ray(
+            ray,
             address="local",
             num_cpus=2,
             include_dashboard=False,

@@ -79,9 +79,10 @@ def _getter_class(ray: Any) -> Any:
     return Getter
 
 
-def _start(ray: Any, **options: Any) -> None:
+def start_ray(ray: Any, **options: Any) -> None:
     """``ray.init``, once more if Ray's own wait for its control store to start ran out: on a
-    loaded host (``make test``) its first start took over its 30 s (the second is said on stderr)."""
+    loaded host (``make test``) a first start has missed its 30 s, its control store never having
+    written a log line (the second is said on stderr). The Ray tests start it this way too."""
     try:
         ray.init(**options)
     except RuntimeError as exc:
@@ -97,7 +98,7 @@ def ray_figures(args: argparse.Namespace) -> Result:
     import ray
 
     store = max(128 * MiB, 6 * args.ray_size, 4 * args.many * SMALL_BYTES, 3 * max(args.rdt_sizes, default=0))
-    _start(ray, object_store_memory=store, include_dashboard=False, num_cpus=2, log_to_driver=False)
+    start_ray(ray, object_store_memory=store, include_dashboard=False, num_cpus=2, log_to_driver=False)
     try:
         # First: the many small puts below leave Ray freeing 10k objects for seconds after.
         rdt = _rdt_guarded(ray, args)
