@@ -163,6 +163,7 @@ class Request:
         is byte buffers: views, or a stored tensor's own ``bytearray`` (``Entry.payload``)."""
         conn = self._conn
         header = self._answer(meta, data)
+        self.sent += header.data_len
         async with conn.write_lock:
             await send_frame(conn.stream, header, meta, data, encoder=conn.encoder)
 
@@ -170,17 +171,15 @@ class Request:
         """``reply``'s frame as one buffer, for a handler run from the loop's readiness callback
         (``ReadyHandler``), which sends it; None when the answer is not one small plain frame
         (large, or compressed): the handler then leaves the request to its task."""
-        header = self._answer(meta, data, counted=False)
+        header = self._answer(meta, data)
         if not goes_whole(header, self._conn.encoder):
             return None
         self.sent += header.data_len
         return whole_frame(header, meta, data)
 
-    def _answer(self, meta: bytes, data: Sequence[Buffer], *, counted: bool = True) -> Header:
+    def _answer(self, meta: bytes, data: Sequence[Buffer]) -> Header:
         conn, req = self._conn, self.header
         data_len = sum(d.nbytes if type(d) is memoryview else len(d) for d in data)
-        if counted:
-            self.sent += data_len
         kind = req.checksum if req.checksum in CHECKSUM_KINDS else ChecksumKind.XXH3_64
         lo, hi = conn.limits.min_chunk_bytes, conn.limits.max_chunk_bytes
         chunk = req.chunk_size if lo <= req.chunk_size <= hi else min(max(DEFAULT_CHUNK_BYTES, lo), hi)

@@ -81,9 +81,9 @@ SERVED_BY: dict[int, str] = {
     **dict.fromkeys(_RDMA_OPS, _NO_RDMA),
 }
 # opcodes whose parts may span frames
+SPANNING = frozenset((Opcode.PUT_MANY, Opcode.GEN_PUBLISH, Opcode.GEN_PUBLISH_PART))
 # requests served by one readiness callback at most, before the loop's other connections have a turn
 _READY_FRAMES = 64
-SPANNING = frozenset((Opcode.PUT_MANY, Opcode.GEN_PUBLISH, Opcode.GEN_PUBLISH_PART))
 
 
 @dataclass(frozen=True, slots=True, eq=False)

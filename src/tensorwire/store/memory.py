@@ -86,8 +86,10 @@ class Entry:
     @data.setter
     def data(self, view: memoryview) -> None:
         under = view.obj
-        whole = isinstance(under, bytearray) and view.nbytes == len(under) and view.format == "B"
-        self._bytes = under if whole and isinstance(under, bytearray) else view
+        if isinstance(under, bytearray) and view.nbytes == len(under) and view.format == "B":
+            self._bytes = under  # the whole bytearray: kept as it is, untracked
+        else:
+            self._bytes = view
 
     @property
     def payload(self) -> bytearray | memoryview:

@@ -103,6 +103,7 @@ def coalesced(segments: Iterable[bytes | bytearray | memoryview], cap: int) -> I
         if size >= cap:
             yield memoryview(b"".join(run))
             run, size = [], 0
-    if run:
-        last = run[0]
-        yield memoryview(b"".join(run)) if len(run) > 1 or not isinstance(last, memoryview) else last
+    if len(run) == 1:
+        yield run[0] if isinstance(run[0], memoryview) else memoryview(run[0])  # no copy of one
+    elif run:
+        yield memoryview(b"".join(run))

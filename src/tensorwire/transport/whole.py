@@ -60,5 +60,5 @@ def whole_frame(header: Header, meta: bytes, segments: Sequence[Buffer]) -> byte
     head = encode_frame_head(header, meta)
     if not header.data_len:
         return head
-    data = b"".join(segments)
-    return head + data + TRAILER.pack(checksum(header.checksum, data))
+    data = segments[0] if len(segments) == 1 else b"".join(segments)  # one copy of the bytes, not two
+    return b"".join((head, data, TRAILER.pack(checksum(header.checksum, data))))
