@@ -133,19 +133,17 @@ class Cluster:
             return None
 
     def trained(self, rank: int) -> bool:
-        """Whether worker ``rank`` took the job's last step: killed now, it would be started again
-        after the job ended (its last worker gone) and begin a new one at step 0 that waits for a
-        partner that is done. Its report says so once ``step`` returns; the servers say so as soon
-        as the last step is applied (a worker stopped between the two was killed, seen under
-        ``make test``'s load)."""
+        """Whether worker ``rank`` is in (or past) the job's last step: killed now, it would be
+        started again after the job ended (its last worker gone) and begin a new one at step 0 that
+        waits for a partner that is done. Its report is written when ``step`` returns, so one that
+        says the step before the last may belong to a worker whose last push the servers applied
+        already (seen under ``make test``'s load). A file read: the worker is stopped meanwhile, and
+        a stop longer than the servers' heartbeat timeout would cost it its place in the job."""
         try:
             report = json.loads((self.out / f"rank{rank}.json").read_text())
         except (OSError, ValueError):
-            report = {"step": 0}
-        if report["step"] >= self.steps:
-            return True
-        answers = (self.stats(server.url) for slot in self.slots for server in slot)
-        return any(doc is not None and _last_step(doc) >= self.steps for doc in answers)
+            return False
+        return bool(report["step"] >= self.steps - 1)
 
     def done(self) -> bool:
         return all((self.out / f"rank{r}.done").exists() for r in range(WORKERS))
@@ -282,7 +280,7 @@ def inject(cluster: Cluster, target: Target) -> Failover | None:
         proc.send_signal(signal.SIGSTOP)
         if cluster.trained(rank):
             proc.send_signal(signal.SIGCONT)
-            raise Spared(f"worker {rank} took the job's last step before it could be killed")
+            raise Spared(f"worker {rank} reached the job's last step before it could be killed")
         proc.kill()
         proc.wait()
         if not (cluster.out / f"rank{rank}.done").exists():
@@ -382,9 +380,3 @@ def _wait(cluster: Cluster, condition: Any, timeout: float, what: str) -> None:
     except TimeoutError as exc:  # what each server says, for whoever reads the failure
         exc.add_note(cluster.snapshot())
         raise
-
-
-def _last_step(doc: dict[str, Any]) -> int:
-    """The furthest step of any job a server's PS_STATS answer names, ended ones included."""
-    jobs = [*doc.get("jobs", {}).values(), *doc.get("ended", [])]
-    return max([int(doc.get("step", 0)), *(int(job.get("step", 0)) for job in jobs)])
