@@ -6,8 +6,14 @@ VENV := .venv
 BIN := $(VENV)/bin
 TORCH := torch==2.13.0
 STAMP := $(VENV)/.installed
+# The compiled twins of the hot path's modules (setup.py: Cython over the same .py files, with the
+# .pxd's C types), rebuilt in place when their source changes, so a checkout never runs a stale
+# build (tensorwire/_extensions.py also refuses one whose source is newer, and says so). A build
+# that fails warns and leaves the pure-Python modules in use: `tensorwire --version` says which run.
+EXT_SOURCES := setup.py $(wildcard src/tensorwire/*/*_py.py src/tensorwire/*/*_c.pxd)
+EXT_STAMP := $(VENV)/.extensions
 
-.PHONY: system-libs install demo test test-engines test-fast test-unit test-integration test-fault test-adversarial test-bench gpu-check docs bench bench-all bench-engines lint format proto fuzz clean
+.PHONY: system-libs install extensions demo test test-engines test-fast test-fallback test-unit test-integration test-fault test-adversarial test-bench gpu-check docs bench bench-all bench-engines lint format proto fuzz clean
 
 $(STAMP): pyproject.toml
 	$(MAKE) --no-print-directory system-libs
@@ -17,7 +23,13 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install --disable-pip-version-check -q -e ".[fast,demo,dev,bench,ray,rdma,dashboard,hf,docs,etcd]" "$(TORCH)"
 	touch $(STAMP)
 
-install: $(STAMP)
+install: $(EXT_STAMP)
+
+$(EXT_STAMP): $(STAMP) $(EXT_SOURCES)
+	$(BIN)/python setup.py -q build_ext --inplace
+	touch $(EXT_STAMP)
+
+extensions: $(EXT_STAMP)
 
 # rdma:// (the Mooncake Transfer Engine) loads libibverbs.so.1 even in its TCP mode. As root, install
 # the system package when it is missing; without root, say so and go on (the rdma tests then skip,
@@ -43,7 +55,7 @@ system-libs:
 		! command -v apt-get >/dev/null; then :; \
 	else apt-get install -y -q libfaketime >/dev/null 2>&1 || echo "could not install libfaketime: a test will skip"; fi
 
-demo: $(STAMP)
+demo: $(EXT_STAMP)
 	$(BIN)/tensorwire demo
 
 # The documentation site (docs/, Sphinx + MyST), strict: warnings are errors (-W), every cross-
@@ -67,25 +79,30 @@ docs: $(STAMP)
 TEST_WORKERS ?= 3
 PYTEST := $(BIN)/python -m pytest -q
 
-test: $(STAMP)
+test: $(EXT_STAMP)
 	$(PYTEST) -n $(TEST_WORKERS) --dist loadgroup tests
 
-test-fast: $(STAMP)
+test-fast: $(EXT_STAMP)
 	$(PYTEST) -n $(TEST_WORKERS) --dist loadgroup -m "not slow" tests
 
-test-unit: $(STAMP)
+# The fast tier again with the pure-Python modules in place of the compiled ones (the fallback of an
+# install that could not compile them); .ci/run runs it after `make test`.
+test-fallback: $(EXT_STAMP)
+	TENSORWIRE_NO_EXTENSIONS=1 $(PYTEST) -n $(TEST_WORKERS) --dist loadgroup -m "not slow" tests
+
+test-unit: $(EXT_STAMP)
 	$(PYTEST) tests/unit
 
-test-integration: $(STAMP)
+test-integration: $(EXT_STAMP)
 	$(PYTEST) -n $(TEST_WORKERS) --dist loadgroup tests/integration
 
-test-fault: $(STAMP)
+test-fault: $(EXT_STAMP)
 	$(PYTEST) -n $(TEST_WORKERS) --dist loadgroup tests/fault
 
-test-adversarial: $(STAMP)
+test-adversarial: $(EXT_STAMP)
 	$(PYTEST) -n $(TEST_WORKERS) --dist loadgroup tests/adversarial
 
-test-bench: $(STAMP)
+test-bench: $(EXT_STAMP)
 	$(PYTEST) -n $(TEST_WORKERS) --dist loadgroup tests/bench
 
 # tests/engines: tensorwire.vllm against real vLLM engines (its CPU build), in an environment of their
@@ -109,10 +126,10 @@ test-engines: $(ENGINES_STAMP)
 # The CUDA tests (pytest -m cuda) and a short GPU benchmark, one JSON line: a CUDA MLP through 2
 # servers and 2 workers vs one GPU (within 1e-5), staging GB/s vs plain torch copies. Needs a torch
 # built with CUDA; without a device it says so and exits 0 (GPU_CHECK=--require: exit 2 instead).
-gpu-check: $(STAMP)
+gpu-check: $(EXT_STAMP)
 	$(BIN)/tensorwire bench gpu --tests tests --json $(GPU_CHECK)
 
-bench: $(STAMP)
+bench: $(EXT_STAMP)
 	$(BIN)/tensorwire bench transfer --json
 
 # vLLM engines' weight updates, tensorwire vs collective_rpc(state_dict), one JSON line: a 256 MiB
@@ -121,7 +138,7 @@ bench-engines: $(ENGINES_STAMP)
 	$(ENGINES)/bin/tensorwire bench engines --json $(BENCH_ENGINES_ARGS)
 
 # Every benchmark into bench-report/report.md, report.json and plots (~10 min on 2 cores).
-bench-all: $(STAMP)
+bench-all: $(EXT_STAMP)
 	$(BIN)/tensorwire bench all --out bench-report
 
 lint: $(STAMP)
@@ -144,7 +161,7 @@ proto: $(STAMP)
 
 # Coverage-guided fuzzing of the frame decoders and a live server session (fuzz/README.md).
 FUZZ_SECONDS ?= 120
-fuzz: $(STAMP)
+fuzz: $(EXT_STAMP)
 	$(BIN)/pip install --disable-pip-version-check -q -e ".[fuzz]" "$(TORCH)"
 	$(BIN)/python fuzz/fuzz_frames.py -atheris_runs=2000000 -max_total_time=$(FUZZ_SECONDS)
 

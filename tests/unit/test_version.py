@@ -26,9 +26,11 @@ def test_pyproject_reads_the_version_from_the_package() -> None:
     assert project["tool"]["setuptools"]["dynamic"]["version"] == {"attr": "tensorwire.__version__"}
 
 
-def test_tensorwire_version_prints_it() -> None:
+def test_tensorwire_version_prints_it_and_how_the_hot_path_runs() -> None:
     result = CliRunner().invoke(cli.main, ["--version"])
-    assert result.exit_code == 0 and result.output.strip() == f"tensorwire, version {tensorwire.__version__}"
+    first, second = result.output.strip().splitlines()
+    assert result.exit_code == 0 and first == f"tensorwire, version {tensorwire.__version__}"
+    assert second.startswith("hot path: ") and ("compiled" in second or "pure Python" in second)
 
 
 def test_the_changelogs_newest_release_is_the_version() -> None:

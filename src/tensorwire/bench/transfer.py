@@ -61,7 +61,7 @@ from typing import Any, NamedTuple, TypeVar
 import torch
 
 import tensorwire
-from tensorwire import _aio
+from tensorwire import _aio, _extensions
 from tensorwire.bench import fastpaths, pinglag, tls_bound
 from tensorwire.bench import rdma as rdma_bench
 from tensorwire.bench import shm as shm_bench
@@ -420,7 +420,9 @@ def run(
         measured = _measure(servers, data, iters=iters, small_iters=small_iters, many=many,
                             ca=str(certs["ca"]), ping_put_size=ping_put_size)  # fmt: skip
     settings = {"size_bytes": size, "iters": iters, "small_iters": small_iters, "many": many}
-    return {**measured, **settings, "loop": _loop_name(), "pinned": client_cpus is not None}
+    hot_path = "compiled" if _extensions.compiled() else "pure"  # this side's; the servers' match it
+    on_cpus = client_cpus is not None
+    return {**measured, **settings, "loop": _loop_name(), "pinned": on_cpus, "hot_path": hot_path}
 
 
 def _measure(

@@ -29,10 +29,11 @@ from typing import Any
 
 import click
 
-from tensorwire import __version__, logs
+from tensorwire import __version__, _extensions, logs
 from tensorwire.cli import bench, dashboard, dataset, demo, ps, serve, status, tensors
 from tensorwire.cli.options import CliError
 from tensorwire.errors import TensorwireError
+from tensorwire.wire import codec  # noqa: F401 - loaded here, so that --version can say how it runs
 
 
 class _Group(click.Group):
@@ -51,8 +52,17 @@ class _Group(click.Group):
             raise CliError(f"{exc} ({type(exc).__name__})" if str(exc) else type(exc).__name__) from exc
 
 
+def _show_version(ctx: click.Context, _param: click.Parameter, value: bool) -> None:
+    if value and not ctx.resilient_parsing:
+        click.echo(f"tensorwire, version {__version__}\n{_extensions.describe()}")
+        ctx.exit()
+
+
 @click.group("tensorwire", cls=_Group)
-@click.version_option(__version__, prog_name="tensorwire")
+@click.option(
+    "--version", is_flag=True, expose_value=False, is_eager=True, callback=_show_version,
+    help="Show the version, and whether the hot path runs compiled, and exit.",
+)  # fmt: skip
 @click.option(
     "--log-level", type=click.Choice(logs.LEVELS, case_sensitive=False), default="warning",
     envvar=logs.LEVEL_ENV, show_default=True, help=f"Log events at this level and up (env {logs.LEVEL_ENV}).",

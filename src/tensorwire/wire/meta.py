@@ -17,23 +17,19 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from tensorwire import topology
-from tensorwire.errors import InvalidName, InvalidTensor, LimitExceeded, ProtocolError
+from tensorwire.errors import InvalidName, LimitExceeded, ProtocolError
 from tensorwire.types import Limits, TensorMeta
-from tensorwire.wire.dtypes import CODE_TO_DTYPE, DTYPE_TO_CODE, dtype_code, dtype_from_code
+from tensorwire.wire import codec
 
 _U8 = struct.Struct("<B")
 _U16 = struct.Struct("<H")
 _U32 = struct.Struct("<I")
 _U64 = struct.Struct("<Q")
-_REC_HEAD = struct.Struct("<BB")
-_REC_TAIL = struct.Struct("<QQ")
 _ERROR = struct.Struct("<H")
 _HELLO_REQ = struct.Struct("<BB")
 _HELLO_RESP = struct.Struct("<BIHBIQIIIQQ")
 MAX_MESSAGE_BYTES = 4096
 MAX_TOKEN_BYTES = 4096  # a HELLO's token (security.load_token refuses longer ones)
-_SHAPES = [struct.Struct(f"<{n}q") for n in range(256)]  # one compiled format per ndim
-_RECORD_TAILS = [struct.Struct(f"<{n}qQQ") for n in range(256)]  # shape, nbytes, version
 
 
 class MetaReader:
@@ -96,21 +92,23 @@ class MetaReader:
         return self.text(self._limits.max_name_bytes)
 
     def record(self) -> TensorMeta:
-        # The hot loop of every batch: three unpacks per record, one bounds check via struct.error.
-        name = self.name()
-        buf, pos = self._buf, self._pos
-        try:
-            code, ndim = _REC_HEAD.unpack_from(buf, pos)
-            if ndim > self._limits.max_ndim:
-                raise LimitExceeded(f"{name!r}: {ndim} dims exceeds {self._limits.max_ndim}")
-            *shape, nbytes, version = _RECORD_TAILS[ndim].unpack_from(buf, pos + 2)
-        except struct.error:
-            raise ProtocolError(f"metadata block truncated inside the record of {name!r}") from None
-        self._pos = pos + 2 + _RECORD_TAILS[ndim].size
-        dtype = CODE_TO_DTYPE.get(code) or dtype_from_code(code)
-        meta = TensorMeta(name, dtype, tuple(shape), nbytes, version)
-        meta.check_size()
-        return meta
+        """One tensor record (``codec_py``: the format, and every check a record gets)."""
+        return self.records_of(1)[0]
+
+    def records(self) -> list[TensorMeta]:
+        """A records block: its count, then that many records (one call into ``codec``)."""
+        return self.records_of(self.count())
+
+    def records_of(self, count: int) -> list[TensorMeta]:
+        lim = self._limits
+        metas, self._pos = codec.decode_records(self._buf, self._pos, count, lim.max_name_bytes, lim.max_ndim)
+        return metas
+
+    def names(self) -> list[str]:
+        """A names block: its count, then that many names."""
+        count = self.count()  # first: it moves the cursor
+        names, self._pos = codec.decode_names(self._buf, self._pos, count, self._limits.max_name_bytes)
+        return names
 
     def raw(self, n: int) -> bytes:
         end = self._pos + n
@@ -137,18 +135,11 @@ def _text(value: str) -> bytes:
 
 
 def encode_record(meta: TensorMeta) -> bytes:
-    ndim = len(meta.shape)
-    if ndim >= len(_SHAPES):
-        raise InvalidTensor(f"{meta.name!r}: {ndim} dims cannot be encoded (max {len(_SHAPES) - 1})")
-    code = DTYPE_TO_CODE.get(meta.dtype) or dtype_code(meta.dtype)
-    shape = _SHAPES[ndim].pack(*meta.shape) if ndim else b""
-    return b"".join(
-        (_text(meta.name), _REC_HEAD.pack(code, ndim), shape, _REC_TAIL.pack(meta.nbytes, meta.version))
-    )
+    return codec.pack_records((meta,))
 
 
 def encode_records(metas: Sequence[TensorMeta]) -> bytes:
-    return join_records([encode_record(meta) for meta in metas])
+    return _U32.pack(len(metas)) + codec.pack_records(metas)
 
 
 def join_records(records: Sequence[bytes]) -> bytes:
@@ -157,16 +148,16 @@ def join_records(records: Sequence[bytes]) -> bytes:
 
 
 def decode_records(reader: MetaReader) -> list[TensorMeta]:
-    return [reader.record() for _ in range(reader.count())]
+    return reader.records()
 
 
 def encode_names(names: Iterable[str]) -> bytes:
     names = list(names)
-    return _U32.pack(len(names)) + b"".join(map(_text, names))
+    return _U32.pack(len(names)) + codec.pack_names(names)
 
 
 def decode_names(reader: MetaReader) -> list[str]:
-    return [reader.name() for _ in range(reader.count())]
+    return reader.names()
 
 
 def encode_u64(value: int) -> bytes:
