@@ -230,14 +230,17 @@ class TensorStore:
         """
         seen = extend.names if extend is not None else set()
         before = len(seen)
-        for meta in metas:
-            validate_name(meta.name)
+        total = charge = 0
+        for meta in metas:  # one pass: the loop runs once per tensor of every batch
+            name = meta.name
+            validate_name(name)
             meta.check_size()
-            seen.add(meta.name)
+            seen.add(name)
+            total += meta.nbytes
+            charge += entry_cost(name)
         if len(seen) - before != len(metas):
             raise InvalidName("a batch names the same tensor twice")
-        total = sum(m.nbytes for m in metas)
-        charge = total + sum(entry_cost(m.name) for m in metas)
+        charge += total
         ledger = self.ledger
         ledger.make_room(charge)
         with self._lock:
@@ -370,13 +373,14 @@ class TensorStore:
         ledger = self.ledger
         ledger.reserved -= res.charge
         ledger.slots -= res.slots
+        entries = self._entries
         for meta, buf in zip(res.metas, res.buffers, strict=True):
-            old = self._entries.get(meta.name)
+            old = entries.get(meta.name)
             if old is not None:
                 self._drop(old)
-            self._entries[meta.name] = Entry(meta, buf, version)
-            ledger.stored += meta.nbytes
-            ledger.metadata += entry_cost(meta.name)
+            entries[meta.name] = Entry(meta, buf, version)
+        ledger.stored += res.nbytes
+        ledger.metadata += res.charge - res.nbytes  # what reserve charged for the names
         return version
 
     def _drop(self, entry: Entry) -> None:
@@ -386,7 +390,9 @@ class TensorStore:
         self.ledger.metadata -= entry_cost(entry.name)
         entry.retired = True
         if entry.pins == 0:
-            self._pool.give(entry.data)
+            kept = entry.payload
+            if isinstance(kept, memoryview):  # a small tensor's own bytearray: no pool keeps it
+                self._pool.give(kept)
         else:
             self.ledger.pinned += entry.nbytes
 
