@@ -37,3 +37,15 @@ class _Paused:
 def gc_paused() -> _Paused:
     """A context manager that pauses the cyclic collector (nested uses leave it to the outermost)."""
     return _Paused()
+
+
+def freeze_loaded() -> int:
+    """For a process about to serve: collect once, then keep every object alive now (the modules,
+    classes and functions of the interpreter, torch and tensorwire: some 185,000 in a server) out
+    of the cyclic collector's sight for good, and return how many there are. A full collection
+    walked them all, 88 ms on a 2-core VM, with every connection of the loop waiting; frozen, it
+    walks what came since (the store's entries, the sessions). Only a process's own entry point
+    calls this (``tensorwire serve``): a library must not freeze its host's objects."""
+    gc.collect()
+    gc.freeze()
+    return gc.get_freeze_count()

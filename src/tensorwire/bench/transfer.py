@@ -62,6 +62,7 @@ import torch
 
 import tensorwire
 from tensorwire import _aio, _extensions
+from tensorwire._gc import freeze_loaded
 from tensorwire.bench import fastpaths, pinglag, tls_bound
 from tensorwire.bench import rdma as rdma_bench
 from tensorwire.bench import shm as shm_bench
@@ -132,7 +133,9 @@ def _serve_tensorwire(
     conn: Connection, capacity: int, urls: list[str], certs: dict[str, Path] | None = None
 ) -> None:
     """Child: a tensorwire server on ``urls`` (free loopback ports), on the preferred event loop;
-    ``certs`` serve the tls:// ones. Answers with the bound addresses."""
+    ``certs`` serve the tls:// ones. Answers with the bound addresses. As ``tensorwire serve``, it
+    freezes what it loaded before it serves (``freeze_loaded``)."""
+    freeze_loaded()
     _aio.run(_serve_tensorwire_async(conn, capacity, urls, certs))
 
 

@@ -23,6 +23,7 @@ import torch
 from tensorwire import logs
 from tensorwire._aio import run
 from tensorwire._fs import write_file
+from tensorwire._gc import freeze_loaded
 from tensorwire.cli.ps_options import PS_FLAGS, PsOptions, param_server
 from tensorwire.cli.server_options import Listen, listen_options, option_group, server_options
 from tensorwire.dashboard.guard import Limits as PageLimits
@@ -191,6 +192,8 @@ def start(
     server = Server(options, extensions=[param_server(ps, options.store.capacity)])
     server.extend(DigestService(server.store))
     RelayCoordinator.of(server, networks=relay_networks)  # readers of its generations relay them
+    frozen = freeze_loaded()  # before the first peer: nothing of theirs is among them
+    logging.getLogger("tensorwire.server").debug("%d objects loaded at start left out of collections", frozen)
     run(_serve(server, listen, page))
 
 
