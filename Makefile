@@ -10,7 +10,7 @@ STAMP := $(VENV)/.installed
 # .pxd's C types), rebuilt in place when their source changes, so a checkout never runs a stale
 # build (tensorwire/_extensions.py also refuses one whose source is newer, and says so). A build
 # that fails warns and leaves the pure-Python modules in use: `tensorwire --version` says which run.
-EXT_SOURCES := setup.py $(wildcard src/tensorwire/*/*_py.py src/tensorwire/*/*_c.pxd)
+EXT_SOURCES := setup.py $(wildcard src/tensorwire/*/*_py.py src/tensorwire/*/*_c.pxd src/tensorwire/*/*_c.pyx)
 EXT_STAMP := $(VENV)/.extensions
 
 .PHONY: system-libs install extensions demo test test-engines test-fast test-fallback test-unit test-integration test-fault test-adversarial test-bench gpu-check docs bench bench-all bench-engines lint format proto fuzz clean

@@ -1,7 +1,7 @@
 """The compiled twins of the hot path's pure-Python modules (tensorwire/_extensions.py).
 
 Cython compiles each listed ``.py`` file, unchanged, with the C types of the ``.pxd`` named after
-the extension, using this machine's compiler. A build that cannot happen (no Cython, no compiler,
+the extension, and each ``.pyx``, using this machine's compiler. A build that cannot happen (no Cython, no compiler,
 a compile error) warns and installs the package without it: tensorwire then runs the same modules
 as pure Python, says so in its log and in ``tensorwire --version``, and works the same, slower.
 Metadata and everything else: pyproject.toml.
@@ -15,8 +15,12 @@ import sys
 from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
 
-# extension -> the pure-Python source it is compiled from (its .pxd: the extension's name, .pxd)
-COMPILED = {"tensorwire.wire.codec_c": "src/tensorwire/wire/codec_py.py"}
+# extension -> what it is compiled from: a pure-Python module (with the .pxd named after the
+# extension), or a .pyx written for Cython whose pure-Python twin is the module named *_py.
+COMPILED = {
+    "tensorwire.wire.codec_c": "src/tensorwire/wire/codec_py.py",
+    "tensorwire.wire.views_c": "src/tensorwire/wire/views_c.pyx",
+}
 DIRECTIVES = {"language_level": 3, "annotation_typing": False, "embedsignature": True}
 
 

@@ -1,7 +1,8 @@
 """Compiled modules, and the pure-Python modules they are compiled from.
 
 A module of the hot path (``wire/codec_py.py``) is compiled by Cython at install time into a
-sibling extension (``codec_c``); ``load`` returns that extension, or the pure-Python module when
+sibling extension (``codec_c``), or has a compiled twin written for Cython (``wire/views_c.pyx``,
+twin of ``views_py.py``); ``load`` returns that extension, or the pure-Python module when
 the extension is missing (the build failed, or this install never had a compiler), stale (its
 source changed after it was built: an editable checkout), or refused (``TENSORWIRE_NO_EXTENSIONS=1``).
 Both behave the same (tests/unit/test_codec_compiled.py runs one against the other); the fallback
@@ -60,10 +61,22 @@ def _unusable(compiled: str, fallback: ModuleType) -> str | None:
         or not spec.origin.endswith(tuple(importlib.machinery.EXTENSION_SUFFIXES))
     ):
         return f"{compiled} was not built (no compiler or no Cython at install; reinstall to build it)"
-    source = fallback.__file__
-    if source is not None and Path(source).stat().st_mtime > Path(spec.origin).stat().st_mtime + _SLACK_S:
-        return f"{compiled} is older than {Path(source).name} (rebuild: make extensions)"
+    built = Path(spec.origin).stat().st_mtime
+    for source in _sources(compiled, fallback):
+        if source.stat().st_mtime > built + _SLACK_S:
+            return f"{compiled} is older than {source.name} (rebuild: make extensions)"
     return None
+
+
+def _sources(compiled: str, fallback: ModuleType) -> list[Path]:
+    """What ``compiled`` is built from: the fallback's file, and the ``.pxd`` or ``.pyx`` named
+    after the extension beside it, where there is one."""
+    if fallback.__file__ is None:
+        return []
+    source = Path(fallback.__file__)
+    leaf = compiled.rpartition(".")[2]
+    twins = (source.with_name(f"{leaf}.pxd"), source.with_name(f"{leaf}.pyx"))
+    return [source, *(twin for twin in twins if twin.exists())]
 
 
 # An installed wheel writes the extension and its source in one go, in either order; an edited

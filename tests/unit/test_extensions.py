@@ -66,3 +66,22 @@ def test_no_extensions_is_obeyed_without_a_warning(
     with caplog.at_level(logging.WARNING, logger="tensorwire._extensions"):
         assert _extensions.load("tensorwire.wire.codec_c", codec_py) is codec_py
     assert caplog.text == ""  # asked for: nothing to warn about
+
+
+def test_a_build_older_than_its_pxd_or_pyx_is_not_used(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("TENSORWIRE_NO_EXTENSIONS", raising=False)
+    built = tmp_path / f"thing_c{importlib.machinery.EXTENSION_SUFFIXES[0]}"
+    built.write_bytes(b"")
+    source_file, declarations = tmp_path / "thing_py.py", tmp_path / "thing_c.pxd"
+    source_file.write_text("")
+    declarations.write_text("")
+    os.utime(source_file, (1_000_000, 1_000_000))  # the .py is as old as the build; the .pxd is not
+    os.utime(built, (1_000_000, 1_000_000))
+    spec = importlib.machinery.ModuleSpec("pkg.thing_c", None, origin=str(built))
+    monkeypatch.setattr(_extensions.importlib.util, "find_spec", lambda name: spec)
+    source = types.ModuleType("tw_test_pxd")
+    source.__file__ = str(source_file)
+    assert _extensions.load("pkg.thing_c", source) is source
+    assert "is older than thing_c.pxd" in _extensions.loaded()["tw_test_pxd"]

@@ -7,6 +7,9 @@ import torch
 from tensorwire.errors import InvalidTensor
 from tensorwire.types import TensorMeta
 from tensorwire.wire.dtypes import DTYPE_TO_CODE
+from tensorwire.wire.views import byte_view
+
+__all__ = ["byte_view", "check_out", "empty_for", "sendable"]
 
 
 def sendable(tensor: torch.Tensor, name: str = "tensor") -> torch.Tensor:
@@ -26,23 +29,6 @@ def sendable(tensor: torch.Tensor, name: str = "tensor") -> torch.Tensor:
     if not tensor.is_cpu:
         tensor = tensor.cpu()
     return tensor if tensor.is_contiguous() else tensor.contiguous()
-
-
-_NUMPY_DTYPES = frozenset(
-    {torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.uint16, torch.uint32,
-     torch.uint64, torch.float16, torch.float32, torch.float64, torch.complex64, torch.complex128}
-)  # fmt: skip
-
-
-def byte_view(tensor: torch.Tensor) -> memoryview:
-    """A writable flat ``memoryview`` of a contiguous CPU tensor's bytes (format ``B``)."""
-    if tensor.numel() == 0:
-        return memoryview(bytearray())
-    if tensor.requires_grad:
-        tensor = tensor.detach()
-    if tensor.dtype in _NUMPY_DTYPES:  # the direct route costs half of the reinterpreting one
-        return tensor.numpy().data.cast("B")
-    return tensor.reshape(-1).view(torch.uint8).numpy().data.cast("B")
 
 
 def empty_for(meta: TensorMeta) -> torch.Tensor:
