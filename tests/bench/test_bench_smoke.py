@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+from tensorwire import _extensions
 from tensorwire.bench.fastpaths import iperf_report_gbps
 from tensorwire.bench.transfer import main
 
@@ -83,6 +84,8 @@ def test_transfer_bench_smoke(capsys: pytest.CaptureFixture[str]) -> None:
     assert result["size_bytes"] == 1 << 20
     assert result["iters"] == 1
     assert result["loop"] in ("uvloop", "asyncio")
+    # which twin ran (tensorwire._extensions): the compiled one unless this run refused it
+    assert result["hot_path"] == ("pure" if _extensions.disabled() else "compiled")
     assert isinstance(result["pinned"], bool)
 
 

@@ -133,8 +133,7 @@ def _serve_tensorwire(
     conn: Connection, capacity: int, urls: list[str], certs: dict[str, Path] | None = None
 ) -> None:
     """Child: a tensorwire server on ``urls`` (free loopback ports), on the preferred event loop;
-    ``certs`` serve the tls:// ones. Answers with the bound addresses. As ``tensorwire serve``, it
-    freezes what it loaded before it serves (``freeze_loaded``)."""
+    ``certs`` serve the tls:// ones. Answers with the bound addresses. Frozen as ``serve`` is."""
     freeze_loaded()
     _aio.run(_serve_tensorwire_async(conn, capacity, urls, certs))
 
@@ -423,9 +422,9 @@ def run(
         measured = _measure(servers, data, iters=iters, small_iters=small_iters, many=many,
                             ca=str(certs["ca"]), ping_put_size=ping_put_size)  # fmt: skip
     settings = {"size_bytes": size, "iters": iters, "small_iters": small_iters, "many": many}
-    hot_path = "compiled" if _extensions.compiled() else "pure"  # this side's; the servers' match it
-    on_cpus = client_cpus is not None
-    return {**measured, **settings, "loop": _loop_name(), "pinned": on_cpus, "hot_path": hot_path}
+    hot_path = "compiled" if _extensions.compiled() else "pure"  # the servers' is the same
+    loop, on_cpus = _loop_name(), client_cpus is not None
+    return {**measured, **settings, "loop": loop, "pinned": on_cpus, "hot_path": hot_path}
 
 
 def _measure(
