@@ -1,6 +1,8 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from tensorwire.errors import InvalidName
 from tensorwire.wire.names import validate_name, validate_prefix
@@ -28,3 +30,16 @@ def test_prefixes() -> None:
         validate_prefix("/etc")
     with pytest.raises(InvalidName):
         validate_prefix("../")
+
+
+@given(st.text(alphabet="a./", min_size=1, max_size=12))
+def test_the_quick_segment_test_agrees_with_the_rule_it_shortcuts(name: str) -> None:
+    """Segments that are empty, "." or "..": the substring pre-test may only skip the regex for
+    names that have none (split and compare, the rule as written)."""
+    bad = any(segment in ("", ".", "..") for segment in name.split("/"))
+    try:
+        validate_name(name)
+    except InvalidName:
+        assert bad
+    else:
+        assert not bad

@@ -3,7 +3,7 @@
 # version) stay Python integers, so no product of them can overflow.
 import cython
 
-@cython.locals(metas=list, end=Py_ssize_t, start=Py_ssize_t, code=int, ndim=Py_ssize_t, values=tuple, shape=tuple)
+@cython.locals(metas=list, end=Py_ssize_t, start=Py_ssize_t, code=int, ndim=Py_ssize_t, values=tuple, shape=tuple, itemsize=Py_ssize_t)
 cpdef tuple decode_records(bytes buf, Py_ssize_t pos, Py_ssize_t count, Py_ssize_t max_name, Py_ssize_t max_ndim)
 
 cdef _check_size(str name, int code, tuple shape, object nbytes, object itemsize)

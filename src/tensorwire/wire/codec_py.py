@@ -28,7 +28,8 @@ MAX_NDIM = 255  # a u8 on the wire
 _TAILS = [struct.Struct(f"<{n}qQQ") for n in range(MAX_NDIM + 1)]  # shape, nbytes, version
 _BODIES = [struct.Struct(f"<BB{n}qQQ") for n in range(MAX_NDIM + 1)]  # dtype and ndim first
 _U16 = struct.Struct("<H")
-_ITEMSIZES = {code: dtype.itemsize for code, dtype in CODE_TO_DTYPE.items()}
+# By the record's u8 dtype code: a list lookup, not a dict call (0: a code this build does not know).
+_ITEMSIZES = [CODE_TO_DTYPE[code].itemsize if code in CODE_TO_DTYPE else 0 for code in range(256)]
 _new_tuple = tuple.__new__  # TensorMeta without its generated __new__'s Python frame
 
 
@@ -54,10 +55,12 @@ def decode_records(
         values = tail.unpack_from(buf, start)
         shape = values[:ndim]
         nbytes = values[ndim]
-        itemsize = _ITEMSIZES.get(code)
-        if itemsize is None:
+        itemsize = _ITEMSIZES[code]
+        if not itemsize:
             raise InvalidTensor(f"unknown dtype code {code}")  # as dtype_from_code
-        _check_size(name, code, shape, nbytes, itemsize)
+        first = values[0] if ndim else 1
+        if ndim > 1 or first < 0 or first * itemsize != nbytes:  # a scalar or a vector that adds up passes
+            _check_size(name, code, shape, nbytes, itemsize)
         metas.append(_new_tuple(TensorMeta, (name, CODE_TO_DTYPE[code], shape, nbytes, values[ndim + 1])))
     return metas, pos
 

@@ -28,7 +28,10 @@ def validate_name(name: str, max_bytes: int = MAX_NAME_BYTES) -> str:
     if not name.isprintable() or "\\" in name:
         bad = next(ch for ch in name if not ch.isprintable() or ch == "\\")
         raise InvalidName(f"tensor name {name[:80]!r} contains the forbidden character {bad!r}")
-    if _BAD_SEGMENT.search(name):
+    # Only a name that starts with "." or "/", ends with "/", or holds "//" or "/." can have such a
+    # segment: four substring tests, a quarter of the regex's time, clear the names that cannot.
+    suspect = name[0] in "./" or name[-1] == "/" or "//" in name or "/." in name
+    if suspect and _BAD_SEGMENT.search(name):
         raise InvalidName(f"tensor name {name[:80]!r} has an empty, '.' or '..' path segment")
     return name
 
