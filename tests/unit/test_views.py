@@ -99,3 +99,23 @@ def test_a_view_keeps_its_tensor_alive_until_the_last_view_is_gone() -> None:
     del part
     gc.collect()
     assert alive() is None
+
+
+@pytest.mark.parametrize("sizes", [[1024] * 700, [1, 3, 0, 4096, 7], [5]])
+def test_both_copy_a_staged_run_out_alike(sizes: list[int]) -> None:
+    staged = memoryview(bytes(range(256)) * (sum(sizes) // 256 + 1))[: sum(sizes) + 3]
+    results = []
+    for module in (views_py, _compiled()):
+        run = [memoryview(bytearray(n)) for n in sizes]
+        pos = module.copy_out(staged, run, 0, 512, 0)
+        pos = module.copy_out(staged, run, 512, 1024, pos)
+        results.append((pos, [bytes(v) for v in run]))
+    assert results[0] == results[1] and results[0][0] == sum(sizes)
+    assert b"".join(results[0][1]) == bytes(staged[: sum(sizes)])
+
+
+def test_neither_copies_past_the_end_of_the_staging_buffer() -> None:
+    for module in (views_py, _compiled()):
+        run = [memoryview(bytearray(8)), memoryview(bytearray(8))]
+        with pytest.raises(ValueError):
+            module.copy_out(memoryview(bytearray(12)), run, 0, 2, 0)

@@ -28,6 +28,7 @@ from tensorwire.wire.frame import (
     chunk_count,
     encode_frame_head,
 )
+from tensorwire.wire.views import copy_out
 
 _COMPRESSED = int(Flags.COMPRESSED)
 
@@ -41,6 +42,7 @@ _MAX_IOV = 512  # stay well under IOV_MAX per sendmsg
 # for its bytes anyway, is not slowed by turns it does not need.
 YIELD_BYTES = 1 << 20
 YIELD_SECONDS = 0.001
+_COPY_OUT_TENSORS = 512  # small tensors copied out of a staging buffer between the loop's turns
 # One receive syscall into fresh pages runs at the page-fault rate (well under 1 GB/s here): a
 # socket buffer of 8 MiB drained into a new 1 GiB tensor in one call held the loop for ~50 ms.
 # Reads into a caller's buffer go in slices of at most this much, each a short hold.
@@ -344,12 +346,9 @@ async def _finish_recv(header: Header, bad: int, staged: list[tuple[memoryview, 
     turns = Turns()
     for buf, run in staged:
         pos = 0
-        for i, dest in enumerate(run, 1):
-            end = pos + dest.nbytes
-            dest[:] = buf[pos:end]
-            pos = end
-            if not i % 512:  # an await per small tensor would cost more than the copy
-                await turns.moved(YIELD_BYTES)  # ask about the time, whatever the bytes
+        for first in range(0, len(run), _COPY_OUT_TENSORS):
+            pos = copy_out(buf, run, first, first + _COPY_OUT_TENSORS, pos)
+            await turns.moved(YIELD_BYTES)  # ask about the time, whatever the bytes
 
 
 async def _chunk_head(reader: FrameReader, head: memoryview, size: int) -> tuple[int, int]:

@@ -1,5 +1,5 @@
 # cython: language_level=3
-"""The compiled route to ``views_py.byte_view`` (see there): the same views, without numpy.
+"""The compiled twin of ``views_py``: ``byte_view`` without numpy, ``copy_out`` with memcpy.
 
 A ``TensorBytes`` holds the tensor and exports its bytes from ``data_ptr()``; the memoryview holds
 the ``TensorBytes``, so the tensor lives as long as any view of it. Only plain contiguous CPU
@@ -8,8 +8,11 @@ this route; every other tensor goes to ``views_py.byte_view``, which views or re
 as without this module (tests/unit/test_views.py runs one against the other).
 """
 
-from cpython.buffer cimport PyBuffer_FillInfo
+from cpython.buffer cimport (
+    PyBUF_SIMPLE, PyBUF_WRITABLE, PyBuffer_FillInfo, PyBuffer_Release, PyObject_GetBuffer,
+)
 from libc.stdint cimport uintptr_t
+from libc.string cimport memcpy
 
 import torch
 
@@ -53,3 +56,24 @@ cpdef object byte_view(object tensor):
         exported.size = tensor.nbytes
         return memoryview(exported)
     return views_py.byte_view(tensor)
+
+
+cpdef Py_ssize_t copy_out(object staged, list run, Py_ssize_t first, Py_ssize_t last, Py_ssize_t pos) except -1:
+    """As ``views_py.copy_out``: one memcpy per view, bounds checked against ``staged``."""
+    cdef Py_buffer source
+    cdef Py_buffer dest
+    cdef Py_ssize_t i
+    PyObject_GetBuffer(staged, &source, PyBUF_SIMPLE)
+    try:
+        for i in range(first, min(last, len(run))):
+            PyObject_GetBuffer(run[i], &dest, PyBUF_WRITABLE)
+            try:
+                if pos < 0 or dest.len > source.len - pos:
+                    raise ValueError("the staging buffer is shorter than the views it fills")
+                memcpy(dest.buf, <char*>source.buf + pos, dest.len)
+                pos += dest.len
+            finally:
+                PyBuffer_Release(&dest)
+    finally:
+        PyBuffer_Release(&source)
+    return pos

@@ -25,3 +25,14 @@ def byte_view(tensor: torch.Tensor) -> memoryview:
     if tensor.dtype in _NUMPY_DTYPES:  # the direct route costs half of the reinterpreting one
         return tensor.numpy().data.cast("B")
     return tensor.reshape(-1).view(torch.uint8).numpy().data.cast("B")
+
+
+def copy_out(staged: memoryview, run: list[memoryview], first: int, last: int, pos: int) -> int:
+    """Copy ``staged`` from byte ``pos`` on into the views ``run[first:last]``, one after another,
+    and return where the copy stopped: the receive path's way out of a staging buffer for a run
+    of small tensors (``transport/frame_io.py``). ValueError if ``staged`` runs out first."""
+    for dest in run[first:last]:
+        end = pos + dest.nbytes
+        dest[:] = staged[pos:end]
+        pos = end
+    return pos
