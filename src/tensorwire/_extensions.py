@@ -5,9 +5,9 @@ sibling extension (``codec_c``), or has a compiled twin written for Cython (``wi
 twin of ``views_py.py``); ``load`` returns that extension, or the pure-Python module when
 the extension is missing (the build failed, or this install never had a compiler), stale (its
 source changed after it was built: an editable checkout), or refused (``TENSORWIRE_NO_EXTENSIONS=1``).
-Both behave the same (tests/unit/test_codec_compiled.py runs one against the other); the fallback
-costs CPU, so a fallback that was not asked for is a warning in the log, once per module, and
-``tensorwire --version`` and ``bench transfer`` say which ran.
+Both behave the same (tests/adversarial/test_compiled_codec.py and tests/unit/test_views.py run
+one against the other); the fallback costs CPU, so a fallback that was not asked for is a warning
+in the log, once per module, and ``tensorwire --version`` and ``bench transfer`` say which ran.
 """
 
 from __future__ import annotations
