@@ -26,6 +26,9 @@ log = logging.getLogger(__name__)
 M = TypeVar("M", bound=ModuleType)
 # What each loaded module runs: "compiled", or "pure Python" and why.
 _LOADED: dict[str, str] = {}
+# An installed wheel writes the extension and its source in one go, in either order; an edited
+# source is newer than its build by more than this.
+_SLACK_S = 5.0
 
 
 def disabled() -> bool:
@@ -77,11 +80,6 @@ def _sources(compiled: str, fallback: ModuleType) -> list[Path]:
     leaf = compiled.rpartition(".")[2]
     twins = (source.with_name(f"{leaf}.pxd"), source.with_name(f"{leaf}.pyx"))
     return [source, *(twin for twin in twins if twin.exists())]
-
-
-# An installed wheel writes the extension and its source in one go, in either order; an edited
-# source is newer than its build by more than this.
-_SLACK_S = 5.0
 
 
 def loaded() -> dict[str, str]:

@@ -178,3 +178,13 @@ def test_limits_must_fit_their_hello_fields() -> None:
         Limits(max_name_bytes=4096)
     with pytest.raises(ValueError, match="min_chunk_bytes"):
         Limits(min_chunk_bytes=1 << 20, max_chunk_bytes=1 << 16)
+
+
+def test_a_reader_over_a_bytearray_or_a_view_reads_as_over_bytes() -> None:
+    """The compiled codec reads ``bytes`` only: a reader given another buffer reads a copy."""
+    metas = [TensorMeta("a/b", torch.float32, (2, 3), 24, 5), TensorMeta("c", torch.int8, (), 1, 0)]
+    block = wm.encode_records(metas) + wm.encode_names(["x", "y/z"])
+    for buf in (bytearray(block), memoryview(block)):
+        reader = wm.MetaReader(buf, Limits())  # type: ignore[arg-type]
+        assert wm.decode_records(reader) == metas and wm.decode_names(reader) == ["x", "y/z"]
+        reader.done()

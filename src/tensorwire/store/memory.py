@@ -390,9 +390,7 @@ class TensorStore:
         self.ledger.metadata -= entry_cost(entry.name)
         entry.retired = True
         if entry.pins == 0:
-            kept = entry.payload
-            if isinstance(kept, memoryview):  # a small tensor's own bytearray: no pool keeps it
-                self._pool.give(kept)
+            self._give_back(entry)
         else:
             self.ledger.pinned += entry.nbytes
 
@@ -411,7 +409,14 @@ class TensorStore:
                 entry.pins -= 1
                 if entry.pins == 0 and entry.retired:
                     self.ledger.pinned -= entry.nbytes
-                    self._pool.give(entry.data)
+                    self._give_back(entry)
+
+    def _give_back(self, entry: Entry) -> None:
+        """A forgotten entry's buffer, to the pool (caller holds the lock). A small tensor's own
+        bytearray is no pool's to keep: it is not wrapped in a view only to be turned away."""
+        kept = entry.payload
+        if isinstance(kept, memoryview):
+            self._pool.give(kept)
 
     def stat(self, names: Sequence[str]) -> list[TensorMeta]:
         with self._lock:

@@ -9,13 +9,14 @@ from tensorwire import _extensions
 from tensorwire.wire import codec_py
 
 if TYPE_CHECKING:  # the types are the source's; the extension has the same signatures
-    from tensorwire.wire.codec_py import decode_names, decode_records, pack_names, pack_records
+    from tensorwire.wire.codec_py import decode_names, decode_records, pack_names, pack_records, pack_string
 else:
     _impl = _extensions.load("tensorwire.wire.codec_c", codec_py)
     decode_records = _impl.decode_records
     decode_names = _impl.decode_names
     pack_records = _impl.pack_records
     pack_names = _impl.pack_names
+    pack_string = _impl.pack_string
 
 MAX_NDIM = codec_py.MAX_NDIM
-__all__ = ["MAX_NDIM", "decode_names", "decode_records", "pack_names", "pack_records"]
+__all__ = ["MAX_NDIM", "decode_names", "decode_records", "pack_names", "pack_records", "pack_string"]

@@ -6,8 +6,6 @@ import cython
 @cython.locals(metas=list, end=Py_ssize_t, start=Py_ssize_t, code=int, ndim=Py_ssize_t, values=tuple, shape=tuple, itemsize=Py_ssize_t)
 cpdef tuple decode_records(bytes buf, Py_ssize_t pos, Py_ssize_t count, Py_ssize_t max_name, Py_ssize_t max_ndim)
 
-cdef _check_size(str name, int code, tuple shape, object nbytes, object itemsize)
-
 @cython.locals(names=list, end=Py_ssize_t)
 cpdef tuple decode_names(bytes buf, Py_ssize_t pos, Py_ssize_t count, Py_ssize_t max_name)
 
@@ -20,4 +18,4 @@ cpdef bytes pack_records(metas)
 cpdef bytes pack_names(names)
 
 @cython.locals(raw=bytes)
-cdef bytes _packed_string(str value)
+cpdef bytes pack_string(str value)

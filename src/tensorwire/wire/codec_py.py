@@ -16,7 +16,6 @@ lying block raises ``ProtocolError``, ``LimitExceeded``, ``InvalidName`` (bad UT
 
 from __future__ import annotations
 
-import math
 import struct
 from collections.abc import Sequence
 
@@ -58,22 +57,12 @@ def decode_records(
         itemsize = _ITEMSIZES[code]
         if not itemsize:
             raise InvalidTensor(f"unknown dtype code {code}")  # as dtype_from_code
+        meta = _new_tuple(TensorMeta, (name, CODE_TO_DTYPE[code], shape, nbytes, values[ndim + 1]))
         first = values[0] if ndim else 1
         if ndim > 1 or first < 0 or first * itemsize != nbytes:  # a scalar or a vector that adds up passes
-            _check_size(name, code, shape, nbytes, itemsize)
-        metas.append(_new_tuple(TensorMeta, (name, CODE_TO_DTYPE[code], shape, nbytes, values[ndim + 1])))
+            meta.check_size()  # the general case, and every refusal, with its reason
+        metas.append(meta)
     return metas, pos
-
-
-def _check_size(name: str, code: int, shape: tuple[int, ...], nbytes: int, itemsize: int) -> None:
-    """As ``TensorMeta.check_size``: no negative dimension, and the bytes the shape needs."""
-    if shape and min(shape) < 0:
-        raise InvalidTensor(f"{name!r}: negative dimension in shape {shape}")
-    expected = math.prod(shape) * itemsize
-    if expected != nbytes:
-        raise InvalidTensor(
-            f"{name!r}: shape {shape} of {CODE_TO_DTYPE[code]} needs {expected} bytes, frame says {nbytes}"
-        )
 
 
 def decode_names(buf: bytes, pos: int, count: int, max_name: int) -> tuple[list[str], int]:
@@ -110,17 +99,18 @@ def pack_records(metas: Sequence[TensorMeta]) -> bytes:
         if ndim > MAX_NDIM:
             raise InvalidTensor(f"{name!r}: {ndim} dims cannot be encoded (max {MAX_NDIM})")
         code = DTYPE_TO_CODE.get(dtype) or dtype_code(dtype)
-        parts.append(_packed_string(name))
+        parts.append(pack_string(name))
         parts.append(_BODIES[ndim].pack(code, ndim, *shape, nbytes, version))
     return b"".join(parts)
 
 
 def pack_names(names: Sequence[str]) -> bytes:
     """The strings of ``names``, one after another."""
-    return b"".join([_packed_string(name) for name in names])
+    return b"".join([pack_string(name) for name in names])
 
 
-def _packed_string(value: str) -> bytes:
+def pack_string(value: str) -> bytes:
+    """One string as the wire carries it: ``u16 length | UTF-8 bytes``."""
     raw = value.encode("utf-8")
     if len(raw) > 0xFFFF:
         raise InvalidName(f"string of {len(raw)} bytes cannot be encoded (max 65535)")

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from tensorwire import topology
-from tensorwire.errors import InvalidName, LimitExceeded, ProtocolError
+from tensorwire.errors import LimitExceeded, ProtocolError
 from tensorwire.types import Limits, TensorMeta
 from tensorwire.wire import codec
 
@@ -38,7 +38,7 @@ class MetaReader:
     __slots__ = ("_buf", "_limits", "_pos")
 
     def __init__(self, buf: bytes, limits: Limits) -> None:
-        self._buf = buf
+        self._buf = buf if type(buf) is bytes else bytes(buf)  # the compiled codec reads bytes only
         self._pos = 0
         self._limits = limits
 
@@ -75,18 +75,8 @@ class MetaReader:
             self._pos = pos
 
     def text(self, max_bytes: int) -> str:
-        (n,) = self.take(_U16)
-        if n > max_bytes:
-            raise LimitExceeded(f"string of {n} bytes exceeds {max_bytes}")
-        end = self._pos + n
-        if end > len(self._buf):
-            raise ProtocolError("metadata block truncated inside a string")
-        raw = self._buf[self._pos : end]
-        self._pos = end
-        try:
-            return raw.decode("utf-8")
-        except UnicodeDecodeError as exc:
-            raise InvalidName(f"name is not valid UTF-8: {raw[:64]!r}") from exc
+        (text,), self._pos = codec.decode_names(self._buf, self._pos, 1, max_bytes)
+        return text
 
     def name(self) -> str:
         return self.text(self._limits.max_name_bytes)
@@ -128,10 +118,7 @@ class MetaReader:
 
 
 def _text(value: str) -> bytes:
-    raw = value.encode("utf-8")
-    if len(raw) > 0xFFFF:
-        raise InvalidName(f"string of {len(raw)} bytes cannot be encoded (max 65535)")
-    return _U16.pack(len(raw)) + raw
+    return codec.pack_string(value)
 
 
 def encode_record(meta: TensorMeta) -> bytes:

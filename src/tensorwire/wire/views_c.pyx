@@ -33,9 +33,6 @@ cdef class TensorBytes:
     def __getbuffer__(self, Py_buffer* view, int flags):
         PyBuffer_FillInfo(view, self, self.data, self.size, 0, flags)
 
-    def __releasebuffer__(self, Py_buffer* view):
-        pass
-
 
 cpdef object byte_view(object tensor):
     """As ``views_py.byte_view``."""
