@@ -41,6 +41,7 @@ from typing import Any
 
 import torch
 
+from tensorwire._fs import write_file
 from tensorwire.bench.netns import Fabric, Unavailable
 from tensorwire.compression.codecs import codec_for
 from tensorwire.ps.launch import replica_flags, stop_all
@@ -181,7 +182,9 @@ def worker_main(rank: int, world: int, servers: str, *, steps: int, params: int,
         result = {"step_s": elapsed / steps, "compute_s": compute / steps,
                   "app_sent": (worker.bytes_pushed - pushed) / steps,
                   "app_received": (worker.bytes_pulled - pulled) / steps}  # fmt: skip
-        (folder / f"worker-{rank}.json").write_text(json.dumps(result))
+        # Whole or absent: the harness reads it as soon as it exists (an empty file was read once).
+        report = json.dumps(result).encode()
+        write_file(folder / f"worker-{rank}.json", lambda f: f.write(report))
         wait_for((folder / "exit").exists, 120, "the exit signal")  # leave after the counters are read
 
 
