@@ -13,9 +13,11 @@ import json
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -161,3 +163,26 @@ def test_status_of_nothing_listening_is_quick() -> None:
     (node,) = collect([f"tcp://127.0.0.1:{free_port()}"], timeout=0.5)
     assert not node.up and node.error
     assert time.monotonic() - started < 5
+
+
+def test_a_put_is_counted_before_its_answer_leaves(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A client that has its answer reads the bytes it sent in the metrics: the server counts them
+    when the request begins, not after the answer (CI once read 0 there, the server thread behind)."""
+    release = threading.Event()
+    ending = metrics.RequestCounts.end
+
+    def held_end(self: metrics.RequestCounts, row: metrics.Row, *args: Any, **kwargs: Any) -> None:
+        if row is self.rows.get(("put", "tcp")):
+            release.wait(10)  # the bookkeeping after a put's answer, held until the client has read
+        ending(self, row, *args, **kwargs)
+
+    monkeypatch.setattr(metrics.RequestCounts, "end", held_end)
+    store = tensorwire.TensorStore(1 << 22)
+    with tensorwire.ServerThread(["tcp://127.0.0.1:0"], store=store) as srv:
+        try:
+            with tensorwire.connect(srv.url, retries=0) as client:
+                client.put("m/a", torch.zeros(1000))
+                received = sum(row.received for (op, _), row in srv.server.counts.rows.items() if op == "put")
+        finally:
+            release.set()
+    assert received == 4000

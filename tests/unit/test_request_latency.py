@@ -15,8 +15,8 @@ from tensorwire.server.options import MetricsOptions, ServerOptions
 def test_a_timed_request_lands_in_its_bucket() -> None:
     counts = metrics.RequestCounts()
     for seconds in (0.00005, 0.0003, 0.0003, 20.0):
-        counts.end(counts.begin("put", "tcp"), 0, 0, False, seconds)
-    counts.end(counts.begin("put", "tcp"), 0, 0, False)  # not timed: counted, not in the histogram
+        counts.end(counts.begin("put", "tcp"), 0, False, seconds)
+    counts.end(counts.begin("put", "tcp"), 0, False)  # not timed: counted, not in the histogram
     row = counts.rows[("put", "tcp")]
     assert row.requests == 5 and sum(row.latency) == 4
     assert row.latency[0] == 1 and row.latency[metrics.LATENCY_BUCKETS.index(0.0005)] == 2

@@ -79,14 +79,20 @@ def _getter_class(ray: Any) -> Any:
     return Getter
 
 
+# What ray.init raises when its own fixed 30 s wait ran out: for the control store's port file
+# (RuntimeError), or for the raylet to register with it (a plain Exception).
+_RAY_START_TIMEOUTS = ("Timed out waiting for file", "The current node timed out during startup")
+
+
 def start_ray(ray: Any, **options: Any) -> None:
-    """``ray.init``, once more if Ray's own wait for its control store to start ran out: on a
+    """``ray.init``, once more if one of Ray's own waits for its processes to start ran out: on a
     loaded host (``make test``) a first start has missed its 30 s, its control store never having
-    written a log line (the second is said on stderr). The Ray tests start it this way too."""
+    written a log line, or its raylet never registering (the second start is said on stderr). The
+    Ray tests start it this way too."""
     try:
         ray.init(**options)
-    except RuntimeError as exc:
-        if "Timed out waiting for file" not in str(exc):
+    except Exception as exc:
+        if not any(said in str(exc) for said in _RAY_START_TIMEOUTS):
             raise
         ray.shutdown()
         print(f"Ray did not start ({exc}); starting it again", file=sys.stderr)

@@ -120,16 +120,18 @@ class RequestCounts:
             row = self.rows[(op, transport)] = Row()
         return row
 
-    def begin(self, op: str, transport: str) -> Row:
-        """A request starts: counted, and in flight until ``end``."""
+    def begin(self, op: str, transport: str, received: int = 0) -> Row:
+        """A request starts: counted, with the ``received`` bytes its header announces, and in flight
+        until ``end``. The bytes are counted here, before any answer leaves, so that a client that has
+        its answer reads them in the metrics."""
         row = self.rows.get((op, transport)) or self.row(op, transport)
         row.requests += 1
+        row.received += received
         self.in_flight += 1
         return row
 
-    def end(self, row: Row, received: int, sent: int, failed: bool, seconds: float | None = None) -> None:
+    def end(self, row: Row, sent: int, failed: bool, seconds: float | None = None) -> None:
         """The request is done; ``seconds``, when the caller timed it, goes into the latency histogram."""
-        row.received += received
         row.sent += sent
         row.errors += failed
         self.in_flight -= 1

@@ -324,7 +324,7 @@ class Counting(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         op = op_of(details.method)
         if handler is None:
             row = self._counts.begin(op, self._transport)
-            self._counts.end(row, 0, 0, True)
+            self._counts.end(row, 0, True)
             return None
         return _counted(handler, self._counts, self._transport, op)
 
@@ -357,7 +357,7 @@ def _counted(handler: Any, counts: RequestCounts, transport: str, op: str) -> An
                     yield item
                 failed = False
             finally:
-                counts.end(row, 0, 0, failed, time.perf_counter() - started)
+                counts.end(row, 0, failed, time.perf_counter() - started)
 
         wrapped: Any = streamed
     else:
@@ -371,7 +371,7 @@ def _counted(handler: Any, counts: RequestCounts, transport: str, op: str) -> An
                 failed = False
                 return result
             finally:
-                counts.end(row, 0, 0, failed, time.perf_counter() - started)
+                counts.end(row, 0, failed, time.perf_counter() - started)
 
         wrapped = called
     return handler._replace(**{kind: wrapped, "request_deserializer": received, "response_serializer": sent})

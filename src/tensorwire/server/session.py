@@ -235,11 +235,11 @@ class Session:
         if frame is None:
             return False
         self.reader.take(size)
-        row = self.counts.begin(op_name(header.opcode), self.transport)
+        row = self.counts.begin(op_name(header.opcode), self.transport, header.data_len)
         try:
             sent = io.try_send(frame)
         finally:
-            self.counts.end(row, header.data_len, request.sent, self.failed, time.perf_counter() - started)
+            self.counts.end(row, request.sent, self.failed, time.perf_counter() - started)
         if sent < len(frame):
             self.unsent = memoryview(frame)[sent:]  # the task sends the rest, holding the write lock
             return False
@@ -261,7 +261,7 @@ class Session:
         (``Request.finish``) unless the stream is gone."""
         header = request.header
         started = time.perf_counter()
-        row = self.counts.begin(op_name(header.opcode), self.transport)
+        row = self.counts.begin(op_name(header.opcode), self.transport, header.data_len)
         self.failed = False
         try:
             await self._dispatch(request)
@@ -275,7 +275,7 @@ class Session:
         else:
             await request.finish()  # a handler that answered without the data: keep the stream in step
         finally:
-            self.counts.end(row, header.data_len, request.sent, self.failed, time.perf_counter() - started)
+            self.counts.end(row, request.sent, self.failed, time.perf_counter() - started)
 
     async def _dispatch(self, request: Request) -> None:
         header = request.header
