@@ -37,17 +37,18 @@ import sys
 import tempfile
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from tensorwire.bench.exchange_ways import gradient_shapes
 from tensorwire.bench.netns import Fabric, Unavailable
 from tensorwire.bench.report import show, table
 from tensorwire.ps.exchange.client import LANES
 from tensorwire.ps.exchange.pieces import PIECE_BYTES
-from tensorwire.ps.launch import free_port
 from tensorwire.server.process import ServerProcess, run_threads, wait_for
 
 TCP_PORT, GRPC_PORT, GLOO_PORT = 7070, 7071, 29500  # in namespaces, every host has its own ports
@@ -169,9 +170,15 @@ def loopback(setup: Setup, way_names: list[str]) -> dict[str, Any]:
         urls = [s.urls for s in servers]
         tcp = [next(u for u in us if u.startswith("tcp://")) for us in urls]
         rpc = [next(u for u in us if u.startswith("grpc://")).removeprefix("grpc://") for us in urls]
-        spec = _spec(setup, way_names, tcp=tcp, grpc=rpc, master=f"127.0.0.1:{free_port()}", ifaces=None)
+        # The workers' rendezvous store is held here, on a port the kernel picked and kept: a port
+        # found free and handed on could be taken by another process before rank 0 bound it.
+        rendezvous = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,  # type: ignore[attr-defined]
+                                   timeout=timedelta(seconds=START_TIMEOUT + setup.timeout))  # fmt: skip
+        spec = _spec(setup, way_names, tcp=tcp, grpc=rpc, master=f"127.0.0.1:{rendezvous.port}",
+                     store_in_parent=True, ifaces=None)  # fmt: skip
         with tempfile.TemporaryDirectory(prefix="tensorwire-exchange-") as tmp:
             results = run_workers(spec, [()] * setup.workers, Path(tmp))
+        del rendezvous
     finally:
         for server in servers:
             server.stop()

@@ -228,13 +228,25 @@ def _link(spec: Spec, rank: int) -> tuple[int, int] | None:
     return int((stats / "tx_bytes").read_text()), int((stats / "rx_bytes").read_text())
 
 
+def _join(spec: Spec, rank: int) -> None:
+    """The gloo group: through the store the parent holds (loopback), or one rank 0 opens at the
+    spec's fixed port (in namespaces, where no other process can take that port)."""
+    timeout = timedelta(seconds=spec["timeout"])
+    if spec.get("store_in_parent"):
+        host, port = spec["master"].rsplit(":", 1)
+        store = dist.TCPStore(host, int(port), is_master=False, timeout=timeout)  # type: ignore[attr-defined]
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=spec["world"], timeout=timeout)
+    else:
+        dist.init_process_group("gloo", init_method=f"tcp://{spec['master']}", rank=rank,
+                                world_size=spec["world"], timeout=timeout)  # fmt: skip
+
+
 def worker_main(spec_path: Path, rank: int) -> None:
     spec: Spec = json.loads(spec_path.read_text())
     torch.set_num_threads(1)
     if spec.get("ifaces"):
         os.environ["GLOO_SOCKET_IFNAME"] = spec["ifaces"][rank]
-    dist.init_process_group("gloo", init_method=f"tcp://{spec['master']}", rank=rank,
-                            world_size=spec["world"], timeout=timedelta(seconds=spec["timeout"]))  # fmt: skip
+    _join(spec, rank)
     try:
         shapes = gradient_shapes(spec["bytes"], spec["tensors"])
         results = {way: measure(way, spec, rank, shapes) for way in spec["ways"]}
