@@ -35,6 +35,7 @@ KEYS = [
     "tls_put_ratio",
     "tls_get_ratio",
     "tls_aead_gbps",
+    "tls_aead_cryptography_gbps",
     "tls_bound_put_gbps",
     "tls_bound_get_gbps",
     "tls_put_vs_bound",
@@ -77,6 +78,7 @@ def test_transfer_bench_smoke(capsys: pytest.CaptureFixture[str]) -> None:
     assert result["small_cpu_vs_echo"] == pytest.approx(ratio)
     assert "iperf_gbps" in result  # null where iperf3 is not installed, with the reason
     assert isinstance(result["iperf_note"], str)
+    assert isinstance(result["tls_aead_library"], str)  # which libcrypto tls://'s bound was measured with
     if result["iperf_gbps"] is not None:
         assert result["put_vs_iperf"] and result["get_vs_iperf"]
     else:

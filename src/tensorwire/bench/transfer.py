@@ -442,7 +442,7 @@ def _measure(
         small_cpu = small_cpu_bench.measure(client, s.server_pid, s.echo_port, s.echo_pid)
     with tensorwire.connect(s.url) as client:
         many_put, many_get = _many(client, many)
-    tls = tls_bound.bound(tls_bound.aead_gbps(), put_gbps, get_gbps, tls_put_gbps, tls_get_gbps)
+    tls = tls_bound.bound(tls_bound.aead(), put_gbps, get_gbps, tls_put_gbps, tls_get_gbps)
     segments = _segment_transports(s, data, iters)
     small_us, echo_us = _on_loop(_small_and_echo_us(s.url, s.echo_port, small_iters))
     # What the client's spin (busy_wait) buys: the same without it, against its own echoes.
