@@ -53,3 +53,14 @@ def test_the_report_names_the_library_it_measured() -> None:
         assert library.startswith(ssl.OPENSSL_VERSION)
     bound = tls_bound.bound(fields, put=4.0, get=4.0, tls_put=1.0, tls_get=2.0)
     assert bound["tls_vs_bound"] == bound["tls_put_vs_bound"]
+
+
+def test_a_libcrypto_that_cannot_seal_falls_back_and_says_so(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A library found but unusable (here: not a libcrypto at all) leaves the bound to the
+    cryptography package's rate, labelled as such, rather than failing the benchmark."""
+    monkeypatch.setattr(tls_bound, "ssl_libcrypto", lambda: "libc.so.6")
+    fields = tls_bound.aead(total=4 << 20, passes=1)
+    assert fields["tls_aead_gbps"] == fields["tls_aead_cryptography_gbps"]
+    library = fields["tls_aead_library"]
+    assert isinstance(library, str)
+    assert library.startswith("the cryptography package's (libc.so.6 would not seal")
