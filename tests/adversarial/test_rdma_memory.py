@@ -13,6 +13,8 @@ Real servers on loopback, the client's own engine, no mocks."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
@@ -97,7 +99,9 @@ def test_a_released_get_on_a_fairly_full_store_cuts_no_connection() -> None:
             assert before  # the client's engine reached the data port
             got = client.get_many(["x", "y"])
             assert torch.equal(got["y"], torch.full((MIB,), 2, dtype=torch.uint8))
-            wait_for(lambda: srv.server.status()["rdma"]["open"] == 0, 10.0, "the get's release")
+            # Settled: the get's reservation closed and every buffer back (or reclaimed): the server
+            # thread gives the buffers back just after the reservation leaves the open count.
+            wait_for(lambda: _settled(srv.server.status()["rdma"]), 10.0, "the get's release")
             status = srv.server.status()["rdma"]["engine_memory"]
             assert status["reclaims"] == 0 and status["idle"] == 2 * size, status
             after = {s.inode for s in service.engine.sockets.connections(service.engine.data_ports)}
@@ -105,3 +109,9 @@ def test_a_released_get_on_a_fairly_full_store_cuts_no_connection() -> None:
             client.put("z", torch.ones(MIB, dtype=torch.uint8))  # and the engine still serves
         assert srv.server.store.charged.get("rdma.engine") == memory.held
         assert srv.server.store.used <= srv.server.store.capacity
+
+
+def _settled(rdma: dict[str, Any]) -> bool:
+    """No reservation open, and no engine buffer in use: every one idle, or freed by a reclaim."""
+    memory = rdma["engine_memory"]
+    return bool(rdma["open"] == 0 and memory["held"] == memory["idle"])

@@ -392,10 +392,11 @@ class RdmaService:
             raise ProtocolError(f"RDMA_END of reservation {reservation}, which this connection does not hold")
         entry = session.end(reservation)  # unregistered: from here on no engine peer can change its bytes
         assert entry is not None
+        if action is wr.End.RELEASE or commit is None:
+            self.free(entry)  # before the answer: a client told "released" finds it so
+            await req.reply(b"")
+            return
         try:
-            if action is wr.End.RELEASE or commit is None:
-                await req.reply(b"")
-                return
             if entry.reservation is None:
                 raise ProtocolError(f"RDMA_END commits reservation {reservation}, which is a get's")
             version = await self._commit(req, entry, entry.reservation, commit)
