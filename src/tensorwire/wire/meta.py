@@ -22,7 +22,6 @@ from tensorwire.types import Limits, TensorMeta
 from tensorwire.wire import codec
 
 _U8 = struct.Struct("<B")
-_U16 = struct.Struct("<H")
 _U32 = struct.Struct("<I")
 _U64 = struct.Struct("<Q")
 _ERROR = struct.Struct("<H")
