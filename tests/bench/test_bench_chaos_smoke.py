@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import json
+import os
 import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
 from tensorwire.bench import chaos
+from tensorwire.server.process import ServerProcess
 
 # Past the benchmark's own 120 s wait for a failover (bench/chaos.py), whose error says what each
 # server reports (role, epoch, step): the suite's 120 s would end the test first, saying nothing.
@@ -19,6 +25,28 @@ def test_a_short_chaos_run_loses_and_doubles_nothing() -> None:
     assert result["faults_injected"] >= 1
     assert result["lost_updates"] == 0 and result["duplicate_updates"] == 0
     assert result["loss"] > 0
+
+
+def test_a_worker_reports_its_step_once_it_has_joined_before_any_step(tmp_path: Path) -> None:
+    """A worker started again late may join at the job's last step and leave at once, ending the
+    job: its report must say so before it leaves, or the controller, reading its last life's step,
+    may kill it and start it again into a fresh job that waits forever (a flake of this smoke
+    test). Here the job has no steps: each worker joins at 0 and leaves."""
+    (tmp_path / "rank1.json").write_text(json.dumps({"step": 7, "seqs": [3], "acked": 3}))  # a last life
+    with ServerProcess() as server:
+        cmd = [sys.executable, "-m", "tensorwire.bench.chaos", "--worker", server.url, "0", str(tmp_path)]
+        procs = [
+            subprocess.Popen(cmd, env={**os.environ, "RANK": str(rank), "WORLD_SIZE": "2"}) for rank in (0, 1)
+        ]
+        try:
+            assert [p.wait(timeout=120) for p in procs] == [0, 0]
+        finally:
+            for p in procs:
+                p.kill()
+                p.wait()
+    reports = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1)]
+    assert [r["step"] for r in reports] == [0, 0]
+    assert reports[0]["seqs"] == [0] and reports[1]["seqs"] == [3]  # an acknowledged push stays counted
 
 
 @pytest.mark.timeout(CHAOS_TIMEOUT)

@@ -113,7 +113,14 @@ def worker_main(servers: str, steps: int, out: Path) -> None:
     rank = int(os.environ["RANK"])
     net = model()
     acked = 0
+    path = out / f"rank{rank}.json"
     with Worker(net, servers, "sync", SGD(lr=0.05, momentum=0.9), timeout=120, heartbeat=0.25) as worker:
+        # Reported as soon as it has joined, before any step: a worker started again late joins at
+        # the job's step, which may be its last (the other worker trained on alone), and then
+        # leaves at once, which ends the job. Until its report says so, the controller would still
+        # read its last life's step and may kill it and start it again, into a fresh job at step 0
+        # that waits for a partner that is done.
+        _write(path, _joined_report(path, worker.clock, [slot.seq for slot in worker._slots]))
         step = worker.clock
         while step < steps:
             x, y = batch(rank, step)
@@ -123,8 +130,20 @@ def worker_main(servers: str, steps: int, out: Path) -> None:
             acked += not result.rejoined
             step = worker.clock
             report = {"step": step, "seqs": [slot.seq for slot in worker._slots], "acked": acked}
-            _write(out / f"rank{rank}.json", report)
+            _write(path, report)
     _write(out / f"rank{rank}.done", {"loss": eval_loss(net)})
+
+
+def _joined_report(path: Path, step: int, seqs: list[int]) -> dict[str, Any]:
+    """The report of a worker that has just joined at ``step``: each slot's push sequence number is
+    the larger of the server's and the one this rank's last life saw acknowledged (a server that
+    lost an acknowledged push must still count as having lost it)."""
+    try:
+        before = json.loads(path.read_text())["seqs"]
+    except (OSError, ValueError, KeyError):
+        before = []
+    seen = [max(seq, before[i]) if i < len(before) else seq for i, seq in enumerate(seqs)]
+    return {"step": step, "seqs": seen, "acked": 0}
 
 
 def _write(path: Path, doc: dict[str, Any]) -> None:
@@ -156,7 +175,7 @@ def run(
         cluster = Cluster(steps, Path(tmp), token, url, lease_ttl)
         try:
             cluster.start()
-            # The clock starts at the first step of both workers: process start-up is not training.
+            # The clock starts once both workers have joined: process start-up is not training.
             while (first := _first_step(cluster)) is None:
                 cluster.check_workers()
                 time.sleep(0.05)
@@ -213,7 +232,7 @@ def _train(
 
 
 def _first_step(cluster: Cluster) -> int | None:
-    """The job's step once both workers have taken one, else None."""
+    """The job's step once both workers have joined (each reports then), else None."""
     steps = []
     for rank in range(WORKERS):
         path = cluster.out / f"rank{rank}.json"

@@ -135,7 +135,8 @@ class Cluster:
     def trained(self, rank: int) -> bool:
         """Whether worker ``rank`` is in (or past) the job's last step: killed now, it would be
         started again after the job ended (its last worker gone) and begin a new one at step 0 that
-        waits for a partner that is done. Its report is written when ``step`` returns, so one that
+        waits for a partner that is done. Its report is written when it has joined (a restarted
+        worker may join at the last step) and when ``step`` returns, so one that
         says the step before the last may belong to a worker whose last push the servers applied
         already (seen under ``make test``'s load). A file read: the worker is stopped meanwhile, and
         a stop longer than the servers' heartbeat timeout would cost it its place in the job."""
