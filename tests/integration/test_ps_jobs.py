@@ -29,6 +29,7 @@ from tensorwire.errors import LimitExceeded, ProtocolError, WaitTimeout
 from tensorwire.ps import SGD, Adam, CheckpointPolicy, ParamServer, Worker
 from tensorwire.ps.worker.rendezvous import JOB_ENV
 from tensorwire.ps.worker.rpc import end_job, server_stats
+from tensorwire.security import Security
 from tensorwire.server import ServerThread
 from tensorwire.testing.process import run_threads, wait_for
 from tensorwire.wire import ps as wps
@@ -199,6 +200,32 @@ def test_a_job_ends_with_its_last_worker_and_a_new_one_of_its_id_starts_afresh(t
         with Worker(again, server.url, "async", rank=0, world_size=1, heartbeat=0, job="j") as worker:
             assert worker.version == 0  # a new job: none of the old one's updates
         assert torch.equal(again.weight, linear().weight)
+
+
+def test_a_backup_records_why_each_job_ended_as_its_primary_does() -> None:
+    """The replicated end carries no reason: a job its last worker left must not read, on the
+    backup that may serve it next, as ended by an operator (as it once did)."""
+    backup_ps = ParamServer(standby=True, peer=Security(token="peer"))
+    with ServerThread(extensions=[backup_ps]) as backup:
+        primary_ps = ParamServer(backups=[backup.url], peer=Security(token="peer"))
+        with ServerThread(extensions=[primary_ps]) as primary:
+            urls = [f"{primary.url}|{backup.url}"]
+            with Worker(linear(), urls, "async", rank=0, world_size=1, heartbeat=0, job="left"):
+                pass
+            with Worker(linear(), urls, "async", rank=0, world_size=1, heartbeat=0, job="forced"):
+                end_job([primary.url], "forced", force=True)
+            records = [
+                {e["job"]: e["ended"] for e in doc["ended"]}
+                for doc in server_stats([primary.url, backup.url])
+            ]
+    assert (
+        records[0]
+        == records[1]
+        == {
+            "left": "its last worker left",
+            "forced": "ended by tensorwire ps end --force",
+        }
+    )
 
 
 def test_kept_jobs_stay_and_tensorwire_ps_end_ends_them() -> None:

@@ -45,6 +45,7 @@ from tensorwire.wire import ps as wps
 from tensorwire.wire.tensors import byte_view
 
 log = logging.getLogger("tensorwire.ps")
+LAST_WORKER_LEFT = "its last worker left"  # why a job ended, in its record (PS_STATS ``ended``)
 
 
 class Lifecycle:
@@ -227,7 +228,7 @@ class Lifecycle:
                 await run.consistency.leave(head.worker, "left" if final else "stepped aside", final=final)
                 if final and self.jobs.done(run):  # its last worker: the job ends (its backups follow)
                     await self._replica.replicate(replication.Change.END, head, wps.encode_flag(False))
-                    await self.jobs.end(run, "its last worker left")
+                    await self.jobs.end(run, LAST_WORKER_LEFT)
         await request.reply(b"")
 
     async def drop(self, run: JobRun, worker: int) -> None:
@@ -284,9 +285,7 @@ class Lifecycle:
             )
         async with self._replica.in_order():
             await self._replica.replicate(replication.Change.END, head, wps.encode_flag(force))
-            await self.jobs.end(
-                run, "ended by tensorwire ps end" + (" --force" if force else ""), force=force
-            )
+            await self.jobs.end(run, _ended_by_operator(force), force=force)
         await request.reply(b"")
 
     def _check_may_end(self, run: JobRun, credential: bytes) -> None:
@@ -377,9 +376,10 @@ class Lifecycle:
             run.consistency.arrive(head.worker, head.clock)
         elif change == replication.Change.END:
             force = wps.decode_flag(request.meta)
-            await self.jobs.end(
-                run, "ended by tensorwire ps end" + (" --force" if force else ""), force=force
-            )
+            # The change says only whether it was forced. A job its last worker left ended so here
+            # too: that worker's LEAVE came first, and this record must not blame an operator.
+            why = LAST_WORKER_LEFT if not force and self.jobs.done(run) else _ended_by_operator(force)
+            await self.jobs.end(run, why, force=force)
         elif change == replication.Change.ROLLBACK and _forward(run, head.clock):
             await run.consistency.skip_step(head.clock - 1)
         elif change == replication.Change.ROLLBACK and run.state.policy is not None:
@@ -412,3 +412,7 @@ def _check_stepped_aside(request: Request, run: JobRun, head: wps.PsHead) -> Non
         )
     if head.seq != state.incarnation:
         run.members.refuse_identity(request, head, head.seq)
+
+
+def _ended_by_operator(force: bool) -> str:
+    return "ended by tensorwire ps end" + (" --force" if force else "")
