@@ -19,6 +19,7 @@ import contextlib
 import multiprocessing
 import multiprocessing.connection
 import os
+import socket
 import sys
 import traceback
 from collections.abc import Callable, Iterator
@@ -190,6 +191,18 @@ def serve_until_stopped(conn: Connection, start: Callable[[], tuple[object, Call
         wait_for_stop(conn)
     finally:
         stop()
+
+
+def recv_exactly(sock: socket.socket, view: memoryview) -> bool:
+    """Fill ``view`` from a blocking socket; False when the sender closed the connection (between
+    or during transfers)."""
+    filled = 0
+    while filled < view.nbytes:
+        got = sock.recv_into(view[filled:])
+        if got == 0:
+            return False
+        filled += got
+    return True
 
 
 # -- placement -------------------------------------------------------------------------------------

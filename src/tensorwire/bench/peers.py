@@ -107,7 +107,7 @@ def _env(name: str, value: str) -> Iterator[None]:
 # -- tcp:// and the plain socket: what the mooncake and gloo figures are judged against ------------
 def tcp_figures(url: str, sink_port: int, data: torch.Tensor, args: argparse.Namespace) -> Result:
     with tensorwire.connect(url) as client:
-        put, get = transfer._bulk(client, data, args.iters, name="peers/bulk")
+        put, get = transfer.bulk_in_turns({"peers/bulk": client}, data, args.iters)["peers/bulk"]
         client.put("bench/small", torch.rand(SMALL_BYTES // 4))
         small_us = transfer._sync_small_us(client, args.small_iters)
     socket_gbps = transfer.socket_baseline(sink_port, data, args.iters)

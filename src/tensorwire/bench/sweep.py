@@ -41,9 +41,18 @@ from typing import Any
 import torch
 
 import tensorwire
-from tensorwire.bench.children import Child, Cpus, add_run_options, cpu_seconds, placement, spawned, starting
+from tensorwire.bench.children import (
+    Child,
+    Cpus,
+    add_run_options,
+    cpu_seconds,
+    placement,
+    recv_exactly,
+    spawned,
+    starting,
+)
 from tensorwire.bench.report import show
-from tensorwire.bench.transfer import _recv_exactly, _serve_tensorwire, parse_size
+from tensorwire.bench.transfer import _serve_tensorwire, parse_size
 from tensorwire.transport import rdma_engine
 from tensorwire.types import KiB, MiB
 from tensorwire.wire.tensors import byte_view
@@ -207,10 +216,10 @@ def _sized_sink(conn: Connection, max_size: int) -> None:
     sock, _ = listener.accept()
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     with sock, listener:
-        while _recv_exactly(sock, head):
+        while recv_exactly(sock, head):
             (word,) = _LEN.unpack(head)
             size = word & ~_ECHO
-            if not _recv_exactly(sock, view[:size]):
+            if not recv_exactly(sock, view[:size]):
                 break
             sock.sendall(view[:size] if word & _ECHO else b"\x01")
 
@@ -239,7 +248,7 @@ def _socket_measure(port: int, sink_pid: int, plan: Plan) -> Result:
 
         def send(view: memoryview, echo: bool = False) -> None:
             _send(sock, _LEN.pack(view.nbytes | (_ECHO if echo else 0)), view)
-            if not _recv_exactly(sock, ack[: view.nbytes if echo else 1]):
+            if not recv_exactly(sock, ack[: view.nbytes if echo else 1]):
                 raise ConnectionError("the socket sink closed the connection")
 
         send_gbps = []

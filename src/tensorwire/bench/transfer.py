@@ -17,7 +17,8 @@ the absolute numbers.
   for it (``busy_wait=0``): a spin burns CPU for as long as the answer takes, which is latency
   again, not work.
 * tls: ``put`` / ``get(out=...)`` over ``tls://``, against tcp:// and against their own bound: one
-  core's AES-256-GCM in series with the tcp:// path of the same run (bench/tls_bound.py).
+  core's AES-256-GCM in series with the tcp:// path of the same run (bench/tls_bound.py); and
+  against the simplest stream through Python's ``ssl`` alone (bench/tls_loop.py).
 * many: tensors per second of one ``put_many`` / ``get_many`` of thousands of 1 KiB tensors.
 * shm: ``put`` / ``get(out=...)`` over ``shm://`` against a memcpy of the same size (bench/shm.py).
 * rdma: ``put`` / ``get(out=...)`` over ``rdma://`` against the bare transfer engine moving the same
@@ -56,14 +57,14 @@ import time
 from collections.abc import Callable, Coroutine, Sequence
 from multiprocessing.connection import Connection
 from pathlib import Path
-from typing import Any, NamedTuple, TypeVar
+from typing import Any, NamedTuple, Protocol, TypeVar
 
 import torch
 
 import tensorwire
 from tensorwire import _aio, _extensions
 from tensorwire._gc import freeze_loaded
-from tensorwire.bench import fastpaths, pinglag, tls_bound
+from tensorwire.bench import fastpaths, pinglag, tls_bound, tls_loop
 from tensorwire.bench import rdma as rdma_bench
 from tensorwire.bench import shm as shm_bench
 from tensorwire.bench import small_cpu as small_cpu_bench
@@ -72,6 +73,7 @@ from tensorwire.bench.children import (
     add_run_options,
     pinned,
     placement,
+    recv_exactly,
     spawned,
     starting,
     until_stopped,
@@ -166,19 +168,8 @@ def socket_sink(conn: Connection, nbytes: int) -> None:
             return
         sock, _ = listener.accept()
     with sock:
-        while _recv_exactly(sock, view):
+        while recv_exactly(sock, view):
             sock.sendall(b"\x01")
-
-
-def _recv_exactly(sock: socket.socket, view: memoryview) -> bool:
-    """Fill ``view``; False when the sender closed the connection (between or during transfers)."""
-    filled = 0
-    while filled < view.nbytes:
-        got = sock.recv_into(view[filled:])
-        if got == 0:
-            return False
-        filled += got
-    return True
 
 
 def _echo_server(conn: Connection) -> None:
@@ -220,15 +211,13 @@ def _gbps(nbytes: int, seconds: float) -> float:
     return nbytes / seconds / 1e9
 
 
-def _bulk(
-    client: tensorwire.Client, data: torch.Tensor, iters: int, name: str = "bench/x"
-) -> tuple[float, float]:
-    """(put_gbps, get_gbps) of one large tensor; get lands in a preallocated tensor."""
-    return _bulk_in_turns({name: client}, data, iters)[name]
+class _Bulk(Protocol):  # a tensorwire.Client, or the ssl loop's stream (bench/tls_loop.py)
+    def put(self, name: str, tensor: torch.Tensor) -> object: ...
+    def get(self, name: str, out: torch.Tensor) -> object: ...
 
 
-def _bulk_in_turns(
-    clients: dict[str, tensorwire.Client], data: torch.Tensor, iters: int
+def bulk_in_turns(
+    clients: dict[str, _Bulk], data: torch.Tensor, iters: int
 ) -> dict[str, tuple[float, float]]:
     """(put_gbps, get_gbps) of one large tensor for each client (by the name it stores under),
     the clients taking turns, one put each, then one get each, ``iters`` times: a ratio between
@@ -273,7 +262,7 @@ def socket_baseline(port: int, data: torch.Tensor, iters: int) -> float:
 
     def transfer() -> None:
         sock.sendall(view)
-        if not _recv_exactly(sock, ack):
+        if not recv_exactly(sock, ack):
             raise ConnectionError("the socket sink closed the connection")
 
     with socket.create_connection(("127.0.0.1", port)) as sock:
@@ -355,8 +344,8 @@ def _ratio(value: float, baseline: float) -> float | None:
 # -- the run ---------------------------------------------------------------------------------------
 class _Servers(NamedTuple):
     """Where the children listen: tensorwire over tcp:// and tls://, the plain socket's sink, the
-    echo server, tensorwire over shm:// and, where the engine runs, over rdma:// with the bare
-    engine's peer (``rdma_missing`` says why not)."""
+    echo server, tensorwire over shm://, the ssl loop's peer and, where the engine runs, over
+    rdma:// with the bare engine's peer (``rdma_missing`` says why not)."""
 
     url: str
     tls_url: str
@@ -365,6 +354,7 @@ class _Servers(NamedTuple):
     echo_port: int
     echo_pid: int  # the process serving ``echo_port``
     shm_url: str
+    tls_loop_port: int
     rdma: tuple[str, tuple[Any, ...]] | None
     rdma_missing: str | None
 
@@ -388,22 +378,22 @@ def _start_servers(
     children.append(echo)
     shm_capacity = 4 * size + 64 * MiB  # a server of its own: its tensors live in /dev/shm
     children.append(Child(_serve_tensorwire, shm_capacity, ["shm://127.0.0.1:0"], cpus=cpus))
+    children.append(Child(tls_loop.tls_peer, certs, size, cpus=cpus))
     rdma_missing = rdma_engine.unavailable()
     if rdma_missing is None:  # rdma://, and the bare engine it is judged against
         children.append(Child(_serve_tensorwire, 4 * size + 64 * MiB, ["rdma://127.0.0.1:0"], cpus=cpus))
         children.append(Child(rdma_bench.engine_peer, size, cpus=cpus))
     ready = [child.ready() for child in children]
-    bound, sink_port, echo_port, shm_bound = ready[:4]
+    bound, sink_port, echo_port, shm_bound, loop_port = ready[:5]
     assert isinstance(bound, list) and isinstance(sink_port, int) and isinstance(echo_port, int)
-    assert isinstance(shm_bound, list)
+    assert isinstance(shm_bound, list) and isinstance(loop_port, int)
     rdma = None
     if rdma_missing is None:
-        rdma_bound, peer = ready[4:6]
+        rdma_bound, peer = ready[5:7]
         assert isinstance(rdma_bound, list) and isinstance(peer, tuple)
         rdma = (rdma_bound[0], peer)
-    return _Servers(
-        bound[0], bound[1], served.pid, sink_port, echo_port, echo.pid, shm_bound[0], rdma, rdma_missing
-    )
+    return _Servers(bound[0], bound[1], served.pid, sink_port, echo_port, echo.pid, shm_bound[0],
+                    loop_port, rdma, rdma_missing)  # fmt: skip
 
 
 def run(
@@ -433,9 +423,15 @@ def _measure(
     """Every figure, each next to its baseline, in this order (the machine is the same for all)."""
     socket_gbps = socket_baseline(s.sink_port, data, iters)
     tls_files = TlsFiles(ca=Path(ca))
-    with tensorwire.connect(s.url) as client, tensorwire.connect(s.tls_url, tls=tls_files) as tls_client:
-        bulk = _bulk_in_turns({"bench/x": client, "bench/tls": tls_client}, data, iters)
+    loop = tls_loop.SslLoop(s.tls_loop_port, Path(ca))
+    with (
+        tensorwire.connect(s.url) as client,
+        tensorwire.connect(s.tls_url, tls=tls_files) as tls_client,
+        loop,
+    ):
+        bulk = bulk_in_turns({"bench/x": client, "bench/tls": tls_client, "ssl-loop": loop}, data, iters)
         (put_gbps, get_gbps), (tls_put_gbps, tls_get_gbps) = bulk["bench/x"], bulk["bench/tls"]
+        ssl_loop = tls_loop.report(*bulk["ssl-loop"], tls_put_gbps, tls_get_gbps)
         client.put("bench/small", torch.rand(SMALL_BYTES // 4))
         sync_small_us = _sync_small_us(client, small_iters)
     with tensorwire.connect(s.url, busy_wait=0.0) as client:
@@ -473,6 +469,7 @@ def _measure(
         "tls_put_ratio": _ratio(tls_put_gbps, put_gbps),  # what TLS costs: tls:// over tcp://
         "tls_get_ratio": _ratio(tls_get_gbps, get_gbps),
         **tls,  # tls:// against its own ceiling: one core's AEAD in series with the plain path
+        **ssl_loop,  # and against the ssl module's: the simplest stream through it
         **segments,
     }
 

@@ -65,6 +65,11 @@ def format_table(r: Result) -> str:
             "the ssl module's libcrypto; in series with tcp://: tls://'s bound "
             f"(the cryptography package's: {_fmt(r['tls_aead_cryptography_gbps'], '.3f')} GB/s)",
         ),
+        (
+            "blocking ssl loop put / get",
+            f"{_fmt(r['tls_ssl_loop_put_gbps'], '.3f')} / {_fmt(r['tls_ssl_loop_get_gbps'], '.3f')} GB/s",
+            f"the ssl module alone; tls:// {_fmt(r['tls_vs_ssl_loop'], '.2f')} x it",
+        ),
     ]
     rows += _fast_rows(r)
     rows += shm_bench.rows(r, _fmt)
