@@ -45,7 +45,7 @@ def tls_peer(conn: Connection, certs: dict[str, Path], nbytes: int) -> None:
 
 def _start(certs: dict[str, Path], nbytes: int) -> tuple[int, Callable[[], None]]:
     context = server_ssl_context(TlsFiles(certs["server"], certs["server_key"]))
-    buffer = memoryview(bytearray(nbytes))  # bytearray's pages are zeroed, hence touched, now
+    buffer = memoryview(bytearray(nbytes))  # its pages are faulted in by the warm-up puts that come first
     listener = socket.create_server(("127.0.0.1", 0))
 
     def serve() -> None:
