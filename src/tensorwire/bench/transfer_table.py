@@ -47,6 +47,18 @@ def format_table(r: Result) -> str:
         ("1 KiB asyncio echo p50", f"{_fmt(r['echo_us'], '.1f')} us", "baseline"),
         (f"put_many {r['many']} x 1 KiB", f"{_fmt(r['many_small_per_s'], ',.0f')} tensors/s", ""),
         (f"get_many {r['many']} x 1 KiB", f"{_fmt(r['many_get_per_s'], ',.0f')} tensors/s", ""),
+    ]
+    rows += _tls_rows(r)
+    rows += _fast_rows(r)
+    rows += shm_bench.rows(r, _fmt)
+    rows += rdma_bench.rows(r, _fmt)
+    rows += pinglag.rows(r, _fmt)
+    return table(throughput_head("transfer", r, f"loop {r['loop']}"), rows, value_width=22)
+
+
+def _tls_rows(r: Result) -> list[tuple[str, str, str]]:
+    """tls:// against tcp://, its AEAD bound and the plain ssl stream (bench/tls_bound.py, tls_loop.py)."""
+    return [
         (
             "put over tls://",
             f"{_fmt(r['tls_put_gbps'], '.3f')} GB/s",
@@ -71,11 +83,6 @@ def format_table(r: Result) -> str:
             f"the ssl module alone; tls:// {_fmt(r['tls_vs_ssl_loop'], '.2f')} x it",
         ),
     ]
-    rows += _fast_rows(r)
-    rows += shm_bench.rows(r, _fmt)
-    rows += rdma_bench.rows(r, _fmt)
-    rows += pinglag.rows(r, _fmt)
-    return table(throughput_head("transfer", r, f"loop {r['loop']}"), rows, value_width=22)
 
 
 def _fast_rows(r: Result) -> list[tuple[str, str, str]]:
