@@ -423,11 +423,10 @@ def _measure(
     """Every figure, each next to its baseline, in this order (the machine is the same for all)."""
     socket_gbps = socket_baseline(s.sink_port, data, iters)
     tls_files = TlsFiles(ca=Path(ca))
-    loop = tls_loop.SslLoop(s.tls_loop_port, Path(ca))
     with (
         tensorwire.connect(s.url) as client,
         tensorwire.connect(s.tls_url, tls=tls_files) as tls_client,
-        loop,
+        tls_loop.SslLoop(s.tls_loop_port, Path(ca)) as loop,  # inside: closed if a connect fails
     ):
         bulk = bulk_in_turns({"bench/x": client, "bench/tls": tls_client, "ssl-loop": loop}, data, iters)
         (put_gbps, get_gbps), (tls_put_gbps, tls_get_gbps) = bulk["bench/x"], bulk["bench/tls"]
