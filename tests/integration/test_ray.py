@@ -67,6 +67,15 @@ def wait_gone(replica: Replica) -> None:
         time.sleep(0.05)
 
 
+def test_rays_workers_run_at_the_niceness_of_the_driver() -> None:
+    # Ray's default, 15, starved its workers beside busy processes: a minute per actor's start.
+    @ray.remote(num_cpus=0)
+    def niceness() -> int:
+        return os.nice(0)
+
+    assert ray.get(niceness.remote(), timeout=DEADLINE) == os.nice(0)
+
+
 def test_the_digits_job_through_ray_servers_and_workers_reaches_the_demo_accuracy(
     capsys: pytest.CaptureFixture[str],
 ) -> None:

@@ -1,7 +1,7 @@
 """The Ray part of ``bench peers``: Ray's object store on one node next to tensorwire.
 
-Ray, as a new user runs it: a local ``ray.init()`` (small object store, no dashboard; its start is
-not timed), ``ray.put`` of a ``--ray-size`` numpy array from the driver, ``ray.get`` of such an
+Ray, as a new user runs it: a local ``ray.init()`` (small object store, no dashboard, its workers
+at the niceness of the rest, ``start_ray``; its start is not timed), ``ray.put`` of a ``--ray-size`` numpy array from the driver, ``ray.get`` of such an
 object into a preallocated buffer inside an actor (timed inside the actor), an actor call that
 returns 1 KiB (round trip from the driver), and ``--many`` single ``ray.put`` s of 1 KiB. Next to
 it, tensorwire over shm:// and tcp:// (a server in a child process): put, get(out=) of the same
@@ -15,7 +15,11 @@ call to the second's answer, three ways: ``tensor_transport="tensorwire"``
 ``torch_gloo`` collective group of the two actors) and no transport (Ray's object store). The
 ``ray_rdt_*`` keys are the largest size's; ``ray_rdt_<way>_gbps_<N>mib`` each size's. Between
 rounds, untimed, the sender's tensorwire store is let free the last object (Ray frees it
-asynchronously), as it would be between two steps of a training loop.
+asynchronously), as it would be between two steps of a training loop. One sender, one receiver and
+one gloo group serve every size: an actor's start (a process importing torch) is most of the run's
+time on a loaded host, a minute or more each.
+
+Every wait on Ray is bounded by ``RAY_TIMEOUT`` and its error names what it waited for.
 """
 
 from __future__ import annotations
@@ -50,6 +54,7 @@ KEYS = (
     *RDT_KEYS,
 )  # fmt: skip
 RDT_FREE_TIMEOUT = 60.0  # seconds the sender's store gets to free an object between rounds
+RAY_TIMEOUT = 180.0  # seconds one Ray call may take: an actor's first call waits for its start
 
 
 def missing() -> str | None:
@@ -57,6 +62,14 @@ def missing() -> str | None:
     if importlib.util.find_spec("ray") is None:
         return "Ray is not installed: pip install 'tensorwire[ray]' (or tensorwire[peers])"
     return None
+
+
+def answer(ray: Any, ref: Any, what: str) -> Any:
+    """``ray.get(ref)`` within ``RAY_TIMEOUT``; a timeout says what did not answer."""
+    try:
+        return ray.get(ref, timeout=RAY_TIMEOUT)
+    except ray.exceptions.GetTimeoutError:
+        raise TimeoutError(f"Ray: {what} did not answer in {RAY_TIMEOUT:.0f} s") from None
 
 
 def _getter_class(ray: Any) -> Any:
@@ -85,10 +98,16 @@ _RAY_START_TIMEOUTS = ("Timed out waiting for file", "The current node timed out
 
 
 def start_ray(ray: Any, **options: Any) -> None:
-    """``ray.init``, once more if one of Ray's own waits for its processes to start ran out: on a
-    loaded host (``make test``) a first start has missed its 30 s, its control store never having
-    written a log line, or its raylet never registering (the second start is said on stderr). The
-    Ray tests start it this way too."""
+    """``ray.init`` with Ray's workers at the niceness of the processes beside them, once more if
+    one of Ray's own waits for its processes to start ran out. The Ray tests start it this way too.
+
+    Ray starts its workers at niceness 15 (``worker_niceness``): beside processes busy at 0 (a
+    loaded host, ``make test``'s workers) such a worker gets a sliver of a core, and an actor took
+    60-75 s to answer its first call here, against 5 s at 0; its figures would measure the host's
+    other load. On a loaded host a first start has also missed one of Ray's fixed 30 s waits, its
+    control store never having written a log line or its raylet never registering (the second
+    start is said on stderr)."""
+    options["_system_config"] = {"worker_niceness": 0, **options.get("_system_config", {})}
     try:
         ray.init(**options)
     except Exception as exc:
@@ -110,15 +129,16 @@ def ray_figures(args: argparse.Namespace) -> Result:
         rdt = _rdt_guarded(ray, args)
         array = np.random.randint(0, 255, args.ray_size, dtype=np.uint8)
         getter = _getter_class(ray).remote(args.ray_size)
-        ray.get(getter.echo.remote(b""))  # the actor's process has started
+        answer(ray, getter.echo.remote(b""), "the getter actor's first call")  # it has started
         put_s = _median_seconds(lambda: ray.put(array), args.iters)
         gets = []
         for _ in range(args.iters + 1):
             ref = ray.put(array)
-            gets.append(ray.get(getter.get_into.remote([ref])))
+            gets.append(answer(ray, getter.get_into.remote([ref]), "the getter's get"))
             del ref
         payload = bytes(SMALL_BYTES)
-        call_us = p50_us(lambda: ray.get(getter.echo.remote(payload)), min(args.small_iters, 500))
+        echo = getter.echo
+        call_us = p50_us(lambda: answer(ray, echo.remote(payload), "an echo"), min(args.small_iters, 500))
         small = np.ones(SMALL_BYTES, dtype=np.uint8)
         start = time.perf_counter()
         refs = [ray.put(small) for _ in range(args.many)]
@@ -143,8 +163,13 @@ def _rdt_classes(ray: Any) -> tuple[Any, Any]:
 
     @ray.remote(num_cpus=0, enable_tensor_transport=True)
     class Sender:
-        def __init__(self, nbytes: int) -> None:
-            self.t = torch.rand(nbytes // 4)  # pages faulted in now, not in the timing
+        def __init__(self) -> None:
+            self.t = torch.empty(0)
+
+        def make(self, nbytes: int) -> tuple[int, float]:
+            """The tensor the next rounds send (pages faulted in now, not in the timing)."""
+            self.t = torch.rand(nbytes // 4)
+            return self.t.numel(), float(self.t[-1])
 
         @ray.method(tensor_transport="tensorwire")  # type: ignore[untyped-decorator]
         def tw(self) -> torch.Tensor:
@@ -173,14 +198,14 @@ def _rdt_classes(ray: Any) -> tuple[Any, Any]:
 def _rdt_round(ray: Any, sender: Any, receiver: Any, way: str, expect: tuple[int, float]) -> float:
     start = time.perf_counter()
     ref = getattr(sender, way).remote()
-    got = ray.get(receiver.take.remote(ref))
+    got = answer(ray, receiver.take.remote(ref), f"the receiver of a tensor over {way}")
     seconds = time.perf_counter() - start
     if tuple(got) != expect:
         raise RuntimeError(f"RDT over {way}: the receiver got {got}, not {expect}")
     del ref
     if way == "tw":  # untimed: the store frees the object before the next round reuses its room
         deadline = time.monotonic() + RDT_FREE_TIMEOUT
-        while ray.get(sender.tw_objects.remote()) and time.monotonic() < deadline:
+        while answer(ray, sender.tw_objects.remote(), "the sender's store") and time.monotonic() < deadline:
             time.sleep(0.01)
     return seconds
 
@@ -191,39 +216,46 @@ def rdt_figures(ray: Any, args: argparse.Namespace) -> Result:
 
     transport.register()
     sender_cls, receiver_cls = _rdt_classes(ray)
-    result: Result = {}
-    notes = []
-    for nbytes in args.rdt_sizes:
-        sender, receiver = sender_cls.remote(nbytes), receiver_cls.remote()
-        gloo_missing: str | None = "not started"
-        try:
-            expect = (nbytes // 4, float(ray.get(sender.object_store.remote())[-1]))
-            gloo_group = f"tensorwire-bench-{nbytes}"
-            gloo_missing = _gloo_group(sender, receiver, gloo_group)
-            for way in RDT_WAYS:
-                key = f"ray_rdt_{way}_gbps_{nbytes // MiB}mib"
-                if way == "gloo" and gloo_missing is not None:
-                    result[key] = None
-                    continue
-                times = [_rdt_round(ray, sender, receiver, way, expect) for _ in range(args.iters + 1)]
-                result[key] = nbytes / statistics.median(times[1:]) / 1e9  # the first: warm-up
-        finally:
-            if gloo_missing is None:
-                with contextlib.suppress(Exception):  # the actors go next anyway
-                    from ray.experimental.collective import destroy_collective_group
+    sender, receiver = sender_cls.remote(), receiver_cls.remote()
+    gloo_group = "tensorwire-bench"
+    gloo_missing: str | None = "not started"
+    try:
+        answer(ray, receiver.take.remote(torch.ones(1)), "the receiver actor's first call")
+        gloo_missing = _gloo_group(sender, receiver, gloo_group)
+        result = _rdt_sizes(ray, sender, receiver, args, skip={"gloo"} if gloo_missing else set())
+    finally:
+        if gloo_missing is None:
+            with contextlib.suppress(Exception):  # the actors go next anyway
+                from ray.experimental.collective import destroy_collective_group
 
-                    destroy_collective_group(gloo_group)
-            ray.kill(sender)
-            ray.kill(receiver)
+                destroy_collective_group(gloo_group)
+        ray.kill(sender)
+        ray.kill(receiver)
     largest = max(args.rdt_sizes) // MiB
     for way in RDT_WAYS:
         result[f"ray_rdt_{way}_gbps"] = result[f"ray_rdt_{way}_gbps_{largest}mib"]
     g = result.get
     result["ray_rdt_tw_vs_gloo"] = ratio(g("ray_rdt_tw_gbps"), g("ray_rdt_gloo_gbps"))  # type: ignore[arg-type]
+    sizes = ", ".join(f"{n // MiB} MiB" for n in args.rdt_sizes)
+    notes = [f"actor to actor, {sizes}, median of {args.iters}"]
     if gloo_missing is not None:
         notes.append(f"Ray's gloo RDT: {gloo_missing}")
-    sizes = ", ".join(f"{n // MiB} MiB" for n in args.rdt_sizes)
-    result["ray_rdt_note"] = "; ".join([f"actor to actor, {sizes}, median of {args.iters}", *notes])
+    result["ray_rdt_note"] = "; ".join(notes)
+    return result
+
+
+def _rdt_sizes(ray: Any, sender: Any, receiver: Any, args: argparse.Namespace, skip: set[str]) -> Result:
+    """Each size's rounds each way (the first round of each: warm-up); the ways in ``skip``: None."""
+    result: Result = {}
+    for nbytes in args.rdt_sizes:
+        expect = tuple(answer(ray, sender.make.remote(nbytes), "the sender actor"))
+        for way in RDT_WAYS:
+            key = f"ray_rdt_{way}_gbps_{nbytes // MiB}mib"
+            if way in skip:
+                result[key] = None
+                continue
+            times = [_rdt_round(ray, sender, receiver, way, expect) for _ in range(args.iters + 1)]
+            result[key] = nbytes / statistics.median(times[1:]) / 1e9
     return result
 
 
