@@ -1,9 +1,10 @@
 """The Ray part of ``bench peers``: Ray's object store on one node next to tensorwire.
 
 Ray, as a new user runs it: a local ``ray.init()`` (small object store, no dashboard, its workers
-at the niceness of the rest, ``start_ray``; its start is not timed), ``ray.put`` of a ``--ray-size`` numpy array from the driver, ``ray.get`` of such an
-object into a preallocated buffer inside an actor (timed inside the actor), an actor call that
-returns 1 KiB (round trip from the driver), and ``--many`` single ``ray.put`` s of 1 KiB. Next to
+at the niceness of the rest, ``start_ray``; its start is not timed), ``ray.put`` of a
+``--ray-size`` numpy array from the driver, ``ray.get`` of such an object into a preallocated
+buffer inside an actor (timed inside the actor), an actor call that returns 1 KiB (round trip
+from the driver), and ``--many`` single ``ray.put`` s of 1 KiB. Next to
 it, tensorwire over shm:// and tcp:// (a server in a child process): put, get(out=) of the same
 size, a 1 KiB get round trip, and ``put_many`` of ``--many`` 1 KiB tensors (one call: what a user
 would do with many small tensors; Ray has no batched put). Ratios above 1: tensorwire better.
