@@ -17,8 +17,8 @@ call to the second's answer, three ways: ``tensor_transport="tensorwire"``
 ``ray_rdt_*`` keys are the largest size's; ``ray_rdt_<way>_gbps_<N>mib`` each size's. Between
 rounds, untimed, the sender's tensorwire store is let free the last object (Ray frees it
 asynchronously), as it would be between two steps of a training loop. One sender, one receiver and
-one gloo group serve every size: an actor's start (a process importing torch) is most of the run's
-time on a loaded host, a minute or more each.
+one gloo group serve every size: starting an actor (a process that imports torch) and a group
+costs more than all of a size's rounds.
 
 Every wait on Ray is bounded by ``RAY_TIMEOUT`` and its error names what it waited for.
 """
